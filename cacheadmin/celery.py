@@ -1,0 +1,30 @@
+"""The Celery application.
+
+No eager fallback: without ``CELERY_BROKER_URL`` the worker runs for real on
+kombu's filesystem transport (settings), and with one it uses that broker.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from celery.signals import worker_ready
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cacheadmin.settings")
+
+app = Celery("cacheadmin")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+
+
+@worker_ready.connect
+def _recover_lost_jobs(**_kwargs: object) -> None:
+    """On every worker start, retry or fail jobs whose worker died.
+
+    kombu's filesystem transport deletes a message when it is received, so a
+    worker killed mid-task loses the message; the job row is what survives.
+    """
+    from cacheadmin.services.jobs import jobs_recover_lost
+
+    jobs_recover_lost()

@@ -1,0 +1,21 @@
+"""Control-plane models, one module per area."""
+
+from cacheadmin.models.audit import AuditEvent
+from cacheadmin.models.engines import Engine
+from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult
+from cacheadmin.models.model_versions import ModelVersion
+from cacheadmin.models.tenancy import CacheNamespace, RetentionOwner, Tenant
+
+__all__ = [
+    "AuditEvent",
+    "CacheNamespace",
+    "ComparisonJob",
+    "ComparisonResult",
+    "Engine",
+    "JobStatus",
+    "ModelVersion",
+    "PrewarmJob",
+    "PrewarmResult",
+    "RetentionOwner",
+    "Tenant",
+]

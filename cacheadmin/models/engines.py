@@ -1,0 +1,51 @@
+"""Inference engines the control plane launched or knows about."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Engine(models.Model):
+    """One vLLM server: which model version it computes with, which namespace
+    its persistent tier belongs to, and where it runs.
+
+    ``kv_storage_path`` is the hot persistent tier (vLLM ExampleConnector
+    directory) or empty for none. ``identity_override`` is set only when an
+    operator deliberately served a namespace of another identity (the unsafe
+    upgrade the demo reproduces); it records who allowed it and why.
+    """
+
+    class Role(models.TextChoices):
+        SERVING = "serving"
+        REFERENCE = "reference"
+
+    class Status(models.TextChoices):
+        STARTING = "starting"
+        READY = "ready"
+        STOPPED = "stopped"
+        FAILED = "failed"
+
+    name = models.CharField(max_length=100, unique=True)
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.SERVING)
+    model_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="engines")
+    namespace = models.ForeignKey(
+        "cacheadmin.CacheNamespace", null=True, blank=True, on_delete=models.PROTECT, related_name="engines"
+    )
+    base_url = models.CharField(max_length=200)
+    pid = models.IntegerField(null=True, blank=True)
+    prefix_caching = models.BooleanField(default=True)
+    kv_connector = models.CharField(max_length=64, blank=True, default="")
+    kv_storage_path = models.CharField(max_length=1000, blank=True, default="")
+    log_path = models.CharField(max_length=1000, blank=True, default="")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
+    identity_override = models.TextField(blank=True, default="")
+    error = models.TextField(blank=True, default="")
+    start_seconds = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.name

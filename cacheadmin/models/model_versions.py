@@ -1,0 +1,43 @@
+"""Model versions and their state identity."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class ModelVersion(models.Model):
+    """A registered checkpoint with its state identity.
+
+    Each identity field is a 64-char hex BLAKE3 digest (see
+    ``inference.identity``); ``inputs`` holds what was digested for each, so
+    pages and diffs can say which file or key differs.
+    """
+
+    class Status(models.TextChoices):
+        REGISTERED = "registered"
+        ACTIVE = "active"
+        DRAINING = "draining"
+        RETIRED = "retired"
+
+    label = models.CharField(max_length=100, unique=True, help_text="Unique label, e.g. tiny-v2.")
+    served_name = models.CharField(max_length=200, help_text="Model name clients send to the engine.")
+    path = models.CharField(max_length=1000, help_text="Resolved checkpoint directory.")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.REGISTERED)
+    weights = models.CharField(max_length=64)
+    tokenizer = models.CharField(max_length=64)
+    config = models.CharField(max_length=64)
+    layout = models.CharField(max_length=64)
+    adapters = models.CharField(max_length=64)
+    identity = models.CharField(max_length=64, db_index=True)
+    inputs = models.JSONField(default=dict)
+    total_bytes = models.BigIntegerField(default=0)
+    fingerprint_seconds = models.FloatField(default=0.0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.label} ({self.identity[:12]})"
+
+    IDENTITY_FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")

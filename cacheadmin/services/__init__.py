@@ -1,0 +1,1 @@
+"""Services: every write of the control plane, named ``<entity>_<action>``."""

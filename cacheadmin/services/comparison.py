@@ -1,0 +1,136 @@
+"""Comparison jobs: create, run (in a worker), summarise."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus
+from cacheadmin.services.audit import audit_record
+from cacheadmin.services.engines import engine_client
+from cacheadmin.services.jobs import job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.namespaces import namespace_cache_salt
+from cacheadmin.services.prewarm import JobRefused
+from inference.comparison import PromptComparison, median_or_none, run_comparison
+from inference.corpus import load_corpus
+from inference.errors import EngineError
+
+
+def comparison_job_create(
+    *, engine: Engine, reference_engine: Engine, namespace: CacheNamespace, corpus: str, max_tokens: int, actor: str
+) -> ComparisonJob:
+    """Record a comparison job and enqueue it once the row is committed.
+
+    Raises:
+        JobRefused: the reference engine caches (prefix caching or connector),
+            serves another served model name, an engine is not ready, the
+            corpus is unknown, or ``max_tokens`` is outside 1..256.
+    """
+    if reference_engine.prefix_caching or reference_engine.kv_connector:
+        raise JobRefused(f"reference engine {reference_engine.name} caches prefixes; a reference must compute every token")
+    if reference_engine.model_version.served_name != engine.model_version.served_name:
+        raise JobRefused("the reference engine serves another model name")
+    for candidate in (engine, reference_engine):
+        if candidate.status != Engine.Status.READY:
+            raise JobRefused(f"engine {candidate.name} is {candidate.status}, not ready")
+    if not 1 <= max_tokens <= 256:
+        raise JobRefused(f"max_tokens must be within 1..256, got {max_tokens}")
+    try:
+        total = len(load_corpus(corpus))
+    except ValueError as exc:
+        raise JobRefused(str(exc)) from exc
+    from cacheadmin.tasks import comparison_job_task
+
+    with transaction.atomic():
+        job = ComparisonJob.objects.create(
+            engine=engine,
+            reference_engine=reference_engine,
+            namespace=namespace,
+            corpus=corpus,
+            max_tokens=max_tokens,
+            progress_total=total,
+            prompts=total,
+            created_by=actor,
+        )
+        audit_record(
+            actor=actor,
+            action="comparison_job.create",
+            obj=job,
+            after={"engine": engine.name, "reference": reference_engine.name, "namespace": namespace.namespace_id},
+        )
+        transaction.on_commit(lambda: comparison_job_task.delay(job.pk))
+    return job
+
+
+def comparison_job_run(*, job_id: int) -> None:
+    """Run (or resume) a comparison job; prompts with a recorded result are skipped.
+
+    An engine failure ends the job ``failed`` with the reason; the per-prompt
+    results recorded so far stay and the summary covers them.
+    """
+    job = job_claim(ComparisonJob, job_id)
+    if job is None:
+        return
+    conversations = load_corpus(job.corpus)
+    salt = namespace_cache_salt(job.namespace)
+    job_log(job, f"attempt {job.attempts}: {job.engine.name} vs reference {job.reference_engine.name}")
+
+    def on_result(outcome: PromptComparison) -> None:
+        ComparisonResult.objects.update_or_create(
+            job=job,
+            index=outcome.index,
+            defaults={
+                "conversation_id": outcome.conversation_id,
+                "prompt_tokens": outcome.prompt_tokens,
+                "cached_tokens": outcome.cached_tokens,
+                "tokens_equal": outcome.tokens_equal,
+                "first_divergence": outcome.first_divergence,
+                "max_logprob_delta": outcome.max_logprob_delta,
+                "control_tokens_equal": outcome.control_tokens_equal,
+                "control_max_logprob_delta": outcome.control_max_logprob_delta,
+                "tolerance": outcome.tolerance,
+                "ttft_cold_ms": outcome.ttft_cold_ms,
+                "ttft_warm_ms": outcome.ttft_warm_ms,
+                "deceptive": outcome.deceptive,
+                "reference_token_ids": outcome.reference.token_ids,
+                "cached_token_ids": outcome.cached.token_ids,
+                "reference_text": outcome.reference.text,
+                "cached_text": outcome.cached.text,
+            },
+        )
+        job_progress(job, job.results.count(), **_summary(job))
+        if outcome.deceptive:
+            job_log(job, f"deceptive hit on {outcome.conversation_id}: {outcome.cached_tokens} cached tokens, "
+                         f"tokens diverge at {outcome.first_divergence}")
+
+    with engine_client(job.engine) as client, engine_client(job.reference_engine) as reference:
+        try:
+            run_comparison(
+                client,
+                reference,
+                conversations,
+                cache_salt=salt,
+                max_tokens=job.max_tokens,
+                skip=set(job.results.values_list("index", flat=True)),
+                on_result=on_result,
+            )
+        except EngineError as exc:
+            job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}", **_summary(job))
+            return
+    summary = _summary(job)
+    job_finish(
+        job,
+        JobStatus.SUCCEEDED,
+        line=f"{summary['deceptive_hits']} deceptive hits over {len(conversations)} prompts",
+        **summary,
+    )
+
+
+def _summary(job: ComparisonJob) -> dict[str, object]:
+    rows = list(job.results.values("deceptive", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "control_max_logprob_delta"))
+    return {
+        "deceptive_hits": sum(1 for r in rows if r["deceptive"]),
+        "cached_tokens": sum(r["cached_tokens"] for r in rows),
+        "ttft_cold_ms": median_or_none([r["ttft_cold_ms"] for r in rows]),
+        "ttft_warm_ms": median_or_none([r["ttft_warm_ms"] for r in rows]),
+        "control_max_logprob_delta": max((r["control_max_logprob_delta"] for r in rows), default=None),
+    }

@@ -1,0 +1,140 @@
+"""Claiming, progressing, finishing and recovering job rows.
+
+The claim is a conditional UPDATE (queued → running); "0 rows" means another
+worker has the job, which is what makes ``acks_late`` redelivery and manual
+re-enqueues safe. A worker killed mid-job leaves a ``running`` row whose
+worker process is gone or whose heartbeat went stale: :func:`jobs_recover_lost`
+puts it back in the queue (the job resumes from its recorded per-prompt
+results) or, after ``JOB_MAX_ATTEMPTS``, fails it with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce, Concat
+from django.utils import timezone
+
+from cacheadmin.models import ComparisonJob, JobStatus, PrewarmJob
+from cacheadmin.models.jobs import Job
+from inference.engines.launcher import pid_alive
+
+logger = logging.getLogger(__name__)
+J = TypeVar("J", bound=Job)
+
+
+def worker_identity() -> str:
+    """``host:pid`` of this process, as recorded on claimed jobs."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def job_claim(model: type[J], job_id: int) -> J | None:
+    """Atomically move a queued job to running for this process.
+
+    Returns:
+        The claimed job, or None when it is not queued (done, cancelled, or
+        held by another worker).
+    """
+    now = timezone.now()
+    claimed = model.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
+        status=JobStatus.RUNNING,
+        attempts=F("attempts") + 1,
+        worker=worker_identity(),
+        heartbeat_at=now,
+        started_at=Coalesce(F("started_at"), Value(now)),
+        error="",
+    )
+    return model.objects.get(pk=job_id) if claimed else None
+
+
+def job_log(job: Job, line: str, **fields: object) -> None:
+    """Append a timestamped line to the job's log, update ``fields`` and the heartbeat."""
+    stamp = timezone.now()
+    type(job).objects.filter(pk=job.pk).update(
+        log=Concat(F("log"), Value(f"{stamp:%H:%M:%S} {line}\n")), heartbeat_at=stamp, **fields
+    )
+    logger.info("%s #%s: %s", type(job).__name__, job.pk, line)
+
+
+def job_progress(job: Job, done: int, **fields: object) -> None:
+    """Record progress (and any summary ``fields``) with a heartbeat."""
+    type(job).objects.filter(pk=job.pk).update(progress_done=done, heartbeat_at=timezone.now(), **fields)
+
+
+def job_finish(job: Job, status: JobStatus, *, error: str = "", line: str = "", **fields: object) -> None:
+    """Move a running job to a final status, keeping what it recorded so far."""
+    if line:
+        job_log(job, line)
+    type(job).objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
+        status=status, error=error, finished_at=timezone.now(), heartbeat_at=timezone.now(), **fields
+    )
+
+
+def _is_lost(job: Job, now: timezone.datetime) -> bool:
+    host, _, pid = job.worker.rpartition(":")
+    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        return True
+    stale = job.heartbeat_at is None or now - job.heartbeat_at > timedelta(seconds=settings.JOB_STALE_AFTER_S)
+    return stale
+
+
+#: Job kinds and the task that runs each, resolved lazily (tasks import services).
+def _job_kinds() -> list[tuple[type[Job], Callable[[int], None]]]:
+    from cacheadmin import tasks
+
+    return [
+        (PrewarmJob, lambda pk: tasks.prewarm_job_task.delay(pk)),
+        (ComparisonJob, lambda pk: tasks.comparison_job_task.delay(pk)),
+    ]
+
+
+def jobs_recover_lost() -> dict[str, int]:
+    """Requeue or fail running jobs whose worker is gone; re-send old queued jobs.
+
+    A running job is lost when its worker was on this host and its process is
+    dead, or when its heartbeat is older than ``JOB_STALE_AFTER_S``. A lost job
+    with attempts left goes back to ``queued`` and is re-enqueued; one without
+    fails with the reason. A job still ``queued`` after ``JOB_STALE_AFTER_S``
+    (its message lost with a worker) is enqueued again; the claim makes any
+    duplicate a no-op.
+
+    Returns:
+        Counts: ``{"requeued": n, "failed": n, "resent": n}``.
+    """
+    now = timezone.now()
+    counts = {"requeued": 0, "failed": 0, "resent": 0}
+    for model, enqueue in _job_kinds():
+        for job in model.objects.filter(status=JobStatus.RUNNING):
+            if not _is_lost(job, now):
+                continue
+            reason = f"worker {job.worker} was lost during attempt {job.attempts}"
+            with transaction.atomic():
+                if job.attempts < settings.JOB_MAX_ATTEMPTS:
+                    moved = model.objects.filter(pk=job.pk, status=JobStatus.RUNNING, worker=job.worker).update(
+                        status=JobStatus.QUEUED, log=Concat(F("log"), Value(f"{now:%H:%M:%S} {reason}; retrying\n"))
+                    )
+                    if moved:
+                        counts["requeued"] += 1
+                        transaction.on_commit(lambda pk=job.pk, enqueue=enqueue: enqueue(pk))
+                else:
+                    moved = model.objects.filter(pk=job.pk, status=JobStatus.RUNNING, worker=job.worker).update(
+                        status=JobStatus.FAILED,
+                        error=f"{reason}; gave up after {job.attempts} attempts",
+                        finished_at=now,
+                    )
+                    counts["failed"] += moved
+        cutoff = now - timedelta(seconds=settings.JOB_STALE_AFTER_S)
+        for pk in model.objects.filter(status=JobStatus.QUEUED, created_at__lt=cutoff).values_list("pk", flat=True):
+            enqueue(pk)
+            counts["resent"] += 1
+    if any(counts.values()):
+        logger.warning("recovered lost jobs: %s", counts)
+    return counts

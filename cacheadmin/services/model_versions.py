@@ -1,0 +1,94 @@
+"""Fingerprinting and registering model versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from cacheadmin.models import ModelVersion
+from cacheadmin.services.audit import audit_record
+from inference.digest_cache import FileDigestCache
+from inference.errors import CheckpointError
+from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint
+from inference.paths import resolve_checkpoint_dir
+
+
+class RegistrationConflict(ValueError):
+    """A label is already registered with a different identity."""
+
+
+def checkpoint_fingerprint(
+    *, path: str | Path, layout: LayoutOptions, adapters: dict[str, str] | None = None
+) -> tuple[Path, IdentityReport]:
+    """Confine ``path`` to ``MODEL_ROOTS`` and compute its state identity.
+
+    Returns:
+        (resolved checkpoint directory, identity report).
+
+    Raises:
+        CheckpointError: bad path, outside the roots, malformed checkpoint.
+    """
+    root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
+    adapter_dirs: dict[str, Path] = {}
+    for name, adapter_path in (adapters or {}).items():
+        adapter_dirs[name] = _resolve_adapter(adapter_path)
+    cache = FileDigestCache(settings.DIGEST_CACHE_PATH)
+    return root, fingerprint_checkpoint(root, layout=layout, adapters=adapter_dirs, cache=cache)
+
+
+def _resolve_adapter(path: str | Path) -> Path:
+    raw = Path(path).expanduser()
+    if not raw.is_dir():
+        raise CheckpointError(f"adapter path is not a directory: {raw}")
+    resolved = raw.resolve()
+    if not any(resolved.is_relative_to(r) for r in settings.MODEL_ROOTS):
+        raise CheckpointError(f"adapter path {raw} resolves to {resolved}, outside the model roots")
+    return resolved
+
+
+def model_version_register(
+    *, path: str | Path, label: str, served_name: str, layout: LayoutOptions, actor: str
+) -> tuple[ModelVersion, bool]:
+    """Register a checkpoint as a model version (idempotent per label).
+
+    Re-registering a label whose checkpoint is unchanged returns the existing
+    row (the digest cache makes that cheap whatever the checkpoint's size).
+
+    Returns:
+        (model version, created).
+
+    Raises:
+        CheckpointError: the checkpoint cannot be fingerprinted; nothing is written.
+        RegistrationConflict: ``label`` exists with a different identity.
+    """
+    root, report = checkpoint_fingerprint(path=path, layout=layout)
+    existing = ModelVersion.objects.filter(label=label).first()
+    if existing is not None:
+        return _same_or_conflict(existing, report.identity), False
+    try:
+        with transaction.atomic():
+            version = ModelVersion.objects.create(
+                label=label,
+                served_name=served_name,
+                path=str(root),
+                inputs=report.inputs,
+                total_bytes=report.total_bytes,
+                fingerprint_seconds=report.seconds,
+                **{k: v for k, v in report.digests().items()},
+            )
+            audit_record(actor=actor, action="model_version.register", obj=version, after=report.digests())
+    except IntegrityError:
+        # A concurrent registration of the same label won the race.
+        return _same_or_conflict(ModelVersion.objects.get(label=label), report.identity), False
+    return version, True
+
+
+def _same_or_conflict(existing: ModelVersion, identity: str) -> ModelVersion:
+    if existing.identity != identity:
+        raise RegistrationConflict(
+            f"label {existing.label!r} is registered with identity {existing.identity[:16]}…, "
+            f"this checkpoint has {identity[:16]}…; register it under a new label"
+        )
+    return existing

@@ -1,0 +1,124 @@
+"""Prewarm jobs: create, run (in a worker), summarise."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
+from cacheadmin.services.audit import audit_record
+from cacheadmin.services.engines import engine_client
+from cacheadmin.services.jobs import job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.namespaces import namespace_cache_salt
+from inference.corpus import load_corpus
+from inference.errors import EngineError
+from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
+
+
+class JobRefused(ValueError):
+    """A job cannot be created as asked; the message says why."""
+
+
+def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str, actor: str) -> PrewarmJob:
+    """Record a prewarm job and enqueue it once the row is committed.
+
+    Raises:
+        JobRefused: the engine does not serve this namespace, is not ready,
+            or the corpus is unknown.
+    """
+    if engine.namespace_id != namespace.pk:
+        raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_id[:12]}…")
+    if engine.status != Engine.Status.READY:
+        raise JobRefused(f"engine {engine.name} is {engine.status}, not ready")
+    try:
+        total = len(load_corpus(corpus))
+    except ValueError as exc:
+        raise JobRefused(str(exc)) from exc
+    from cacheadmin.tasks import prewarm_job_task
+
+    with transaction.atomic():
+        job = PrewarmJob.objects.create(
+            namespace=namespace, engine=engine, corpus=corpus, progress_total=2 * total, prompts=total, created_by=actor
+        )
+        audit_record(actor=actor, action="prewarm_job.create", obj=job, after={"engine": engine.name, "corpus": corpus})
+        transaction.on_commit(lambda: prewarm_job_task.delay(job.pk))
+    return job
+
+
+def prewarm_job_run(*, job_id: int) -> None:
+    """Run (or resume) a prewarm job: fill pass, then verification pass.
+
+    Prompts already filled or verified by an earlier attempt are skipped. An
+    engine failure ends the job ``failed`` with the reason; results recorded
+    so far stay.
+    """
+    job = job_claim(PrewarmJob, job_id)
+    if job is None:
+        return
+    conversations = load_corpus(job.corpus)
+    engine = job.engine
+    layout = engine.model_version.inputs["layout"]
+    salt = namespace_cache_salt(job.namespace)
+    job_log(job, f"attempt {job.attempts} on {engine.name} ({engine.base_url}), {len(conversations)} prompts")
+
+    def on_fill(outcome: FillOutcome) -> None:
+        PrewarmResult.objects.update_or_create(
+            job=job,
+            index=outcome.index,
+            defaults={
+                "conversation_id": outcome.conversation_id,
+                "prompt_tokens": outcome.prompt_tokens,
+                "fill_cached_tokens": outcome.fill_cached_tokens,
+                "expected_cached_tokens": outcome.expected_cached_tokens,
+            },
+        )
+        job_progress(job, job.results.count())
+
+    def on_verify(outcome: VerifyOutcome) -> None:
+        PrewarmResult.objects.filter(job=job, index=outcome.index).update(
+            verify_cached_tokens=outcome.verify_cached_tokens, verified=outcome.verified
+        )
+        job_progress(job, len(conversations) + job.results.exclude(verify_cached_tokens=None).count())
+
+    with engine_client(engine) as client:
+        try:
+            filled = set(job.results.values_list("index", flat=True))
+            prewarm_fill(client, conversations, cache_salt=salt, block_size=int(layout["block_size"]), skip=filled, on_fill=on_fill)
+            job_log(job, "fill pass done")
+            expected = dict(job.results.values_list("index", "expected_cached_tokens"))
+            verified = set(job.results.exclude(verify_cached_tokens=None).values_list("index", flat=True))
+            has_tier = bool(engine.kv_connector)
+            prewarm_verify(
+                client,
+                conversations,
+                expected,
+                cache_salt=salt,
+                reset_memory=has_tier and len(verified) < len(conversations),
+                skip=verified,
+                on_verify=on_verify,
+            )
+        except EngineError as exc:
+            job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}")
+            return
+    _prewarm_summarise(job, tier="persistent tier" if engine.kv_connector else "engine memory")
+
+
+def _prewarm_summarise(job: PrewarmJob, *, tier: str) -> None:
+    results = list(job.results.all())
+    verified = [r for r in results if r.verified]
+    failed = [r for r in results if r.verified is False]
+    uncacheable = [r for r in results if r.verified is None]
+    fields = {
+        "verified": len(verified),
+        "uncacheable": len(uncacheable),
+        "cached_tokens_verified": sum(r.verify_cached_tokens or 0 for r in verified),
+    }
+    if failed:
+        names = ", ".join(f"{r.conversation_id} ({r.verify_cached_tokens}/{r.expected_cached_tokens})" for r in failed)
+        job_finish(job, JobStatus.FAILED, error=f"{len(failed)} prompts not found in the {tier}: {names}", **fields)
+    else:
+        job_finish(
+            job,
+            JobStatus.SUCCEEDED,
+            line=f"verified {len(verified)} prompts from the {tier}, {fields['cached_tokens_verified']} cached tokens",
+            **fields,
+        )

@@ -1,0 +1,92 @@
+"""A real Celery worker as a child process (demo and tests).
+
+The embedded default has no service manager, so the demo starts its own worker
+on the configured broker (kombu's filesystem transport by default) and stops
+it when done. Nothing here runs tasks in-process: there is no eager mode.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class WorkerProcess:
+    """``celery -A cacheadmin worker`` in a subprocess, logging to ``log_path``.
+
+    Args:
+        log_path: file receiving the worker's output.
+        env: extra environment (e.g. ``DATABASE_URL`` of a test database).
+        name: node name prefix; the pid keeps node names unique.
+    """
+
+    def __init__(self, log_path: Path, *, env: dict[str, str] | None = None, name: str = "worker") -> None:
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *, ready_timeout_s: float = 60.0) -> None:
+        """Start the worker and wait until it logs that it is ready.
+
+        Raises:
+            RuntimeError: it exited or did not become ready in time (log tail included).
+        """
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "celery", "-A", "cacheadmin", "worker",
+                    "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
+                    "-n", f"{self.name}-{os.getpid()}-{time.monotonic_ns()}@%h",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+            )
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"celery worker exited with {self.proc.returncode}:\n{self.tail()}")
+            with self.log_path.open("rb") as fh:
+                fh.seek(offset)
+                if b" ready." in fh.read():
+                    return
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"celery worker not ready after {ready_timeout_s:.0f} s:\n{self.tail()}")
+
+    def alive(self) -> bool:
+        """True while the worker process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the worker, as a crash or an OOM kill would."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Warm shutdown (SIGTERM: finish the current task), SIGKILL after ``timeout_s``."""
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def tail(self, lines: int = 30) -> str:
+        """Last lines of the worker log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

@@ -1,0 +1,159 @@
+"""Django settings for the KV cache control plane.
+
+The embedded default needs no services: SQLite under ``var/``, Celery on
+kombu's filesystem transport with a real worker, a local vLLM engine. Setting
+``DATABASE_URL`` (PostgreSQL) and ``CELERY_BROKER_URL`` (Redis) scales it out
+with the same code. Every environment read goes through :mod:`cacheadmin.env`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from cacheadmin.env import database_from_url, env_bool, env_int, env_paths, env_str, sqlite_database
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _persistent_secret(name: str, env_name: str) -> str:
+    """Read a secret from the environment, else from ``var/`` (created once).
+
+    A secret generated per process would change every cache_salt on restart,
+    so the embedded default keeps one on disk, readable by its owner only.
+    """
+    value = env_str(env_name, "")
+    if value:
+        return value
+    path = VAR_DIR / name
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+SECRET_KEY = _persistent_secret("secret-key", "DJANGO_SECRET_KEY")
+#: Key of the HMAC that turns a namespace id into its vLLM ``cache_salt``.
+CACHE_SALT_SECRET = _persistent_secret("cache-salt-secret", "CACHE_SALT_SECRET")
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [h for h in env_str("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_beat",
+    "cacheadmin",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Every page needs a login; the health view opts out with @login_not_required.
+    "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "cacheadmin.urls"
+WSGI_APPLICATION = "cacheadmin.wsgi.application"
+LOGIN_URL = "/admin/login/"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+_database_url = env_str("DATABASE_URL", "")
+DATABASES = {
+    "default": database_from_url(_database_url) if _database_url else sqlite_database(VAR_DIR / "db.sqlite3"),
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+# htmx comes from the npm registry at setup (package.json); never copied here.
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("vendor/htmx", BASE_DIR / "node_modules" / "htmx.org" / "dist"),
+]
+
+# --- Control plane -----------------------------------------------------------
+#: Directories that checkpoints must live under (symlinks resolved).
+MODEL_ROOTS = [p.resolve() for p in env_paths("MODEL_ROOTS", [BASE_DIR / "var" / "models"])]
+#: Where the demo builds its checkpoints.
+DEMO_MODELS_DIR = BASE_DIR / "var" / "models"
+#: Root of the hot persistent KV tier on disk; each namespace gets its own prefix below it.
+KV_STORE_ROOT = Path(env_str("KV_STORE_ROOT", str(VAR_DIR / "kv"))).resolve()
+#: Engine logs, one file per engine.
+ENGINE_LOG_DIR = VAR_DIR / "engines"
+#: Per-file digest cache of the weights fingerprint, keyed on (path, size, mtime, inode).
+DIGEST_CACHE_PATH = VAR_DIR / "digest-cache.sqlite3"
+#: GiB of KV cache each local CPU engine reserves (vLLM's VLLM_CPU_KVCACHE_SPACE).
+ENGINE_KV_CACHE_GIB = env_int("ENGINE_KV_CACHE_GIB", 1, minimum=1)
+#: Seconds a local engine may take to report healthy.
+ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
+#: A running job whose heartbeat is older than this is considered lost.
+JOB_STALE_AFTER_S = env_int("JOB_STALE_AFTER_S", 300, minimum=5)
+#: Attempts before a lost job is failed instead of retried.
+JOB_MAX_ATTEMPTS = env_int("JOB_MAX_ATTEMPTS", 3, minimum=1)
+
+# --- Celery ------------------------------------------------------------------
+_broker_url = env_str("CELERY_BROKER_URL", "")
+CELERY_BROKER_DIR = VAR_DIR / "celery-broker"
+if _broker_url:
+    CELERY_BROKER_URL = _broker_url
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": 3600}
+else:
+    # A real worker on kombu's filesystem transport: one folder both ways.
+    CELERY_BROKER_DIR.mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_BROKER_DIR),
+        "data_folder_out": str(CELERY_BROKER_DIR),
+        "control_folder": str(CELERY_BROKER_DIR / "control"),
+    }
+    (CELERY_BROKER_DIR / "control").mkdir(parents=True, exist_ok=True)
+# Job rows carry every result the pages read; no result backend.
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = "UTC"
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "cacheadmin": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+        "inference": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    },
+}

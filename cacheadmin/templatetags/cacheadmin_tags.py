@@ -1,0 +1,13 @@
+"""Template filters of the control plane's pages."""
+
+from __future__ import annotations
+
+from django import template
+
+register = template.Library()
+
+
+@register.filter
+def field_value(obj: object, name: str) -> object:
+    """``obj.<name>`` for a field name held in a variable (identity fields)."""
+    return getattr(obj, name, "")

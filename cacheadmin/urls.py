@@ -1,0 +1,16 @@
+"""URL configuration."""
+
+from django.contrib import admin
+from django.urls import path
+
+from cacheadmin import views
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("healthz", views.health, name="health"),
+    path("fragments/jobs", views.jobs_fragment, name="jobs-fragment"),
+    path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
+    path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
+    path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,76 @@
+"""Server-rendered pages. Live parts are htmx fragments that poll while a job
+runs and back off when nothing does (or the tab is hidden)."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_not_required
+from django.db import connection
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, render
+
+from cacheadmin import selectors
+from cacheadmin.models import ComparisonJob, ModelVersion, PrewarmJob
+
+#: Poll intervals (seconds) of live fragments: while a job runs, and when idle.
+POLL_ACTIVE_S = 2
+POLL_IDLE_S = 30
+
+
+def _jobs_context() -> dict[str, object]:
+    prewarm = list(selectors.prewarm_job_list())
+    comparison = list(selectors.comparison_job_list())
+    active = any(j.is_active for j in prewarm + comparison)
+    return {"prewarm_jobs": prewarm, "comparison_jobs": comparison, "poll_s": POLL_ACTIVE_S if active else POLL_IDLE_S}
+
+
+def dashboard(request: HttpRequest) -> HttpResponse:
+    """Model versions with identity fields, namespaces, engines and jobs."""
+    context = {
+        "model_versions": selectors.model_version_list(),
+        "namespaces": selectors.namespace_list(),
+        "engines": selectors.engine_list(),
+        "identity_fields": ModelVersion.IDENTITY_FIELDS,
+        **_jobs_context(),
+    }
+    return render(request, "cacheadmin/dashboard.html", context)
+
+
+def jobs_fragment(request: HttpRequest) -> HttpResponse:
+    """The jobs tables alone, for polling."""
+    return render(request, "cacheadmin/_jobs.html", _jobs_context())
+
+
+def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A model version's identity fields and the inputs behind each."""
+    version = get_object_or_404(ModelVersion, pk=pk)
+    return render(request, "cacheadmin/model_version_detail.html", {"version": version, "identity_fields": ModelVersion.IDENTITY_FIELDS})
+
+
+def _job_page(request: HttpRequest, job: PrewarmJob | ComparisonJob, template: str) -> HttpResponse:
+    context = {"job": job, "results": job.results.all(), "poll_s": POLL_ACTIVE_S if job.is_active else None}
+    if request.headers.get("HX-Request"):
+        return render(request, f"cacheadmin/_{template}", context)
+    return render(request, f"cacheadmin/{template}", context)
+
+
+def prewarm_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A prewarm job with per-prompt fill and verification."""
+    job = get_object_or_404(PrewarmJob.objects.select_related("engine", "namespace__tenant", "namespace__model_version"), pk=pk)
+    return _job_page(request, job, "prewarm_job_detail.html")
+
+
+def comparison_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A comparison job with per-prompt results."""
+    job = get_object_or_404(
+        ComparisonJob.objects.select_related("engine__model_version", "reference_engine", "namespace__tenant", "namespace__model_version"),
+        pk=pk,
+    )
+    return _job_page(request, job, "comparison_job_detail.html")
+
+
+@login_not_required
+def health(request: HttpRequest) -> JsonResponse:
+    """Liveness: the database answers. The only page without login."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    return JsonResponse({"status": "ok"})

@@ -1,0 +1,175 @@
+"""Build small, real Mistral checkpoints for demos and tests.
+
+The checkpoints are genuine ``MistralForCausalLM`` models (config.json plus a
+safetensors weight file written by ``transformers``) with a real tokenizer
+taken from the files that ship inside the ``mistral_common`` package, so vLLM
+serves them with ``tokenizer_mode="mistral"`` exactly as it serves a released
+Mistral model. Nothing is downloaded.
+
+Shape constraints come from vLLM 0.32's CPU backend (measured here, see
+DESIGN.md): head_dim 64 works, 16 does not.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import mistral_common
+
+#: Tokenizer files shipped inside mistral_common, by short name.
+MISTRAL_COMMON_TOKENIZERS: dict[str, str] = {
+    "v1": "tokenizer.model.v1",
+    "v2": "mistral_instruct_tokenizer_240216.model.v2",
+    "v3": "mistral_instruct_tokenizer_240323.model.v3",
+    "v7": "mistral_instruct_tokenizer_241114.model.v7",
+    "tekken-240718": "tekken_240718.json",
+    "tekken-240911": "tekken_240911.json",
+}
+
+
+def mistral_common_tokenizer_path(name: str) -> Path:
+    """Return the path of a tokenizer file shipped inside ``mistral_common``.
+
+    Args:
+        name: a key of :data:`MISTRAL_COMMON_TOKENIZERS` (``"v3"``, ``"tekken-240911"``...).
+
+    Raises:
+        KeyError: unknown name.
+        FileNotFoundError: the installed mistral_common lacks that file.
+    """
+    path = Path(mistral_common.__file__).parent / "data" / MISTRAL_COMMON_TOKENIZERS[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"mistral_common ships no {path.name} at {path}")
+    return path
+
+
+@dataclass(frozen=True)
+class TinyMistralSpec:
+    """Shape and seed of a tiny Mistral checkpoint.
+
+    ``initializer_range`` is larger than the usual 0.02 on purpose: with tiny
+    random weights and std 0.02 the next-token logits are nearly flat, so
+    greedy decoding would sit on near-ties that float rounding can flip. A
+    wider spread keeps greedy decoding stable, which the comparison job's
+    cold-vs-cold control then confirms.
+    """
+
+    seed: int
+    tokenizer: str = "v3"
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 64
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.2
+
+
+def _vocab_size(tokenizer_file: Path) -> int:
+    """Vocabulary size of a mistral_common tokenizer file (SentencePiece or Tekken)."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    tok = MistralTokenizer.from_file(str(tokenizer_file))
+    return int(tok.instruct_tokenizer.tokenizer.n_words)
+
+
+def tokenizer_target_name(tokenizer_file: Path) -> str:
+    """File name vLLM's mistral tokenizer mode looks for in a model directory.
+
+    vLLM (``vllm/transformers_utils/tokenizer``, mistral mode) accepts
+    ``tekken.json`` or ``tokenizer.model.v*``.
+    """
+    if tokenizer_file.suffix == ".json":
+        return "tekken.json"
+    version = tokenizer_file.name.rsplit(".", 1)[-1]
+    return f"tokenizer.model.{version}" if version.startswith("v") else "tokenizer.model.v1"
+
+
+def build_tiny_mistral(target: Path, spec: TinyMistralSpec, *, served_name: str = "tiny") -> Path:
+    """Write a tiny random-weight ``MistralForCausalLM`` checkpoint to ``target``.
+
+    The directory gets ``config.json``, ``generation_config.json``,
+    ``model.safetensors`` (float32) and the tokenizer file. Building is
+    deterministic for a given spec: the same seed gives byte-identical weights.
+
+    Args:
+        target: directory to create; must not exist yet or be empty.
+        spec: shape and seed.
+        served_name: recorded in config as ``_name_or_path`` (a name-only field).
+
+    Returns:
+        ``target``.
+
+    Raises:
+        FileExistsError: ``target`` exists and is not empty.
+    """
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not empty")
+    tokenizer_file = mistral_common_tokenizer_path(spec.tokenizer)
+    vocab = _vocab_size(tokenizer_file)
+    config = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    config._name_or_path = served_name
+    torch.manual_seed(spec.seed)
+    model = MistralForCausalLM(config).to(torch.float32)
+    tmp = target.with_name(target.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    shutil.copyfile(tokenizer_file, tmp / tokenizer_target_name(tokenizer_file))
+    # Written last and renamed into place so a killed build never leaves a
+    # half-written checkpoint that looks complete.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        target.rmdir()
+    tmp.rename(target)
+    return target
+
+
+#: The two demo checkpoints: same tokenizer, config and served name; only the
+#: weights differ (different seeds).
+DEMO_CHECKPOINTS: dict[str, TinyMistralSpec] = {
+    "tiny-v1": TinyMistralSpec(seed=1),
+    "tiny-v2": TinyMistralSpec(seed=2),
+}
+
+
+def ensure_demo_checkpoints(models_dir: Path) -> dict[str, Path]:
+    """Build the demo checkpoints under ``models_dir`` if they are missing.
+
+    Returns:
+        ``{"tiny-v1": path, "tiny-v2": path}``.
+    """
+    paths: dict[str, Path] = {}
+    for name, spec in DEMO_CHECKPOINTS.items():
+        path = models_dir / name
+        if not (path / "config.json").is_file():
+            build_tiny_mistral(path, spec, served_name="tiny")
+        paths[name] = path
+    return paths
+
+
+def read_config(path: Path) -> dict:
+    """Parse ``config.json`` of a checkpoint directory."""
+    return json.loads((path / "config.json").read_text())

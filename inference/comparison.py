@@ -1,0 +1,129 @@
+"""Comparison: the same prompts with cache and without, to catch deceptive hits.
+
+For each prompt, with greedy decoding:
+- the reference engine (no prefix caching, no connector) runs it twice: the
+  first run is the cold baseline, the second the cold-vs-cold control that
+  measures numeric noise on this hardware;
+- the engine under test runs it under the namespace's ``cache_salt``.
+
+The prompt *diverges* when its generated token ids differ from the baseline,
+or when the largest per-token logprob difference over the common tokens
+exceeds the tolerance ``max(NOISE_FACTOR × control delta, LOGPROB_FLOOR)``.
+A **deceptive hit** is a diverging prompt whose cached run reported cached
+tokens > 0 while the control itself was stable (same tokens): output changed
+because of cached state, not noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from inference.corpus import Conversation
+from inference.engines.vllm_http import ChatResult
+from inference.prewarm import ChatEngine
+
+#: How many times the control's noise a delta may be before it counts.
+NOISE_FACTOR = 4.0
+#: Smallest tolerance in nats. Cached and recomputed prefill take different
+#: kernel paths (block-wise attention over cached KV vs one pass), so float32
+#: results differ in the last bits even when the control shows exactly zero.
+LOGPROB_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class PromptComparison:
+    """Outcome of one prompt. Deltas in nats, times in milliseconds."""
+
+    index: int
+    conversation_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    tokens_equal: bool
+    first_divergence: int | None
+    max_logprob_delta: float
+    control_tokens_equal: bool
+    control_max_logprob_delta: float
+    tolerance: float
+    ttft_cold_ms: float
+    ttft_warm_ms: float
+    deceptive: bool
+    reference: ChatResult
+    cached: ChatResult
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def max_logprob_delta(a: ChatResult, b: ChatResult) -> float:
+    """Largest |logprob difference| over the tokens both runs share, up to and
+    including the first differing position."""
+    diverge = first_divergence(a.token_ids, b.token_ids)
+    upto = min(len(a.logprobs), len(b.logprobs)) if diverge is None else min(diverge + 1, len(a.logprobs), len(b.logprobs))
+    return max((abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto], strict=True)), default=0.0)
+
+
+def compare_prompt(index: int, conv: Conversation, reference: ChatResult, control: ChatResult, cached: ChatResult) -> PromptComparison:
+    """Judge one prompt from its three runs (pure function)."""
+    control_equal = reference.token_ids == control.token_ids
+    control_delta = max_logprob_delta(reference, control)
+    tolerance = max(NOISE_FACTOR * control_delta, LOGPROB_FLOOR)
+    divergence = first_divergence(reference.token_ids, cached.token_ids)
+    delta = max_logprob_delta(reference, cached)
+    diverged = divergence is not None or delta > tolerance
+    return PromptComparison(
+        index=index,
+        conversation_id=conv.id,
+        prompt_tokens=cached.prompt_tokens,
+        cached_tokens=cached.cached_tokens,
+        tokens_equal=divergence is None,
+        first_divergence=divergence,
+        max_logprob_delta=delta,
+        control_tokens_equal=control_equal,
+        control_max_logprob_delta=control_delta,
+        tolerance=tolerance,
+        ttft_cold_ms=reference.ttft_ms,
+        ttft_warm_ms=cached.ttft_ms,
+        deceptive=diverged and cached.cached_tokens > 0 and control_equal,
+        reference=reference,
+        cached=cached,
+    )
+
+
+def run_comparison(
+    engine: ChatEngine,
+    reference: ChatEngine,
+    conversations: list[Conversation],
+    *,
+    cache_salt: str,
+    max_tokens: int,
+    skip: Iterable[int] = (),
+    on_result: Callable[[PromptComparison], None],
+) -> None:
+    """Run every prompt not in ``skip`` both ways and report each outcome.
+
+    ``on_result`` is called after each prompt so the caller records it before
+    the next begins; a failure mid-run keeps every result already reported.
+
+    Raises:
+        EngineError: from either engine client.
+    """
+    done = set(skip)
+    for index, conv in enumerate(conversations):
+        if index in done:
+            continue
+        cold = reference.chat(conv.messages, cache_salt=None, max_tokens=max_tokens, tools=conv.tools)
+        control = reference.chat(conv.messages, cache_salt=None, max_tokens=max_tokens, tools=conv.tools)
+        warm = engine.chat(conv.messages, cache_salt=cache_salt, max_tokens=max_tokens, tools=conv.tools)
+        on_result(compare_prompt(index, conv, cold, control, warm))
+
+
+def median_or_none(values: list[float]) -> float | None:
+    """Median of ``values``, or None when empty."""
+    return statistics.median(values) if values else None

@@ -1,0 +1,63 @@
+"""Per-file content digest cache keyed on (path, size, mtime_ns, inode).
+
+Hashing a multi-gigabyte checkpoint takes seconds to minutes; re-registering an
+unchanged one should not. A file is re-hashed whenever any part of its key
+changes, which catches rewrites in place (mtime, size) and replacements by
+rename (inode). Stored in a stdlib SQLite file because inode and path are facts
+of one host: each host keeps its own cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS file_digest (
+    path TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    inode INTEGER NOT NULL,
+    digest TEXT NOT NULL
+)
+"""
+
+
+class FileDigestCache:
+    """A persistent map from a file's (path, size, mtime_ns, inode) to its digest.
+
+    Safe for use from several threads of one process (one connection per
+    thread) and from several processes (SQLite locking).
+    """
+
+    def __init__(self, db_path: Path) -> None:
+        self._db_path = db_path
+        self._local = threading.local()
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._conn() as conn:
+            conn.execute(_SCHEMA)
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._db_path, timeout=30)
+            self._local.conn = conn
+        return conn
+
+    def get(self, path: Path, st: os.stat_result) -> str | None:
+        """The cached hex digest if the file's key still matches, else None."""
+        row = self._conn().execute(
+            "SELECT digest FROM file_digest WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
+            (str(path), st.st_size, st.st_mtime_ns, st.st_ino),
+        ).fetchone()
+        return row[0] if row else None
+
+    def put(self, path: Path, st: os.stat_result, digest: str) -> None:
+        """Record ``digest`` for the file as it was when ``st`` was taken."""
+        with self._conn() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO file_digest(path, size, mtime_ns, inode, digest) VALUES (?,?,?,?,?)",
+                (str(path), st.st_size, st.st_mtime_ns, st.st_ino, digest),
+            )

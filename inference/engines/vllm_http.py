@@ -1,0 +1,208 @@
+"""Client for a vLLM server over its OpenAI-compatible HTTP API.
+
+Covers what the control plane needs from an engine: greedy chat completions
+with ``cache_salt``, per-token logprobs as token ids, streaming to measure
+time-to-first-token, the cached-token count per request, the ``/metrics``
+prefix-cache counters, health, and prefix-cache reset.
+
+vLLM facts used here (vLLM 0.32, measured on these machines):
+- ``usage.prompt_tokens_details.cached_tokens`` is reported when the server
+  runs with ``--enable-prompt-tokens-details``; it counts tokens served from
+  the engine's prefix cache *and* from a KV connector's external tier.
+- ``return_tokens_as_token_ids`` makes logprob entries read ``"token_id:N"``.
+- ``POST /reset_prefix_cache`` exists only with ``VLLM_SERVER_DEV_MODE=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from inference.errors import EngineError
+
+#: The /metrics counters the control plane reads, by vLLM metric name.
+PREFIX_CACHE_METRICS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:kv_cache_usage_perc",
+)
+
+
+@dataclass
+class ChatResult:
+    """One greedy completion.
+
+    Attributes:
+        token_ids: generated token ids, in order.
+        logprobs: natural-log probability of each generated token.
+        text: the decoded completion.
+        prompt_tokens: tokens in the rendered prompt.
+        cached_tokens: prompt tokens the engine served from a cache (memory or
+            connector tier) instead of computing them.
+        ttft_ms: milliseconds from sending the request to the first token.
+        total_ms: milliseconds to the end of the stream.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith("token_id:"):
+        raise EngineError(f"engine returned token {token!r}; it ignored return_tokens_as_token_ids")
+    return int(token.split(":", 1)[1])
+
+
+class VllmHttpClient:
+    """A vLLM OpenAI-compatible server at ``base_url`` serving ``model``.
+
+    Every method raises :class:`EngineError` (with the URL and cause) when the
+    engine cannot be reached or answers with an error status.
+    """
+
+    def __init__(self, base_url: str, model: str, *, timeout_s: float = 120.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> VllmHttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine at {self.base_url} unreachable on {path}: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise EngineError(f"engine at {self.base_url} answered {response.status_code} on {path}: {response.text[:300]}")
+        return response
+
+    def healthy(self) -> bool:
+        """True when ``GET /health`` answers 200; never raises."""
+        try:
+            return self._http.get("/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def served_models(self) -> list[str]:
+        """Model names from ``GET /v1/models``."""
+        return [m["id"] for m in self._request("GET", "/v1/models").json()["data"]]
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the engine's in-memory prefix cache (needs ``VLLM_SERVER_DEV_MODE=1``).
+
+        Connector tiers (disk, Redis) are not touched by this call.
+        """
+        self._request("POST", "/reset_prefix_cache")
+
+    def metrics(self) -> dict[str, float]:
+        """Prefix-cache counters and KV usage from ``GET /metrics``.
+
+        Returns:
+            ``{metric name: value}`` for :data:`PREFIX_CACHE_METRICS` (counters
+            without the ``_total`` suffix), summed over engines/labels.
+        """
+        text = self._request("GET", "/metrics").text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name not in PREFIX_CACHE_METRICS:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                values[family.name] = values.get(family.name, 0.0) + sample.value
+        return values
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        cache_salt: str | None,
+        max_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> ChatResult:
+        """Greedy chat completion, streamed so that TTFT is measured client-side.
+
+        Args:
+            messages: OpenAI chat messages.
+            cache_salt: the namespace's salt (vLLM ``cache_salt``), or None.
+            max_tokens: tokens to generate (>= 1).
+            tools: OpenAI tool definitions the conversation refers to.
+
+        Raises:
+            EngineError: unreachable, error status, malformed stream, or a
+                stream that ended without usage.
+        """
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_tokens_as_token_ids": True,
+        }
+        if tools:
+            body["tools"] = tools
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        result = ChatResult()
+        started = time.perf_counter()
+        first: float | None = None
+        usage: dict[str, Any] | None = None
+        try:
+            with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise EngineError(
+                        f"engine at {self.base_url} answered {response.status_code} on chat: {response.text[:300]}"
+                    )
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices", []):
+                        result.text += (choice.get("delta") or {}).get("content") or ""
+                        for entry in (choice.get("logprobs") or {}).get("content") or []:
+                            if first is None:
+                                first = time.perf_counter()
+                            result.token_ids.append(_token_id(entry["token"]))
+                            result.logprobs.append(float(entry["logprob"]))
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine at {self.base_url} failed during chat: {exc!r}") from exc
+        except (json.JSONDecodeError, KeyError, ValueError) as exc:
+            raise EngineError(f"engine at {self.base_url} sent a malformed stream: {exc!r}") from exc
+        end = time.perf_counter()
+        if usage is None:
+            raise EngineError(f"engine at {self.base_url} ended the stream without usage")
+        result.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        result.ttft_ms = ((first if first is not None else end) - started) * 1000.0
+        result.total_ms = (end - started) * 1000.0
+        return result

@@ -1,0 +1,11 @@
+"""Errors raised by the inference package, each with a message fit for a user."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path or file cannot be fingerprinted (missing, outside the
+    model roots, truncated, rewritten while hashed...). The message names the
+    path and the problem."""
+
+
+class EngineError(RuntimeError):
+    """An engine did not start, did not answer, or answered with an error."""

@@ -1,0 +1,47 @@
+"""Confinement of checkpoint paths to the configured model roots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from inference.errors import CheckpointError
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:
+    """Resolve ``path`` to a checkpoint directory inside one of ``roots``.
+
+    Symlinks are resolved before the check, so a link inside a root that points
+    outside it is refused, and so is any file inside the checkpoint that links
+    outside every root.
+
+    Args:
+        path: directory given by the user.
+        roots: allowed directories (``MODEL_ROOTS``).
+
+    Returns:
+        The resolved absolute directory.
+
+    Raises:
+        CheckpointError: the path does not exist, is not a directory, lies
+            outside every root, contains a file linking outside, or has no
+            ``config.json``.
+    """
+    raw = Path(path).expanduser()
+    if not raw.exists():
+        raise CheckpointError(f"checkpoint path does not exist: {raw}")
+    resolved = raw.resolve()
+    resolved_roots = [r.resolve() for r in roots]
+    if not any(resolved.is_relative_to(root) for root in resolved_roots):
+        allowed = ":".join(str(r) for r in resolved_roots)
+        raise CheckpointError(f"checkpoint path {raw} resolves to {resolved}, outside the model roots ({allowed})")
+    if not resolved.is_dir():
+        raise CheckpointError(f"checkpoint path is not a directory: {raw}")
+    for entry in resolved.rglob("*"):
+        if entry.is_symlink():
+            target = entry.resolve()
+            if not any(target.is_relative_to(root) for root in resolved_roots):
+                raise CheckpointError(f"{entry} links to {target}, outside the model roots")
+    if not (resolved / "config.json").is_file():
+        raise CheckpointError(f"checkpoint {raw} has no config.json")
+    return resolved
