@@ -103,9 +103,9 @@ STATICFILES_DIRS = [
 
 # --- Control plane -----------------------------------------------------------
 #: Directories that checkpoints must live under (symlinks resolved).
-MODEL_ROOTS = [p.resolve() for p in env_paths("MODEL_ROOTS", [BASE_DIR / "var" / "models"])]
-#: Where the demo builds its checkpoints.
-DEMO_MODELS_DIR = BASE_DIR / "var" / "models"
+MODEL_ROOTS = [p.resolve() for p in env_paths("MODEL_ROOTS", [VAR_DIR / "models"])]
+#: Where the demo builds its checkpoints (must lie inside MODEL_ROOTS).
+DEMO_MODELS_DIR = Path(env_str("DEMO_MODELS_DIR", str(VAR_DIR / "models"))).resolve()
 #: Root of the hot persistent KV tier on disk; each namespace gets its own prefix below it.
 KV_STORE_ROOT = Path(env_str("KV_STORE_ROOT", str(VAR_DIR / "kv"))).resolve()
 #: Engine logs, one file per engine.

@@ -27,8 +27,11 @@ class ControlPlaneCommand(BaseCommand):
     """Base command: one-line errors, exit 2 on bad input."""
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
-        kwargs.setdefault("parser_class", OneLineParser)
-        return super().create_parser(prog_name, subcommand, **kwargs)
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        # BaseCommand builds a CommandParser with no hook for another class;
+        # OneLineParser only overrides error(), so switching the class is safe.
+        parser.__class__ = OneLineParser
+        return parser
 
     def bad_input(self, message: str) -> CommandError:
         """A CommandError that exits 2 with ``message`` on one line."""

@@ -1,0 +1,47 @@
+"""Shared fixtures: demo checkpoints built once per session inside MODEL_ROOTS."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from inference.checkpoints import DEMO_CHECKPOINTS, build_tiny_mistral
+
+
+@pytest.fixture(scope="session")
+def model_root() -> Path:
+    """The first configured model root (a per-run temp dir, see tests/env.py)."""
+    root = settings.MODEL_ROOTS[0]
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoints(model_root: Path) -> dict[str, Path]:
+    """tiny-v1 and tiny-v2, built from mistral_common's v3 tokenizer (read-only for tests)."""
+    paths = {}
+    for name, spec in DEMO_CHECKPOINTS.items():
+        path = model_root / name
+        if not (path / "config.json").exists():
+            build_tiny_mistral(path, spec, served_name="tiny")
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture
+def checkpoint_copy(demo_checkpoints: dict[str, Path], model_root: Path, request: pytest.FixtureRequest):
+    """A fresh, writable copy of tiny-v1 inside the model roots (removed after the test)."""
+    copies: list[Path] = []
+
+    def make(name: str = "tiny-v1") -> Path:
+        target = model_root / f"copy-{request.node.name[:40]}-{len(copies)}"
+        shutil.copytree(demo_checkpoints[name], target)
+        copies.append(target)
+        return target
+
+    yield make
+    for path in copies:
+        shutil.rmtree(path, ignore_errors=True)

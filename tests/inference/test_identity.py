@@ -1,0 +1,269 @@
+"""State identity: each field moves alone, encodings are unambiguous, bad
+checkpoints are refused, and the digest cache notices every change."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import blake3
+import pytest
+
+from inference.checkpoints import mistral_common_tokenizer_path
+from inference.digest_cache import FileDigestCache
+from inference.errors import CheckpointError
+from inference.identity import (
+    LayoutOptions,
+    cache_salt,
+    digest_frames,
+    fingerprint_checkpoint,
+    frame,
+    hash_file,
+    namespace_id,
+    storage_prefix,
+)
+from inference.paths import resolve_checkpoint_dir
+
+FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")
+
+
+def changed_fields(a, b) -> list[str]:
+    return [f for f in FIELDS if getattr(a, f) != getattr(b, f)]
+
+
+def test_one_byte_deep_in_a_weight_file_changes_weights_only(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    before = fingerprint_checkpoint(path)
+    weights = path / "model.safetensors"
+    offset = 5 * 1024 * 1024 + 123  # past the first megabyte: a head-only sample would miss it
+    assert weights.stat().st_size > offset
+    with weights.open("r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    after = fingerprint_checkpoint(path)
+    assert changed_fields(before, after) == ["weights"]
+    assert before.identity != after.identity
+    assert before.inputs["weights"]["model.safetensors"] != after.inputs["weights"]["model.safetensors"]
+
+
+def test_weights_digest_is_blake3_of_full_content(demo_checkpoints) -> None:
+    path = demo_checkpoints["tiny-v1"] / "model.safetensors"
+    report = fingerprint_checkpoint(demo_checkpoints["tiny-v1"])
+    assert report.inputs["weights"]["model.safetensors"] == blake3.blake3(path.read_bytes()).hexdigest()
+    assert report.total_bytes == path.stat().st_size
+
+
+def test_tokenizer_only_change_changes_tokenizer_only(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    before = fingerprint_checkpoint(path)
+    # Same vocabulary size, different tokenizer generation: v3 → v7 control tokens.
+    (path / "tokenizer.model.v3").unlink()
+    shutil.copyfile(mistral_common_tokenizer_path("v7"), path / "tokenizer.model.v7")
+    after = fingerprint_checkpoint(path)
+    assert changed_fields(before, after) == ["tokenizer"]
+    assert set(after.inputs["tokenizer"]) == {"tokenizer.model.v7", "chat_template_renderer"}
+
+
+def test_chat_template_file_is_part_of_tokenizer(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    before = fingerprint_checkpoint(path)
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    after = fingerprint_checkpoint(path)
+    assert changed_fields(before, after) == ["tokenizer"]
+
+
+def test_config_key_order_and_name_fields_do_not_matter(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    before = fingerprint_checkpoint(path)
+    config = json.loads((path / "config.json").read_text())
+    reordered = dict(reversed(list(config.items())))
+    reordered["_name_or_path"] = "some/other-name"
+    reordered["transformers_version"] = "0.0.1"
+    (path / "config.json").write_text(json.dumps(reordered, indent=4))
+    same = fingerprint_checkpoint(path)
+    assert same.digests() == before.digests()
+    reordered["rms_norm_eps"] = 1e-5
+    (path / "config.json").write_text(json.dumps(reordered))
+    after = fingerprint_checkpoint(path)
+    assert changed_fields(before, after) == ["config"]
+
+
+def test_layout_resolves_auto_and_moves_alone(demo_checkpoints) -> None:
+    path = demo_checkpoints["tiny-v1"]
+    auto = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="auto"))
+    explicit = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float32", kv_cache_dtype="fp32"))
+    assert auto.digests() == explicit.digests()
+    assert auto.inputs["layout"]["dtype"] == "float32"
+    assert auto.inputs["layout"]["kv_cache_dtype"] == "float32"
+    bf16 = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="bfloat16"))
+    fp16 = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float16"))
+    assert changed_fields(auto, bf16) == ["layout"]
+    assert bf16.layout != fp16.layout
+    for options in (
+        LayoutOptions(block_size=64),
+        LayoutOptions(tensor_parallel_size=2),
+        LayoutOptions(pipeline_parallel_size=2),
+        LayoutOptions(kv_cache_dtype="fp8"),
+        LayoutOptions(quantization="fp8"),
+        LayoutOptions(kv_connector="ExampleConnector"),
+    ):
+        assert changed_fields(auto, fingerprint_checkpoint(path, layout=options)) == ["layout"], options
+
+
+def test_adapters_are_identified_by_content(demo_checkpoints, model_root: Path) -> None:
+    base = demo_checkpoints["tiny-v1"]
+    adapter = model_root / "adapter-a"
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "base_model_name_or_path": "x"}))
+    (adapter / "adapter_model.bin").write_bytes(b"\x00" * 64)
+    none = fingerprint_checkpoint(base)
+    one = fingerprint_checkpoint(base, adapters={"support": adapter})
+    assert changed_fields(none, one) == ["adapters"]
+    (adapter / "adapter_model.bin").write_bytes(b"\x00" * 63 + b"\x01")
+    other_bytes = fingerprint_checkpoint(base, adapters={"support": adapter})
+    assert other_bytes.adapters != one.adapters
+    shutil.rmtree(adapter)
+
+
+def test_frames_are_unambiguous() -> None:
+    assert frame("a|b", b"c") != frame("a", b"b|c")
+    assert digest_frames("k", [("tenant", b"a|b"), ("adapter", b"c")]) != digest_frames("k", [("tenant", b"a"), ("adapter", b"b|c")])
+    assert digest_frames("k", [("tenant", b"foo")]) != digest_frames("k", [("adapter", b"foo")])
+    assert digest_frames("k", [("x", b"ab"), ("y", b"")]) != digest_frames("k", [("x", b"a"), ("y", b"b")])
+
+
+def test_namespace_changes_with_every_field_and_tenant(demo_checkpoints, checkpoint_copy) -> None:
+    path = demo_checkpoints["tiny-v1"]
+    base = fingerprint_checkpoint(path)
+    variants = {
+        "layout": fingerprint_checkpoint(path, layout=LayoutOptions(block_size=64)),
+        "weights": fingerprint_checkpoint(demo_checkpoints["tiny-v2"]),
+    }
+    copy = checkpoint_copy()
+    (copy / "chat_template.jinja").write_text("x")
+    variants["tokenizer"] = fingerprint_checkpoint(copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (copy / "config.json").write_text(json.dumps(config))
+    variants["config"] = fingerprint_checkpoint(copy)
+    adapter = copy / "lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.bin").write_bytes(b"w")
+    variants["adapters"] = fingerprint_checkpoint(path, adapters={"l": adapter})
+    ids = {namespace_id(base.identity, "tenant:acme")}
+    for field_name, report in variants.items():
+        assert field_name in changed_fields(base, report)
+        ids.add(namespace_id(report.identity, "tenant:acme"))
+    ids.add(namespace_id(base.identity, "tenant:globex"))
+    ids.add(namespace_id(base.identity, "group:acme"))
+    assert len(ids) == 8
+    assert namespace_id(base.identity, "tenant:acme") == namespace_id(fingerprint_checkpoint(path).identity, "tenant:acme")
+
+
+def test_cache_salt_is_keyed_and_storage_prefix_per_namespace() -> None:
+    ns = "ab" * 32
+    assert cache_salt("secret-1", ns) != cache_salt("secret-2", ns)
+    assert cache_salt("secret-1", ns) == cache_salt("secret-1", ns)
+    assert len(cache_salt("secret-1", ns)) == 64
+    assert storage_prefix(ns) == "ns-" + "ab" * 16
+
+
+@pytest.mark.parametrize("cut", [1, 4096, 10 * 1024 * 1024])
+def test_truncated_safetensors_is_refused(checkpoint_copy, cut: int) -> None:
+    path = checkpoint_copy()
+    weights = path / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as fh:
+        fh.truncate(size - cut)
+    with pytest.raises(CheckpointError, match="truncated"):
+        fingerprint_checkpoint(path)
+
+
+def test_padded_safetensors_is_refused(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    with (path / "model.safetensors").open("ab") as fh:
+        fh.write(b"\0" * 10)
+    with pytest.raises(CheckpointError, match="longer than its header declares"):
+        fingerprint_checkpoint(path)
+
+
+def test_paths_are_confined_to_model_roots(demo_checkpoints, model_root: Path, tmp_path: Path) -> None:
+    roots = [model_root]
+    assert resolve_checkpoint_dir(demo_checkpoints["tiny-v1"], roots) == demo_checkpoints["tiny-v1"].resolve()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint_dir(model_root / "nope", roots)
+    outside = tmp_path / "outside"
+    shutil.copytree(demo_checkpoints["tiny-v1"], outside)
+    with pytest.raises(CheckpointError, match="outside the model roots"):
+        resolve_checkpoint_dir(outside, roots)
+    link = model_root / "link-out"
+    link.symlink_to(outside)
+    try:
+        with pytest.raises(CheckpointError, match="outside the model roots"):
+            resolve_checkpoint_dir(link, roots)
+        with pytest.raises(CheckpointError, match="outside the model roots"):
+            resolve_checkpoint_dir(model_root / "tiny-v1" / os.path.relpath(outside, model_root / "tiny-v1"), roots)
+    finally:
+        link.unlink()
+
+
+def test_a_file_linking_outside_the_roots_is_refused(checkpoint_copy, tmp_path: Path) -> None:
+    path = checkpoint_copy()
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"x")
+    (path / "extra.safetensors").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="links to"):
+        resolve_checkpoint_dir(path, [path.parent])
+
+
+def test_missing_config_is_refused(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        resolve_checkpoint_dir(path, [path.parent])
+
+
+def test_digest_cache_answers_for_unchanged_files_and_notices_changes(checkpoint_copy, tmp_path: Path) -> None:
+    path = checkpoint_copy()
+    cache = FileDigestCache(tmp_path / "cache.sqlite3")
+    first = fingerprint_checkpoint(path, cache=cache)
+    assert first.hashed_bytes == first.total_bytes
+    second = fingerprint_checkpoint(path, cache=cache)
+    assert second.hashed_bytes == 0
+    assert second.digests() == first.digests()
+    weights = path / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    third = fingerprint_checkpoint(path, cache=cache)
+    assert third.hashed_bytes == first.total_bytes
+    # Replaced by rename (new inode), same size and mtime: still noticed.
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    replacement = path / "model.safetensors.new"
+    replacement.write_bytes(bytes(data))
+    os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    replacement.rename(weights)
+    fourth = fingerprint_checkpoint(path, cache=cache)
+    assert fourth.hashed_bytes == first.total_bytes
+    assert fourth.weights != first.weights
+
+
+def test_file_rewritten_while_hashed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "w.bin"
+    target.write_bytes(b"a" * 4096)
+    real = blake3.blake3.update_mmap
+
+    def update_while_a_writer_appends(self, path, *args, **kwargs):
+        result = real(self, path, *args, **kwargs)
+        with open(path, "ab") as fh:  # another process writing into the checkpoint
+            fh.write(b"b")
+        return result
+
+    monkeypatch.setattr(blake3.blake3, "update_mmap", update_while_a_writer_appends)
+    with pytest.raises(CheckpointError, match="changed while it was being hashed"):
+        hash_file(target)
