@@ -1,0 +1,96 @@
+"""``fingerprint`` and registration as a user meets them: real subprocesses,
+exit codes, one-line errors, and nothing registered on bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cacheadmin.models import AuditEvent, ModelVersion
+from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
+from inference.errors import CheckpointError
+from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id
+from tests.helpers import manage
+
+
+def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) -> None:
+    path = demo_checkpoints["tiny-v1"]
+    proc = manage("fingerprint", str(path), "--block-size", "64", "--dtype", "bf16", "--tenant", "acme", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    expected = fingerprint_checkpoint(path, layout=LayoutOptions(block_size=64, dtype="bfloat16"))
+    for key, value in expected.digests().items():
+        assert out[key] == value
+    assert out["namespace"] == namespace_id(expected.identity, "tenant:acme")
+    assert len(out["identity"]) == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/does/not/exist"], "does not exist"),
+        (["{root}/tiny-v1", "--block-size", "0"], "not a positive integer"),
+        (["{root}/tiny-v1", "--block-size", "abc"], "is not an integer"),
+        (["{root}/tiny-v1", "--dtype", "int3"], "dtype 'int3' is not one of"),
+        (["{root}/tiny-v1", "--tenant", "Not A Slug"], "--tenant"),
+        (["{tmp}"], "outside the model roots"),
+        (["{root}/tiny-v1", "--unknown-flag"], "unrecognized arguments"),
+    ],
+)
+def test_fingerprint_bad_input_exits_2_with_one_line(demo_checkpoints, model_root: Path, tmp_path: Path, args, message) -> None:
+    args = [a.format(root=model_root, tmp=tmp_path) for a in args]
+    proc = manage("fingerprint", *args, "--json")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert message in lines[0]
+
+
+def test_fingerprint_truncated_and_configless_checkpoints(checkpoint_copy) -> None:
+    truncated = checkpoint_copy()
+    with (truncated / "model.safetensors").open("r+b") as fh:
+        fh.truncate(1000)
+    proc = manage("fingerprint", str(truncated), "--json")
+    assert (proc.returncode, len(proc.stderr.strip().splitlines())) == (2, 1)
+    assert "truncated" in proc.stderr
+    configless = checkpoint_copy()
+    (configless / "config.json").unlink()
+    proc = manage("fingerprint", str(configless))
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+@pytest.mark.django_db
+def test_register_is_idempotent_and_refuses_bad_checkpoints(demo_checkpoints, checkpoint_copy, model_root: Path, tmp_path: Path) -> None:
+    layout = LayoutOptions(kv_connector="ExampleConnector")
+    v1, created = model_version_register(path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=layout, actor="alice")
+    assert created is True
+    again, created = model_version_register(path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=layout, actor="alice")
+    assert (again.pk, created) == (v1.pk, False)
+    with pytest.raises(RegistrationConflict, match="register it under a new label"):
+        model_version_register(path=demo_checkpoints["tiny-v2"], label="v1", served_name="tiny", layout=layout, actor="alice")
+    truncated = checkpoint_copy()
+    with (truncated / "model.safetensors").open("r+b") as fh:
+        fh.truncate(5000)
+    outside = tmp_path / "outside"
+    shutil.copytree(demo_checkpoints["tiny-v1"], outside)
+    link = model_root / "escape"
+    link.symlink_to(outside)
+    for bad in (truncated, outside, link, model_root / "missing"):
+        with pytest.raises(CheckpointError):
+            model_version_register(path=bad, label="bad", served_name="tiny", layout=layout, actor="alice")
+    link.unlink()
+    assert list(ModelVersion.objects.values_list("label", flat=True)) == ["v1"]
+    assert list(AuditEvent.objects.values_list("actor", "action")) == [("alice", "model_version.register")]
+    assert v1.weights == fingerprint_checkpoint(demo_checkpoints["tiny-v1"], layout=layout).weights
+    assert v1.inputs["layout"]["kv_connector"] == "ExampleConnector"
+
+
+@pytest.mark.django_db
+def test_health_needs_no_login_and_pages_do(client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    response = client.get("/")
+    assert response.status_code == 302 and response.url.startswith("/admin/login/")

@@ -1,0 +1,51 @@
+"""Helpers for tests that run real subprocesses against the test database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from django.conf import settings
+from django.db import connection
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+def test_database_url() -> str:
+    """``DATABASE_URL`` of the database this test runs on (pytest-django's test DB)."""
+    s = connection.settings_dict
+    if s["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{s['NAME']}"
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Our environment pointed at the test database."""
+    return {**os.environ, "DATABASE_URL": test_database_url(), **extra}
+
+
+def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``python manage.py ARGS`` as a user would; capture output."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=PROJECT, env=env or dict(os.environ), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def worker_log(name: str) -> Path:
+    """Where a test worker logs."""
+    return settings.VAR_DIR / "logs" / f"{name}.log"

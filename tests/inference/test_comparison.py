@@ -1,0 +1,72 @@
+"""Judging one prompt: what counts as a deceptive hit (pure function)."""
+
+from __future__ import annotations
+
+from inference.comparison import LOGPROB_FLOOR, NOISE_FACTOR, compare_prompt, first_divergence, max_logprob_delta
+from inference.corpus import Conversation, load_corpus
+from inference.engines.vllm_http import ChatResult
+from inference.prewarm import expected_cached_tokens
+
+CONV = Conversation(id="c", messages=[{"role": "user", "content": "x"}])
+
+
+def run(tokens: list[int], logprobs: list[float], cached: int = 0) -> ChatResult:
+    return ChatResult(token_ids=tokens, logprobs=logprobs, prompt_tokens=100, cached_tokens=cached, ttft_ms=5.0)
+
+
+def test_first_divergence() -> None:
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_logprob_delta_stops_at_first_divergence() -> None:
+    a = run([1, 2, 3], [-1.0, -2.0, -3.0])
+    b = run([1, 5, 3], [-1.5, -2.25, -9.0])
+    assert max_logprob_delta(a, b) == 0.5
+
+
+def test_hit_with_other_tokens_is_deceptive() -> None:
+    ref = run([1, 2, 3], [-1.0, -1.0, -1.0])
+    out = compare_prompt(0, CONV, ref, ref, run([1, 2, 4], [-1.0, -1.0, -2.0], cached=64))
+    assert (out.deceptive, out.tokens_equal, out.first_divergence, out.tolerance) == (True, False, 2, LOGPROB_FLOOR)
+
+
+def test_divergence_without_cached_tokens_is_not_a_deceptive_hit() -> None:
+    ref = run([1, 2, 3], [-1.0, -1.0, -1.0])
+    out = compare_prompt(0, CONV, ref, ref, run([1, 2, 4], [-1.0, -1.0, -2.0], cached=0))
+    assert out.deceptive is False and out.tokens_equal is False
+
+
+def test_same_tokens_logprob_beyond_noise_is_deceptive_within_noise_is_not() -> None:
+    ref = run([1, 2], [-1.0, -1.0])
+    control = run([1, 2], [-1.0, -1.01])  # noise 0.01 → tolerance 0.04
+    assert compare_prompt(0, CONV, ref, control, run([1, 2], [-1.0, -1.03], cached=32)).deceptive is False
+    out = compare_prompt(0, CONV, ref, control, run([1, 2], [-1.0, -1.05], cached=32))
+    assert out.deceptive is True
+    assert abs(out.tolerance - NOISE_FACTOR * 0.01) < 1e-12
+
+
+def test_unstable_control_is_noise_not_a_deceptive_hit() -> None:
+    ref = run([1, 2], [-1.0, -1.0])
+    control = run([1, 3], [-1.0, -1.0])
+    assert compare_prompt(0, CONV, ref, control, run([1, 4], [-1.0, -1.0], cached=32)).deceptive is False
+
+
+def test_expected_cached_tokens_counts_whole_blocks_before_last_token() -> None:
+    assert expected_cached_tokens(371, 32) == 352
+    assert expected_cached_tokens(33, 32) == 32
+    assert expected_cached_tokens(32, 32) == 0
+    assert expected_cached_tokens(0, 32) == 0
+
+
+def test_diagnostic_corpus_covers_the_required_cases() -> None:
+    corpus = {c.id: c for c in load_corpus("diagnostic")}
+    assert any(m["content"] == "" for m in corpus["empty-turn"].messages)
+    assert corpus["tool-result"].messages[-1]["role"] == "tool"
+    assert "我的" in corpus["cjk-zh"].messages[-1]["content"]
+    assert "Сколько" in corpus["cyrillic"].messages[-1]["content"]
+    assert "🚨" in corpus["emoji"].messages[-1]["content"]
+    long1, long2 = corpus["long-1"].messages, corpus["long-2"].messages
+    assert long2[: len(long1)] == long1
+    assert any(m["role"] == "assistant" for m in long1)
