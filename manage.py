@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Django's command-line utility for the KV cache control plane."""
+
 import os
 import sys
 

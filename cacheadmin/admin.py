@@ -25,7 +25,18 @@ class ModelVersionAdmin(admin.ModelAdmin):
     list_filter = ("status",)
     search_fields = ("label", "served_name", "identity")
     # Digests are computed from the checkpoint, never typed in.
-    readonly_fields = ("weights", "tokenizer", "config", "layout", "adapters", "identity", "inputs", "total_bytes", "fingerprint_seconds", "path")
+    readonly_fields = (
+        "weights",
+        "tokenizer",
+        "config",
+        "layout",
+        "adapters",
+        "identity",
+        "inputs",
+        "total_bytes",
+        "fingerprint_seconds",
+        "path",
+    )
 
 
 @admin.register(Tenant)
@@ -61,7 +72,15 @@ class PrewarmResultInline(admin.TabularInline):
     model = PrewarmResult
     extra = 0
     can_delete = False
-    readonly_fields = ("index", "conversation_id", "prompt_tokens", "fill_cached_tokens", "expected_cached_tokens", "verify_cached_tokens", "verified")
+    readonly_fields = (
+        "index",
+        "conversation_id",
+        "prompt_tokens",
+        "fill_cached_tokens",
+        "expected_cached_tokens",
+        "verify_cached_tokens",
+        "verified",
+    )
 
 
 @admin.register(PrewarmJob)
@@ -77,13 +96,32 @@ class ComparisonResultInline(admin.TabularInline):
     model = ComparisonResult
     extra = 0
     can_delete = False
-    fields = ("index", "conversation_id", "prompt_tokens", "cached_tokens", "tokens_equal", "first_divergence", "max_logprob_delta", "deceptive")
+    fields = (
+        "index",
+        "conversation_id",
+        "prompt_tokens",
+        "cached_tokens",
+        "tokens_equal",
+        "first_divergence",
+        "max_logprob_delta",
+        "deceptive",
+    )
     readonly_fields = fields
 
 
 @admin.register(ComparisonJob)
 class ComparisonJobAdmin(admin.ModelAdmin):
-    list_display = ("id", "engine", "namespace", "status", "deceptive_hits", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "created_at")
+    list_display = (
+        "id",
+        "engine",
+        "namespace",
+        "status",
+        "deceptive_hits",
+        "cached_tokens",
+        "ttft_cold_ms",
+        "ttft_warm_ms",
+        "created_at",
+    )
     list_filter = ("status",)
     list_select_related = ("engine", "namespace__tenant", "namespace__model_version")
     inlines = [ComparisonResultInline]

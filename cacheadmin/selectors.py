@@ -24,7 +24,9 @@ def engine_list(limit: int = 20) -> QuerySet[Engine]:
 
 def prewarm_job_list(limit: int = 20) -> QuerySet[PrewarmJob]:
     """Recent prewarm jobs (one query)."""
-    return PrewarmJob.objects.select_related("engine", "namespace__tenant", "namespace__model_version").order_by("-created_at", "-id")[:limit]
+    return PrewarmJob.objects.select_related("engine", "namespace__tenant", "namespace__model_version").order_by(
+        "-created_at", "-id"
+    )[:limit]
 
 
 def comparison_job_list(limit: int = 20) -> QuerySet[ComparisonJob]:

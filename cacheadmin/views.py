@@ -43,7 +43,9 @@ def jobs_fragment(request: HttpRequest) -> HttpResponse:
 def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """A model version's identity fields and the inputs behind each."""
     version = get_object_or_404(ModelVersion, pk=pk)
-    return render(request, "cacheadmin/model_version_detail.html", {"version": version, "identity_fields": ModelVersion.IDENTITY_FIELDS})
+    return render(
+        request, "cacheadmin/model_version_detail.html", {"version": version, "identity_fields": ModelVersion.IDENTITY_FIELDS}
+    )
 
 
 def _job_page(request: HttpRequest, job: PrewarmJob | ComparisonJob, template: str) -> HttpResponse:
@@ -62,7 +64,9 @@ def prewarm_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
 def comparison_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """A comparison job with per-prompt results."""
     job = get_object_or_404(
-        ComparisonJob.objects.select_related("engine__model_version", "reference_engine", "namespace__tenant", "namespace__model_version"),
+        ComparisonJob.objects.select_related(
+            "engine__model_version", "reference_engine", "namespace__tenant", "namespace__model_version"
+        ),
         pk=pk,
     )
     return _job_page(request, job, "comparison_job_detail.html")

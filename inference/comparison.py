@@ -69,7 +69,9 @@ def max_logprob_delta(a: ChatResult, b: ChatResult) -> float:
     return max((abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto], strict=True)), default=0.0)
 
 
-def compare_prompt(index: int, conv: Conversation, reference: ChatResult, control: ChatResult, cached: ChatResult) -> PromptComparison:
+def compare_prompt(
+    index: int, conv: Conversation, reference: ChatResult, control: ChatResult, cached: ChatResult
+) -> PromptComparison:
     """Judge one prompt from its three runs (pure function)."""
     control_equal = reference.token_ids == control.token_ids
     control_delta = max_logprob_delta(reference, control)

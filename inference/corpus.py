@@ -55,7 +55,9 @@ def read_corpus(path: Path) -> list[Conversation]:
             continue
         try:
             raw = json.loads(line)
-            conv = Conversation(id=str(raw["id"]), messages=list(raw["messages"]), tools=raw.get("tools"), note=raw.get("note", ""))
+            conv = Conversation(
+                id=str(raw["id"]), messages=list(raw["messages"]), tools=raw.get("tools"), note=raw.get("note", "")
+            )
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{number}: not a conversation: {exc}") from exc
         if conv.id in seen:

@@ -48,10 +48,14 @@ class FileDigestCache:
 
     def get(self, path: Path, st: os.stat_result) -> str | None:
         """The cached hex digest if the file's key still matches, else None."""
-        row = self._conn().execute(
-            "SELECT digest FROM file_digest WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
-            (str(path), st.st_size, st.st_mtime_ns, st.st_ino),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT digest FROM file_digest WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
+                (str(path), st.st_size, st.st_mtime_ns, st.st_ino),
+            )
+            .fetchone()
+        )
         return row[0] if row else None
 
     def put(self, path: Path, st: os.stat_result, digest: str) -> None:

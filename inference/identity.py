@@ -236,7 +236,11 @@ def resolve_layout(options: LayoutOptions, config: dict[str, Any]) -> dict[str, 
     passes the resolved dtype explicitly, so the identity and the engine agree.
     """
     declared = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = _DTYPE_ALIASES.get(str(options.dtype), None) if options.dtype != "auto" else _DTYPE_ALIASES.get(str(declared), str(declared))
+    dtype = (
+        _DTYPE_ALIASES.get(str(options.dtype), None)
+        if options.dtype != "auto"
+        else _DTYPE_ALIASES.get(str(declared), str(declared))
+    )
     kv_dtype = dtype if options.kv_cache_dtype == "auto" else _DTYPE_ALIASES[options.kv_cache_dtype]
     quant = options.quantization
     if quant is None and isinstance(config.get("quantization_config"), dict):
@@ -290,7 +294,9 @@ class IdentityReport:
 
 
 def _iter_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    return sorted(
+        p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
 
 
 def _weights(root: Path, cache: FileDigestCache | None) -> tuple[str, dict[str, str], int, int]:

@@ -22,7 +22,9 @@ from inference.engines.vllm_http import ChatResult
 class ChatEngine(Protocol):
     """What prewarm and comparison need from an engine client."""
 
-    def chat(self, messages: list[dict], *, cache_salt: str | None, max_tokens: int, tools: list[dict] | None = None) -> ChatResult: ...
+    def chat(
+        self, messages: list[dict], *, cache_salt: str | None, max_tokens: int, tools: list[dict] | None = None
+    ) -> ChatResult: ...
 
     def reset_prefix_cache(self) -> None: ...
 

@@ -32,7 +32,12 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``python manage.py ARGS`` as a user would; capture output."""
     return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=PROJECT, env=env or dict(os.environ), capture_output=True, text=True, timeout=timeout
+        [sys.executable, "manage.py", *args],
+        cwd=PROJECT,
+        env=env or dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -99,8 +99,11 @@ def comparison_job_run(*, job_id: int) -> None:
         )
         job_progress(job, job.results.count(), **_summary(job))
         if outcome.deceptive:
-            job_log(job, f"deceptive hit on {outcome.conversation_id}: {outcome.cached_tokens} cached tokens, "
-                         f"tokens diverge at {outcome.first_divergence}")
+            job_log(
+                job,
+                f"deceptive hit on {outcome.conversation_id}: {outcome.cached_tokens} cached tokens, "
+                f"tokens diverge at {outcome.first_divergence}",
+            )
 
     with engine_client(job.engine) as client, engine_client(job.reference_engine) as reference:
         try:

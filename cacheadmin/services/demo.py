@@ -130,7 +130,9 @@ def demo_run(
 
         unsafe_engine = launch("tiny-v2-unsafe", model_version=v2, namespace=ns1, identity_override_reason=UNSAFE_REASON)
         unsafe = finish(
-            comparison_job_create(engine=unsafe_engine, reference_engine=reference, namespace=ns1, corpus=corpus, max_tokens=max_tokens, actor=ACTOR),
+            comparison_job_create(
+                engine=unsafe_engine, reference_engine=reference, namespace=ns1, corpus=corpus, max_tokens=max_tokens, actor=ACTOR
+            ),
             "unsafe comparison",
         )
         engine_stop(engine=unsafe_engine, actor=ACTOR)
@@ -138,7 +140,9 @@ def demo_run(
         safe_engine = launch("tiny-v2-safe", model_version=v2, namespace=ns2)
         finish(prewarm_job_create(namespace=ns2, engine=safe_engine, corpus=corpus, actor=ACTOR), "prewarm of v2")
         safe = finish(
-            comparison_job_create(engine=safe_engine, reference_engine=reference, namespace=ns2, corpus=corpus, max_tokens=max_tokens, actor=ACTOR),
+            comparison_job_create(
+                engine=safe_engine, reference_engine=reference, namespace=ns2, corpus=corpus, max_tokens=max_tokens, actor=ACTOR
+            ),
             "safe comparison",
         )
     finally:

@@ -91,9 +91,7 @@ def engine_launch(
             .first()
         )
         if clash is not None:
-            raise EngineRefused(
-                f"the salt-blind disk tier {storage} already backs engine {clash.name} of another namespace"
-            )
+            raise EngineRefused(f"the salt-blind disk tier {storage} already backs engine {clash.name} of another namespace")
     port = free_port()
     spec = _spec_for(
         model_version=model_version, name=name, port=port, prefix_caching=namespace is not None, kv_storage_path=storage

@@ -82,7 +82,9 @@ def prewarm_job_run(*, job_id: int) -> None:
     with engine_client(engine) as client:
         try:
             filled = set(job.results.values_list("index", flat=True))
-            prewarm_fill(client, conversations, cache_salt=salt, block_size=int(layout["block_size"]), skip=filled, on_fill=on_fill)
+            prewarm_fill(
+                client, conversations, cache_salt=salt, block_size=int(layout["block_size"]), skip=filled, on_fill=on_fill
+            )
             job_log(job, "fill pass done")
             expected = dict(job.results.values_list("index", "expected_cached_tokens"))
             verified = set(job.results.exclude(verify_cached_tokens=None).values_list("index", flat=True))

@@ -41,9 +41,18 @@ class WorkerProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "celery", "-A", "cacheadmin", "worker",
-                    "--pool=solo", "--loglevel=INFO", "--without-gossip", "--without-mingle",
-                    "-n", f"{self.name}-{os.getpid()}-{time.monotonic_ns()}@%h",
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "cacheadmin",
+                    "worker",
+                    "--pool=solo",
+                    "--loglevel=INFO",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "-n",
+                    f"{self.name}-{os.getpid()}-{time.monotonic_ns()}@%h",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

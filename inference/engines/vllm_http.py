@@ -175,9 +175,7 @@ class VllmHttpClient:
             with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise EngineError(
-                        f"engine at {self.base_url} answered {response.status_code} on chat: {response.text[:300]}"
-                    )
+                    raise EngineError(f"engine at {self.base_url} answered {response.status_code} on chat: {response.text[:300]}")
                 for line in response.iter_lines():
                     if not line.startswith("data: "):
                         continue

@@ -64,11 +64,17 @@ def test_fingerprint_truncated_and_configless_checkpoints(checkpoint_copy) -> No
 
 
 @pytest.mark.django_db
-def test_register_is_idempotent_and_refuses_bad_checkpoints(demo_checkpoints, checkpoint_copy, model_root: Path, tmp_path: Path) -> None:
+def test_register_is_idempotent_and_refuses_bad_checkpoints(
+    demo_checkpoints, checkpoint_copy, model_root: Path, tmp_path: Path
+) -> None:
     layout = LayoutOptions(kv_connector="ExampleConnector")
-    v1, created = model_version_register(path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=layout, actor="alice")
+    v1, created = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=layout, actor="alice"
+    )
     assert created is True
-    again, created = model_version_register(path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=layout, actor="alice")
+    again, created = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=layout, actor="alice"
+    )
     assert (again.pk, created) == (v1.pk, False)
     with pytest.raises(RegistrationConflict, match="register it under a new label"):
         model_version_register(path=demo_checkpoints["tiny-v2"], label="v1", served_name="tiny", layout=layout, actor="alice")

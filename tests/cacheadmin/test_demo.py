@@ -38,8 +38,12 @@ def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_
     for job, deceptive in ((unsafe, n), (safe, 0)):
         assert job.status == JobStatus.SUCCEEDED
         assert summary["unsafe" if job == unsafe else "safe"] == {
-            "job": job.pk, "prompts": n, "deceptive_hits": deceptive, "cached_tokens": job.cached_tokens,
-            "ttft_cold_ms": round(job.ttft_cold_ms, 2), "ttft_warm_ms": round(job.ttft_warm_ms, 2),
+            "job": job.pk,
+            "prompts": n,
+            "deceptive_hits": deceptive,
+            "cached_tokens": job.cached_tokens,
+            "ttft_cold_ms": round(job.ttft_cold_ms, 2),
+            "ttft_warm_ms": round(job.ttft_warm_ms, 2),
         }
         results = list(job.results.all())
         assert len(results) == n
@@ -54,7 +58,8 @@ def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_
 
     prewarms = list(PrewarmJob.objects.order_by("pk"))
     assert [(p.namespace.model_version.label, p.status, p.verified) for p in prewarms] == [
-        ("tiny-v1", JobStatus.SUCCEEDED, n), ("tiny-v2", JobStatus.SUCCEEDED, n),
+        ("tiny-v1", JobStatus.SUCCEEDED, n),
+        ("tiny-v2", JobStatus.SUCCEEDED, n),
     ]
     assert Engine.objects.count() == 4
     assert set(Engine.objects.values_list("status", flat=True)) == {Engine.Status.STOPPED}

@@ -44,8 +44,13 @@ def _start(spec: EngineSpec) -> LocalEngine:
 
 def _spec(path: Path, name: str, *, prefix_caching: bool, storage: Path | None) -> EngineSpec:
     return EngineSpec(
-        model_path=path, served_name="tiny", dtype="float32", port=free_port(), prefix_caching=prefix_caching,
-        kv_storage_path=storage, log_path=settings.ENGINE_LOG_DIR / f"test-{name}.log",
+        model_path=path,
+        served_name="tiny",
+        dtype="float32",
+        port=free_port(),
+        prefix_caching=prefix_caching,
+        kv_storage_path=storage,
+        log_path=settings.ENGINE_LOG_DIR / f"test-{name}.log",
     )
 
 
@@ -57,7 +62,9 @@ def _storage_for(path: Path, tenant: str = "acme") -> Path:
 @pytest.fixture(scope="session")
 def v1_engine(demo_checkpoints) -> Iterator[LocalEngine]:
     """tiny-v1 serving tenant acme's namespace with the ExampleConnector disk tier."""
-    engine = _start(_spec(demo_checkpoints["tiny-v1"], "v1", prefix_caching=True, storage=_storage_for(demo_checkpoints["tiny-v1"])))
+    engine = _start(
+        _spec(demo_checkpoints["tiny-v1"], "v1", prefix_caching=True, storage=_storage_for(demo_checkpoints["tiny-v1"]))
+    )
     yield engine
     engine.stop()
 
@@ -79,7 +86,9 @@ def worker() -> Iterator[WorkerProcess]:
 
 
 def _setup(demo_checkpoints, label: str):
-    version, _ = model_version_register(path=demo_checkpoints[label], label=label, served_name="tiny", layout=LAYOUT, actor="alice")
+    version, _ = model_version_register(
+        path=demo_checkpoints[label], label=label, served_name="tiny", layout=LAYOUT, actor="alice"
+    )
     tenant = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
     owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="alice")
     return version, namespace_get_or_create(model_version=version, tenant=tenant, retention_owner=owner, actor="alice")
@@ -88,9 +97,15 @@ def _setup(demo_checkpoints, label: str):
 def _record(engine: LocalEngine, version, namespace, name: str, *, connector: bool = True) -> Engine:
     """The Engine row of an engine this test session started."""
     return Engine.objects.create(
-        name=name, model_version=version, namespace=namespace, base_url=engine.base_url, pid=engine.pid,
-        prefix_caching=engine.spec.prefix_caching, kv_connector="ExampleConnector" if connector and engine.spec.kv_storage_path else "",
-        kv_storage_path=str(engine.spec.kv_storage_path or ""), status=Engine.Status.READY,
+        name=name,
+        model_version=version,
+        namespace=namespace,
+        base_url=engine.base_url,
+        pid=engine.pid,
+        prefix_caching=engine.spec.prefix_caching,
+        kv_connector="ExampleConnector" if connector and engine.spec.kv_storage_path else "",
+        kv_storage_path=str(engine.spec.kv_storage_path or ""),
+        status=Engine.Status.READY,
         role=Engine.Role.SERVING if namespace else Engine.Role.REFERENCE,
     )
 
@@ -110,7 +125,11 @@ def test_killed_worker_loses_nothing_and_the_job_resumes(demo_checkpoints, v1_en
     restarted = WorkerProcess(worker_log("test-worker-2"), env=subprocess_env(), name="test2")
     restarted.start()  # on start it finds the dead worker's job and requeues it
     try:
-        wait_for(lambda: PrewarmJob.objects.get(pk=job.pk).status not in (JobStatus.QUEUED, JobStatus.RUNNING), timeout=180, what="job end")
+        wait_for(
+            lambda: PrewarmJob.objects.get(pk=job.pk).status not in (JobStatus.QUEUED, JobStatus.RUNNING),
+            timeout=180,
+            what="job end",
+        )
     finally:
         restarted.stop()
     job.refresh_from_db()
@@ -133,7 +152,9 @@ def test_engine_dying_mid_job_fails_it_with_reason_and_keeps_results(demo_checkp
     try:
         engine = _record(doomed, version, namespace, "doomed")
         reference = _record(v2_reference, version, None, "v2-ref")
-        job = comparison_job_create(engine=engine, reference_engine=reference, namespace=namespace, corpus="diagnostic", max_tokens=8, actor="alice")
+        job = comparison_job_create(
+            engine=engine, reference_engine=reference, namespace=namespace, corpus="diagnostic", max_tokens=8, actor="alice"
+        )
         wait_for(lambda: ComparisonJob.objects.get(pk=job.pk).progress_done >= 2, timeout=120, what="two prompts compared")
         doomed.stop(timeout_s=5)
     finally:
@@ -157,7 +178,9 @@ def test_engine_that_cannot_start_is_recorded_failed(demo_checkpoints, model_roo
     config["architectures"] = ["NoSuchModelForCausalLM"]
     (broken / "config.json").write_text(json.dumps(config))
     try:
-        version, _ = model_version_register(path=broken, label="broken", served_name="tiny", layout=LayoutOptions(), actor="alice")
+        version, _ = model_version_register(
+            path=broken, label="broken", served_name="tiny", layout=LayoutOptions(), actor="alice"
+        )
         with pytest.raises(EngineError, match="exited with code"):
             engine_launch(name="broken", model_version=version, namespace=None, actor="alice")
         engine = Engine.objects.get(name="broken")

@@ -131,7 +131,9 @@ def test_adapters_are_identified_by_content(demo_checkpoints, model_root: Path) 
 
 def test_frames_are_unambiguous() -> None:
     assert frame("a|b", b"c") != frame("a", b"b|c")
-    assert digest_frames("k", [("tenant", b"a|b"), ("adapter", b"c")]) != digest_frames("k", [("tenant", b"a"), ("adapter", b"b|c")])
+    assert digest_frames("k", [("tenant", b"a|b"), ("adapter", b"c")]) != digest_frames(
+        "k", [("tenant", b"a"), ("adapter", b"b|c")]
+    )
     assert digest_frames("k", [("tenant", b"foo")]) != digest_frames("k", [("adapter", b"foo")])
     assert digest_frames("k", [("x", b"ab"), ("y", b"")]) != digest_frames("k", [("x", b"a"), ("y", b"b")])
 

@@ -69,7 +69,9 @@ class Command(ControlPlaneCommand):
         if opts["tenant"] is not None:
             out["namespace"] = namespace_id(report.identity, f"tenant:{opts['tenant']}")
         if opts["json"]:
-            out.update(path=str(root), total_bytes=report.total_bytes, hashed_bytes=report.hashed_bytes, seconds=round(report.seconds, 4))
+            out.update(
+                path=str(root), total_bytes=report.total_bytes, hashed_bytes=report.hashed_bytes, seconds=round(report.seconds, 4)
+            )
             self.stdout.write(json.dumps(out))
         else:
             for key, value in out.items():
