@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from inference.checkpoints import DEMO_CHECKPOINTS, build_tiny_mistral
+from inference.checkpoints import ensure_demo_checkpoints
 
 
 @pytest.fixture(scope="session")
@@ -22,13 +22,7 @@ def model_root() -> Path:
 @pytest.fixture(scope="session")
 def demo_checkpoints(model_root: Path) -> dict[str, Path]:
     """tiny-v1 and tiny-v2, built from mistral_common's v3 tokenizer (read-only for tests)."""
-    paths = {}
-    for name, spec in DEMO_CHECKPOINTS.items():
-        path = model_root / name
-        if not (path / "config.json").exists():
-            build_tiny_mistral(path, spec, served_name="tiny")
-        paths[name] = path
-    return paths
+    return ensure_demo_checkpoints(model_root)
 
 
 @pytest.fixture

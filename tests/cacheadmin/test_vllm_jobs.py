@@ -26,6 +26,7 @@ from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.workers import WorkerProcess
 from inference.corpus import load_corpus
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
+from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
 from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id, storage_prefix
 from tests.helpers import subprocess_env, wait_for, worker_log
@@ -142,6 +143,11 @@ def test_killed_worker_loses_nothing_and_the_job_resumes(demo_checkpoints, v1_en
         assert result.expected_cached_tokens == (result.prompt_tokens - 1) // 32 * 32
         assert result.verify_cached_tokens == result.expected_cached_tokens
     assert (job.progress_done, job.progress_total) == (2 * len(CORPUS), 2 * len(CORPUS))
+    # The verification pass read the prompts back through the connector: vLLM counts them as external hits.
+    with VllmHttpClient(v1_engine.base_url, "tiny") as client:
+        metrics = client.metrics()
+    assert metrics["vllm:external_prefix_cache_hits"] >= max(r.verify_cached_tokens for r in job.results.all())
+    assert metrics["vllm:prefix_cache_queries"] > 0
     stored = list(Path(v1_engine.spec.kv_storage_path).iterdir())
     assert len(stored) >= len(CORPUS)
 
