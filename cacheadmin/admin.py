@@ -24,7 +24,12 @@ class ModelVersionAdmin(admin.ModelAdmin):
     list_display = ("label", "served_name", "status", "identity", "total_bytes", "created_at")
     list_filter = ("status",)
     search_fields = ("label", "served_name", "identity")
-    # Digests are computed from the checkpoint, never typed in.
+
+    # Digests are computed from the checkpoint, never typed in: registration
+    # goes through the service (fingerprint, audit), not an admin form.
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
     readonly_fields = (
         "weights",
         "tokenizer",
@@ -44,6 +49,11 @@ class TenantAdmin(admin.ModelAdmin):
     list_display = ("slug", "name", "created_at")
     search_fields = ("slug", "name")
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Tenant | None = None) -> tuple[str, ...]:
+        # The slug is digested into namespace ids: renaming would hand a tenant's
+        # namespaces to whoever takes the old slug next.
+        return ("slug",) if obj is not None else ()
+
 
 @admin.register(RetentionOwner)
 class RetentionOwnerAdmin(admin.ModelAdmin):
@@ -59,13 +69,37 @@ class CacheNamespaceAdmin(admin.ModelAdmin):
     # The id and prefix derive from identity and tenant; editing them would break isolation.
     readonly_fields = ("namespace_id", "storage_prefix", "model_version", "tenant")
 
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
 
 @admin.register(Engine)
 class EngineAdmin(admin.ModelAdmin):
     list_display = ("name", "role", "model_version", "namespace", "status", "base_url", "kv_connector", "created_at")
     list_filter = ("status", "role")
     list_select_related = ("model_version", "namespace")
-    readonly_fields = ("identity_override", "pid", "error", "start_seconds", "stopped_at")
+    # What an engine computes with and which tier it reads are set at launch by
+    # the engine service (identity check, salt-blind tier check, audit).
+    readonly_fields = (
+        "name",
+        "role",
+        "model_version",
+        "namespace",
+        "base_url",
+        "pid",
+        "prefix_caching",
+        "kv_connector",
+        "kv_storage_path",
+        "log_path",
+        "status",
+        "identity_override",
+        "error",
+        "start_seconds",
+        "stopped_at",
+    )
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
 
 
 class PrewarmResultInline(admin.TabularInline):
@@ -89,7 +123,10 @@ class PrewarmJobAdmin(admin.ModelAdmin):
     list_filter = ("status",)
     list_select_related = ("namespace__tenant", "namespace__model_version", "engine")
     inlines = [PrewarmResultInline]
-    readonly_fields = ("log", "error", "worker", "heartbeat_at", "attempts", "started_at", "finished_at")
+    readonly_fields = [f.name for f in PrewarmJob._meta.concrete_fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
 
 
 class ComparisonResultInline(admin.TabularInline):
@@ -125,7 +162,10 @@ class ComparisonJobAdmin(admin.ModelAdmin):
     list_filter = ("status",)
     list_select_related = ("engine", "namespace__tenant", "namespace__model_version")
     inlines = [ComparisonResultInline]
-    readonly_fields = ("log", "error", "worker", "heartbeat_at", "attempts", "started_at", "finished_at")
+    readonly_fields = [f.name for f in ComparisonJob._meta.concrete_fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
 
 
 @admin.register(AuditEvent)

@@ -57,7 +57,7 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
 
 
 def env_paths(name: str, default: list[Path]) -> list[Path]:
-    """Parse a ``:``-separated list of absolute or project-relative directories.
+    """Parse a ``:``-separated list of directories (relative ones are joined to the project by the caller).
 
     Raises:
         ImproperlyConfigured: an empty entry.

@@ -102,7 +102,7 @@ STATICFILES_DIRS = [
 
 # --- Control plane -----------------------------------------------------------
 #: Directories that checkpoints must live under (symlinks resolved).
-MODEL_ROOTS = [p.resolve() for p in env_paths("MODEL_ROOTS", [VAR_DIR / "models"])]
+MODEL_ROOTS = [(BASE_DIR / p).resolve() for p in env_paths("MODEL_ROOTS", [VAR_DIR / "models"])]
 #: Where the demo builds its checkpoints (must lie inside MODEL_ROOTS).
 DEMO_MODELS_DIR = Path(env_str("DEMO_MODELS_DIR", str(VAR_DIR / "models"))).resolve()
 #: Root of the hot persistent KV tier on disk; each namespace gets its own prefix below it.
@@ -152,6 +152,8 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "cacheadmin": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+        # Without this, DEBUG=False sends 500 tracebacks only to mail_admins (none set).
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
         "inference": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     },
 }

@@ -1,9 +1,10 @@
-"""Per-file content digest cache keyed on (path, size, mtime_ns, inode).
+"""Per-file content digest cache keyed on (path, device, inode, size, mtime_ns, ctime_ns).
 
 Hashing a multi-gigabyte checkpoint takes seconds to minutes; re-registering an
 unchanged one should not. A file is re-hashed whenever any part of its key
-changes, which catches rewrites in place (mtime, size) and replacements by
-rename (inode). Stored in a stdlib SQLite file because inode and path are facts
+changes, which catches rewrites in place (mtime, size), replacements by rename
+(inode), and in-place writes whose mtime was set back afterwards (ctime, which
+no user call can set). Stored in a stdlib SQLite file because inode and path are facts
 of one host: each host keeps its own cache.
 """
 
@@ -15,11 +16,9 @@ import threading
 from pathlib import Path
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS file_digest (
-    path TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    mtime_ns INTEGER NOT NULL,
-    inode INTEGER NOT NULL,
+CREATE TABLE IF NOT EXISTS file_digest_v2 (
+    path BLOB PRIMARY KEY,
+    key TEXT NOT NULL,
     digest TEXT NOT NULL
 )
 """
@@ -46,22 +45,21 @@ class FileDigestCache:
             self._local.conn = conn
         return conn
 
+    @staticmethod
+    def stat_key(st: os.stat_result) -> str:
+        """What "unchanged" means for a file: device, inode, size, mtime and ctime."""
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
     def get(self, path: Path, st: os.stat_result) -> str | None:
         """The cached hex digest if the file's key still matches, else None."""
-        row = (
-            self._conn()
-            .execute(
-                "SELECT digest FROM file_digest WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
-                (str(path), st.st_size, st.st_mtime_ns, st.st_ino),
-            )
-            .fetchone()
-        )
+        query = "SELECT digest FROM file_digest_v2 WHERE path=? AND key=?"
+        row = self._conn().execute(query, (os.fsencode(path), self.stat_key(st))).fetchone()
         return row[0] if row else None
 
     def put(self, path: Path, st: os.stat_result, digest: str) -> None:
         """Record ``digest`` for the file as it was when ``st`` was taken."""
         with self._conn() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO file_digest(path, size, mtime_ns, inode, digest) VALUES (?,?,?,?,?)",
-                (str(path), st.st_size, st.st_mtime_ns, st.st_ino, digest),
+                "INSERT OR REPLACE INTO file_digest_v2(path, key, digest) VALUES (?,?,?)",
+                (os.fsencode(path), self.stat_key(st), digest),
             )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import struct
 import time
 from dataclasses import asdict, dataclass, field
@@ -110,7 +109,8 @@ def _strip_keys(value: Any, excluded: set[str] | dict[str, str]) -> Any:
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integers.
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
@@ -134,13 +134,33 @@ def check_safetensors(path: Path, size: int) -> None:
             if header_len > size - 8:
                 raise CheckpointError(f"{path} is truncated: header of {header_len} bytes in a {size}-byte file")
             header = json.loads(fh.read(header_len))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} has a malformed safetensors header: {exc}") from exc
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    end = _safetensors_data_end(path, header)
     expected = 8 + header_len + end
     if expected != size:
         state = "truncated" if expected > size else "longer than its header declares"
         raise CheckpointError(f"{path} is {state}: header declares {expected} bytes, file has {size}")
+
+
+def _safetensors_data_end(path: Path, header: object) -> int:
+    """Largest end offset the header declares; the header's shape is checked."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a malformed safetensors header: not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise CheckpointError(f"{path} has a malformed safetensors header: tensor {name!r} has no valid data_offsets")
+        end = max(end, offsets[1])
+    return end
 
 
 def hash_file(path: Path, *, cache: FileDigestCache | None = None) -> tuple[str, bool]:
@@ -163,7 +183,7 @@ def hash_file(path: Path, *, cache: FileDigestCache | None = None) -> tuple[str,
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
     hasher.update_mmap(path)
     after = path.stat()
-    if (before.st_size, before.st_mtime_ns, before.st_ino) != (after.st_size, after.st_mtime_ns, after.st_ino):
+    if FileDigestCache.stat_key(before) != FileDigestCache.stat_key(after):
         raise CheckpointError(f"{path} changed while it was being hashed; retry once it is written")
     digest = hasher.hexdigest()
     if cache is not None:
@@ -191,11 +211,19 @@ class LayoutOptions:
     def __post_init__(self) -> None:
         for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise CheckpointError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in _DTYPE_ALIASES and getattr(self, name) != "auto":
-                raise CheckpointError(f"{name} {getattr(self, name)!r} is not one of auto, {', '.join(sorted(_DTYPE_ALIASES))}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _MAX_LAYOUT_INT:
+                raise CheckpointError(f"{name} must be an integer within 1..{_MAX_LAYOUT_INT}, got {value!r}")
+        if self.dtype != "auto" and self.dtype not in _MODEL_DTYPES:
+            raise CheckpointError(f"dtype {self.dtype!r} is not one of auto, {', '.join(sorted(_MODEL_DTYPES))}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPE_ALIASES:
+            raise CheckpointError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of auto, {', '.join(sorted(_DTYPE_ALIASES))}"
+            )
+        for name in ("quantization", "kv_connector", "kv_storage_format"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                # An empty string would digest differently from "unset" for the same engine.
+                raise CheckpointError(f"{name} is empty; leave it out instead")
 
 
 _DTYPE_ALIASES = {
@@ -211,6 +239,12 @@ _DTYPE_ALIASES = {
     "fp8_e4m3": "fp8_e4m3",
     "fp8_e5m2": "fp8_e5m2",
 }
+
+
+#: Weight dtypes vLLM's ``--dtype`` accepts (fp8 is a KV-cache dtype only).
+_MODEL_DTYPES = {k for k, v in _DTYPE_ALIASES.items() if not v.startswith("fp8")}
+#: Upper bound of block size and parallel sizes; far above any real engine.
+_MAX_LAYOUT_INT = 1 << 16
 
 
 def engine_version() -> str:
@@ -308,6 +342,8 @@ def _weights(root: Path, cache: FileDigestCache | None) -> tuple[str, dict[str, 
     total = hashed = 0
     for path in files:
         size = path.stat().st_size
+        if size == 0:
+            raise CheckpointError(f"{path} is an empty weight file")
         if path.suffix == ".safetensors":
             check_safetensors(path, size)
         digest, did_hash = hash_file(path, cache=cache)
@@ -406,10 +442,12 @@ def fingerprint_checkpoint(
     """
     started = time.perf_counter()
     layout = layout or LayoutOptions()
+    # Cheap checks first, so a bad checkpoint is refused before any weight
+    # file is hashed (and before the digest cache records anything).
     config_digest, config_kept, config_raw = _config(root)
-    weights_digest, weight_files, total, hashed = _weights(root, cache)
     tokenizer_digest, tokenizer_inputs = _tokenizer(root)
     layout_dict = resolve_layout(layout, config_raw)
+    weights_digest, weight_files, total, hashed = _weights(root, cache)
     layout_digest = digest_frames("layout", [("layout", canonical_json(layout_dict))])
     adapters_digest, adapter_inputs = _adapters(adapters or {}, cache)
     identity = digest_frames(
@@ -468,9 +506,3 @@ def cache_salt(secret: str, namespace: str) -> str:
 def storage_prefix(namespace: str) -> str:
     """Directory/key prefix of a namespace in the persistent KV tiers."""
     return f"ns-{namespace[:32]}"
-
-
-def file_stat_key(path: Path) -> tuple[int, int, int]:
-    """(size, mtime_ns, inode) of a file, the digest cache's notion of "unchanged"."""
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino

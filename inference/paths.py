@@ -28,6 +28,17 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> P
             ``config.json``.
     """
     raw = Path(path).expanduser()
+    try:
+        str(raw).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CheckpointError(f"checkpoint path {raw!r} is not valid UTF-8") from exc
+    try:
+        return _resolve(raw, roots)
+    except (OSError, RuntimeError) as exc:  # symlink loops, permissions
+        raise CheckpointError(f"checkpoint path {raw}: {exc}") from exc
+
+
+def _resolve(raw: Path, roots: list[Path]) -> Path:
     if not raw.exists():
         raise CheckpointError(f"checkpoint path does not exist: {raw}")
     resolved = raw.resolve()
@@ -37,11 +48,11 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> P
         raise CheckpointError(f"checkpoint path {raw} resolves to {resolved}, outside the model roots ({allowed})")
     if not resolved.is_dir():
         raise CheckpointError(f"checkpoint path is not a directory: {raw}")
+    if not (resolved / "config.json").is_file():
+        raise CheckpointError(f"checkpoint {raw} has no config.json")
     for entry in resolved.rglob("*"):
         if entry.is_symlink():
             target = entry.resolve()
             if not any(target.is_relative_to(root) for root in resolved_roots):
                 raise CheckpointError(f"{entry} links to {target}, outside the model roots")
-    if not (resolved / "config.json").is_file():
-        raise CheckpointError(f"checkpoint {raw} has no config.json")
     return resolved

@@ -35,4 +35,7 @@ class ControlPlaneCommand(BaseCommand):
 
     def bad_input(self, message: str) -> CommandError:
         """A CommandError that exits 2 with ``message`` on one line."""
-        return CommandError(" ".join(message.split()), returncode=EXIT_BAD_INPUT)
+        one_line = " ".join(message.split())
+        # Escape control characters from user input (paths) so they cannot drive the terminal.
+        printable = "".join(c if c.isprintable() else repr(c)[1:-1] for c in one_line)
+        return CommandError(printable, returncode=EXIT_BAD_INPUT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.core.validators import RegexValidator
 from django.db import models
 
-slug_validator = RegexValidator(r"^[a-z0-9][a-z0-9-]{0,62}$", "lowercase letters, digits and '-', 1 to 63 characters")
+slug_validator = RegexValidator(r"\A[a-z0-9][a-z0-9-]{0,62}\Z", "lowercase letters, digits and '-', 1 to 63 characters")
 
 
 class Tenant(models.Model):

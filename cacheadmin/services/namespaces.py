@@ -43,11 +43,15 @@ def namespace_get_or_create(
 
     The id is derived (``inference.identity.namespace_id``), so every process
     computes the same one; concurrent callers end with the same row.
+
+    Raises:
+        NamespaceConflict: the derived id is held by another tenant or identity
+            (e.g. a tenant slug was reused); isolation wins over convenience.
     """
     ns_id = namespace_id(model_version.identity, tenant.boundary)
-    existing = CacheNamespace.objects.filter(namespace_id=ns_id).first()
+    existing = CacheNamespace.objects.select_related("tenant", "model_version").filter(namespace_id=ns_id).first()
     if existing:
-        return existing
+        return _same_owner_or_refuse(existing, model_version, tenant)
     try:
         with transaction.atomic():
             namespace = CacheNamespace.objects.create(
@@ -64,8 +68,21 @@ def namespace_get_or_create(
                 after={"namespace_id": ns_id, "model_version": model_version.label, "tenant": tenant.slug},
             )
     except IntegrityError:
-        return CacheNamespace.objects.get(namespace_id=ns_id)
+        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_id=ns_id), model_version, tenant)
     return namespace
+
+
+class NamespaceConflict(ValueError):
+    """A namespace id is held by another (tenant, model version) row."""
+
+
+def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion, tenant: Tenant) -> CacheNamespace:
+    if existing.tenant_id != tenant.pk or existing.model_version.identity != model_version.identity:
+        raise NamespaceConflict(
+            f"namespace {existing.namespace_id[:12]}… belongs to tenant {existing.tenant.slug} and "
+            f"{existing.model_version.label}; it is never handed to another tenant or identity"
+        )
+    return existing
 
 
 def namespace_cache_salt(namespace: CacheNamespace) -> str:

@@ -8,6 +8,14 @@ register = template.Library()
 
 
 @register.filter
+def as_json(value: object) -> str:
+    """A config or layout value as JSON (null, true, {...}), not a Python repr."""
+    import json
+
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+@register.filter
 def field_value(obj: object, name: str) -> object:
     """``obj.<name>`` for a field name held in a variable (identity fields)."""
     return getattr(obj, name, "")

@@ -269,3 +269,61 @@ def test_file_rewritten_while_hashed_is_refused(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(blake3.blake3, "update_mmap", update_while_a_writer_appends)
     with pytest.raises(CheckpointError, match="changed while it was being hashed"):
         hash_file(target)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"[1,2]", b'{"a":{"dtype":"F32"}}', b'{"a":5}', b'{"a":{"data_offsets":["x","y"]}}', b'{"a":{"data_offsets":[9,3]}}'],
+)
+def test_malformed_safetensors_headers_are_refused(checkpoint_copy, header: bytes) -> None:
+    path = checkpoint_copy()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match="malformed safetensors header"):
+        fingerprint_checkpoint(path)
+
+
+@pytest.mark.parametrize("config", ['{"a": ' + "9" * 5000 + "}", "[" * 100000 + "]" * 100000])
+def test_hostile_config_json_is_refused(checkpoint_copy, config: str) -> None:
+    path = checkpoint_copy()
+    (path / "config.json").write_text(config)
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        fingerprint_checkpoint(path)
+
+
+def test_symlink_loop_and_empty_weight_file_are_refused(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    (path / "a").symlink_to(path / "b")
+    (path / "b").symlink_to(path / "a")
+    with pytest.raises(CheckpointError):
+        resolve_checkpoint_dir(path, [path.parent])
+    other = checkpoint_copy()
+    (other / "model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty weight file"):
+        fingerprint_checkpoint(other)
+
+
+def test_in_place_write_with_mtime_set_back_is_noticed(checkpoint_copy, tmp_path: Path) -> None:
+    path = checkpoint_copy()
+    cache = FileDigestCache(tmp_path / "cache.sqlite3")
+    first = fingerprint_checkpoint(path, cache=cache)
+    weights = path / "model.safetensors"
+    st = weights.stat()
+    with weights.open("r+b") as fh:
+        fh.seek(st.st_size // 2)
+        fh.write(b"\x01\x02\x03\x04")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # `touch -r`: mtime restored, ctime moves
+    second = fingerprint_checkpoint(path, cache=cache)
+    assert second.hashed_bytes == second.total_bytes
+    assert second.weights != first.weights
+
+
+def test_layout_options_refuse_empty_and_out_of_range_values() -> None:
+    for kwargs, message in (
+        ({"quantization": ""}, "quantization is empty"),
+        ({"kv_connector": " "}, "kv_connector is empty"),
+        ({"dtype": "fp8"}, "dtype 'fp8' is not one of"),
+        ({"block_size": 10**30}, "block_size must be an integer within"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            LayoutOptions(**kwargs)
+    assert LayoutOptions(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -16,12 +17,10 @@ from inference.identity import LayoutOptions, namespace_id
 
 
 def _positive(value: str) -> int:
-    import argparse
-
-    try:
-        number = int(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from exc
+    """argparse type: a positive integer written in ASCII digits (int() also takes other scripts' digits)."""
+    if not (value.isascii() and value.strip().lstrip("+-").isdigit()):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer")
+    number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"{number} is not a positive integer")
     return number
