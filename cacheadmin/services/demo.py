@@ -19,11 +19,11 @@ from typing import Any
 
 from django.conf import settings
 
-from cacheadmin.models import ComparisonJob, Engine, JobStatus, PrewarmJob
+from cacheadmin.models import ComparisonJob, Engine, JobStatus, ModelVersion, PrewarmJob
 from cacheadmin.models.jobs import Job
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_launch, engine_stop, engines_reconcile
-from cacheadmin.services.model_versions import model_version_register
+from cacheadmin.services.model_versions import model_version_register, model_version_transition
 from cacheadmin.services.namespaces import namespace_get_or_create, retention_owner_get_or_create, tenant_get_or_create
 from cacheadmin.services.prewarm import prewarm_job_create
 from inference.checkpoints import ensure_demo_checkpoints
@@ -55,6 +55,12 @@ def _wait(job: Job, *, timeout_s: float, log: Callable[[str], None], watchdog: C
         watchdog()
         time.sleep(0.5)
     raise DemoError(f"{job} did not finish within {timeout_s:.0f} s")
+
+
+def _activate(version: ModelVersion, *, reason: str) -> None:
+    version.refresh_from_db()
+    if version.status != ModelVersion.Status.ACTIVE:
+        model_version_transition(version=version, to=ModelVersion.Status.ACTIVE, actor=ACTOR, reason=reason)
 
 
 def _summary(job: ComparisonJob) -> dict[str, Any]:
@@ -125,6 +131,7 @@ def demo_run(
         job = finish(prewarm_job_create(namespace=ns1, engine=e1, corpus=corpus, actor=ACTOR), "prewarm of v1")
         assert isinstance(job, PrewarmJob)
         log(f"v1 prewarmed: {job.verified} prompts verified from the disk tier")
+        _activate(v1, reason="demo: v1 serves tenant acme")
         engine_stop(engine=e1, actor=ACTOR)
         reference = launch("tiny-v2-reference", model_version=v2, namespace=None)
 
@@ -145,6 +152,10 @@ def demo_run(
             ),
             "safe comparison",
         )
+        _activate(v2, reason="demo: upgrade to v2 in its own namespace")
+        v1.refresh_from_db()
+        if v1.status == ModelVersion.Status.ACTIVE:
+            model_version_transition(version=v1, to=ModelVersion.Status.DRAINING, actor=ACTOR, reason="demo: replaced by v2")
     finally:
         for engine in started:
             engine.refresh_from_db()

@@ -92,3 +92,46 @@ def _same_or_conflict(existing: ModelVersion, identity: str) -> ModelVersion:
             f"this checkpoint has {identity[:16]}…; register it under a new label"
         )
     return existing
+
+
+#: Allowed lifecycle moves: registered → active → draining → retired, and a
+#: draining version may be re-activated (rollback before it is retired).
+LIFECYCLE: dict[str, set[str]] = {
+    ModelVersion.Status.REGISTERED: {ModelVersion.Status.ACTIVE, ModelVersion.Status.RETIRED},
+    ModelVersion.Status.ACTIVE: {ModelVersion.Status.DRAINING},
+    ModelVersion.Status.DRAINING: {ModelVersion.Status.ACTIVE, ModelVersion.Status.RETIRED},
+    ModelVersion.Status.RETIRED: set(),
+}
+
+
+class LifecycleError(ValueError):
+    """A lifecycle move that is not allowed from the version's current status."""
+
+
+def model_version_transition(*, version: ModelVersion, to: str, actor: str, reason: str = "") -> ModelVersion:
+    """Move a model version along its lifecycle, atomically and audited.
+
+    The UPDATE is conditional on the status read, so two concurrent moves
+    cannot both apply.
+
+    Raises:
+        LifecycleError: ``to`` is not reachable from the current status, or the
+            status changed underneath.
+    """
+    current = version.status
+    if to not in LIFECYCLE.get(current, set()):
+        raise LifecycleError(f"{version.label} is {current}; it cannot become {to}")
+    with transaction.atomic():
+        moved = ModelVersion.objects.filter(pk=version.pk, status=current).update(status=to)
+        if not moved:
+            raise LifecycleError(f"{version.label} changed status concurrently; reload and retry")
+        audit_record(
+            actor=actor,
+            action="model_version.transition",
+            obj=version,
+            before={"status": current},
+            after={"status": to},
+            reason=reason,
+        )
+    version.refresh_from_db()
+    return version

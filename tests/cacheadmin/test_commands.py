@@ -154,3 +154,29 @@ def test_fingerprint_escapes_control_characters_and_refuses_non_ascii_digits(dem
     assert proc.returncode == 2 and "\x1b" not in proc.stderr and "\\x1b[31mred" in proc.stderr
     proc = manage("fingerprint", str(demo_checkpoints["tiny-v1"]), "--block-size", "\u0663", "--json")
     assert proc.returncode == 2 and "is not an integer" in proc.stderr
+
+
+@pytest.mark.django_db
+def test_model_version_lifecycle_moves_and_refusals(demo_checkpoints) -> None:
+    from cacheadmin.services.model_versions import LifecycleError, model_version_transition
+
+    version, _ = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=LayoutOptions(), actor="alice"
+    )
+    for to in ("active", "draining", "active", "draining", "retired"):
+        version = model_version_transition(version=version, to=to, actor="alice", reason=f"to {to}")
+        assert version.status == to
+    with pytest.raises(LifecycleError, match="is retired; it cannot become active"):
+        model_version_transition(version=version, to="active", actor="alice")
+    stale = ModelVersion.objects.get(pk=version.pk)
+    stale.status = "draining"  # a view of the row from before it was retired
+    with pytest.raises(LifecycleError, match="changed status concurrently"):
+        model_version_transition(version=stale, to="active", actor="bob")
+    moves = AuditEvent.objects.filter(action="model_version.transition").order_by("id")
+    assert [(e.before["status"], e.after["status"]) for e in moves] == [
+        ("registered", "active"),
+        ("active", "draining"),
+        ("draining", "active"),
+        ("active", "draining"),
+        ("draining", "retired"),
+    ]

@@ -61,6 +61,7 @@ def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_
         ("tiny-v1", JobStatus.SUCCEEDED, n),
         ("tiny-v2", JobStatus.SUCCEEDED, n),
     ]
+    assert (v1.status, v2.status) == ("draining", "active")
     assert Engine.objects.count() == 4
     assert set(Engine.objects.values_list("status", flat=True)) == {Engine.Status.STOPPED}
     assert AuditEvent.objects.filter(action="engine.launch", reason=UNSAFE_REASON).count() == 1
