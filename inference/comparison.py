@@ -17,6 +17,7 @@ because of cached state, not noise.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -98,6 +99,15 @@ def compare_prompt(
     )
 
 
+#: Seconds to let an engine go idle before timing requests on another one.
+#: vLLM's worker busy-polls its shared-memory queue for 1 s after each request
+#: (``SpinCondition.busy_loop_s`` in vllm/distributed/device_communicators/
+#: shm_broadcast.py, vLLM 0.32). On a host with few cores that spin steals the
+#: other engine's CPU: interleaving requests between two engines measured
+#: 500-1,000 ms TTFT stalls here, against ~25-100 ms with this pause.
+ENGINE_SETTLE_S = 1.2
+
+
 def run_comparison(
     engine: ChatEngine,
     reference: ChatEngine,
@@ -107,23 +117,36 @@ def run_comparison(
     max_tokens: int,
     skip: Iterable[int] = (),
     on_result: Callable[[PromptComparison], None],
+    on_baseline: Callable[[int], None] = lambda index: None,
+    settle_s: float = ENGINE_SETTLE_S,
 ) -> None:
     """Run every prompt not in ``skip`` both ways and report each outcome.
 
-    ``on_result`` is called after each prompt so the caller records it before
-    the next begins; a failure mid-run keeps every result already reported.
+    Two phases, so each engine's timings are taken while the other is idle
+    (see :data:`ENGINE_SETTLE_S`): the reference runs every prompt (cold and
+    control, ``on_baseline`` after each), then, after ``settle_s``, the engine
+    under test runs every prompt and ``on_result`` records each outcome before
+    the next begins. A failure mid-run keeps every result already reported; a
+    resumed run repeats only the prompts without a result.
 
     Raises:
         EngineError: from either engine client.
     """
     done = set(skip)
-    for index, conv in enumerate(conversations):
-        if index in done:
-            continue
+    todo = [(index, conv) for index, conv in enumerate(conversations) if index not in done]
+    if not todo:
+        return
+    baselines: dict[int, tuple[ChatResult, ChatResult]] = {}
+    time.sleep(settle_s)
+    for index, conv in todo:
         cold = reference.chat(conv.messages, cache_salt=None, max_tokens=max_tokens, tools=conv.tools)
         control = reference.chat(conv.messages, cache_salt=None, max_tokens=max_tokens, tools=conv.tools)
+        baselines[index] = (cold, control)
+        on_baseline(index)
+    time.sleep(settle_s)
+    for index, conv in todo:
         warm = engine.chat(conv.messages, cache_salt=cache_salt, max_tokens=max_tokens, tools=conv.tools)
-        on_result(compare_prompt(index, conv, cold, control, warm))
+        on_result(compare_prompt(index, conv, *baselines[index], warm))
 
 
 def median_or_none(values: list[float]) -> float | None:

@@ -115,6 +115,7 @@ def comparison_job_run(*, job_id: int) -> None:
                 max_tokens=job.max_tokens,
                 skip=set(job.results.values_list("index", flat=True)),
                 on_result=on_result,
+                on_baseline=lambda index: job_log(job, f"reference ran {conversations[index].id} cold and control"),
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}", **_summary(job))

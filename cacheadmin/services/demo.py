@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -23,7 +24,7 @@ from cacheadmin.models import ComparisonJob, Engine, JobStatus, ModelVersion, Pr
 from cacheadmin.models.jobs import Job
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_launch, engine_stop, engines_reconcile
-from cacheadmin.services.model_versions import model_version_register, model_version_transition
+from cacheadmin.services.model_versions import checkpoint_fingerprint, model_version_register, model_version_transition
 from cacheadmin.services.namespaces import namespace_get_or_create, retention_owner_get_or_create, tenant_get_or_create
 from cacheadmin.services.prewarm import prewarm_job_create
 from inference.checkpoints import ensure_demo_checkpoints
@@ -55,6 +56,17 @@ def _wait(job: Job, *, timeout_s: float, log: Callable[[str], None], watchdog: C
         watchdog()
         time.sleep(0.5)
     raise DemoError(f"{job} did not finish within {timeout_s:.0f} s")
+
+
+def _register(path: Path, label: str) -> ModelVersion:
+    _, report = checkpoint_fingerprint(path=path, layout=DEMO_LAYOUT)
+    existing = ModelVersion.objects.filter(label=label).first()
+    if existing is not None and existing.identity != report.identity:
+        # The demo checkpoint was rebuilt (new spec): register it beside the old
+        # row, whose jobs and namespaces stay as history.
+        label = f"{label}-{report.identity[:8]}"
+    version, _ = model_version_register(path=path, label=label, served_name="tiny", layout=DEMO_LAYOUT, actor=ACTOR)
+    return version
 
 
 def _activate(version: ModelVersion, *, reason: str) -> None:
@@ -101,8 +113,8 @@ def demo_run(
     run = uuid.uuid4().hex[:6]
     paths = ensure_demo_checkpoints(settings.DEMO_MODELS_DIR)
     log(f"checkpoints: {', '.join(str(p) for p in paths.values())}")
-    v1, _ = model_version_register(path=paths["tiny-v1"], label="tiny-v1", served_name="tiny", layout=DEMO_LAYOUT, actor=ACTOR)
-    v2, _ = model_version_register(path=paths["tiny-v2"], label="tiny-v2", served_name="tiny", layout=DEMO_LAYOUT, actor=ACTOR)
+    v1 = _register(paths["tiny-v1"], "tiny-v1")
+    v2 = _register(paths["tiny-v2"], "tiny-v2")
     changed = [f for f in v1.IDENTITY_FIELDS if getattr(v1, f) != getattr(v2, f)]
     log(f"registered tiny-v1 {v1.identity[:12]} and tiny-v2 {v2.identity[:12]}; fields that differ: {changed}")
     tenant = tenant_get_or_create(slug="acme", name="Acme Corp", actor=ACTOR)

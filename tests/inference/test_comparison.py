@@ -70,3 +70,38 @@ def test_diagnostic_corpus_covers_the_required_cases() -> None:
     long1, long2 = corpus["long-1"].messages, corpus["long-2"].messages
     assert long2[: len(long1)] == long1
     assert any(m["role"] == "assistant" for m in long1)
+
+
+class RecordingEngine:
+    """Stands in for an engine client: records the order of calls (the phase
+    ordering is what this unit is about; real engines are in tests/cacheadmin)."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str]], tokens: list[int]) -> None:
+        self.name, self.calls, self.tokens = name, calls, tokens
+
+    def chat(self, messages, *, cache_salt, max_tokens, tools=None) -> ChatResult:
+        self.calls.append((self.name, messages[-1]["content"]))
+        return ChatResult(token_ids=self.tokens, logprobs=[-1.0] * len(self.tokens), prompt_tokens=100, cached_tokens=64)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def test_run_comparison_times_each_engine_while_the_other_is_idle() -> None:
+    from inference.comparison import run_comparison
+
+    calls: list[tuple[str, str]] = []
+    convs = [Conversation(id=f"c{i}", messages=[{"role": "user", "content": f"p{i}"}]) for i in range(3)]
+    results = []
+    run_comparison(
+        RecordingEngine("test", calls, [1, 2]),
+        RecordingEngine("ref", calls, [1, 3]),
+        convs,
+        cache_salt="s",
+        max_tokens=2,
+        skip={1},
+        on_result=results.append,
+        settle_s=0,
+    )
+    assert calls == [("ref", "p0"), ("ref", "p0"), ("ref", "p2"), ("ref", "p2"), ("test", "p0"), ("test", "p2")]
+    assert [(r.index, r.deceptive, r.first_divergence) for r in results] == [(0, True, 1), (2, True, 1)]
