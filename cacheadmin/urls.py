@@ -8,7 +8,7 @@ from cacheadmin import views
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
     path("healthz", views.health, name="health"),
-    path("fragments/jobs", views.jobs_fragment, name="jobs-fragment"),
+    path("fragments/live", views.live_fragment, name="live-fragment"),
     path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
     path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),

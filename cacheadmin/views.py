@@ -11,33 +11,39 @@ from django.shortcuts import get_object_or_404, render
 from cacheadmin import selectors
 from cacheadmin.models import ComparisonJob, ModelVersion, PrewarmJob
 
-#: Poll intervals (seconds) of live fragments: while a job runs, and when idle.
+#: Poll intervals (seconds) of live fragments: while a job or an engine runs,
+#: and when nothing does. Hidden tabs do not poll at all (hx-trigger filter).
 POLL_ACTIVE_S = 2
-POLL_IDLE_S = 30
+POLL_IDLE_S = 15
 
 
-def _jobs_context() -> dict[str, object]:
+def _live_context() -> dict[str, object]:
+    engines = list(selectors.engine_list())
     prewarm = list(selectors.prewarm_job_list())
     comparison = list(selectors.comparison_job_list())
-    active = any(j.is_active for j in prewarm + comparison)
-    return {"prewarm_jobs": prewarm, "comparison_jobs": comparison, "poll_s": POLL_ACTIVE_S if active else POLL_IDLE_S}
+    active = any(j.is_active for j in prewarm + comparison) or any(e.status in ("starting", "ready") for e in engines)
+    return {
+        "engines": engines,
+        "prewarm_jobs": prewarm,
+        "comparison_jobs": comparison,
+        "poll_s": POLL_ACTIVE_S if active else POLL_IDLE_S,
+    }
 
 
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """Model versions with identity fields, namespaces, engines and jobs."""
+    """Model versions with identity fields, namespaces, and the live engines and jobs."""
     context = {
         "model_versions": selectors.model_version_list(),
         "namespaces": selectors.namespace_list(),
-        "engines": selectors.engine_list(),
         "identity_fields": ModelVersion.IDENTITY_FIELDS,
-        **_jobs_context(),
+        **_live_context(),
     }
     return render(request, "cacheadmin/dashboard.html", context)
 
 
-def jobs_fragment(request: HttpRequest) -> HttpResponse:
-    """The jobs tables alone, for polling."""
-    return render(request, "cacheadmin/_jobs.html", _jobs_context())
+def live_fragment(request: HttpRequest) -> HttpResponse:
+    """The engines and jobs tables alone, for polling."""
+    return render(request, "cacheadmin/_live.html", _live_context())
 
 
 def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
