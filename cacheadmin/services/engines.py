@@ -125,6 +125,14 @@ def engine_launch(
         local.stop()
         Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.FAILED, error=str(exc), stopped_at=timezone.now())
         raise
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) while starting: never leave a server, or a
+        # row that claims one is starting.
+        local.stop()
+        Engine.objects.filter(pk=engine.pk).update(
+            status=Engine.Status.STOPPED, error="interrupted while starting", stopped_at=timezone.now()
+        )
+        raise
     _LAUNCHED[engine.pk] = local
     Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.READY, start_seconds=seconds)
     engine.refresh_from_db()

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from inference.engines.launcher import die_with_parent
+
 
 class WorkerProcess:
     """``celery -A cacheadmin worker`` in a subprocess, logging to ``log_path``.
@@ -58,6 +60,7 @@ class WorkerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
+                preexec_fn=die_with_parent,
             )
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:

@@ -123,11 +123,20 @@ def _has_mistral_tokenizer(path: Path) -> bool:
     return (path / "tekken.json").is_file() or any(path.glob("tokenizer.model.v*"))
 
 
-def _die_with_parent() -> None:
-    # The server must not outlive the process that launched it (a killed demo
-    # or test run would otherwise leave engines holding GiBs and ports).
+def die_with_parent() -> None:
+    """``preexec_fn`` for child processes that must not outlive their parent.
+
+    Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: a killed demo or test run would
+    otherwise leave engines holding GiBs and ports, or a worker consuming jobs.
+    """
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _engine_preexec() -> None:
+    die_with_parent()
+    # Its own process group, so stop() can signal the server and the engine
+    # core and worker processes it spawns, all at once.
     os.setsid()
 
 
@@ -165,7 +174,7 @@ class LocalEngine:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.spec.environment(),
-                preexec_fn=_die_with_parent,
+                preexec_fn=_engine_preexec,
             )
         except OSError as exc:
             raise EngineError(f"could not spawn the vLLM server: {exc}") from exc

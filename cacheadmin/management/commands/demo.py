@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -18,9 +19,15 @@ from django.core.management.base import CommandParser
 from cacheadmin.management.base import ControlPlaneCommand
 from cacheadmin.services.demo import DemoError, demo_run
 from cacheadmin.services.workers import WorkerProcess
+from inference.engines.launcher import die_with_parent
 from inference.errors import CheckpointError, EngineError
 
 EXIT_CHECK_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 class Command(ControlPlaneCommand):
@@ -28,7 +35,7 @@ class Command(ControlPlaneCommand):
         "Run the main job: build and register two model versions that differ only in weights, prewarm v1's "
         "namespace on a real vLLM engine, then upgrade to v2 unsafely (v1's storage prefix) and safely (its own "
         "namespace), with a comparison job for each. Serves the dashboard unless --no-serve. "
-        "Exit codes: 0 unsafe upgrade caught and safe one clean; 1 not so; 2 bad input or a failed step."
+        "Exit codes: 0 unsafe upgrade caught and safe one clean; 1 not so; 2 bad input or a failed step; 130 interrupted."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -37,11 +44,17 @@ class Command(ControlPlaneCommand):
         parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt when comparing")
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        # Stop cleanly (worker, dashboard server, engines) on Ctrl-C and on
+        # SIGTERM from a service manager; SIGINT is reinstated because a shell
+        # starting us in the background leaves it ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
         call_command("migrate", interactive=False, verbosity=0)
         serve = not opts["no_serve"]
         log = (lambda line: self.stderr.write(line)) if not serve else (lambda line: self.stdout.write(line))
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
         server: subprocess.Popen[bytes] | None = None
+        summary: dict[str, Any] | None = None
         worker.start()
         log(f"celery worker ready (broker {settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}")
         try:
@@ -68,7 +81,9 @@ class Command(ControlPlaneCommand):
             if not ok:
                 sys.exit(EXIT_CHECK_FAILED)
         except KeyboardInterrupt:
-            pass
+            if summary is None:  # interrupted during the main job, not while serving
+                log("interrupted; engines, worker and server stopped")
+                sys.exit(EXIT_INTERRUPTED)
         finally:
             worker.stop()
             if server is not None and server.poll() is None:
@@ -84,6 +99,7 @@ class Command(ControlPlaneCommand):
             [sys.executable, "manage.py", "runserver", addr, "--noreload", "--insecure"],
             cwd=settings.BASE_DIR,
             env=os.environ.copy(),
+            preexec_fn=die_with_parent,
         )
         time.sleep(1.0)
         if server.poll() is not None:
