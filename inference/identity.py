@@ -506,3 +506,57 @@ def cache_salt(secret: str, namespace: str) -> str:
 def storage_prefix(namespace: str) -> str:
     """Directory/key prefix of a namespace in the persistent KV tiers."""
     return f"ns-{namespace[:32]}"
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{"a.b.c": leaf}`` (lists stay leaves)."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def _mapping_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        if key not in a:
+            changes.append({"key": key, "change": "added", "b": b[key]})
+        elif key not in b:
+            changes.append({"key": key, "change": "removed", "a": a[key]})
+        elif a[key] != b[key]:
+            changes.append({"key": key, "change": "changed", "a": a[key], "b": b[key]})
+    return changes
+
+
+IDENTITY_FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")
+
+
+def identity_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Which identity fields differ between two model versions, and why.
+
+    Args:
+        a, b: ``{"weights": hex, ..., "adapters": hex, "identity": hex,
+            "inputs": {...}}`` as in :meth:`IdentityReport.as_dict` or a
+            registered model version.
+
+    Returns:
+        ``{"identical": bool, "differing": [field, ...], "fields": {field:
+        {"a": hex, "b": hex, "changes": [{"key", "change", "a"?, "b"?}]}}}``
+        where ``changes`` names the files (weights, tokenizer), dotted config
+        or layout keys, or adapter names behind the difference. Only differing
+        fields are listed.
+    """
+    fields: dict[str, Any] = {}
+    for name in IDENTITY_FIELDS:
+        if a[name] == b[name]:
+            continue
+        inputs_a, inputs_b = a.get("inputs", {}).get(name, {}), b.get("inputs", {}).get(name, {})
+        if name in ("config", "layout"):
+            inputs_a, inputs_b = _flatten(inputs_a), _flatten(inputs_b)
+        elif name == "adapters":
+            inputs_a = {k: v.get("content") for k, v in inputs_a.items()}
+            inputs_b = {k: v.get("content") for k, v in inputs_b.items()}
+        fields[name] = {"a": a[name], "b": b[name], "changes": _mapping_changes(inputs_a, inputs_b)}
+    return {"identical": a["identity"] == b["identity"], "differing": list(fields), "fields": fields}

@@ -7,10 +7,13 @@ reported as one line on stderr.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any, NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from inference.identity import LayoutOptions
 
 EXIT_BAD_INPUT = 2
 
@@ -39,3 +42,41 @@ class ControlPlaneCommand(BaseCommand):
         # Escape control characters from user input (paths) so they cannot drive the terminal.
         printable = "".join(c if c.isprintable() else repr(c)[1:-1] for c in one_line)
         return CommandError(printable, returncode=EXIT_BAD_INPUT)
+
+
+def positive_int(value: str) -> int:
+    """argparse type: a positive integer in ASCII digits (int() also takes other scripts' digits)."""
+    if not (value.isascii() and value.strip().lstrip("+-").isdigit()):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer")
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is not a positive integer")
+    return number
+
+
+def add_layout_arguments(parser: CommandParser) -> None:
+    """The engine layout options shared by commands that fingerprint a path."""
+    parser.add_argument("--dtype", default="auto", help="engine dtype; auto = the checkpoint's")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype; auto = the dtype")
+    parser.add_argument("--block-size", type=positive_int, default=32, help="KV block size in tokens")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-connector", default=None, help="KV connector of the persistent tier, e.g. ExampleConnector")
+
+
+def layout_from_options(opts: dict[str, Any]) -> LayoutOptions:
+    """LayoutOptions from parsed :func:`add_layout_arguments` options.
+
+    Raises:
+        inference.errors.CheckpointError: an invalid combination.
+    """
+    return LayoutOptions(
+        dtype=opts["dtype"],
+        kv_cache_dtype=opts["kv_cache_dtype"],
+        block_size=opts["block_size"],
+        tensor_parallel_size=opts["tensor_parallel_size"],
+        pipeline_parallel_size=opts["pipeline_parallel_size"],
+        quantization=opts["quantization"],
+        kv_connector=opts["kv_connector"],
+    )

@@ -180,3 +180,23 @@ def test_model_version_lifecycle_moves_and_refusals(demo_checkpoints) -> None:
         ("active", "draining"),
         ("draining", "retired"),
     ]
+
+
+@pytest.mark.django_db(transaction=True)  # the command runs in a subprocess: rows must be committed
+def test_identity_diff_command_between_registered_versions_and_paths(demo_checkpoints) -> None:
+    v1, _ = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="v1", served_name="tiny", layout=LayoutOptions(), actor="a"
+    )
+    from tests.helpers import subprocess_env
+
+    env = subprocess_env()
+    proc = manage("identity_diff", str(v1.pk), str(demo_checkpoints["tiny-v2"]), "--json", env=env)
+    assert proc.returncode == 1, proc.stderr
+    diff = json.loads(proc.stdout)
+    assert diff["differing"] == ["weights"]
+    assert diff["fields"]["weights"]["changes"][0]["key"] == "model.safetensors"
+    assert diff["fields"]["weights"]["a"] == v1.weights
+    same = manage("identity_diff", str(v1.pk), str(demo_checkpoints["tiny-v1"]), env=env)
+    assert (same.returncode, same.stdout.strip()) == (0, "identical")
+    bad = manage("identity_diff", "424242", str(demo_checkpoints["tiny-v1"]), env=env)
+    assert (bad.returncode, bad.stderr.strip().splitlines()) == (2, ["CommandError: no model version with id 424242"])

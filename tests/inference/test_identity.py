@@ -327,3 +327,32 @@ def test_layout_options_refuse_empty_and_out_of_range_values() -> None:
         with pytest.raises(CheckpointError, match=message):
             LayoutOptions(**kwargs)
     assert LayoutOptions(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+
+
+def test_identity_diff_names_the_files_and_keys_behind_each_field(checkpoint_copy, model_root: Path) -> None:
+    from inference.identity import identity_diff
+
+    path = checkpoint_copy()
+    before = fingerprint_checkpoint(path).as_dict()
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    config["rope_parameters"]["rope_theta"] = 5e5
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text("{{ messages }}")
+    adapter = model_root / f"{path.name}-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.bin").write_bytes(b"w")
+    after = fingerprint_checkpoint(path, layout=LayoutOptions(block_size=64), adapters={"support": adapter}).as_dict()
+    shutil.rmtree(adapter)
+    diff = identity_diff(before, after)
+    assert diff["identical"] is False
+    assert diff["differing"] == ["tokenizer", "config", "layout", "adapters"]
+    assert diff["fields"]["config"]["changes"] == [
+        {"key": "rms_norm_eps", "change": "changed", "a": 1e-06, "b": 1e-05},
+        {"key": "rope_parameters.rope_theta", "change": "changed", "a": 10000.0, "b": 500000.0},
+    ]
+    assert [(c["key"], c["change"]) for c in diff["fields"]["tokenizer"]["changes"]] == [("chat_template.jinja", "added")]
+    assert diff["fields"]["layout"]["changes"] == [{"key": "block_size", "change": "changed", "a": 32, "b": 64}]
+    assert [(c["key"], c["change"]) for c in diff["fields"]["adapters"]["changes"]] == [("support", "added")]
+    assert identity_diff(before, before) == {"identical": True, "differing": [], "fields": {}}
