@@ -6,6 +6,7 @@ from django.contrib import admin
 from django.http import HttpRequest
 
 from cacheadmin.models import (
+    ApiToken,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
@@ -181,4 +182,15 @@ class AuditEventAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request: HttpRequest, obj: AuditEvent | None = None) -> bool:
+        return False
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    list_display = ("name", "prefix", "scope", "tenant", "user", "created_at", "last_used_at", "revoked_at")
+    list_filter = ("scope", "tenant")
+    # Keys are issued by `manage.py api_token issue` (shown once); the admin can only look.
+    readonly_fields = ("name", "user", "prefix", "key_hash", "scope", "tenant", "created_at", "last_used_at", "revoked_at")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False

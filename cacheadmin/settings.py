@@ -47,6 +47,10 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "cacheadmin",
 ]
 
@@ -56,8 +60,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    # Every page needs a login; the health view opts out with @login_not_required.
-    "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    # Every page needs a login (the health view opts out); /api/ has its own auth.
+    "cacheadmin.middleware.PageLoginRequiredMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -119,6 +123,39 @@ ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
 JOB_STALE_AFTER_S = env_int("JOB_STALE_AFTER_S", 300, minimum=5)
 #: Attempts before a lost job is failed instead of retried.
 JOB_MAX_ATTEMPTS = env_int("JOB_MAX_ATTEMPTS", 3, minimum=1)
+
+# --- REST API ----------------------------------------------------------------
+# Decided once for every endpoint: who may call, how lists page, one error envelope.
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "cacheadmin.api.auth.ApiTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",  # browser; enforces CSRF on writes
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated", "cacheadmin.api.auth.ScopePermission"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend", "rest_framework.filters.OrderingFilter"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "cacheadmin.api.exceptions.api_exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "KV cache control plane API",
+    "DESCRIPTION": "Model identities, cache namespaces, engines, prewarm and comparison jobs, audit.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    # Swagger UI assets from the drf-spectacular-sidecar package: works offline.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {
+        "JobStatusEnum": "cacheadmin.models.jobs.JobStatus",
+        "ModelVersionStatusEnum": "cacheadmin.models.model_versions.ModelVersion.Status",
+        "EngineStatusEnum": "cacheadmin.models.engines.Engine.Status",
+    },
+}
+#: Largest request body accepted (bytes); the API's bodies are small JSON.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("API_MAX_BODY_BYTES", 256 * 1024, minimum=1024)
 
 # --- Celery ------------------------------------------------------------------
 _broker_url = env_str("CELERY_BROKER_URL", "")

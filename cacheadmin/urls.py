@@ -1,7 +1,7 @@
 """URL configuration."""
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 from cacheadmin import views
 
@@ -13,4 +13,5 @@ urlpatterns = [
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
     path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
     path("admin/", admin.site.urls),
+    path("api/", include("cacheadmin.api.urls")),
 ]

@@ -34,6 +34,10 @@ class ControlPlaneCommand(BaseCommand):
         # BaseCommand builds a CommandParser with no hook for another class;
         # OneLineParser only overrides error(), so switching the class is safe.
         parser.__class__ = OneLineParser
+        for action in parser._actions:  # subcommands were built before the switch
+            if isinstance(action, argparse._SubParsersAction):
+                for subparser in action.choices.values():
+                    subparser.__class__ = OneLineParser
         return parser
 
     def bad_input(self, message: str) -> CommandError:

@@ -7,7 +7,7 @@ from django.db import transaction
 from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.jobs import job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_cache_salt
 from cacheadmin.services.prewarm import JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
@@ -119,6 +119,9 @@ def comparison_job_run(*, job_id: int) -> None:
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}", **_summary(job))
+            return
+        except JobCancelled:
+            job_log(job, "cancelled; stopped")
             return
     summary = _summary(job)
     job_finish(

@@ -65,8 +65,18 @@ def job_log(job: Job, line: str, **fields: object) -> None:
 
 
 def job_progress(job: Job, done: int, **fields: object) -> None:
-    """Record progress (and any summary ``fields``) with a heartbeat."""
-    type(job).objects.filter(pk=job.pk).update(progress_done=done, heartbeat_at=timezone.now(), **fields)
+    """Record progress (and any summary ``fields``) with a heartbeat.
+
+    Raises:
+        JobCancelled: the job is no longer running (an operator cancelled it).
+    """
+    updated = (
+        type(job)
+        .objects.filter(pk=job.pk, status=JobStatus.RUNNING)
+        .update(progress_done=done, heartbeat_at=timezone.now(), **fields)
+    )
+    if not updated:
+        raise JobCancelled(f"{type(job).__name__} #{job.pk} is no longer running")
 
 
 def job_finish(job: Job, status: JobStatus, *, error: str = "", line: str = "", **fields: object) -> None:
@@ -138,3 +148,36 @@ def jobs_recover_lost() -> dict[str, int]:
     if any(counts.values()):
         logger.warning("recovered lost jobs: %s", counts)
     return counts
+
+
+class JobCancelled(Exception):
+    """Raised inside a running job when an operator cancelled it."""
+
+
+def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
+    """Cancel a queued or running job; a running one stops at its next prompt.
+
+    Results recorded so far stay.
+
+    Raises:
+        cacheadmin.services.model_versions.LifecycleError: the job already ended.
+    """
+    from cacheadmin.services.audit import audit_record
+    from cacheadmin.services.model_versions import LifecycleError
+
+    with transaction.atomic():
+        moved = (
+            type(job)
+            .objects.filter(pk=job.pk, status__in=[JobStatus.QUEUED, JobStatus.RUNNING])
+            .update(
+                status=JobStatus.CANCELLED,
+                finished_at=timezone.now(),
+                error=f"cancelled by {actor}" + (f": {reason}" if reason else ""),
+            )
+        )
+        if not moved:
+            job.refresh_from_db()
+            raise LifecycleError(f"{job} already ended ({job.status}); nothing to cancel")
+        audit_record(actor=actor, action=f"{job._meta.model_name}.cancel", obj=job, reason=reason)
+    job.refresh_from_db()
+    return job

@@ -7,7 +7,7 @@ from django.db import transaction
 from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.jobs import job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_cache_salt
 from inference.corpus import load_corpus
 from inference.errors import EngineError
@@ -100,6 +100,9 @@ def prewarm_job_run(*, job_id: int) -> None:
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}")
+            return
+        except JobCancelled:
+            job_log(job, "cancelled; stopped")
             return
     _prewarm_summarise(job, tier="persistent tier" if engine.kv_connector else "engine memory")
 

@@ -1,0 +1,1 @@
+"""REST API for release tooling and operators (DRF)."""

@@ -1,0 +1,87 @@
+"""The API's one error envelope and the handler that produces it.
+
+Every 4xx/5xx body is::
+
+    {"error": {"status": 400, "code": "invalid", "message": "...",
+               "fields": {"field": ["problem", ...]}}}
+
+``fields`` is present for validation errors and names each offending field.
+Domain errors from the services map to 400 (bad input) or 409 (conflict).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from cacheadmin.services.engines import EngineRefused
+from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
+from cacheadmin.services.namespaces import NamespaceConflict
+from cacheadmin.services.prewarm import JobRefused
+from inference.errors import CheckpointError
+
+#: Service errors → (HTTP status, code).
+DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
+    CheckpointError: (status.HTTP_400_BAD_REQUEST, "bad_checkpoint"),
+    JobRefused: (status.HTTP_409_CONFLICT, "job_refused"),
+    EngineRefused: (status.HTTP_409_CONFLICT, "engine_refused"),
+    RegistrationConflict: (status.HTTP_409_CONFLICT, "registration_conflict"),
+    NamespaceConflict: (status.HTTP_409_CONFLICT, "namespace_conflict"),
+    LifecycleError: (status.HTTP_409_CONFLICT, "lifecycle_conflict"),
+}
+
+
+def _fields(detail: Any, prefix: str = "") -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            out.update(_fields(value, name))
+    elif isinstance(detail, list) and detail and all(isinstance(d, str) for d in detail):
+        out[prefix or "non_field_errors"] = [str(d) for d in detail]
+    elif isinstance(detail, list):
+        for index, value in enumerate(detail):
+            out.update(_fields(value, f"{prefix}[{index}]"))
+    else:
+        out[prefix or "non_field_errors"] = [str(detail)]
+    return out
+
+
+def envelope(status_code: int, code: str, message: str, fields: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The error body."""
+    error: dict[str, Any] = {"status": status_code, "code": code, "message": message}
+    if fields:
+        error["fields"] = fields
+    return {"error": error}
+
+
+def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """DRF ``EXCEPTION_HANDLER``: every error in the one envelope."""
+    for error_type, (status_code, code) in DOMAIN_ERRORS.items():
+        if isinstance(exc, error_type):
+            return Response(envelope(status_code, code, str(exc)), status=status_code)
+    if isinstance(exc, DjangoValidationError):
+        exc = exceptions.ValidationError(exc.message_dict if hasattr(exc, "error_dict") else exc.messages)
+    elif isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
+        fields = _fields(exc.detail)
+        first = next(iter(fields.items()))
+        message = f"{first[0]}: {first[1][0]}" if first[0] != "non_field_errors" else first[1][0]
+        response.data = envelope(response.status_code, "invalid", message, fields)
+    else:
+        detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
+        code = exc.get_codes() if isinstance(exc, exceptions.APIException) else "error"
+        response.data = envelope(response.status_code, str(code) if isinstance(code, str) else "error", str(detail))
+    return response

@@ -1,0 +1,154 @@
+"""API serializers: read shapes of every resource, write shapes of the few
+things release tooling creates. Writes go through services, never ``save()``."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from cacheadmin.models import (
+    AuditEvent,
+    CacheNamespace,
+    ComparisonJob,
+    ComparisonResult,
+    Engine,
+    ModelVersion,
+    PrewarmJob,
+    PrewarmResult,
+    RetentionOwner,
+    Tenant,
+)
+from cacheadmin.models.tenancy import slug_validator
+
+JOB_FIELDS = (
+    "id", "status", "corpus", "progress_done", "progress_total", "attempts", "created_at", "started_at",
+    "finished_at", "error", "created_by",
+)  # fmt: skip
+
+
+class StrictFieldsMixin:
+    """Refuses unknown fields instead of ignoring them: a typo in a release
+    pipeline must fail, not silently fall back to a default."""
+
+    def validate(self, attrs: dict) -> dict:
+        unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: ["unknown field"] for name in unknown})
+        return super().validate(attrs)
+
+
+class ModelVersionSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ModelVersion
+        fields = (
+            "id", "label", "served_name", "path", "status", "weights", "tokenizer", "config", "layout", "adapters",
+            "identity", "total_bytes", "created_at",
+        )  # fmt: skip
+
+
+class ModelVersionDetailSerializer(ModelVersionSerializer):
+    class Meta(ModelVersionSerializer.Meta):
+        fields = (*ModelVersionSerializer.Meta.fields, "inputs", "fingerprint_seconds")
+
+
+class TenantSerializer(StrictFieldsMixin, serializers.ModelSerializer):
+    slug = serializers.CharField(max_length=63, validators=[slug_validator])
+
+    class Meta:
+        model = Tenant
+        fields = ("id", "slug", "name", "created_at")
+
+
+class RetentionOwnerSerializer(StrictFieldsMixin, serializers.ModelSerializer):
+    class Meta:
+        model = RetentionOwner
+        fields = ("id", "name", "email", "created_at")
+
+
+class CacheNamespaceSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    model_version_label = serializers.CharField(source="model_version.label", read_only=True)
+    retention_owner = serializers.CharField(source="retention_owner.name", read_only=True)
+
+    class Meta:
+        model = CacheNamespace
+        fields = (
+            "id",
+            "namespace_id",
+            "storage_prefix",
+            "model_version",
+            "model_version_label",
+            "tenant",
+            "retention_owner",
+            "created_at",
+        )
+
+
+class EngineSerializer(serializers.ModelSerializer):
+    model_version_label = serializers.CharField(source="model_version.label", read_only=True)
+
+    class Meta:
+        model = Engine
+        fields = (
+            "id", "name", "role", "model_version", "model_version_label", "namespace", "base_url", "status",
+            "prefix_caching", "kv_connector", "identity_override", "error", "start_seconds", "created_at", "stopped_at",
+        )  # fmt: skip
+
+
+class PrewarmResultSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = PrewarmResult
+        fields = (
+            "index",
+            "conversation_id",
+            "prompt_tokens",
+            "fill_cached_tokens",
+            "expected_cached_tokens",
+            "verify_cached_tokens",
+            "verified",
+        )
+
+
+class PrewarmJobSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = PrewarmJob
+        fields = (*JOB_FIELDS, "namespace", "engine", "prompts", "verified", "uncacheable", "cached_tokens_verified")
+
+
+class PrewarmJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    namespace = serializers.PrimaryKeyRelatedField(queryset=CacheNamespace.objects.all())
+    engine = serializers.PrimaryKeyRelatedField(queryset=Engine.objects.all())
+    corpus = serializers.CharField(max_length=100, default="diagnostic")
+
+
+class ComparisonResultSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ComparisonResult
+        exclude = ("id", "job")
+
+
+class ComparisonJobSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ComparisonJob
+        fields = (
+            *JOB_FIELDS, "engine", "reference_engine", "namespace", "max_tokens", "prompts", "deceptive_hits",
+            "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "control_max_logprob_delta",
+        )  # fmt: skip
+
+
+class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    engine = serializers.PrimaryKeyRelatedField(queryset=Engine.objects.all())
+    reference_engine = serializers.PrimaryKeyRelatedField(queryset=Engine.objects.all())
+    namespace = serializers.PrimaryKeyRelatedField(queryset=CacheNamespace.objects.all())
+    corpus = serializers.CharField(max_length=100, default="diagnostic")
+    max_tokens = serializers.IntegerField(min_value=1, max_value=256, default=16)
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEvent
+        fields = ("id", "actor", "action", "object_type", "object_id", "before", "after", "reason", "created_at")
+
+
+class IdentityDiffQuerySerializer(serializers.Serializer):
+    a = serializers.IntegerField(min_value=1, help_text="model version id")
+    b = serializers.IntegerField(min_value=1, help_text="model version id")

@@ -1,0 +1,24 @@
+"""API routes under /api/."""
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from cacheadmin.api import views
+
+router = DefaultRouter()
+router.register("model-versions", views.ModelVersionViewSet, basename="model-version")
+router.register("tenants", views.TenantViewSet, basename="tenant")
+router.register("retention-owners", views.RetentionOwnerViewSet, basename="retention-owner")
+router.register("namespaces", views.CacheNamespaceViewSet, basename="namespace")
+router.register("engines", views.EngineViewSet, basename="engine")
+router.register("prewarm-jobs", views.PrewarmJobViewSet, basename="prewarm-job")
+router.register("comparison-jobs", views.ComparisonJobViewSet, basename="comparison-job")
+router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
+
+urlpatterns = [
+    path("identity-diff/", views.IdentityDiffView.as_view(), name="identity-diff"),
+    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("", include(router.urls)),
+]

@@ -1,0 +1,215 @@
+"""API views: thin; reads through selectors' querysets, writes through services."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from cacheadmin.api import serializers as s
+from cacheadmin.api.auth import request_tenant
+from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.services.comparison import comparison_job_create
+from cacheadmin.services.jobs import job_cancel
+from cacheadmin.services.namespaces import retention_owner_get_or_create, tenant_get_or_create
+from cacheadmin.services.prewarm import prewarm_job_create
+from inference.identity import identity_diff
+
+
+def actor_of(request: Request) -> str:
+    """Audit actor: the user, and the token name when a token was used."""
+    token = getattr(request.auth, "name", None)
+    return f"{request.user.get_username()}" + (f" (token {token})" if token else "")
+
+
+class TenantScopedMixin:
+    """Limits a queryset to the caller's tenant when its token is bound to one."""
+
+    tenant_path: str = "tenant"
+
+    def scope_to_tenant(self, queryset: models.QuerySet, request: Request) -> models.QuerySet:
+        tenant_id = request_tenant(request)
+        return queryset if tenant_id is None else queryset.filter(**{f"{self.tenant_path}_id": tenant_id})
+
+
+class ModelVersionViewSet(viewsets.ReadOnlyModelViewSet):
+    """Registered model versions with their identity digests."""
+
+    queryset = ModelVersion.objects.order_by("-created_at", "-id")
+    filterset_fields = ("status", "served_name", "label", "identity")
+    ordering_fields = ("created_at", "label", "status")
+
+    def get_serializer_class(self) -> type:
+        return s.ModelVersionDetailSerializer if self.action == "retrieve" else s.ModelVersionSerializer
+
+
+class TenantViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Tenants: sharing boundaries."""
+
+    serializer_class = s.TenantSerializer
+    filterset_fields = ("slug",)
+    ordering_fields = ("slug", "created_at")
+    write_scope = "admin"
+    tenant_path = "id"
+
+    def get_queryset(self) -> models.QuerySet:
+        tenant_id = request_tenant(self.request)
+        queryset = Tenant.objects.order_by("slug")
+        return queryset if tenant_id is None else queryset.filter(pk=tenant_id)
+
+    def perform_create(self, serializer: s.TenantSerializer) -> None:
+        data = serializer.validated_data
+        if Tenant.objects.filter(slug=data["slug"]).exists():
+            from rest_framework.exceptions import ValidationError
+
+            raise ValidationError({"slug": [f"tenant {data['slug']!r} already exists"]})
+        serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
+
+
+class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Retention owners: who answers for a namespace's storage."""
+
+    queryset = RetentionOwner.objects.order_by("name")
+    serializer_class = s.RetentionOwnerSerializer
+    filterset_fields = ("name",)
+    ordering_fields = ("name", "created_at")
+
+    def perform_create(self, serializer: s.RetentionOwnerSerializer) -> None:
+        data = serializer.validated_data
+        serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
+
+
+class CacheNamespaceViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+    """Cache namespaces (the salt itself is never exposed)."""
+
+    serializer_class = s.CacheNamespaceSerializer
+    filterset_fields = ("tenant__slug", "model_version", "namespace_id")
+    ordering_fields = ("created_at",)
+
+    def get_queryset(self) -> models.QuerySet:
+        queryset = CacheNamespace.objects.select_related("tenant", "model_version", "retention_owner").order_by(
+            "-created_at", "-id"
+        )
+        return self.scope_to_tenant(queryset, self.request)
+
+
+class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+    """Engines the control plane launched or knows."""
+
+    serializer_class = s.EngineSerializer
+    filterset_fields = ("status", "role", "model_version", "namespace")
+    ordering_fields = ("created_at", "name")
+    tenant_path = "namespace__tenant"
+
+    def get_queryset(self) -> models.QuerySet:
+        queryset = Engine.objects.select_related("model_version").order_by("-created_at", "-id")
+        return self.scope_to_tenant(queryset, self.request)
+
+
+class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    tenant_path = "namespace__tenant"
+    filterset_fields = ("status", "namespace", "engine")
+    ordering_fields = ("created_at", "status")
+    model: type[models.Model]
+    create_serializer: type[Any]
+    result_serializer: type[Any]
+
+    def get_queryset(self) -> models.QuerySet:
+        return self.scope_to_tenant(self.model.objects.order_by("-created_at", "-id"), self.request)
+
+    def get_serializer_class(self) -> type:
+        return self.create_serializer if self.action == "create" else self.serializer_class
+
+    def _check_tenant(self, namespace: CacheNamespace) -> None:
+        tenant_id = request_tenant(self.request)
+        if tenant_id is not None and namespace.tenant_id != tenant_id:
+            from rest_framework.exceptions import ValidationError
+
+            raise ValidationError({"namespace": ["not a namespace of this token's tenant"]})
+
+    @extend_schema(request=None, responses=None)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel a queued or running job (409 if it already ended)."""
+        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=str(request.data.get("reason", ""))[:500])
+        return Response(self.serializer_class(job).data)
+
+    @action(detail=True, methods=["get"])
+    def results(self, request: Request, pk: str | None = None) -> Response:
+        """Per-prompt results, in corpus order."""
+        job = self.get_object()
+        return Response(self.result_serializer(job.results.order_by("index"), many=True).data)
+
+
+class PrewarmJobViewSet(_JobViewSet):
+    """Prewarm jobs: start (operate scope), read, cancel."""
+
+    model = PrewarmJob
+    serializer_class = s.PrewarmJobSerializer
+    create_serializer = s.PrewarmJobCreateSerializer
+    result_serializer = s.PrewarmResultSerializer
+
+    @extend_schema(request=s.PrewarmJobCreateSerializer, responses={201: s.PrewarmJobSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = self._validated(request, s.PrewarmJobCreateSerializer)
+        self._check_tenant(data["namespace"])
+        job = prewarm_job_create(
+            namespace=data["namespace"], engine=data["engine"], corpus=data["corpus"], actor=actor_of(request)
+        )
+        return Response(s.PrewarmJobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @staticmethod
+    def _validated(request: Request, serializer_class: type) -> dict[str, Any]:
+        serializer = serializer_class(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data
+
+
+class ComparisonJobViewSet(_JobViewSet):
+    """Comparison jobs: start (operate scope), read with per-prompt results, cancel."""
+
+    model = ComparisonJob
+    serializer_class = s.ComparisonJobSerializer
+    create_serializer = s.ComparisonJobCreateSerializer
+    result_serializer = s.ComparisonResultSerializer
+
+    @extend_schema(request=s.ComparisonJobCreateSerializer, responses={201: s.ComparisonJobSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = PrewarmJobViewSet._validated(request, s.ComparisonJobCreateSerializer)
+        self._check_tenant(data["namespace"])
+        job = comparison_job_create(actor=actor_of(request), **data)
+        return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+
+class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
+    """The audit trail (admin scope): who did what, when, before and after."""
+
+    queryset = AuditEvent.objects.order_by("-created_at", "-id")
+    serializer_class = s.AuditEventSerializer
+    filterset_fields = ("actor", "action", "object_type", "object_id")
+    ordering_fields = ("created_at",)
+    read_scope = "admin"
+
+
+class IdentityDiffView(APIView):
+    """Which identity fields differ between two model versions, and the files or keys behind each."""
+
+    @extend_schema(parameters=[s.IdentityDiffQuerySerializer], responses={200: dict})
+    def get(self, request: Request) -> Response:
+        query = s.IdentityDiffQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        versions = ModelVersion.objects.in_bulk([query.validated_data["a"], query.validated_data["b"]])
+        missing = [k for k in ("a", "b") if query.validated_data[k] not in versions]
+        if missing:
+            from rest_framework.exceptions import ValidationError
+
+            raise ValidationError({k: [f"no model version with id {query.validated_data[k]}"] for k in missing})
+        fields = (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")
+        a, b = (versions[query.validated_data[k]] for k in ("a", "b"))
+        return Response(identity_diff({f: getattr(a, f) for f in fields}, {f: getattr(b, f) for f in fields}))

@@ -1,0 +1,63 @@
+"""Issuing, checking and revoking API tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from cacheadmin.models import ApiToken, Tenant
+from cacheadmin.services.audit import audit_record
+
+TOKEN_PREFIX = "kvcp"
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def api_token_issue(*, user: AbstractBaseUser, name: str, scope: str, tenant: Tenant | None, actor: str) -> tuple[ApiToken, str]:
+    """Create a token; the plain key is returned once and never stored.
+
+    Returns:
+        (token row, ``"kvcp_<prefix>_<secret>"``).
+
+    Raises:
+        ValueError: unknown scope.
+    """
+    if scope not in ApiToken.Scope.values:
+        raise ValueError(f"scope must be one of {', '.join(ApiToken.Scope.values)}")
+    prefix = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    with transaction.atomic():
+        token = ApiToken.objects.create(user=user, name=name, prefix=prefix, key_hash=_hash(secret), scope=scope, tenant=tenant)
+        audit_record(
+            actor=actor,
+            action="api_token.issue",
+            obj=token,
+            after={"name": name, "scope": scope, "tenant": tenant.slug if tenant else None},
+        )
+    return token, f"{TOKEN_PREFIX}_{prefix}_{secret}"
+
+
+def api_token_check(key: str) -> ApiToken | None:
+    """The live token for a presented key, or None (malformed, unknown, wrong secret, revoked)."""
+    parts = key.split("_", 2)
+    if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+        return None
+    token = ApiToken.objects.select_related("user", "tenant").filter(prefix=parts[1], revoked_at=None).first()
+    if token is None or not hmac.compare_digest(token.key_hash, _hash(parts[2])):
+        return None
+    ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+    return token
+
+
+def api_token_revoke(*, token: ApiToken, actor: str) -> None:
+    """Revoke a token (it stops authenticating at once)."""
+    with transaction.atomic():
+        ApiToken.objects.filter(pk=token.pk, revoked_at=None).update(revoked_at=timezone.now())
+        audit_record(actor=actor, action="api_token.revoke", obj=token)

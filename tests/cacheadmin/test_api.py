@@ -1,0 +1,221 @@
+"""REST API: auth and scopes by persona, tenant binding, one error envelope,
+writes through services (audited), the OpenAPI schema, constant query counts.
+
+Personas: alice holds an admin token; bob an operate token bound to tenant
+acme; charlie a read token bound to tenant globex; anonymous holds nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from cacheadmin.models import AuditEvent, CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.services.api_tokens import api_token_issue, api_token_revoke
+
+pytestmark = pytest.mark.django_db
+
+
+def _version(label: str, identity: str, weights: str = "a" * 64) -> ModelVersion:
+    return ModelVersion.objects.create(
+        label=label, served_name="tiny", path="/m", weights=weights, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
+        adapters="e" * 64, identity=identity, inputs={"weights": {"model.safetensors": weights}, "layout": {"block_size": 32}},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def world() -> dict:
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    globex = Tenant.objects.create(slug="globex", name="Globex")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    v1, v2 = _version("v1", "1" * 64), _version("v2", "2" * 64, weights="f" * 64)
+    ns = {
+        t.slug: CacheNamespace.objects.create(
+            namespace_id=t.slug.ljust(64, "0"), model_version=v1, tenant=t, retention_owner=owner, storage_prefix=f"ns-{t.slug}"
+        )
+        for t in (acme, globex)
+    }
+    engine = Engine.objects.create(
+        name="e-acme", model_version=v1, namespace=ns["acme"], base_url="http://127.0.0.1:1", status="ready"
+    )
+    job = PrewarmJob.objects.create(namespace=ns["acme"], engine=engine, status="queued", progress_total=18)
+    clients = {}
+    for name, scope, tenant in (("alice", "admin", None), ("bob", "operate", acme), ("charlie", "read", globex)):
+        user = User.objects.create_user(name)
+        token, key = api_token_issue(user=user, name=f"{name}-ci", scope=scope, tenant=tenant, actor="setup")
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+        clients[name] = client
+    clients["anonymous"] = APIClient()
+    return {"clients": clients, "acme": acme, "globex": globex, "v1": v1, "v2": v2, "ns": ns, "engine": engine, "job": job}
+
+
+def test_anonymous_gets_401_in_the_envelope_everywhere_but_health(world) -> None:
+    anon = world["clients"]["anonymous"]
+    for url in (
+        "/api/model-versions/",
+        "/api/namespaces/",
+        "/api/audit-events/",
+        "/api/schema/?format=json",
+        "/api/identity-diff/?a=1&b=2",
+    ):
+        response = anon.get(url)
+        assert response.status_code == 401, url
+        assert response.json()["error"]["status"] == 401
+        assert response.json()["error"]["code"] == "not_authenticated"
+    assert anon.get("/healthz").status_code == 200
+
+
+def test_bad_and_revoked_tokens_are_refused(world) -> None:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION="Bearer kvcp_nope_nope")
+    assert client.get("/api/model-versions/").json()["error"]["message"] == "invalid or revoked API token"
+    user = User.objects.create_user("dave")
+    token, key = api_token_issue(user=user, name="d", scope="read", tenant=None, actor="setup")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert client.get("/api/model-versions/").status_code == 200
+    api_token_revoke(token=token, actor="alice")
+    assert client.get("/api/model-versions/").status_code == 401
+
+
+def test_tenant_bound_tokens_see_only_their_tenant(world) -> None:
+    c = world["clients"]
+    assert [n["tenant"] for n in c["bob"].get("/api/namespaces/").json()["results"]] == ["acme"]
+    assert [n["tenant"] for n in c["charlie"].get("/api/namespaces/").json()["results"]] == ["globex"]
+    assert sorted(n["tenant"] for n in c["alice"].get("/api/namespaces/").json()["results"]) == ["acme", "globex"]
+    assert c["charlie"].get(f"/api/prewarm-jobs/{world['job'].pk}/").status_code == 404
+    assert c["charlie"].get("/api/engines/").json()["count"] == 0
+    assert [t["slug"] for t in c["bob"].get("/api/tenants/").json()["results"]] == ["acme"]
+
+
+def test_scopes_gate_writes_and_denied_writes_change_nothing(world) -> None:
+    c = world["clients"]
+    before = (Tenant.objects.count(), AuditEvent.objects.count())
+    for persona in ("charlie", "bob"):  # read, and operate (tenant creation needs admin)
+        response = c[persona].post("/api/tenants/", {"slug": "initech", "name": "Initech"}, format="json")
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "permission_denied"
+    assert (Tenant.objects.count(), AuditEvent.objects.count()) == before
+    assert c["bob"].get("/api/audit-events/").status_code == 403
+    created = c["alice"].post("/api/tenants/", {"slug": "initech", "name": "Initech"}, format="json")
+    assert created.status_code == 201 and created.json()["slug"] == "initech"
+    event = AuditEvent.objects.get(action="tenant.create", object_id=str(created.json()["id"]))
+    assert event.actor == "alice (token alice-ci)"
+    listed = c["alice"].get("/api/audit-events/?action=tenant.create").json()
+    assert [e["after"]["slug"] for e in listed["results"]] == ["initech"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "problem"),
+    [
+        ({"slug": "Initech", "name": "x"}, "slug", "lowercase letters"),
+        ({"slug": "acme", "name": "x"}, "slug", "already exists"),
+        ({"slug": "ínitech", "name": "x"}, "slug", "lowercase letters"),
+        ({"slug": "initech"}, "name", "This field is required."),
+        ({"slug": "initech", "name": "x", "colour": "red"}, "colour", "unknown field"),
+        ({"slug": ["a"], "name": "x"}, "slug", "Not a valid string."),
+    ],
+)
+def test_bad_input_names_the_field_and_writes_nothing(world, body, field, problem) -> None:
+    before = (Tenant.objects.count(), AuditEvent.objects.count())
+    response = world["clients"]["alice"].post("/api/tenants/", body, format="json")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "invalid"
+    assert problem in error["fields"][field][0]
+    assert error["message"].startswith(f"{field}: ")
+    assert (Tenant.objects.count(), AuditEvent.objects.count()) == before
+
+
+def test_malformed_json_is_a_400_envelope(world) -> None:
+    response = world["clients"]["alice"].post("/api/tenants/", "{not json", content_type="application/json")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "parse_error"
+
+
+def test_jobs_cancel_once_and_tenant_bound_tokens_cannot_touch_other_tenants(world) -> None:
+    c, job = world["clients"], world["job"]
+    assert c["charlie"].post(f"/api/prewarm-jobs/{job.pk}/cancel/").status_code in (403, 404)
+    response = c["bob"].post(f"/api/prewarm-jobs/{job.pk}/cancel/", {"reason": "wrong corpus"}, format="json")
+    assert response.status_code == 200 and response.json()["status"] == "cancelled"
+    again = c["bob"].post(f"/api/prewarm-jobs/{job.pk}/cancel/")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "lifecycle_conflict"
+    other_ns = world["ns"]["globex"]
+    refused = c["bob"].post("/api/prewarm-jobs/", {"namespace": other_ns.pk, "engine": world["engine"].pk}, format="json")
+    assert refused.status_code == 400 and "tenant" in refused.json()["error"]["fields"]["namespace"][0]
+    mismatch = c["alice"].post("/api/prewarm-jobs/", {"namespace": other_ns.pk, "engine": world["engine"].pk}, format="json")
+    assert mismatch.status_code == 409 and mismatch.json()["error"]["code"] == "job_refused"
+    assert PrewarmJob.objects.count() == 1
+
+
+def test_identity_diff_endpoint(world) -> None:
+    c = world["clients"]["charlie"]
+    body = c.get(f"/api/identity-diff/?a={world['v1'].pk}&b={world['v2'].pk}").json()
+    assert body["identical"] is False and body["differing"] == ["weights"]
+    assert body["fields"]["weights"]["changes"] == [
+        {"key": "model.safetensors", "change": "changed", "a": "a" * 64, "b": "f" * 64}
+    ]
+    missing = c.get(f"/api/identity-diff/?a={world['v1'].pk}&b=999999")
+    assert missing.status_code == 400 and missing.json()["error"]["fields"] == {"b": ["no model version with id 999999"]}
+    assert c.get("/api/identity-diff/?a=x&b=1").json()["error"]["fields"]["a"] == ["A valid integer is required."]
+
+
+@pytest.mark.parametrize("rows", [10, 100])
+def test_namespace_list_query_count_is_constant(world, rows, django_assert_num_queries) -> None:
+    owner = RetentionOwner.objects.get()
+    for i in range(rows):
+        tenant = Tenant.objects.create(slug=f"t{i}", name="T")
+        CacheNamespace.objects.create(
+            namespace_id=f"{i:064d}", model_version=world["v1"], tenant=tenant, retention_owner=owner, storage_prefix=f"ns-{i}"
+        )
+    with django_assert_num_queries(4):  # token, token last-used update, count, page
+        response = world["clients"]["alice"].get("/api/namespaces/?limit=200")
+    assert response.json()["count"] == rows + 2
+
+
+def test_openapi_schema_builds_and_covers_every_endpoint(world) -> None:
+    schema = world["clients"]["alice"].get("/api/schema/?format=json").json()
+    paths = set(schema["paths"])
+    assert len(paths) >= 15
+    for resource in (
+        "model-versions",
+        "tenants",
+        "retention-owners",
+        "namespaces",
+        "engines",
+        "prewarm-jobs",
+        "comparison-jobs",
+        "audit-events",
+    ):
+        assert f"/api/{resource}/" in paths, resource
+        assert f"/api/{resource}/{{id}}/" in paths, resource
+    for action_path in ("/api/prewarm-jobs/{id}/cancel/", "/api/comparison-jobs/{id}/results/", "/api/identity-diff/"):
+        assert action_path in paths
+    assert schema["components"]["securitySchemes"]["apiToken"]["scheme"] == "bearer"
+    docs = world["clients"]["alice"].get("/api/docs/")
+    assert docs.status_code == 200 and b"swagger-ui" in docs.content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_api_token_command_issues_a_working_key_and_revokes_it() -> None:
+    import json
+
+    from tests.helpers import manage, subprocess_env
+
+    Tenant.objects.create(slug="acme", name="Acme")
+    env = subprocess_env()
+    proc = manage(
+        "api_token", "issue", "--user", "ci", "--name", "release", "--scope", "operate", "--tenant", "acme", "--json", env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    issued = json.loads(proc.stdout)
+    assert (issued["scope"], issued["tenant"]) == ("operate", "acme")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {issued['key']}")
+    assert client.get("/api/tenants/").json()["results"][0]["slug"] == "acme"
+    assert manage("api_token", "revoke", issued["prefix"], env=env).returncode == 0
+    assert client.get("/api/tenants/").status_code == 401
+    bad = manage("api_token", "issue", "--user", "ci", "--name", "x", "--tenant", "nope", env=env)
+    assert (bad.returncode, bad.stderr.strip()) == (2, "CommandError: no tenant 'nope'")
+    bad_scope = manage("api_token", "issue", "--user", "ci", "--name", "x", "--scope", "root", env=env)
+    assert bad_scope.returncode == 2 and len(bad_scope.stderr.strip().splitlines()) == 1
