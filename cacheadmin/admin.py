@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
+from django.db import models, transaction
+from django.forms.models import model_to_dict
 from django.http import HttpRequest
 
 from cacheadmin.models import (
@@ -18,10 +22,57 @@ from cacheadmin.models import (
     RetentionOwner,
     Tenant,
 )
+from cacheadmin.services.audit import audit_record
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (
+            v.pk
+            if isinstance(v, models.Model)
+            else v
+            if isinstance(v, (str, int, float, bool, type(None), dict, list))
+            else str(v)
+        )
+        for k, v in values.items()
+    }
+
+
+class AuditedAdmin(admin.ModelAdmin):
+    """Records every change and deletion made in the admin as an AuditEvent,
+    in the same transaction, with the fields before and after."""
+
+    def save_model(self, request: HttpRequest, obj: models.Model, form: Any, change: bool) -> None:
+        before = _jsonable(model_to_dict(type(obj).objects.get(pk=obj.pk))) if change and obj.pk else None
+        with transaction.atomic():
+            super().save_model(request, obj, form, change)
+            after = _jsonable(model_to_dict(obj))
+            changed = {k: v for k, v in after.items() if not before or before.get(k) != v}
+            audit_record(
+                actor=f"{request.user.get_username()} (admin)",
+                action=f"{obj._meta.model_name}.{'change' if change else 'create'}",
+                obj=obj,
+                before={k: before[k] for k in changed if k in before} if before else None,
+                after=changed,
+            )
+
+    def delete_model(self, request: HttpRequest, obj: models.Model) -> None:
+        with transaction.atomic():
+            audit_record(
+                actor=f"{request.user.get_username()} (admin)",
+                action=f"{obj._meta.model_name}.delete",
+                obj=obj,
+                before=_jsonable(model_to_dict(obj)),
+            )
+            super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: models.QuerySet) -> None:
+        for obj in queryset:
+            self.delete_model(request, obj)
 
 
 @admin.register(ModelVersion)
-class ModelVersionAdmin(admin.ModelAdmin):
+class ModelVersionAdmin(AuditedAdmin):
     list_display = ("label", "served_name", "status", "identity", "total_bytes", "created_at")
     list_filter = ("status",)
     search_fields = ("label", "served_name", "identity")
@@ -32,6 +83,7 @@ class ModelVersionAdmin(admin.ModelAdmin):
         return False
 
     readonly_fields = (
+        "status",  # moves through model_version_transition (lifecycle rules, audit)
         "weights",
         "tokenizer",
         "config",
@@ -46,7 +98,7 @@ class ModelVersionAdmin(admin.ModelAdmin):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin):
     list_display = ("slug", "name", "created_at")
     search_fields = ("slug", "name")
 
@@ -57,13 +109,13 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(RetentionOwner)
-class RetentionOwnerAdmin(admin.ModelAdmin):
+class RetentionOwnerAdmin(AuditedAdmin):
     list_display = ("name", "email", "created_at")
     search_fields = ("name", "email")
 
 
 @admin.register(CacheNamespace)
-class CacheNamespaceAdmin(admin.ModelAdmin):
+class CacheNamespaceAdmin(AuditedAdmin):
     list_display = ("namespace_id", "tenant", "model_version", "retention_owner", "storage_prefix", "created_at")
     list_filter = ("tenant",)
     list_select_related = ("tenant", "model_version", "retention_owner")
@@ -75,7 +127,7 @@ class CacheNamespaceAdmin(admin.ModelAdmin):
 
 
 @admin.register(Engine)
-class EngineAdmin(admin.ModelAdmin):
+class EngineAdmin(AuditedAdmin):
     list_display = ("name", "role", "model_version", "namespace", "status", "base_url", "kv_connector", "created_at")
     list_filter = ("status", "role")
     list_select_related = ("model_version", "namespace")
@@ -119,7 +171,7 @@ class PrewarmResultInline(admin.TabularInline):
 
 
 @admin.register(PrewarmJob)
-class PrewarmJobAdmin(admin.ModelAdmin):
+class PrewarmJobAdmin(AuditedAdmin):
     list_display = ("id", "namespace", "engine", "status", "progress_done", "progress_total", "verified", "created_at")
     list_filter = ("status",)
     list_select_related = ("namespace__tenant", "namespace__model_version", "engine")
@@ -148,7 +200,7 @@ class ComparisonResultInline(admin.TabularInline):
 
 
 @admin.register(ComparisonJob)
-class ComparisonJobAdmin(admin.ModelAdmin):
+class ComparisonJobAdmin(AuditedAdmin):
     list_display = (
         "id",
         "engine",
@@ -186,7 +238,7 @@ class AuditEventAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(AuditedAdmin):
     list_display = ("name", "prefix", "scope", "tenant", "user", "created_at", "last_used_at", "revoked_at")
     list_filter = ("scope", "tenant")
     # Keys are issued by `manage.py api_token issue` (shown once); the admin can only look.

@@ -560,3 +560,25 @@ def identity_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             inputs_b = {k: v.get("content") for k, v in inputs_b.items()}
         fields[name] = {"a": a[name], "b": b[name], "changes": _mapping_changes(inputs_a, inputs_b)}
     return {"identical": a["identity"] == b["identity"], "differing": list(fields), "fields": fields}
+
+
+def verify_digest_cache(root: Path, cache: FileDigestCache) -> list[dict[str, str]]:
+    """Re-hash every weight file of ``root`` and compare with the digest cache.
+
+    A mismatch means a file changed without its (device, inode, size, mtime,
+    ctime) key changing, e.g. a storage layer that rewrites blocks beneath the
+    filesystem; the cache is corrected to the fresh digest.
+
+    Returns:
+        ``[{"file": relative path, "cached": hex, "actual": hex}]`` for each
+        mismatch (files the cache did not know are not mismatches).
+    """
+    mismatches = []
+    for path in (p for p in _iter_files(root) if p.name.endswith(WEIGHT_SUFFIXES)):
+        st = path.stat()
+        cached = cache.get(path, st)
+        actual, _ = hash_file(path)
+        if cached is not None and cached != actual:
+            mismatches.append({"file": path.relative_to(root).as_posix(), "cached": cached, "actual": actual})
+        cache.put(path, st, actual)
+    return mismatches

@@ -11,7 +11,7 @@ from cacheadmin.models import ModelVersion
 from cacheadmin.services.audit import audit_record
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
-from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint
+from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint, verify_digest_cache
 from inference.paths import resolve_checkpoint_dir
 
 
@@ -36,6 +36,16 @@ def checkpoint_fingerprint(
         adapter_dirs[name] = _resolve_adapter(adapter_path)
     cache = FileDigestCache(settings.DIGEST_CACHE_PATH)
     return root, fingerprint_checkpoint(root, layout=layout, adapters=adapter_dirs, cache=cache)
+
+
+def checkpoint_verify_cache(*, path: str | Path) -> list[dict[str, str]]:
+    """Re-hash a checkpoint's weight files and report (and correct) digest-cache mismatches.
+
+    Raises:
+        CheckpointError: bad path or outside the roots.
+    """
+    root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
+    return verify_digest_cache(root, FileDigestCache(settings.DIGEST_CACHE_PATH))
 
 
 def _resolve_adapter(path: str | Path) -> Path:

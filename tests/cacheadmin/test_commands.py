@@ -4,6 +4,7 @@ exit codes, one-line errors, and nothing registered on bad input."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -200,3 +201,45 @@ def test_identity_diff_command_between_registered_versions_and_paths(demo_checkp
     assert (same.returncode, same.stdout.strip()) == (0, "identical")
     bad = manage("identity_diff", "424242", str(demo_checkpoints["tiny-v1"]), env=env)
     assert (bad.returncode, bad.stderr.strip().splitlines()) == (2, ["CommandError: no model version with id 424242"])
+
+
+def test_fingerprint_adapters_and_verify(checkpoint_copy, model_root: Path) -> None:
+    import sqlite3
+
+    from django.conf import settings
+
+    path = checkpoint_copy()
+    adapter = model_root / f"{path.name}-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.bin").write_bytes(b"lora")
+    try:
+        plain = json.loads(manage("fingerprint", str(path), "--json").stdout)
+        with_lora = json.loads(manage("fingerprint", str(path), "--adapter", f"support={adapter}", "--json").stdout)
+        assert [k for k in ("weights", "tokenizer", "config", "layout", "adapters") if plain[k] != with_lora[k]] == ["adapters"]
+        for spec, message in (
+            (f"={adapter}", "expected NAME=PATH"),
+            ("x", "expected NAME=PATH"),
+            ("a=/nonexistent", "not a directory"),
+        ):
+            proc = manage("fingerprint", str(path), "--adapter", spec, "--json")
+            assert proc.returncode == 2 and message in proc.stderr, (spec, proc.stderr)
+        twice = manage("fingerprint", str(path), "--adapter", f"a={adapter}", "--adapter", f"a={adapter}")
+        assert twice.returncode == 2 and "given twice" in twice.stderr
+    finally:
+        shutil.rmtree(adapter)
+    clean = manage("fingerprint", str(path), "--verify", "--json")
+    assert clean.returncode == 0 and json.loads(clean.stdout)["cache_mismatches"] == []
+    # A digest cache that lies (as after a block-level rewrite the filesystem never saw).
+    weights_file = os.fsencode(path / "model.safetensors")
+    with sqlite3.connect(settings.DIGEST_CACHE_PATH) as conn:
+        (actual,) = conn.execute("SELECT digest FROM file_digest_v2 WHERE path=?", (weights_file,)).fetchone()
+        conn.execute("UPDATE file_digest_v2 SET digest=? WHERE path=?", ("0" * 64, weights_file))
+    lied = manage("fingerprint", str(path), "--json")
+    assert json.loads(lied.stdout)["weights"] != plain["weights"]  # the cache answered, wrongly
+    verified = manage("fingerprint", str(path), "--verify", "--json")
+    assert verified.returncode == 3
+    out = json.loads(verified.stdout)
+    assert out["cache_mismatches"] == [{"file": "model.safetensors", "cached": "0" * 64, "actual": actual}]
+    assert out["weights"] == plain["weights"]  # corrected before fingerprinting
+    assert json.loads(manage("fingerprint", str(path), "--json").stdout)["weights"] == plain["weights"]

@@ -65,3 +65,23 @@ def test_live_fragment_polls_fast_while_an_engine_or_job_runs(admin_client) -> N
 def test_unknown_ids_are_404(admin_client) -> None:
     for url in ("/model-versions/999/", "/comparison-jobs/999/", "/prewarm-jobs/999/"):
         assert admin_client.get(url).status_code == 404
+
+
+def test_admin_changes_and_deletions_are_audited(admin_client) -> None:
+    from cacheadmin.models import AuditEvent
+
+    tenant = Tenant.objects.create(slug="acme", name="Acme")
+    response = admin_client.post(f"/admin/cacheadmin/tenant/{tenant.pk}/change/", {"name": "Acme Corp"})
+    assert response.status_code == 302
+    event = AuditEvent.objects.get(action="tenant.change")
+    assert (event.actor, event.object_id, event.before, event.after) == (
+        "admin (admin)",
+        str(tenant.pk),
+        {"name": "Acme"},
+        {"name": "Acme Corp"},
+    )
+    owner = RetentionOwner.objects.create(name="gone", email="g@example.com")
+    response = admin_client.post(f"/admin/cacheadmin/retentionowner/{owner.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 302 and not RetentionOwner.objects.filter(pk=owner.pk).exists()
+    deleted = AuditEvent.objects.get(action="retentionowner.delete")
+    assert deleted.before["name"] == "gone"

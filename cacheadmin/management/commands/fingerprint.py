@@ -10,21 +10,28 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand, add_layout_arguments, layout_from_options
 from cacheadmin.models.tenancy import slug_validator
-from cacheadmin.services.model_versions import checkpoint_fingerprint
+from cacheadmin.services.model_versions import checkpoint_fingerprint, checkpoint_verify_cache
 from inference.errors import CheckpointError
 from inference.identity import namespace_id
+
+#: Exit code when --verify found files whose cached digest was wrong.
+EXIT_CACHE_MISMATCH = 3
 
 
 class Command(ControlPlaneCommand):
     help = (
         "Print the state identity of a checkpoint: hex digests of weights, tokenizer, config, layout, "
         "adapters, the identity, and the cache namespace id when --tenant is given. "
-        "Exit codes: 0 printed; 2 bad input (one line on stderr)."
+        "Exit codes: 0 printed; 2 bad input (one line on stderr); 3 --verify found digest-cache mismatches (corrected)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("path", help="checkpoint directory, inside MODEL_ROOTS")
         add_layout_arguments(parser)
+        parser.add_argument(
+            "--adapter", action="append", default=[], metavar="NAME=PATH", help="LoRA adapter by name and directory (repeatable)"
+        )
+        parser.add_argument("--verify", action="store_true", help="re-hash every weight file and report digest-cache mismatches")
         parser.add_argument("--tenant", default=None, help="tenant slug: also print the namespace id")
         parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -35,10 +42,14 @@ class Command(ControlPlaneCommand):
             except ValidationError as exc:
                 raise self.bad_input(f"--tenant {opts['tenant']!r}: {exc.messages[0]}") from exc
         try:
-            root, report = checkpoint_fingerprint(path=opts["path"], layout=layout_from_options(opts))
+            adapters = self._adapters(opts["adapter"])
+            mismatches = checkpoint_verify_cache(path=opts["path"]) if opts["verify"] else []
+            root, report = checkpoint_fingerprint(path=opts["path"], layout=layout_from_options(opts), adapters=adapters)
         except CheckpointError as exc:
             raise self.bad_input(str(exc)) from exc
         out: dict[str, Any] = dict(report.digests())
+        if opts["verify"]:
+            out["cache_mismatches"] = mismatches
         if opts["tenant"] is not None:
             out["namespace"] = namespace_id(report.identity, f"tenant:{opts['tenant']}")
         if opts["json"]:
@@ -49,3 +60,16 @@ class Command(ControlPlaneCommand):
         else:
             for key, value in out.items():
                 self.stdout.write(f"{key:10} {value}")
+        if mismatches:
+            raise SystemExit(EXIT_CACHE_MISMATCH)
+
+    def _adapters(self, specs: list[str]) -> dict[str, str]:
+        adapters: dict[str, str] = {}
+        for spec in specs:
+            name, sep, path = spec.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise self.bad_input(f"--adapter {spec!r}: expected NAME=PATH")
+            if name in adapters:
+                raise self.bad_input(f"--adapter {name!r} given twice")
+            adapters[name] = path
+        return adapters
