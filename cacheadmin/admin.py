@@ -20,6 +20,7 @@ from cacheadmin.models import (
     PrewarmJob,
     PrewarmResult,
     RetentionOwner,
+    RetentionPolicy,
     Tenant,
 )
 from cacheadmin.services.audit import audit_record
@@ -114,8 +115,16 @@ class RetentionOwnerAdmin(AuditedAdmin):
     search_fields = ("name", "email")
 
 
+class RetentionPolicyInline(admin.StackedInline):
+    model = RetentionPolicy
+    can_delete = False
+    # Changed through the API or service (reason required, audited), not here.
+    readonly_fields = ("max_age_since_last_hit_s", "max_bytes", "versions_kept", "pinned", "hold_by", "hold_reason", "updated_at")
+
+
 @admin.register(CacheNamespace)
 class CacheNamespaceAdmin(AuditedAdmin):
+    inlines = [RetentionPolicyInline]
     list_display = ("namespace_id", "tenant", "model_version", "retention_owner", "storage_prefix", "created_at")
     list_filter = ("tenant",)
     list_select_related = ("tenant", "model_version", "retention_owner")

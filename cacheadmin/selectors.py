@@ -14,7 +14,9 @@ def model_version_list() -> QuerySet[ModelVersion]:
 
 def namespace_list() -> QuerySet[CacheNamespace]:
     """All namespaces with their version, tenant and owner (one query)."""
-    return CacheNamespace.objects.select_related("model_version", "tenant", "retention_owner").order_by("-created_at", "-id")
+    return CacheNamespace.objects.select_related("model_version", "tenant", "retention_owner", "policy").order_by(
+        "-created_at", "-id"
+    )
 
 
 def engine_list(limit: int = 20) -> QuerySet[Engine]:

@@ -15,6 +15,7 @@ from cacheadmin.models import (
     PrewarmJob,
     PrewarmResult,
     RetentionOwner,
+    RetentionPolicy,
     Tenant,
 )
 from cacheadmin.models.tenancy import slug_validator
@@ -64,23 +65,57 @@ class RetentionOwnerSerializer(StrictFieldsMixin, serializers.ModelSerializer):
         fields = ("id", "name", "email", "created_at")
 
 
+class RetentionPolicySerializer(StrictFieldsMixin, serializers.ModelSerializer):
+    max_age_since_last_hit_s = serializers.IntegerField(min_value=1, allow_null=True, help_text="seconds; null = no limit")
+    max_bytes = serializers.IntegerField(min_value=1, allow_null=True, help_text="bytes per tier; null = no limit")
+    versions_kept = serializers.IntegerField(min_value=1, max_value=100)
+
+    class Meta:
+        model = RetentionPolicy
+        fields = ("max_age_since_last_hit_s", "max_bytes", "versions_kept", "pinned", "hold_by", "hold_reason", "updated_at")
+        read_only_fields = ("updated_at",)
+
+    def validate(self, attrs: dict) -> dict:
+        attrs = super().validate(attrs)
+        if attrs.get("pinned"):
+            missing = {
+                k: ["a hold needs who placed it and why"] for k in ("hold_by", "hold_reason") if not str(attrs.get(k, "")).strip()
+            }
+            if missing:
+                raise serializers.ValidationError(missing)
+        return attrs
+
+
 class CacheNamespaceSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
     retention_owner = serializers.CharField(source="retention_owner.name", read_only=True)
+    policy = RetentionPolicySerializer(read_only=True)
 
     class Meta:
         model = CacheNamespace
         fields = (
-            "id",
-            "namespace_id",
-            "storage_prefix",
-            "model_version",
-            "model_version_label",
-            "tenant",
-            "retention_owner",
-            "created_at",
-        )
+            "id", "namespace_id", "storage_prefix", "model_version", "model_version_label", "tenant", "retention_owner",
+            "policy", "created_at",
+        )  # fmt: skip
+
+
+class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    model_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    retention_owner = serializers.PrimaryKeyRelatedField(queryset=RetentionOwner.objects.all())
+    policy = RetentionPolicySerializer()
+
+
+class PolicyUpdateSerializer(StrictFieldsMixin, serializers.Serializer):
+    policy = RetentionPolicySerializer()
+    reason = serializers.CharField(max_length=2000)
+
+
+class CacheSaltSerializer(serializers.Serializer):
+    namespace_id = serializers.CharField()
+    cache_salt = serializers.CharField(help_text="send as vLLM's cache_salt with every request of this namespace")
+    storage_prefix = serializers.CharField()
 
 
 class EngineSerializer(serializers.ModelSerializer):

@@ -8,16 +8,25 @@ from django.db import models
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
-from cacheadmin.api.auth import request_tenant
+from cacheadmin.api.auth import request_scope_allows, request_tenant
 from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.namespaces import retention_owner_get_or_create, tenant_get_or_create
+from cacheadmin.services.namespaces import (
+    RetentionPolicySpec,
+    namespace_cache_salt,
+    namespace_get_or_create,
+    namespace_policy_update,
+    retention_owner_get_or_create,
+    tenant_get_or_create,
+)
 from cacheadmin.services.prewarm import prewarm_job_create
 from inference.identity import identity_diff
 
@@ -26,6 +35,13 @@ def actor_of(request: Request) -> str:
     """Audit actor: the user, and the token name when a token was used."""
     token = getattr(request.auth, "name", None)
     return f"{request.user.get_username()}" + (f" (token {token})" if token else "")
+
+
+def validated(request: Request, serializer_class: type) -> dict[str, Any]:
+    """Validate a request body with ``serializer_class``; 400 envelope on error."""
+    serializer = serializer_class(data=request.data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
 
 
 class TenantScopedMixin:
@@ -66,8 +82,6 @@ class TenantViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnl
     def perform_create(self, serializer: s.TenantSerializer) -> None:
         data = serializer.validated_data
         if Tenant.objects.filter(slug=data["slug"]).exists():
-            from rest_framework.exceptions import ValidationError
-
             raise ValidationError({"slug": [f"tenant {data['slug']!r} already exists"]})
         serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
 
@@ -85,18 +99,58 @@ class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewS
         serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
 
 
-class CacheNamespaceViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
-    """Cache namespaces (the salt itself is never exposed)."""
+class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Cache namespaces with their retention owner and policy. Creating one
+    needs both; the salt is served only to operate-scope callers."""
 
     serializer_class = s.CacheNamespaceSerializer
     filterset_fields = ("tenant__slug", "model_version", "namespace_id")
     ordering_fields = ("created_at",)
 
     def get_queryset(self) -> models.QuerySet:
-        queryset = CacheNamespace.objects.select_related("tenant", "model_version", "retention_owner").order_by(
-            "-created_at", "-id"
+        queryset = CacheNamespace.objects.select_related("tenant", "model_version", "retention_owner", "policy")
+        return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
+
+    @extend_schema(request=s.CacheNamespaceCreateSerializer, responses={201: s.CacheNamespaceSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = validated(request, s.CacheNamespaceCreateSerializer)
+        tenant_id = request_tenant(request)
+        if tenant_id is not None and data["tenant"].pk != tenant_id:
+            raise ValidationError({"tenant": ["not this token's tenant"]})
+        namespace = namespace_get_or_create(
+            model_version=data["model_version"],
+            tenant=data["tenant"],
+            retention_owner=data["retention_owner"],
+            policy=RetentionPolicySpec(**data["policy"]),
+            actor=actor_of(request),
         )
-        return self.scope_to_tenant(queryset, self.request)
+        return Response(s.CacheNamespaceSerializer(namespace).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.PolicyUpdateSerializer, responses={200: s.CacheNamespaceSerializer})
+    @action(detail=True, methods=["put"])
+    def policy(self, request: Request, pk: str | None = None) -> Response:
+        """Replace the retention policy (a reason is required; audited)."""
+        namespace = self.get_object()
+        data = validated(request, s.PolicyUpdateSerializer)
+        spec = RetentionPolicySpec(**data["policy"])
+        namespace_policy_update(namespace=namespace, policy=spec, actor=actor_of(request), reason=data["reason"])
+        return Response(s.CacheNamespaceSerializer(self.get_queryset().get(pk=namespace.pk)).data)
+
+    @extend_schema(responses={200: s.CacheSaltSerializer})
+    @action(detail=True, methods=["get"], url_path="cache-salt")
+    def cache_salt(self, request: Request, pk: str | None = None) -> Response:
+        """The namespace's vLLM cache_salt, for the router that sends its requests (operate scope; audited)."""
+        if not request_scope_allows(request, "operate"):
+            raise PermissionDenied("the cache_salt needs an operate-scope token")
+        namespace = self.get_object()
+        audit_record(actor=actor_of(request), action="namespace.read_salt", obj=namespace)
+        return Response(
+            {
+                "namespace_id": namespace.namespace_id,
+                "cache_salt": namespace_cache_salt(namespace),
+                "storage_prefix": namespace.storage_prefix,
+            }
+        )
 
 
 class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
@@ -129,8 +183,6 @@ class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyM
     def _check_tenant(self, namespace: CacheNamespace) -> None:
         tenant_id = request_tenant(self.request)
         if tenant_id is not None and namespace.tenant_id != tenant_id:
-            from rest_framework.exceptions import ValidationError
-
             raise ValidationError({"namespace": ["not a namespace of this token's tenant"]})
 
     @extend_schema(request=None, responses=None)
@@ -157,18 +209,12 @@ class PrewarmJobViewSet(_JobViewSet):
 
     @extend_schema(request=s.PrewarmJobCreateSerializer, responses={201: s.PrewarmJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        data = self._validated(request, s.PrewarmJobCreateSerializer)
+        data = validated(request, s.PrewarmJobCreateSerializer)
         self._check_tenant(data["namespace"])
         job = prewarm_job_create(
             namespace=data["namespace"], engine=data["engine"], corpus=data["corpus"], actor=actor_of(request)
         )
         return Response(s.PrewarmJobSerializer(job).data, status=status.HTTP_201_CREATED)
-
-    @staticmethod
-    def _validated(request: Request, serializer_class: type) -> dict[str, Any]:
-        serializer = serializer_class(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return serializer.validated_data
 
 
 class ComparisonJobViewSet(_JobViewSet):
@@ -181,7 +227,7 @@ class ComparisonJobViewSet(_JobViewSet):
 
     @extend_schema(request=s.ComparisonJobCreateSerializer, responses={201: s.ComparisonJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        data = PrewarmJobViewSet._validated(request, s.ComparisonJobCreateSerializer)
+        data = validated(request, s.ComparisonJobCreateSerializer)
         self._check_tenant(data["namespace"])
         job = comparison_job_create(actor=actor_of(request), **data)
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
@@ -207,8 +253,6 @@ class IdentityDiffView(APIView):
         versions = ModelVersion.objects.in_bulk([query.validated_data["a"], query.validated_data["b"]])
         missing = [k for k in ("a", "b") if query.validated_data[k] not in versions]
         if missing:
-            from rest_framework.exceptions import ValidationError
-
             raise ValidationError({k: [f"no model version with id {query.validated_data[k]}"] for k in missing})
         fields = (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")
         a, b = (versions[query.validated_data[k]] for k in ("a", "b"))

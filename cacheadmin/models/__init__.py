@@ -5,7 +5,7 @@ from cacheadmin.models.audit import AuditEvent
 from cacheadmin.models.engines import Engine
 from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult
 from cacheadmin.models.model_versions import ModelVersion
-from cacheadmin.models.tenancy import CacheNamespace, RetentionOwner, Tenant
+from cacheadmin.models.tenancy import CacheNamespace, RetentionOwner, RetentionPolicy, Tenant
 
 __all__ = [
     "ApiToken",
@@ -19,5 +19,6 @@ __all__ = [
     "PrewarmJob",
     "PrewarmResult",
     "RetentionOwner",
+    "RetentionPolicy",
     "Tenant",
 ]

@@ -64,3 +64,32 @@ class CacheNamespace(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant.slug}/{self.model_version.label} ({self.namespace_id[:12]})"
+
+
+class RetentionPolicy(models.Model):
+    """How long a namespace's cached state may live and how much of it.
+
+    ``None`` limits mean "no limit". A pinned (legal hold) namespace is never
+    evicted while held; who placed the hold and why are required.
+    """
+
+    namespace = models.OneToOneField(CacheNamespace, on_delete=models.CASCADE, related_name="policy")
+    max_age_since_last_hit_s = models.PositiveBigIntegerField(null=True, blank=True)
+    max_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    versions_kept = models.PositiveSmallIntegerField(default=1)
+    pinned = models.BooleanField(default=False)
+    hold_by = models.CharField(max_length=200, blank=True, default="")
+    hold_reason = models.TextField(blank=True, default="")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(pinned=False) | (~models.Q(hold_by="") & ~models.Q(hold_reason="")),
+                name="retention_policy_hold_has_who_and_why",
+            ),
+            models.CheckConstraint(condition=models.Q(versions_kept__gte=1), name="retention_policy_keeps_a_version"),
+        ]
+
+    def __str__(self) -> str:
+        return f"policy of {self.namespace_id}"

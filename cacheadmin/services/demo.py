@@ -25,7 +25,12 @@ from cacheadmin.models.jobs import Job
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_launch, engine_stop, engines_reconcile
 from cacheadmin.services.model_versions import checkpoint_fingerprint, model_version_register, model_version_transition
-from cacheadmin.services.namespaces import namespace_get_or_create, retention_owner_get_or_create, tenant_get_or_create
+from cacheadmin.services.namespaces import (
+    DEMO_POLICY,
+    namespace_get_or_create,
+    retention_owner_get_or_create,
+    tenant_get_or_create,
+)
 from cacheadmin.services.prewarm import prewarm_job_create
 from inference.checkpoints import ensure_demo_checkpoints
 from inference.identity import LayoutOptions
@@ -119,8 +124,8 @@ def demo_run(
     log(f"registered tiny-v1 {v1.identity[:12]} and tiny-v2 {v2.identity[:12]}; fields that differ: {changed}")
     tenant = tenant_get_or_create(slug="acme", name="Acme Corp", actor=ACTOR)
     owner = retention_owner_get_or_create(name="platform-team", email="platform@example.com", actor=ACTOR)
-    ns1 = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, actor=ACTOR)
-    ns2 = namespace_get_or_create(model_version=v2, tenant=tenant, retention_owner=owner, actor=ACTOR)
+    ns1 = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
+    ns2 = namespace_get_or_create(model_version=v2, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
     log(f"namespaces: v1 {ns1.storage_prefix}, v2 {ns2.storage_prefix}")
 
     started: list[Engine] = []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
-from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, Tenant
+from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, RetentionPolicy, Tenant
 from cacheadmin.services.audit import audit_record
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
@@ -36,18 +38,72 @@ def retention_owner_get_or_create(*, name: str, email: str, actor: str) -> Reten
     return owner
 
 
+@dataclass(frozen=True)
+class RetentionPolicySpec:
+    """A namespace's retention policy as asked for (validated on creation).
+
+    Attributes:
+        max_age_since_last_hit_s: seconds a namespace may go without a cache hit; None = no limit.
+        max_bytes: bytes its cached state may take in each tier; None = no limit.
+        versions_kept: model versions of the served model kept warm (>= 1).
+        pinned: legal hold: never evicted while set; needs ``hold_by`` and ``hold_reason``.
+    """
+
+    max_age_since_last_hit_s: int | None
+    max_bytes: int | None
+    versions_kept: int = 1
+    pinned: bool = False
+    hold_by: str = ""
+    hold_reason: str = ""
+
+    def errors(self) -> dict[str, list[str]]:
+        """Field → problems; empty when valid."""
+        problems: dict[str, list[str]] = {}
+        for name in ("max_age_since_last_hit_s", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                problems[name] = ["must be a positive integer or null (no limit)"]
+        if not isinstance(self.versions_kept, int) or isinstance(self.versions_kept, bool) or not 1 <= self.versions_kept <= 100:
+            problems["versions_kept"] = ["must be an integer within 1..100"]
+        if self.pinned and not self.hold_by.strip():
+            problems["hold_by"] = ["a hold needs who placed it"]
+        if self.pinned and not self.hold_reason.strip():
+            problems["hold_reason"] = ["a hold needs a reason"]
+        return problems
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain fields, for audit records and the policy row."""
+        return asdict(self)
+
+
+#: The demo's policy: a day without hits, 1 GiB, two versions warm.
+DEMO_POLICY = RetentionPolicySpec(max_age_since_last_hit_s=86400, max_bytes=1 << 30, versions_kept=2)
+
+
 def namespace_get_or_create(
-    *, model_version: ModelVersion, tenant: Tenant, retention_owner: RetentionOwner, actor: str
+    *,
+    model_version: ModelVersion,
+    tenant: Tenant,
+    retention_owner: RetentionOwner,
+    policy: RetentionPolicySpec,
+    actor: str,
 ) -> CacheNamespace:
     """The cache namespace of (model version identity, tenant), created if missing.
 
     The id is derived (``inference.identity.namespace_id``), so every process
     computes the same one; concurrent callers end with the same row.
 
+    A new namespace is created with its retention owner and policy in one
+    transaction; an existing one is returned as it is (its policy unchanged).
+
     Raises:
+        ValidationError: the policy is invalid (nothing is written).
         NamespaceConflict: the derived id is held by another tenant or identity
             (e.g. a tenant slug was reused); isolation wins over convenience.
     """
+    problems = policy.errors()
+    if problems:
+        raise ValidationError(problems)
     ns_id = namespace_id(model_version.identity, tenant.boundary)
     existing = CacheNamespace.objects.select_related("tenant", "model_version").filter(namespace_id=ns_id).first()
     if existing:
@@ -61,11 +117,18 @@ def namespace_get_or_create(
                 retention_owner=retention_owner,
                 storage_prefix=storage_prefix(ns_id),
             )
+            RetentionPolicy.objects.create(namespace=namespace, **policy.as_dict())
             audit_record(
                 actor=actor,
                 action="namespace.create",
                 obj=namespace,
-                after={"namespace_id": ns_id, "model_version": model_version.label, "tenant": tenant.slug},
+                after={
+                    "namespace_id": ns_id,
+                    "model_version": model_version.label,
+                    "tenant": tenant.slug,
+                    "retention_owner": retention_owner.name,
+                    "policy": policy.as_dict(),
+                },
             )
     except IntegrityError:
         return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_id=ns_id), model_version, tenant)
@@ -93,3 +156,28 @@ def namespace_cache_salt(namespace: CacheNamespace) -> str:
 def namespace_storage_path(namespace: CacheNamespace) -> Path:
     """Directory of the namespace's hot persistent tier on disk."""
     return settings.KV_STORE_ROOT / namespace.storage_prefix
+
+
+def namespace_policy_update(
+    *, namespace: CacheNamespace, policy: RetentionPolicySpec, actor: str, reason: str
+) -> RetentionPolicy:
+    """Replace a namespace's retention policy (audited with before and after).
+
+    Raises:
+        ValidationError: invalid policy, or no reason given; nothing changes.
+    """
+    problems = policy.errors()
+    if not reason.strip():
+        problems["reason"] = ["a policy change needs a reason"]
+    if problems:
+        raise ValidationError(problems)
+    with transaction.atomic():
+        current = RetentionPolicy.objects.select_for_update().get(namespace=namespace)
+        before = {k: getattr(current, k) for k in policy.as_dict()}
+        for key, value in policy.as_dict().items():
+            setattr(current, key, value)
+        current.save()
+        audit_record(
+            actor=actor, action="namespace.policy_update", obj=namespace, before=before, after=policy.as_dict(), reason=reason
+        )
+    return current

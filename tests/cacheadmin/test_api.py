@@ -219,3 +219,71 @@ def test_api_token_command_issues_a_working_key_and_revokes_it() -> None:
     assert (bad.returncode, bad.stderr.strip()) == (2, "CommandError: no tenant 'nope'")
     bad_scope = manage("api_token", "issue", "--user", "ci", "--name", "x", "--scope", "root", env=env)
     assert bad_scope.returncode == 2 and len(bad_scope.stderr.strip().splitlines()) == 1
+
+
+POLICY = {"max_age_since_last_hit_s": 3600, "max_bytes": 1 << 30, "versions_kept": 2}
+
+
+def test_creating_a_namespace_needs_an_owner_and_a_policy(world) -> None:
+    c = world["clients"]
+    owner = RetentionOwner.objects.get()
+    body = {"model_version": world["v2"].pk, "tenant": "acme", "retention_owner": owner.pk, "policy": POLICY}
+    for missing, field in (("retention_owner", "retention_owner"), ("policy", "policy")):
+        partial = {k: v for k, v in body.items() if k != missing}
+        response = c["bob"].post("/api/namespaces/", partial, format="json")
+        assert response.status_code == 400 and response.json()["error"]["fields"][field] == ["This field is required."]
+    pinned_without_why = {**body, "policy": {**POLICY, "pinned": True, "hold_by": "legal"}}
+    response = c["bob"].post("/api/namespaces/", pinned_without_why, format="json")
+    assert response.json()["error"]["fields"] == {"policy.hold_reason": ["a hold needs who placed it and why"]}
+    assert c["bob"].post("/api/namespaces/", {**body, "tenant": "globex"}, format="json").json()["error"]["fields"] == {
+        "tenant": ["not this token's tenant"]
+    }
+    assert CacheNamespace.objects.count() == 2
+    created = c["bob"].post("/api/namespaces/", body, format="json")
+    assert created.status_code == 201, created.json()
+    ns = created.json()
+    assert (ns["tenant"], ns["model_version_label"], ns["retention_owner"]) == ("acme", "v2", "platform")
+    assert {k: ns["policy"][k] for k in POLICY} == POLICY and ns["policy"]["pinned"] is False
+    from inference.identity import namespace_id
+
+    assert ns["namespace_id"] == namespace_id("2" * 64, "tenant:acme")
+    again = c["bob"].post("/api/namespaces/", body, format="json")
+    assert again.json()["id"] == ns["id"] and CacheNamespace.objects.count() == 3
+
+
+def test_policy_changes_need_a_reason_and_are_audited(world) -> None:
+    c, ns = world["clients"], world["ns"]["acme"]
+    from cacheadmin.models import RetentionPolicy
+
+    RetentionPolicy.objects.create(namespace=ns, max_age_since_last_hit_s=60, max_bytes=None, versions_kept=1)
+    no_reason = c["bob"].put(f"/api/namespaces/{ns.pk}/policy/", {"policy": POLICY}, format="json")
+    assert no_reason.status_code == 400 and no_reason.json()["error"]["fields"] == {"reason": ["This field is required."]}
+    hold = {"policy": {**POLICY, "pinned": True, "hold_by": "legal", "hold_reason": "case 42"}, "reason": "litigation hold"}
+    response = c["bob"].put(f"/api/namespaces/{ns.pk}/policy/", hold, format="json")
+    assert response.status_code == 200 and response.json()["policy"]["pinned"] is True
+    event = AuditEvent.objects.get(action="namespace.policy_update")
+    assert (event.before["max_age_since_last_hit_s"], event.after["hold_reason"], event.reason) == (
+        60,
+        "case 42",
+        "litigation hold",
+    )
+    assert c["charlie"].put(f"/api/namespaces/{world['ns']['globex'].pk}/policy/", hold, format="json").status_code == 403
+
+
+def test_cache_salt_needs_operate_scope_and_the_right_tenant(world) -> None:
+    from django.conf import settings
+
+    from inference.identity import cache_salt
+
+    c, ns = world["clients"], world["ns"]
+    response = c["bob"].get(f"/api/namespaces/{ns['acme'].pk}/cache-salt/")
+    assert response.json() == {
+        "namespace_id": ns["acme"].namespace_id,
+        "cache_salt": cache_salt(settings.CACHE_SALT_SECRET, ns["acme"].namespace_id),
+        "storage_prefix": "ns-acme",
+    }
+    assert c["bob"].get(f"/api/namespaces/{ns['globex'].pk}/cache-salt/").status_code == 404
+    assert c["charlie"].get(f"/api/namespaces/{ns['globex'].pk}/cache-salt/").status_code == 403
+    assert AuditEvent.objects.filter(action="namespace.read_salt").count() == 1
+    listed = str(c["alice"].get("/api/namespaces/").json())
+    assert response.json()["cache_salt"] not in listed

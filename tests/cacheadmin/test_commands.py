@@ -107,6 +107,7 @@ def test_health_needs_no_login_and_pages_do(client) -> None:
 def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoints) -> None:
     from cacheadmin.models import Tenant
     from cacheadmin.services.namespaces import (
+        DEMO_POLICY,
         NamespaceConflict,
         namespace_get_or_create,
         retention_owner_get_or_create,
@@ -118,11 +119,11 @@ def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoi
     )
     owner = retention_owner_get_or_create(name="team", email="t@example.com", actor="alice")
     acme = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
-    first = namespace_get_or_create(model_version=version, tenant=acme, retention_owner=owner, actor="alice")
+    first = namespace_get_or_create(model_version=version, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice")
     Tenant.objects.filter(pk=acme.pk).update(slug="acme-old")  # a rename behind the services' back
     newcomer = tenant_get_or_create(slug="acme", name="Someone else", actor="bob")
     with pytest.raises(NamespaceConflict, match="never handed to another tenant"):
-        namespace_get_or_create(model_version=version, tenant=newcomer, retention_owner=owner, actor="bob")
+        namespace_get_or_create(model_version=version, tenant=newcomer, retention_owner=owner, policy=DEMO_POLICY, actor="bob")
     assert CacheNamespaceCount() == 1 and first.tenant_id == acme.pk
 
 

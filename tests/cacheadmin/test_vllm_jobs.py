@@ -17,6 +17,7 @@ from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_launch
 from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import (
+    DEMO_POLICY,
     namespace_get_or_create,
     namespace_storage_path,
     retention_owner_get_or_create,
@@ -92,7 +93,9 @@ def _setup(demo_checkpoints, label: str):
     )
     tenant = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
     owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="alice")
-    return version, namespace_get_or_create(model_version=version, tenant=tenant, retention_owner=owner, actor="alice")
+    return version, namespace_get_or_create(
+        model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="alice"
+    )
 
 
 def _record(engine: LocalEngine, version, namespace, name: str, *, connector: bool = True) -> Engine:
