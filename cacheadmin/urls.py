@@ -11,6 +11,7 @@ urlpatterns = [
     path("fragments/live", views.live_fragment, name="live-fragment"),
     path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
+    path("engines/<int:pk>/", views.engine_detail, name="engine-detail"),
     path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
     path("admin/", admin.site.urls),
     path("api/", include("cacheadmin.api.urls")),

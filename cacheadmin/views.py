@@ -9,7 +9,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 
 from cacheadmin import selectors
-from cacheadmin.models import ComparisonJob, ModelVersion, PrewarmJob
+from cacheadmin.models import ComparisonJob, Engine, ModelVersion, PrewarmJob
 
 #: Poll intervals (seconds) of live fragments: while a job or an engine runs,
 #: and when nothing does. Hidden tabs do not poll at all (hx-trigger filter).
@@ -51,6 +51,16 @@ def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
     version = get_object_or_404(ModelVersion, pk=pk)
     return render(
         request, "cacheadmin/model_version_detail.html", {"version": version, "identity_fields": ModelVersion.IDENTITY_FIELDS}
+    )
+
+
+def engine_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """An engine: what it computes with, its tier, and the namespaces it may serve."""
+    engine = get_object_or_404(Engine.objects.select_related("model_version", "namespace__tenant"), pk=pk)
+    return render(
+        request,
+        "cacheadmin/engine_detail.html",
+        {"engine": engine, "attached": engine.attached_namespaces.select_related("tenant")},
     )
 
 

@@ -120,13 +120,21 @@ class CacheSaltSerializer(serializers.Serializer):
 
 class EngineSerializer(serializers.ModelSerializer):
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
+    salt_blind_tier = serializers.BooleanField(
+        read_only=True, help_text="its persistent tier ignores cache_salt: one namespace only"
+    )
 
     class Meta:
         model = Engine
         fields = (
-            "id", "name", "role", "model_version", "model_version_label", "namespace", "base_url", "status",
-            "prefix_caching", "kv_connector", "identity_override", "error", "start_seconds", "created_at", "stopped_at",
+            "id", "name", "role", "model_version", "model_version_label", "namespace", "attached_namespaces", "base_url",
+            "status", "prefix_caching", "kv_connector", "salt_blind_tier", "identity_override", "error", "start_seconds",
+            "created_at", "stopped_at",
         )  # fmt: skip
+
+
+class EngineAttachSerializer(StrictFieldsMixin, serializers.Serializer):
+    namespace = serializers.PrimaryKeyRelatedField(queryset=CacheNamespace.objects.all())
 
 
 class PrewarmResultSerializer(serializers.ModelSerializer):

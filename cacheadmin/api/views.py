@@ -18,6 +18,7 @@ from cacheadmin.api.auth import request_scope_allows, request_tenant
 from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
+from cacheadmin.services.engines import engine_attach_namespace
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
@@ -162,8 +163,23 @@ class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
     tenant_path = "namespace__tenant"
 
     def get_queryset(self) -> models.QuerySet:
-        queryset = Engine.objects.select_related("model_version").order_by("-created_at", "-id")
-        return self.scope_to_tenant(queryset, self.request)
+        queryset = Engine.objects.select_related("model_version").prefetch_related("attached_namespaces")
+        return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
+
+    @extend_schema(request=s.EngineAttachSerializer, responses={200: s.EngineSerializer})
+    @action(detail=True, methods=["post"])
+    def attach(self, request: Request, pk: str | None = None) -> Response:
+        """Serve another namespace from this engine's memory (refused, with the
+        reason, when its persistent tier ignores cache_salt)."""
+        if not request_scope_allows(request, "operate"):
+            raise PermissionDenied()
+        engine = self.get_object()
+        namespace = validated(request, s.EngineAttachSerializer)["namespace"]
+        tenant_id = request_tenant(request)
+        if tenant_id is not None and namespace.tenant_id != tenant_id:
+            raise ValidationError({"namespace": ["not a namespace of this token's tenant"]})
+        engine_attach_namespace(engine=engine, namespace=namespace, actor=actor_of(request))
+        return Response(s.EngineSerializer(self.get_queryset().get(pk=engine.pk)).data)
 
 
 class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):

@@ -31,6 +31,9 @@ class Engine(models.Model):
     namespace = models.ForeignKey(
         "cacheadmin.CacheNamespace", null=True, blank=True, on_delete=models.PROTECT, related_name="engines"
     )
+    #: More namespaces served from engine memory only, isolated by cache_salt;
+    #: never on an engine whose persistent tier ignores the salt.
+    attached_namespaces = models.ManyToManyField("cacheadmin.CacheNamespace", blank=True, related_name="attached_engines")
     base_url = models.CharField(max_length=200)
     pid = models.IntegerField(null=True, blank=True)
     prefix_caching = models.BooleanField(default=True)
@@ -49,3 +52,17 @@ class Engine(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    #: KV connectors whose persistent tier keys on token ids alone, ignoring
+    #: cache_salt. Measured on vLLM 0.32: a request under tenant B's salt loaded
+    #: 640 tokens of tenant A's KV from ExampleConnector's disk tier.
+    SALT_BLIND_CONNECTORS = frozenset({"ExampleConnector"})
+
+    @property
+    def salt_blind_tier(self) -> bool:
+        """True when this engine's persistent tier ignores cache_salt (one namespace only)."""
+        return self.kv_connector in self.SALT_BLIND_CONNECTORS
+
+    def serves(self, namespace_pk: int) -> bool:
+        """Whether requests of this namespace may run on this engine."""
+        return namespace_pk == self.namespace_id or self.attached_namespaces.filter(pk=namespace_pk).exists()

@@ -25,6 +25,8 @@ def comparison_job_create(
             serves another served model name, an engine is not ready, the
             corpus is unknown, or ``max_tokens`` is outside 1..256.
     """
+    if not engine.serves(namespace.pk):
+        raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_id[:12]}…")
     if reference_engine.prefix_caching or reference_engine.kv_connector:
         raise JobRefused(f"reference engine {reference_engine.name} caches prefixes; a reference must compute every token")
     if reference_engine.model_version.served_name != engine.model_version.served_name:

@@ -173,3 +173,30 @@ def engines_reconcile(*, actor: str) -> int:
             audit_record(actor=actor, action="engine.reconcile", obj=engine, reason="process not running")
             changed += 1
     return changed
+
+
+def engine_attach_namespace(*, engine: Engine, namespace: CacheNamespace, actor: str) -> Engine:
+    """Let ``engine`` serve another namespace from memory, isolated by its cache_salt.
+
+    Raises:
+        EngineRefused: the engine's persistent tier is salt-blind (it would
+            hand one namespace's KV to another), the namespace's identity is not
+            the engine's, or the engine is a reference engine.
+    """
+    if engine.role != Engine.Role.SERVING:
+        raise EngineRefused(f"engine {engine.name} is a reference engine; it serves no namespace")
+    if engine.salt_blind_tier:
+        raise EngineRefused(
+            f"engine {engine.name} has a {engine.kv_connector} tier, which keys KV by token ids alone and ignores "
+            f"cache_salt: a second namespace would read the first one's cached state (measured on vLLM 0.32: "
+            f"640 tokens of another tenant's KV loaded). Give the namespace its own engine."
+        )
+    if namespace.model_version.identity != engine.model_version.identity:
+        raise EngineRefused(
+            f"namespace {namespace.namespace_id[:12]}… belongs to {namespace.model_version.label}, "
+            f"engine {engine.name} computes with {engine.model_version.label}"
+        )
+    with transaction.atomic():
+        engine.attached_namespaces.add(namespace)
+        audit_record(actor=actor, action="engine.attach_namespace", obj=engine, after={"namespace": namespace.namespace_id})
+    return engine

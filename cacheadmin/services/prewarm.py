@@ -25,7 +25,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
         JobRefused: the engine does not serve this namespace, is not ready,
             or the corpus is unknown.
     """
-    if engine.namespace_id != namespace.pk:
+    if not engine.serves(namespace.pk):
         raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_id[:12]}…")
     if engine.status != Engine.Status.READY:
         raise JobRefused(f"engine {engine.name} is {engine.status}, not ready")

@@ -287,3 +287,43 @@ def test_cache_salt_needs_operate_scope_and_the_right_tenant(world) -> None:
     assert AuditEvent.objects.filter(action="namespace.read_salt").count() == 1
     listed = str(c["alice"].get("/api/namespaces/").json())
     assert response.json()["cache_salt"] not in listed
+
+
+def test_a_salt_blind_tier_never_backs_a_second_namespace(world, admin_client) -> None:
+    c, engine, ns = world["clients"], world["engine"], world["ns"]
+    Engine.objects.filter(pk=engine.pk).update(kv_connector="ExampleConnector", kv_storage_path="/kv/ns-acme")
+    initech = Tenant.objects.create(slug="initech", name="Initech")
+    other = CacheNamespace.objects.create(
+        namespace_id="b" * 64,
+        model_version=world["v1"],
+        tenant=initech,
+        retention_owner=RetentionOwner.objects.get(),
+        storage_prefix="ns-b",
+    )
+    refused = c["alice"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": other.pk}, format="json")
+    assert refused.status_code == 409
+    assert refused.json()["error"]["code"] == "engine_refused"
+    assert "ignores cache_salt" in refused.json()["error"]["message"]
+    assert list(Engine.objects.get(pk=engine.pk).attached_namespaces.all()) == []
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    assert "may back one namespace only" in page
+    # Memory only: the salt isolates namespaces, so a second one may attach.
+    Engine.objects.filter(pk=engine.pk).update(kv_connector="", kv_storage_path="")
+    attached = c["alice"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": other.pk}, format="json")
+    assert attached.status_code == 200 and attached.json()["attached_namespaces"] == [other.pk]
+    assert AuditEvent.objects.filter(action="engine.attach_namespace").count() == 1
+    wrong_identity = CacheNamespace.objects.create(
+        namespace_id="c" * 64,
+        model_version=world["v2"],
+        tenant=world["acme"],
+        retention_owner=RetentionOwner.objects.get(),
+        storage_prefix="ns-c",
+    )
+    mismatch = c["bob"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": wrong_identity.pk}, format="json")
+    assert mismatch.status_code == 409 and "computes with v1" in mismatch.json()["error"]["message"]
+    foreign = c["bob"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": ns["globex"].pk}, format="json")
+    assert foreign.status_code == 400
+    assert c["charlie"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": other.pk}, format="json").status_code in (
+        403,
+        404,
+    )
