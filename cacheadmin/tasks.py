@@ -26,6 +26,14 @@ def comparison_job_task(job_id: int) -> None:
     comparison_job_run(job_id=job_id)
 
 
+@shared_task(name="cacheadmin.registration_job")
+def registration_job_task(job_id: int) -> None:
+    """Run registration job ``job_id``."""
+    from cacheadmin.services.registration import registration_job_run
+
+    registration_job_run(job_id=job_id)
+
+
 @shared_task(name="cacheadmin.jobs_recover_lost", expires=60)
 def jobs_recover_lost_task() -> dict[str, int]:
     """Requeue or fail jobs whose worker died (see ``services.jobs``)."""

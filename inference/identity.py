@@ -21,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import mmap
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -163,11 +165,37 @@ def _safetensors_data_end(path: Path, header: object) -> int:
     return end
 
 
-def hash_file(path: Path, *, cache: FileDigestCache | None = None) -> tuple[str, bool]:
+#: Bytes hashed between two progress reports (bounded memory: a mapped view, not a copy).
+PROGRESS_CHUNK = 64 << 20
+
+
+def _hash_with_progress(path: Path, hasher: blake3.blake3, on_bytes: Callable[[int], None]) -> None:
+    size = path.stat().st_size
+    if size == 0:
+        return
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            for offset in range(0, size, PROGRESS_CHUNK):
+                chunk = view[offset : offset + PROGRESS_CHUNK]
+                hasher.update(chunk)
+                chunk.release()
+                on_bytes(min(PROGRESS_CHUNK, size - offset))
+        finally:
+            view.release()
+
+
+def hash_file(
+    path: Path, *, cache: FileDigestCache | None = None, on_bytes: Callable[[int], None] | None = None
+) -> tuple[str, bool]:
     """BLAKE3 hex digest of a file's full content, with the digest cache.
 
     Uses ``blake3.update_mmap`` with all cores: memory stays bounded (pages are
     mapped, not copied) and throughput is that of the ``b3sum`` tool.
+
+    Args:
+        on_bytes: called with each chunk's size in bytes as it is hashed (64 MiB
+            chunks), or once with the file size when the cache answers.
 
     Returns:
         ``(hex digest, hashed)``: ``hashed`` is False when the cache answered.
@@ -179,9 +207,14 @@ def hash_file(path: Path, *, cache: FileDigestCache | None = None) -> tuple[str,
     if cache is not None:
         cached = cache.get(path, before)
         if cached is not None:
+            if on_bytes is not None:
+                on_bytes(before.st_size)
             return cached, False
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    hasher.update_mmap(path)
+    if on_bytes is None:
+        hasher.update_mmap(path)
+    else:
+        _hash_with_progress(path, hasher, on_bytes)
     after = path.stat()
     if FileDigestCache.stat_key(before) != FileDigestCache.stat_key(after):
         raise CheckpointError(f"{path} changed while it was being hashed; retry once it is written")
@@ -333,8 +366,15 @@ def _iter_files(root: Path) -> list[Path]:
     )
 
 
-def _weights(root: Path, cache: FileDigestCache | None) -> tuple[str, dict[str, str], int, int]:
-    files = [p for p in _iter_files(root) if p.name.endswith(WEIGHT_SUFFIXES)]
+def weight_files(root: Path) -> list[Path]:
+    """The weight files of a checkpoint, in digest order."""
+    return [p for p in _iter_files(root) if p.name.endswith(WEIGHT_SUFFIXES)]
+
+
+def _weights(
+    root: Path, cache: FileDigestCache | None, on_bytes: Callable[[int], None] | None = None
+) -> tuple[str, dict[str, str], int, int]:
+    files = weight_files(root)
     if not files:
         raise CheckpointError(f"checkpoint {root} has no weight files ({', '.join(WEIGHT_SUFFIXES)})")
     frames: list[tuple[str, bytes]] = []
@@ -346,7 +386,7 @@ def _weights(root: Path, cache: FileDigestCache | None) -> tuple[str, dict[str, 
             raise CheckpointError(f"{path} is an empty weight file")
         if path.suffix == ".safetensors":
             check_safetensors(path, size)
-        digest, did_hash = hash_file(path, cache=cache)
+        digest, did_hash = hash_file(path, cache=cache, on_bytes=on_bytes)
         rel = path.relative_to(root).as_posix()
         per_file[rel] = digest
         frames += [("file", rel.encode()), ("size", str(size).encode()), ("blake3", bytes.fromhex(digest))]
@@ -423,6 +463,7 @@ def fingerprint_checkpoint(
     layout: LayoutOptions | None = None,
     adapters: dict[str, Path] | None = None,
     cache: FileDigestCache | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> IdentityReport:
     """Compute the state identity of a checkpoint directory.
 
@@ -432,6 +473,7 @@ def fingerprint_checkpoint(
         layout: engine layout options; defaults to :class:`LayoutOptions()`.
         adapters: LoRA adapters by name → directory.
         cache: per-file digest cache; without one every byte is hashed.
+        on_bytes: progress callback, bytes of weight files done (see :func:`hash_file`).
 
     Returns:
         The report; ``hashed_bytes`` < ``total_bytes`` when the cache answered.
@@ -447,7 +489,7 @@ def fingerprint_checkpoint(
     config_digest, config_kept, config_raw = _config(root)
     tokenizer_digest, tokenizer_inputs = _tokenizer(root)
     layout_dict = resolve_layout(layout, config_raw)
-    weights_digest, weight_files, total, hashed = _weights(root, cache)
+    weights_digest, per_file, total, hashed = _weights(root, cache, on_bytes)
     layout_digest = digest_frames("layout", [("layout", canonical_json(layout_dict))])
     adapters_digest, adapter_inputs = _adapters(adapters or {}, cache)
     identity = digest_frames(
@@ -468,7 +510,7 @@ def fingerprint_checkpoint(
         adapters=adapters_digest,
         identity=identity,
         inputs={
-            "weights": weight_files,
+            "weights": per_file,
             "tokenizer": tokenizer_inputs,
             "config": config_kept,
             "layout": layout_dict,
@@ -574,7 +616,7 @@ def verify_digest_cache(root: Path, cache: FileDigestCache) -> list[dict[str, st
         mismatch (files the cache did not know are not mismatches).
     """
     mismatches = []
-    for path in (p for p in _iter_files(root) if p.name.endswith(WEIGHT_SUFFIXES)):
+    for path in weight_files(root):
         st = path.stat()
         cached = cache.get(path, st)
         actual, _ = hash_file(path)

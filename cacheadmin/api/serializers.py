@@ -14,6 +14,7 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     PrewarmResult,
+    RegistrationJob,
     RetentionOwner,
     RetentionPolicy,
     Tenant,
@@ -195,3 +196,26 @@ class AuditEventSerializer(serializers.ModelSerializer):
 class IdentityDiffQuerySerializer(serializers.Serializer):
     a = serializers.IntegerField(min_value=1, help_text="model version id")
     b = serializers.IntegerField(min_value=1, help_text="model version id")
+
+
+class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
+    dtype = serializers.CharField(default="auto")
+    kv_cache_dtype = serializers.CharField(default="auto")
+    block_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=32)
+    tensor_parallel_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=1)
+    pipeline_parallel_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=1)
+    quantization = serializers.CharField(allow_null=True, default=None)
+    kv_connector = serializers.CharField(allow_null=True, default=None)
+
+
+class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    path = serializers.CharField(max_length=1000, help_text="checkpoint directory inside MODEL_ROOTS")
+    label = serializers.CharField(max_length=100)
+    served_name = serializers.CharField(max_length=200)
+    layout = LayoutSerializer(required=False)
+
+
+class RegistrationJobSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = RegistrationJob
+        fields = (*JOB_FIELDS, "path", "label", "served_name", "layout_options", "model_version")

@@ -14,6 +14,7 @@ router.register("namespaces", views.CacheNamespaceViewSet, basename="namespace")
 router.register("engines", views.EngineViewSet, basename="engine")
 router.register("prewarm-jobs", views.PrewarmJobViewSet, basename="prewarm-job")
 router.register("comparison-jobs", views.ComparisonJobViewSet, basename="comparison-job")
+router.register("registration-jobs", views.RegistrationJobViewSet, basename="registration-job")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
 
 urlpatterns = [

@@ -15,7 +15,17 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
-from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.models import (
+    AuditEvent,
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    ModelVersion,
+    PrewarmJob,
+    RegistrationJob,
+    RetentionOwner,
+    Tenant,
+)
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_attach_namespace
@@ -29,7 +39,9 @@ from cacheadmin.services.namespaces import (
     tenant_get_or_create,
 )
 from cacheadmin.services.prewarm import prewarm_job_create
-from inference.identity import identity_diff
+from cacheadmin.services.registration import registration_job_create
+from inference.errors import CheckpointError
+from inference.identity import LayoutOptions, identity_diff
 
 
 def actor_of(request: Request) -> str:
@@ -55,15 +67,31 @@ class TenantScopedMixin:
         return queryset if tenant_id is None else queryset.filter(**{f"{self.tenant_path}_id": tenant_id})
 
 
-class ModelVersionViewSet(viewsets.ReadOnlyModelViewSet):
-    """Registered model versions with their identity digests."""
+class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Registered model versions with their identity digests. POST starts a
+    registration job (202): hashing a large checkpoint takes minutes."""
 
     queryset = ModelVersion.objects.order_by("-created_at", "-id")
     filterset_fields = ("status", "served_name", "label", "identity")
     ordering_fields = ("created_at", "label", "status")
 
     def get_serializer_class(self) -> type:
+        if self.action == "create":
+            return s.RegistrationCreateSerializer
         return s.ModelVersionDetailSerializer if self.action == "retrieve" else s.ModelVersionSerializer
+
+    @extend_schema(request=s.RegistrationCreateSerializer, responses={202: s.RegistrationJobSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = validated(request, s.RegistrationCreateSerializer)
+        layout = data.get("layout") or {}
+        try:
+            options = LayoutOptions(**layout)
+        except CheckpointError as exc:
+            raise ValidationError({"layout": [str(exc)]}) from exc
+        job = registration_job_create(
+            path=data["path"], label=data["label"], served_name=data["served_name"], layout=options, actor=actor_of(request)
+        )
+        return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
 class TenantViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -247,6 +275,26 @@ class ComparisonJobViewSet(_JobViewSet):
         self._check_tenant(data["namespace"])
         job = comparison_job_create(actor=actor_of(request), **data)
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+
+class RegistrationJobViewSet(viewsets.ReadOnlyModelViewSet):
+    """Registration jobs: progress in weight bytes, the model version when done."""
+
+    serializer_class = s.RegistrationJobSerializer
+    filterset_fields = ("status", "label")
+    ordering_fields = ("created_at", "status")
+
+    def get_queryset(self) -> models.QuerySet:
+        return RegistrationJob.objects.order_by("-created_at", "-id")
+
+    @extend_schema(request=None, responses={200: s.RegistrationJobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel a queued or running registration (409 if it already ended)."""
+        if not request_scope_allows(request, "operate"):
+            raise PermissionDenied()
+        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=str(request.data.get("reason", ""))[:500])
+        return Response(s.RegistrationJobSerializer(job).data)
 
 
 class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):

@@ -3,7 +3,7 @@
 from cacheadmin.models.api_tokens import ApiToken
 from cacheadmin.models.audit import AuditEvent
 from cacheadmin.models.engines import Engine
-from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult
+from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult, RegistrationJob
 from cacheadmin.models.model_versions import ModelVersion
 from cacheadmin.models.tenancy import CacheNamespace, RetentionOwner, RetentionPolicy, Tenant
 
@@ -18,6 +18,7 @@ __all__ = [
     "ModelVersion",
     "PrewarmJob",
     "PrewarmResult",
+    "RegistrationJob",
     "RetentionOwner",
     "RetentionPolicy",
     "Tenant",

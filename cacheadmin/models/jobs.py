@@ -159,3 +159,22 @@ class ComparisonResult(models.Model):
     class Meta:
         ordering = ["job", "index"]
         constraints = [models.UniqueConstraint(fields=["job", "index"], name="comparison_result_unique_index")]
+
+
+class RegistrationJob(Job):
+    """Fingerprint and register a checkpoint in the background (large
+    checkpoints take minutes to hash). Progress counts weight bytes."""
+
+    path = models.CharField(max_length=1000)
+    label = models.CharField(max_length=100)
+    served_name = models.CharField(max_length=200)
+    layout_options = models.JSONField(default=dict)
+    model_version = models.ForeignKey(
+        "cacheadmin.ModelVersion", null=True, blank=True, on_delete=models.SET_NULL, related_name="registration_jobs"
+    )
+
+    class Meta(Job.Meta):
+        pass
+
+    def __str__(self) -> str:
+        return f"registration #{self.pk} {self.status}"

@@ -23,7 +23,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
-from cacheadmin.models import ComparisonJob, JobStatus, PrewarmJob
+from cacheadmin.models import ComparisonJob, JobStatus, PrewarmJob, RegistrationJob
 from cacheadmin.models.jobs import Job
 from inference.engines.launcher import pid_alive
 
@@ -103,6 +103,7 @@ def _job_kinds() -> list[tuple[type[Job], Callable[[int], None]]]:
     return [
         (PrewarmJob, lambda pk: tasks.prewarm_job_task.delay(pk)),
         (ComparisonJob, lambda pk: tasks.comparison_job_task.delay(pk)),
+        (RegistrationJob, lambda pk: tasks.registration_job_task.delay(pk)),
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from django.conf import settings
@@ -20,7 +21,11 @@ class RegistrationConflict(ValueError):
 
 
 def checkpoint_fingerprint(
-    *, path: str | Path, layout: LayoutOptions, adapters: dict[str, str] | None = None
+    *,
+    path: str | Path,
+    layout: LayoutOptions,
+    adapters: dict[str, str] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[Path, IdentityReport]:
     """Confine ``path`` to ``MODEL_ROOTS`` and compute its state identity.
 
@@ -35,7 +40,7 @@ def checkpoint_fingerprint(
     for name, adapter_path in (adapters or {}).items():
         adapter_dirs[name] = _resolve_adapter(adapter_path)
     cache = FileDigestCache(settings.DIGEST_CACHE_PATH)
-    return root, fingerprint_checkpoint(root, layout=layout, adapters=adapter_dirs, cache=cache)
+    return root, fingerprint_checkpoint(root, layout=layout, adapters=adapter_dirs, cache=cache, on_bytes=on_bytes)
 
 
 def checkpoint_verify_cache(*, path: str | Path) -> list[dict[str, str]]:
@@ -59,7 +64,13 @@ def _resolve_adapter(path: str | Path) -> Path:
 
 
 def model_version_register(
-    *, path: str | Path, label: str, served_name: str, layout: LayoutOptions, actor: str
+    *,
+    path: str | Path,
+    label: str,
+    served_name: str,
+    layout: LayoutOptions,
+    actor: str,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[ModelVersion, bool]:
     """Register a checkpoint as a model version (idempotent per label).
 
@@ -73,7 +84,7 @@ def model_version_register(
         CheckpointError: the checkpoint cannot be fingerprinted; nothing is written.
         RegistrationConflict: ``label`` exists with a different identity.
     """
-    root, report = checkpoint_fingerprint(path=path, layout=layout)
+    root, report = checkpoint_fingerprint(path=path, layout=layout, on_bytes=on_bytes)
     existing = ModelVersion.objects.filter(label=label).first()
     if existing is not None:
         return _same_or_conflict(existing, report.identity), False

@@ -1,0 +1,54 @@
+"""``python manage.py register PATH --label L --served-name N [...]``: register a model version."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import CommandParser
+
+from cacheadmin.management.base import ControlPlaneCommand, add_layout_arguments, layout_from_options
+from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
+from inference.errors import CheckpointError
+
+EXIT_CONFLICT = 3
+
+
+class Command(ControlPlaneCommand):
+    help = (
+        "Fingerprint a checkpoint and register it as a model version (the API twin is POST /api/model-versions/, "
+        "which runs it as a job). Exit codes: 0 registered or already registered with the same identity; "
+        "2 bad input (one line on stderr); 3 the label is registered with another identity."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("path", help="checkpoint directory, inside MODEL_ROOTS")
+        parser.add_argument("--label", required=True, help="unique label, e.g. llama-3-8b-2026-11")
+        parser.add_argument("--served-name", required=True, help="model name clients send to the engine")
+        add_layout_arguments(parser)
+        parser.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        for key in ("label", "served_name"):
+            if not opts[key].strip():
+                raise self.bad_input(f"--{key.replace('_', '-')} must not be empty")
+        try:
+            version, created = model_version_register(
+                path=opts["path"],
+                label=opts["label"],
+                served_name=opts["served_name"],
+                layout=layout_from_options(opts),
+                actor="cli",
+            )
+        except CheckpointError as exc:
+            raise self.bad_input(str(exc)) from exc
+        except RegistrationConflict as exc:
+            self.stderr.write(f"CommandError: {exc}")
+            raise SystemExit(EXIT_CONFLICT) from exc
+        out = {"id": version.pk, "label": version.label, "created": created, "identity": version.identity}
+        out.update({f: getattr(version, f) for f in version.IDENTITY_FIELDS})
+        self.stdout.write(
+            json.dumps(out)
+            if opts["json"]
+            else f"{'registered' if created else 'already registered'} {version.label} {version.identity}"
+        )

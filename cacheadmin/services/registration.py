@@ -1,0 +1,74 @@
+"""Registration jobs: fingerprint and register a checkpoint in a worker."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from django.conf import settings
+from django.db import transaction
+
+from cacheadmin.models import JobStatus, RegistrationJob
+from cacheadmin.services.audit import audit_record
+from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
+from inference.errors import CheckpointError
+from inference.identity import LayoutOptions, weight_files
+from inference.paths import resolve_checkpoint_dir
+
+
+def registration_job_create(*, path: str, label: str, served_name: str, layout: LayoutOptions, actor: str) -> RegistrationJob:
+    """Check the path now (bad input is refused before anything is written),
+    record the job, and enqueue it once committed.
+
+    Raises:
+        CheckpointError: missing, outside the model roots, no config.json.
+    """
+    root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
+    total = sum(p.stat().st_size for p in weight_files(root))
+    from cacheadmin.tasks import registration_job_task
+
+    with transaction.atomic():
+        job = RegistrationJob.objects.create(
+            path=str(root),
+            label=label,
+            served_name=served_name,
+            layout_options=asdict(layout),
+            progress_total=total,
+            created_by=actor,
+        )
+        audit_record(actor=actor, action="registration_job.create", obj=job, after={"path": str(root), "label": label})
+        transaction.on_commit(lambda: registration_job_task.delay(job.pk))
+    return job
+
+
+def registration_job_run(*, job_id: int) -> None:
+    """Hash and register; progress in weight bytes. A retry re-hashes only
+    what the digest cache does not already hold."""
+    job = job_claim(RegistrationJob, job_id)
+    if job is None:
+        return
+    job_log(job, f"attempt {job.attempts}: fingerprinting {job.path}")
+    done = 0
+
+    def on_bytes(count: int) -> None:
+        nonlocal done
+        done += count
+        job_progress(job, done)
+
+    try:
+        version, created = model_version_register(
+            path=job.path,
+            label=job.label,
+            served_name=job.served_name,
+            layout=LayoutOptions(**job.layout_options),
+            actor=job.created_by,
+            on_bytes=on_bytes,
+        )
+    except (CheckpointError, RegistrationConflict) as exc:
+        job_finish(job, JobStatus.FAILED, error=str(exc), line=f"refused: {exc}")
+        return
+    except JobCancelled:
+        job_log(job, "cancelled; stopped")
+        return
+    word = "registered" if created else "already registered as"
+    job_finish(job, JobStatus.SUCCEEDED, line=f"{word} {version.label} ({version.identity[:12]}…)", model_version=version)

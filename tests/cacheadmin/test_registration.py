@@ -1,0 +1,92 @@
+"""Registration as a job (API) with byte progress through a real worker, and
+its CLI twin; bad input refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from cacheadmin.models import AuditEvent, JobStatus, ModelVersion, RegistrationJob
+from cacheadmin.services.api_tokens import api_token_issue
+from cacheadmin.services.workers import WorkerProcess
+from inference.identity import LayoutOptions, fingerprint_checkpoint
+from tests.helpers import manage, subprocess_env, wait_for, worker_log
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def operator() -> APIClient:
+    _, key = api_token_issue(user=User.objects.create_user("ops"), name="release", scope="operate", tenant=None, actor="setup")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return client
+
+
+@pytest.fixture
+def worker() -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(worker_log("registration-worker"), env=subprocess_env(), name="reg")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def test_api_registration_runs_as_a_job_with_byte_progress(operator, worker, demo_checkpoints) -> None:
+    path = demo_checkpoints["tiny-v2"]
+    body = {
+        "path": str(path),
+        "label": "tiny-v2",
+        "served_name": "tiny",
+        "layout": {"block_size": 64, "kv_connector": "ExampleConnector"},
+    }
+    response = operator.post("/api/model-versions/", body, format="json")
+    assert response.status_code == 202, response.json()
+    job_id = response.json()["id"]
+    weight_bytes = (path / "model.safetensors").stat().st_size
+    assert response.json()["progress_total"] == weight_bytes
+    wait_for(lambda: RegistrationJob.objects.get(pk=job_id).status == JobStatus.SUCCEEDED, timeout=60, what="registration")
+    job = operator.get(f"/api/registration-jobs/{job_id}/").json()
+    assert (job["progress_done"], job["progress_total"]) == (weight_bytes, weight_bytes)
+    version = ModelVersion.objects.get(pk=job["model_version"])
+    expected = fingerprint_checkpoint(path, layout=LayoutOptions(block_size=64, kv_connector="ExampleConnector"))
+    assert {f: getattr(version, f) for f in expected.digests()} == expected.digests()
+    assert AuditEvent.objects.filter(action="model_version.register", actor="ops (token release)").count() == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field_or_code"),
+    [
+        ({"path": "/nonexistent", "label": "x", "served_name": "tiny"}, 400, "bad_checkpoint"),
+        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"dtype": "int3"}}, 400, "layout"),
+        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"block_size": 0}}, 400, "layout.block_size"),
+        ({"path": "{root}/tiny-v1", "label": "x"}, 400, "served_name"),
+        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "extra": 1}, 400, "extra"),
+    ],
+)
+def test_bad_registrations_write_nothing(operator, demo_checkpoints, model_root: Path, body, status, field_or_code) -> None:
+    body = {k: (v.format(root=model_root) if isinstance(v, str) else v) for k, v in body.items()}
+    response = operator.post("/api/model-versions/", body, format="json")
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == field_or_code or field_or_code in error.get("fields", {})
+    assert RegistrationJob.objects.count() == 0 and ModelVersion.objects.count() == 0
+
+
+def test_register_command_is_idempotent_and_reports_conflicts(demo_checkpoints) -> None:
+    env = subprocess_env()
+    first = manage("register", str(demo_checkpoints["tiny-v1"]), "--label", "v1", "--served-name", "tiny", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out["created"] is True and out["weights"] == fingerprint_checkpoint(demo_checkpoints["tiny-v1"]).weights
+    again = manage("register", str(demo_checkpoints["tiny-v1"]), "--label", "v1", "--served-name", "tiny", "--json", env=env)
+    assert json.loads(again.stdout)["created"] is False
+    conflict = manage("register", str(demo_checkpoints["tiny-v2"]), "--label", "v1", "--served-name", "tiny", env=env)
+    assert conflict.returncode == 3 and "register it under a new label" in conflict.stderr
+    empty = manage("register", str(demo_checkpoints["tiny-v2"]), "--label", " ", "--served-name", "tiny", env=env)
+    assert empty.returncode == 2 and empty.stderr.strip() == "CommandError: --label must not be empty"
+    assert list(ModelVersion.objects.values_list("label", flat=True)) == ["v1"]
