@@ -23,3 +23,32 @@ class PageLoginRequiredMiddleware(LoginRequiredMiddleware):
         if request.path_info.startswith("/api/"):
             return None
         return super().process_view(request, view_func, view_args, view_kwargs)
+
+
+class ApiBodyLimitMiddleware:
+    """Refuses API request bodies over ``DATA_UPLOAD_MAX_MEMORY_SIZE`` with a
+    413 in the API's error envelope, before any view reads them.
+
+    DRF parses bodies from the request stream, which Django's own size check
+    (applied when ``request.body`` is read) does not cover.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        if request.path_info.startswith("/api/"):
+            from django.conf import settings
+            from django.http import JsonResponse
+
+            from cacheadmin.api.exceptions import envelope
+
+            limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+            try:
+                length = int(request.META.get("CONTENT_LENGTH") or 0)
+            except ValueError:
+                return JsonResponse(envelope(400, "bad_request", "Content-Length is not a number"), status=400)
+            if length > limit:
+                message = f"request body of {length} bytes exceeds the {limit}-byte limit"
+                return JsonResponse(envelope(413, "too_large", message), status=413)
+        return self.get_response(request)

@@ -62,6 +62,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     # Every page needs a login (the health view opts out); /api/ has its own auth.
     "cacheadmin.middleware.PageLoginRequiredMiddleware",
+    "cacheadmin.middleware.ApiBodyLimitMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]

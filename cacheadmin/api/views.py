@@ -26,6 +26,7 @@ from cacheadmin.models import (
     RetentionOwner,
     Tenant,
 )
+from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_attach_namespace
@@ -125,6 +126,11 @@ class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewS
 
     def perform_create(self, serializer: s.RetentionOwnerSerializer) -> None:
         data = serializer.validated_data
+        clash = RetentionOwner.objects.filter(name_key=name_key(data["name"])).first()
+        if clash is not None:
+            raise ValidationError(
+                {"name": [f"retention owner {clash.name!r} already exists (case and Unicode form do not count)"]}
+            )
         serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from cacheadmin.models.naming import name_key
+
 
 class ModelVersion(models.Model):
     """A registered checkpoint with its state identity.
@@ -20,6 +22,8 @@ class ModelVersion(models.Model):
         RETIRED = "retired"
 
     label = models.CharField(max_length=100, unique=True, help_text="Unique label, e.g. tiny-v2.")
+    #: ``name_key(label)``: labels that differ only by case or Unicode form collide.
+    label_key = models.CharField(max_length=100, unique=True, null=True)
     served_name = models.CharField(max_length=200, help_text="Model name clients send to the engine.")
     path = models.CharField(max_length=1000, help_text="Resolved checkpoint directory.")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.REGISTERED)
@@ -41,3 +45,7 @@ class ModelVersion(models.Model):
         return f"{self.label} ({self.identity[:12]})"
 
     IDENTITY_FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        self.label_key = name_key(self.label)
+        super().save(*args, **kwargs)

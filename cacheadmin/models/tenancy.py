@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.core.validators import RegexValidator
 from django.db import models
 
+from cacheadmin.models.naming import name_key
+
 slug_validator = RegexValidator(r"\A[a-z0-9][a-z0-9-]{0,62}\Z", "lowercase letters, digits and '-', 1 to 63 characters")
 
 
@@ -31,6 +33,8 @@ class RetentionOwner(models.Model):
     """The team or person accountable for a namespace's storage and cleanup."""
 
     name = models.CharField(max_length=200, unique=True)
+    #: ``name_key(name)``: names that differ only by case or Unicode form collide.
+    name_key = models.CharField(max_length=200, unique=True, null=True)
     email = models.EmailField()
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -39,6 +43,10 @@ class RetentionOwner(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        self.name_key = name_key(self.name)
+        super().save(*args, **kwargs)
 
 
 class CacheNamespace(models.Model):

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from cacheadmin.models import ModelVersion
+from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
@@ -85,7 +86,7 @@ def model_version_register(
         RegistrationConflict: ``label`` exists with a different identity.
     """
     root, report = checkpoint_fingerprint(path=path, layout=layout, on_bytes=on_bytes)
-    existing = ModelVersion.objects.filter(label=label).first()
+    existing = ModelVersion.objects.filter(label_key=name_key(label)).first()
     if existing is not None:
         return _same_or_conflict(existing, report.identity), False
     try:
@@ -102,7 +103,7 @@ def model_version_register(
             audit_record(actor=actor, action="model_version.register", obj=version, after=report.digests())
     except IntegrityError:
         # A concurrent registration of the same label won the race.
-        return _same_or_conflict(ModelVersion.objects.get(label=label), report.identity), False
+        return _same_or_conflict(ModelVersion.objects.get(label_key=name_key(label)), report.identity), False
     return version, True
 
 

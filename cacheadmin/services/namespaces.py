@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, RetentionPolicy, Tenant
+from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
@@ -30,9 +31,12 @@ def tenant_get_or_create(*, slug: str, name: str, actor: str) -> Tenant:
 
 
 def retention_owner_get_or_create(*, name: str, email: str, actor: str) -> RetentionOwner:
-    """The retention owner named ``name``, created (and audited) if missing."""
+    """The retention owner named ``name`` (compared by :func:`name_key`), created (and audited) if missing."""
     with transaction.atomic():
-        owner, created = RetentionOwner.objects.get_or_create(name=name, defaults={"email": email})
+        owner = RetentionOwner.objects.filter(name_key=name_key(name)).first()
+        created = owner is None
+        if created:
+            owner = RetentionOwner.objects.create(name=name, email=email)
         if created:
             audit_record(actor=actor, action="retention_owner.create", obj=owner, after={"name": name, "email": email})
     return owner

@@ -327,3 +327,40 @@ def test_a_salt_blind_tier_never_backs_a_second_namespace(world, admin_client) -
         403,
         404,
     )
+
+
+def test_oversized_bodies_are_refused_with_413(world) -> None:
+    big = {"slug": "initech", "name": "x" * (300 * 1024)}
+    response = world["clients"]["alice"].post("/api/tenants/", big, format="json")
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "too_large"
+    assert not Tenant.objects.filter(slug="initech").exists()
+
+
+def test_owner_names_differing_only_by_case_or_unicode_form_collide(world) -> None:
+    c = world["clients"]["alice"]
+    for variant in ("PLATFORM", "ｐｌａｔｆｏｒｍ", " Platform "):
+        response = c.post("/api/retention-owners/", {"name": variant, "email": "x@example.com"}, format="json")
+        assert response.status_code == 400, variant
+        assert "already exists" in response.json()["error"]["fields"]["name"][0]
+    assert RetentionOwner.objects.count() == 1
+    created = c.post("/api/retention-owners/", {"name": "storage-team", "email": "s@example.com"}, format="json")
+    assert created.status_code == 201
+
+
+def test_model_version_labels_differing_only_by_case_or_unicode_form_collide(demo_checkpoints) -> None:
+    from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
+    from inference.identity import LayoutOptions
+
+    v1, created = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="Tiny-V1", served_name="tiny", layout=LayoutOptions(), actor="a"
+    )
+    same, created_again = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="ｔｉｎｙ-ｖ1", served_name="tiny", layout=LayoutOptions(), actor="a"
+    )
+    assert (created, created_again, same.pk) == (True, False, v1.pk)
+    with pytest.raises(RegistrationConflict):
+        model_version_register(
+            path=demo_checkpoints["tiny-v2"], label="TINY-v1", served_name="tiny", layout=LayoutOptions(), actor="a"
+        )
+    assert ModelVersion.objects.filter(label_key="tiny-v1").count() == 1

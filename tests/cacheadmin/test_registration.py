@@ -90,3 +90,38 @@ def test_register_command_is_idempotent_and_reports_conflicts(demo_checkpoints) 
     empty = manage("register", str(demo_checkpoints["tiny-v2"]), "--label", " ", "--served-name", "tiny", env=env)
     assert empty.returncode == 2 and empty.stderr.strip() == "CommandError: --label must not be empty"
     assert list(ModelVersion.objects.values_list("label", flat=True)) == ["v1"]
+
+
+def test_concurrent_registration_of_one_checkpoint_makes_one_row(demo_checkpoints) -> None:
+    import threading
+
+    from django.db import connection
+
+    from cacheadmin.services.model_versions import model_version_register
+
+    barrier = threading.Barrier(4)
+    outcomes: list[tuple[int, bool]] = []
+    errors: list[BaseException] = []
+
+    def register() -> None:
+        try:
+            barrier.wait()
+            version, created = model_version_register(
+                path=demo_checkpoints["tiny-v1"], label="race", served_name="tiny", layout=LayoutOptions(), actor="racer"
+            )
+            outcomes.append((version.pk, created))
+        except BaseException as exc:  # noqa: BLE001 - reported below with the test's assertion
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=register) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert len({pk for pk, _ in outcomes}) == 1
+    assert sorted(created for _, created in outcomes) == [False, False, False, True]
+    assert ModelVersion.objects.filter(label="race").count() == 1
+    assert AuditEvent.objects.filter(action="model_version.register").count() == 1
