@@ -356,3 +356,38 @@ def test_identity_diff_names_the_files_and_keys_behind_each_field(checkpoint_cop
     assert diff["fields"]["layout"]["changes"] == [{"key": "block_size", "change": "changed", "a": 32, "b": 64}]
     assert [(c["key"], c["change"]) for c in diff["fields"]["adapters"]["changes"]] == [("support", "added")]
     assert identity_diff(before, before) == {"identical": True, "differing": [], "fields": {}}
+
+
+def test_tokenizer_in_every_form(checkpoint_copy) -> None:
+    # Tekken (mistral_common's JSON tokenizer) instead of SentencePiece.
+    tekken = checkpoint_copy()
+    before = fingerprint_checkpoint(tekken)
+    (tekken / "tokenizer.model.v3").unlink()
+    shutil.copyfile(mistral_common_tokenizer_path("tekken-240911"), tekken / "tekken.json")
+    assert changed_fields(before, fingerprint_checkpoint(tekken)) == ["tokenizer"]
+
+    # A Hugging Face tokenizer: tokenizer.json plus tokenizer_config.json holding
+    # the added/special tokens and the chat template.
+    hf = checkpoint_copy()
+    (hf / "tokenizer.model.v3").unlink()
+    (hf / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}}))
+    config = {
+        "added_tokens_decoder": {"2": {"content": "<|im_end|>", "special": True}},
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}",
+        "eos_token": "<|im_end|>",
+    }
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    base = fingerprint_checkpoint(hf)
+    assert set(base.inputs["tokenizer"]) == {"tokenizer.json", "tokenizer_config.json"}  # no mistral_common renderer
+    (hf / "tokenizer_config.json").write_text(json.dumps(dict(reversed(list(config.items()))), indent=2))
+    assert fingerprint_checkpoint(hf).digests() == base.digests()  # key order and whitespace are not meaning
+    for key, value in (
+        ("chat_template", config["chat_template"].replace("\n", " ")),
+        ("added_tokens_decoder", {"2": {"content": "<|im_end|>", "special": False}}),
+        ("eos_token", "</s>"),
+    ):
+        (hf / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
+        assert changed_fields(base, fingerprint_checkpoint(hf)) == ["tokenizer"], key
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    (hf / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>"}))
+    assert changed_fields(base, fingerprint_checkpoint(hf)) == ["tokenizer"]
