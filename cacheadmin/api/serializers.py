@@ -27,6 +27,22 @@ JOB_FIELDS = (
 )  # fmt: skip
 
 
+#: Largest id a database row can have (signed 64-bit); larger ones cannot exist.
+MAX_ID = 2**63 - 1
+
+
+class IdField(serializers.PrimaryKeyRelatedField):
+    """A related row by id; an id beyond any database integer is "not found",
+    not an overflow in the database driver."""
+
+    def to_internal_value(self, data: object) -> object:
+        if isinstance(data, int) and not isinstance(data, bool) and not 0 < data <= MAX_ID:
+            self.fail("does_not_exist", pk_value=data)
+        if isinstance(data, str) and data.isdigit() and int(data) > MAX_ID:
+            self.fail("does_not_exist", pk_value=data)
+        return super().to_internal_value(data)
+
+
 class StrictFieldsMixin:
     """Refuses unknown fields instead of ignoring them: a typo in a release
     pipeline must fail, not silently fall back to a default."""
@@ -102,9 +118,9 @@ class CacheNamespaceSerializer(serializers.ModelSerializer):
 
 
 class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    model_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    model_version = IdField(queryset=ModelVersion.objects.all())
     tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
-    retention_owner = serializers.PrimaryKeyRelatedField(queryset=RetentionOwner.objects.all())
+    retention_owner = IdField(queryset=RetentionOwner.objects.all())
     policy = RetentionPolicySerializer()
 
 
@@ -135,7 +151,7 @@ class EngineSerializer(serializers.ModelSerializer):
 
 
 class EngineAttachSerializer(StrictFieldsMixin, serializers.Serializer):
-    namespace = serializers.PrimaryKeyRelatedField(queryset=CacheNamespace.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all())
 
 
 class PrewarmResultSerializer(serializers.ModelSerializer):
@@ -159,8 +175,8 @@ class PrewarmJobSerializer(serializers.ModelSerializer):
 
 
 class PrewarmJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    namespace = serializers.PrimaryKeyRelatedField(queryset=CacheNamespace.objects.all())
-    engine = serializers.PrimaryKeyRelatedField(queryset=Engine.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all())
+    engine = IdField(queryset=Engine.objects.all())
     corpus = serializers.CharField(max_length=100, default="diagnostic")
 
 
@@ -180,9 +196,9 @@ class ComparisonJobSerializer(serializers.ModelSerializer):
 
 
 class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    engine = serializers.PrimaryKeyRelatedField(queryset=Engine.objects.all())
-    reference_engine = serializers.PrimaryKeyRelatedField(queryset=Engine.objects.all())
-    namespace = serializers.PrimaryKeyRelatedField(queryset=CacheNamespace.objects.all())
+    engine = IdField(queryset=Engine.objects.all())
+    reference_engine = IdField(queryset=Engine.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all())
     corpus = serializers.CharField(max_length=100, default="diagnostic")
     max_tokens = serializers.IntegerField(min_value=1, max_value=256, default=16)
 
@@ -194,8 +210,8 @@ class AuditEventSerializer(serializers.ModelSerializer):
 
 
 class IdentityDiffQuerySerializer(serializers.Serializer):
-    a = serializers.IntegerField(min_value=1, help_text="model version id")
-    b = serializers.IntegerField(min_value=1, help_text="model version id")
+    a = serializers.IntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
+    b = serializers.IntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
 
 
 class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):

@@ -6,7 +6,16 @@ from rest_framework.routers import DefaultRouter
 
 from cacheadmin.api import views
 
-router = DefaultRouter()
+
+class IdRouter(DefaultRouter):
+    """Detail routes take ids of at most 18 digits: anything longer is not a
+    row id (signed 64-bit) and gets a 404 instead of reaching the database."""
+
+    def get_lookup_regex(self, viewset: type, lookup_prefix: str = "") -> str:
+        return f"(?P<{lookup_prefix}pk>[0-9]{{1,18}})"
+
+
+router = IdRouter()
 router.register("model-versions", views.ModelVersionViewSet, basename="model-version")
 router.register("tenants", views.TenantViewSet, basename="tenant")
 router.register("retention-owners", views.RetentionOwnerViewSet, basename="retention-owner")
