@@ -84,3 +84,25 @@ def layout_from_options(opts: dict[str, Any]) -> LayoutOptions:
         quantization=opts["quantization"],
         kv_connector=opts["kv_connector"],
     )
+
+
+#: Exit code when the control plane refuses an action (a conflict, not bad input).
+EXIT_REFUSED = 4
+
+
+def refused_errors() -> tuple[type[Exception], ...]:
+    """Service errors that mean "refused" (exit 4) rather than "bad input" (exit 2)."""
+    from cacheadmin.services.engines import EngineRefused
+    from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
+    from cacheadmin.services.namespaces import NamespaceConflict
+    from cacheadmin.services.prewarm import JobRefused
+
+    return (EngineRefused, JobRefused, LifecycleError, NamespaceConflict, RegistrationConflict)
+
+
+def get_or_bad_input(command: ControlPlaneCommand, model: type, pk: int | str, what: str, **lookup: Any) -> Any:
+    """The row with ``pk`` (or ``lookup``), or a one-line bad-input error naming it."""
+    row = model.objects.filter(**(lookup or {"pk": pk})).first()
+    if row is None:
+        raise command.bad_input(f"no {what} {pk!r}")
+    return row

@@ -1,0 +1,128 @@
+"""``python manage.py namespace create|policy|salt|list``: cache namespaces from the CLI.
+
+Twins of ``POST /api/namespaces/``, ``PUT /api/namespaces/{id}/policy/`` and
+``GET /api/namespaces/{id}/cache-salt/``. Exit codes: 0 done; 2 bad input (one
+line on stderr); 4 refused (e.g. the derived namespace belongs to another tenant).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import CommandParser
+
+from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input, positive_int, refused_errors
+from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, Tenant
+from cacheadmin.models.naming import name_key
+from cacheadmin.services.audit import audit_record
+from cacheadmin.services.namespaces import (
+    RetentionPolicySpec,
+    namespace_cache_salt,
+    namespace_get_or_create,
+    namespace_policy_update,
+)
+
+ACTOR = "cli"
+
+
+def _limit(value: str) -> int | None:
+    """argparse type: a positive integer, or "none" for no limit."""
+    return None if value.strip().lower() == "none" else positive_int(value)
+
+
+def _add_policy(parser: CommandParser) -> None:
+    parser.add_argument("--max-age-s", type=_limit, required=True, help="seconds without a hit before eviction, or 'none'")
+    parser.add_argument("--max-bytes", type=_limit, required=True, help="bytes per tier, or 'none'")
+    parser.add_argument("--versions-kept", type=positive_int, required=True)
+    parser.add_argument("--pin", action="store_true", help="legal hold: never evicted while held")
+    parser.add_argument("--hold-by", default="")
+    parser.add_argument("--hold-reason", default="")
+
+
+def _policy(opts: dict[str, Any]) -> RetentionPolicySpec:
+    return RetentionPolicySpec(
+        max_age_since_last_hit_s=opts["max_age_s"],
+        max_bytes=opts["max_bytes"],
+        versions_kept=opts["versions_kept"],
+        pinned=opts["pin"],
+        hold_by=opts["hold_by"],
+        hold_reason=opts["hold_reason"],
+    )
+
+
+class Command(ControlPlaneCommand):
+    help = __doc__.split("\n\n", 1)[1].replace("\n", " ")
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="verb", required=True)
+        create = sub.add_parser("create", help="create (or return) the namespace of a model version and tenant")
+        create.add_argument("--model-version", type=positive_int, required=True, help="model version id")
+        create.add_argument("--tenant", required=True, help="tenant slug")
+        create.add_argument("--owner", required=True, help="retention owner name")
+        _add_policy(create)
+        policy = sub.add_parser("policy", help="replace a namespace's retention policy")
+        policy.add_argument("id", type=positive_int)
+        _add_policy(policy)
+        policy.add_argument("--reason", required=True)
+        salt = sub.add_parser("salt", help="print the namespace's vLLM cache_salt (audited)")
+        salt.add_argument("id", type=positive_int)
+        sub.add_parser("list", help="list namespaces")
+        for p in (create, policy):
+            p.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        try:
+            getattr(self, f"verb_{opts['verb']}")(opts)
+        except ValidationError as exc:
+            detail = (
+                "; ".join(f"{k}: {v[0]}" for k, v in exc.message_dict.items()) if hasattr(exc, "error_dict") else exc.messages[0]
+            )
+            raise self.bad_input(detail) from exc
+        except refused_errors() as exc:
+            self.stderr.write(f"CommandError: {exc}")
+            sys.exit(EXIT_REFUSED)
+
+    def _print(self, namespace: CacheNamespace, as_json: bool) -> None:
+        policy = namespace.policy
+        out = {
+            "id": namespace.pk,
+            "namespace_id": namespace.namespace_id,
+            "storage_prefix": namespace.storage_prefix,
+            "tenant": namespace.tenant.slug,
+            "model_version": namespace.model_version.label,
+            "retention_owner": namespace.retention_owner.name,
+            "policy": {
+                k: getattr(policy, k)
+                for k in ("max_age_since_last_hit_s", "max_bytes", "versions_kept", "pinned", "hold_by", "hold_reason")
+            },
+        }
+        self.stdout.write(json.dumps(out) if as_json else f"{namespace.pk} {namespace.namespace_id} {namespace.storage_prefix}")
+
+    def verb_create(self, opts: dict[str, Any]) -> None:
+        version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
+        tenant = get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"])
+        owner = get_or_bad_input(self, RetentionOwner, opts["owner"], "retention owner", name_key=name_key(opts["owner"]))
+        namespace = namespace_get_or_create(
+            model_version=version, tenant=tenant, retention_owner=owner, policy=_policy(opts), actor=ACTOR
+        )
+        self._print(namespace, opts["json"])
+
+    def verb_policy(self, opts: dict[str, Any]) -> None:
+        namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
+        namespace_policy_update(namespace=namespace, policy=_policy(opts), actor=ACTOR, reason=opts["reason"])
+        namespace.refresh_from_db()
+        self._print(CacheNamespace.objects.select_related("policy").get(pk=namespace.pk), opts["json"])
+
+    def verb_salt(self, opts: dict[str, Any]) -> None:
+        namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
+        audit_record(actor=ACTOR, action="namespace.read_salt", obj=namespace)
+        self.stdout.write(namespace_cache_salt(namespace))
+
+    def verb_list(self, opts: dict[str, Any]) -> None:
+        for ns in CacheNamespace.objects.select_related("tenant", "model_version").order_by("id"):
+            self.stdout.write(
+                f"{ns.pk}  {ns.namespace_id[:16]}  {ns.tenant.slug:16} {ns.model_version.label:20} {ns.storage_prefix}"
+            )

@@ -1,0 +1,87 @@
+"""The CLI twins of the API's writes, as a user runs them: exit codes, one-line
+errors, audited changes, and nothing written on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.conf import settings
+
+from cacheadmin.models import AuditEvent, CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from inference.identity import cache_salt
+from tests.helpers import manage, subprocess_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run(*args: str):
+    return manage(*args, env=subprocess_env())
+
+
+def one_line_error(proc, code: int, text: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], proc.stderr
+
+
+def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
+    version = ModelVersion.objects.create(
+        label="v1", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
+        adapters="e" * 64, identity="1" * 64, inputs={"layout": {"block_size": 32}},
+    )  # fmt: skip
+    assert json.loads(run("tenant", "create", "acme", "--name", "Acme").stdout)["slug"] == "acme"
+    one_line_error(run("tenant", "create", "acme", "--name", "Again"), 2, "already exists")
+    one_line_error(run("tenant", "create", "Bad Slug", "--name", "x"), 2, "slug 'Bad Slug'")
+    assert run("tenant", "owner", "Platform", "--email", "p@example.com").returncode == 0
+    one_line_error(run("tenant", "owner", "ＰＬＡＴＦＯＲＭ", "--email", "p@example.com"), 2, "already exists")
+    one_line_error(run("tenant", "owner", "storage", "--email", "not-an-email"), 2, "email")
+
+    base = ["namespace", "create", "--model-version", str(version.pk), "--tenant", "acme", "--owner", "platform"]
+    one_line_error(run(*base, "--max-bytes", "none", "--versions-kept", "1"), 2, "--max-age-s")
+    policy = ["--max-age-s", "3600", "--max-bytes", "none", "--versions-kept", "2"]
+    one_line_error(run(*base, *policy, "--pin", "--hold-by", "legal"), 2, "hold_reason: a hold needs a reason")
+    one_line_error(run(*base[:-1], "nobody", *policy), 2, "no retention owner 'nobody'")
+    assert CacheNamespace.objects.count() == 0
+    created = json.loads(run(*base, *policy, "--json").stdout)
+    assert (created["tenant"], created["policy"]["max_bytes"], created["policy"]["versions_kept"]) == ("acme", None, 2)
+    ns = CacheNamespace.objects.get()
+    updated = run("namespace", "policy", str(ns.pk), "--max-age-s", "60", "--max-bytes", "1024", "--versions-kept", "1",
+                  "--reason", "smaller budget", "--json")  # fmt: skip
+    assert json.loads(updated.stdout)["policy"]["max_bytes"] == 1024
+    assert AuditEvent.objects.get(action="namespace.policy_update").reason == "smaller budget"
+    salt = run("namespace", "salt", str(ns.pk)).stdout.strip()
+    assert salt == cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
+
+
+def test_jobs_and_engines_from_the_cli() -> None:
+    version = ModelVersion.objects.create(
+        label="v1", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
+        adapters="e" * 64, identity="1" * 64, inputs={"layout": {"block_size": 32}},
+    )  # fmt: skip
+    tenant = Tenant.objects.create(slug="acme", name="Acme")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    ns = CacheNamespace.objects.create(
+        namespace_id="f" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix="ns-f"
+    )
+    engine = Engine.objects.create(
+        name="e",
+        model_version=version,
+        namespace=ns,
+        base_url="http://127.0.0.1:9",
+        status="stopped",
+        kv_connector="ExampleConnector",
+    )
+    one_line_error(run("job", "prewarm", "--namespace", str(ns.pk), "--engine", str(engine.pk)), 4, "is stopped, not ready")
+    one_line_error(run("job", "prewarm", "--namespace", "999", "--engine", str(engine.pk)), 2, "no namespace 999")
+    assert PrewarmJob.objects.count() == 0
+    job = PrewarmJob.objects.create(namespace=ns, engine=engine)
+    cancelled = json.loads(run("job", "cancel", "prewarm", str(job.pk), "--reason", "wrong corpus").stdout)
+    assert cancelled["status"] == "cancelled"
+    one_line_error(run("job", "cancel", "prewarm", str(job.pk)), 4, "already ended")
+    globex = Tenant.objects.create(slug="globex", name="G")
+    other = CacheNamespace.objects.create(
+        namespace_id="e" * 64, model_version=version, tenant=globex, retention_owner=owner, storage_prefix="ns-e"
+    )
+    one_line_error(run("engine", "attach", str(engine.pk), str(other.pk)), 4, "ignores cache_salt")
+    assert list(engine.attached_namespaces.all()) == []
