@@ -137,6 +137,8 @@ REST_FRAMEWORK = {
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend", "rest_framework.filters.OrderingFilter"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # JSON only: release tooling sends JSON; form and multipart add surface, not features.
+    "DEFAULT_PARSER_CLASSES": ["cacheadmin.api.parsers.StrictJSONParser"],
     "EXCEPTION_HANDLER": "cacheadmin.api.exceptions.api_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }

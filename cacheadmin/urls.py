@@ -16,3 +16,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("cacheadmin.api.urls")),
 ]
+
+handler400 = "cacheadmin.api.exceptions.api_or_page_400"
+handler404 = "cacheadmin.api.exceptions.api_or_page_404"
+handler500 = "cacheadmin.api.exceptions.api_or_page_500"

@@ -7,5 +7,10 @@ class CheckpointError(ValueError):
     path and the problem."""
 
 
+class CheckpointOutsideRoots(CheckpointError):
+    """The path does not exist, is not a directory, or resolves outside the
+    model roots (a message for an operator; an API answer says less)."""
+
+
 class EngineError(RuntimeError):
     """An engine did not start, did not answer, or answered with an error."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from inference.errors import CheckpointError
+from inference.errors import CheckpointError, CheckpointOutsideRoots
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:
@@ -35,24 +35,24 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> P
     try:
         return _resolve(raw, roots)
     except (OSError, RuntimeError) as exc:  # symlink loops, permissions
-        raise CheckpointError(f"checkpoint path {raw}: {exc}") from exc
+        raise CheckpointOutsideRoots(f"checkpoint path {raw}: {exc}") from exc
 
 
 def _resolve(raw: Path, roots: list[Path]) -> Path:
     if not raw.exists():
-        raise CheckpointError(f"checkpoint path does not exist: {raw}")
+        raise CheckpointOutsideRoots(f"checkpoint path does not exist: {raw}")
     resolved = raw.resolve()
     resolved_roots = [r.resolve() for r in roots]
     if not any(resolved.is_relative_to(root) for root in resolved_roots):
         allowed = ":".join(str(r) for r in resolved_roots)
-        raise CheckpointError(f"checkpoint path {raw} resolves to {resolved}, outside the model roots ({allowed})")
+        raise CheckpointOutsideRoots(f"checkpoint path {raw} resolves to {resolved}, outside the model roots ({allowed})")
     if not resolved.is_dir():
-        raise CheckpointError(f"checkpoint path is not a directory: {raw}")
+        raise CheckpointOutsideRoots(f"checkpoint path is not a directory: {raw}")
     if not (resolved / "config.json").is_file():
         raise CheckpointError(f"checkpoint {raw} has no config.json")
     for entry in resolved.rglob("*"):
         if entry.is_symlink():
             target = entry.resolve()
             if not any(target.is_relative_to(root) for root in resolved_roots):
-                raise CheckpointError(f"{entry} links to {target}, outside the model roots")
+                raise CheckpointOutsideRoots(f"{entry} links to {target}, outside the model roots")
     return resolved

@@ -22,11 +22,14 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
         if not header:
             return None
         keyword, _, key = header.partition(" ")
-        if keyword != self.keyword or not key.strip():
+        # The scheme name is case-insensitive (RFC 7235, section 2.1).
+        if keyword.lower() != self.keyword.lower() or not key.strip():
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'")
         token = api_token_check(key.strip())
         if token is None:
             raise exceptions.AuthenticationFailed("invalid or revoked API token")
+        if not token.user.is_active:
+            raise exceptions.AuthenticationFailed("the token's user is deactivated")
         return token.user, token
 
     def authenticate_header(self, request: Request) -> str:
@@ -66,6 +69,11 @@ class ScopePermission(permissions.BasePermission):
     message = "this action needs a token with a higher scope"
 
     def has_permission(self, request: Request, view: Any) -> bool:
+        if request_tenant(request) is not None and not getattr(view, "tenant_bound_allowed", True):
+            # Global resources (tenants, owners, model versions, the audit
+            # trail) are not for a token confined to one tenant.
+            self.message = "a token bound to a tenant cannot use this resource"
+            return request.method in permissions.SAFE_METHODS and getattr(view, "tenant_bound_read", False)
         if request.method in permissions.SAFE_METHODS:
             needed = getattr(view, "read_scope", ApiToken.Scope.READ)
         else:

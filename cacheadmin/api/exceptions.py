@@ -11,6 +11,7 @@ Domain errors from the services map to 400 (bad input) or 409 (conflict).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
@@ -23,8 +24,10 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from cacheadmin.services.engines import EngineRefused
 from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
 from cacheadmin.services.namespaces import NamespaceConflict
-from cacheadmin.services.prewarm import JobRefused
+from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.errors import CheckpointError
+
+logger = logging.getLogger("django.request")
 
 #: Service errors → (HTTP status, code).
 DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
@@ -63,6 +66,8 @@ def envelope(status_code: int, code: str, message: str, fields: dict[str, list[s
 
 def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF ``EXCEPTION_HANDLER``: every error in the one envelope."""
+    if isinstance(exc, BadJobInput):
+        return Response(envelope(400, "invalid", str(exc), {exc.field: [exc.message]}), status=400)
     for error_type, (status_code, code) in DOMAIN_ERRORS.items():
         if isinstance(exc, error_type):
             return Response(envelope(status_code, code, str(exc)), status=status_code)
@@ -74,7 +79,10 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
         exc = exceptions.PermissionDenied()
     response = drf_exception_handler(exc, context)
     if response is None:
-        return None
+        # Not an API error: a bug. Log it with its traceback and still answer in
+        # the envelope, without internals.
+        logger.error("unhandled error in %s", context.get("view").__class__.__name__, exc_info=exc)
+        return Response(envelope(500, "server_error", "internal error; it has been logged"), status=500)
     if isinstance(exc, exceptions.ValidationError):
         fields = _fields(exc.detail)
         first = next(iter(fields.items()))
@@ -85,3 +93,33 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
         code = exc.get_codes() if isinstance(exc, exceptions.APIException) else "error"
         response.data = envelope(response.status_code, str(code) if isinstance(code, str) else "error", str(detail))
     return response
+
+
+def api_or_page_404(request: Any, exception: Exception) -> Any:
+    """``handler404``: the envelope under ``/api/``, Django's page elsewhere."""
+    from django.http import JsonResponse
+    from django.views.defaults import page_not_found
+
+    if request.path_info.startswith("/api/"):
+        return JsonResponse(envelope(404, "not_found", "Not found."), status=404)
+    return page_not_found(request, exception)
+
+
+def api_or_page_500(request: Any) -> Any:
+    """``handler500``: the envelope under ``/api/``, Django's page elsewhere."""
+    from django.http import JsonResponse
+    from django.views.defaults import server_error
+
+    if request.path_info.startswith("/api/"):
+        return JsonResponse(envelope(500, "server_error", "internal error; it has been logged"), status=500)
+    return server_error(request)
+
+
+def api_or_page_400(request: Any, exception: Exception) -> Any:
+    """``handler400``: the envelope under ``/api/``, Django's page elsewhere."""
+    from django.http import JsonResponse
+    from django.views.defaults import bad_request
+
+    if request.path_info.startswith("/api/"):
+        return JsonResponse(envelope(400, "bad_request", "Bad request."), status=400)
+    return bad_request(request, exception)

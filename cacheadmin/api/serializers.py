@@ -19,6 +19,7 @@ from cacheadmin.models import (
     RetentionPolicy,
     Tenant,
 )
+from cacheadmin.models.naming import validate_display_name
 from cacheadmin.models.tenancy import slug_validator
 
 JOB_FIELDS = (
@@ -36,9 +37,14 @@ class IdField(serializers.PrimaryKeyRelatedField):
     not an overflow in the database driver."""
 
     def to_internal_value(self, data: object) -> object:
-        if isinstance(data, int) and not isinstance(data, bool) and not 0 < data <= MAX_ID:
-            self.fail("does_not_exist", pk_value=data)
-        if isinstance(data, str) and data.isdigit() and int(data) > MAX_ID:
+        if isinstance(data, bool) or not isinstance(data, (int, str)):
+            self.fail("incorrect_type", data_type=type(data).__name__)
+        if isinstance(data, str):
+            # ASCII digits only: int() also takes "²" (error) and "١" (silently 1).
+            if not (data.isascii() and data.isdigit()):
+                self.fail("incorrect_type", data_type="str")
+            data = int(data)
+        if not 0 < data <= MAX_ID:
             self.fail("does_not_exist", pk_value=data)
         return super().to_internal_value(data)
 
@@ -47,11 +53,15 @@ class StrictFieldsMixin:
     """Refuses unknown fields instead of ignoring them: a typo in a release
     pipeline must fail, not silently fall back to a default."""
 
-    def validate(self, attrs: dict) -> dict:
-        unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({name: ["unknown field"] for name in unknown})
-        return super().validate(attrs)
+    def to_internal_value(self, data: object) -> dict:
+        # Checked here, not in validate(): nested serializers (policy, layout)
+        # see their own data here too, and read-only fields count as unknown.
+        if isinstance(data, dict):
+            writable = {name for name, field in self.fields.items() if not field.read_only}
+            unknown = sorted(set(data) - writable)
+            if unknown:
+                raise serializers.ValidationError({name: ["unknown or read-only field"] for name in unknown})
+        return super().to_internal_value(data)
 
 
 class ModelVersionSerializer(serializers.ModelSerializer):
@@ -83,8 +93,12 @@ class RetentionOwnerSerializer(StrictFieldsMixin, serializers.ModelSerializer):
 
 
 class RetentionPolicySerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    max_age_since_last_hit_s = serializers.IntegerField(min_value=1, allow_null=True, help_text="seconds; null = no limit")
-    max_bytes = serializers.IntegerField(min_value=1, allow_null=True, help_text="bytes per tier; null = no limit")
+    max_age_since_last_hit_s = serializers.IntegerField(
+        min_value=1, max_value=MAX_ID, allow_null=True, help_text="seconds; null = no limit"
+    )
+    max_bytes = serializers.IntegerField(
+        min_value=1, max_value=MAX_ID, allow_null=True, help_text="bytes per tier; null = no limit"
+    )
     versions_kept = serializers.IntegerField(min_value=1, max_value=100)
 
     class Meta:
@@ -220,14 +234,14 @@ class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
     block_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=32)
     tensor_parallel_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=1)
     pipeline_parallel_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=1)
-    quantization = serializers.CharField(allow_null=True, default=None)
-    kv_connector = serializers.CharField(allow_null=True, default=None)
+    quantization = serializers.CharField(max_length=100, allow_null=True, default=None)
+    kv_connector = serializers.CharField(max_length=100, allow_null=True, default=None)
 
 
 class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     path = serializers.CharField(max_length=1000, help_text="checkpoint directory inside MODEL_ROOTS")
-    label = serializers.CharField(max_length=100)
-    served_name = serializers.CharField(max_length=200)
+    label = serializers.CharField(max_length=100, validators=[validate_display_name])
+    served_name = serializers.CharField(max_length=200, validators=[validate_display_name])
     layout = LayoutSerializer(required=False)
 
 
@@ -235,3 +249,7 @@ class RegistrationJobSerializer(serializers.ModelSerializer):
     class Meta:
         model = RegistrationJob
         fields = (*JOB_FIELDS, "path", "label", "served_name", "layout_options", "model_version")
+
+
+class CancelSerializer(StrictFieldsMixin, serializers.Serializer):
+    reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")

@@ -41,7 +41,7 @@ from cacheadmin.services.namespaces import (
 )
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.registration import registration_job_create
-from inference.errors import CheckpointError
+from inference.errors import CheckpointError, CheckpointOutsideRoots
 from inference.identity import LayoutOptions, identity_diff
 
 
@@ -53,6 +53,8 @@ def actor_of(request: Request) -> str:
 
 def validated(request: Request, serializer_class: type) -> dict[str, Any]:
     """Validate a request body with ``serializer_class``; 400 envelope on error."""
+    if not isinstance(request.data, dict):
+        raise ValidationError({"non_field_errors": ["the body must be a JSON object"]})
     serializer = serializer_class(data=request.data)
     serializer.is_valid(raise_exception=True)
     return serializer.validated_data
@@ -74,6 +76,8 @@ class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
 
     queryset = ModelVersion.objects.order_by("-created_at", "-id")
     filterset_fields = ("status", "served_name", "label", "identity")
+    tenant_bound_allowed = False
+    tenant_bound_read = True
     ordering_fields = ("created_at", "label", "status")
 
     def get_serializer_class(self) -> type:
@@ -89,9 +93,15 @@ class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
             options = LayoutOptions(**layout)
         except CheckpointError as exc:
             raise ValidationError({"layout": [str(exc)]}) from exc
-        job = registration_job_create(
-            path=data["path"], label=data["label"], served_name=data["served_name"], layout=options, actor=actor_of(request)
-        )
+        if not data["path"].startswith("/"):
+            raise ValidationError({"path": ["must be an absolute path"]})
+        try:
+            job = registration_job_create(
+                path=data["path"], label=data["label"], served_name=data["served_name"], layout=options, actor=actor_of(request)
+            )
+        except CheckpointOutsideRoots as exc:
+            # Say no more than that: details would map the server's filesystem.
+            raise ValidationError({"path": ["not a checkpoint directory inside the model roots"]}) from exc
         return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -103,6 +113,8 @@ class TenantViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnl
     ordering_fields = ("slug", "created_at")
     write_scope = "admin"
     tenant_path = "id"
+    tenant_bound_allowed = False
+    tenant_bound_read = True
 
     def get_queryset(self) -> models.QuerySet:
         tenant_id = request_tenant(self.request)
@@ -121,6 +133,8 @@ class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewS
 
     queryset = RetentionOwner.objects.order_by("name")
     serializer_class = s.RetentionOwnerSerializer
+    tenant_bound_allowed = False
+    tenant_bound_read = True
     filterset_fields = ("name",)
     ordering_fields = ("name", "created_at")
 
@@ -152,6 +166,7 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
         tenant_id = request_tenant(request)
         if tenant_id is not None and data["tenant"].pk != tenant_id:
             raise ValidationError({"tenant": ["not this token's tenant"]})
+        existed = CacheNamespace.objects.filter(model_version=data["model_version"], tenant=data["tenant"]).exists()
         namespace = namespace_get_or_create(
             model_version=data["model_version"],
             tenant=data["tenant"],
@@ -159,7 +174,10 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
             policy=RetentionPolicySpec(**data["policy"]),
             actor=actor_of(request),
         )
-        return Response(s.CacheNamespaceSerializer(namespace).data, status=status.HTTP_201_CREATED)
+        # An existing namespace is returned as it is (200); its owner and policy
+        # change only through their own, audited, endpoints.
+        code = status.HTTP_200_OK if existed else status.HTTP_201_CREATED
+        return Response(s.CacheNamespaceSerializer(self.get_queryset().get(pk=namespace.pk)).data, status=code)
 
     @extend_schema(request=s.PolicyUpdateSerializer, responses={200: s.CacheNamespaceSerializer})
     @action(detail=True, methods=["put"])
@@ -239,7 +257,8 @@ class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyM
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel a queued or running job (409 if it already ended)."""
-        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=str(request.data.get("reason", ""))[:500])
+        reason = validated(request, s.CancelSerializer)["reason"]
+        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)
         return Response(self.serializer_class(job).data)
 
     @action(detail=True, methods=["get"])
@@ -288,6 +307,8 @@ class RegistrationJobViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = s.RegistrationJobSerializer
     filterset_fields = ("status", "label")
+    tenant_bound_allowed = False
+    tenant_bound_read = True
     ordering_fields = ("created_at", "status")
 
     def get_queryset(self) -> models.QuerySet:
@@ -299,7 +320,8 @@ class RegistrationJobViewSet(viewsets.ReadOnlyModelViewSet):
         """Cancel a queued or running registration (409 if it already ended)."""
         if not request_scope_allows(request, "operate"):
             raise PermissionDenied()
-        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=str(request.data.get("reason", ""))[:500])
+        reason = validated(request, s.CancelSerializer)["reason"]
+        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)
         return Response(s.RegistrationJobSerializer(job).data)
 
 
@@ -311,6 +333,7 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_fields = ("actor", "action", "object_type", "object_id")
     ordering_fields = ("created_at",)
     read_scope = "admin"
+    tenant_bound_allowed = False
 
 
 class IdentityDiffView(APIView):

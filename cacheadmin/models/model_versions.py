@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import name_key, validate_display_name
 
 
 class ModelVersion(models.Model):
@@ -21,10 +21,15 @@ class ModelVersion(models.Model):
         DRAINING = "draining"
         RETIRED = "retired"
 
-    label = models.CharField(max_length=100, unique=True, help_text="Unique label, e.g. tiny-v2.")
+    label = models.CharField(
+        max_length=100, unique=True, validators=[validate_display_name], help_text="Unique label, e.g. tiny-v2."
+    )
     #: ``name_key(label)``: labels that differ only by case or Unicode form collide.
-    label_key = models.CharField(max_length=100, unique=True, null=True)
-    served_name = models.CharField(max_length=200, help_text="Model name clients send to the engine.")
+    #: Text, not varchar: NFKC can make a key many times longer than its label.
+    label_key = models.TextField(unique=True, null=True)
+    served_name = models.CharField(
+        max_length=200, validators=[validate_display_name], help_text="Model name clients send to the engine."
+    )
     path = models.CharField(max_length=1000, help_text="Resolved checkpoint directory.")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.REGISTERED)
     weights = models.CharField(max_length=64)

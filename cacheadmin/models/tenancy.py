@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.core.validators import RegexValidator
 from django.db import models
 
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import name_key, validate_display_name
 
 slug_validator = RegexValidator(r"\A[a-z0-9][a-z0-9-]{0,62}\Z", "lowercase letters, digits and '-', 1 to 63 characters")
 
@@ -14,7 +14,7 @@ class Tenant(models.Model):
     """A sharing boundary: prefixes are never shared across tenants."""
 
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
-    name = models.CharField(max_length=200)
+    name = models.CharField(max_length=200, validators=[validate_display_name])
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -32,9 +32,10 @@ class Tenant(models.Model):
 class RetentionOwner(models.Model):
     """The team or person accountable for a namespace's storage and cleanup."""
 
-    name = models.CharField(max_length=200, unique=True)
+    name = models.CharField(max_length=200, unique=True, validators=[validate_display_name])
     #: ``name_key(name)``: names that differ only by case or Unicode form collide.
-    name_key = models.CharField(max_length=200, unique=True, null=True)
+    #: Text, not varchar: NFKC can make a key many times longer than its name.
+    name_key = models.TextField(unique=True, null=True)
     email = models.EmailField()
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -9,7 +9,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_cache_salt
-from cacheadmin.services.prewarm import JobRefused
+from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
 from inference.corpus import load_corpus
 from inference.errors import EngineError
@@ -35,11 +35,11 @@ def comparison_job_create(
         if candidate.status != Engine.Status.READY:
             raise JobRefused(f"engine {candidate.name} is {candidate.status}, not ready")
     if not 1 <= max_tokens <= 256:
-        raise JobRefused(f"max_tokens must be within 1..256, got {max_tokens}")
+        raise BadJobInput("max_tokens", f"must be within 1..256, got {max_tokens}")
     try:
         total = len(load_corpus(corpus))
     except ValueError as exc:
-        raise JobRefused(str(exc)) from exc
+        raise BadJobInput("corpus", str(exc)) from exc
     from cacheadmin.tasks import comparison_job_task
 
     with transaction.atomic():

@@ -6,10 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from cacheadmin.models import ModelVersion
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
@@ -85,6 +86,11 @@ def model_version_register(
         CheckpointError: the checkpoint cannot be fingerprinted; nothing is written.
         RegistrationConflict: ``label`` exists with a different identity.
     """
+    for what, value in (("label", label), ("served name", served_name)):
+        try:
+            validate_display_name(value)
+        except ValidationError as exc:
+            raise CheckpointError(f"{what} {value!r} {exc.messages[0]}") from exc
     root, report = checkpoint_fingerprint(path=path, layout=layout, on_bytes=on_bytes)
     existing = ModelVersion.objects.filter(label_key=name_key(label)).first()
     if existing is not None:

@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, RetentionPolicy, Tenant
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
@@ -31,7 +31,12 @@ def tenant_get_or_create(*, slug: str, name: str, actor: str) -> Tenant:
 
 
 def retention_owner_get_or_create(*, name: str, email: str, actor: str) -> RetentionOwner:
-    """The retention owner named ``name`` (compared by :func:`name_key`), created (and audited) if missing."""
+    """The retention owner named ``name`` (compared by :func:`name_key`), created (and audited) if missing.
+
+    Raises:
+        ValidationError: a blank name, or one with invisible or control characters.
+    """
+    validate_display_name(name)
     with transaction.atomic():
         owner = RetentionOwner.objects.filter(name_key=name_key(name)).first()
         created = owner is None
@@ -112,6 +117,12 @@ def namespace_get_or_create(
     existing = CacheNamespace.objects.select_related("tenant", "model_version").filter(namespace_id=ns_id).first()
     if existing:
         return _same_owner_or_refuse(existing, model_version, tenant)
+    stale = CacheNamespace.objects.filter(model_version=model_version, tenant=tenant).first()
+    if stale is not None:
+        raise NamespaceConflict(
+            f"tenant {tenant.slug} already has namespace {stale.namespace_id[:12]}… for {model_version.label}, "
+            f"but its identity and boundary now derive {ns_id[:12]}… (was the tenant renamed?); resolve that first"
+        )
     try:
         with transaction.atomic():
             namespace = CacheNamespace.objects.create(
@@ -176,7 +187,7 @@ def namespace_policy_update(
     if problems:
         raise ValidationError(problems)
     with transaction.atomic():
-        current = RetentionPolicy.objects.select_for_update().get(namespace=namespace)
+        current, _ = RetentionPolicy.objects.select_for_update().get_or_create(namespace=namespace, defaults={"versions_kept": 1})
         before = {k: getattr(current, k) for k in policy.as_dict()}
         for key, value in policy.as_dict().items():
             setattr(current, key, value)

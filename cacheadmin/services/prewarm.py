@@ -15,7 +15,17 @@ from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_
 
 
 class JobRefused(ValueError):
-    """A job cannot be created as asked; the message says why."""
+    """A job cannot be created in the current state (engine not ready, namespace
+    not served...); the message says why."""
+
+
+class BadJobInput(ValueError):
+    """A job was asked for with an invalid value; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str, actor: str) -> PrewarmJob:
@@ -32,7 +42,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     try:
         total = len(load_corpus(corpus))
     except ValueError as exc:
-        raise JobRefused(str(exc)) from exc
+        raise BadJobInput("corpus", str(exc)) from exc
     from cacheadmin.tasks import prewarm_job_task
 
     with transaction.atomic():

@@ -113,7 +113,9 @@ def test_scopes_gate_writes_and_denied_writes_change_nothing(world) -> None:
         ({"slug": "acme", "name": "x"}, "slug", "already exists"),
         ({"slug": "ínitech", "name": "x"}, "slug", "lowercase letters"),
         ({"slug": "initech"}, "name", "This field is required."),
-        ({"slug": "initech", "name": "x", "colour": "red"}, "colour", "unknown field"),
+        ({"slug": "initech", "name": "x", "colour": "red"}, "colour", "unknown or read-only field"),
+        ({"slug": "initech", "name": "x", "id": 999}, "id", "unknown or read-only field"),
+        ({"slug": "initech", "name": "platform\u200b"}, "name", "invisible or control character U+200B"),
         ({"slug": ["a"], "name": "x"}, "slug", "Not a valid string."),
     ],
 )
@@ -364,3 +366,60 @@ def test_model_version_labels_differing_only_by_case_or_unicode_form_collide(dem
             path=demo_checkpoints["tiny-v2"], label="TINY-v1", served_name="tiny", layout=LayoutOptions(), actor="a"
         )
     assert ModelVersion.objects.filter(label_key="tiny-v1").count() == 1
+
+
+def test_hostile_bodies_get_envelopes_not_500s(world) -> None:
+    c, job, ns = world["clients"], world["job"], world["ns"]["acme"]
+    cases = [
+        ("post", f"/api/prewarm-jobs/{job.pk}/cancel/", "[]", 400),
+        ("post", f"/api/prewarm-jobs/{job.pk}/cancel/", '"x"', 400),
+        ("post", f"/api/engines/{world['engine'].pk}/attach/", '{"namespace": "\u00b2"}', 400),
+        ("post", f"/api/engines/{world['engine'].pk}/attach/", '{"namespace": "\u0661"}', 400),
+        ("post", "/api/retention-owners/", '{"name": ' + "[" * 50000 + "]" * 50000 + "}", 400),
+        ("put", f"/api/namespaces/{ns.pk}/policy/",
+         '{"policy": {"max_age_since_last_hit_s": 99999999999999999999999, "max_bytes": null, "versions_kept": 1},'
+         ' "reason": "x"}', 400),
+        ("put", f"/api/namespaces/{ns.pk}/policy/",
+         '{"policy": {"max_age_since_last_hit_s": 60, "max_bytes": null, "versions_kept": 1, "pinnned": true},'
+         ' "reason": "x"}', 400),
+    ]  # fmt: skip
+    for method, url, body, expected in cases:
+        response = getattr(c["alice"], method)(url, body, content_type="application/json")
+        assert response.status_code == expected, (url, body[:80], response.status_code, response.content[:200])
+        assert set(response.json()) == {"error"}
+    assert PrewarmJob.objects.get(pk=job.pk).status == "queued"
+    # A namespace that predates policies gets one on first update instead of a crash.
+    ok = c["bob"].put(f"/api/namespaces/{ns.pk}/policy/", {"policy": POLICY, "reason": "first policy"}, format="json")
+    assert ok.status_code == 200 and ok.json()["policy"]["versions_kept"] == 2
+    assert c["alice"].get("/api/nonexistent/").json()["error"]["status"] == 404
+    lower = APIClient()
+    lower.credentials(HTTP_AUTHORIZATION=c["alice"]._credentials["HTTP_AUTHORIZATION"].replace("Bearer", "bearer"))
+    assert lower.get("/api/model-versions/").status_code == 200
+
+
+def test_tenant_bound_tokens_cannot_use_global_resources(world) -> None:
+    c = world["clients"]
+    user = User.objects.create_user("eve")
+    _, key = api_token_issue(user=user, name="acme-admin", scope="admin", tenant=world["acme"], actor="setup")
+    bound_admin = APIClient()
+    bound_admin.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert bound_admin.get("/api/audit-events/").status_code == 403
+    assert bound_admin.post("/api/tenants/", {"slug": "probe", "name": "P"}, format="json").status_code == 403
+    assert c["bob"].post("/api/retention-owners/", {"name": "probe", "email": "p@example.com"}, format="json").status_code == 403
+    assert c["bob"].get("/api/model-versions/").status_code == 200
+    user.is_active = False
+    user.save()
+    assert bound_admin.get("/api/namespaces/").json()["error"]["message"] == "the token's user is deactivated"
+
+
+def test_posting_an_existing_namespace_returns_it_with_200(world) -> None:
+    owner = RetentionOwner.objects.get()
+    body = {"model_version": world["v2"].pk, "tenant": "acme", "retention_owner": owner.pk, "policy": POLICY}
+    first = world["clients"]["bob"].post("/api/namespaces/", body, format="json")
+    again = world["clients"]["bob"].post("/api/namespaces/", {**body, "policy": {**POLICY, "versions_kept": 5}}, format="json")
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["id"] == first.json()["id"] and again.json()["policy"]["versions_kept"] == 2
+    # The world's acme/v1 namespace has an id that is not derived from its identity and tenant
+    # (as after a tenant rename): refused with the reason, never a second namespace.
+    clash = world["clients"]["bob"].post("/api/namespaces/", {**body, "model_version": world["v1"].pk}, format="json")
+    assert clash.status_code == 409 and clash.json()["error"]["code"] == "namespace_conflict"

@@ -61,7 +61,11 @@ def test_api_registration_runs_as_a_job_with_byte_progress(operator, worker, dem
 @pytest.mark.parametrize(
     ("body", "status", "field_or_code"),
     [
-        ({"path": "/nonexistent", "label": "x", "served_name": "tiny"}, 400, "bad_checkpoint"),
+        ({"path": "/nonexistent", "label": "x", "served_name": "tiny"}, 400, "path"),
+        ({"path": "/etc", "label": "x", "served_name": "tiny"}, 400, "path"),
+        ({"path": "var/models/tiny-v1", "label": "x", "served_name": "tiny"}, 400, "path"),
+        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"block_sise": 16}}, 400, "layout.block_sise"),
+        ({"path": "{root}/tiny-v1", "label": "x\u202e", "served_name": "tiny"}, 400, "label"),
         ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"dtype": "int3"}}, 400, "layout"),
         ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"block_size": 0}}, 400, "layout.block_size"),
         ({"path": "{root}/tiny-v1", "label": "x"}, 400, "served_name"),

@@ -20,7 +20,7 @@ from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or
 from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, JobStatus, PrewarmJob, RegistrationJob
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.prewarm import prewarm_job_create
+from cacheadmin.services.prewarm import BadJobInput, prewarm_job_create
 
 ACTOR = "cli"
 KINDS = {"prewarm": PrewarmJob, "comparison": ComparisonJob, "registration": RegistrationJob}
@@ -56,6 +56,8 @@ class Command(ControlPlaneCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         try:
             job = getattr(self, f"verb_{opts['verb']}")(opts)
+        except BadJobInput as exc:
+            raise self.bad_input(str(exc)) from exc
         except refused_errors() as exc:
             self.stderr.write(f"CommandError: {exc}")
             sys.exit(EXIT_REFUSED)
