@@ -32,11 +32,3 @@ def registration_job_task(job_id: int) -> None:
     from cacheadmin.services.registration import registration_job_run
 
     registration_job_run(job_id=job_id)
-
-
-@shared_task(name="cacheadmin.jobs_recover_lost", expires=60)
-def jobs_recover_lost_task() -> dict[str, int]:
-    """Requeue or fail jobs whose worker died (see ``services.jobs``)."""
-    from cacheadmin.services.jobs import jobs_recover_lost
-
-    return jobs_recover_lost()

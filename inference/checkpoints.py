@@ -184,8 +184,3 @@ def ensure_demo_checkpoints(models_dir: Path) -> dict[str, Path]:
             build_tiny_mistral(path, spec, served_name="tiny")
         paths[name] = path
     return paths
-
-
-def read_config(path: Path) -> dict:
-    """Parse ``config.json`` of a checkpoint directory."""
-    return json.loads((path / "config.json").read_text())
