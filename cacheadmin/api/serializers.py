@@ -3,8 +3,13 @@ things release tooling creates. Writes go through services, never ``save()``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from django.db.models import Q, QuerySet
 from rest_framework import serializers
 
+from cacheadmin.api.auth import request_tenant
 from cacheadmin.models import (
     AuditEvent,
     CacheNamespace,
@@ -28,13 +33,46 @@ JOB_FIELDS = (
 )  # fmt: skip
 
 
+def namespace_of_tenant(tenant_id: int) -> Q:
+    """Namespaces a token bound to ``tenant_id`` may name."""
+    return Q(tenant_id=tenant_id)
+
+
+def engine_of_tenant(tenant_id: int) -> Q:
+    """Engines serving one of the tenant's namespaces (as tier owner or attached)."""
+    return Q(namespace__tenant_id=tenant_id) | Q(attached_namespaces__tenant_id=tenant_id)
+
+
+def reference_or_engine_of_tenant(tenant_id: int) -> Q:
+    """The tenant's engines, and every reference engine."""
+    # Reference engines hold no cached state of anyone: any tenant may compare against them.
+    return Q(role=Engine.Role.REFERENCE) | engine_of_tenant(tenant_id)
+
+
 #: Largest id a database row can have (signed 64-bit); larger ones cannot exist.
 MAX_ID = 2**63 - 1
 
 
 class IdField(serializers.PrimaryKeyRelatedField):
     """A related row by id; an id beyond any database integer is "not found",
-    not an overflow in the database driver."""
+    not an overflow in the database driver.
+
+    With ``tenant_filter`` (a callable taking the tenant id and returning a
+    ``Q``), a token bound to a tenant can only name rows of its tenant: other
+    tenants' rows answer exactly like ids that do not exist.
+    """
+
+    def __init__(self, *, tenant_filter: Callable[[int], Q] | None = None, **kwargs: Any) -> None:
+        self.tenant_filter = tenant_filter
+        super().__init__(**kwargs)
+
+    def get_queryset(self) -> QuerySet:
+        queryset = super().get_queryset()
+        request = self.context.get("request")
+        tenant_id = request_tenant(request) if request is not None else None
+        if self.tenant_filter is not None and tenant_id is not None:
+            queryset = queryset.filter(self.tenant_filter(tenant_id)).distinct()
+        return queryset
 
     def to_internal_value(self, data: object) -> object:
         if isinstance(data, bool) or not isinstance(data, (int, str)):
@@ -47,6 +85,17 @@ class IdField(serializers.PrimaryKeyRelatedField):
         if not 0 < data <= MAX_ID:
             self.fail("does_not_exist", pk_value=data)
         return super().to_internal_value(data)
+
+
+class TenantSlugField(serializers.SlugRelatedField):
+    """A tenant by slug; a tenant-bound token can only name its own tenant
+    (any other slug answers like one that does not exist)."""
+
+    def get_queryset(self) -> QuerySet:
+        queryset = super().get_queryset()
+        request = self.context.get("request")
+        tenant_id = request_tenant(request) if request is not None else None
+        return queryset if tenant_id is None else queryset.filter(pk=tenant_id)
 
 
 class StrictFieldsMixin:
@@ -133,7 +182,7 @@ class CacheNamespaceSerializer(serializers.ModelSerializer):
 
 class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     model_version = IdField(queryset=ModelVersion.objects.all())
-    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
     retention_owner = IdField(queryset=RetentionOwner.objects.all())
     policy = RetentionPolicySerializer()
 
@@ -165,7 +214,7 @@ class EngineSerializer(serializers.ModelSerializer):
 
 
 class EngineAttachSerializer(StrictFieldsMixin, serializers.Serializer):
-    namespace = IdField(queryset=CacheNamespace.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
 
 
 class PrewarmResultSerializer(serializers.ModelSerializer):
@@ -189,8 +238,8 @@ class PrewarmJobSerializer(serializers.ModelSerializer):
 
 
 class PrewarmJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    namespace = IdField(queryset=CacheNamespace.objects.all())
-    engine = IdField(queryset=Engine.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
+    engine = IdField(queryset=Engine.objects.all(), tenant_filter=engine_of_tenant)
     corpus = serializers.CharField(max_length=100, default="diagnostic")
 
 
@@ -210,9 +259,9 @@ class ComparisonJobSerializer(serializers.ModelSerializer):
 
 
 class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    engine = IdField(queryset=Engine.objects.all())
-    reference_engine = IdField(queryset=Engine.objects.all())
-    namespace = IdField(queryset=CacheNamespace.objects.all())
+    engine = IdField(queryset=Engine.objects.all(), tenant_filter=engine_of_tenant)
+    reference_engine = IdField(queryset=Engine.objects.all(), tenant_filter=reference_or_engine_of_tenant)
+    namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
     corpus = serializers.CharField(max_length=100, default="diagnostic")
     max_tokens = serializers.IntegerField(min_value=1, max_value=256, default=16)
 

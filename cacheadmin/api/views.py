@@ -55,7 +55,7 @@ def validated(request: Request, serializer_class: type) -> dict[str, Any]:
     """Validate a request body with ``serializer_class``; 400 envelope on error."""
     if not isinstance(request.data, dict):
         raise ValidationError({"non_field_errors": ["the body must be a JSON object"]})
-    serializer = serializer_class(data=request.data)
+    serializer = serializer_class(data=request.data, context={"request": request})
     serializer.is_valid(raise_exception=True)
     return serializer.validated_data
 

@@ -11,7 +11,7 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from cacheadmin.models import AuditEvent, CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
 from cacheadmin.services.api_tokens import api_token_issue, api_token_revoke
 
 pytestmark = pytest.mark.django_db
@@ -144,7 +144,9 @@ def test_jobs_cancel_once_and_tenant_bound_tokens_cannot_touch_other_tenants(wor
     assert again.status_code == 409 and again.json()["error"]["code"] == "lifecycle_conflict"
     other_ns = world["ns"]["globex"]
     refused = c["bob"].post("/api/prewarm-jobs/", {"namespace": other_ns.pk, "engine": world["engine"].pk}, format="json")
-    assert refused.status_code == 400 and "tenant" in refused.json()["error"]["fields"]["namespace"][0]
+    # Another tenant's namespace answers exactly like one that does not exist.
+    assert refused.status_code == 400
+    assert refused.json()["error"]["fields"]["namespace"] == [f'Invalid pk "{other_ns.pk}" - object does not exist.']
     mismatch = c["alice"].post("/api/prewarm-jobs/", {"namespace": other_ns.pk, "engine": world["engine"].pk}, format="json")
     assert mismatch.status_code == 409 and mismatch.json()["error"]["code"] == "job_refused"
     assert PrewarmJob.objects.count() == 1
@@ -237,9 +239,10 @@ def test_creating_a_namespace_needs_an_owner_and_a_policy(world) -> None:
     pinned_without_why = {**body, "policy": {**POLICY, "pinned": True, "hold_by": "legal"}}
     response = c["bob"].post("/api/namespaces/", pinned_without_why, format="json")
     assert response.json()["error"]["fields"] == {"policy.hold_reason": ["a hold needs who placed it and why"]}
-    assert c["bob"].post("/api/namespaces/", {**body, "tenant": "globex"}, format="json").json()["error"]["fields"] == {
-        "tenant": ["not this token's tenant"]
-    }
+    foreign = c["bob"].post("/api/namespaces/", {**body, "tenant": "globex"}, format="json").json()["error"]["fields"]
+    missing = c["bob"].post("/api/namespaces/", {**body, "tenant": "nope"}, format="json").json()["error"]["fields"]
+    assert foreign == {"tenant": ["Object with slug=globex does not exist."]}
+    assert missing == {"tenant": ["Object with slug=nope does not exist."]}
     assert CacheNamespace.objects.count() == 2
     created = c["bob"].post("/api/namespaces/", body, format="json")
     assert created.status_code == 201, created.json()
@@ -423,3 +426,24 @@ def test_posting_an_existing_namespace_returns_it_with_200(world) -> None:
     # (as after a tenant rename): refused with the reason, never a second namespace.
     clash = world["clients"]["bob"].post("/api/namespaces/", {**body, "model_version": world["v1"].pk}, format="json")
     assert clash.status_code == 409 and clash.json()["error"]["code"] == "namespace_conflict"
+
+
+def test_tenant_bound_tokens_cannot_name_other_tenants_engines(world) -> None:
+    globex_engine = Engine.objects.create(
+        name="e-globex", model_version=world["v1"], namespace=world["ns"]["globex"], base_url="http://127.0.0.1:2", status="ready"
+    )
+    reference = Engine.objects.create(
+        name="ref",
+        role="reference",
+        model_version=world["v1"],
+        base_url="http://127.0.0.1:3",
+        status="ready",
+        prefix_caching=False,
+    )
+    body = {"engine": globex_engine.pk, "reference_engine": reference.pk, "namespace": world["ns"]["acme"].pk}
+    foreign = world["clients"]["bob"].post("/api/comparison-jobs/", body, format="json")
+    assert foreign.status_code == 400
+    assert foreign.json()["error"]["fields"] == {"engine": [f'Invalid pk "{globex_engine.pk}" - object does not exist.']}
+    own = world["clients"]["bob"].post("/api/comparison-jobs/", {**body, "engine": world["engine"].pk}, format="json")
+    assert own.status_code == 201, own.json()  # reference engines hold nobody's state: any tenant may use them
+    assert ComparisonJob.objects.get(pk=own.json()["id"]).reference_engine == reference
