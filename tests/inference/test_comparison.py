@@ -103,5 +103,14 @@ def test_run_comparison_times_each_engine_while_the_other_is_idle() -> None:
         on_result=results.append,
         settle_s=0,
     )
-    assert calls == [("ref", "p0"), ("ref", "p0"), ("ref", "p2"), ("ref", "p2"), ("test", "p0"), ("test", "p2")]
+    assert calls == [("ref", "p0"), ("ref", "p0"), ("ref", "p2"), ("ref", "p2")] + [("test", "p0")] * 2 + [("test", "p2")] * 2
     assert [(r.index, r.deceptive, r.first_divergence) for r in results] == [(0, True, 1), (2, True, 1)]
+
+
+def test_ttft_is_the_faster_of_two_samples_each_way() -> None:
+    def timed(ms: float, cached: int = 0) -> ChatResult:
+        return ChatResult(token_ids=[1], logprobs=[-1.0], prompt_tokens=100, cached_tokens=cached, ttft_ms=ms)
+
+    out = compare_prompt(0, CONV, timed(90.0), timed(80.0), timed(30.0, 64), timed(20.0, 64))
+    assert (out.ttft_cold_ms, out.ttft_warm_ms) == (80.0, 20.0)
+    assert compare_prompt(0, CONV, timed(90.0), timed(95.0), timed(30.0, 64)).ttft_warm_ms == 30.0
