@@ -10,6 +10,7 @@ from django.forms.models import model_to_dict
 from django.http import HttpRequest
 
 from cacheadmin.models import (
+    Adapter,
     ApiToken,
     AuditEvent,
     CacheNamespace,
@@ -21,6 +22,8 @@ from cacheadmin.models import (
     PrewarmResult,
     RetentionOwner,
     RetentionPolicy,
+    SharedGroup,
+    SharedGroupMembership,
     Tenant,
 )
 from cacheadmin.services.audit import audit_record
@@ -119,19 +122,74 @@ class RetentionPolicyInline(admin.StackedInline):
     model = RetentionPolicy
     can_delete = False
     # Changed through the API or service (reason required, audited), not here.
-    readonly_fields = ("max_age_since_last_hit_s", "max_bytes", "versions_kept", "pinned", "hold_by", "hold_reason", "updated_at")
+    readonly_fields = (
+        "max_age_since_last_hit_s", "max_bytes", "versions_kept", "cold_versions_kept", "lru_k", "pinned", "hold_by",
+        "hold_reason", "updated_at",
+    )  # fmt: skip
 
 
 @admin.register(CacheNamespace)
 class CacheNamespaceAdmin(AuditedAdmin):
     inlines = [RetentionPolicyInline]
-    list_display = ("namespace_id", "tenant", "model_version", "retention_owner", "storage_prefix", "created_at")
-    list_filter = ("tenant",)
-    list_select_related = ("tenant", "model_version", "retention_owner")
-    # The id and prefix derive from identity and tenant; editing them would break isolation.
-    readonly_fields = ("namespace_id", "storage_prefix", "model_version", "tenant")
+    list_display = (
+        "namespace_id",
+        "boundary_label",
+        "model_version",
+        "retention_owner",
+        "storage_prefix",
+        "residency",
+        "created_at",
+    )
+    list_filter = ("tenant", "group", "residency")
+    list_select_related = ("tenant", "group", "model_version", "retention_owner")
+    # The id and prefix derive from identity and boundary; editing them would break isolation.
+    # Residency changes only through eviction runs, which record what they did.
+    readonly_fields = (
+        "namespace_id", "storage_prefix", "model_version", "tenant", "group", "group_generation", "residency",
+        "residency_changed_at",
+    )  # fmt: skip
 
     def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+
+class SharedGroupMembershipInline(admin.TabularInline):
+    model = SharedGroupMembership
+    extra = 0
+    can_delete = False
+    # Joining and leaving go through the API or `manage.py group` (a reason is
+    # required, and leaving must start a new generation).
+    readonly_fields = ("tenant", "added_by", "added_at")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(SharedGroup)
+class SharedGroupAdmin(AuditedAdmin):
+    inlines = [SharedGroupMembershipInline]
+    list_display = ("slug", "name", "generation", "created_at")
+    search_fields = ("slug", "name")
+    readonly_fields = ("slug", "generation")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Adapter)
+class AdapterAdmin(admin.ModelAdmin):
+    list_display = ("name", "model_version", "content", "last_used_at", "created_at")
+    list_select_related = ("model_version",)
+    search_fields = ("name", "content")
+    readonly_fields = ("model_version", "name", "content", "path", "files", "last_used_at", "created_at")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
 

@@ -135,7 +135,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated", "cacheadmin.api.auth.ScopePermission"],
     "DEFAULT_PAGINATION_CLASS": "cacheadmin.api.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 50,
-    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend", "rest_framework.filters.OrderingFilter"],
+    "DEFAULT_FILTER_BACKENDS": ["cacheadmin.api.filters.ControlPlaneFilterBackend", "rest_framework.filters.OrderingFilter"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # JSON only: release tooling sends JSON; form and multipart add surface, not features.
     "DEFAULT_PARSER_CLASSES": ["cacheadmin.api.parsers.StrictJSONParser"],

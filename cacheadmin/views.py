@@ -35,6 +35,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     context = {
         "model_versions": selectors.model_version_list(),
         "namespaces": selectors.namespace_list(),
+        "shared_groups": selectors.shared_group_list(),
         "identity_fields": ModelVersion.IDENTITY_FIELDS,
         **_live_context(),
     }
@@ -56,11 +57,11 @@ def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
 
 def engine_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """An engine: what it computes with, its tier, and the namespaces it may serve."""
-    engine = get_object_or_404(Engine.objects.select_related("model_version", "namespace__tenant"), pk=pk)
+    engine = get_object_or_404(Engine.objects.select_related("model_version", "namespace__tenant", "namespace__group"), pk=pk)
     return render(
         request,
         "cacheadmin/engine_detail.html",
-        {"engine": engine, "attached": engine.attached_namespaces.select_related("tenant")},
+        {"engine": engine, "attached": engine.attached_namespaces.select_related("tenant", "group")},
     )
 
 
@@ -73,7 +74,9 @@ def _job_page(request: HttpRequest, job: PrewarmJob | ComparisonJob, template: s
 
 def prewarm_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """A prewarm job with per-prompt fill and verification."""
-    job = get_object_or_404(PrewarmJob.objects.select_related("engine", "namespace__tenant", "namespace__model_version"), pk=pk)
+    job = get_object_or_404(
+        PrewarmJob.objects.select_related("engine", "namespace__tenant", "namespace__group", "namespace__model_version"), pk=pk
+    )
     return _job_page(request, job, "prewarm_job_detail.html")
 
 
@@ -81,7 +84,7 @@ def comparison_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """A comparison job with per-prompt results."""
     job = get_object_or_404(
         ComparisonJob.objects.select_related(
-            "engine__model_version", "reference_engine", "namespace__tenant", "namespace__model_version"
+            "engine__model_version", "reference_engine", "namespace__tenant", "namespace__group", "namespace__model_version"
         ),
         pk=pk,
     )

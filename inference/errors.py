@@ -14,3 +14,8 @@ class CheckpointOutsideRoots(CheckpointError):
 
 class EngineError(RuntimeError):
     """An engine did not start, did not answer, or answered with an error."""
+
+
+class AdapterOutsideRoots(CheckpointOutsideRoots):
+    """A LoRA adapter path that does not exist, is not a directory, or resolves
+    outside the model roots."""

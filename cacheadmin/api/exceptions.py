@@ -23,7 +23,7 @@ from rest_framework.views import exception_handler as drf_exception_handler
 
 from cacheadmin.services.engines import EngineRefused
 from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
-from cacheadmin.services.namespaces import NamespaceConflict
+from cacheadmin.services.namespaces import GroupError, NamespaceConflict
 from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.errors import CheckpointError
 
@@ -36,6 +36,7 @@ DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
     EngineRefused: (status.HTTP_409_CONFLICT, "engine_refused"),
     RegistrationConflict: (status.HTTP_409_CONFLICT, "registration_conflict"),
     NamespaceConflict: (status.HTTP_409_CONFLICT, "namespace_conflict"),
+    GroupError: (status.HTTP_409_CONFLICT, "group_conflict"),
     LifecycleError: (status.HTTP_409_CONFLICT, "lifecycle_conflict"),
 }
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import models as dj_models
 from django.db.models import Q, QuerySet
 from rest_framework import serializers
 
 from cacheadmin.api.auth import request_tenant
+from cacheadmin.api.filters import MAX_ID
 from cacheadmin.models import (
+    Adapter,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
@@ -22,10 +26,12 @@ from cacheadmin.models import (
     RegistrationJob,
     RetentionOwner,
     RetentionPolicy,
+    SharedGroup,
     Tenant,
 )
 from cacheadmin.models.naming import validate_display_name
 from cacheadmin.models.tenancy import slug_validator
+from cacheadmin.services.namespaces import namespaces_visible_to
 
 JOB_FIELDS = (
     "id", "status", "corpus", "progress_done", "progress_total", "attempts", "created_at", "started_at",
@@ -34,23 +40,19 @@ JOB_FIELDS = (
 
 
 def namespace_of_tenant(tenant_id: int) -> Q:
-    """Namespaces a token bound to ``tenant_id`` may name."""
-    return Q(tenant_id=tenant_id)
+    """Namespaces a token bound to ``tenant_id`` may name (its own and its groups')."""
+    return namespaces_visible_to(tenant_id)
 
 
 def engine_of_tenant(tenant_id: int) -> Q:
-    """Engines serving one of the tenant's namespaces (as tier owner or attached)."""
-    return Q(namespace__tenant_id=tenant_id) | Q(attached_namespaces__tenant_id=tenant_id)
+    """Engines serving one of the tenant's visible namespaces (as tier owner or attached)."""
+    return namespaces_visible_to(tenant_id, "namespace__") | namespaces_visible_to(tenant_id, "attached_namespaces__")
 
 
 def reference_or_engine_of_tenant(tenant_id: int) -> Q:
     """The tenant's engines, and every reference engine."""
     # Reference engines hold no cached state of anyone: any tenant may compare against them.
     return Q(role=Engine.Role.REFERENCE) | engine_of_tenant(tenant_id)
-
-
-#: Largest id a database row can have (signed 64-bit); larger ones cannot exist.
-MAX_ID = 2**63 - 1
 
 
 class IdField(serializers.PrimaryKeyRelatedField):
@@ -85,6 +87,58 @@ class IdField(serializers.PrimaryKeyRelatedField):
         if not 0 < data <= MAX_ID:
             self.fail("does_not_exist", pk_value=data)
         return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer only: DRF's ``IntegerField`` also takes ``"10"``, ``10.0``
+    and ``true``, which hides type errors in a caller's pipeline."""
+
+    def to_internal_value(self, data: object) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise serializers.ValidationError(f"must be a JSON integer, not {type(data).__name__}")
+        return super().to_internal_value(data)
+
+
+class StrictCharField(serializers.CharField):
+    """A JSON string only (DRF's ``CharField`` turns numbers into strings)."""
+
+    def to_internal_value(self, data: object) -> str:
+        if not isinstance(data, str):
+            raise serializers.ValidationError(f"must be a JSON string, not {type(data).__name__}")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """``true`` or ``false`` only (DRF's ``BooleanField`` also takes ``"yes"``, ``1``, ``"on"``)."""
+
+    def to_internal_value(self, data: object) -> bool:
+        if not isinstance(data, bool):
+            raise serializers.ValidationError(f"must be true or false, not {type(data).__name__}")
+        return data
+
+
+class StrictEmailField(serializers.EmailField):
+    """A JSON string that is an e-mail address."""
+
+    def to_internal_value(self, data: object) -> str:
+        if not isinstance(data, str):
+            raise serializers.ValidationError(f"must be a JSON string, not {type(data).__name__}")
+        return super().to_internal_value(data)
+
+
+class StrictModelSerializer(serializers.ModelSerializer):
+    """A ModelSerializer whose generated fields take JSON types as they are."""
+
+    serializer_field_mapping = {
+        **serializers.ModelSerializer.serializer_field_mapping,
+        dj_models.CharField: StrictCharField,
+        dj_models.TextField: StrictCharField,
+        dj_models.EmailField: StrictEmailField,
+        dj_models.BooleanField: StrictBooleanField,
+        dj_models.PositiveSmallIntegerField: StrictIntegerField,
+        dj_models.PositiveIntegerField: StrictIntegerField,
+        dj_models.PositiveBigIntegerField: StrictIntegerField,
+    }
 
 
 class TenantSlugField(serializers.SlugRelatedField):
@@ -127,32 +181,37 @@ class ModelVersionDetailSerializer(ModelVersionSerializer):
         fields = (*ModelVersionSerializer.Meta.fields, "inputs", "fingerprint_seconds")
 
 
-class TenantSerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    slug = serializers.CharField(max_length=63, validators=[slug_validator])
+class TenantSerializer(StrictFieldsMixin, StrictModelSerializer):
+    slug = StrictCharField(max_length=63, validators=[slug_validator])
 
     class Meta:
         model = Tenant
         fields = ("id", "slug", "name", "created_at")
 
 
-class RetentionOwnerSerializer(StrictFieldsMixin, serializers.ModelSerializer):
+class RetentionOwnerSerializer(StrictFieldsMixin, StrictModelSerializer):
     class Meta:
         model = RetentionOwner
         fields = ("id", "name", "email", "created_at")
 
 
-class RetentionPolicySerializer(StrictFieldsMixin, serializers.ModelSerializer):
-    max_age_since_last_hit_s = serializers.IntegerField(
+class RetentionPolicySerializer(StrictFieldsMixin, StrictModelSerializer):
+    max_age_since_last_hit_s = StrictIntegerField(
         min_value=1, max_value=MAX_ID, allow_null=True, help_text="seconds; null = no limit"
     )
-    max_bytes = serializers.IntegerField(
-        min_value=1, max_value=MAX_ID, allow_null=True, help_text="bytes per tier; null = no limit"
+    max_bytes = StrictIntegerField(min_value=1, max_value=MAX_ID, allow_null=True, help_text="bytes per tier; null = no limit")
+    versions_kept = StrictIntegerField(min_value=1, max_value=100, help_text="versions of the served model kept hot")
+    cold_versions_kept = StrictIntegerField(
+        min_value=0, max_value=100, default=1, help_text="versions after the hot ones kept archived in the cold tier"
     )
-    versions_kept = serializers.IntegerField(min_value=1, max_value=100)
+    lru_k = StrictIntegerField(min_value=1, max_value=16, default=2, help_text="K of LRU-K within the byte budget")
 
     class Meta:
         model = RetentionPolicy
-        fields = ("max_age_since_last_hit_s", "max_bytes", "versions_kept", "pinned", "hold_by", "hold_reason", "updated_at")
+        fields = (
+            "max_age_since_last_hit_s", "max_bytes", "versions_kept", "cold_versions_kept", "lru_k", "pinned", "hold_by",
+            "hold_reason", "updated_at",
+        )  # fmt: skip
         read_only_fields = ("updated_at",)
 
     def validate(self, attrs: dict) -> dict:
@@ -168,6 +227,8 @@ class RetentionPolicySerializer(StrictFieldsMixin, serializers.ModelSerializer):
 
 class CacheNamespaceSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    group = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    superseded = serializers.BooleanField(read_only=True, help_text="a shared-group namespace of an earlier generation")
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
     retention_owner = serializers.CharField(source="retention_owner.name", read_only=True)
     policy = RetentionPolicySerializer(read_only=True)
@@ -175,21 +236,59 @@ class CacheNamespaceSerializer(serializers.ModelSerializer):
     class Meta:
         model = CacheNamespace
         fields = (
-            "id", "namespace_id", "storage_prefix", "model_version", "model_version_label", "tenant", "retention_owner",
-            "policy", "created_at",
+            "id", "namespace_id", "storage_prefix", "model_version", "model_version_label", "tenant", "group",
+            "group_generation", "superseded", "retention_owner", "policy", "residency", "residency_changed_at", "created_at",
         )  # fmt: skip
+
+
+class GroupSlugField(serializers.SlugRelatedField):
+    """A shared group by slug; a tenant-bound token can only name groups its
+    tenant is a member of (others answer like slugs that do not exist)."""
+
+    def get_queryset(self) -> QuerySet:
+        queryset = super().get_queryset()
+        request = self.context.get("request")
+        tenant_id = request_tenant(request) if request is not None else None
+        return queryset if tenant_id is None else queryset.filter(memberships__tenant_id=tenant_id)
 
 
 class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     model_version = IdField(queryset=ModelVersion.objects.all())
-    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
+    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all(), required=False)
+    group = GroupSlugField(slug_field="slug", queryset=SharedGroup.objects.all(), required=False)
     retention_owner = IdField(queryset=RetentionOwner.objects.all())
     policy = RetentionPolicySerializer()
+
+    def validate(self, attrs: dict) -> dict:
+        if ("tenant" in attrs) == ("group" in attrs):
+            raise serializers.ValidationError({"tenant": ["give exactly one of tenant and group"]})
+        return attrs
+
+
+class SharedGroupSerializer(StrictFieldsMixin, StrictModelSerializer):
+    slug = StrictCharField(max_length=63, validators=[slug_validator])
+    members = serializers.SlugRelatedField(slug_field="slug", many=True, read_only=True)
+
+    class Meta:
+        model = SharedGroup
+        fields = ("id", "slug", "name", "generation", "members", "created_at")
+        read_only_fields = ("generation",)
+
+
+class GroupMemberChangeSerializer(StrictFieldsMixin, serializers.Serializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    reason = StrictCharField(max_length=2000)
+
+
+class AdapterSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Adapter
+        fields = ("id", "model_version", "name", "content", "path", "files", "last_used_at", "created_at")
 
 
 class PolicyUpdateSerializer(StrictFieldsMixin, serializers.Serializer):
     policy = RetentionPolicySerializer()
-    reason = serializers.CharField(max_length=2000)
+    reason = StrictCharField(max_length=2000)
 
 
 class CacheSaltSerializer(serializers.Serializer):
@@ -240,7 +339,7 @@ class PrewarmJobSerializer(serializers.ModelSerializer):
 class PrewarmJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
     engine = IdField(queryset=Engine.objects.all(), tenant_filter=engine_of_tenant)
-    corpus = serializers.CharField(max_length=100, default="diagnostic")
+    corpus = StrictCharField(max_length=100, default="diagnostic")
 
 
 class ComparisonResultSerializer(serializers.ModelSerializer):
@@ -262,8 +361,8 @@ class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     engine = IdField(queryset=Engine.objects.all(), tenant_filter=engine_of_tenant)
     reference_engine = IdField(queryset=Engine.objects.all(), tenant_filter=reference_or_engine_of_tenant)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
-    corpus = serializers.CharField(max_length=100, default="diagnostic")
-    max_tokens = serializers.IntegerField(min_value=1, max_value=256, default=16)
+    corpus = StrictCharField(max_length=100, default="diagnostic")
+    max_tokens = StrictIntegerField(min_value=1, max_value=256, default=16)
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
@@ -278,27 +377,42 @@ class IdentityDiffQuerySerializer(serializers.Serializer):
 
 
 class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
-    dtype = serializers.CharField(default="auto")
-    kv_cache_dtype = serializers.CharField(default="auto")
-    block_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=32)
-    tensor_parallel_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=1)
-    pipeline_parallel_size = serializers.IntegerField(min_value=1, max_value=1 << 16, default=1)
-    quantization = serializers.CharField(max_length=100, allow_null=True, default=None)
-    kv_connector = serializers.CharField(max_length=100, allow_null=True, default=None)
+    dtype = StrictCharField(default="auto")
+    kv_cache_dtype = StrictCharField(default="auto")
+    block_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=32)
+    tensor_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=1)
+    pipeline_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=1)
+    quantization = StrictCharField(max_length=100, allow_null=True, default=None)
+    kv_connector = StrictCharField(max_length=100, allow_null=True, default=None)
 
 
 class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    path = serializers.CharField(max_length=1000, help_text="checkpoint directory inside MODEL_ROOTS")
-    label = serializers.CharField(max_length=100, validators=[validate_display_name])
-    served_name = serializers.CharField(max_length=200, validators=[validate_display_name])
+    path = StrictCharField(max_length=1000, help_text="checkpoint directory inside MODEL_ROOTS")
+    label = StrictCharField(max_length=100, validators=[validate_display_name])
+    served_name = StrictCharField(max_length=200, validators=[validate_display_name])
     layout = LayoutSerializer(required=False)
+    adapters = serializers.DictField(
+        child=StrictCharField(max_length=1000), required=False, help_text="LoRA adapter name → directory inside MODEL_ROOTS"
+    )
+
+    def validate_adapters(self, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 64:
+            raise serializers.ValidationError("at most 64 adapters")
+        for name in value:
+            try:
+                validate_display_name(name)
+            except DjangoValidationError as exc:
+                raise serializers.ValidationError(f"adapter name {name!r}: {exc.messages[0]}") from exc
+            if len(name) > 200:
+                raise serializers.ValidationError(f"adapter name {name[:20]!r}…: at most 200 characters")
+        return value
 
 
 class RegistrationJobSerializer(serializers.ModelSerializer):
     class Meta:
         model = RegistrationJob
-        fields = (*JOB_FIELDS, "path", "label", "served_name", "layout_options", "model_version")
+        fields = (*JOB_FIELDS, "path", "label", "served_name", "layout_options", "adapters", "model_version")
 
 
 class CancelSerializer(StrictFieldsMixin, serializers.Serializer):
-    reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
+    reason = StrictCharField(max_length=500, required=False, allow_blank=True, default="")

@@ -1,7 +1,7 @@
 """API routes under /api/."""
 
-from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from django.urls import include, path, re_path
+from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
 from cacheadmin.api import views
@@ -15,9 +15,14 @@ class IdRouter(DefaultRouter):
         return f"(?P<{lookup_prefix}pk>[0-9]{{1,18}})"
 
 
+# A missing trailing slash is not worth a 301 (which many HTTP clients turn
+# into a GET, dropping a POST body): both forms route.
 router = IdRouter()
+router.trailing_slash = "/?"
 router.register("model-versions", views.ModelVersionViewSet, basename="model-version")
 router.register("tenants", views.TenantViewSet, basename="tenant")
+router.register("shared-groups", views.SharedGroupViewSet, basename="shared-group")
+router.register("adapters", views.AdapterViewSet, basename="adapter")
 router.register("retention-owners", views.RetentionOwnerViewSet, basename="retention-owner")
 router.register("namespaces", views.CacheNamespaceViewSet, basename="namespace")
 router.register("engines", views.EngineViewSet, basename="engine")
@@ -27,8 +32,8 @@ router.register("registration-jobs", views.RegistrationJobViewSet, basename="reg
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
 
 urlpatterns = [
-    path("identity-diff/", views.IdentityDiffView.as_view(), name="identity-diff"),
-    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    re_path(r"^identity-diff/?$", views.IdentityDiffView.as_view(), name="identity-diff"),
+    re_path(r"^schema/?$", SpectacularAPIView.as_view(), name="api-schema"),
+    re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include(router.urls)),
 ]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth.views import redirect_to_login
 from django.db import models
+from django.http.response import HttpResponseBase
 from drf_spectacular.utils import extend_schema
+from drf_spectacular.views import SpectacularSwaggerView
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.exceptions import NotAuthenticated, PermissionDenied, ValidationError
+from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -16,6 +20,7 @@ from rest_framework.views import APIView
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
 from cacheadmin.models import (
+    Adapter,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
@@ -24,6 +29,8 @@ from cacheadmin.models import (
     PrewarmJob,
     RegistrationJob,
     RetentionOwner,
+    SharedGroup,
+    SharedGroupMembership,
     Tenant,
 )
 from cacheadmin.models.naming import name_key
@@ -36,12 +43,16 @@ from cacheadmin.services.namespaces import (
     namespace_cache_salt,
     namespace_get_or_create,
     namespace_policy_update,
+    namespaces_visible_to,
     retention_owner_get_or_create,
+    shared_group_create,
+    shared_group_join,
+    shared_group_leave,
     tenant_get_or_create,
 )
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.registration import registration_job_create
-from inference.errors import CheckpointError, CheckpointOutsideRoots
+from inference.errors import AdapterOutsideRoots, CheckpointError, CheckpointOutsideRoots
 from inference.identity import LayoutOptions, identity_diff
 
 
@@ -61,13 +72,18 @@ def validated(request: Request, serializer_class: type) -> dict[str, Any]:
 
 
 class TenantScopedMixin:
-    """Limits a queryset to the caller's tenant when its token is bound to one."""
+    """Limits a queryset to what the caller's tenant may see when its token is
+    bound to one: rows of namespaces of that tenant or of its shared groups.
 
-    tenant_path: str = "tenant"
+    ``namespace_path`` is the lookup from the listed model to its namespace
+    (``""`` for namespaces themselves).
+    """
+
+    namespace_path: str = ""
 
     def scope_to_tenant(self, queryset: models.QuerySet, request: Request) -> models.QuerySet:
         tenant_id = request_tenant(request)
-        return queryset if tenant_id is None else queryset.filter(**{f"{self.tenant_path}_id": tenant_id})
+        return queryset if tenant_id is None else queryset.filter(namespaces_visible_to(tenant_id, self.namespace_path))
 
 
 class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -97,22 +113,28 @@ class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
             raise ValidationError({"path": ["must be an absolute path"]})
         try:
             job = registration_job_create(
-                path=data["path"], label=data["label"], served_name=data["served_name"], layout=options, actor=actor_of(request)
+                path=data["path"],
+                label=data["label"],
+                served_name=data["served_name"],
+                layout=options,
+                adapters=data.get("adapters") or {},
+                actor=actor_of(request),
             )
+        except AdapterOutsideRoots as exc:
+            raise ValidationError({"adapters": ["not a directory inside the model roots"]}) from exc
         except CheckpointOutsideRoots as exc:
             # Say no more than that: details would map the server's filesystem.
             raise ValidationError({"path": ["not a checkpoint directory inside the model roots"]}) from exc
         return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
-class TenantViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class TenantViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Tenants: sharing boundaries."""
 
     serializer_class = s.TenantSerializer
     filterset_fields = ("slug",)
     ordering_fields = ("slug", "created_at")
     write_scope = "admin"
-    tenant_path = "id"
     tenant_bound_allowed = False
     tenant_bound_read = True
 
@@ -126,6 +148,62 @@ class TenantViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnl
         if Tenant.objects.filter(slug=data["slug"]).exists():
             raise ValidationError({"slug": [f"tenant {data['slug']!r} already exists"]})
         serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
+
+
+class SharedGroupViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Shared groups: the only way tenants share cached prefixes. Creating a
+    group and changing its members needs admin scope; a tenant-bound token
+    sees the groups its tenant is in."""
+
+    serializer_class = s.SharedGroupSerializer
+    filterset_fields = ("slug",)
+    ordering_fields = ("slug", "created_at")
+    write_scope = "admin"
+    tenant_bound_allowed = False
+    tenant_bound_read = True
+
+    def get_queryset(self) -> models.QuerySet:
+        tenant_id = request_tenant(self.request)
+        queryset = SharedGroup.objects.prefetch_related("members").order_by("slug")
+        if tenant_id is not None:
+            queryset = queryset.filter(pk__in=SharedGroupMembership.objects.filter(tenant_id=tenant_id).values("group_id"))
+        return queryset
+
+    def perform_create(self, serializer: s.SharedGroupSerializer) -> None:
+        data = serializer.validated_data
+        group = shared_group_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
+        serializer.instance = self.get_queryset().get(pk=group.pk)
+
+    def _change(self, request: Request, change: Any) -> Response:
+        group = self.get_object()
+        data = validated(request, s.GroupMemberChangeSerializer)
+        change(group=group, tenant=data["tenant"], actor=actor_of(request), reason=data["reason"])
+        return Response(s.SharedGroupSerializer(self.get_queryset().get(pk=group.pk)).data)
+
+    @extend_schema(request=s.GroupMemberChangeSerializer, responses={200: s.SharedGroupSerializer})
+    @action(detail=True, methods=["post"])
+    def join(self, request: Request, pk: str | None = None) -> Response:
+        """Add a tenant to the group (409 if already a member; a reason is required; audited)."""
+        return self._change(request, shared_group_join)
+
+    @extend_schema(request=s.GroupMemberChangeSerializer, responses={200: s.SharedGroupSerializer})
+    @action(detail=True, methods=["post"])
+    def leave(self, request: Request, pk: str | None = None) -> Response:
+        """Remove a tenant: the group moves to a new generation and its current
+        namespaces are superseded (their salts are no longer served)."""
+        return self._change(request, shared_group_leave)
+
+
+class AdapterViewSet(viewsets.ReadOnlyModelViewSet):
+    """LoRA adapters registered with model versions, identified by content.
+    Register them with the model version (``adapters`` in ``POST /api/model-versions/``)."""
+
+    queryset = Adapter.objects.order_by("model_version_id", "name")
+    serializer_class = s.AdapterSerializer
+    filterset_fields = ("model_version", "name", "content")
+    ordering_fields = ("created_at", "name", "last_used_at")
+    tenant_bound_allowed = False
+    tenant_bound_read = True
 
 
 class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -153,26 +231,28 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
     needs both; the salt is served only to operate-scope callers."""
 
     serializer_class = s.CacheNamespaceSerializer
-    filterset_fields = ("tenant__slug", "model_version", "namespace_id")
+    filterset_fields = ("tenant__slug", "group__slug", "model_version", "namespace_id", "residency")
     ordering_fields = ("created_at",)
 
     def get_queryset(self) -> models.QuerySet:
-        queryset = CacheNamespace.objects.select_related("tenant", "model_version", "retention_owner", "policy")
+        queryset = CacheNamespace.objects.select_related("tenant", "group", "model_version", "retention_owner", "policy")
         return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
 
     @extend_schema(request=s.CacheNamespaceCreateSerializer, responses={201: s.CacheNamespaceSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.CacheNamespaceCreateSerializer)
-        tenant_id = request_tenant(request)
-        if tenant_id is not None and data["tenant"].pk != tenant_id:
-            raise ValidationError({"tenant": ["not this token's tenant"]})
-        existed = CacheNamespace.objects.filter(model_version=data["model_version"], tenant=data["tenant"]).exists()
+        if "tenant" in data:
+            boundary: dict[str, Any] = {"tenant": data["tenant"]}
+        else:
+            boundary = {"group": data["group"], "group_generation": data["group"].generation}
+        existed = CacheNamespace.objects.filter(model_version=data["model_version"], **boundary).exists()
+        boundary.pop("group_generation", None)
         namespace = namespace_get_or_create(
             model_version=data["model_version"],
-            tenant=data["tenant"],
             retention_owner=data["retention_owner"],
             policy=RetentionPolicySpec(**data["policy"]),
             actor=actor_of(request),
+            **boundary,
         )
         # An existing namespace is returned as it is (200); its owner and policy
         # change only through their own, audited, endpoints.
@@ -196,11 +276,12 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
         if not request_scope_allows(request, "operate"):
             raise PermissionDenied("the cache_salt needs an operate-scope token")
         namespace = self.get_object()
+        salt = namespace_cache_salt(namespace)  # refused first: a refused read is no read
         audit_record(actor=actor_of(request), action="namespace.read_salt", obj=namespace)
         return Response(
             {
                 "namespace_id": namespace.namespace_id,
-                "cache_salt": namespace_cache_salt(namespace),
+                "cache_salt": salt,
                 "storage_prefix": namespace.storage_prefix,
             }
         )
@@ -212,11 +293,16 @@ class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.EngineSerializer
     filterset_fields = ("status", "role", "model_version", "namespace")
     ordering_fields = ("created_at", "name")
-    tenant_path = "namespace__tenant"
 
     def get_queryset(self) -> models.QuerySet:
         queryset = Engine.objects.select_related("model_version").prefetch_related("attached_namespaces")
-        return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
+        tenant_id = request_tenant(self.request)
+        if tenant_id is not None:
+            # Its own engines (tier owner or attached) and every reference
+            # engine: those hold nobody's cached state, and any tenant may compare against them.
+            visible = Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk")
+            queryset = queryset.filter(pk__in=visible)
+        return queryset.order_by("-created_at", "-id")
 
     @extend_schema(request=s.EngineAttachSerializer, responses={200: s.EngineSerializer})
     @action(detail=True, methods=["post"])
@@ -227,15 +313,12 @@ class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
             raise PermissionDenied()
         engine = self.get_object()
         namespace = validated(request, s.EngineAttachSerializer)["namespace"]
-        tenant_id = request_tenant(request)
-        if tenant_id is not None and namespace.tenant_id != tenant_id:
-            raise ValidationError({"namespace": ["not a namespace of this token's tenant"]})
         engine_attach_namespace(engine=engine, namespace=namespace, actor=actor_of(request))
         return Response(s.EngineSerializer(self.get_queryset().get(pk=engine.pk)).data)
 
 
 class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
-    tenant_path = "namespace__tenant"
+    namespace_path = "namespace__"
     filterset_fields = ("status", "namespace", "engine")
     ordering_fields = ("created_at", "status")
     model: type[models.Model]
@@ -247,11 +330,6 @@ class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyM
 
     def get_serializer_class(self) -> type:
         return self.create_serializer if self.action == "create" else self.serializer_class
-
-    def _check_tenant(self, namespace: CacheNamespace) -> None:
-        tenant_id = request_tenant(self.request)
-        if tenant_id is not None and namespace.tenant_id != tenant_id:
-            raise ValidationError({"namespace": ["not a namespace of this token's tenant"]})
 
     @extend_schema(request=None, responses=None)
     @action(detail=True, methods=["post"])
@@ -279,7 +357,6 @@ class PrewarmJobViewSet(_JobViewSet):
     @extend_schema(request=s.PrewarmJobCreateSerializer, responses={201: s.PrewarmJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.PrewarmJobCreateSerializer)
-        self._check_tenant(data["namespace"])
         job = prewarm_job_create(
             namespace=data["namespace"], engine=data["engine"], corpus=data["corpus"], actor=actor_of(request)
         )
@@ -297,7 +374,6 @@ class ComparisonJobViewSet(_JobViewSet):
     @extend_schema(request=s.ComparisonJobCreateSerializer, responses={201: s.ComparisonJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.ComparisonJobCreateSerializer)
-        self._check_tenant(data["namespace"])
         job = comparison_job_create(actor=actor_of(request), **data)
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
@@ -334,6 +410,20 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
     ordering_fields = ("created_at",)
     read_scope = "admin"
     tenant_bound_allowed = False
+
+
+class ApiDocsView(SpectacularSwaggerView):
+    """Swagger UI (offline assets). A browser without a session is sent to the
+    login page; any other refusal is the JSON error envelope, not an HTML stub."""
+
+    def handle_exception(self, exc: Exception) -> HttpResponseBase:
+        accepts_html = "text/html" in self.request.headers.get("Accept", "")
+        if isinstance(exc, NotAuthenticated) and accepts_html and "Authorization" not in self.request.headers:
+            return redirect_to_login(self.request.get_full_path())
+        response = super().handle_exception(exc)
+        self.request.accepted_renderer = JSONRenderer()
+        self.request.accepted_media_type = "application/json"
+        return response
 
 
 class IdentityDiffView(APIView):

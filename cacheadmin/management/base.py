@@ -90,6 +90,30 @@ def layout_from_options(opts: dict[str, Any]) -> LayoutOptions:
 EXIT_REFUSED = 4
 
 
+def add_adapter_argument(parser: CommandParser) -> None:
+    """``--adapter NAME=PATH`` (repeatable): LoRA adapters, identified by content."""
+    parser.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=PATH", help="LoRA adapter by name and directory (repeatable)"
+    )
+
+
+def adapters_from_options(command: ControlPlaneCommand, opts: dict[str, Any]) -> dict[str, str]:
+    """``--adapter`` values as name → path.
+
+    Raises:
+        CommandError: (exit 2) a value without ``=``, an empty side, or a name given twice.
+    """
+    adapters: dict[str, str] = {}
+    for spec in opts["adapter"]:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise command.bad_input(f"--adapter {spec!r}: expected NAME=PATH")
+        if name in adapters:
+            raise command.bad_input(f"--adapter {name!r} given twice")
+        adapters[name] = path
+    return adapters
+
+
 def refused_errors() -> tuple[type[Exception], ...]:
     """Service errors that mean "refused" (exit 4) rather than "bad input" (exit 2)."""
     from cacheadmin.services.engines import EngineRefused

@@ -4,10 +4,19 @@ from cacheadmin.models.api_tokens import ApiToken
 from cacheadmin.models.audit import AuditEvent
 from cacheadmin.models.engines import Engine
 from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult, RegistrationJob
-from cacheadmin.models.model_versions import ModelVersion
-from cacheadmin.models.tenancy import CacheNamespace, RetentionOwner, RetentionPolicy, Tenant
+from cacheadmin.models.model_versions import Adapter, ModelVersion
+from cacheadmin.models.tenancy import (
+    CacheNamespace,
+    Residency,
+    RetentionOwner,
+    RetentionPolicy,
+    SharedGroup,
+    SharedGroupMembership,
+    Tenant,
+)
 
 __all__ = [
+    "Adapter",
     "ApiToken",
     "AuditEvent",
     "CacheNamespace",
@@ -19,7 +28,10 @@ __all__ = [
     "PrewarmJob",
     "PrewarmResult",
     "RegistrationJob",
+    "Residency",
     "RetentionOwner",
     "RetentionPolicy",
+    "SharedGroup",
+    "SharedGroupMembership",
     "Tenant",
 ]

@@ -169,6 +169,8 @@ class RegistrationJob(Job):
     label = models.CharField(max_length=100)
     served_name = models.CharField(max_length=200)
     layout_options = models.JSONField(default=dict)
+    #: LoRA adapters to register with the version: name → resolved directory.
+    adapters = models.JSONField(default=dict)
     model_version = models.ForeignKey(
         "cacheadmin.ModelVersion", null=True, blank=True, on_delete=models.SET_NULL, related_name="registration_jobs"
     )

@@ -54,3 +54,29 @@ class ModelVersion(models.Model):
     def save(self, *args: object, **kwargs: object) -> None:
         self.label_key = name_key(self.label)
         super().save(*args, **kwargs)
+
+
+class Adapter(models.Model):
+    """A LoRA adapter registered with a model version, identified by content.
+
+    ``content`` is the BLAKE3 digest of the adapter's weight files and its
+    ``adapter_config.json`` (``inference.identity``): two adapters with the same
+    name and different bytes have different contents, and the model version's
+    ``adapters`` digest (hence its identity) differs too.
+    """
+
+    model_version = models.ForeignKey(ModelVersion, on_delete=models.CASCADE, related_name="adapter_set")
+    name = models.CharField(max_length=200, validators=[validate_display_name])
+    content = models.CharField(max_length=64, db_index=True)
+    path = models.CharField(max_length=1000, help_text="Resolved adapter directory.")
+    files = models.JSONField(default=dict, help_text="Weight file → BLAKE3 digest.")
+    #: Last time an engine serving this version was seen running (orphan reports).
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model_version_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["model_version", "name"], name="adapter_unique_name_per_version")]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.content[:12]}) of {self.model_version_id}"

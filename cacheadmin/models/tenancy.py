@@ -29,6 +29,51 @@ class Tenant(models.Model):
         return f"tenant:{self.slug}"
 
 
+class SharedGroup(models.Model):
+    """Tenants that chose, explicitly, to share cached prefixes with each other.
+
+    A group is a boundary of its own: its namespaces are derived from
+    ``group:<slug>:<generation>``, never from a member's tenant boundary, so a
+    tenant's own namespaces stay private whether or not it is in groups.
+    When a member leaves, ``generation`` goes up: the namespaces of the old
+    generation are superseded (their salts, which the leaver may still hold,
+    are no longer served) and the remaining members get new ones.
+    """
+
+    slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    name = models.CharField(max_length=200, validators=[validate_display_name])
+    generation = models.PositiveIntegerField(default=1)
+    members = models.ManyToManyField(Tenant, through="SharedGroupMembership", related_name="shared_groups")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return f"group {self.slug}"
+
+    @property
+    def boundary(self) -> str:
+        """The group boundary string digested into namespace ids (changes with each generation)."""
+        return f"group:{self.slug}:{self.generation}"
+
+
+class SharedGroupMembership(models.Model):
+    """One tenant's membership of a shared group: who added it and when."""
+
+    group = models.ForeignKey(SharedGroup, on_delete=models.CASCADE, related_name="memberships")
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="group_memberships")
+    added_by = models.CharField(max_length=200)
+    added_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["group_id", "tenant_id"]
+        constraints = [models.UniqueConstraint(fields=["group", "tenant"], name="shared_group_member_once")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} in {self.group_id}"
+
+
 class RetentionOwner(models.Model):
     """The team or person accountable for a namespace's storage and cleanup."""
 
@@ -50,8 +95,19 @@ class RetentionOwner(models.Model):
         super().save(*args, **kwargs)
 
 
+class Residency(models.TextChoices):
+    """Where a namespace's cached state lives now; eviction runs move it."""
+
+    HOT = "hot", "hot: engine memory and the hot persistent tier"
+    COLD = "cold", "cold: archived, not readable by engines, restorable"
+    DROPPED = "dropped", "dropped: gone from every tier"
+
+
 class CacheNamespace(models.Model):
-    """(state identity, tenant boundary) → a stable id: the unit of isolation.
+    """(state identity, boundary) → a stable id: the unit of isolation.
+
+    The boundary is one tenant, or one generation of a shared group (exactly
+    one of ``tenant`` and ``group`` is set).
 
     The ``cache_salt`` is not stored: it is an HMAC of ``namespace_id`` under
     the server secret, computed when a request needs it
@@ -60,19 +116,51 @@ class CacheNamespace(models.Model):
 
     namespace_id = models.CharField(max_length=64, unique=True)
     model_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="namespaces")
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="namespaces")
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="namespaces", null=True, blank=True)
+    group = models.ForeignKey(SharedGroup, on_delete=models.PROTECT, related_name="namespaces", null=True, blank=True)
+    group_generation = models.PositiveIntegerField(null=True, blank=True)
     retention_owner = models.ForeignKey(RetentionOwner, on_delete=models.PROTECT, related_name="namespaces")
     storage_prefix = models.CharField(max_length=64, unique=True)
+    residency = models.CharField(max_length=8, choices=Residency.choices, default=Residency.HOT)
+    residency_changed_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
         constraints = [
-            models.UniqueConstraint(fields=["model_version", "tenant"], name="namespace_unique_version_tenant"),
+            models.UniqueConstraint(
+                fields=["model_version", "tenant"],
+                condition=models.Q(tenant__isnull=False),
+                name="namespace_unique_version_tenant",
+            ),
+            models.UniqueConstraint(
+                fields=["model_version", "group", "group_generation"],
+                condition=models.Q(group__isnull=False),
+                name="namespace_unique_version_group_generation",
+            ),
+            models.CheckConstraint(
+                condition=(
+                    models.Q(tenant__isnull=False) & models.Q(group__isnull=True) & models.Q(group_generation__isnull=True)
+                )
+                | (models.Q(tenant__isnull=True) & models.Q(group__isnull=False) & models.Q(group_generation__isnull=False)),
+                name="namespace_one_boundary",
+            ),
         ]
 
     def __str__(self) -> str:
-        return f"{self.tenant.slug}/{self.model_version.label} ({self.namespace_id[:12]})"
+        return f"{self.boundary_label}/{self.model_version.label} ({self.namespace_id[:12]})"
+
+    @property
+    def boundary_label(self) -> str:
+        """``<tenant slug>`` or ``group:<slug>`` (with ``#<generation>`` once superseded), for people."""
+        if self.group_id is None:
+            return self.tenant.slug
+        return f"group:{self.group.slug}" + (f"#{self.group_generation}" if self.superseded else "")
+
+    @property
+    def superseded(self) -> bool:
+        """A shared-group namespace of an earlier generation (a member left since)."""
+        return self.group_id is not None and self.group_generation != self.group.generation
 
 
 class RetentionPolicy(models.Model):
@@ -86,6 +174,10 @@ class RetentionPolicy(models.Model):
     max_age_since_last_hit_s = models.PositiveBigIntegerField(null=True, blank=True)
     max_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     versions_kept = models.PositiveSmallIntegerField(default=1)
+    #: Versions of the served model (after the hot ones) kept archived in the cold tier.
+    cold_versions_kept = models.PositiveSmallIntegerField(default=1)
+    #: K of LRU-K for entry eviction within the byte budget, where the tier keeps access history.
+    lru_k = models.PositiveSmallIntegerField(default=2)
     pinned = models.BooleanField(default=False)
     hold_by = models.CharField(max_length=200, blank=True, default="")
     hold_reason = models.TextField(blank=True, default="")
@@ -98,6 +190,7 @@ class RetentionPolicy(models.Model):
                 name="retention_policy_hold_has_who_and_why",
             ),
             models.CheckConstraint(condition=models.Q(versions_kept__gte=1), name="retention_policy_keeps_a_version"),
+            models.CheckConstraint(condition=models.Q(lru_k__gte=1), name="retention_policy_lru_k_positive"),
         ]
 
     def __str__(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from datetime import timedelta
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -44,6 +45,10 @@ def api_token_issue(*, user: AbstractBaseUser, name: str, scope: str, tenant: Te
     return token, f"{TOKEN_PREFIX}_{prefix}_{secret}"
 
 
+#: How stale ``ApiToken.last_used_at`` may be.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
 def api_token_check(key: str) -> ApiToken | None:
     """The live token for a presented key, or None (malformed, unknown, wrong secret, revoked)."""
     parts = key.split("_", 2)
@@ -52,7 +57,11 @@ def api_token_check(key: str) -> ApiToken | None:
     token = ApiToken.objects.select_related("user", "tenant").filter(prefix=parts[1], revoked_at=None).first()
     if token is None or not hmac.compare_digest(token.key_hash, _hash(parts[2])):
         return None
-    ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+    now = timezone.now()
+    # At most one write a minute per token: "last used" is for spotting stale
+    # tokens, and a write on every request would cost every read its own UPDATE.
+    if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token
 
 

@@ -9,11 +9,11 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
-from cacheadmin.models import ModelVersion
+from cacheadmin.models import Adapter, ModelVersion
 from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
 from inference.digest_cache import FileDigestCache
-from inference.errors import CheckpointError
+from inference.errors import AdapterOutsideRoots, CheckpointError
 from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint, verify_digest_cache
 from inference.paths import resolve_checkpoint_dir
 
@@ -40,7 +40,7 @@ def checkpoint_fingerprint(
     root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
     adapter_dirs: dict[str, Path] = {}
     for name, adapter_path in (adapters or {}).items():
-        adapter_dirs[name] = _resolve_adapter(adapter_path)
+        adapter_dirs[name] = adapter_dir_resolve(adapter_path)
     cache = FileDigestCache(settings.DIGEST_CACHE_PATH)
     return root, fingerprint_checkpoint(root, layout=layout, adapters=adapter_dirs, cache=cache, on_bytes=on_bytes)
 
@@ -55,13 +55,18 @@ def checkpoint_verify_cache(*, path: str | Path) -> list[dict[str, str]]:
     return verify_digest_cache(root, FileDigestCache(settings.DIGEST_CACHE_PATH))
 
 
-def _resolve_adapter(path: str | Path) -> Path:
+def adapter_dir_resolve(path: str | Path) -> Path:
+    """An adapter directory, symlinks resolved, confined to ``MODEL_ROOTS``.
+
+    Raises:
+        AdapterOutsideRoots: not a directory, or outside the model roots.
+    """
     raw = Path(path).expanduser()
     if not raw.is_dir():
-        raise CheckpointError(f"adapter path is not a directory: {raw}")
+        raise AdapterOutsideRoots(f"adapter path is not a directory: {raw}")
     resolved = raw.resolve()
     if not any(resolved.is_relative_to(r) for r in settings.MODEL_ROOTS):
-        raise CheckpointError(f"adapter path {raw} resolves to {resolved}, outside the model roots")
+        raise AdapterOutsideRoots(f"adapter path {raw} resolves to {resolved}, outside the model roots")
     return resolved
 
 
@@ -72,12 +77,15 @@ def model_version_register(
     served_name: str,
     layout: LayoutOptions,
     actor: str,
+    adapters: dict[str, str] | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[ModelVersion, bool]:
-    """Register a checkpoint as a model version (idempotent per label).
+    """Register a checkpoint, with its LoRA adapters, as a model version (idempotent per label).
 
     Re-registering a label whose checkpoint is unchanged returns the existing
     row (the digest cache makes that cheap whatever the checkpoint's size).
+    Each adapter (name → directory inside the model roots) becomes an
+    :class:`Adapter` row identified by content, and is part of the identity.
 
     Returns:
         (model version, created).
@@ -91,7 +99,7 @@ def model_version_register(
             validate_display_name(value)
         except ValidationError as exc:
             raise CheckpointError(f"{what} {value!r} {exc.messages[0]}") from exc
-    root, report = checkpoint_fingerprint(path=path, layout=layout, on_bytes=on_bytes)
+    root, report = checkpoint_fingerprint(path=path, layout=layout, adapters=adapters, on_bytes=on_bytes)
     existing = ModelVersion.objects.filter(label_key=name_key(label)).first()
     if existing is not None:
         return _same_or_conflict(existing, report.identity), False
@@ -105,6 +113,16 @@ def model_version_register(
                 total_bytes=report.total_bytes,
                 fingerprint_seconds=report.seconds,
                 **{k: v for k, v in report.digests().items()},
+            )
+            Adapter.objects.bulk_create(
+                Adapter(
+                    model_version=version,
+                    name=name,
+                    content=info["content"],
+                    path=str(adapter_dir_resolve(adapters[name])),
+                    files=info["files"],
+                )
+                for name, info in sorted(report.inputs.get("adapters", {}).items())
             )
             audit_record(actor=actor, action="model_version.register", obj=version, after=report.digests())
     except IntegrityError:

@@ -8,8 +8,17 @@ from pathlib import Path
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import F, Q
 
-from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, RetentionPolicy, Tenant
+from cacheadmin.models import (
+    CacheNamespace,
+    ModelVersion,
+    RetentionOwner,
+    RetentionPolicy,
+    SharedGroup,
+    SharedGroupMembership,
+    Tenant,
+)
 from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
 from inference.identity import cache_salt, namespace_id, storage_prefix
@@ -54,13 +63,17 @@ class RetentionPolicySpec:
     Attributes:
         max_age_since_last_hit_s: seconds a namespace may go without a cache hit; None = no limit.
         max_bytes: bytes its cached state may take in each tier; None = no limit.
-        versions_kept: model versions of the served model kept warm (>= 1).
+        versions_kept: model versions of the served model kept hot (>= 1).
+        cold_versions_kept: versions after the hot ones kept archived in the cold tier (>= 0).
+        lru_k: K of LRU-K for entries over the byte budget (>= 1).
         pinned: legal hold: never evicted while set; needs ``hold_by`` and ``hold_reason``.
     """
 
     max_age_since_last_hit_s: int | None
     max_bytes: int | None
     versions_kept: int = 1
+    cold_versions_kept: int = 1
+    lru_k: int = 2
     pinned: bool = False
     hold_by: str = ""
     hold_reason: str = ""
@@ -74,6 +87,10 @@ class RetentionPolicySpec:
                 problems[name] = ["must be a positive integer or null (no limit)"]
         if not isinstance(self.versions_kept, int) or isinstance(self.versions_kept, bool) or not 1 <= self.versions_kept <= 100:
             problems["versions_kept"] = ["must be an integer within 1..100"]
+        for name, low, high in (("cold_versions_kept", 0, 100), ("lru_k", 1, 16)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                problems[name] = [f"must be an integer within {low}..{high}"]
         if self.pinned and not self.hold_by.strip():
             problems["hold_by"] = ["a hold needs who placed it"]
         if self.pinned and not self.hold_reason.strip():
@@ -92,35 +109,42 @@ DEMO_POLICY = RetentionPolicySpec(max_age_since_last_hit_s=86400, max_bytes=1 <<
 def namespace_get_or_create(
     *,
     model_version: ModelVersion,
-    tenant: Tenant,
     retention_owner: RetentionOwner,
     policy: RetentionPolicySpec,
     actor: str,
+    tenant: Tenant | None = None,
+    group: SharedGroup | None = None,
 ) -> CacheNamespace:
-    """The cache namespace of (model version identity, tenant), created if missing.
+    """The cache namespace of (model version identity, boundary), created if missing.
 
-    The id is derived (``inference.identity.namespace_id``), so every process
-    computes the same one; concurrent callers end with the same row.
+    The boundary is ``tenant`` or, for prefixes shared on purpose, the current
+    generation of ``group`` (exactly one of the two). The id is derived
+    (``inference.identity.namespace_id``), so every process computes the same
+    one; concurrent callers end with the same row.
 
     A new namespace is created with its retention owner and policy in one
     transaction; an existing one is returned as it is (its policy unchanged).
 
     Raises:
-        ValidationError: the policy is invalid (nothing is written).
-        NamespaceConflict: the derived id is held by another tenant or identity
+        ValidationError: the policy is invalid, or not exactly one boundary (nothing is written).
+        NamespaceConflict: the derived id is held by another boundary or identity
             (e.g. a tenant slug was reused); isolation wins over convenience.
     """
     problems = policy.errors()
+    if (tenant is None) == (group is None):
+        problems["tenant"] = ["give exactly one of tenant and group"]
     if problems:
         raise ValidationError(problems)
-    ns_id = namespace_id(model_version.identity, tenant.boundary)
-    existing = CacheNamespace.objects.select_related("tenant", "model_version").filter(namespace_id=ns_id).first()
+    boundary = tenant.boundary if tenant is not None else group.boundary
+    where = {"tenant": tenant} if tenant is not None else {"group": group, "group_generation": group.generation}
+    ns_id = namespace_id(model_version.identity, boundary)
+    existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_id=ns_id).first()
     if existing:
-        return _same_owner_or_refuse(existing, model_version, tenant)
-    stale = CacheNamespace.objects.filter(model_version=model_version, tenant=tenant).first()
+        return _same_owner_or_refuse(existing, model_version, where)
+    stale = CacheNamespace.objects.filter(model_version=model_version, **where).first()
     if stale is not None:
         raise NamespaceConflict(
-            f"tenant {tenant.slug} already has namespace {stale.namespace_id[:12]}… for {model_version.label}, "
+            f"{boundary} already has namespace {stale.namespace_id[:12]}… for {model_version.label}, "
             f"but its identity and boundary now derive {ns_id[:12]}… (was the tenant renamed?); resolve that first"
         )
     try:
@@ -128,9 +152,9 @@ def namespace_get_or_create(
             namespace = CacheNamespace.objects.create(
                 namespace_id=ns_id,
                 model_version=model_version,
-                tenant=tenant,
                 retention_owner=retention_owner,
                 storage_prefix=storage_prefix(ns_id),
+                **where,
             )
             RetentionPolicy.objects.create(namespace=namespace, **policy.as_dict())
             audit_record(
@@ -140,31 +164,125 @@ def namespace_get_or_create(
                 after={
                     "namespace_id": ns_id,
                     "model_version": model_version.label,
-                    "tenant": tenant.slug,
+                    "boundary": boundary,
                     "retention_owner": retention_owner.name,
                     "policy": policy.as_dict(),
                 },
             )
     except IntegrityError:
-        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_id=ns_id), model_version, tenant)
+        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_id=ns_id), model_version, where)
     return namespace
 
 
 class NamespaceConflict(ValueError):
-    """A namespace id is held by another (tenant, model version) row."""
+    """A namespace id is held by another (boundary, model version) row."""
 
 
-def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion, tenant: Tenant) -> CacheNamespace:
-    if existing.tenant_id != tenant.pk or existing.model_version.identity != model_version.identity:
+def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion, where: dict[str, object]) -> CacheNamespace:
+    same_boundary = all(
+        getattr(existing, f"{k}_id" if k in ("tenant", "group") else k) == (v.pk if hasattr(v, "pk") else v)
+        for k, v in where.items()
+    )
+    if not same_boundary or existing.model_version.identity != model_version.identity:
         raise NamespaceConflict(
-            f"namespace {existing.namespace_id[:12]}… belongs to tenant {existing.tenant.slug} and "
-            f"{existing.model_version.label}; it is never handed to another tenant or identity"
+            f"namespace {existing.namespace_id[:12]}… belongs to {existing.boundary_label} and "
+            f"{existing.model_version.label}; it is never handed to another boundary or identity"
         )
     return existing
 
 
+def namespaces_visible_to(tenant_id: int, path: str = "") -> Q:
+    """Namespaces a tenant may see and name: its own, and those of the shared
+    groups it is a member of now (``path``: the lookup prefix, e.g. ``"namespace__"``).
+
+    One subquery, no join: callers need no ``distinct()``.
+    """
+    groups = SharedGroupMembership.objects.filter(tenant_id=tenant_id).values("group_id")
+    return Q(**{f"{path}tenant_id": tenant_id}) | Q(**{f"{path}group_id__in": groups})
+
+
+class GroupError(ValueError):
+    """A shared-group change that cannot be made (already a member, not a member...)."""
+
+
+def shared_group_create(*, slug: str, name: str, actor: str) -> SharedGroup:
+    """Create a shared group (audited).
+
+    Raises:
+        django.core.exceptions.ValidationError: malformed slug or name.
+        GroupError: the slug is taken.
+    """
+    group = SharedGroup(slug=slug, name=name)
+    group.full_clean(validate_unique=False, exclude=["generation"])
+    try:
+        with transaction.atomic():
+            group.save()
+            audit_record(actor=actor, action="shared_group.create", obj=group, after={"slug": slug, "name": name})
+    except IntegrityError as exc:
+        raise GroupError(f"shared group {slug!r} already exists") from exc
+    return group
+
+
+def shared_group_join(*, group: SharedGroup, tenant: Tenant, actor: str, reason: str) -> SharedGroupMembership:
+    """Add ``tenant`` to ``group``: from now on it may use the group's namespaces (audited).
+
+    Raises:
+        GroupError: already a member, or no reason given.
+    """
+    if not reason.strip():
+        raise GroupError("joining a shared group needs a reason")
+    try:
+        with transaction.atomic():
+            membership = SharedGroupMembership.objects.create(group=group, tenant=tenant, added_by=actor)
+            audit_record(actor=actor, action="shared_group.join", obj=group, after={"tenant": tenant.slug}, reason=reason)
+    except IntegrityError as exc:
+        raise GroupError(f"tenant {tenant.slug} is already a member of {group.slug}") from exc
+    return membership
+
+
+def shared_group_leave(*, group: SharedGroup, tenant: Tenant, actor: str, reason: str) -> SharedGroup:
+    """Remove ``tenant`` from ``group`` and start a new generation (audited).
+
+    The leaver may still hold the salts of the group's namespaces, so those
+    namespaces are superseded: their salts are no longer served, and the
+    remaining members get namespaces of the new generation (new ids, salts
+    and storage prefixes). The superseded ones are left for eviction.
+
+    Raises:
+        GroupError: not a member, or no reason given.
+    """
+    if not reason.strip():
+        raise GroupError("leaving a shared group needs a reason")
+    with transaction.atomic():
+        deleted, _ = SharedGroupMembership.objects.filter(group=group, tenant=tenant).delete()
+        if not deleted:
+            raise GroupError(f"tenant {tenant.slug} is not a member of {group.slug}")
+        before = group.generation
+        SharedGroup.objects.filter(pk=group.pk).update(generation=F("generation") + 1)
+        group.refresh_from_db()
+        audit_record(
+            actor=actor,
+            action="shared_group.leave",
+            obj=group,
+            before={"tenant": tenant.slug, "generation": before},
+            after={"generation": group.generation},
+            reason=reason,
+        )
+    return group
+
+
 def namespace_cache_salt(namespace: CacheNamespace) -> str:
-    """The namespace's vLLM ``cache_salt`` (HMAC under ``CACHE_SALT_SECRET``)."""
+    """The namespace's vLLM ``cache_salt`` (HMAC under ``CACHE_SALT_SECRET``).
+
+    Raises:
+        NamespaceConflict: a superseded shared-group namespace (a member left
+            since; its salt is not handed out any more).
+    """
+    if namespace.superseded:
+        raise NamespaceConflict(
+            f"namespace {namespace.namespace_id[:12]}… is of generation {namespace.group_generation} of "
+            f"group {namespace.group.slug}, now at {namespace.group.generation} (a member left): use the new generation's"
+        )
     return cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_id)
 
 

@@ -10,20 +10,27 @@ from django.db import transaction
 from cacheadmin.models import JobStatus, RegistrationJob
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
-from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
+from cacheadmin.services.model_versions import RegistrationConflict, adapter_dir_resolve, model_version_register
 from inference.errors import CheckpointError
 from inference.identity import LayoutOptions, weight_files
 from inference.paths import resolve_checkpoint_dir
 
 
-def registration_job_create(*, path: str, label: str, served_name: str, layout: LayoutOptions, actor: str) -> RegistrationJob:
-    """Check the path now (bad input is refused before anything is written),
+def registration_job_create(
+    *, path: str, label: str, served_name: str, layout: LayoutOptions, actor: str, adapters: dict[str, str] | None = None
+) -> RegistrationJob:
+    """Check the paths now (bad input is refused before anything is written),
     record the job, and enqueue it once committed.
 
+    Args:
+        adapters: LoRA adapter name → directory inside the model roots.
+
     Raises:
-        CheckpointError: missing, outside the model roots, no config.json.
+        CheckpointError: missing, outside the model roots, no config.json, an
+            adapter directory that is missing or outside the roots.
     """
     root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
+    adapter_dirs = {name: str(adapter_dir_resolve(p)) for name, p in (adapters or {}).items()}
     total = sum(p.stat().st_size for p in weight_files(root))
     from cacheadmin.tasks import registration_job_task
 
@@ -33,6 +40,7 @@ def registration_job_create(*, path: str, label: str, served_name: str, layout: 
             label=label,
             served_name=served_name,
             layout_options=asdict(layout),
+            adapters=adapter_dirs,
             progress_total=total,
             created_by=actor,
         )
@@ -62,6 +70,7 @@ def registration_job_run(*, job_id: int) -> None:
             served_name=job.served_name,
             layout=LayoutOptions(**job.layout_options),
             actor=job.created_by,
+            adapters=job.adapters,
             on_bytes=on_bytes,
         )
     except (CheckpointError, RegistrationConflict) as exc:

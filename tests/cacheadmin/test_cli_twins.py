@@ -85,3 +85,34 @@ def test_jobs_and_engines_from_the_cli() -> None:
     )
     one_line_error(run("engine", "attach", str(engine.pk), str(other.pk)), 4, "ignores cache_salt")
     assert list(engine.attached_namespaces.all()) == []
+
+
+def test_shared_groups_from_the_cli() -> None:
+    version = ModelVersion.objects.create(
+        label="v1", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
+        adapters="e" * 64, identity="1" * 64, inputs={"layout": {"block_size": 32}},
+    )  # fmt: skip
+    for slug in ("acme", "globex"):
+        Tenant.objects.create(slug=slug, name=slug)
+    RetentionOwner.objects.create(name="platform", email="p@example.com")
+    assert json.loads(run("group", "create", "partners", "--name", "Partners").stdout)["generation"] == 1
+    one_line_error(run("group", "create", "partners", "--name", "Again"), 4, "shared group 'partners' already exists")
+    one_line_error(run("group", "create", "Bad", "--name", "x"), 2, "slug:")
+    one_line_error(run("group", "join", "partners", "acme"), 2, "--reason")
+    for slug in ("acme", "globex"):
+        joined = json.loads(run("group", "join", "partners", slug, "--reason", "shared FAQ").stdout)
+    assert joined["members"] == ["acme", "globex"]
+    one_line_error(run("group", "join", "partners", "acme", "--reason", "again"), 4, "already a member")
+    one_line_error(run("group", "join", "nobody", "acme", "--reason", "x"), 2, "no shared group 'nobody'")
+    policy = ["--max-age-s", "3600", "--max-bytes", "none", "--versions-kept", "1", "--json"]
+    base = ["namespace", "create", "--model-version", str(version.pk), "--owner", "platform"]
+    one_line_error(run(*base, "--tenant", "acme", "--group", "partners", *policy), 2, "not allowed with argument")
+    shared = json.loads(run(*base, "--group", "partners", *policy).stdout)
+    assert (shared["group"], shared["tenant"]) == ("partners", None)
+    left = json.loads(run("group", "leave", "partners", "globex", "--reason", "contract ended").stdout)
+    assert (left["generation"], left["members"]) == (2, ["acme"])
+    one_line_error(run("namespace", "salt", str(shared["id"])), 4, "a member left")
+    renewed = json.loads(run(*base, "--group", "partners", *policy).stdout)
+    assert renewed["namespace_id"] != shared["namespace_id"]
+    assert run("namespace", "salt", str(renewed["id"])).returncode == 0
+    assert [e.action for e in AuditEvent.objects.order_by("id")].count("shared_group.join") == 2

@@ -122,7 +122,7 @@ def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoi
     first = namespace_get_or_create(model_version=version, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice")
     Tenant.objects.filter(pk=acme.pk).update(slug="acme-old")  # a rename behind the services' back
     newcomer = tenant_get_or_create(slug="acme", name="Someone else", actor="bob")
-    with pytest.raises(NamespaceConflict, match="never handed to another tenant"):
+    with pytest.raises(NamespaceConflict, match="never handed to another boundary"):
         namespace_get_or_create(model_version=version, tenant=newcomer, retention_owner=owner, policy=DEMO_POLICY, actor="bob")
     assert CacheNamespaceCount() == 1 and first.tenant_id == acme.pk
 

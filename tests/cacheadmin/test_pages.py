@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.models import (
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    ModelVersion,
+    PrewarmJob,
+    RetentionOwner,
+    SharedGroup,
+    SharedGroupMembership,
+    Tenant,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -26,6 +36,8 @@ def _rows(n: int) -> None:
             inputs={"layout": {"block_size": 32}},
         )
         tenant = Tenant.objects.create(slug=f"t{n}-{i}", name="T")
+        group = SharedGroup.objects.create(slug=f"g{n}-{i}", name="G")
+        SharedGroupMembership.objects.create(group=group, tenant=tenant, added_by="setup")
         ns = CacheNamespace.objects.create(
             namespace_id=f"{n:032x}{i:032x}",
             model_version=version,
@@ -43,10 +55,11 @@ def _rows(n: int) -> None:
 
 def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert_num_queries) -> None:
     _rows(1)
-    with django_assert_num_queries(7):  # session, user, versions, namespaces, engines, prewarm jobs, comparison jobs
+    # session, user, versions, namespaces, shared groups, their members, engines, prewarm jobs, comparison jobs
+    with django_assert_num_queries(9):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(7):
+    with django_assert_num_queries(9):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 

@@ -4,6 +4,7 @@ its CLI twin; bad input refused before anything is written."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,3 +130,49 @@ def test_concurrent_registration_of_one_checkpoint_makes_one_row(demo_checkpoint
     assert sorted(created for _, created in outcomes) == [False, False, False, True]
     assert ModelVersion.objects.filter(label="race").count() == 1
     assert AuditEvent.objects.filter(action="model_version.register").count() == 1
+
+
+def _adapter(root: Path, name: str, weights: bytes) -> Path:
+    adapter = root / name
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+    (adapter / "adapter_model.safetensors").write_bytes(_safetensors(weights))
+    return adapter
+
+
+def _safetensors(payload: bytes) -> bytes:
+    header = json.dumps({"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}).encode()
+    return len(header).to_bytes(8, "little") + header + payload
+
+
+def test_adapters_register_by_content_through_the_api_and_the_cli(operator, worker, demo_checkpoints, model_root) -> None:
+    support = _adapter(model_root, "lora-support", b"\x01" * 64)
+    twin = _adapter(model_root, "lora-support-retrained", b"\x02" * 64)  # same name below, other bytes
+    try:
+        body = {"path": str(demo_checkpoints["tiny-v1"]), "label": "v1+support", "served_name": "tiny"}
+        response = operator.post("/api/model-versions/", {**body, "adapters": {"support": str(support)}}, format="json")
+        assert response.status_code == 202, response.json()
+        assert response.json()["adapters"] == {"support": str(support)}
+        job_id = response.json()["id"]
+        wait_for(lambda: RegistrationJob.objects.get(pk=job_id).status == JobStatus.SUCCEEDED, timeout=60, what="registration")
+        version = ModelVersion.objects.get(label="v1+support")
+        listed = operator.get(f"/api/adapters/?model_version={version.pk}").json()["results"]
+        expected = fingerprint_checkpoint(demo_checkpoints["tiny-v1"], adapters={"support": support})
+        assert [(a["name"], a["content"], a["path"]) for a in listed] == [
+            ("support", expected.inputs["adapters"]["support"]["content"], str(support))
+        ]
+        assert version.adapters == expected.adapters
+        cli = manage(
+            "register", str(demo_checkpoints["tiny-v1"]), "--label", "v1+support-2", "--served-name", "tiny",
+            "--adapter", f"support={twin}", "--json", env=subprocess_env(),
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stderr
+        out = json.loads(cli.stdout)
+        # Same adapter name, other bytes: another content, another identity.
+        assert out["adapters_registered"]["support"] != listed[0]["content"]
+        assert out["identity"] != version.identity
+        bad = operator.post("/api/model-versions/", {**body, "label": "x", "adapters": {"support": "/etc"}}, format="json")
+        assert bad.json()["error"]["fields"] == {"adapters": ["not a directory inside the model roots"]}
+    finally:
+        shutil.rmtree(support)
+        shutil.rmtree(twin)

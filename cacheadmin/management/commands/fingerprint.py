@@ -8,7 +8,13 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, add_layout_arguments, layout_from_options
+from cacheadmin.management.base import (
+    ControlPlaneCommand,
+    adapters_from_options,
+    add_adapter_argument,
+    add_layout_arguments,
+    layout_from_options,
+)
 from cacheadmin.models.tenancy import slug_validator
 from cacheadmin.services.model_versions import checkpoint_fingerprint, checkpoint_verify_cache
 from inference.errors import CheckpointError
@@ -28,9 +34,7 @@ class Command(ControlPlaneCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("path", help="checkpoint directory, inside MODEL_ROOTS")
         add_layout_arguments(parser)
-        parser.add_argument(
-            "--adapter", action="append", default=[], metavar="NAME=PATH", help="LoRA adapter by name and directory (repeatable)"
-        )
+        add_adapter_argument(parser)
         parser.add_argument("--verify", action="store_true", help="re-hash every weight file and report digest-cache mismatches")
         parser.add_argument("--tenant", default=None, help="tenant slug: also print the namespace id")
         parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -42,7 +46,7 @@ class Command(ControlPlaneCommand):
             except ValidationError as exc:
                 raise self.bad_input(f"--tenant {opts['tenant']!r}: {exc.messages[0]}") from exc
         try:
-            adapters = self._adapters(opts["adapter"])
+            adapters = adapters_from_options(self, opts)
             mismatches = checkpoint_verify_cache(path=opts["path"]) if opts["verify"] else []
             root, report = checkpoint_fingerprint(path=opts["path"], layout=layout_from_options(opts), adapters=adapters)
         except CheckpointError as exc:
@@ -62,14 +66,3 @@ class Command(ControlPlaneCommand):
                 self.stdout.write(f"{key:10} {value}")
         if mismatches:
             raise SystemExit(EXIT_CACHE_MISMATCH)
-
-    def _adapters(self, specs: list[str]) -> dict[str, str]:
-        adapters: dict[str, str] = {}
-        for spec in specs:
-            name, sep, path = spec.partition("=")
-            if not sep or not name.strip() or not path.strip():
-                raise self.bad_input(f"--adapter {spec!r}: expected NAME=PATH")
-            if name in adapters:
-                raise self.bad_input(f"--adapter {name!r} given twice")
-            adapters[name] = path
-        return adapters

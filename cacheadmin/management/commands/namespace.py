@@ -2,7 +2,8 @@
 
 Twins of ``POST /api/namespaces/``, ``PUT /api/namespaces/{id}/policy/`` and
 ``GET /api/namespaces/{id}/cache-salt/``. Exit codes: 0 done; 2 bad input (one
-line on stderr); 4 refused (e.g. the derived namespace belongs to another tenant).
+line on stderr); 4 refused (e.g. the derived namespace belongs to another
+tenant, or the salt of a superseded shared-group namespace).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input, positive_int, refused_errors
-from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, Tenant
+from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, SharedGroup, Tenant
 from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.namespaces import (
@@ -33,10 +34,17 @@ def _limit(value: str) -> int | None:
     return None if value.strip().lower() == "none" else positive_int(value)
 
 
+def _non_negative(value: str) -> int:
+    """argparse type: 0 or a positive integer."""
+    return 0 if value.strip() == "0" else positive_int(value)
+
+
 def _add_policy(parser: CommandParser) -> None:
     parser.add_argument("--max-age-s", type=_limit, required=True, help="seconds without a hit before eviction, or 'none'")
     parser.add_argument("--max-bytes", type=_limit, required=True, help="bytes per tier, or 'none'")
-    parser.add_argument("--versions-kept", type=positive_int, required=True)
+    parser.add_argument("--versions-kept", type=positive_int, required=True, help="versions of the served model kept hot")
+    parser.add_argument("--cold-versions-kept", type=_non_negative, default=1, help="versions after those kept archived (cold)")
+    parser.add_argument("--lru-k", type=positive_int, default=2, help="K of LRU-K within the byte budget")
     parser.add_argument("--pin", action="store_true", help="legal hold: never evicted while held")
     parser.add_argument("--hold-by", default="")
     parser.add_argument("--hold-reason", default="")
@@ -47,6 +55,8 @@ def _policy(opts: dict[str, Any]) -> RetentionPolicySpec:
         max_age_since_last_hit_s=opts["max_age_s"],
         max_bytes=opts["max_bytes"],
         versions_kept=opts["versions_kept"],
+        cold_versions_kept=opts["cold_versions_kept"],
+        lru_k=opts["lru_k"],
         pinned=opts["pin"],
         hold_by=opts["hold_by"],
         hold_reason=opts["hold_reason"],
@@ -60,7 +70,9 @@ class Command(ControlPlaneCommand):
         sub = parser.add_subparsers(dest="verb", required=True)
         create = sub.add_parser("create", help="create (or return) the namespace of a model version and tenant")
         create.add_argument("--model-version", type=positive_int, required=True, help="model version id")
-        create.add_argument("--tenant", required=True, help="tenant slug")
+        boundary = create.add_mutually_exclusive_group(required=True)
+        boundary.add_argument("--tenant", help="tenant slug")
+        boundary.add_argument("--group", help="shared group slug (prefixes shared by its members)")
         create.add_argument("--owner", required=True, help="retention owner name")
         _add_policy(create)
         policy = sub.add_parser("policy", help="replace a namespace's retention policy")
@@ -91,22 +103,35 @@ class Command(ControlPlaneCommand):
             "id": namespace.pk,
             "namespace_id": namespace.namespace_id,
             "storage_prefix": namespace.storage_prefix,
-            "tenant": namespace.tenant.slug,
+            "tenant": namespace.tenant.slug if namespace.tenant_id else None,
+            "group": namespace.group.slug if namespace.group_id else None,
             "model_version": namespace.model_version.label,
             "retention_owner": namespace.retention_owner.name,
             "policy": {
                 k: getattr(policy, k)
-                for k in ("max_age_since_last_hit_s", "max_bytes", "versions_kept", "pinned", "hold_by", "hold_reason")
+                for k in (
+                    "max_age_since_last_hit_s",
+                    "max_bytes",
+                    "versions_kept",
+                    "cold_versions_kept",
+                    "lru_k",
+                    "pinned",
+                    "hold_by",
+                    "hold_reason",
+                )  # fmt: skip
             },
         }
         self.stdout.write(json.dumps(out) if as_json else f"{namespace.pk} {namespace.namespace_id} {namespace.storage_prefix}")
 
     def verb_create(self, opts: dict[str, Any]) -> None:
         version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
-        tenant = get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"])
+        if opts["tenant"] is not None:
+            boundary = {"tenant": get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"])}
+        else:
+            boundary = {"group": get_or_bad_input(self, SharedGroup, opts["group"], "shared group", slug=opts["group"])}
         owner = get_or_bad_input(self, RetentionOwner, opts["owner"], "retention owner", name_key=name_key(opts["owner"]))
         namespace = namespace_get_or_create(
-            model_version=version, tenant=tenant, retention_owner=owner, policy=_policy(opts), actor=ACTOR
+            model_version=version, retention_owner=owner, policy=_policy(opts), actor=ACTOR, **boundary
         )
         self._print(namespace, opts["json"])
 
@@ -118,11 +143,13 @@ class Command(ControlPlaneCommand):
 
     def verb_salt(self, opts: dict[str, Any]) -> None:
         namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
+        salt = namespace_cache_salt(namespace)  # refused first: a refused read is no read
         audit_record(actor=ACTOR, action="namespace.read_salt", obj=namespace)
-        self.stdout.write(namespace_cache_salt(namespace))
+        self.stdout.write(salt)
 
     def verb_list(self, opts: dict[str, Any]) -> None:
-        for ns in CacheNamespace.objects.select_related("tenant", "model_version").order_by("id"):
+        for ns in CacheNamespace.objects.select_related("tenant", "group", "model_version").order_by("id"):
             self.stdout.write(
-                f"{ns.pk}  {ns.namespace_id[:16]}  {ns.tenant.slug:16} {ns.model_version.label:20} {ns.storage_prefix}"
+                f"{ns.pk}  {ns.namespace_id[:16]}  {ns.boundary_label:16} {ns.model_version.label:20} "
+                f"{ns.storage_prefix} {ns.residency}"
             )

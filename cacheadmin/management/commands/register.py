@@ -7,7 +7,13 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, add_layout_arguments, layout_from_options
+from cacheadmin.management.base import (
+    ControlPlaneCommand,
+    adapters_from_options,
+    add_adapter_argument,
+    add_layout_arguments,
+    layout_from_options,
+)
 from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
 from inference.errors import CheckpointError
 
@@ -26,6 +32,7 @@ class Command(ControlPlaneCommand):
         parser.add_argument("--label", required=True, help="unique label, e.g. llama-3-8b-2026-11")
         parser.add_argument("--served-name", required=True, help="model name clients send to the engine")
         add_layout_arguments(parser)
+        add_adapter_argument(parser)
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -38,6 +45,7 @@ class Command(ControlPlaneCommand):
                 label=opts["label"],
                 served_name=opts["served_name"],
                 layout=layout_from_options(opts),
+                adapters=adapters_from_options(self, opts),
                 actor="cli",
             )
         except CheckpointError as exc:
@@ -47,6 +55,7 @@ class Command(ControlPlaneCommand):
             raise SystemExit(EXIT_CONFLICT) from exc
         out = {"id": version.pk, "label": version.label, "created": created, "identity": version.identity}
         out.update({f: getattr(version, f) for f in version.IDENTITY_FIELDS})
+        out["adapters_registered"] = {a.name: a.content for a in version.adapter_set.all()}
         self.stdout.write(
             json.dumps(out)
             if opts["json"]

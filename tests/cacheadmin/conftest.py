@@ -1,0 +1,51 @@
+"""Fixtures of the control-plane tests: a small world of tenants, namespaces,
+an engine, a job and API clients by persona.
+
+Personas: alice holds an admin token; bob an operate token bound to tenant
+acme; charlie a read token bound to tenant globex; anonymous holds nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from cacheadmin.models import CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.services.api_tokens import api_token_issue
+
+
+def make_version(label: str, identity: str, weights: str = "a" * 64) -> ModelVersion:
+    """A model version row with made-up digests (for tests about rows, not hashing)."""
+    return ModelVersion.objects.create(
+        label=label, served_name="tiny", path="/m", weights=weights, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
+        adapters="e" * 64, identity=identity, inputs={"weights": {"model.safetensors": weights}, "layout": {"block_size": 32}},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def world() -> dict:
+    """Tenants acme and globex with a namespace each, an engine and a job of acme's, and persona clients."""
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    globex = Tenant.objects.create(slug="globex", name="Globex")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    v1, v2 = make_version("v1", "1" * 64), make_version("v2", "2" * 64, weights="f" * 64)
+    ns = {
+        t.slug: CacheNamespace.objects.create(
+            namespace_id=t.slug.ljust(64, "0"), model_version=v1, tenant=t, retention_owner=owner, storage_prefix=f"ns-{t.slug}"
+        )
+        for t in (acme, globex)
+    }
+    engine = Engine.objects.create(
+        name="e-acme", model_version=v1, namespace=ns["acme"], base_url="http://127.0.0.1:1", status="ready"
+    )
+    job = PrewarmJob.objects.create(namespace=ns["acme"], engine=engine, status="queued", progress_total=18)
+    clients = {}
+    for name, scope, tenant in (("alice", "admin", None), ("bob", "operate", acme), ("charlie", "read", globex)):
+        user = User.objects.create_user(name)
+        token, key = api_token_issue(user=user, name=f"{name}-ci", scope=scope, tenant=tenant, actor="setup")
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+        clients[name] = client
+    clients["anonymous"] = APIClient()
+    return {"clients": clients, "acme": acme, "globex": globex, "v1": v1, "v2": v2, "ns": ns, "engine": engine, "job": job}
