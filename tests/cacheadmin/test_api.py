@@ -135,18 +135,15 @@ def test_openapi_schema_builds_and_covers_every_endpoint(world) -> None:
     schema = world["clients"]["alice"].get("/api/schema/?format=json").json()
     paths = set(schema["paths"])
     assert len(paths) >= 15
-    for resource in (
-        "model-versions",
-        "tenants",
-        "retention-owners",
-        "namespaces",
-        "engines",
-        "prewarm-jobs",
-        "comparison-jobs",
-        "audit-events",
-    ):
+    from cacheadmin.api.urls import router
+
+    resources = [prefix for prefix, _, _ in router.registry]
+    assert {"shared-groups", "adapters", "namespaces", "audit-events"} <= set(resources)
+    for resource in resources:
         assert f"/api/{resource}/" in paths, resource
         assert f"/api/{resource}/{{id}}/" in paths, resource
+    for action_path in ("/api/shared-groups/{id}/join/", "/api/shared-groups/{id}/leave/"):
+        assert action_path in paths
     for action_path in ("/api/prewarm-jobs/{id}/cancel/", "/api/comparison-jobs/{id}/results/", "/api/identity-diff/"):
         assert action_path in paths
     assert schema["components"]["securitySchemes"]["apiToken"]["scheme"] == "bearer"
