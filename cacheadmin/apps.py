@@ -9,3 +9,15 @@ class CacheAdminConfig(AppConfig):
     name = "cacheadmin"
     verbose_name = "KV cache control plane"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.db.models.signals import post_migrate
+
+        from cacheadmin.schedules import schedules_sync
+
+        def sync_after_migrate(sender: AppConfig, **kwargs: object) -> None:
+            # Once per migrate, after django_celery_beat's tables exist.
+            if sender.name == "django_celery_beat":
+                schedules_sync()
+
+        post_migrate.connect(sync_after_migrate, weak=False, dispatch_uid="cacheadmin.schedules_sync")

@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "django_celery_beat",
     "cacheadmin",
 ]
 
@@ -125,6 +126,31 @@ JOB_STALE_AFTER_S = env_int("JOB_STALE_AFTER_S", 300, minimum=5)
 #: Attempts before a lost job is failed instead of retried.
 JOB_MAX_ATTEMPTS = env_int("JOB_MAX_ATTEMPTS", 3, minimum=1)
 
+# --- Tiers, accounting, eviction -------------------------------------------
+#: Redis KV tier (keys ``<storage prefix>:<entry>``); empty: no Redis tier.
+KV_REDIS_URL = env_str("KV_REDIS_URL", "")
+#: Cold tier: one compressed archive per demoted namespace; engines never read it.
+KV_COLD_ROOT = Path(env_str("KV_COLD_ROOT", str(VAR_DIR / "kv-cold"))).resolve()
+#: Owners are told of a scheduled sweep this long before it may start (seconds).
+EVICTION_NOTICE_S = env_int("EVICTION_NOTICE_S", 3600, minimum=0)
+#: Actions one task executes before it re-enqueues the run (bounded batches).
+EVICTION_BATCH_ACTIONS = env_int("EVICTION_BATCH_ACTIONS", 50, minimum=1)
+#: Pause between actions (milliseconds), to keep a sweep's I/O off the engines' backs.
+EVICTION_ACTION_PAUSE_MS = env_int("EVICTION_ACTION_PAUSE_MS", 0, minimum=0)
+#: Keys listed in one ``delete_entries`` action.
+EVICTION_ENTRIES_PER_ACTION = env_int("EVICTION_ENTRIES_PER_ACTION", 1000, minimum=1)
+#: A storage prefix without a namespace is reported (and purged) only once its newest entry is this old.
+ORPHAN_GRACE_S = env_int("ORPHAN_GRACE_S", 3600, minimum=0)
+#: An adapter no running engine has used for this many days is reported as an orphan.
+ADAPTER_UNUSED_DAYS = env_int("ADAPTER_UNUSED_DAYS", 30, minimum=1)
+#: Seconds before a failed sweep (e.g. a tier unreachable) is resumed.
+EVICTION_RETRY_S = env_int("EVICTION_RETRY_S", 300, minimum=1)
+#: Owners' digests: console by default; set EMAIL_BACKEND / EMAIL_HOST for real mail.
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "kv-cache-control-plane@localhost")
+
 # --- REST API ----------------------------------------------------------------
 # Decided once for every endpoint: who may call, how lists page, one error envelope.
 REST_FRAMEWORK = {
@@ -184,6 +210,8 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TIMEZONE = "UTC"
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Schedules live in the database (django-celery-beat); cacheadmin.schedules declares them.
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 
 LOGGING = {
     "version": 1,

@@ -32,3 +32,52 @@ def registration_job_task(job_id: int) -> None:
     from cacheadmin.services.registration import registration_job_run
 
     registration_job_run(job_id=job_id)
+
+
+@shared_task(name="cacheadmin.accounting_scan")
+def accounting_scan_task(scan_id: int) -> None:
+    """Run accounting scan ``scan_id``."""
+    from cacheadmin.services.accounting import accounting_scan_run
+
+    accounting_scan_run(scan_id=scan_id)
+
+
+@shared_task(name="cacheadmin.accounting_scan_scheduled")
+def accounting_scan_scheduled_task() -> None:
+    """Scheduled: record a scan and run it here (skipped while another is active)."""
+    from cacheadmin.services.accounting import accounting_scan_scheduled
+
+    accounting_scan_scheduled()
+
+
+@shared_task(name="cacheadmin.engine_metrics_scrape")
+def engine_metrics_scrape_task() -> None:
+    """Scheduled: scrape every ready engine's /metrics."""
+    from cacheadmin.services.accounting import engine_metrics_scrape
+
+    engine_metrics_scrape()
+
+
+@shared_task(name="cacheadmin.eviction_run")
+def eviction_run_task(run_id: int) -> None:
+    """Execute a batch of eviction run ``run_id``; a busy lane retries in 30 s."""
+    from cacheadmin.services.eviction import eviction_run_execute
+
+    if eviction_run_execute(run_id=run_id) == "busy":
+        eviction_run_task.apply_async((run_id,), countdown=30)
+
+
+@shared_task(name="cacheadmin.eviction_sweep")
+def eviction_sweep_task() -> None:
+    """Scheduled: resume due runs, start runs past their notice, plan the next sweep."""
+    from cacheadmin.services.eviction import eviction_sweep
+
+    eviction_sweep()
+
+
+@shared_task(name="cacheadmin.jobs_recover_lost")
+def jobs_recover_lost_task() -> None:
+    """Scheduled: requeue or fail jobs whose worker is gone (on any host)."""
+    from cacheadmin.services.jobs import jobs_recover_lost
+
+    jobs_recover_lost()

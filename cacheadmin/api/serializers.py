@@ -204,7 +204,7 @@ class RetentionPolicySerializer(StrictFieldsMixin, StrictModelSerializer):
     cold_versions_kept = StrictIntegerField(
         min_value=0, max_value=100, default=1, help_text="versions after the hot ones kept archived in the cold tier"
     )
-    lru_k = StrictIntegerField(min_value=1, max_value=16, default=2, help_text="K of LRU-K within the byte budget")
+    lru_k = StrictIntegerField(min_value=1, max_value=8, default=2, help_text="K of LRU-K within the byte budget")
 
     class Meta:
         model = RetentionPolicy

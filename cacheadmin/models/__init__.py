@@ -3,6 +3,14 @@
 from cacheadmin.models.api_tokens import ApiToken
 from cacheadmin.models.audit import AuditEvent
 from cacheadmin.models.engines import Engine
+from cacheadmin.models.eviction import (
+    AccountingScan,
+    EngineMetricsSample,
+    EvictionAction,
+    EvictionRun,
+    Tier,
+    TierUsageSample,
+)
 from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult, RegistrationJob
 from cacheadmin.models.model_versions import Adapter, ModelVersion
 from cacheadmin.models.tenancy import (
@@ -16,6 +24,12 @@ from cacheadmin.models.tenancy import (
 )
 
 __all__ = [
+    "AccountingScan",
+    "EngineMetricsSample",
+    "EvictionAction",
+    "EvictionRun",
+    "Tier",
+    "TierUsageSample",
     "Adapter",
     "ApiToken",
     "AuditEvent",

@@ -12,6 +12,8 @@ from django.db import models
 
 
 class JobStatus(models.TextChoices):
+    #: Waiting for a person's approval (eviction runs).
+    PLANNED = "planned"
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"

@@ -23,7 +23,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
-from cacheadmin.models import ComparisonJob, JobStatus, PrewarmJob, RegistrationJob
+from cacheadmin.models import AccountingScan, ComparisonJob, EvictionRun, JobStatus, PrewarmJob, RegistrationJob
 from cacheadmin.models.jobs import Job
 from inference.engines.launcher import pid_alive
 
@@ -104,6 +104,8 @@ def _job_kinds() -> list[tuple[type[Job], Callable[[int], None]]]:
         (PrewarmJob, lambda pk: tasks.prewarm_job_task.delay(pk)),
         (ComparisonJob, lambda pk: tasks.comparison_job_task.delay(pk)),
         (RegistrationJob, lambda pk: tasks.registration_job_task.delay(pk)),
+        (AccountingScan, lambda pk: tasks.accounting_scan_task.delay(pk)),
+        (EvictionRun, lambda pk: tasks.eviction_run_task.delay(pk)),
     ]
 
 
@@ -156,7 +158,7 @@ class JobCancelled(Exception):
 
 
 def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
-    """Cancel a queued or running job; a running one stops at its next prompt.
+    """Cancel a planned, queued or running job; a running one stops at its next step.
 
     Results recorded so far stay.
 
@@ -169,7 +171,7 @@ def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
     with transaction.atomic():
         moved = (
             type(job)
-            .objects.filter(pk=job.pk, status__in=[JobStatus.QUEUED, JobStatus.RUNNING])
+            .objects.filter(pk=job.pk, status__in=[JobStatus.PLANNED, JobStatus.QUEUED, JobStatus.RUNNING])
             .update(
                 status=JobStatus.CANCELLED,
                 finished_at=timezone.now(),

@@ -87,7 +87,7 @@ class RetentionPolicySpec:
                 problems[name] = ["must be a positive integer or null (no limit)"]
         if not isinstance(self.versions_kept, int) or isinstance(self.versions_kept, bool) or not 1 <= self.versions_kept <= 100:
             problems["versions_kept"] = ["must be an integer within 1..100"]
-        for name, low, high in (("cold_versions_kept", 0, 100), ("lru_k", 1, 16)):
+        for name, low, high in (("cold_versions_kept", 0, 100), ("lru_k", 1, 8)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 problems[name] = [f"must be an integer within {low}..{high}"]

@@ -1,0 +1,582 @@
+"""The Redis KV tier: one Redis string per entry at ``"{prefix}:{entry key}"``.
+
+That is the shape of LMCache's Redis backend and of response caches: a flat
+key space where a namespace is a key prefix. The tier adds its own metadata,
+kept outside every ``{prefix}:`` key space so a prefix SCAN sees only entries:
+one hash per prefix, ``kvcp:meta:{prefix}``, with fields ``c:{key}`` (creation
+time written by :meth:`RedisTier.put`) and ``h:{key}`` (the last K access times
+recorded by :meth:`RedisTier.get`, most recent first, comma-separated).
+
+Times recorded by ``put``/``get`` come from the calling host's clock; idle
+times from Redis are converted with the server's ``TIME``.
+
+Use a database of its own for the tier: :meth:`RedisTier.usage_all` groups
+every key of the database by the text before its first ``:``. The Lua script
+of ``get`` touches an entry and its prefix's hash in one call, so the tier
+assumes one Redis (or one Cluster slot per prefix via hash tags).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from itertools import repeat
+from typing import Any, NamedTuple
+
+import redis
+
+from inference.tiers.base import TierEntry, TierError, TierUnavailable, TierUsage, check_prefix
+
+__all__ = ["DumpedEntry", "RedisTier", "escape_glob"]
+
+#: First segment of the tier's own keys; no storage prefix may be named so.
+META_NS = "kvcp"
+#: SCAN's COUNT: keys examined per round trip. Large, so a million keys take
+#: ~100 round trips instead of redis-cli's 100,000 at its default of 10; each
+#: call still blocks the server only for the ~ms it takes to walk 10,000 slots.
+SCAN_COUNT = 10_000
+#: Keys per pipeline / UNLINK call: bounds one reply's size and how long one
+#: command holds the server.
+BATCH = 1_000
+
+# GET plus the access record in one atomic step. KEYS[1] entry, KEYS[2] meta
+# hash; ARGV[1] history field, ARGV[2] now (epoch seconds, text), ARGV[3] K.
+_GET_AND_RECORD = """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local new = ARGV[2]
+  local old = redis.call('HGET', KEYS[2], ARGV[1])
+  if old then
+    local n = 1
+    local k = tonumber(ARGV[3])
+    for t in string.gmatch(old, '[^,]+') do
+      if n >= k then break end
+      new = new .. ',' .. t
+      n = n + 1
+    end
+  end
+  redis.call('HSET', KEYS[2], ARGV[1], new)
+end
+return v
+"""
+
+
+# Sum of STRLEN (0 for a non-string: redis.pcall returns the WRONGTYPE error as
+# a table) and one UNLINK of all KEYS, atomically: the bytes freed are exactly
+# those of the keys this call removed. One command per batch instead of one per
+# key: the client's per-command cost dominates a pipeline of STRLENs.
+_STRLEN_AND_UNLINK = """
+local total = 0
+for _, k in ipairs(KEYS) do
+  local n = redis.pcall('STRLEN', k)
+  if type(n) == 'number' then total = total + n end
+end
+redis.call('UNLINK', unpack(KEYS))
+return total
+"""
+
+
+class DumpedEntry(NamedTuple):
+    """One entry as ``DUMP`` serialises it, for cold archiving.
+
+    Attributes:
+        key: entry key (text after ``"{prefix}:"``).
+        payload: the ``DUMP`` payload (Redis' RDB encoding of the value, with
+            its RDB version and CRC64; ``RESTORE`` accepts it on the same or a
+            newer Redis).
+        ttl_ms: remaining time to live in milliseconds, 0 for none.
+        bytes: logical size (``STRLEN``; 0 for a non-string value).
+    """
+
+    key: str
+    payload: bytes
+    ttl_ms: int
+    bytes: int
+
+
+def escape_glob(text: str) -> str:
+    """Escape Redis glob metacharacters (``* ? [ ] \\ ^``) so ``text`` matches
+    itself in ``SCAN ... MATCH`` (Redis ``stringmatchlen``: a backslash quotes
+    the next character)."""
+    return "".join("\\" + c if c in "*?[]\\^" else c for c in text)
+
+
+def _chunks(items: Sequence[bytes], size: int) -> Iterator[Sequence[bytes]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _float_or_none(raw: bytes | None) -> float | None:
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+class RedisTier:
+    """Entries, accounting, eviction and archive/restore of the Redis KV tier.
+
+    Args:
+        client: a ``redis.Redis`` with ``decode_responses=False`` (values are
+            bytes). Its retry policy applies; connection errors that remain
+            become :class:`TierUnavailable`.
+        history_k: access times kept per entry (K of LRU-K), >= 1.
+
+    Raises:
+        ValueError: ``history_k`` < 1, or a client that decodes responses.
+    """
+
+    access_time_source = (
+        "the last K reads recorded by RedisTier.get (the calling host's clock); for entries "
+        "read only by engines, Redis' LRU clock via OBJECT IDLETIME (1 s resolution, reset by "
+        "any read; not kept under an LFU maxmemory-policy, then unknown). On Redis >= 7.2 the "
+        "tier's own scans use CLIENT NO-TOUCH; on older servers their STRLEN resets the LRU clock"
+    )
+    keeps_access_history = True
+
+    def __init__(self, client: redis.Redis, *, history_k: int = 2) -> None:
+        if history_k < 1:
+            raise ValueError(f"history_k must be >= 1, got {history_k}")
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("RedisTier needs a client with decode_responses=False: entry values are bytes")
+        self.client = client
+        self.history_k = history_k
+        self._get_script = client.register_script(_GET_AND_RECORD)
+        self._unlink_script = client.register_script(_STRLEN_AND_UNLINK)
+        self._no_touch: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self._address()})"
+
+    # -- naming --------------------------------------------------------------
+
+    @staticmethod
+    def check_prefix(prefix: str) -> str:
+        """Validate a storage prefix for this tier: a plain name (see
+        :func:`inference.tiers.base.check_prefix`) without ``:`` and not the
+        reserved ``kvcp``.
+
+        Raises:
+            ValueError: otherwise.
+        """
+        check_prefix(prefix)
+        if ":" in prefix:
+            raise ValueError(f"storage prefix {prefix!r} must not contain ':' (it ends the prefix in a Redis key)")
+        if prefix == META_NS:
+            raise ValueError(f"storage prefix {prefix!r} is reserved for the tier's metadata")
+        return prefix
+
+    @staticmethod
+    def _check_key(key: str) -> str:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"entry key must be a non-empty string, got {key!r}")
+        return key
+
+    @staticmethod
+    def _redis_key(prefix: str, key: str) -> bytes:
+        return f"{prefix}:{key}".encode("utf-8", "surrogateescape")
+
+    @staticmethod
+    def meta_key(prefix: str) -> bytes:
+        """Name of the prefix's metadata hash (creation times and access histories)."""
+        return f"{META_NS}:meta:{prefix}".encode("utf-8", "surrogateescape")
+
+    # -- engine-side access --------------------------------------------------
+
+    def put(self, prefix: str, key: str, data: bytes, *, ttl_ms: int | None = None, now: float | None = None) -> None:
+        """Store an entry (what an engine-side writer does) and record its
+        creation time; a rewrite starts a fresh access history.
+
+        Args:
+            data: the value, bytes.
+            ttl_ms: optional time to live in milliseconds.
+            now: creation time in seconds since the epoch (default: this
+                host's clock).
+
+        Raises:
+            ValueError: invalid prefix or key.
+            TierUnavailable: Redis cannot be reached.
+        """
+        self.check_prefix(prefix)
+        self._check_key(key)
+        stamp = repr(time.time() if now is None else float(now))
+        with self._errors(f"put {prefix}:{key}"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.set(self._redis_key(prefix, key), data, px=ttl_ms)
+            pipe.hset(self.meta_key(prefix), f"c:{key}", stamp)
+            pipe.hdel(self.meta_key(prefix), f"h:{key}")
+            pipe.execute()
+
+    def get(self, prefix: str, key: str, *, now: float | None = None) -> bytes | None:
+        """Read an entry and, if present, record the access (atomically, one
+        Lua script: the last ``history_k`` times are kept).
+
+        Args:
+            now: access time in seconds since the epoch (default: this host's clock).
+
+        Returns:
+            The value, or None if there is no such entry (nothing recorded).
+
+        Raises:
+            ValueError: invalid prefix or key.
+            TierUnavailable: Redis cannot be reached.
+            TierError: the key holds a non-string value.
+        """
+        self.check_prefix(prefix)
+        self._check_key(key)
+        stamp = repr(time.time() if now is None else float(now))
+        with self._errors(f"get {prefix}:{key}"):
+            return self._get_script(
+                keys=[self._redis_key(prefix, key), self.meta_key(prefix)],
+                args=[f"h:{key}", stamp, self.history_k],
+            )
+
+    # -- reading -------------------------------------------------------------
+
+    def exists(self, prefix: str) -> bool:
+        """Whether any key ``{prefix}:*`` exists (SCAN until the first match:
+        O(keys in the database) when there is none).
+
+        Raises:
+            ValueError: invalid prefix. TierUnavailable: Redis down.
+        """
+        self.check_prefix(prefix)
+        with self._errors(f"exists {prefix}"):
+            return any(True for _ in self._scan(self._match(prefix), first_only=True))
+
+    def count(self, prefix: str) -> int:
+        """Number of keys ``{prefix}:*``: SCAN with MATCH only, no per-key
+        command (the cheap count; may count a key twice if the table is
+        rehashed during the scan, per SCAN's guarantees).
+
+        Raises:
+            ValueError: invalid prefix. TierUnavailable: Redis down.
+        """
+        self.check_prefix(prefix)
+        pattern = self._match(prefix)
+        with self._errors(f"count {prefix}"):
+            total = 0
+            cursor = 0
+            while True:
+                cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)
+                total += len(keys)
+                if cursor == 0:
+                    return total
+
+    def count_all(self) -> dict[str, int]:
+        """Keys per prefix in one SCAN of the database, grouped by the text
+        before the first ``:``; the tier's ``kvcp:`` keys and keys without
+        ``:`` are left out.
+
+        Raises:
+            TierUnavailable: Redis down.
+        """
+        counts: Counter[bytes] = Counter()
+        with self._errors("count_all"):
+            cursor = 0
+            while True:
+                cursor, keys = self.client.scan(cursor, count=SCAN_COUNT)
+                counts.update(head for head, sep, _ in map(bytes.partition, keys, repeat(b":")) if sep)
+                if cursor == 0:
+                    break
+        counts.pop(META_NS.encode(), None)
+        counts.pop(b"", None)
+        return {head.decode("utf-8", "surrogateescape"): n for head, n in counts.items()}
+
+    def entries(self, prefix: str) -> list[TierEntry]:
+        """Entries of ``prefix`` sorted by key.
+
+        SCAN MATCH ``{prefix}:*`` (glob characters escaped), then pipelined per
+        key ``OBJECT IDLETIME`` and ``STRLEN`` (in that order: ``STRLEN`` is a
+        read and resets the LRU clock that ``OBJECT`` does not), plus the
+        prefix's metadata. Size is ``STRLEN``, the value's logical length, not
+        ``MEMORY USAGE``: that one adds allocator and key overhead, which
+        varies with the allocator and Redis version and is not what a disk
+        copy or an archive of the entry holds.
+
+        Each entry: ``created_at`` from ``put`` (None if written elsewhere),
+        ``access_history`` from ``get``; ``last_access_at`` the newest recorded
+        access, else server time minus ``OBJECT IDLETIME``, else None (LFU
+        policy). Non-string keys under the prefix are not entries.
+
+        Raises:
+            ValueError: invalid prefix. TierUnavailable: Redis down.
+        """
+        self.check_prefix(prefix)
+        with self._errors(f"entries {prefix}"):
+            keys = sorted(set(self._scan(self._match(prefix))))
+            return self._describe(prefix, keys)
+
+    def usage(self, prefix: str) -> TierUsage:
+        """Usage of one prefix from :meth:`entries`: ``bytes`` = sum of value
+        lengths (``allocated_bytes`` the same: the tier does not measure Redis'
+        per-key overhead); creation times where ``put`` recorded them.
+
+        Raises:
+            ValueError: invalid prefix. TierUnavailable: Redis down.
+        """
+        return _usage_from(prefix, self.entries(prefix))
+
+    def usage_all(self) -> dict[str, TierUsage]:
+        """Usage of every prefix: one SCAN of the whole database grouped by
+        the text before the first ``:`` (skipping the ``kvcp:`` metadata and
+        keys without ``:``), then the per-key pipeline of :meth:`entries`.
+
+        Raises:
+            TierUnavailable: Redis down.
+        """
+        groups: defaultdict[bytes, list[bytes]] = defaultdict(list)
+        with self._errors("usage_all"):
+            for raw in self._scan(None):
+                head, sep, _ = raw.partition(b":")
+                if sep and head and head != META_NS.encode():
+                    groups[head].append(raw)
+            result: dict[str, TierUsage] = {}
+            for head in sorted(groups):
+                prefix = head.decode("utf-8", "surrogateescape")
+                result[prefix] = _usage_from(prefix, self._describe(prefix, sorted(set(groups[head]))))
+            return result
+
+    # -- deleting ------------------------------------------------------------
+
+    def delete_entries(self, prefix: str, keys: Iterable[str]) -> int:
+        """Delete entries (and their metadata); returns logical bytes freed.
+
+        Batches of :data:`BATCH` keys, each one Lua call: ``STRLEN`` of every
+        key, then one ``UNLINK`` (memory is reclaimed in the background).
+        Idempotent: a missing key frees 0.
+
+        Raises:
+            ValueError: invalid prefix or key (checked before anything is deleted).
+            TierUnavailable: Redis down.
+        """
+        self.check_prefix(prefix)
+        wanted = sorted({self._check_key(k) for k in keys})
+        raw = [self._redis_key(prefix, k) for k in wanted]
+        with self._errors(f"delete entries of {prefix}"):
+            freed = self._unlink(raw)
+            meta = self.meta_key(prefix)
+            for start in range(0, len(wanted), BATCH):
+                fields = [f"{kind}:{k}" for k in wanted[start : start + BATCH] for kind in ("c", "h")]
+                self.client.hdel(meta, *fields)
+            return freed
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key ``{prefix}:*`` and the prefix's metadata; returns
+        logical bytes freed (sum of ``STRLEN``). SCAN + ``UNLINK`` in batches
+        of :data:`BATCH`. Idempotent; keys written while it runs may survive
+        (stop writers first).
+
+        Raises:
+            ValueError: invalid prefix. TierUnavailable: Redis down.
+        """
+        self.check_prefix(prefix)
+        pattern = self._match(prefix)
+        freed = 0
+        with self._errors(f"delete prefix {prefix}"):
+            cursor = 0
+            while True:
+                cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)
+                freed += self._unlink(keys)
+                if cursor == 0:
+                    break
+            self.client.unlink(self.meta_key(prefix))
+        return freed
+
+    # -- archiving -----------------------------------------------------------
+
+    def dump_prefix(self, prefix: str) -> Iterator[DumpedEntry]:
+        """Every key of ``prefix`` as ``DUMP`` payload + remaining TTL, sorted
+        by key, read in pipelined batches (keys that vanish meanwhile are
+        skipped). Access metadata is not included.
+
+        Raises:
+            ValueError: invalid prefix. TierUnavailable: Redis down (also
+                while iterating).
+        """
+        self.check_prefix(prefix)
+        cut = len(self._redis_key(prefix, "x")) - 1
+        with self._errors(f"dump {prefix}"):
+            keys = sorted(set(self._scan(self._match(prefix))))
+            no_touch = self._supports_no_touch()
+            for batch in _chunks(keys, BATCH):
+                pipe = self.client.pipeline(transaction=False)
+                if no_touch:
+                    pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
+                for raw in batch:
+                    pipe.dump(raw)
+                    pipe.pttl(raw)
+                    pipe.strlen(raw)
+                if no_touch:
+                    pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
+                replies = pipe.execute(raise_on_error=False)
+                if no_touch:
+                    replies = replies[1:-1]
+                for i, raw in enumerate(batch):
+                    payload, ttl, size = replies[3 * i : 3 * i + 3]
+                    if isinstance(payload, Exception) or payload is None or ttl == -2:
+                        continue
+                    yield DumpedEntry(
+                        key=raw[cut:].decode("utf-8", "surrogateescape"),
+                        payload=payload,
+                        ttl_ms=ttl if isinstance(ttl, int) and ttl > 0 else 0,
+                        bytes=size if isinstance(size, int) else 0,
+                    )
+
+    def restore_entries(self, prefix: str, items: Iterable[Sequence[Any]]) -> int:
+        """``RESTORE key ttl payload REPLACE`` each item, in pipelined batches;
+        returns the number restored. Items are ``(key, payload, ttl_ms, ...)``
+        as :meth:`dump_prefix` yields them; the TTL restarts at restore time.
+
+        Raises:
+            ValueError: invalid prefix or key.
+            TierUnavailable: Redis down.
+            TierError: Redis refused a payload (bad checksum, newer RDB
+                version...); the batches before it are restored.
+        """
+        self.check_prefix(prefix)
+        restored = 0
+        with self._errors(f"restore {prefix}"):
+            batch: list[tuple[bytes, bytes, int]] = []
+            for item in items:
+                key, payload, ttl = item[0], item[1], int(item[2])
+                batch.append((self._redis_key(prefix, self._check_key(key)), payload, max(ttl, 0)))
+                if len(batch) >= BATCH:
+                    restored += self._restore_batch(prefix, batch)
+                    batch = []
+            if batch:
+                restored += self._restore_batch(prefix, batch)
+        return restored
+
+    # -- internals -----------------------------------------------------------
+
+    def _restore_batch(self, prefix: str, batch: list[tuple[bytes, bytes, int]]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for raw, payload, ttl in batch:
+            pipe.restore(raw, ttl, payload, replace=True)
+        replies = pipe.execute(raise_on_error=False)
+        for (raw, _payload, _ttl), reply in zip(batch, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise TierError(f"Redis at {self._address()}: RESTORE {raw!r} of prefix {prefix} refused: {reply}")
+        return len(batch)
+
+    def _unlink(self, keys: Sequence[bytes]) -> int:
+        """UNLINK ``keys`` in batches of :data:`BATCH`; returns the sum of their
+        ``STRLEN`` read atomically with the unlink (0 for missing or non-string
+        keys)."""
+        return sum(int(self._unlink_script(keys=list(batch))) for batch in _chunks(keys, BATCH))
+
+    def _describe(self, prefix: str, keys: Sequence[bytes]) -> list[TierEntry]:
+        """TierEntry of each of ``keys`` (full Redis keys of ``prefix``, sorted)."""
+        if not keys:
+            return []
+        cut = len(self._redis_key(prefix, "x")) - 1
+        meta = self.meta_key(prefix)
+        seconds, micros = self.client.time()
+        server_now = seconds + micros / 1e6
+        no_touch = self._supports_no_touch()
+        entries: list[TierEntry] = []
+        for batch in _chunks(keys, BATCH):
+            names = [raw[cut:].decode("utf-8", "surrogateescape") for raw in batch]
+            pipe = self.client.pipeline(transaction=False)
+            if no_touch:
+                pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
+            for raw in batch:
+                pipe.object("idletime", raw)
+            for raw in batch:
+                pipe.strlen(raw)
+            pipe.hmget(meta, [f"c:{n}" for n in names] + [f"h:{n}" for n in names])
+            if no_touch:
+                pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
+            replies = pipe.execute(raise_on_error=False)
+            if no_touch:
+                replies = replies[1:-1]
+            n = len(batch)
+            idles, sizes, meta_values = replies[:n], replies[n : 2 * n], replies[2 * n]
+            if isinstance(meta_values, Exception):
+                meta_values = [None] * (2 * n)
+            for i, name in enumerate(names):
+                idle, size = idles[i], sizes[i]
+                if idle is None or not isinstance(size, int):
+                    continue  # vanished meanwhile, or not a string
+                history = self._parse_history(meta_values[n + i])
+                if history:
+                    last: float | None = history[0]
+                elif isinstance(idle, int):
+                    last = server_now - idle
+                else:
+                    last = None  # "An LFU maxmemory policy is selected, idle time not tracked."
+                entries.append(
+                    TierEntry(
+                        key=name,
+                        bytes=size,
+                        created_at=_float_or_none(meta_values[i]),
+                        last_access_at=last,
+                        access_history=history,
+                    )
+                )
+        return entries
+
+    def _parse_history(self, raw: bytes | None) -> tuple[float, ...]:
+        if not raw:
+            return ()
+        try:
+            return tuple(float(t) for t in raw.split(b",")[: self.history_k])
+        except ValueError:
+            return ()
+
+    def _scan(self, pattern: str | None, *, first_only: bool = False) -> Iterator[bytes]:
+        cursor = 0
+        while True:
+            cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)
+            yield from keys
+            if cursor == 0 or (first_only and keys):
+                return
+
+    @staticmethod
+    def _match(prefix: str) -> str:
+        return escape_glob(prefix) + ":*"
+
+    def _supports_no_touch(self) -> bool:
+        # CLIENT NO-TOUCH arrived in Redis 7.2 (release notes); older servers
+        # answer "unknown subcommand", so ask the version once.
+        if self._no_touch is None:
+            version = str(self.client.info("server").get("redis_version", "0"))
+            parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+            self._no_touch = parts >= (7, 2)
+        return self._no_touch
+
+    def _address(self) -> str:
+        kw = self.client.connection_pool.connection_kwargs
+        if "path" in kw:
+            return f"unix:{kw['path']}/{kw.get('db', 0)}"
+        return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+    @contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        """Turn redis-py errors into tier errors naming the server and the operation."""
+        try:
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise TierUnavailable(f"Redis at {self._address()} unavailable ({doing}): {type(exc).__name__}: {exc}") from exc
+        except redis.exceptions.RedisError as exc:
+            raise TierError(f"Redis at {self._address()}: {doing} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _usage_from(prefix: str, entries: list[TierEntry]) -> TierUsage:
+    if not entries:
+        return TierUsage.empty(prefix)
+    created = [e.created_at for e in entries if e.created_at is not None]
+    accessed = [e.last_access_at for e in entries if e.last_access_at is not None]
+    total = sum(e.bytes for e in entries)
+    return TierUsage(
+        prefix=prefix,
+        bytes=total,
+        allocated_bytes=total,
+        entries=len(entries),
+        oldest_entry_at=min(created) if created else None,
+        newest_entry_at=max(created) if created else None,
+        last_access_at=max(accessed) if accessed else None,
+    )

@@ -1,0 +1,325 @@
+"""Eviction runs on real tiers: a disk tier shaped like vLLM's ExampleConnector
+store, a real Redis, a cold tier of archives; plans, approval, execution,
+confirmation, and the faults (killed worker, disk full, Redis down)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.core import mail
+from django.utils import timezone
+
+from cacheadmin.models import (
+    AuditEvent,
+    CacheNamespace,
+    EvictionAction,
+    EvictionRun,
+    JobStatus,
+    ModelVersion,
+    Residency,
+    RetentionOwner,
+    RetentionPolicy,
+    Tenant,
+)
+from cacheadmin.services.eviction import (
+    EvictionRefused,
+    eviction_plan,
+    eviction_run_approve,
+    eviction_run_execute,
+    eviction_runs_resume_due,
+    eviction_sweep,
+)
+from cacheadmin.services.tiers import tiers_configured
+from inference.tiers.disk import DiskTier
+from tests.cacheadmin.conftest import make_version
+
+REDIS_URL = os.environ.get("KV_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def write_entry(root: Path, prefix: str, key: str, *, size: int, age_s: float) -> None:
+    """One cached prompt prefix as ExampleConnector writes it: a folder per
+    token-id hash, one safetensors file per layer; atime/mtime ``age_s`` ago."""
+    folder = root / prefix / key
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.time() - age_s
+    for layer in LAYERS:
+        path = folder / f"{layer}.safetensors"
+        path.write_bytes(os.urandom(size))
+        os.utime(path, (stamp, stamp))
+    os.utime(folder, (stamp, stamp))
+
+
+@pytest.fixture
+def kv(settings, tmp_path: Path) -> Iterator[dict]:
+    """Tiers under a fresh directory and Redis db 14, cleaned of this test's keys afterwards."""
+    settings.KV_STORE_ROOT = tmp_path / "kv"
+    settings.KV_COLD_ROOT = tmp_path / "cold"
+    settings.KV_REDIS_URL = REDIS_URL
+    settings.EVICTION_NOTICE_S = 3600
+    settings.ORPHAN_GRACE_S = 3600
+    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+    tiers = tiers_configured()
+    prefixes: list[str] = []
+    yield {"tiers": tiers, "prefixes": prefixes, "root": tmp_path}
+    for prefix in prefixes:
+        tiers.redis.delete_prefix(prefix)
+
+
+@pytest.fixture
+def world(kv) -> dict:
+    """Served model "tiny" for tenant acme in four versions, newest first:
+    v3 active, v2 and v1 draining, v0 retired; each namespace with state in
+    the disk and Redis tiers. Policy: 1 version hot, 1 cold."""
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    owner = RetentionOwner.objects.create(name="platform", name_key="platform", email="platform@example.com")
+    namespaces = {}
+    base = timezone.now() - timedelta(days=10)
+    for i, status in enumerate(("retired", "draining", "draining", "active")):
+        version = make_version(f"v{i}", f"{i}" * 64)
+        ModelVersion.objects.filter(pk=version.pk).update(status=status, created_at=base + timedelta(days=i))
+        prefix = f"ns-{uuid.uuid4().hex[:20]}"
+        kv["prefixes"].append(prefix)
+        ns = CacheNamespace.objects.create(
+            namespace_id=prefix.ljust(64, "0"), model_version=version, tenant=acme, retention_owner=owner, storage_prefix=prefix
+        )
+        RetentionPolicy.objects.create(namespace=ns, versions_kept=1, cold_versions_kept=1)
+        for e in range(3):
+            write_entry(kv["tiers"].disk.root, prefix, f"{e:064x}", size=1000, age_s=60 * (e + 1))
+            kv["tiers"].redis.put(prefix, f"chunk{e}", bytes([e]) * 500)
+        namespaces[f"v{i}"] = ns
+    return {"acme": acme, "owner": owner, "ns": namespaces}
+
+
+def _actions(run: EvictionRun) -> list[tuple[str, str, str]]:
+    labels = dict(CacheNamespace.objects.values_list("storage_prefix", "model_version__label"))
+    return [(labels.get(a.storage_prefix, a.storage_prefix), a.kind, a.tier) for a in run.actions.order_by("seq")]
+
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_plan_follows_the_version_policy(world) -> None:
+    run = eviction_plan(actor="alice", reason="weekly review")
+    assert run.status == JobStatus.PLANNED
+    drop = [("delete_prefix", "disk"), ("delete_prefix", "redis"), ("delete_archive", "cold"), ("set_residency", "")]
+    demote = [("archive", "cold"), ("delete_prefix", "disk"), ("delete_prefix", "redis"), ("set_residency", "")]
+    expected = [("v0", *a) for a in drop] + [("v1", *a) for a in drop] + [("v2", *a) for a in demote]
+    assert _actions(run) == expected
+    disk_bytes = 3 * len(LAYERS) * 1000
+    assert run.bytes_planned == 3 * (disk_bytes + 3 * 500)
+    v2 = run.actions.get(kind="set_residency", namespace=world["ns"]["v2"])
+    assert v2.detail == {"residency": "cold"}
+    assert "v2 (draining) is number 2, beyond 1 hot, within 1 cold" in v2.reason
+    assert run.actions.get(kind="set_residency", namespace=world["ns"]["v1"]).reason.endswith("beyond the 2 versions kept")
+    # Planning touched nothing.
+    assert all(kv_exists(world, label) for label in ("v0", "v1", "v2", "v3"))
+
+
+def kv_exists(world: dict, label: str) -> bool:
+    tiers = tiers_configured()
+    prefix = world["ns"][label].storage_prefix
+    return tiers.disk.exists(prefix) and tiers.redis.exists(prefix)
+
+
+def test_a_held_namespace_is_never_touched(world) -> None:
+    RetentionPolicy.objects.filter(namespace=world["ns"]["v1"]).update(pinned=True, hold_by="legal", hold_reason="case 42")
+    run = eviction_plan(actor="alice")
+    assert {label for label, _, _ in _actions(run)} == {"v0", "v2"}
+    assert "held by legal (case 42); would be dropped" in run.log
+    with pytest.raises(EvictionRefused, match="a held namespace is never purged"):
+        eviction_plan(actor="alice", purge=[CacheNamespace.objects.get(pk=world["ns"]["v1"].pk)])
+
+
+def test_approved_run_demotes_drops_and_confirms_every_tier(world, kv, django_capture_on_commit_callbacks) -> None:
+    tiers = kv["tiers"]
+    v2 = world["ns"]["v2"].storage_prefix
+    before = {p.name: p.read_bytes() for p in (tiers.disk.root / v2).rglob("*.safetensors")}
+    run = eviction_plan(actor="alice")
+    with pytest.raises(EvictionRefused, match="needs a reason"):
+        eviction_run_approve(run=run, actor="bob", reason=" ")
+    with django_capture_on_commit_callbacks() as callbacks:
+        eviction_run_approve(run=run, actor="bob", reason="release 2026-11 done")
+    assert len(callbacks) == 2  # the owners' digest, then the task (run here in-process instead)
+    callbacks[0]()
+    with pytest.raises(EvictionRefused, match="is queued, not awaiting approval"):
+        eviction_run_approve(run=run, actor="carol", reason="twice")
+    assert eviction_run_execute(run_id=run.pk) == "succeeded"
+    run.refresh_from_db()
+    assert (run.status, run.approved_by, run.error) == (JobStatus.SUCCEEDED, "bob", "")
+    assert set(run.actions.values_list("status", flat=True)) == {"done"}
+    assert run.bytes_freed == run.bytes_planned
+    residency = dict(CacheNamespace.objects.values_list("model_version__label", "residency"))
+    assert residency == {"v0": "dropped", "v1": "dropped", "v2": "cold", "v3": "hot"}
+    for label in ("v0", "v1", "v2"):
+        prefix = world["ns"][label].storage_prefix
+        assert not tiers.disk.exists(prefix) and not tiers.redis.exists(prefix)
+        assert tiers.cold.exists(prefix) is (label == "v2")
+    assert kv_exists(world, "v3")
+    archive = run.actions.get(kind="archive").confirmation
+    assert (archive["entries"], archive["logical_bytes"]) == (6, 3 * len(LAYERS) * 1000 + 3 * 500)
+    # The cold copy restores byte for byte (rollback), and engines never read it meanwhile.
+    assert tiers.cold.restore(v2, disk=tiers.disk, redis=tiers.redis) == 6
+    assert {p.name: p.read_bytes() for p in (tiers.disk.root / v2).rglob("*.safetensors")} == before
+    assert tiers.redis.get(v2, "chunk2") == bytes([2]) * 500
+    changes = AuditEvent.objects.filter(action="namespace.residency").values_list("after", flat=True)
+    assert sorted(c["residency"] for c in changes) == ["cold", "dropped", "dropped"]
+    # The owner was told what goes, when approved.
+    (digest,) = mail.outbox
+    assert digest.to == ["platform@example.com"]
+    assert f"Eviction run #{run.pk} (manual, approved by bob) will run now (approved)" in digest.body
+    assert digest.body.count("\n- acme/") == 12
+
+
+def test_over_budget_entries_leave_by_lru_k_in_redis_and_by_last_access_on_disk(world, kv) -> None:
+    tiers = kv["tiers"]
+    ns = world["ns"]["v3"]
+    prefix = ns.storage_prefix
+    RetentionPolicy.objects.filter(namespace=ns).update(max_bytes=600, lru_k=2)
+    now = time.time()
+    # chunk0: one access, recent; chunk1: two accesses, the older 300 s ago; chunk2: two accesses 100 s and 50 s ago.
+    tiers.redis.get(prefix, "chunk0", now=now - 10)
+    for ago in (300, 5):
+        tiers.redis.get(prefix, "chunk1", now=now - ago)
+    for ago in (100, 50):
+        tiers.redis.get(prefix, "chunk2", now=now - ago)
+    # Redis holds 3 x 500 B, the disk 3 x 2,000 B; the budget is 600 B per tier.
+    plan = eviction_plan(actor="alice", only=[ns])
+    entries = {a.tier: [k for k, _ in a.detail["entries"]] for a in plan.actions.filter(kind="delete_entries")}
+    # LRU-2: chunk0 has fewer than 2 accesses (infinite distance) and goes first, then chunk1 (2nd access 300 s ago).
+    assert entries["redis"] == ["chunk0", "chunk1"]
+    # The disk tier keeps no history: oldest last access first, until under 600 B (all three).
+    assert entries["disk"] == [f"{2:064x}", f"{1:064x}", f"{0:064x}"]
+    reason = plan.actions.get(tier="redis").reason
+    assert reason == "0 expired (size-aware TTL from None s), 2 over the 600 B budget (LRU-2)"
+    # An entry hit after the plan is no victim any more.
+    tiers.redis.get(prefix, "chunk0")
+    eviction_run_approve(run=plan, actor="bob", reason="budget")
+    assert eviction_run_execute(run_id=plan.pk) == "succeeded"
+    redis_action = plan.actions.get(tier="redis")
+    assert redis_action.confirmation == {"deleted": 1, "kept_hit_since_plan": ["chunk0"]}
+    assert sorted(e.key for e in tiers.redis.entries(prefix)) == ["chunk0", "chunk2"]
+    assert tiers.disk.entries(prefix) == []
+
+
+def test_orphan_prefixes_are_purged_after_the_grace_period(world, kv) -> None:
+    root = kv["tiers"].disk.root
+    write_entry(root, "ns-orphan-old", "a" * 64, size=100, age_s=7200)
+    write_entry(root, "ns-orphan-new", "b" * 64, size=100, age_s=60)
+    run = eviction_plan(actor="alice")
+    orphans = [(a.storage_prefix, a.kind, a.tier, a.reason) for a in run.actions.filter(namespace__isnull=True)]
+    assert orphans == [("ns-orphan-old", "delete_prefix", "disk", "orphan: no namespace has this storage prefix")]
+
+
+def test_scheduled_plans_are_auto_approved_with_notice_and_one_at_a_time(world, django_capture_on_commit_callbacks) -> None:
+    with django_capture_on_commit_callbacks(execute=True):  # the digest only: nothing is due to start
+        swept = eviction_sweep()
+    run = EvictionRun.objects.get(pk=swept["planned"])
+    assert (run.status, run.trigger, run.auto_approved, run.approved_by) == ("queued", "scheduled", True, "policy")
+    assert timedelta(minutes=59) < run.not_before - timezone.now() <= timedelta(hours=1)
+    (digest,) = mail.outbox
+    assert f"not before {run.not_before:%Y-%m-%d %H:%M} UTC" in digest.subject
+    # Not due yet: nothing runs; a second sweep plans nothing new.
+    assert eviction_run_execute(run_id=run.pk) == "not due"
+    assert eviction_sweep() == {"resumed": [], "started": [], "planned": None}
+    with pytest.raises(EvictionRefused, match="another scheduled eviction run is still open"):
+        eviction_plan(actor="scheduler", trigger="scheduled")
+    EvictionRun.objects.filter(pk=run.pk).update(not_before=timezone.now())
+    assert eviction_run_execute(run_id=run.pk) == "succeeded"
+
+
+def test_only_one_run_executes_at_a_time(world) -> None:
+    first = eviction_plan(actor="alice", only=[world["ns"]["v0"]])
+    second = eviction_plan(actor="alice", only=[world["ns"]["v1"]])
+    for run in (first, second):
+        eviction_run_approve(run=run, actor="bob", reason="ok")
+    EvictionRun.objects.filter(pk=first.pk).update(status=JobStatus.RUNNING, worker="elsewhere:1")
+    assert eviction_run_execute(run_id=second.pk) == "busy"
+    assert EvictionRun.objects.get(pk=second.pk).status == JobStatus.QUEUED
+    assert not EvictionAction.objects.filter(run=second).exclude(status="pending").exists()
+
+
+def test_redis_down_fails_the_run_with_the_reason_and_it_resumes_later(world, kv, settings) -> None:
+    run = eviction_plan(actor="alice", only=[world["ns"]["v0"]])
+    eviction_run_approve(run=run, actor="bob", reason="ok")
+    settings.KV_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    assert eviction_run_execute(run_id=run.pk) == "failed"
+    run.refresh_from_db()
+    assert run.status == JobStatus.FAILED and run.retry_at is not None
+    assert "#2 delete_prefix redis" in run.error and "TierUnavailable" in run.error
+    states = list(run.actions.order_by("seq").values_list("kind", "tier", "status"))
+    assert states == [
+        ("delete_prefix", "disk", "done"), ("delete_prefix", "redis", "failed"),
+        ("delete_archive", "cold", "pending"), ("set_residency", "", "pending"),
+    ]  # fmt: skip
+    assert CacheNamespace.objects.get(pk=world["ns"]["v0"].pk).residency == Residency.HOT  # nothing marked that was not done
+    settings.KV_REDIS_URL = REDIS_URL
+    assert eviction_runs_resume_due() == []  # not due yet
+    assert eviction_runs_resume_due(now=run.retry_at) == [run.pk]
+    assert eviction_run_execute(run_id=run.pk) == "succeeded"
+    assert CacheNamespace.objects.get(pk=world["ns"]["v0"].pk).residency == Residency.DROPPED
+    assert not kv["tiers"].redis.exists(world["ns"]["v0"].storage_prefix)
+
+
+@pytest.fixture
+def tiny_cold_root(kv, settings) -> Iterator[Path]:
+    """The cold tier on a 64 KiB tmpfs: a real "no space left on device"."""
+    mount = kv["root"] / "tiny-cold"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    settings.KV_COLD_ROOT = mount
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_full_during_a_demotion_fails_it_cleanly_and_keeps_the_hot_copy(world, kv, tiny_cold_root) -> None:
+    ns = world["ns"]["v2"]
+    for e in range(3, 8):  # 5 more entries of 2 x 20 kB: more than the cold tier can hold
+        write_entry(kv["tiers"].disk.root, ns.storage_prefix, f"{e:064x}", size=20_000, age_s=30)
+    before = DiskTier(kv["tiers"].disk.root).usage(ns.storage_prefix)
+    run = eviction_plan(actor="alice", only=[ns])
+    eviction_run_approve(run=run, actor="bob", reason="ok")
+    assert eviction_run_execute(run_id=run.pk) == "failed"
+    states = list(run.actions.order_by("seq").values_list("kind", "status"))
+    assert states == [
+        ("archive", "failed"),
+        ("delete_prefix", "pending"),
+        ("delete_prefix", "pending"),
+        ("set_residency", "pending"),
+    ]
+    assert "ENOSPC" in run.actions.get(kind="archive").error
+    assert os.listdir(tiny_cold_root) == []  # no partial archive left
+    after = DiskTier(kv["tiers"].disk.root)
+    assert after.usage(ns.storage_prefix) == before
+    some = next((after.root / ns.storage_prefix).glob("*/*.safetensors"))
+    assert len(some.read_bytes()) in (1000, 20_000)  # still readable
+    assert kv["tiers"].redis.get(ns.storage_prefix, "chunk1") == bytes([1]) * 500
+    assert CacheNamespace.objects.get(pk=ns.pk).residency == Residency.HOT
+
+
+def test_schedules_are_upserted_by_name_and_keep_operators_edits(db) -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    from cacheadmin.schedules import SCHEDULES, schedules_sync
+
+    # Created by the post-migrate sync when the test database was built.
+    assert set(PeriodicTask.objects.values_list("name", flat=True)) >= {s.name for s in SCHEDULES}
+    sweep = PeriodicTask.objects.get(name="eviction-sweep")
+    assert (sweep.task, sweep.interval.every, sweep.expire_seconds) == ("cacheadmin.eviction_sweep", 600, 540)
+    hourly, _ = IntervalSchedule.objects.get_or_create(every=3600, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.filter(pk=sweep.pk).update(interval=hourly, enabled=False, task="old.path")
+    assert schedules_sync()["eviction-sweep"] == "task updated"
+    sweep.refresh_from_db()
+    assert (sweep.task, sweep.interval.every, sweep.enabled) == ("cacheadmin.eviction_sweep", 3600, False)
+    PeriodicTask.objects.filter(name="engine-metrics-scrape").delete()
+    outcome = schedules_sync()
+    assert outcome["engine-metrics-scrape"] == "created" and outcome["eviction-sweep"] == "kept"
