@@ -22,10 +22,12 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from cacheadmin.services.engines import EngineRefused
+from cacheadmin.services.eviction import EvictionRefused
 from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
 from cacheadmin.services.namespaces import GroupError, NamespaceConflict
 from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.errors import CheckpointError
+from inference.tiers.base import TierUnavailable
 
 logger = logging.getLogger("django.request")
 
@@ -37,6 +39,8 @@ DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
     RegistrationConflict: (status.HTTP_409_CONFLICT, "registration_conflict"),
     NamespaceConflict: (status.HTTP_409_CONFLICT, "namespace_conflict"),
     GroupError: (status.HTTP_409_CONFLICT, "group_conflict"),
+    EvictionRefused: (status.HTTP_409_CONFLICT, "eviction_refused"),
+    TierUnavailable: (status.HTTP_503_SERVICE_UNAVAILABLE, "tier_unavailable"),
     LifecycleError: (status.HTTP_409_CONFLICT, "lifecycle_conflict"),
 }
 

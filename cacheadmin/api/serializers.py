@@ -14,12 +14,16 @@ from rest_framework import serializers
 from cacheadmin.api.auth import request_tenant
 from cacheadmin.api.filters import MAX_ID
 from cacheadmin.models import (
+    AccountingScan,
     Adapter,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
     ComparisonResult,
     Engine,
+    EngineMetricsSample,
+    EvictionAction,
+    EvictionRun,
     ModelVersion,
     PrewarmJob,
     PrewarmResult,
@@ -28,6 +32,7 @@ from cacheadmin.models import (
     RetentionPolicy,
     SharedGroup,
     Tenant,
+    TierUsageSample,
 )
 from cacheadmin.models.naming import validate_display_name
 from cacheadmin.models.tenancy import slug_validator
@@ -416,3 +421,68 @@ class RegistrationJobSerializer(serializers.ModelSerializer):
 
 class CancelSerializer(StrictFieldsMixin, serializers.Serializer):
     reason = StrictCharField(max_length=500, required=False, allow_blank=True, default="")
+
+
+class EvictionRunSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = EvictionRun
+        fields = (
+            "id", "status", "trigger", "reason", "progress_done", "progress_total", "attempts", "created_at", "created_by",
+            "approved_by", "approved_at", "auto_approved", "not_before", "started_at", "finished_at", "retry_at",
+            "bytes_planned", "bytes_freed", "digest_sent_at", "error", "log",
+        )  # fmt: skip
+
+
+class EvictionActionSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = EvictionAction
+        fields = (
+            "seq", "kind", "tier", "namespace", "storage_prefix", "engine", "detail", "reason", "bytes_planned",
+            "bytes_freed", "status", "confirmation", "error", "started_at", "finished_at",
+        )  # fmt: skip
+
+
+class EvictionPlanSerializer(StrictFieldsMixin, serializers.Serializer):
+    only = serializers.ListField(
+        child=IdField(queryset=CacheNamespace.objects.all()), required=False, max_length=1000,
+        help_text="consider only these namespaces (default: all, and orphan prefixes)",
+    )  # fmt: skip
+    purge = serializers.ListField(
+        child=IdField(queryset=CacheNamespace.objects.all()), required=False, max_length=1000,
+        help_text="drop these namespaces from every tier whatever the version policy says",
+    )  # fmt: skip
+    include_orphans = StrictBooleanField(default=True)
+    reason = StrictCharField(max_length=2000, required=False, allow_blank=True, default="")
+
+
+class ReasonSerializer(StrictFieldsMixin, serializers.Serializer):
+    reason = StrictCharField(max_length=2000)
+
+
+class AccountingScanSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AccountingScan
+        fields = (
+            "id", "status", "created_at", "created_by", "started_at", "finished_at", "prefixes_seen", "orphan_prefixes",
+            "bytes_total", "error",
+        )  # fmt: skip
+
+
+class TierUsageSampleSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = TierUsageSample
+        fields = (
+            "id", "scan", "namespace", "storage_prefix", "tier", "bytes", "allocated_bytes", "entries", "oldest_entry_at",
+            "newest_entry_at", "last_access_at", "sampled_at",
+        )  # fmt: skip
+
+
+class EngineMetricsSampleSerializer(serializers.ModelSerializer):
+    hit_rate = serializers.FloatField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = EngineMetricsSample
+        fields = (
+            "id", "engine", "sampled_at", "ok", "error", "prefix_cache_queries", "prefix_cache_hits",
+            "external_prefix_cache_queries", "external_prefix_cache_hits", "kv_cache_usage", "hit_rate",
+        )  # fmt: skip

@@ -29,10 +29,15 @@ router.register("engines", views.EngineViewSet, basename="engine")
 router.register("prewarm-jobs", views.PrewarmJobViewSet, basename="prewarm-job")
 router.register("comparison-jobs", views.ComparisonJobViewSet, basename="comparison-job")
 router.register("registration-jobs", views.RegistrationJobViewSet, basename="registration-job")
+router.register("eviction-runs", views.EvictionRunViewSet, basename="eviction-run")
+router.register("accounting-scans", views.AccountingScanViewSet, basename="accounting-scan")
+router.register("tier-usage", views.TierUsageViewSet, basename="tier-usage")
+router.register("engine-metrics", views.EngineMetricsViewSet, basename="engine-metrics")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
 
 urlpatterns = [
     re_path(r"^identity-diff/?$", views.IdentityDiffView.as_view(), name="identity-diff"),
+    re_path(r"^orphans/?$", views.OrphansView.as_view(), name="orphans"),
     re_path(r"^schema/?$", SpectacularAPIView.as_view(), name="api-schema"),
     re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include(router.urls)),

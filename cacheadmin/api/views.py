@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import django_filters
 from django.contrib.auth.views import redirect_to_login
 from django.db import models
 from django.http.response import HttpResponseBase
@@ -19,12 +20,16 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
+from cacheadmin.api.filters import ControlPlaneFilterSet
 from cacheadmin.models import (
+    AccountingScan,
     Adapter,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
     Engine,
+    EngineMetricsSample,
+    EvictionRun,
     ModelVersion,
     PrewarmJob,
     RegistrationJob,
@@ -32,11 +37,14 @@ from cacheadmin.models import (
     SharedGroup,
     SharedGroupMembership,
     Tenant,
+    TierUsageSample,
 )
 from cacheadmin.models.naming import name_key
+from cacheadmin.services.accounting import accounting_scan_create, orphans_report
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_attach_namespace
+from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
@@ -440,3 +448,119 @@ class IdentityDiffView(APIView):
         fields = (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")
         a, b = (versions[query.validated_data[k]] for k in ("a", "b"))
         return Response(identity_diff({f: getattr(a, f) for f in fields}, {f: getattr(b, f) for f in fields}))
+
+
+class EvictionRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Eviction runs: POST plans one (a dry run, nothing is touched); an
+    operator approves it (``…/approve/`` with a reason) and a worker executes
+    it, each action recorded before it is done and confirmed by its tier.
+    Runs span tenants: not for tenant-bound tokens."""
+
+    queryset = EvictionRun.objects.order_by("-created_at", "-id")
+    serializer_class = s.EvictionRunSerializer
+    filterset_fields = ("status", "trigger")
+    ordering_fields = ("created_at", "status", "bytes_planned")
+    tenant_bound_allowed = False
+
+    @extend_schema(request=s.EvictionPlanSerializer, responses={201: s.EvictionRunSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        data = validated(request, s.EvictionPlanSerializer)
+        only = data.get("only")
+        run = eviction_plan(
+            actor=actor_of(request),
+            only=list(only) if only is not None else None,
+            purge=[CacheNamespace.objects.select_related("policy").get(pk=ns.pk) for ns in data.get("purge", [])],
+            include_orphans=data["include_orphans"],
+            reason=data["reason"],
+        )
+        return Response(s.EvictionRunSerializer(run).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={200: s.EvictionActionSerializer(many=True)})
+    @action(detail=True, methods=["get"])
+    def actions(self, request: Request, pk: str | None = None) -> Response:
+        """Every action of the run, in order, with the bytes it frees and what its tier confirmed."""
+        run = self.get_object()
+        return Response(s.EvictionActionSerializer(run.actions.order_by("seq"), many=True).data)
+
+    @extend_schema(request=s.ReasonSerializer, responses={200: s.EvictionRunSerializer})
+    @action(detail=True, methods=["post"])
+    def approve(self, request: Request, pk: str | None = None) -> Response:
+        """Approve a planned run (409 if it is not awaiting approval; audited; owners get a digest)."""
+        run = self.get_object()
+        reason = validated(request, s.ReasonSerializer)["reason"]
+        return Response(s.EvictionRunSerializer(eviction_run_approve(run=run, actor=actor_of(request), reason=reason)).data)
+
+    @extend_schema(request=s.CancelSerializer, responses={200: s.EvictionRunSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel a planned, queued or running run (a running one stops after its current action)."""
+        reason = validated(request, s.CancelSerializer)["reason"]
+        return Response(s.EvictionRunSerializer(job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)).data)
+
+
+class AccountingScanViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Accounting scans of every tier; POST starts one (202)."""
+
+    queryset = AccountingScan.objects.order_by("-created_at", "-id")
+    serializer_class = s.AccountingScanSerializer
+    filterset_fields = ("status",)
+    ordering_fields = ("created_at",)
+    tenant_bound_allowed = False
+
+    @extend_schema(request=None, responses={202: s.AccountingScanSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        if request.data:
+            raise ValidationError({"non_field_errors": ["this request takes no body"]})
+        scan = accounting_scan_create(actor=actor_of(request))
+        return Response(s.AccountingScanSerializer(scan).data, status=status.HTTP_202_ACCEPTED)
+
+
+class TierUsageFilter(ControlPlaneFilterSet):
+    since = django_filters.IsoDateTimeFilter(field_name="sampled_at", lookup_expr="gte")
+    until = django_filters.IsoDateTimeFilter(field_name="sampled_at", lookup_expr="lt")
+
+    class Meta(ControlPlaneFilterSet.Meta):
+        model = TierUsageSample
+        fields = ("namespace", "tier", "storage_prefix", "scan")
+
+
+class TierUsageViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+    """Accounting time series: bytes, entries, oldest/newest entry and last
+    access per (tier, storage prefix) and scan. ``namespace`` is null for
+    orphan prefixes. Filter by ``namespace``, ``tier``, ``since``/``until``."""
+
+    serializer_class = s.TierUsageSampleSerializer
+    filterset_class = TierUsageFilter
+    ordering_fields = ("sampled_at", "bytes", "tier")
+    namespace_path = "namespace__"
+
+    def get_queryset(self) -> models.QuerySet:
+        return self.scope_to_tenant(TierUsageSample.objects.order_by("-sampled_at", "-id"), self.request)
+
+
+class EngineMetricsViewSet(viewsets.ReadOnlyModelViewSet):
+    """Scrapes of engines' ``/metrics``: prefix-cache queries and hits (tokens),
+    external (persistent tier) queries and hits, KV usage."""
+
+    serializer_class = s.EngineMetricsSampleSerializer
+    filterset_fields = ("engine", "ok")
+    ordering_fields = ("sampled_at",)
+
+    def get_queryset(self) -> models.QuerySet:
+        queryset = EngineMetricsSample.objects.order_by("-sampled_at", "-id")
+        tenant_id = request_tenant(self.request)
+        if tenant_id is not None:
+            queryset = queryset.filter(engine__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
+        return queryset
+
+
+class OrphansView(APIView):
+    """What nobody owns any more: storage prefixes without a namespace (from the
+    latest scan), namespaces of retired versions and superseded group
+    generations still holding state, adapters unused for ADAPTER_UNUSED_DAYS."""
+
+    tenant_bound_allowed = False
+
+    @extend_schema(responses={200: dict})
+    def get(self, request: Request) -> Response:
+        return Response(orphans_report())

@@ -11,7 +11,6 @@ from inference.tiers.cold import ColdTier
 from inference.tiers.disk import DiskTier
 from inference.tiers.redis_tier import RedisTier
 
-
 #: Accesses the Redis tier remembers per entry: the largest K a policy's LRU-K may use.
 REDIS_HISTORY_K = 8
 

@@ -19,6 +19,7 @@ vanished.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat as stat_module
@@ -47,6 +48,29 @@ _mtime = attrgetter("st_mtime")
 _nlink = attrgetter("st_nlink")
 
 
+def _gone(exc: OSError) -> bool:
+    """Whether an error means the path vanished or was swapped for a symlink
+    (never followed: O_NOFOLLOW answers ELOOP) while we scanned: skip it."""
+    return isinstance(exc, (FileNotFoundError, NotADirectoryError)) or exc.errno == errno.ELOOP
+
+
+def stat_files(dir_fd: int) -> list[os.stat_result]:
+    """``lstat`` of every name in ``dir_fd``: one ``map`` in C on the usual
+    path; if a file vanishes meanwhile (an eviction running beside the scan),
+    again one by one, skipping the missing."""
+    names = os.listdir(dir_fd)
+    try:
+        return list(map(partial(os.stat, dir_fd=dir_fd, follow_symlinks=False), names))
+    except FileNotFoundError:
+        found = []
+        for name in names:
+            try:
+                found.append(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+        return found
+
+
 def in_shard(name: str, shard: int, nshards: int) -> bool:
     """Whether entry ``name`` belongs to ``shard`` of ``nshards``: CRC-32 of its
     bytes, so every process agrees however the directory is listed."""
@@ -62,13 +86,18 @@ def walk_tree(dir_fd: int) -> tuple[int, int, float | None]:
     with os.scandir(dir_fd) as it:
         children = list(it)
     for child in children:
-        st = child.stat(follow_symlinks=False)
+        try:
+            st = child.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
         blocks += st.st_blocks
         if stat_module.S_ISDIR(st.st_mode):
             try:
                 fd = os.open(child.name, DIR_FLAGS, dir_fd=dir_fd)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+            except OSError as exc:
+                if _gone(exc):
+                    continue
+                raise
             try:
                 sub_size, sub_blocks, sub_last = walk_tree(fd)
             finally:
@@ -103,12 +132,17 @@ def list_prefix(prefix_fd: int) -> tuple[list[str], list[os.DirEntry[str]]]:
 
 def scan_prefix(root_fd: int, prefix: str, shard: int = 0, nshards: int = 1) -> Aggregate | None:
     """Aggregate one prefix's shard (see the module doc); None if the prefix is
-    not a directory (vanished, or a symlink, which is never followed)."""
+    not a directory (vanished, or a symlink, which is never followed).
+
+    Raises:
+        OSError: other than a path vanishing (permissions, I/O errors).
+    """
     try:
         pfd = os.open(prefix, DIR_FLAGS, dir_fd=root_fd)
-    except (FileNotFoundError, NotADirectoryError, OSError):
-        # ELOOP for a symlink opened with O_NOFOLLOW.
-        return None
+    except OSError as exc:
+        if _gone(exc):
+            return None
+        raise
     size = blocks = 0
     oldest: float | None = None
     newest: float | None = None
@@ -119,7 +153,10 @@ def scan_prefix(root_fd: int, prefix: str, shard: int = 0, nshards: int = 1) -> 
             # The prefix directory itself and stray files are counted once, by shard 0.
             blocks += os.fstat(pfd).st_blocks
             for other in others:
-                st = other.stat(follow_symlinks=False)
+                try:
+                    st = other.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 size += st.st_size
                 blocks += st.st_blocks
         if nshards > 1:
@@ -135,13 +172,15 @@ def scan_prefix(root_fd: int, prefix: str, shard: int = 0, nshards: int = 1) -> 
                 try:
                     dst = dstat(name)
                     efd = os.open(name, DIR_FLAGS, dir_fd=pfd)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue  # deleted while we scanned
+                except OSError as exc:
+                    if _gone(exc):
+                        continue  # evicted while we scanned
+                    raise
                 try:
                     if dst.st_nlink == 2:
                         # No subdirectories (ext4/xfs count "." and ".."): the
                         # ExampleConnector layout, the fast path.
-                        extend(map(partial(os.stat, dir_fd=efd, follow_symlinks=False), os.listdir(efd)))
+                        extend(stat_files(efd))
                     else:
                         sub_size, sub_blocks, sub_last = walk_tree(efd)
                         size += sub_size
@@ -186,12 +225,14 @@ def entry_details(prefix_fd: int, name: str) -> tuple[int, float, float | None] 
     None if it is not a directory (anymore)."""
     try:
         efd = os.open(name, DIR_FLAGS, dir_fd=prefix_fd)
-    except (FileNotFoundError, NotADirectoryError, OSError):
-        return None
+    except OSError as exc:
+        if _gone(exc):
+            return None
+        raise
     try:
         dst = os.fstat(efd)
         if dst.st_nlink == 2:
-            files = list(map(partial(os.stat, dir_fd=efd, follow_symlinks=False), os.listdir(efd)))
+            files = stat_files(efd)
             size = sum(map(_size, files))
             last = max(max(map(_atime, files)), max(map(_mtime, files))) if files else None
         else:

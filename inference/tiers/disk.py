@@ -469,9 +469,9 @@ class DiskTier:
             for shard, proc in enumerate(workers, start=1):
                 result = _finish_worker(proc)
                 partials.append(result if result is not None else _scan.scan_prefixes(root, prefixes, shard, nshards))
-        except FileNotFoundError:
-            return {}  # no root: nothing stored
         except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and not self.root.exists():
+                return {}  # no root: nothing stored
             raise TierError(f"disk tier {self.root}: scan failed: {exc}") from exc
         finally:
             for proc in workers:

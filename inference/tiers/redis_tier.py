@@ -12,8 +12,8 @@ times from Redis are converted with the server's ``TIME``.
 
 Use a database of its own for the tier: :meth:`RedisTier.usage_all` groups
 every key of the database by the text before its first ``:``. The Lua script
-of ``get`` touches an entry and its prefix's hash in one call, so the tier
-assumes one Redis (or one Cluster slot per prefix via hash tags).
+of ``get`` touches an entry and its prefix's metadata hash in one call, which
+Redis Cluster refuses (different hash slots): the tier needs a single Redis.
 """
 
 from __future__ import annotations

@@ -8,12 +8,15 @@ import pytest
 from django.utils import timezone
 
 from cacheadmin.models import (
+    AccountingScan,
     Adapter,
     ApiToken,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
     Engine,
+    EngineMetricsSample,
+    EvictionRun,
     ModelVersion,
     PrewarmJob,
     RegistrationJob,
@@ -22,6 +25,7 @@ from cacheadmin.models import (
     SharedGroup,
     SharedGroupMembership,
     Tenant,
+    TierUsageSample,
 )
 
 pytestmark = pytest.mark.django_db
@@ -117,6 +121,36 @@ def _audit_events(world: dict, n: int) -> None:
     )
 
 
+def _eviction_runs(world: dict, n: int) -> None:
+    EvictionRun.objects.bulk_create(EvictionRun(status="planned", created_by="a", corpus="") for _ in range(n))
+
+
+def _scans_and_usage(world: dict, n: int) -> None:
+    scans = AccountingScan.objects.bulk_create(AccountingScan(created_by="a", corpus="") for _ in range(n))
+    now = timezone.now()
+    TierUsageSample.objects.bulk_create(
+        TierUsageSample(
+            scan=scan,
+            namespace=world["ns"]["acme"],
+            storage_prefix="ns-acme",
+            tier="disk",
+            bytes=1,
+            allocated_bytes=1,
+            entries=1,
+            sampled_at=now,
+        )
+        for scan in scans
+    )
+
+
+def _engine_metrics(world: dict, n: int) -> None:
+    now = timezone.now()
+    EngineMetricsSample.objects.bulk_create(
+        EngineMetricsSample(engine=world["engine"], sampled_at=now, prefix_cache_queries=10, prefix_cache_hits=5)
+        for _ in range(n)
+    )
+
+
 #: (list URL, row factory, persona, queries). Queries: the token, the count,
 #: the page, and one per prefetched relation; never one per row.
 LISTS: list[tuple[str, Callable[[dict, int], None], str, int]] = [
@@ -134,6 +168,12 @@ LISTS: list[tuple[str, Callable[[dict, int], None], str, int]] = [
     ("/api/comparison-jobs/", _comparison_jobs, "alice", 3),
     ("/api/registration-jobs/", _registration_jobs, "alice", 3),
     ("/api/audit-events/", _audit_events, "alice", 3),
+    ("/api/eviction-runs/", _eviction_runs, "alice", 3),
+    ("/api/accounting-scans/", _scans_and_usage, "alice", 3),
+    ("/api/tier-usage/", _scans_and_usage, "alice", 3),
+    ("/api/tier-usage/", _scans_and_usage, "bob", 3),
+    ("/api/engine-metrics/", _engine_metrics, "alice", 3),
+    ("/api/engine-metrics/", _engine_metrics, "bob", 3),
 ]
 
 

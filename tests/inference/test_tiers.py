@@ -114,6 +114,7 @@ def test_disk_entries_and_usage_on_the_example_connector_layout(disk_root: Path,
     os.utime(disk_root / "ns-aa" / "e3", (3000.0, 3000.0))  # adding the link moved the folder's mtime
     tier = DiskTier(disk_root)
     link_size = len(str(outside / "big.bin"))  # lstat size of the link itself
+    assert not DiskTier.keeps_access_history and "atime" in DiskTier.access_time_source
 
     assert tier.prefixes() == ["ns-aa", "ns-bb"]
     assert tier.exists("ns-aa") and not tier.exists("ns-link") and not tier.exists("ns-zz")
@@ -216,6 +217,7 @@ def test_disk_refuses_bad_keys_before_deleting_anything(disk_root: Path, bad: st
 def test_redis_put_get_keeps_the_last_k_accesses(rclient: redis.Redis, new_prefix: Callable[[str], str]) -> None:
     tier = RedisTier(rclient, history_k=2)
     prefix = new_prefix("")
+    assert RedisTier.keeps_access_history and "OBJECT IDLETIME" in RedisTier.access_time_source
     tier.put(prefix, "a", b"alpha", now=100.0)
     tier.put(prefix, "b", b"be", now=150.0)
     assert tier.get(prefix, "a", now=200.0) == b"alpha"
@@ -337,6 +339,9 @@ def test_redis_down_is_tier_unavailable() -> None:
         lambda: tier.delete_prefix("ns-x"),
         lambda: tier.delete_entries("ns-x", ["k"]),
         lambda: list(tier.dump_prefix("ns-x")),
+        lambda: tier.restore_entries("ns-x", [("k", b"payload", 0)]),
+        lambda: tier.exists("ns-x"),
+        lambda: tier.usage("ns-x"),
     ]
     for call in calls:
         with pytest.raises(TierUnavailable, match=f"Redis at 127.0.0.1:{port}/14 unavailable .*ConnectionError"):
