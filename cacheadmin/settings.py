@@ -145,8 +145,8 @@ ORPHAN_GRACE_S = env_int("ORPHAN_GRACE_S", 3600, minimum=0)
 ADAPTER_UNUSED_DAYS = env_int("ADAPTER_UNUSED_DAYS", 30, minimum=1)
 #: Seconds before a failed sweep (e.g. a tier unreachable) is resumed.
 EVICTION_RETRY_S = env_int("EVICTION_RETRY_S", 300, minimum=1)
-#: Owners' digests: console by default; set EMAIL_BACKEND / EMAIL_HOST for real mail.
-EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+#: Owners' digests: printed on stderr by default; set EMAIL_BACKEND / EMAIL_HOST for real mail.
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "cacheadmin.mail.StderrConsoleEmailBackend")
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "kv-cache-control-plane@localhost")

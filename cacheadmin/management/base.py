@@ -117,11 +117,14 @@ def adapters_from_options(command: ControlPlaneCommand, opts: dict[str, Any]) ->
 def refused_errors() -> tuple[type[Exception], ...]:
     """Service errors that mean "refused" (exit 4) rather than "bad input" (exit 2)."""
     from cacheadmin.services.engines import EngineRefused
+    from cacheadmin.services.eviction import EvictionRefused
     from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
-    from cacheadmin.services.namespaces import NamespaceConflict
+    from cacheadmin.services.namespaces import GroupError, NamespaceConflict
     from cacheadmin.services.prewarm import JobRefused
 
-    return (EngineRefused, JobRefused, LifecycleError, NamespaceConflict, RegistrationConflict)
+    return (
+        EngineRefused, EvictionRefused, GroupError, JobRefused, LifecycleError, NamespaceConflict, RegistrationConflict,
+    )  # fmt: skip
 
 
 def get_or_bad_input(command: ControlPlaneCommand, model: type, pk: int | str, what: str, **lookup: Any) -> Any:

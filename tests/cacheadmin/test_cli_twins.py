@@ -116,3 +116,53 @@ def test_shared_groups_from_the_cli() -> None:
     assert renewed["namespace_id"] != shared["namespace_id"]
     assert run("namespace", "salt", str(renewed["id"])).returncode == 0
     assert [e.action for e in AuditEvent.objects.order_by("id")].count("shared_group.join") == 2
+
+
+def test_eviction_and_accounting_from_the_cli(tmp_path) -> None:
+    from cacheadmin.models import EvictionRun, RetentionPolicy
+    from tests.cacheadmin.test_eviction import write_entry
+
+    env = subprocess_env(KV_STORE_ROOT=str(tmp_path / "kv"), KV_COLD_ROOT=str(tmp_path / "cold"), KV_REDIS_URL="")
+    tenant = Tenant.objects.create(slug="acme", name="Acme")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    namespaces = []
+    for i, status in enumerate(("retired", "active")):
+        version = ModelVersion.objects.create(
+            label=f"v{i}", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64,
+            layout="d" * 64, adapters="e" * 64, identity=f"{i}" * 64, inputs={}, status=status,
+        )  # fmt: skip
+        ns = CacheNamespace.objects.create(
+            namespace_id=f"{i}" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix=f"ns-cli-{i}"
+        )
+        RetentionPolicy.objects.create(namespace=ns, versions_kept=1, cold_versions_kept=0)
+        write_entry(tmp_path / "kv", ns.storage_prefix, "a" * 64, size=100, age_s=10)
+        namespaces.append(ns)
+
+    def cli(*args: str):
+        return manage(*args, env=env)
+
+    planned = cli("evict", "plan", "--no-orphans", "--reason", "retired v0")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert (plan["status"], [(a["kind"], a["tier"]) for a in plan["actions"]]) == (
+        "planned",
+        [("delete_prefix", "disk"), ("delete_archive", "cold"), ("set_residency", "")],
+    )
+    one_line_error(cli("evict", "approve", str(plan["id"])), 2, "--reason")
+    one_line_error(cli("evict", "approve", "999", "--reason", "x"), 2, "no eviction run 999")
+    one_line_error(cli("evict", "plan", "--purge", "999"), 2, "no namespace 999")
+    RetentionPolicy.objects.filter(namespace=namespaces[1]).update(pinned=True, hold_by="legal", hold_reason="case 7")
+    one_line_error(cli("evict", "plan", "--purge", str(namespaces[1].pk)), 4, "a held namespace is never purged")
+    approving = cli("evict", "approve", str(plan["id"]), "--reason", "retired")
+    assert approving.returncode == 0, approving.stderr
+    approved = json.loads(approving.stdout)
+    assert (approved["status"], approved["approved_by"]) == ("queued", "cli")
+    one_line_error(cli("evict", "approve", str(plan["id"]), "--reason", "again"), 4, "not awaiting approval")
+    cancelled = json.loads(cli("evict", "cancel", str(plan["id"]), "--reason", "not now").stdout)
+    assert cancelled["status"] == "cancelled"
+    assert EvictionRun.objects.get(pk=plan["id"]).status == "cancelled"
+    scanned = cli("accounting", "scan")
+    assert scanned.returncode == 0, scanned.stderr
+    assert json.loads(scanned.stdout)["bytes_total"] == 2 * 2 * 100
+    orphans = json.loads(cli("accounting", "orphans").stdout)
+    assert [n["why"] for n in orphans["namespaces"]] == ["model version v0 is retired"]
