@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from django.db.models import Max, QuerySet
 
-from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, SharedGroup
+from cacheadmin.models import (
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EvictionRun,
+    ModelVersion,
+    PrewarmJob,
+    SharedGroup,
+    TierUsageSample,
+)
 
 
 def model_version_list() -> QuerySet[ModelVersion]:
@@ -43,3 +52,35 @@ def comparison_job_list(limit: int = 20) -> QuerySet[ComparisonJob]:
     return ComparisonJob.objects.select_related(
         "engine__model_version", "reference_engine", "namespace__tenant", "namespace__group", "namespace__model_version"
     ).order_by("-created_at", "-id")[:limit]
+
+
+def eviction_run_list(limit: int = 10) -> QuerySet[EvictionRun]:
+    """Recent eviction runs (one query)."""
+    return EvictionRun.objects.order_by("-created_at", "-id")[:limit]
+
+
+def latest_usage_by_namespace() -> dict[int, dict[str, TierUsageSample]]:
+    """Namespace pk → tier → its newest usage sample (two queries, whatever the history's length)."""
+    newest = TierUsageSample.objects.filter(namespace__isnull=False).values("namespace", "tier").annotate(last=Max("id"))
+    out: dict[int, dict[str, TierUsageSample]] = {}
+    for sample in TierUsageSample.objects.filter(id__in=[row["last"] for row in newest]):
+        out.setdefault(sample.namespace_id, {})[sample.tier] = sample
+    return out
+
+
+def usage_series(namespace: CacheNamespace, limit: int = 500) -> dict[str, object]:
+    """Bytes per tier over the last ``limit`` samples, shaped for Chart.js:
+    ``{"labels": [ISO times], "datasets": [{"label": tier, "data": [bytes or null]}]}``."""
+    rows = list(
+        TierUsageSample.objects.filter(namespace=namespace)
+        .order_by("-sampled_at")
+        .values_list("sampled_at", "tier", "bytes")[:limit]
+    )
+    times = sorted({t for t, _, _ in rows})
+    by_tier: dict[str, dict[object, int]] = {}
+    for t, tier, size in rows:
+        by_tier.setdefault(tier, {})[t] = size
+    return {
+        "labels": [t.isoformat() for t in times],
+        "datasets": [{"label": tier, "data": [values.get(t) for t in times]} for tier, values in sorted(by_tier.items())],
+    }

@@ -100,10 +100,11 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
-# htmx comes from the npm registry at setup (package.json); never copied here.
+# htmx and Chart.js come from the npm registry at setup (package.json); never copied here.
 STATICFILES_DIRS = [
     BASE_DIR / "static",
     ("vendor/htmx", BASE_DIR / "node_modules" / "htmx.org" / "dist"),
+    ("vendor/chartjs", BASE_DIR / "node_modules" / "chart.js" / "dist"),
 ]
 
 # --- Control plane -----------------------------------------------------------

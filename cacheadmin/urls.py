@@ -13,6 +13,9 @@ urlpatterns = [
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
     path("engines/<int:pk>/", views.engine_detail, name="engine-detail"),
     path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
+    path("namespaces/<int:pk>/", views.namespace_detail, name="namespace-detail"),
+    path("eviction-runs/<int:pk>/", views.eviction_run_detail, name="eviction-run-detail"),
+    path("eviction-runs/plan", views.eviction_run_plan, name="eviction-run-plan"),
     path("admin/", admin.site.urls),
     path("api/", include("cacheadmin.api.urls")),
 ]

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from django.contrib.auth.decorators import login_not_required
 from django.db import connection
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import get_object_or_404, render
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
 from cacheadmin import selectors
-from cacheadmin.models import ComparisonJob, Engine, ModelVersion, PrewarmJob
+from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob
+from cacheadmin.services.accounting import namespace_usage_latest
+from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
+from cacheadmin.services.jobs import job_cancel
+from cacheadmin.services.model_versions import LifecycleError
+from inference.tiers.base import TierUnavailable
 
 #: Poll intervals (seconds) of live fragments: while a job or an engine runs,
 #: and when nothing does. Hidden tabs do not poll at all (hx-trigger filter).
@@ -36,6 +42,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "model_versions": selectors.model_version_list(),
         "namespaces": selectors.namespace_list(),
         "shared_groups": selectors.shared_group_list(),
+        "eviction_runs": selectors.eviction_run_list(),
+        "usage": selectors.latest_usage_by_namespace(),
         "identity_fields": ModelVersion.IDENTITY_FIELDS,
         **_live_context(),
     }
@@ -89,6 +97,68 @@ def comparison_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         pk=pk,
     )
     return _job_page(request, job, "comparison_job_detail.html")
+
+
+def namespace_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A namespace: policy, residency, bytes per tier over time, and the eviction actions that touched it."""
+    namespace = get_object_or_404(
+        CacheNamespace.objects.select_related("model_version", "tenant", "group", "retention_owner", "policy"), pk=pk
+    )
+    series = selectors.usage_series(namespace)
+    return render(
+        request,
+        "cacheadmin/namespace_detail.html",
+        {
+            "ns": namespace,
+            "latest": namespace_usage_latest(namespace),
+            "chart": series,
+            "actions": namespace.eviction_actions.select_related("run").order_by("-run_id", "seq")[:50],
+        },
+    )
+
+
+def eviction_run_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """An eviction run: every action with its bytes and confirmation; staff approve or cancel it here."""
+    run = get_object_or_404(EvictionRun, pk=pk)
+    error = ""
+    if request.method == "POST":
+        if not request.user.is_staff:
+            return HttpResponseForbidden("approving or cancelling an eviction run needs a staff account")
+        reason = request.POST.get("reason", "")
+        actor = f"{request.user.get_username()} (page)"
+        try:
+            if request.POST.get("decision") == "approve":
+                eviction_run_approve(run=run, actor=actor, reason=reason)
+            elif request.POST.get("decision") == "cancel":
+                job_cancel(job=run, actor=actor, reason=reason)
+            else:
+                error = "unknown decision"
+        except (EvictionRefused, LifecycleError) as exc:
+            error = str(exc)
+        if not error:
+            return redirect("eviction-run-detail", pk=run.pk)
+        run.refresh_from_db()
+    context = {
+        "run": run,
+        "actions": run.actions.select_related("namespace__model_version", "namespace__tenant", "namespace__group", "engine"),
+        "poll_s": POLL_ACTIVE_S if run.is_active else None,
+        "error": error,
+    }
+    if request.headers.get("HX-Request"):
+        return render(request, "cacheadmin/_eviction_run_detail.html", context)
+    return render(request, "cacheadmin/eviction_run_detail.html", context, status=400 if error else 200)
+
+
+@require_POST
+def eviction_run_plan(request: HttpRequest) -> HttpResponse:
+    """Plan a run of every namespace (a dry run) and show it for review (staff)."""
+    if not request.user.is_staff:
+        return HttpResponseForbidden("planning an eviction run needs a staff account")
+    try:
+        run = eviction_plan(actor=f"{request.user.get_username()} (page)", reason=request.POST.get("reason", ""))
+    except TierUnavailable as exc:
+        return HttpResponse(f"cannot plan: {exc}", status=503, content_type="text/plain")
+    return redirect("eviction-run-detail", pk=run.pk)
 
 
 @login_not_required

@@ -19,3 +19,9 @@ def as_json(value: object) -> str:
 def field_value(obj: object, name: str) -> object:
     """``obj.<name>`` for a field name held in a variable (identity fields)."""
     return getattr(obj, name, "")
+
+
+@register.filter
+def get_item(mapping: dict | None, key: object) -> object:
+    """``mapping[key]``, or an empty dict when absent (templates cannot index by a variable)."""
+    return (mapping or {}).get(key, {})

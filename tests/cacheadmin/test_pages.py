@@ -4,17 +4,22 @@ dashboard's query count does not grow with the number of rows."""
 from __future__ import annotations
 
 import pytest
+from django.utils import timezone
 
 from cacheadmin.models import (
+    AccountingScan,
     CacheNamespace,
     ComparisonJob,
     Engine,
+    EvictionAction,
+    EvictionRun,
     ModelVersion,
     PrewarmJob,
     RetentionOwner,
     SharedGroup,
     SharedGroupMembership,
     Tenant,
+    TierUsageSample,
 )
 
 pytestmark = pytest.mark.django_db
@@ -51,15 +56,27 @@ def _rows(n: int) -> None:
         ref = Engine.objects.create(name=f"r{n}-{i}", model_version=version, base_url="http://127.0.0.1:2", status="stopped")
         PrewarmJob.objects.create(namespace=ns, engine=engine, status="succeeded")
         ComparisonJob.objects.create(namespace=ns, engine=engine, reference_engine=ref, status="succeeded")
+        scan = AccountingScan.objects.create(status="succeeded", corpus="")
+        sampled_at = timezone.now()
+        for tier in ("disk", "cold"):
+            TierUsageSample.objects.create(
+                scan=scan, namespace=ns, storage_prefix=ns.storage_prefix, tier=tier, bytes=1000 * (i + 1), allocated_bytes=4096,
+                entries=i + 1, sampled_at=sampled_at,
+            )  # fmt: skip
+        run = EvictionRun.objects.create(status="planned", corpus="", progress_total=1, bytes_planned=1000)
+        EvictionAction.objects.create(
+            run=run, seq=1, kind="delete_prefix", tier="disk", namespace=ns, storage_prefix=ns.storage_prefix, reason="x"
+        )
 
 
 def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert_num_queries) -> None:
     _rows(1)
-    # session, user, versions, namespaces, shared groups, their members, engines, prewarm jobs, comparison jobs
-    with django_assert_num_queries(9):
+    # session, user, versions, namespaces, shared groups, their members, eviction runs,
+    # latest usage (2), engines, prewarm jobs, comparison jobs
+    with django_assert_num_queries(12):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(9):
+    with django_assert_num_queries(12):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 
@@ -98,3 +115,34 @@ def test_admin_changes_and_deletions_are_audited(admin_client) -> None:
     assert response.status_code == 302 and not RetentionOwner.objects.filter(pk=owner.pk).exists()
     deleted = AuditEvent.objects.get(action="retentionowner.delete")
     assert deleted.before["name"] == "gone"
+
+
+def test_namespace_page_shows_storage_and_its_series(admin_client) -> None:
+    _rows(1)
+    ns = CacheNamespace.objects.get()
+    page = admin_client.get(f"/namespaces/{ns.pk}/").content.decode()
+    assert "1000\xa0bytes" in page and "vendor/chartjs/chart.umd.min.js" in page
+    assert '"datasets": [{"label": "cold", "data": [1000]}, {"label": "disk", "data": [1000]}]' in page
+    assert admin_client.get("/namespaces/999999/").status_code == 404
+
+
+def test_staff_approve_eviction_runs_on_their_page_and_others_cannot(
+    admin_client, client, django_capture_on_commit_callbacks
+) -> None:
+    from django.contrib.auth.models import User
+
+    _rows(1)
+    run = EvictionRun.objects.get()
+    page = admin_client.get(f"/eviction-runs/{run.pk}/").content.decode()
+    assert "Approve and run" in page and "delete_prefix" in page
+    missing = admin_client.post(f"/eviction-runs/{run.pk}/", {"decision": "approve", "reason": ""})
+    assert missing.status_code == 400 and "an approval needs a reason" in missing.content.decode()
+    with django_capture_on_commit_callbacks():
+        approved = admin_client.post(f"/eviction-runs/{run.pk}/", {"decision": "approve", "reason": "reviewed"})
+    assert approved.status_code == 302
+    run.refresh_from_db()
+    assert (run.status, run.approved_by) == ("queued", "admin (page)")
+    client.force_login(User.objects.create_user("viewer"))
+    assert client.post(f"/eviction-runs/{run.pk}/", {"decision": "cancel", "reason": "x"}).status_code == 403
+    assert client.post("/eviction-runs/plan", {"reason": "x"}).status_code == 403
+    assert EvictionRun.objects.get(pk=run.pk).status == "queued"
