@@ -1,8 +1,9 @@
 """Eviction runs: plan (dry run), approve, execute across every tier, confirm.
 
-Version policy, per served model and boundary (tenant or shared group): the
-namespaces of active versions stay hot (engine memory and hot tiers); among
-the others, newest model version first, the first ``versions_kept`` stay hot
+Version policy, per served model: the namespaces of active versions stay hot
+(engine memory and hot tiers); the model versions of the served model are
+ranked (active first, then newest first) and a namespace of a version within
+the first ``versions_kept`` stays hot
 (a version registered but not yet routed is being prepared for a release),
 the next ``cold_versions_kept`` are demoted to the cold tier (archived, not
 readable by engines, restorable for rollback), and older ones are dropped.
@@ -85,8 +86,24 @@ class _Planned:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def _boundary_key(ns: CacheNamespace) -> tuple[str, int]:
-    return ("tenant", ns.tenant_id) if ns.tenant_id is not None else ("group", ns.group_id)
+def version_ranks(served_names: set[str]) -> dict[int, int]:
+    """Rank of every model version within its served model: active versions
+    first, then newest first (0 = first). Versions count whether or not a
+    boundary has a namespace for them: a tenant still on v1 after v2 went
+    active holds the previous version's state.
+
+    Returns:
+        model version pk → rank.
+    """
+    rows = ModelVersion.objects.filter(served_name__in=served_names).values_list("pk", "served_name", "status", "created_at")
+    by_name: dict[str, list[tuple[int, str, Any]]] = defaultdict(list)
+    for pk, name, status, created in rows:
+        by_name[name].append((pk, status, created))
+    ranks = {}
+    for versions in by_name.values():
+        versions.sort(key=lambda v: (v[1] != ModelVersion.Status.ACTIVE, -v[2].timestamp(), -v[0]))
+        ranks.update({pk: rank for rank, (pk, _, _) in enumerate(versions)})
+    return ranks
 
 
 def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, str]]:
@@ -98,33 +115,24 @@ def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, 
     Returns:
         namespace pk → (target residency, why), for every namespace given.
     """
-    groups: dict[tuple[str, tuple[str, int]], list[CacheNamespace]] = defaultdict(list)
-    for ns in namespaces:
-        groups[(ns.model_version.served_name, _boundary_key(ns))].append(ns)
+    ranks = version_ranks({ns.model_version.served_name for ns in namespaces})
     targets: dict[int, tuple[str, str]] = {}
-    for (served, _), members in groups.items():
-        # Active versions first, then newest model version first.
-        members.sort(
-            key=lambda n: (n.model_version.status != ModelVersion.Status.ACTIVE, -n.model_version.created_at.timestamp())
-        )
-        for rank, ns in enumerate(members):
-            policy = ns.policy
-            version = ns.model_version
-            where = f"{served} for {ns.boundary_label}: {version.label} ({version.status}) is number {rank + 1}"
-            if ns.superseded:
-                targets[ns.pk] = (Residency.DROPPED, f"superseded generation of group {ns.group.slug}")
-            elif version.status == ModelVersion.Status.ACTIVE:
-                targets[ns.pk] = (Residency.HOT, f"{where}: active")
-            elif rank < policy.versions_kept and version.status != ModelVersion.Status.RETIRED:
-                targets[ns.pk] = (Residency.HOT, f"{where}, within {policy.versions_kept} kept hot")
-            elif rank < policy.versions_kept + policy.cold_versions_kept:
-                targets[ns.pk] = (
-                    Residency.COLD,
-                    f"{where}, beyond {policy.versions_kept} hot, within {policy.cold_versions_kept} cold",
-                )
-            else:
-                kept = policy.versions_kept + policy.cold_versions_kept
-                targets[ns.pk] = (Residency.DROPPED, f"{where}, beyond the {kept} versions kept")
+    for ns in namespaces:
+        policy, version = ns.policy, ns.model_version
+        rank = ranks[version.pk]
+        where = f"{version.served_name} for {ns.boundary_label}: {version.label} ({version.status}) is number {rank + 1}"
+        if ns.superseded:
+            targets[ns.pk] = (Residency.DROPPED, f"superseded generation of group {ns.group.slug}")
+        elif version.status == ModelVersion.Status.ACTIVE:
+            targets[ns.pk] = (Residency.HOT, f"{where}: active")
+        elif rank < policy.versions_kept and version.status != ModelVersion.Status.RETIRED:
+            targets[ns.pk] = (Residency.HOT, f"{where}, within {policy.versions_kept} kept hot")
+        elif rank < policy.versions_kept + policy.cold_versions_kept:
+            cold = f"beyond {policy.versions_kept} hot, within {policy.cold_versions_kept} cold"
+            targets[ns.pk] = (Residency.COLD, f"{where}, {cold}")
+        else:
+            kept = policy.versions_kept + policy.cold_versions_kept
+            targets[ns.pk] = (Residency.DROPPED, f"{where}, beyond the {kept} versions kept")
     return targets
 
 
@@ -396,9 +404,19 @@ def eviction_digest_send(*, run_id: int) -> int:
     return len(by_owner)
 
 
-def _probe(engine: Engine, ns: CacheNamespace) -> dict[str, Any]:
+def _probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, Any]:
     """Reset the engine's prefix cache, then ask for a prompt warmed before under
-    the namespace's salt: it must come back with zero cached tokens."""
+    the namespace's salt: it must come back with zero cached tokens.
+
+    The probe computes that prompt, so the engine caches it again, and an
+    engine with a connector writes it to its persistent tier (measured with
+    vLLM's ExampleConnector): when that tier is the namespace's own, the
+    probe's writes are removed and the engine reset once more.
+
+    Raises:
+        EvictionNotConfirmed: the probe found cached tokens.
+        EngineError: the engine did not answer.
+    """
     job = PrewarmJob.objects.filter(namespace=ns, status=JobStatus.SUCCEEDED).order_by("-id").first()
     corpus_name = job.corpus if job else "diagnostic"
     conversations = load_corpus(corpus_name)
@@ -406,16 +424,21 @@ def _probe(engine: Engine, ns: CacheNamespace) -> dict[str, Any]:
     conversation = conversations[index or 0]
     # The namespace's own salt even when superseded: this probe never leaves the control plane.
     salt = cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
+    removed = 0
     with engine_client(engine) as client:
         client.reset_prefix_cache()
         result = client.chat(conversation.messages, cache_salt=salt, max_tokens=1, tools=conversation.tools)
-    confirmation = {"probe": conversation.id, "corpus": corpus_name, "prompt_tokens": result.prompt_tokens,
-                    "cached_tokens": result.cached_tokens}  # fmt: skip
+        if engine.kv_connector and engine.namespace_id == ns.pk:
+            removed = tiers.disk.delete_prefix(ns.storage_prefix)
+            client.reset_prefix_cache()
     if result.cached_tokens:
         raise EvictionNotConfirmed(
             f"engine {engine.name} still served {result.cached_tokens} cached tokens of {conversation.id} after the reset"
         )
-    return confirmation
+    return {
+        "probe": conversation.id, "corpus": corpus_name, "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens, "probe_bytes_removed": removed,
+    }  # fmt: skip
 
 
 def _perform(action: EvictionAction, tiers: Tiers) -> tuple[int, dict[str, Any]]:
@@ -466,7 +489,7 @@ def _perform(action: EvictionAction, tiers: Tiers) -> tuple[int, dict[str, Any]]
         engine = Engine.objects.select_related("model_version").get(pk=action.engine_id) if action.engine_id else None
         if engine is None or engine.status != Engine.Status.READY:
             return 0, {"engine": "not running: its memory went with its process"}
-        return 0, _probe(engine, action.namespace)
+        return 0, _probe(engine, action.namespace, tiers)
     if action.kind == Kind.DELETE_ARCHIVE:
         freed = tiers.cold.delete(prefix)
         if tiers.cold.exists(prefix):

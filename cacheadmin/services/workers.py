@@ -24,12 +24,16 @@ class WorkerProcess:
         log_path: file receiving the worker's output.
         env: extra environment (e.g. ``DATABASE_URL`` of a test database).
         name: node name prefix; the pid keeps node names unique.
+        beat: also run the beat scheduler inside the worker (``-B``; the
+            schedules are read from the database, see ``cacheadmin.schedules``).
+            One such worker per deployment: two would send every task twice.
     """
 
-    def __init__(self, log_path: Path, *, env: dict[str, str] | None = None, name: str = "worker") -> None:
+    def __init__(self, log_path: Path, *, env: dict[str, str] | None = None, name: str = "worker", beat: bool = False) -> None:
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.name = name
+        self.beat = beat
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, *, ready_timeout_s: float = 60.0) -> None:
@@ -55,6 +59,7 @@ class WorkerProcess:
                     "--without-mingle",
                     "-n",
                     f"{self.name}-{os.getpid()}-{time.monotonic_ns()}@%h",
+                    *(["-B"] if self.beat else []),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -107,3 +107,24 @@ def test_a_worker_killed_mid_sweep_loses_nothing(settings, tmp_path: Path) -> No
     assert not EvictionAction.objects.exclude(status="done").exists()
     assert AccountingScan.objects.count() == 1
     assert timezone.now() - run.finished_at < timedelta(minutes=2)
+
+
+def test_a_worker_with_beat_runs_the_schedules_from_the_database(settings, tmp_path: Path) -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every_second, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.filter(name__in=["accounting-scan", "eviction-sweep"]).update(interval=every_second)
+    env = subprocess_env(
+        KV_STORE_ROOT=str(tmp_path / "kv"), KV_COLD_ROOT=str(tmp_path / "cold"), KV_REDIS_URL="", EVICTION_NOTICE_S="0"
+    )
+    worker = WorkerProcess(worker_log("beat"), env=env, name="beat", beat=True)
+    worker.start()
+    try:
+        wait_for(lambda: AccountingScan.objects.filter(created_by="scheduler").count() >= 2, timeout=60, what="two scans")
+    finally:
+        worker.stop()
+    assert set(AccountingScan.objects.values_list("status", flat=True)) == {JobStatus.SUCCEEDED}
+    # Nothing to evict in an empty deployment: each sweep's plan is recorded as done with nothing to do.
+    sweeps = EvictionRun.objects.filter(trigger="scheduled")
+    assert sweeps.exists() and {r.status for r in sweeps} == {JobStatus.SUCCEEDED}
+    assert all("nothing to evict" in r.log for r in sweeps)

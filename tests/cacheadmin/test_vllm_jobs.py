@@ -197,3 +197,71 @@ def test_engine_that_cannot_start_is_recorded_failed(demo_checkpoints, model_roo
         assert "NoSuchModelForCausalLM" in engine.error
     finally:
         shutil.rmtree(broken)
+
+
+def test_eviction_on_a_disk_tier_written_by_vllm_confirms_every_tier_and_restores(
+    demo_checkpoints, v1_engine, settings, tmp_path: Path
+) -> None:
+    from cacheadmin.models import EngineMetricsSample, ModelVersion, Residency, TierUsageSample
+    from cacheadmin.services.accounting import accounting_scan_scheduled, engine_metrics_scrape
+    from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
+    from cacheadmin.services.model_versions import model_version_transition
+    from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_cache_salt, namespace_policy_update
+    from cacheadmin.services.prewarm import prewarm_job_run
+    from cacheadmin.services.tiers import tiers_configured
+
+    settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "cold", ""
+    version, namespace = _setup(demo_checkpoints, "tiny-v1")
+    engine = _record(v1_engine, version, namespace, "v1-evict")
+    job = prewarm_job_create(namespace=namespace, engine=engine, corpus="diagnostic", actor="alice")
+    prewarm_job_run(job_id=job.pk)  # here, not in a worker: this test is about the tiers
+    job.refresh_from_db()
+    assert job.status == JobStatus.SUCCEEDED, job.error
+    tiers = tiers_configured()
+    prefix = namespace.storage_prefix
+    on_disk = tiers.disk.usage(prefix)
+    assert on_disk.entries >= len(CORPUS) and on_disk.bytes > 0
+
+    scan = accounting_scan_scheduled()
+    sample = TierUsageSample.objects.get(scan=scan, namespace=namespace, tier="disk")
+    assert (sample.bytes, sample.entries, sample.allocated_bytes) == (on_disk.bytes, on_disk.entries, on_disk.allocated_bytes)
+    (metrics,) = engine_metrics_scrape()
+    assert metrics.ok and metrics.prefix_cache_queries > 0 and metrics.external_prefix_cache_hits > 0
+    assert EngineMetricsSample.objects.filter(engine=engine).count() == 1
+
+    # A release moved tiny to v2: v1 is draining and, with 1 hot version kept, goes to the cold tier.
+    v2, _ = model_version_register(
+        path=demo_checkpoints["tiny-v2"], label="tiny-v2", served_name="tiny", layout=LAYOUT, actor="a"
+    )
+    model_version_transition(version=v2, to=ModelVersion.Status.ACTIVE, actor="alice")
+    model_version_transition(version=version, to=ModelVersion.Status.ACTIVE, actor="alice")
+    model_version_transition(version=version, to=ModelVersion.Status.DRAINING, actor="alice")
+    namespace_policy_update(
+        namespace=namespace, policy=RetentionPolicySpec(None, None, versions_kept=1, cold_versions_kept=1), actor="a", reason="r"
+    )
+    run = eviction_plan(actor="alice", only=[namespace])
+    assert [(a.kind, a.tier) for a in run.actions.order_by("seq")] == [
+        ("archive", "cold"), ("delete_prefix", "disk"), ("reset_engine", "engine"), ("set_residency", ""),
+    ]  # fmt: skip
+    eviction_run_approve(run=run, actor="bob", reason="v2 released")
+    assert eviction_run_execute(run_id=run.pk) == "succeeded", run.log
+    probe = run.actions.get(kind="reset_engine").confirmation
+    assert probe["cached_tokens"] == 0 and probe["prompt_tokens"] > 0 and probe["corpus"] == "diagnostic"
+    # The probe itself was computed and written to the disk tier by the connector; that was removed again.
+    assert probe["probe_bytes_removed"] > 0
+    assert not tiers.disk.exists(prefix) and tiers.cold.exists(prefix)
+    assert run.actions.get(kind="archive").confirmation["entries"] == on_disk.entries
+    namespace.refresh_from_db()
+    assert namespace.residency == Residency.COLD
+
+    # Rollback: the archive restores what vLLM wrote, and the engine reads it again.
+    assert tiers.cold.restore(prefix, disk=tiers.disk, redis=None) == on_disk.entries
+    restored = tiers.disk.usage(prefix)
+    assert (restored.entries, restored.bytes) == (on_disk.entries, on_disk.bytes)
+    conversation = next(c for c in CORPUS if c.id == probe["probe"])
+    with VllmHttpClient(v1_engine.base_url, "tiny") as client:
+        client.reset_prefix_cache()
+        again = client.chat(
+            conversation.messages, cache_salt=namespace_cache_salt(namespace), max_tokens=1, tools=conversation.tools
+        )
+    assert again.cached_tokens > 0

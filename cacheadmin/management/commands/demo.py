@@ -73,6 +73,13 @@ class Command(ControlPlaneCommand):
             ok = summary["caught"] and summary["clean"]
             if serve:
                 self._report(summary)
+                # While the dashboard is served, the scheduled accounting scans,
+                # metric scrapes and eviction sweeps run too (not during the
+                # main job: they would share its two cores with the TTFT measurements).
+                worker.stop()
+                worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo", beat=True)
+                worker.start()
+                log("celery worker restarted with the beat scheduler (accounting, metrics, eviction sweeps)")
                 log(f"dashboard: http://{opts['addr']}/  (Ctrl-C to stop)")
                 assert server is not None
                 server.wait()
