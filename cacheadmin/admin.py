@@ -20,6 +20,8 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     PrewarmResult,
+    Release,
+    ReleaseEvent,
     RetentionOwner,
     RetentionPolicy,
     SharedGroup,
@@ -190,6 +192,35 @@ class AdapterAdmin(admin.ModelAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class ReleaseEventInline(admin.TabularInline):
+    model = ReleaseEvent
+    extra = 0
+    can_delete = False
+    readonly_fields = ("at", "actor", "kind", "detail")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Release)
+class ReleaseAdmin(admin.ModelAdmin):
+    """Read-only: decisions go through the release page, API or CLI (evidence checked, audited)."""
+
+    inlines = [ReleaseEventInline]
+    list_display = ("id", "served_name", "tenant", "from_version", "to_version", "classification", "decision", "status")
+    list_filter = ("status", "classification", "decision")
+    list_select_related = ("tenant", "from_version", "to_version")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
 

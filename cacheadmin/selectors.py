@@ -11,6 +11,7 @@ from cacheadmin.models import (
     EvictionRun,
     ModelVersion,
     PrewarmJob,
+    Release,
     SharedGroup,
     TierUsageSample,
 )
@@ -52,6 +53,11 @@ def comparison_job_list(limit: int = 20) -> QuerySet[ComparisonJob]:
     return ComparisonJob.objects.select_related(
         "engine__model_version", "reference_engine", "namespace__tenant", "namespace__group", "namespace__model_version"
     ).order_by("-created_at", "-id")[:limit]
+
+
+def release_list(limit: int = 10) -> QuerySet[Release]:
+    """Recent releases with their tenant and versions (one query)."""
+    return Release.objects.select_related("tenant", "from_version", "to_version").order_by("-created_at", "-id")[:limit]
 
 
 def eviction_run_list(limit: int = 10) -> QuerySet[EvictionRun]:

@@ -16,6 +16,7 @@ urlpatterns = [
     path("namespaces/<int:pk>/", views.namespace_detail, name="namespace-detail"),
     path("eviction-runs/<int:pk>/", views.eviction_run_detail, name="eviction-run-detail"),
     path("eviction-runs/plan", views.eviction_run_plan, name="eviction-run-plan"),
+    path("releases/<int:pk>/", views.release_detail, name="release-detail"),
     path("admin/", admin.site.urls),
     path("api/", include("cacheadmin.api.urls")),
 ]

@@ -10,11 +10,12 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from cacheadmin import selectors
-from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob
+from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob, Release
 from cacheadmin.services.accounting import namespace_usage_latest
 from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.model_versions import LifecycleError
+from cacheadmin.services.releases import ALLOWED, ReleaseConflict, ReleaseRefused, release_decide, release_rollback, release_sync
 from inference.tiers.base import TierUnavailable
 
 #: Poll intervals (seconds) of live fragments: while a job or an engine runs,
@@ -43,6 +44,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "namespaces": selectors.namespace_list(),
         "shared_groups": selectors.shared_group_list(),
         "eviction_runs": selectors.eviction_run_list(),
+        "releases": selectors.release_list(),
         "usage": selectors.latest_usage_by_namespace(),
         "identity_fields": ModelVersion.IDENTITY_FIELDS,
         **_live_context(),
@@ -159,6 +161,62 @@ def eviction_run_plan(request: HttpRequest) -> HttpResponse:
     except TierUnavailable as exc:
         return HttpResponse(f"cannot plan: {exc}", status=503, content_type="text/plain")
     return redirect("eviction-run-detail", pk=run.pk)
+
+
+def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A release: identity diff, classification, evidence, decision and its actor,
+    timeline; staff decide or roll back here."""
+    release = get_object_or_404(
+        Release.objects.select_related(
+            "tenant", "from_version", "to_version", "from_namespace", "to_namespace", "comparison_job", "prewarm_job",
+            "eviction_run",
+        ),
+        pk=pk,
+    )  # fmt: skip
+    error = ""
+    if request.method == "POST":
+        if not request.user.is_staff:
+            return HttpResponseForbidden("deciding or rolling back a release needs a staff account")
+        actor = f"{request.user.get_username()} (page)"
+        reason = request.POST.get("reason", "")
+        try:
+            if request.POST.get("action") == "decide":
+                release_decide(
+                    release=release, decision=request.POST.get("decision", ""), actor=actor, reason=reason,
+                    comparison_job=_optional_row(ComparisonJob, request.POST.get("comparison_job", "")),
+                    engine=_optional_row(Engine, request.POST.get("engine", "")),
+                )  # fmt: skip
+            elif request.POST.get("action") == "rollback":
+                release_rollback(release=release, actor=actor, reason=reason)
+            else:
+                error = "unknown action"
+        except (ReleaseRefused, ReleaseConflict, ValueError) as exc:
+            error = str(exc)
+        if not error:
+            return redirect("release-detail", pk=release.pk)
+    release = release_sync(release)
+    context = {
+        "release": release,
+        "events": release.events.order_by("at", "id"),
+        "allowed": ALLOWED[release.classification],
+        "poll_s": POLL_ACTIVE_S if release.status == Release.Status.PREPARING else None,
+        "error": error,
+    }
+    return render(request, "cacheadmin/release_detail.html", context, status=400 if error else 200)
+
+
+def _optional_row(model: type, raw: str) -> object | None:
+    """The row with id ``raw`` or None when blank.
+
+    Raises:
+        ValueError: not an id of an existing row.
+    """
+    if not raw.strip():
+        return None
+    row = model.objects.filter(pk=int(raw)).first() if raw.strip().isdigit() and len(raw.strip()) <= 18 else None
+    if row is None:
+        raise ValueError(f"no {model._meta.verbose_name} {raw.strip()!r}")
+    return row
 
 
 @login_not_required

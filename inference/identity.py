@@ -422,6 +422,20 @@ def _tokenizer(root: Path) -> tuple[str, dict[str, str]]:
     return digest_frames("tokenizer", frames), inputs
 
 
+def _non_kv_inputs(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint carries that does not change KV state, kept so that a
+    release can tell an identical update from a compatible one: the config
+    keys excluded from the identity, and the generation defaults
+    (``generation_config.json``: sampling settings applied after the forward
+    pass). Never digested into the identity.
+    """
+    generation = root / "generation_config.json"
+    return {
+        "config_excluded": {k: raw[k] for k in sorted(CONFIG_EXCLUDED_KEYS) if k in raw},
+        "generation_config": _read_json(generation) if generation.is_file() else None,
+    }
+
+
 def _config(root: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
     raw = _read_json(root / "config.json")
     if not isinstance(raw, dict):
@@ -515,6 +529,7 @@ def fingerprint_checkpoint(
             "config": config_kept,
             "layout": layout_dict,
             "adapters": adapter_inputs,
+            "non_kv": _non_kv_inputs(root, config_raw),
         },
         total_bytes=total,
         hashed_bytes=hashed,

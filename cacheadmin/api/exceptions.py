@@ -26,6 +26,7 @@ from cacheadmin.services.eviction import EvictionRefused
 from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
 from cacheadmin.services.namespaces import GroupError, NamespaceConflict
 from cacheadmin.services.prewarm import BadJobInput, JobRefused
+from cacheadmin.services.releases import ReleaseConflict, ReleaseRefused
 from inference.errors import CheckpointError
 from inference.tiers.base import TierUnavailable
 
@@ -40,6 +41,8 @@ DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
     NamespaceConflict: (status.HTTP_409_CONFLICT, "namespace_conflict"),
     GroupError: (status.HTTP_409_CONFLICT, "group_conflict"),
     EvictionRefused: (status.HTTP_409_CONFLICT, "eviction_refused"),
+    ReleaseRefused: (status.HTTP_409_CONFLICT, "release_refused"),
+    ReleaseConflict: (status.HTTP_409_CONFLICT, "release_conflict"),
     TierUnavailable: (status.HTTP_503_SERVICE_UNAVAILABLE, "tier_unavailable"),
     LifecycleError: (status.HTTP_409_CONFLICT, "lifecycle_conflict"),
 }

@@ -25,6 +25,7 @@ from cacheadmin.models import (
     EvictionAction,
     EvictionRun,
     ModelVersion,
+    PrefixHeat,
     PrewarmJob,
     PrewarmResult,
     RegistrationJob,
@@ -294,6 +295,18 @@ class AdapterSerializer(serializers.ModelSerializer):
 class PolicyUpdateSerializer(StrictFieldsMixin, serializers.Serializer):
     policy = RetentionPolicySerializer()
     reason = StrictCharField(max_length=2000)
+
+
+class PrefixHeatReportSerializer(StrictFieldsMixin, serializers.Serializer):
+    messages = serializers.ListField(child=serializers.DictField(), min_length=1, max_length=500)
+    tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True, default=None, max_length=200)
+    hits = StrictIntegerField(min_value=1, max_value=MAX_ID, default=1)
+
+
+class PrefixHeatSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = PrefixHeat
+        fields = ("digest", "hits", "last_hit_at", "messages", "tools")
 
 
 class CacheSaltSerializer(serializers.Serializer):

@@ -4,7 +4,7 @@ from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
-from cacheadmin.api import views
+from cacheadmin.api import release_views, views
 
 
 class IdRouter(DefaultRouter):
@@ -33,6 +33,7 @@ router.register("eviction-runs", views.EvictionRunViewSet, basename="eviction-ru
 router.register("accounting-scans", views.AccountingScanViewSet, basename="accounting-scan")
 router.register("tier-usage", views.TierUsageViewSet, basename="tier-usage")
 router.register("engine-metrics", views.EngineMetricsViewSet, basename="engine-metrics")
+router.register("releases", release_views.ReleaseViewSet, basename="release")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
 
 urlpatterns = [

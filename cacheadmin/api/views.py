@@ -45,6 +45,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_attach_namespace
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
+from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
@@ -276,6 +277,25 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
         spec = RetentionPolicySpec(**data["policy"])
         namespace_policy_update(namespace=namespace, policy=spec, actor=actor_of(request), reason=data["reason"])
         return Response(s.CacheNamespaceSerializer(self.get_queryset().get(pk=namespace.pk)).data)
+
+    @extend_schema(methods=["POST"], request=s.PrefixHeatReportSerializer, responses={200: s.PrefixHeatSerializer})
+    @extend_schema(methods=["GET"], responses={200: s.PrefixHeatSerializer(many=True)})
+    @action(detail=True, methods=["get", "post"], url_path="prefix-heat")
+    def prefix_heat(self, request: Request, pk: str | None = None) -> Response:
+        """Hot prompts of the namespace: routers POST a conversation and its hits
+        (added up per distinct prompt); a successor namespace is prewarmed with the
+        hottest ones before a release routes to it. GET lists them, hottest first."""
+        namespace = self.get_object()
+        if request.method == "GET":
+            return Response(
+                s.PrefixHeatSerializer(namespace.prefix_heat.order_by("-hits", "-last_hit_at", "id")[:100], many=True).data
+            )
+        data = validated(request, s.PrefixHeatReportSerializer)
+        try:
+            row = prefix_heat_record(namespace=namespace, messages=data["messages"], tools=data["tools"], hits=data["hits"])
+        except ValueError as exc:
+            raise ValidationError({"messages": [str(exc)]}) from exc
+        return Response(s.PrefixHeatSerializer(row).data)
 
     @extend_schema(responses={200: s.CacheSaltSerializer})
     @action(detail=True, methods=["get"], url_path="cache-salt")

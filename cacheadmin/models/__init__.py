@@ -13,6 +13,7 @@ from cacheadmin.models.eviction import (
 )
 from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult, RegistrationJob
 from cacheadmin.models.model_versions import Adapter, ModelVersion
+from cacheadmin.models.releases import IdempotencyKey, PrefixHeat, Release, ReleaseEvent
 from cacheadmin.models.tenancy import (
     CacheNamespace,
     Residency,
@@ -37,11 +38,15 @@ __all__ = [
     "ComparisonJob",
     "ComparisonResult",
     "Engine",
+    "IdempotencyKey",
     "JobStatus",
     "ModelVersion",
+    "PrefixHeat",
     "PrewarmJob",
     "PrewarmResult",
     "RegistrationJob",
+    "Release",
+    "ReleaseEvent",
     "Residency",
     "RetentionOwner",
     "RetentionPolicy",

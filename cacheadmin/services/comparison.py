@@ -7,11 +7,11 @@ from django.db import transaction
 from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
+from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_cache_salt
 from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
-from inference.corpus import load_corpus
 from inference.errors import EngineError
 
 
@@ -37,7 +37,7 @@ def comparison_job_create(
     if not 1 <= max_tokens <= 256:
         raise BadJobInput("max_tokens", f"must be within 1..256, got {max_tokens}")
     try:
-        total = len(load_corpus(corpus))
+        total = len(corpus_load(corpus))
     except ValueError as exc:
         raise BadJobInput("corpus", str(exc)) from exc
     from cacheadmin.tasks import comparison_job_task
@@ -72,7 +72,7 @@ def comparison_job_run(*, job_id: int) -> None:
     job = job_claim(ComparisonJob, job_id)
     if job is None:
         return
-    conversations = load_corpus(job.corpus)
+    conversations = corpus_load(job.corpus)
     salt = namespace_cache_salt(job.namespace)
     job_log(job, f"attempt {job.attempts}: {job.engine.name} vs reference {job.reference_engine.name}")
 

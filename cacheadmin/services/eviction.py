@@ -53,9 +53,9 @@ from cacheadmin.models import (
 )
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
+from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_finish, job_log, job_progress, worker_identity
 from cacheadmin.services.tiers import Tiers, tiers_configured
-from inference.corpus import load_corpus
 from inference.errors import EngineError
 from inference.identity import cache_salt
 from inference.tiers.base import TierError, TierUnavailable
@@ -419,8 +419,11 @@ def _probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, Any]:
     """
     job = PrewarmJob.objects.filter(namespace=ns, status=JobStatus.SUCCEEDED).order_by("-id").first()
     corpus_name = job.corpus if job else "diagnostic"
-    conversations = load_corpus(corpus_name)
     index = job.results.filter(verified=True).order_by("index").values_list("index", flat=True).first() if job else None
+    try:
+        conversations = corpus_load(corpus_name)
+    except ValueError:  # a heat corpus whose reports were removed since
+        corpus_name, conversations, index = "diagnostic", corpus_load("diagnostic"), 0
     conversation = conversations[index or 0]
     # The namespace's own salt even when superseded: this probe never leaves the control plane.
     salt = cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
@@ -589,6 +592,14 @@ def eviction_run_execute(*, run_id: int) -> str:
 
 
 def _eviction_finish(run: EvictionRun) -> str:
+    outcome = _eviction_finish_run(run)
+    from cacheadmin.services.releases import releases_sync_for
+
+    releases_sync_for(eviction_run=run)  # a release waiting on this purge
+    return outcome
+
+
+def _eviction_finish_run(run: EvictionRun) -> str:
     failed = list(run.actions.filter(status=ActionStatus.FAILED).order_by("seq"))
     freed = run.actions.aggregate(total=Sum("bytes_freed"))["total"] or 0
     if failed:

@@ -7,9 +7,9 @@ from django.db import transaction
 from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
+from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_cache_salt
-from inference.corpus import load_corpus
 from inference.errors import EngineError
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
 
@@ -40,7 +40,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     if engine.status != Engine.Status.READY:
         raise JobRefused(f"engine {engine.name} is {engine.status}, not ready")
     try:
-        total = len(load_corpus(corpus))
+        total = len(corpus_load(corpus))
     except ValueError as exc:
         raise BadJobInput("corpus", str(exc)) from exc
     from cacheadmin.tasks import prewarm_job_task
@@ -64,7 +64,7 @@ def prewarm_job_run(*, job_id: int) -> None:
     job = job_claim(PrewarmJob, job_id)
     if job is None:
         return
-    conversations = load_corpus(job.corpus)
+    conversations = corpus_load(job.corpus)
     engine = job.engine
     layout = engine.model_version.inputs["layout"]
     salt = namespace_cache_salt(job.namespace)
@@ -110,11 +110,20 @@ def prewarm_job_run(*, job_id: int) -> None:
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}")
+            _releases_sync(job)
             return
         except JobCancelled:
             job_log(job, "cancelled; stopped")
             return
     _prewarm_summarise(job, tier="persistent tier" if engine.kv_connector else "engine memory")
+    _releases_sync(job)
+
+
+def _releases_sync(job: PrewarmJob) -> None:
+    """A release waiting on this prewarm becomes ready (or failed) now."""
+    from cacheadmin.services.releases import releases_sync_for
+
+    releases_sync_for(prewarm_job=job)
 
 
 def _prewarm_summarise(job: PrewarmJob, *, tier: str) -> None:

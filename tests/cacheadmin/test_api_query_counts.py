@@ -20,6 +20,7 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     RegistrationJob,
+    Release,
     RetentionOwner,
     RetentionPolicy,
     SharedGroup,
@@ -151,6 +152,14 @@ def _engine_metrics(world: dict, n: int) -> None:
     )
 
 
+def _releases(world: dict, n: int) -> None:
+    Release.objects.bulk_create(
+        Release(served_name="tiny", tenant=world["acme"], from_version=world["v1"], to_version=world["v2"],
+                classification="incompatible", created_by="a")
+        for _ in range(n)
+    )  # fmt: skip
+
+
 #: (list URL, row factory, persona, queries). Queries: the token, the count,
 #: the page, and one per prefetched relation; never one per row.
 LISTS: list[tuple[str, Callable[[dict, int], None], str, int]] = [
@@ -174,6 +183,8 @@ LISTS: list[tuple[str, Callable[[dict, int], None], str, int]] = [
     ("/api/tier-usage/", _scans_and_usage, "bob", 3),
     ("/api/engine-metrics/", _engine_metrics, "alice", 3),
     ("/api/engine-metrics/", _engine_metrics, "bob", 3),
+    ("/api/releases/", _releases, "alice", 3),
+    ("/api/releases/", _releases, "bob", 3),
 ]
 
 

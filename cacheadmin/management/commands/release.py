@@ -1,0 +1,138 @@
+"""``python manage.py release plan|evidence|decide|status|traffic|rollback``: the release workflow for pipelines.
+
+Twins of ``POST /api/releases/`` (plan), ``…/evidence/``, ``…/decide/``,
+``GET /api/releases/{id}/`` (status), ``…/traffic/`` and ``…/rollback/``.
+Every verb prints one JSON object (``--json`` is accepted for symmetry).
+Exit codes: 0 ready (or rolled back); 2 bad input; 3 a decision is required;
+4 refused (not allowed for the classification, missing evidence, nothing to
+roll back to, a concurrent decision won); 5 preparing (prewarm or purge still
+running; ``status --wait`` waits); 1 failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from django.core.management.base import CommandParser
+
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
+from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
+from cacheadmin.models.releases import Release
+from cacheadmin.services.releases import (
+    ReleaseConflict,
+    ReleaseRefused,
+    release_collect_tokenization_evidence,
+    release_create,
+    release_decide,
+    release_rollback,
+    release_set_traffic,
+    release_sync,
+)
+from inference.errors import CheckpointError
+
+ACTOR = "cli"
+EXIT = {
+    Release.Status.READY: 0,
+    Release.Status.ROLLED_BACK: 0,
+    Release.Status.FAILED: 1,
+    Release.Status.DECISION_REQUIRED: 3,
+    Release.Status.PREPARING: 5,
+}
+EXIT_REFUSED = 4
+
+
+class Command(ControlPlaneCommand):
+    help = __doc__.split("\n\n", 1)[1].replace("\n", " ")
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="verb", required=True)
+        plan = sub.add_parser("plan", help="create a release and print its classification")
+        plan.add_argument("--served-name", required=True)
+        plan.add_argument("--tenant", required=True, help="tenant slug")
+        plan.add_argument("--from", dest="from_version", type=positive_int, required=True, help="model version id it leaves")
+        plan.add_argument("--to", dest="to_version", type=positive_int, required=True, help="model version id it brings")
+        evidence = sub.add_parser("evidence", help="collect the tokenization evidence (corpus token ids under both versions)")
+        evidence.add_argument("id", type=positive_int)
+        decide = sub.add_parser("decide", help="take the invalidation decision")
+        decide.add_argument("id", type=positive_int)
+        decide.add_argument("--decision", required=True, choices=["verified_reuse", "new_namespace", "purge"])
+        decide.add_argument("--reason", required=True)
+        decide.add_argument("--comparison-job", type=positive_int, help="evidence (b) for verified_reuse")
+        decide.add_argument("--engine", type=positive_int, help="engine to prewarm the new namespace on (new_namespace)")
+        status = sub.add_parser("status", help="print a release (and its timeline)")
+        status.add_argument("id", type=positive_int)
+        status.add_argument("--wait", action="store_true", help="wait while it is preparing")
+        status.add_argument("--timeout", type=positive_int, default=1800)
+        traffic = sub.add_parser("traffic", help="gray release: percent of traffic on the new version")
+        traffic.add_argument("id", type=positive_int)
+        traffic.add_argument("--percent", type=int, required=True)
+        rollback = sub.add_parser("rollback", help="route back to the old version's namespace")
+        rollback.add_argument("id", type=positive_int)
+        rollback.add_argument("--reason", required=True)
+        for p in (plan, evidence, decide, status, traffic, rollback):
+            p.add_argument("--json", action="store_true", help="(default) one JSON object")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        try:
+            release = getattr(self, f"verb_{opts['verb']}")(opts)
+        except (ReleaseRefused, ReleaseConflict) as exc:
+            self.stderr.write(f"CommandError: {exc}")
+            sys.exit(EXIT_REFUSED)
+        except CheckpointError as exc:
+            raise self.bad_input(str(exc)) from exc
+        out = {
+            f: getattr(release, f)
+            for f in ("id", "served_name", "classification", "status", "decision", "decided_by", "traffic_percent", "error")
+        }
+        out.update(
+            from_version=release.from_version.label, to_version=release.to_version.label,
+            differing=release.diff.get("differing", []), non_kv=sorted(release.diff.get("non_kv", {})),
+            timeline=[{"kind": e.kind, "actor": e.actor, "detail": e.detail} for e in release.events.order_by("at", "id")],
+        )  # fmt: skip
+        if release.tokenization_evidence:
+            out["tokenization_identical"] = release.tokenization_evidence["identical"]
+        self.stdout.write(json.dumps(out, default=str))
+        sys.exit(EXIT[release.status])
+
+    def _release(self, pk: int) -> Release:
+        return get_or_bad_input(self, Release, pk, "release")
+
+    def verb_plan(self, opts: dict[str, Any]) -> Release:
+        return release_create(
+            served_name=opts["served_name"],
+            tenant=get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"]),
+            from_version=get_or_bad_input(self, ModelVersion, opts["from_version"], "model version"),
+            to_version=get_or_bad_input(self, ModelVersion, opts["to_version"], "model version"),
+            actor=ACTOR,
+        )
+
+    def verb_evidence(self, opts: dict[str, Any]) -> Release:
+        release = self._release(opts["id"])
+        release_collect_tokenization_evidence(release=release, actor=ACTOR)
+        release.refresh_from_db()
+        return release
+
+    def verb_decide(self, opts: dict[str, Any]) -> Release:
+        release = self._release(opts["id"])
+        job = get_or_bad_input(self, ComparisonJob, opts["comparison_job"], "comparison job") if opts["comparison_job"] else None
+        engine = get_or_bad_input(self, Engine, opts["engine"], "engine") if opts["engine"] else None
+        return release_decide(
+            release=release, decision=opts["decision"], actor=ACTOR, reason=opts["reason"], comparison_job=job, engine=engine
+        )
+
+    def verb_status(self, opts: dict[str, Any]) -> Release:
+        release = release_sync(self._release(opts["id"]))
+        deadline = time.monotonic() + opts["timeout"]
+        while opts["wait"] and release.status == Release.Status.PREPARING and time.monotonic() < deadline:
+            time.sleep(1.0)
+            release = release_sync(self._release(opts["id"]))
+        return release
+
+    def verb_traffic(self, opts: dict[str, Any]) -> Release:
+        return release_set_traffic(release=self._release(opts["id"]), percent=opts["percent"], actor=ACTOR)
+
+    def verb_rollback(self, opts: dict[str, Any]) -> Release:
+        return release_rollback(release=self._release(opts["id"]), actor=ACTOR, reason=opts["reason"])

@@ -1,0 +1,146 @@
+"""Releases: moving a served model from one version to another, with the
+invalidation decision taken before traffic moves, its evidence, and a timeline."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Release(models.Model):
+    """One release of a served model for one tenant: the version it leaves,
+    the version it brings, how the identity diff classifies the change, and
+    the decision on the cached state.
+
+    Status: ``decision_required`` → ``decided`` (then ``preparing`` while the
+    new namespace is prewarmed or the old one purged) → ``ready``; ``failed``
+    when preparing failed; ``rolled_back`` after a rollback.
+    """
+
+    class Classification(models.TextChoices):
+        IDENTICAL = "identical", "identical: reuse is automatic"
+        COMPATIBLE = "compatible", "compatible candidate: only fields without effect on KV state changed"
+        INCOMPATIBLE = "incompatible", "incompatible: weights, tokenizer, config, layout or adapters changed"
+
+    class Decision(models.TextChoices):
+        REUSE = "reuse", "reuse (identical)"
+        VERIFIED_REUSE = "verified_reuse", "verified reuse (with evidence)"
+        NEW_NAMESPACE = "new_namespace", "new namespace"
+        PURGE = "purge", "purge"
+
+    class Status(models.TextChoices):
+        DECISION_REQUIRED = "decision_required"
+        PREPARING = "preparing"
+        READY = "ready"
+        FAILED = "failed"
+        ROLLED_BACK = "rolled_back"
+
+    served_name = models.CharField(max_length=200)
+    tenant = models.ForeignKey("cacheadmin.Tenant", on_delete=models.PROTECT, related_name="releases")
+    from_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="releases_left")
+    to_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="releases_brought")
+    classification = models.CharField(max_length=16, choices=Classification.choices)
+    #: ``inference.identity.identity_diff`` of (from, to), plus the fields without KV effect that differ.
+    diff = models.JSONField(default=dict)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.DECISION_REQUIRED, db_index=True)
+    decision = models.CharField(max_length=16, choices=Decision.choices, blank=True, default="")
+    decided_by = models.CharField(max_length=200, blank=True, default="")
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decision_reason = models.TextField(blank=True, default="")
+    #: The old version's namespace (the one traffic leaves) and the one the new version uses.
+    from_namespace = models.ForeignKey(
+        "cacheadmin.CacheNamespace", on_delete=models.PROTECT, related_name="releases_left", null=True, blank=True
+    )
+    to_namespace = models.ForeignKey(
+        "cacheadmin.CacheNamespace", on_delete=models.PROTECT, related_name="releases_brought", null=True, blank=True
+    )
+    #: Evidence (a): the diagnostic corpus' serialized inputs under both versions.
+    tokenization_evidence = models.JSONField(null=True, blank=True)
+    #: Evidence (b): a comparison of the new version on the old namespace's cache against a reference.
+    comparison_job = models.ForeignKey(
+        "cacheadmin.ComparisonJob", on_delete=models.PROTECT, related_name="releases", null=True, blank=True
+    )
+    prewarm_job = models.ForeignKey(
+        "cacheadmin.PrewarmJob", on_delete=models.PROTECT, related_name="releases", null=True, blank=True
+    )
+    eviction_run = models.ForeignKey(
+        "cacheadmin.EvictionRun", on_delete=models.PROTECT, related_name="releases", null=True, blank=True
+    )
+    #: Share of traffic on the new version while both are active (gray release), 0–100.
+    traffic_percent = models.PositiveSmallIntegerField(default=0)
+    error = models.TextField(blank=True, default="")
+    created_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(traffic_percent__lte=100), name="release_traffic_percent_at_most_100"),
+            models.CheckConstraint(condition=~models.Q(from_version=models.F("to_version")), name="release_changes_version"),
+        ]
+
+    def __str__(self) -> str:
+        return f"release #{self.pk} {self.served_name} {self.from_version_id}→{self.to_version_id} ({self.status})"
+
+
+class ReleaseEvent(models.Model):
+    """One entry of a release's timeline: what happened, who did it, and the details."""
+
+    release = models.ForeignKey(Release, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True)
+    actor = models.CharField(max_length=200)
+    kind = models.CharField(max_length=40)
+    detail = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["release_id", "at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} on release {self.release_id} by {self.actor}"
+
+
+class IdempotencyKey(models.Model):
+    """A state-changing API request already answered: a retry with the same
+    ``Idempotency-Key`` (same caller, same route, same body) gets the recorded
+    answer instead of acting twice; the same key with another body is refused."""
+
+    key = models.CharField(max_length=200)
+    actor = models.CharField(max_length=200)
+    method = models.CharField(max_length=8)
+    path = models.CharField(max_length=500)
+    request_digest = models.CharField(max_length=64)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    response = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["actor", "key"], name="idempotency_key_once_per_actor")]
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path} [{self.key}]"
+
+
+class PrefixHeat(models.Model):
+    """A prompt prefix routers report as hot in a namespace, and how often it was hit.
+
+    The control plane cannot read prompts back from KV tiers (their keys are
+    hashes of token ids), so the routers that send the traffic report the hot
+    conversations; a new namespace is prewarmed with the hottest of its
+    predecessor's before a release routes to it.
+    """
+
+    namespace = models.ForeignKey("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="prefix_heat")
+    #: BLAKE3 of the canonical JSON of (messages, tools): one row per distinct prompt.
+    digest = models.CharField(max_length=64)
+    messages = models.JSONField()
+    tools = models.JSONField(null=True, blank=True)
+    hits = models.BigIntegerField(default=0)
+    last_hit_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-hits", "-last_hit_at", "id"]
+        constraints = [models.UniqueConstraint(fields=["namespace", "digest"], name="prefix_heat_once_per_prompt")]
+        indexes = [models.Index(fields=["namespace", "-hits"], name="prefix_heat_hottest")]
+
+    def __str__(self) -> str:
+        return f"{self.hits} hits in {self.namespace_id} ({self.digest[:12]})"

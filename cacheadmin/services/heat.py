@@ -1,0 +1,85 @@
+"""Prefix heat: hot conversations routers report per namespace, and the
+corpora jobs run (bundled ones, or the hottest prefixes of a namespace)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from cacheadmin.models import CacheNamespace
+from cacheadmin.models.releases import PrefixHeat
+from inference.corpus import Conversation, load_corpus
+from inference.identity import canonical_json, digest_frames
+
+#: Corpus name of a namespace's hottest prefixes: ``heat:<namespace pk>``.
+HEAT_CORPUS = "heat:"
+#: Prompts a heat corpus holds at most (the hottest first).
+HEAT_CORPUS_SIZE = 32
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, hits: int) -> PrefixHeat:
+    """Add ``hits`` to a conversation's heat in ``namespace`` (created on first report).
+
+    Raises:
+        ValueError: messages that are not a list of chat turns ending on a user
+            or tool turn, tools that are not a list, hits below 1.
+    """
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a non-empty list of chat turns")
+    for turn in messages:
+        if turn.get("role") not in ROLES:
+            raise ValueError(f"a turn's role must be one of {', '.join(sorted(ROLES))}")
+    if messages[-1].get("role") not in {"user", "tool"}:
+        raise ValueError("the conversation must end on a user or tool turn (the prefix a request sends)")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("tools must be a list")
+    if isinstance(hits, bool) or not isinstance(hits, int) or hits < 1:
+        raise ValueError("hits must be a positive integer")
+    digest = digest_frames("prefix-heat", [("messages", canonical_json(messages)), ("tools", canonical_json(tools))])
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            row, created = PrefixHeat.objects.get_or_create(
+                namespace=namespace,
+                digest=digest,
+                defaults={"messages": messages, "tools": tools, "hits": hits, "last_hit_at": now},
+            )
+    except IntegrityError:  # a concurrent first report of the same prompt
+        row, created = PrefixHeat.objects.get(namespace=namespace, digest=digest), False
+    if not created:
+        PrefixHeat.objects.filter(pk=row.pk).update(hits=F("hits") + hits, last_hit_at=now)
+        row.refresh_from_db()
+    return row
+
+
+def corpus_load(name: str) -> list[Conversation]:
+    """The conversations of a corpus: a bundled one by name, or ``heat:<namespace
+    pk>`` for that namespace's hottest reported prompts (at most
+    ``HEAT_CORPUS_SIZE``, hottest first).
+
+    Raises:
+        ValueError: unknown corpus, or a heat corpus with no reported prompt.
+    """
+    if not name.startswith(HEAT_CORPUS):
+        return load_corpus(name)
+    raw = name[len(HEAT_CORPUS) :]
+    rows = (
+        list(PrefixHeat.objects.filter(namespace_id=int(raw)).order_by("-hits", "-last_hit_at", "id")[:HEAT_CORPUS_SIZE])
+        if raw.isdigit() and len(raw) <= 18
+        else []
+    )
+    if not rows:
+        raise ValueError(f"corpus {name!r}: no prefix heat reported for namespace {raw!r}")
+    return [Conversation(id=f"heat-{r.digest[:12]}", messages=r.messages, tools=r.tools, note=f"{r.hits} hits") for r in rows]
+
+
+def prewarm_corpus_for(namespace: CacheNamespace | None) -> str:
+    """The corpus that prewarms a successor of ``namespace``: its hottest
+    prefixes when routers reported any, else the bundled diagnostic corpus."""
+    if namespace is not None and PrefixHeat.objects.filter(namespace=namespace).exists():
+        return f"{HEAT_CORPUS}{namespace.pk}"
+    return "diagnostic"

@@ -1,0 +1,486 @@
+"""Releases: classify a model update, gate the invalidation decision on
+evidence, prepare the new namespace before routing, gray release, rollback.
+
+Invalidation is decided before traffic moves:
+- identical identities: the new version uses the old namespace (automatic);
+- compatible candidate (equal identity, only fields without effect on KV
+  state changed, e.g. generation defaults or excluded config keys):
+  ``verified_reuse`` once (a) the diagnostic corpus serializes to the same
+  token ids under both versions and (b) a comparison of the new version on
+  the old namespace's cache shows no deceptive hit; or ``purge``;
+- incompatible (weights, tokenizer, config, layout or adapters changed):
+  ``new_namespace`` (prewarmed and verified before it is reported ready) or ``purge``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from cacheadmin.models import (
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EvictionRun,
+    JobStatus,
+    ModelVersion,
+    PrewarmJob,
+    Residency,
+    Tenant,
+)
+from cacheadmin.models.releases import Release, ReleaseEvent
+from cacheadmin.services.audit import audit_record
+from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
+from cacheadmin.services.heat import prewarm_corpus_for
+from cacheadmin.services.jobs import job_cancel
+from cacheadmin.services.model_versions import model_version_transition
+from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_cache_salt, namespace_get_or_create
+from cacheadmin.services.prewarm import prewarm_job_create
+from cacheadmin.services.tiers import tiers_configured
+from inference.corpus import load_corpus
+from inference.identity import identity_diff, namespace_id
+
+Decision = Release.Decision
+Status = Release.Status
+Classification = Release.Classification
+
+#: Decisions each classification allows.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    Classification.IDENTICAL: (Decision.REUSE,),
+    Classification.COMPATIBLE: (Decision.VERIFIED_REUSE, Decision.PURGE),
+    Classification.INCOMPATIBLE: (Decision.NEW_NAMESPACE, Decision.PURGE),
+}
+
+
+class ReleaseRefused(ValueError):
+    """A release step that is not allowed now, with the reason (no evidence,
+    wrong classification, nothing to roll back to...)."""
+
+
+class ReleaseConflict(ValueError):
+    """The release changed underneath (e.g. a concurrent decision won)."""
+
+
+def _event(release: Release, actor: str, kind: str, **detail: Any) -> None:
+    ReleaseEvent.objects.create(release=release, actor=actor, kind=kind, detail=detail)
+
+
+def _identity_view(version: ModelVersion) -> dict[str, Any]:
+    return {f: getattr(version, f) for f in (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")}
+
+
+def release_classify(from_version: ModelVersion, to_version: ModelVersion) -> tuple[str, dict[str, Any]]:
+    """Classify a model update from the identity diff, field by field.
+
+    Returns:
+        (classification, diff): ``diff`` is ``inference.identity.identity_diff``
+        plus ``"non_kv"``: the fields without effect on KV state that differ
+        (served name, config keys excluded from the identity, generation defaults).
+    """
+    diff = identity_diff(_identity_view(from_version), _identity_view(to_version))
+    if not diff["identical"]:
+        return Classification.INCOMPATIBLE, {**diff, "non_kv": {}}
+    non_kv: dict[str, Any] = {}
+    if from_version.served_name != to_version.served_name:
+        non_kv["served_name"] = {"a": from_version.served_name, "b": to_version.served_name}
+    a, b = from_version.inputs.get("non_kv", {}), to_version.inputs.get("non_kv", {})
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            non_kv[key] = {"a": a.get(key), "b": b.get(key)}
+    return (Classification.COMPATIBLE if non_kv else Classification.IDENTICAL), {**diff, "non_kv": non_kv}
+
+
+def release_create(
+    *, served_name: str, tenant: Tenant, from_version: ModelVersion, to_version: ModelVersion, actor: str
+) -> Release:
+    """Record a release and its classification. An identical one is decided
+    (``reuse``) and ready at once; the others wait for a decision.
+
+    Raises:
+        ReleaseRefused: the versions are the same, ``from_version`` does not
+            serve ``served_name``, or another release of it for this tenant is open.
+    """
+    if from_version.pk == to_version.pk:
+        raise ReleaseRefused("a release must change the version")
+    if from_version.served_name != served_name:
+        raise ReleaseRefused(f"{from_version.label} is served as {from_version.served_name!r}, not {served_name!r}")
+    open_release = Release.objects.filter(
+        served_name=served_name, tenant=tenant, status__in=[Status.DECISION_REQUIRED, Status.PREPARING]
+    ).first()
+    if open_release is not None:
+        raise ReleaseRefused(f"release #{open_release.pk} of {served_name} for {tenant.slug} is still {open_release.status}")
+    classification, diff = release_classify(from_version, to_version)
+    from_namespace = CacheNamespace.objects.filter(model_version=from_version, tenant=tenant).first()
+    with transaction.atomic():
+        release = Release.objects.create(
+            served_name=served_name, tenant=tenant, from_version=from_version, to_version=to_version,
+            classification=classification, diff=diff, from_namespace=from_namespace, created_by=actor,
+        )  # fmt: skip
+        _event(
+            release, actor, "created", classification=classification, differing=diff["differing"], non_kv=sorted(diff["non_kv"])
+        )
+        audit_record(actor=actor, action="release.create", obj=release, after={"classification": classification})
+        if classification == Classification.IDENTICAL:
+            Release.objects.filter(pk=release.pk).update(
+                decision=Decision.REUSE, decided_by="policy", decided_at=timezone.now(), status=Status.READY,
+                to_namespace=from_namespace, decision_reason="identical identities: the namespace is the same",
+            )  # fmt: skip
+            _event(release, "policy", "decided", decision=Decision.REUSE)
+            _event(release, "policy", "ready")
+    release.refresh_from_db()
+    return release
+
+
+def release_collect_tokenization_evidence(*, release: Release, actor: str, corpus: str = "diagnostic") -> dict[str, Any]:
+    """Evidence (a): serialize the corpus (chat template applied, token ids)
+    with each version's tokenizer and compare, conversation by conversation.
+
+    Returns:
+        The stored evidence: ``{"corpus", "identical", "digest_a", "digest_b",
+        "summary", "conversations": [...]}``.
+
+    Raises:
+        inference.errors.CheckpointError: a tokenizer cannot be loaded.
+    """
+    from inference.tokenization import load_chat_tokenizer, serialized_inputs_digest, summary, tokenization_diff
+
+    conversations = load_corpus(corpus)
+    a = load_chat_tokenizer(release.from_version.path)
+    b = load_chat_tokenizer(release.to_version.path)
+    diffs = tokenization_diff(a, b, conversations)
+    totals = summary(diffs)
+    evidence = {
+        "corpus": corpus,
+        "tokenizer_a": a.describe(),
+        "tokenizer_b": b.describe(),
+        "identical": totals["identical"],
+        "digest_a": serialized_inputs_digest(a, conversations),
+        "digest_b": serialized_inputs_digest(b, conversations),
+        "summary": totals,
+        "conversations": [
+            {k: getattr(d, k) for k in ("conversation_id", "status", "length_a", "length_b", "first_difference", "window_a",
+                                         "window_b", "error")}
+            for d in diffs
+        ],
+    }  # fmt: skip
+    with transaction.atomic():
+        Release.objects.filter(pk=release.pk).update(tokenization_evidence=evidence)
+        _event(release, actor, "evidence.tokenization", identical=evidence["identical"], summary=totals)
+    release.refresh_from_db()
+    return evidence
+
+
+def _verified_reuse_problems(release: Release, comparison: ComparisonJob | None) -> list[str]:
+    problems = []
+    evidence = release.tokenization_evidence
+    if evidence is None:
+        problems.append("no tokenization evidence: collect it first (the corpus' token ids under both versions)")
+    elif not evidence["identical"]:
+        first = next(c for c in evidence["conversations"] if c["status"] != "equal")
+        where = f" at token {first['first_difference']}" if first["first_difference"] is not None else ""
+        problems.append(f"token ids differ: {first['conversation_id']}{where} ({first['status']})")
+    if comparison is None:
+        problems.append("no comparison job: run the new version on the old namespace's cache against a reference")
+    else:
+        if comparison.status != JobStatus.SUCCEEDED:
+            problems.append(f"comparison job #{comparison.pk} is {comparison.status}, not succeeded")
+        if comparison.deceptive_hits:
+            problems.append(f"comparison job #{comparison.pk} found {comparison.deceptive_hits} deceptive hits")
+        if comparison.namespace_id != release.from_namespace_id:
+            problems.append(f"comparison job #{comparison.pk} did not use the old version's namespace")
+        if comparison.engine.model_version_id != release.to_version_id:
+            problems.append(f"comparison job #{comparison.pk} did not run the new version ({release.to_version.label})")
+        if comparison.reference_engine.model_version_id != release.to_version_id:
+            problems.append(f"comparison job #{comparison.pk}'s reference is not the new version")
+    return problems
+
+
+def release_decide(
+    *,
+    release: Release,
+    decision: str,
+    actor: str,
+    reason: str,
+    comparison_job: ComparisonJob | None = None,
+    engine: Engine | None = None,
+) -> Release:
+    """Take the invalidation decision (audited); prepare what it needs.
+
+    - ``verified_reuse``: needs both pieces of evidence; the new version uses
+      the old namespace; ready at once.
+    - ``new_namespace``: creates the new version's namespace (owner and policy
+      of the old one) and prewarms it on ``engine`` (which must serve it); ready
+      after the prewarm's verification pass.
+    - ``purge``: plans and approves (as the decider) a purge of the old
+      namespace from every tier; ready when every tier confirmed.
+
+    Raises:
+        ReleaseRefused: the decision is not allowed for the classification, or
+            its evidence or engine is missing; nothing changes.
+        ReleaseConflict: the release is not awaiting a decision (e.g. a
+            concurrent decision won).
+    """
+    if not reason.strip():
+        raise ReleaseRefused("a decision needs a reason")
+    if decision not in ALLOWED[release.classification]:
+        allowed = ", ".join(ALLOWED[release.classification])
+        raise ReleaseRefused(f"{decision} is not allowed for a {release.classification} release (allowed: {allowed})")
+    if release.status != Status.DECISION_REQUIRED:
+        raise ReleaseConflict(f"release #{release.pk} is {release.status}, decided by {release.decided_by or 'nobody'}")
+    if decision == Decision.VERIFIED_REUSE:
+        problems = _verified_reuse_problems(release, comparison_job)
+        if problems:
+            raise ReleaseRefused("verified_reuse refused: " + "; ".join(problems))
+    if decision == Decision.NEW_NAMESPACE and engine is None:
+        raise ReleaseRefused(f"new_namespace needs an engine serving {release.to_version.label} to prewarm the new namespace")
+    if decision == Decision.PURGE and release.from_namespace is None:
+        raise ReleaseRefused("there is no old namespace to purge")
+    now = timezone.now()
+    with transaction.atomic():
+        # The claim: only one decision moves the release out of decision_required.
+        claimed = Release.objects.filter(pk=release.pk, status=Status.DECISION_REQUIRED, decision="").update(
+            decision=decision, decided_by=actor, decided_at=now, decision_reason=reason, status=Status.PREPARING,
+            comparison_job=comparison_job,
+        )  # fmt: skip
+        if not claimed:
+            current = Release.objects.get(pk=release.pk)
+            raise ReleaseConflict(f"release #{release.pk} was decided by {current.decided_by} ({current.decision})")
+        release.refresh_from_db()
+        fields: dict[str, Any] = {}
+        if decision == Decision.VERIFIED_REUSE:
+            fields.update(to_namespace=release.from_namespace, status=Status.READY)
+        elif decision == Decision.NEW_NAMESPACE:
+            to_namespace = _namespace_like(release.from_namespace, release.to_version, release.tenant, actor)
+            if not engine.serves(to_namespace.pk):
+                raise ReleaseRefused(f"engine {engine.name} does not serve the new namespace {to_namespace.namespace_id[:12]}…")
+            # The old namespace's hottest prefixes when routers reported them, else the diagnostic corpus.
+            job = prewarm_job_create(
+                namespace=to_namespace, engine=engine, corpus=prewarm_corpus_for(release.from_namespace), actor=actor
+            )
+            fields.update(to_namespace=to_namespace, prewarm_job=job)
+        else:  # purge
+            run = eviction_plan(actor=actor, only=[release.from_namespace], purge=[release.from_namespace], reason=reason)
+            eviction_run_approve(run=run, actor=actor, reason=f"release #{release.pk}: {reason}")
+            fields.update(
+                eviction_run=run, to_namespace=_namespace_like(release.from_namespace, release.to_version, release.tenant, actor)
+            )
+        Release.objects.filter(pk=release.pk).update(**fields)
+        _event(
+            release, actor, "decided", decision=decision, reason=reason, comparison_job=getattr(comparison_job, "pk", None),
+            prewarm_corpus=fields["prewarm_job"].corpus if "prewarm_job" in fields else None,
+        )  # fmt: skip
+        audit_record(
+            actor=actor, action="release.decide", obj=release, before={"status": Status.DECISION_REQUIRED},
+            after={"decision": decision, "status": fields.get("status", Status.PREPARING)}, reason=reason,
+        )  # fmt: skip
+        if fields.get("status") == Status.READY:
+            _event(release, "policy", "ready")
+    release.refresh_from_db()
+    return release
+
+
+def _namespace_like(template: CacheNamespace | None, version: ModelVersion, tenant: Tenant, actor: str) -> CacheNamespace:
+    """The new version's namespace for the tenant, with the old one's owner and policy."""
+    if template is None:
+        raise ReleaseRefused(f"{tenant.slug} has no namespace for the old version: create the new one directly")
+    policy = template.policy
+    spec = RetentionPolicySpec(**{k: getattr(policy, k) for k in RetentionPolicySpec.__dataclass_fields__})
+    return namespace_get_or_create(
+        model_version=version, tenant=tenant, retention_owner=template.retention_owner, policy=spec, actor=actor
+    )
+
+
+def release_sync(release: Release) -> Release:
+    """Move a preparing release to ready (or failed) when its prewarm or purge ended."""
+    if release.status != Status.PREPARING:
+        return release
+    outcome = None
+    if release.prewarm_job_id:
+        job = PrewarmJob.objects.get(pk=release.prewarm_job_id)
+        if job.status == JobStatus.SUCCEEDED:
+            outcome = (Status.READY, "", {"prewarm_job": job.pk, "verified": job.verified})
+        elif job.status in (JobStatus.FAILED, JobStatus.CANCELLED):
+            outcome = (Status.FAILED, f"prewarm job #{job.pk} {job.status}: {job.error}", {"prewarm_job": job.pk})
+    elif release.eviction_run_id:
+        run = EvictionRun.objects.get(pk=release.eviction_run_id)
+        if run.status == JobStatus.SUCCEEDED:
+            CacheNamespace.objects.filter(pk=release.to_namespace_id).update(residency=Residency.HOT)
+            outcome = (Status.READY, "", {"eviction_run": run.pk, "bytes_freed": run.bytes_freed})
+        elif run.status == JobStatus.CANCELLED:
+            outcome = (Status.FAILED, f"eviction run #{run.pk} was cancelled", {"eviction_run": run.pk})
+    if outcome is None:
+        return release
+    status, error, detail = outcome
+    with transaction.atomic():
+        if Release.objects.filter(pk=release.pk, status=Status.PREPARING).update(status=status, error=error):
+            _event(release, "policy", status, **detail, error=error)
+    release.refresh_from_db()
+    return release
+
+
+def releases_sync_for(*, prewarm_job: PrewarmJob | None = None, eviction_run: EvictionRun | None = None) -> None:
+    """Sync the releases waiting on a job that just ended."""
+    releases = Release.objects.filter(status=Status.PREPARING)
+    releases = releases.filter(prewarm_job=prewarm_job) if prewarm_job is not None else releases.filter(eviction_run=eviction_run)
+    for release in releases:
+        release_sync(release)
+
+
+def release_set_traffic(*, release: Release, percent: int, actor: str) -> Release:
+    """Gray release: put ``percent`` of the tenant's traffic on the new version.
+
+    Both versions are active meanwhile, each with its own namespace (or the
+    same one, when verified reuse made it so): the routing table gives each
+    version the salt of its own namespace, so no request of one can reach the
+    other's cached state. At 100 the old version starts draining.
+
+    Raises:
+        ReleaseRefused: the release is not ready, or ``percent`` is outside 0..100.
+    """
+    if not 0 <= percent <= 100:
+        raise ReleaseRefused("percent must be within 0..100")
+    release = release_sync(release)
+    if release.status != Status.READY:
+        raise ReleaseRefused(f"release #{release.pk} is {release.status}: traffic moves only once it is ready")
+    with transaction.atomic():
+        for version, wanted in ((release.to_version, percent > 0), (release.from_version, percent < 100)):
+            version.refresh_from_db()
+            if wanted and version.status != ModelVersion.Status.ACTIVE:
+                model_version_transition(
+                    version=version, to=ModelVersion.Status.ACTIVE, actor=actor, reason=f"release #{release.pk}"
+                )
+            elif not wanted and version.status == ModelVersion.Status.ACTIVE:
+                model_version_transition(
+                    version=version, to=ModelVersion.Status.DRAINING, actor=actor, reason=f"release #{release.pk}"
+                )
+        before = release.traffic_percent
+        Release.objects.filter(pk=release.pk).update(traffic_percent=percent)
+        _event(release, actor, "traffic", before=before, after=percent)
+        audit_record(actor=actor, action="release.traffic", obj=release, before={"percent": before}, after={"percent": percent})
+    release.refresh_from_db()
+    return release
+
+
+def release_routing(release: Release) -> list[dict[str, Any]]:
+    """What a router needs: per version, its share of traffic and the namespace (and salt) its requests use.
+
+    Raises:
+        ReleaseRefused: the release is not ready or rolled back (there is nothing safe to route yet).
+    """
+    if release.status not in (Status.READY, Status.ROLLED_BACK):
+        raise ReleaseRefused(f"release #{release.pk} is {release.status}: no routing before it is ready")
+    share = 0 if release.status == Status.ROLLED_BACK else release.traffic_percent
+    routes = []
+    for version, percent, namespace in (
+        (release.from_version, 100 - share, release.from_namespace),
+        (release.to_version, share, release.to_namespace),
+    ):
+        if namespace is None:
+            continue
+        _check_identity(namespace, version, release.tenant)
+        routes.append({
+            "model_version": version.pk, "label": version.label, "percent": percent, "namespace": namespace.pk,
+            "namespace_id": namespace.namespace_id, "cache_salt": namespace_cache_salt(namespace),
+        })  # fmt: skip
+    return routes
+
+
+def _activate(version: ModelVersion, active: bool, actor: str, reason: str) -> None:
+    """Make ``version`` active, or move it from active to draining (lifecycle rules apply)."""
+    version.refresh_from_db()
+    if active and version.status != ModelVersion.Status.ACTIVE:
+        model_version_transition(version=version, to=ModelVersion.Status.ACTIVE, actor=actor, reason=reason)
+    elif not active and version.status == ModelVersion.Status.ACTIVE:
+        model_version_transition(version=version, to=ModelVersion.Status.DRAINING, actor=actor, reason=reason)
+
+
+def _check_identity(namespace: CacheNamespace, version: ModelVersion, tenant: Tenant) -> None:
+    """Refuse to expose a namespace whose identity differs from the version served with it."""
+    if namespace.namespace_id != namespace_id(version.identity, tenant.boundary):
+        raise ReleaseRefused(
+            f"namespace {namespace.namespace_id[:12]}… does not derive from {version.label}'s identity for "
+            f"{tenant.slug}; refusing to route it"
+        )
+
+
+def _stop_preparation(release: Release, actor: str) -> None:
+    """Cancel what a preparing release still has queued: a purge must not drop
+    the namespace a rollback returns to.
+
+    Raises:
+        ReleaseRefused: the purge is already running (wait for it to end).
+    """
+    if release.status != Status.PREPARING:
+        return
+    if release.eviction_run_id:
+        run = EvictionRun.objects.get(pk=release.eviction_run_id)
+        if run.status == JobStatus.RUNNING:
+            raise ReleaseRefused(f"the purge (eviction run #{run.pk}) is running; roll back after it ends")
+        if run.status in (JobStatus.PLANNED, JobStatus.QUEUED):
+            job_cancel(job=run, actor=actor, reason=f"rollback of release #{release.pk}")
+    if release.prewarm_job_id:
+        job = PrewarmJob.objects.get(pk=release.prewarm_job_id)
+        if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            job_cancel(job=job, actor=actor, reason=f"rollback of release #{release.pk}")
+
+
+def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
+    """Route all traffic back to the old version and its namespace.
+
+    The old namespace is re-activated as it is when still hot, restored from
+    the cold tier when it was demoted; when it was dropped (or never existed)
+    the rollback is refused: a new decision is required. A rollback never
+    exposes a namespace whose identity differs from the version served.
+
+    Raises:
+        ReleaseRefused: no reason; the release was not routed or already rolled
+            back; the old namespace was dropped; its identity does not match.
+    """
+    if not reason.strip():
+        raise ReleaseRefused("a rollback needs a reason")
+    if release.status not in (Status.READY, Status.PREPARING, Status.FAILED):
+        raise ReleaseRefused(f"release #{release.pk} is {release.status}: nothing to roll back")
+    namespace = release.from_namespace
+    if namespace is None or namespace.residency == Residency.DROPPED:
+        raise ReleaseRefused(
+            f"the previous namespace of {release.from_version.label} was dropped: a rollback would serve it cold "
+            "under a new decision; create a release back to it instead"
+        )
+    _check_identity(namespace, release.from_version, release.tenant)
+    _stop_preparation(release, actor)
+    namespace.refresh_from_db()
+    restored = 0
+    if namespace.residency == Residency.COLD:
+        tiers = tiers_configured()
+        restored = tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis)
+    with transaction.atomic():
+        moved = Release.objects.filter(pk=release.pk, status__in=[Status.READY, Status.PREPARING, Status.FAILED]).update(
+            status=Status.ROLLED_BACK, traffic_percent=0
+        )
+        if not moved:
+            raise ReleaseConflict(f"release #{release.pk} changed concurrently")
+        if namespace.residency == Residency.COLD:
+            CacheNamespace.objects.filter(pk=namespace.pk).update(residency=Residency.HOT, residency_changed_at=timezone.now())
+        for version, wanted in ((release.from_version, True), (release.to_version, False)):
+            version.refresh_from_db()
+            if wanted and version.status != ModelVersion.Status.ACTIVE:
+                model_version_transition(
+                    version=version, to=ModelVersion.Status.ACTIVE, actor=actor, reason=f"rollback of #{release.pk}"
+                )
+            elif not wanted and version.status == ModelVersion.Status.ACTIVE:
+                model_version_transition(
+                    version=version, to=ModelVersion.Status.DRAINING, actor=actor, reason=f"rollback of #{release.pk}"
+                )
+        how = "restored from the cold tier" if restored else "still hot"
+        _event(release, actor, "rolled_back", namespace=namespace.pk, how=how, entries_restored=restored, reason=reason)
+        audit_record(
+            actor=actor,
+            action="release.rollback",
+            obj=release,
+            after={"namespace": namespace.namespace_id, "how": how},
+            reason=reason,
+        )
+    release.refresh_from_db()
+    return release

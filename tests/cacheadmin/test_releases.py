@@ -1,0 +1,435 @@
+"""Release workflow: classification by identity diff, decisions gated on
+evidence, new namespaces prewarmed before routing, purges confirmed by every
+tier, gray releases, each rollback path, concurrency and idempotency."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from rest_framework.test import APIClient
+
+from cacheadmin.models import (
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EvictionRun,
+    JobStatus,
+    ModelVersion,
+    PrewarmJob,
+    Residency,
+)
+from cacheadmin.models.releases import Release, ReleaseEvent
+from cacheadmin.services.api_tokens import api_token_issue
+from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
+from cacheadmin.services.model_versions import model_version_register, model_version_transition
+from cacheadmin.services.namespaces import (
+    DEMO_POLICY,
+    namespace_get_or_create,
+    namespace_storage_path,
+    retention_owner_get_or_create,
+    tenant_get_or_create,
+)
+from cacheadmin.services.releases import (
+    ReleaseConflict,
+    ReleaseRefused,
+    release_collect_tokenization_evidence,
+    release_create,
+    release_decide,
+    release_rollback,
+    release_routing,
+    release_set_traffic,
+    release_sync,
+)
+from inference.checkpoints import mistral_common_tokenizer_path
+from inference.corpus import load_corpus
+from inference.identity import LayoutOptions
+from inference.tokenization import load_chat_tokenizer, summary, tokenization_diff
+from tests.cacheadmin.test_eviction import write_entry
+from tests.helpers import manage, subprocess_env
+
+LAYOUT = LayoutOptions(kv_connector="ExampleConnector")
+
+
+@pytest.fixture
+def versions(demo_checkpoints, model_root: Path, tmp_path: Path, settings) -> dict:
+    """tiny-v1; the same checkpoint under another label (identical); a copy
+    whose generation defaults and transformers_version changed (compatible);
+    tiny-v2 (other weights: incompatible). Tenant acme has v1's namespace."""
+    settings.KV_STORE_ROOT, settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "kv", tmp_path / "cold", ""
+    compat = model_root / f"tiny-v1-gen-{tmp_path.name}"
+    shutil.copytree(demo_checkpoints["tiny-v1"], compat)
+    config = json.loads((compat / "config.json").read_text())
+    config["transformers_version"] = "9.9.9"
+    (compat / "config.json").write_text(json.dumps(config))
+    (compat / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.9}))
+
+    def register(path: Path, label: str) -> ModelVersion:
+        return model_version_register(path=path, label=label, served_name="tiny", layout=LAYOUT, actor="alice")[0]
+
+    out = {
+        "v1": register(demo_checkpoints["tiny-v1"], "tiny-v1"),
+        "v1-again": register(demo_checkpoints["tiny-v1"], "tiny-v1-again"),
+        "v1-gen": register(compat, "tiny-v1-gen"),
+        "v2": register(demo_checkpoints["tiny-v2"], "tiny-v2"),
+    }
+    model_version_transition(version=out["v1"], to=ModelVersion.Status.ACTIVE, actor="alice")
+    out["acme"] = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
+    out["owner"] = retention_owner_get_or_create(name="platform", email="platform@example.com", actor="alice")
+    out["ns1"] = namespace_get_or_create(
+        model_version=out["v1"], tenant=out["acme"], retention_owner=out["owner"], policy=DEMO_POLICY, actor="alice"
+    )
+    yield out
+    shutil.rmtree(compat)
+
+
+def _release(versions: dict, to: str) -> Release:
+    return release_create(
+        served_name="tiny", tenant=versions["acme"], from_version=versions["v1"], to_version=versions[to], actor="ci"
+    )
+
+
+def _engine(version: ModelVersion, namespace: CacheNamespace | None, name: str, role: str = "serving") -> Engine:
+    return Engine.objects.create(
+        name=name, model_version=version, namespace=namespace, base_url="http://127.0.0.1:9", status="ready", role=role,
+        kv_connector="ExampleConnector" if namespace else "",
+    )  # fmt: skip
+
+
+def _comparison(versions: dict, to: str, *, deceptive: int, status: str = "succeeded") -> ComparisonJob:
+    engine = _engine(versions[to], versions["ns1"], f"{to}-on-ns1-{deceptive}-{status}")
+    reference = _engine(versions[to], None, f"{to}-ref-{deceptive}-{status}", role="reference")
+    return ComparisonJob.objects.create(
+        engine=engine, reference_engine=reference, namespace=versions["ns1"], status=status, deceptive_hits=deceptive, prompts=9
+    )
+
+
+pytestmark = pytest.mark.django_db
+
+
+def test_each_classification(versions) -> None:
+    identical = _release(versions, "v1-again")
+    assert (identical.classification, identical.status, identical.decision) == ("identical", "ready", "reuse")
+    assert identical.to_namespace_id == versions["ns1"].pk
+    Release.objects.filter(pk=identical.pk).update(status="rolled_back")
+    compatible = _release(versions, "v1-gen")
+    assert (compatible.classification, compatible.status) == ("compatible", "decision_required")
+    assert compatible.diff["differing"] == [] and sorted(compatible.diff["non_kv"]) == ["config_excluded", "generation_config"]
+    written_by_transformers = json.loads((Path(versions["v1"].path) / "generation_config.json").read_text())
+    assert compatible.diff["non_kv"]["generation_config"] == {
+        "a": written_by_transformers,
+        "b": {"temperature": 0.3, "top_p": 0.9},
+    }
+    Release.objects.filter(pk=compatible.pk).update(status="rolled_back")
+    incompatible = _release(versions, "v2")
+    assert (incompatible.classification, incompatible.status) == ("incompatible", "decision_required")
+    assert incompatible.diff["differing"] == ["weights"]
+    with pytest.raises(ReleaseRefused, match="is still decision_required"):
+        _release(versions, "v1-gen")
+    assert [e.kind for e in ReleaseEvent.objects.filter(release=identical)] == ["created", "decided", "ready"]
+
+
+def test_verified_reuse_needs_both_pieces_of_evidence(versions) -> None:
+    release = _release(versions, "v1-gen")
+    clean = _comparison(versions, "v1-gen", deceptive=0)
+    with pytest.raises(ReleaseRefused, match="no tokenization evidence"):
+        release_decide(release=release, decision="verified_reuse", actor="bob", reason="r", comparison_job=clean)
+    evidence = release_collect_tokenization_evidence(release=release, actor="bob")
+    assert evidence["identical"] is True and evidence["digest_a"] == evidence["digest_b"]
+    assert evidence["summary"]["equal"] == len(load_corpus("diagnostic"))
+    with pytest.raises(ReleaseRefused, match="no comparison job"):
+        release_decide(release=release, decision="verified_reuse", actor="bob", reason="r")
+    deceptive = _comparison(versions, "v1-gen", deceptive=3)
+    with pytest.raises(ReleaseRefused, match=f"comparison job #{deceptive.pk} found 3 deceptive hits"):
+        release_decide(release=release, decision="verified_reuse", actor="bob", reason="r", comparison_job=deceptive)
+    with pytest.raises(ReleaseRefused, match="new_namespace is not allowed for a compatible release"):
+        release_decide(release=release, decision="new_namespace", actor="bob", reason="r")
+    assert Release.objects.get(pk=release.pk).status == "decision_required"
+    decided = release_decide(release=release, decision="verified_reuse", actor="bob", reason="same inputs", comparison_job=clean)
+    assert (decided.status, decided.decision, decided.to_namespace_id) == ("ready", "verified_reuse", versions["ns1"].pk)
+    assert decided.comparison_job_id == clean.pk
+
+
+def test_verified_reuse_is_refused_when_token_ids_differ(versions) -> None:
+    release = _release(versions, "v1-gen")
+    # Evidence as the tokenization diff reports it for two tokenizers whose chat formats differ.
+    a = load_chat_tokenizer(mistral_common_tokenizer_path("v3"))
+    b = load_chat_tokenizer(mistral_common_tokenizer_path("v7"))
+    diffs = tokenization_diff(a, b, load_corpus("diagnostic"))
+    first = next(d for d in diffs if d.status != "equal")
+    Release.objects.filter(pk=release.pk).update(
+        tokenization_evidence={
+            "identical": summary(diffs)["identical"],
+            "conversations": [
+                {"conversation_id": d.conversation_id, "status": d.status, "first_difference": d.first_difference} for d in diffs
+            ],
+        }
+    )
+    release.refresh_from_db()
+    with pytest.raises(ReleaseRefused, match=f"token ids differ: {first.conversation_id} at token {first.first_difference}"):
+        release_decide(
+            release=release,
+            decision="verified_reuse",
+            actor="bob",
+            reason="r",
+            comparison_job=_comparison(versions, "v1-gen", deceptive=0),
+        )
+
+
+def test_new_namespace_is_ready_only_after_its_prewarm_verified(versions) -> None:
+    release = _release(versions, "v2")
+    with pytest.raises(ReleaseRefused, match="new_namespace needs an engine serving tiny-v2"):
+        release_decide(release=release, decision="new_namespace", actor="bob", reason="new weights")
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    engine = _engine(versions["v2"], ns2, "v2-serving")
+    decided = release_decide(release=release, decision="new_namespace", actor="bob", reason="new weights", engine=engine)
+    assert (decided.status, decided.to_namespace_id) == ("preparing", ns2.pk)
+    job = PrewarmJob.objects.get(pk=decided.prewarm_job_id)
+    assert (job.namespace_id, job.engine_id) == (ns2.pk, engine.pk)
+    with pytest.raises(ReleaseRefused, match="no routing before it is ready"):
+        release_routing(decided)
+    PrewarmJob.objects.filter(pk=job.pk).update(status=JobStatus.SUCCEEDED, verified=9)
+    assert release_sync(decided).status == "ready"
+    assert ReleaseEvent.objects.filter(release=release).last().detail == {"prewarm_job": job.pk, "verified": 9, "error": ""}
+
+
+def test_gray_release_keeps_each_version_on_its_own_namespace(versions) -> None:
+    release = _release(versions, "v2")
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-gray")
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    gray = release_set_traffic(release=release, percent=20, actor="bob")
+    assert gray.traffic_percent == 20
+    statuses = dict(ModelVersion.objects.filter(pk__in=[versions["v1"].pk, versions["v2"].pk]).values_list("label", "status"))
+    assert statuses == {"tiny-v1": "active", "tiny-v2": "active"}
+    routes = release_routing(gray)
+    assert [(r["label"], r["percent"]) for r in routes] == [("tiny-v1", 80), ("tiny-v2", 20)]
+    assert routes[0]["namespace_id"] != routes[1]["namespace_id"] and routes[0]["cache_salt"] != routes[1]["cache_salt"]
+    # Both versions active: the version policy keeps both namespaces hot.
+    plan = eviction_plan(actor="alice", only=[versions["ns1"], ns2])
+    assert plan.actions.count() == 0
+    with pytest.raises(ReleaseRefused, match="percent must be within 0..100"):
+        release_set_traffic(release=release, percent=101, actor="bob")
+    done = release_set_traffic(release=release, percent=100, actor="bob")
+    assert [r["percent"] for r in release_routing(done)] == [0, 100]
+    assert ModelVersion.objects.get(pk=versions["v1"].pk).status == "draining"
+
+
+def test_rollback_to_a_hot_namespace(versions) -> None:
+    release = _release(versions, "v1-gen")
+    release_collect_tokenization_evidence(release=release, actor="bob")
+    release_decide(
+        release=release,
+        decision="verified_reuse",
+        actor="bob",
+        reason="r",
+        comparison_job=_comparison(versions, "v1-gen", deceptive=0),
+    )
+    release_set_traffic(release=release, percent=100, actor="bob")
+    with pytest.raises(ReleaseRefused, match="needs a reason"):
+        release_rollback(release=release, actor="bob", reason="")
+    back = release_rollback(release=release, actor="bob", reason="latency regression")
+    assert (back.status, back.traffic_percent) == ("rolled_back", 0)
+    statuses = dict(ModelVersion.objects.filter(pk__in=[versions["v1"].pk, versions["v1-gen"].pk]).values_list("label", "status"))
+    assert statuses == {"tiny-v1": "active", "tiny-v1-gen": "draining"}
+    assert ReleaseEvent.objects.get(release=release, kind="rolled_back").detail["how"] == "still hot"
+    with pytest.raises(ReleaseRefused, match="is rolled_back: nothing to roll back"):
+        release_rollback(release=release, actor="bob", reason="again")
+
+
+def test_rollback_restores_a_demoted_namespace_from_the_cold_tier(versions, settings) -> None:
+    ns1 = versions["ns1"]
+    for e in range(3):
+        write_entry(settings.KV_STORE_ROOT, ns1.storage_prefix, f"{e:064x}", size=500, age_s=60)
+    release = _release(versions, "v2")
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-cold")
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    release_set_traffic(release=release, percent=100, actor="bob")
+    # v1 is draining and the oldest of four versions of tiny: with one version hot
+    # and three cold, eviction demotes its namespace.
+    ns1.policy.versions_kept, ns1.policy.cold_versions_kept = 1, 3
+    ns1.policy.save()
+    run = eviction_plan(actor="alice", only=[ns1])
+    eviction_run_approve(run=run, actor="alice", reason="v2 out")
+    assert eviction_run_execute(run_id=run.pk) == "succeeded"
+    assert CacheNamespace.objects.get(pk=ns1.pk).residency == Residency.COLD
+    assert not namespace_storage_path(ns1).exists()
+    back = release_rollback(release=Release.objects.get(pk=release.pk), actor="bob", reason="bad answers")
+    assert back.status == "rolled_back"
+    event = ReleaseEvent.objects.get(release=release, kind="rolled_back").detail
+    assert (event["how"], event["entries_restored"]) == ("restored from the cold tier", 3)
+    assert CacheNamespace.objects.get(pk=ns1.pk).residency == Residency.HOT
+    assert sorted(p.name for p in namespace_storage_path(ns1).iterdir()) == [f"{e:064x}" for e in range(3)]
+
+
+def test_purge_then_rollback_needs_a_new_decision(versions, settings) -> None:
+    write_entry(settings.KV_STORE_ROOT, versions["ns1"].storage_prefix, "a" * 64, size=500, age_s=60)
+    release = _release(versions, "v2")
+    decided = release_decide(release=release, decision="purge", actor="bob", reason="tokenizer bug in v1")
+    assert decided.status == "preparing"
+    run = EvictionRun.objects.get(pk=decided.eviction_run_id)
+    assert (run.status, run.approved_by) == ("queued", "bob")
+    assert eviction_run_execute(run_id=run.pk) == "succeeded"
+    ready = release_sync(Release.objects.get(pk=release.pk))
+    assert ready.status == "ready"
+    assert CacheNamespace.objects.get(pk=versions["ns1"].pk).residency == Residency.DROPPED
+    with pytest.raises(ReleaseRefused, match="the previous namespace of tiny-v1 was dropped"):
+        release_rollback(release=ready, actor="bob", reason="oops")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_decisions_one_wins(versions) -> None:
+    release = _release(versions, "v2")
+    outcomes: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def decide(who: str) -> None:
+        barrier.wait()
+        try:
+            release_decide(release=Release.objects.get(pk=release.pk), decision="purge", actor=who, reason="r")
+            outcomes.append(f"{who}: won")
+        except ReleaseConflict as exc:
+            outcomes.append(f"{who}: {exc}")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=decide, args=(who,)) for who in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [o for o in outcomes if o.endswith("won")]
+    assert len(won) == 1, outcomes
+    winner = won[0].split(":")[0]
+    loser = next(o for o in outcomes if not o.endswith("won"))
+    assert f"was decided by {winner} (purge)" in loser or "is preparing" in loser
+    assert Release.objects.get(pk=release.pk).decided_by == winner
+    assert EvictionRun.objects.count() == 1
+
+
+def _client(scope: str = "operate") -> APIClient:
+    _, key = api_token_issue(
+        user=User.objects.create_user(f"u-{time.monotonic_ns()}"), name="ci", scope=scope, tenant=None, actor="s"
+    )
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return client
+
+
+def test_the_api_acts_once_per_idempotency_key(versions) -> None:
+    client = _client()
+    body = {"served_name": "tiny", "tenant": "acme", "from_version": versions["v1"].pk, "to_version": versions["v2"].pk}
+    missing = client.post("/api/releases/", body, format="json")
+    assert missing.status_code == 400 and list(missing.json()["error"]["fields"]) == ["Idempotency-Key"]
+    first = client.post("/api/releases/", body, format="json", HTTP_IDEMPOTENCY_KEY="deploy-42")
+    assert first.status_code == 201, first.json()
+    retry = client.post("/api/releases/", body, format="json", HTTP_IDEMPOTENCY_KEY="deploy-42")
+    assert (retry.status_code, retry.json()["id"], retry["Idempotent-Replayed"]) == (201, first.json()["id"], "true")
+    assert Release.objects.count() == 1
+    other = client.post("/api/releases/", {**body, "served_name": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="deploy-42")
+    assert (other.status_code, other.json()["error"]["code"]) == (409, "idempotency_conflict")
+    rid = first.json()["id"]
+    decide = {"decision": "purge", "reason": "v1 tokenizer bug"}
+    a = client.post(f"/api/releases/{rid}/decide/", decide, format="json", HTTP_IDEMPOTENCY_KEY="decide-1")
+    b = client.post(f"/api/releases/{rid}/decide/", decide, format="json", HTTP_IDEMPOTENCY_KEY="decide-1")
+    assert a.status_code == b.status_code == 200 and a.json() == b.json()
+    assert ReleaseEvent.objects.filter(release_id=rid, kind="decided").count() == 1
+    again = client.post(f"/api/releases/{rid}/decide/", decide, format="json", HTTP_IDEMPOTENCY_KEY="decide-2")
+    assert (again.status_code, again.json()["error"]["code"]) == (409, "release_conflict")
+    # Rolled back while the purge is still queued: the purge is cancelled, the old namespace stays.
+    back = client.post(f"/api/releases/{rid}/rollback/", {"reason": "wrong build"}, format="json", HTTP_IDEMPOTENCY_KEY="rb-1")
+    assert (back.status_code, back.json()["status"]) == (200, "rolled_back")
+    assert EvictionRun.objects.get(pk=a.json()["eviction_run"]).status == "cancelled"
+    timeline = client.get(f"/api/releases/{rid}/timeline/").json()
+    assert [e["kind"] for e in timeline][:2] == ["created", "decided"]
+    assert _client("read").post("/api/releases/", body, format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 403
+
+
+@pytest.mark.django_db(transaction=True)
+def test_release_command_exit_codes(versions) -> None:
+    env = subprocess_env()
+    plan = manage(
+        "release", "plan", "--served-name", "tiny", "--tenant", "acme", "--from", str(versions["v1"].pk), "--to",
+        str(versions["v2"].pk), env=env,
+    )  # fmt: skip
+    assert plan.returncode == 3, plan.stderr
+    out = json.loads(plan.stdout)
+    assert (out["classification"], out["status"], out["differing"]) == ("incompatible", "decision_required", ["weights"])
+    refused = manage("release", "decide", str(out["id"]), "--decision", "verified_reuse", "--reason", "r", env=env)
+    assert refused.returncode == 4 and "verified_reuse is not allowed for a incompatible release" in refused.stderr
+    bad = manage("release", "decide", "999", "--decision", "purge", "--reason", "r", env=env)
+    assert bad.returncode == 2 and bad.stderr.strip() == "CommandError: no release 999"
+    purge = manage("release", "decide", str(out["id"]), "--decision", "purge", "--reason", "v1 bug", env=env)
+    assert purge.returncode == 5, purge.stderr  # preparing: the purge has to run first
+    status = manage("release", "status", str(out["id"]), env=env)
+    assert status.returncode == 5 and json.loads(status.stdout)["timeline"][1]["kind"] == "decided"
+
+
+def test_release_page_shows_the_diff_and_lets_staff_decide(versions, admin_client, client) -> None:
+    release = _release(versions, "v2")
+    page = admin_client.get(f"/releases/{release.pk}/").content.decode()
+    assert "incompatible: weights, tokenizer, config, layout or adapters changed" in page
+    assert "<td>weights</td>" in page and "Required: new_namespace or purge." in page
+    refused = admin_client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "verified_reuse", "reason": "r"})
+    assert refused.status_code == 400 and "verified_reuse is not allowed for a incompatible release" in refused.content.decode()
+    bad_engine = admin_client.post(
+        f"/releases/{release.pk}/", {"action": "decide", "decision": "new_namespace", "reason": "r", "engine": "99999"}
+    )
+    assert bad_engine.status_code == 400 and "no engine &#x27;99999&#x27;" in bad_engine.content.decode()
+    client.force_login(User.objects.create_user("viewer"))
+    assert client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "purge", "reason": "r"}).status_code == 403
+    decided = admin_client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "purge", "reason": "v1 bug"})
+    assert decided.status_code == 302
+    release.refresh_from_db()
+    assert (release.decision, release.decided_by, release.status) == ("purge", "admin (page)", "preparing")
+    assert "decided" in admin_client.get(f"/releases/{release.pk}/").content.decode()
+
+
+def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(versions) -> None:
+    from cacheadmin.services.heat import corpus_load
+
+    client = _client()
+    ns1 = versions["ns1"]
+    hot = [{"role": "system", "content": "You answer billing questions."}, {"role": "user", "content": "Refund status?"}]
+    warm = [{"role": "user", "content": "Opening hours?"}]
+    for messages, hits in ((hot, 40), (warm, 3), (hot, 2)):
+        reported = client.post(f"/api/namespaces/{ns1.pk}/prefix-heat/", {"messages": messages, "hits": hits}, format="json")
+        assert reported.status_code == 200, reported.json()
+    listed = client.get(f"/api/namespaces/{ns1.pk}/prefix-heat/").json()
+    assert [(row["hits"], row["messages"][-1]["content"]) for row in listed] == [(42, "Refund status?"), (3, "Opening hours?")]
+    for body, field in (
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "hits": 0}, "hits"),
+        ({"messages": []}, "messages"),
+    ):
+        bad = client.post(f"/api/namespaces/{ns1.pk}/prefix-heat/", body, format="json")
+        assert bad.status_code == 400 and list(bad.json()["error"]["fields"]) == [field], bad.json()
+    release = _release(versions, "v2")
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-heat")
+    )
+    job = PrewarmJob.objects.get(pk=decided.prewarm_job_id)
+    assert (job.corpus, job.prompts) == (f"heat:{ns1.pk}", 2)
+    assert [c.messages[-1]["content"] for c in corpus_load(job.corpus)] == ["Refund status?", "Opening hours?"]
+    with pytest.raises(ValueError, match="no prefix heat reported for namespace '999'"):
+        corpus_load("heat:999")
