@@ -18,7 +18,9 @@ urlpatterns = [
     path("eviction-runs/plan", views.eviction_run_plan, name="eviction-run-plan"),
     path("releases/<int:pk>/", views.release_detail, name="release-detail"),
     path("admin/", admin.site.urls),
-    path("api/", include("cacheadmin.api.urls")),
+    # Namespaced: the router's route names (e.g. "namespace-detail") would
+    # otherwise shadow the pages' names and send browser links to the JSON API.
+    path("api/", include(("cacheadmin.api.urls", "api"), namespace="api")),
 ]
 
 handler400 = "cacheadmin.api.exceptions.api_or_page_400"

@@ -294,6 +294,7 @@ class AdapterSerializer(serializers.ModelSerializer):
 
 class PolicyUpdateSerializer(StrictFieldsMixin, serializers.Serializer):
     policy = RetentionPolicySerializer()
+    release_hold = StrictBooleanField(default=False, help_text="lift a legal hold (the new policy is unpinned on purpose)")
     reason = StrictCharField(max_length=2000)
 
 

@@ -40,6 +40,6 @@ urlpatterns = [
     re_path(r"^identity-diff/?$", views.IdentityDiffView.as_view(), name="identity-diff"),
     re_path(r"^orphans/?$", views.OrphansView.as_view(), name="orphans"),
     re_path(r"^schema/?$", SpectacularAPIView.as_view(), name="api-schema"),
-    re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api-schema"), name="api-docs"),
+    re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api:api-schema"), name="api-docs"),
     path("", include(router.urls)),
 ]

@@ -275,7 +275,9 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
         namespace = self.get_object()
         data = validated(request, s.PolicyUpdateSerializer)
         spec = RetentionPolicySpec(**data["policy"])
-        namespace_policy_update(namespace=namespace, policy=spec, actor=actor_of(request), reason=data["reason"])
+        namespace_policy_update(
+            namespace=namespace, policy=spec, actor=actor_of(request), reason=data["reason"], release_hold=data["release_hold"]
+        )
         return Response(s.CacheNamespaceSerializer(self.get_queryset().get(pk=namespace.pk)).data)
 
     @extend_schema(methods=["POST"], request=s.PrefixHeatReportSerializer, responses={200: s.PrefixHeatSerializer})

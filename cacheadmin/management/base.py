@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from cacheadmin.api.filters import MAX_ID
 from inference.identity import LayoutOptions
 
 EXIT_BAD_INPUT = 2
@@ -55,6 +56,9 @@ def positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"{number} is not a positive integer")
+    if number > MAX_ID:
+        # Beyond signed 64-bit no id, byte count or age can be stored.
+        raise argparse.ArgumentTypeError(f"{value.strip()} is larger than {MAX_ID}")
     return number
 
 

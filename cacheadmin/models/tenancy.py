@@ -63,6 +63,9 @@ class SharedGroupMembership(models.Model):
 
     group = models.ForeignKey(SharedGroup, on_delete=models.CASCADE, related_name="memberships")
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="group_memberships")
+    #: The group's generation when the tenant joined: earlier generations'
+    #: namespaces (other members' shared history) stay out of its sight.
+    joined_generation = models.PositiveIntegerField(default=1)
     added_by = models.CharField(max_length=200)
     added_at = models.DateTimeField(auto_now_add=True)
 

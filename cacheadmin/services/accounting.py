@@ -155,6 +155,26 @@ def _counter(metrics: dict[str, float]) -> Any:
     return lambda name: int(metrics[name]) if name in metrics else None
 
 
+def orphan_old_enough(prefix: str, tier: str, newest_entry_at: datetime | None, now: datetime) -> bool:
+    """Whether a prefix no namespace owns is past ``ORPHAN_GRACE_S`` (a younger
+    one may belong to a namespace being created right now).
+
+    Age is the newest entry's where the tier records it; where it does not
+    (e.g. Redis keys written without our metadata), the first accounting scan
+    that saw the prefix orphaned stands in for it: never seen before means too young.
+    """
+    grace = now - timedelta(seconds=settings.ORPHAN_GRACE_S)
+    if newest_entry_at is not None:
+        return newest_entry_at <= grace
+    first_seen = (
+        TierUsageSample.objects.filter(storage_prefix=prefix, tier=tier, namespace__isnull=True)
+        .order_by("sampled_at")
+        .values_list("sampled_at", flat=True)
+        .first()
+    )
+    return first_seen is not None and first_seen <= grace
+
+
 def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, Any]]]:
     """What nobody owns any more, from the latest accounting scan.
 
@@ -170,10 +190,9 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
     latest = AccountingScan.objects.filter(status__in=[JobStatus.SUCCEEDED, JobStatus.FAILED]).order_by("-id").first()
     prefixes: list[dict[str, Any]] = []
     if latest is not None:
-        grace = now - timedelta(seconds=settings.ORPHAN_GRACE_S)
         rows = latest.samples.filter(namespace__isnull=True).order_by("storage_prefix", "tier")
         for r in rows:
-            if r.newest_entry_at is None or r.newest_entry_at <= grace:
+            if orphan_old_enough(r.storage_prefix, r.tier, r.newest_entry_at, now):
                 prefixes.append(
                     {"storage_prefix": r.storage_prefix, "tier": r.tier, "bytes": r.bytes, "entries": r.entries,
                      "newest_entry_at": r.newest_entry_at, "sampled_at": r.sampled_at}

@@ -30,7 +30,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -49,8 +49,10 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     Residency,
+    RetentionPolicy,
     Tier,
 )
+from cacheadmin.services.accounting import orphan_old_enough
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
@@ -203,7 +205,7 @@ def _budget_actions(ns: CacheNamespace, tiers: Tiers, now: float) -> list[_Plann
     return actions
 
 
-def _orphan_actions(tiers: Tiers, known: set[str], now: float) -> list[_Planned]:
+def _orphan_actions(tiers: Tiers, known: set[str]) -> list[_Planned]:
     """Purges of storage prefixes no namespace owns, once older than ``ORPHAN_GRACE_S``."""
     actions = []
     stores: list[tuple[str, Any]] = [(Tier.DISK, tiers.disk), (Tier.REDIS, tiers.redis), (Tier.COLD, tiers.cold)]
@@ -211,8 +213,8 @@ def _orphan_actions(tiers: Tiers, known: set[str], now: float) -> list[_Planned]
         if store is None:
             continue
         for prefix, usage in sorted(store.usage_all().items()):
-            newest = usage.newest_entry_at
-            if prefix in known or (newest is not None and now - newest < settings.ORPHAN_GRACE_S):
+            newest = datetime.fromtimestamp(usage.newest_entry_at, tz=UTC) if usage.newest_entry_at is not None else None
+            if prefix in known or not orphan_old_enough(prefix, tier, newest, timezone.now()):
                 continue
             kind = Kind.DELETE_ARCHIVE if tier == Tier.COLD else Kind.DELETE_PREFIX
             actions.append(_Planned(kind, tier, None, prefix, "orphan: no namespace has this storage prefix", usage.bytes))
@@ -257,7 +259,7 @@ def _plan_actions(
         actions.append(_Planned(Kind.SET_RESIDENCY, "", ns, ns.storage_prefix, why, detail={"residency": target}))
     if include_orphans and scope is None:
         known = set(CacheNamespace.objects.values_list("storage_prefix", flat=True))
-        actions += _orphan_actions(tiers, known, now)
+        actions += _orphan_actions(tiers, known)
     return actions
 
 
@@ -350,6 +352,9 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
     """
     if not reason.strip():
         raise EvictionRefused("an approval needs a reason")
+    held = _held_prefixes(run)
+    if held:
+        raise EvictionRefused(f"namespaces put under a legal hold since the plan: {', '.join(held)}; plan again")
     from cacheadmin.tasks import eviction_run_task
 
     now = timezone.now()
@@ -372,6 +377,12 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
         transaction.on_commit(lambda: eviction_run_task.delay(run.pk))
     run.refresh_from_db()
     return run
+
+
+def _held_prefixes(run: EvictionRun) -> list[str]:
+    """Storage prefixes of the run's namespaces that are pinned now (a hold placed after planning)."""
+    held = run.actions.filter(namespace__policy__pinned=True).values_list("storage_prefix", flat=True).distinct()
+    return sorted(set(held))
 
 
 def eviction_digest_send(*, run_id: int) -> int:
@@ -512,6 +523,10 @@ def _perform(action: EvictionAction, tiers: Tiers) -> tuple[int, dict[str, Any]]
     raise ValueError(f"unknown action kind {action.kind!r}")
 
 
+def _pinned_now(namespace_id: int) -> bool:
+    return RetentionPolicy.objects.filter(namespace_id=namespace_id, pinned=True).exists()
+
+
 def _claim(run_id: int) -> EvictionRun | None:
     """queued → running, unless another run of the lane is running (the database says no)."""
     now = timezone.now()
@@ -551,6 +566,14 @@ def eviction_run_execute(*, run_id: int) -> str:
     pending = run.actions.exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED]).select_related("namespace", "engine")
     for action in pending.order_by("seq"):
         if action.storage_prefix in blocked:
+            continue
+        if action.namespace_id and _pinned_now(action.namespace_id):
+            # A legal hold placed after the plan (a scheduled run is approved by
+            # policy and starts after a notice): the hold wins, the action is skipped.
+            EvictionAction.objects.filter(pk=action.pk).update(
+                status=ActionStatus.SKIPPED, error="under a legal hold placed after the plan", finished_at=timezone.now()
+            )
+            job_log(run, f"#{action.seq} {action.kind} {action.storage_prefix} skipped: under a legal hold")
             continue
         if done_in_batch >= settings.EVICTION_BATCH_ACTIONS:
             with transaction.atomic():

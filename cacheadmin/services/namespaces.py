@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 
 from cacheadmin.models import (
     CacheNamespace,
@@ -91,6 +92,15 @@ class RetentionPolicySpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 problems[name] = [f"must be an integer within {low}..{high}"]
+        for name in ("hold_by", "hold_reason"):
+            value = getattr(self, name)
+            if value and any(
+                unicodedata.category(c) in ("Cf", "Zl", "Zp") or (unicodedata.category(c) == "Cc" and c not in "\n\t")
+                for c in value
+            ):
+                problems[name] = ["invisible or control characters are not allowed"]
+        if not self.pinned and (self.hold_by.strip() or self.hold_reason.strip()):
+            problems["pinned"] = ["hold_by and hold_reason describe a hold: set pinned, or leave them empty"]
         if self.pinned and not self.hold_by.strip():
             problems["hold_by"] = ["a hold needs who placed it"]
         if self.pinned and not self.hold_reason.strip():
@@ -193,12 +203,18 @@ def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion,
 
 def namespaces_visible_to(tenant_id: int, path: str = "") -> Q:
     """Namespaces a tenant may see and name: its own, and those of the shared
-    groups it is a member of now (``path``: the lookup prefix, e.g. ``"namespace__"``).
+    groups it is a member of now, from the generation it joined on (earlier
+    generations are other members' history). ``path``: the lookup prefix,
+    e.g. ``"namespace__"``.
 
-    One subquery, no join: callers need no ``distinct()``.
+    A correlated subquery, no join: callers need no ``distinct()``.
     """
-    groups = SharedGroupMembership.objects.filter(tenant_id=tenant_id).values("group_id")
-    return Q(**{f"{path}tenant_id": tenant_id}) | Q(**{f"{path}group_id__in": groups})
+    member = SharedGroupMembership.objects.filter(
+        tenant_id=tenant_id,
+        group_id=OuterRef(f"{path}group_id"),
+        joined_generation__lte=OuterRef(f"{path}group_generation"),
+    )
+    return Q(**{f"{path}tenant_id": tenant_id}) | Q(Exists(member))
 
 
 class GroupError(ValueError):
@@ -233,7 +249,10 @@ def shared_group_join(*, group: SharedGroup, tenant: Tenant, actor: str, reason:
         raise GroupError("joining a shared group needs a reason")
     try:
         with transaction.atomic():
-            membership = SharedGroupMembership.objects.create(group=group, tenant=tenant, added_by=actor)
+            group.refresh_from_db()
+            membership = SharedGroupMembership.objects.create(
+                group=group, tenant=tenant, added_by=actor, joined_generation=group.generation
+            )
             audit_record(actor=actor, action="shared_group.join", obj=group, after={"tenant": tenant.slug}, reason=reason)
     except IntegrityError as exc:
         raise GroupError(f"tenant {tenant.slug} is already a member of {group.slug}") from exc
@@ -292,12 +311,16 @@ def namespace_storage_path(namespace: CacheNamespace) -> Path:
 
 
 def namespace_policy_update(
-    *, namespace: CacheNamespace, policy: RetentionPolicySpec, actor: str, reason: str
+    *, namespace: CacheNamespace, policy: RetentionPolicySpec, actor: str, reason: str, release_hold: bool = False
 ) -> RetentionPolicy:
     """Replace a namespace's retention policy (audited with before and after).
 
+    A legal hold is lifted only on purpose: replacing the policy of a held
+    namespace with an unpinned one needs ``release_hold``.
+
     Raises:
         ValidationError: invalid policy, or no reason given; nothing changes.
+        NamespaceConflict: the namespace is held and ``release_hold`` was not given.
     """
     problems = policy.errors()
     if not reason.strip():
@@ -306,6 +329,11 @@ def namespace_policy_update(
         raise ValidationError(problems)
     with transaction.atomic():
         current, _ = RetentionPolicy.objects.select_for_update().get_or_create(namespace=namespace, defaults={"versions_kept": 1})
+        if current.pinned and not policy.pinned and not release_hold:
+            raise NamespaceConflict(
+                f"namespace {namespace.namespace_id[:12]}… is under a legal hold by {current.hold_by} "
+                f"({current.hold_reason}); lifting it needs release_hold"
+            )
         before = {k: getattr(current, k) for k in policy.as_dict()}
         for key, value in policy.as_dict().items():
             setattr(current, key, value)

@@ -214,3 +214,56 @@ def test_token_last_used_is_written_at_most_once_a_minute(world, django_assert_n
     with django_assert_num_queries(3):  # token, count, page
         world["clients"]["alice"].get("/api/tenants/")
     assert ApiToken.objects.get(pk=token.pk).last_used_at == first
+
+
+def test_a_tenant_joining_later_does_not_see_the_groups_earlier_generations(world) -> None:
+    from cacheadmin.models import Tenant
+    from cacheadmin.services.api_tokens import api_token_issue
+
+    group = _group_with(world, "acme", "globex")
+    alice = world["clients"]["alice"]
+    owner = RetentionOwner.objects.get()
+    body = {"model_version": world["v1"].pk, "group": "partners", "retention_owner": owner.pk, "policy": POLICY}
+    first = alice.post("/api/namespaces/", body, format="json").json()
+    alice.post(f"/api/shared-groups/{group['id']}/leave/", {"tenant": "globex", "reason": "r"}, format="json")
+    Tenant.objects.create(slug="initech", name="Initech")
+    alice.post(f"/api/shared-groups/{group['id']}/join/", {"tenant": "initech", "reason": "r"}, format="json")
+    second = alice.post("/api/namespaces/", body, format="json").json()
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    _, key = api_token_issue(
+        user=User.objects.create_user("ini"), name="ini", scope="read", tenant=Tenant.objects.get(slug="initech"), actor="s"
+    )
+    initech = APIClient()
+    initech.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert [n["id"] for n in initech.get("/api/namespaces/").json()["results"]] == [second["id"]]
+    assert initech.get(f"/api/namespaces/{first['id']}/").status_code == 404
+    # acme, a member since generation 1, sees both generations.
+    seen = {n["id"] for n in world["clients"]["bob"].get("/api/namespaces/").json()["results"]}
+    assert {first["id"], second["id"]} <= seen
+
+
+def test_a_legal_hold_is_lifted_only_on_purpose(world) -> None:
+    alice = world["clients"]["alice"]
+    ns = world["ns"]["acme"]
+    held = {**POLICY, "pinned": True, "hold_by": "legal", "hold_reason": "case 42"}
+    assert alice.put(f"/api/namespaces/{ns.pk}/policy/", {"policy": held, "reason": "hold"}, format="json").status_code == 200
+    lifted = alice.put(f"/api/namespaces/{ns.pk}/policy/", {"policy": POLICY, "reason": "oops"}, format="json")
+    assert (lifted.status_code, lifted.json()["error"]["code"]) == (409, "namespace_conflict")
+    assert "under a legal hold by legal (case 42); lifting it needs release_hold" in lifted.json()["error"]["message"]
+    stray = alice.put(
+        f"/api/namespaces/{ns.pk}/policy/",
+        {"policy": {**POLICY, "hold_by": "x"}, "reason": "r", "release_hold": True},
+        format="json",
+    )
+    assert stray.status_code == 400 and list(stray.json()["error"]["fields"]) == ["pinned"]
+    bidi = alice.put(
+        f"/api/namespaces/{ns.pk}/policy/", {"policy": {**held, "hold_by": "\u202elegal"}, "reason": "r"}, format="json"
+    )
+    assert bidi.status_code == 400 and list(bidi.json()["error"]["fields"]) == ["hold_by"]
+    assert CacheNamespace.objects.get(pk=ns.pk).policy.pinned is True
+    released = alice.put(
+        f"/api/namespaces/{ns.pk}/policy/", {"policy": POLICY, "reason": "case closed", "release_hold": True}, format="json"
+    )
+    assert released.status_code == 200 and released.json()["policy"]["pinned"] is False

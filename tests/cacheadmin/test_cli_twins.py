@@ -42,6 +42,8 @@ def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
     policy = ["--max-age-s", "3600", "--max-bytes", "none", "--versions-kept", "2"]
     one_line_error(run(*base, *policy, "--pin", "--hold-by", "legal"), 2, "hold_reason: a hold needs a reason")
     one_line_error(run(*base[:-1], "nobody", *policy), 2, "no retention owner 'nobody'")
+    huge = ["--max-age-s", "99999999999999999999", "--max-bytes", "none", "--versions-kept", "1"]
+    one_line_error(run(*base, *huge), 2, "99999999999999999999 is larger than 9223372036854775807")
     assert CacheNamespace.objects.count() == 0
     created = json.loads(run(*base, *policy, "--json").stdout)
     assert (created["tenant"], created["policy"]["max_bytes"], created["policy"]["versions_kept"]) == ("acme", None, 2)

@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import redis
 from django.core import mail
 from django.utils import timezone
 
@@ -323,3 +324,37 @@ def test_schedules_are_upserted_by_name_and_keep_operators_edits(db) -> None:
     PeriodicTask.objects.filter(name="engine-metrics-scrape").delete()
     outcome = schedules_sync()
     assert outcome["engine-metrics-scrape"] == "created" and outcome["eviction-sweep"] == "kept"
+
+
+def test_a_hold_placed_after_planning_wins(world, kv) -> None:
+    run = eviction_plan(actor="alice", only=[world["ns"]["v0"], world["ns"]["v1"]])
+    RetentionPolicy.objects.filter(namespace=world["ns"]["v1"]).update(pinned=True, hold_by="legal", hold_reason="case 42")
+    with pytest.raises(EvictionRefused, match=f"legal hold since the plan: {world['ns']['v1'].storage_prefix}"):
+        eviction_run_approve(run=run, actor="bob", reason="go")
+    assert EvictionRun.objects.get(pk=run.pk).status == "planned"
+    # Approved before the hold (as a scheduled run is), the hold still wins at execution.
+    RetentionPolicy.objects.filter(namespace=world["ns"]["v1"]).update(pinned=False)
+    eviction_run_approve(run=run, actor="bob", reason="go")
+    RetentionPolicy.objects.filter(namespace=world["ns"]["v1"]).update(pinned=True)
+    assert eviction_run_execute(run_id=run.pk) == "succeeded"
+    held = set(run.actions.filter(namespace=world["ns"]["v1"]).values_list("status", flat=True))
+    assert held == {"skipped"}
+    assert kv_exists(world, "v1") and CacheNamespace.objects.get(pk=world["ns"]["v1"].pk).residency == Residency.HOT
+    assert CacheNamespace.objects.get(pk=world["ns"]["v0"].pk).residency == Residency.DROPPED
+
+
+def test_a_redis_orphan_without_timestamps_waits_for_the_grace_period(world, kv) -> None:
+    from cacheadmin.models import TierUsageSample
+    from cacheadmin.services.accounting import accounting_scan_scheduled, orphans_report
+
+    raw = redis.Redis.from_url(REDIS_URL)
+    prefix = f"ns-foreign-{uuid.uuid4().hex[:8]}"
+    kv["prefixes"].append(prefix)
+    raw.set(f"{prefix}:e1", b"x" * 10)  # written by another writer: no creation time recorded
+    assert not eviction_plan(actor="a", include_orphans=True).actions.filter(storage_prefix=prefix).exists()
+    accounting_scan_scheduled()
+    assert [p["storage_prefix"] for p in orphans_report()["prefixes"]] == []  # first seen just now
+    TierUsageSample.objects.filter(storage_prefix=prefix).update(sampled_at=timezone.now() - timedelta(hours=2))
+    assert [(p["storage_prefix"], p["tier"]) for p in orphans_report()["prefixes"]] == [(prefix, "redis")]
+    planned = eviction_plan(actor="a").actions.get(storage_prefix=prefix)
+    assert (planned.kind, planned.tier) == ("delete_prefix", "redis")

@@ -135,11 +135,15 @@ def test_staff_approve_eviction_runs_on_their_page_and_others_cannot(
     run = EvictionRun.objects.get()
     page = admin_client.get(f"/eviction-runs/{run.pk}/").content.decode()
     assert "Approve and run" in page and "delete_prefix" in page
+    # Links and the form lead to pages, not to the JSON API.
+    assert f'action="/eviction-runs/{run.pk}/"' in page and 'href="/api/' not in page
+    dashboard = admin_client.get("/").content.decode()
+    assert f'href="/namespaces/{run.actions.get().namespace_id}/"' in dashboard and 'href="/api/' not in dashboard
     missing = admin_client.post(f"/eviction-runs/{run.pk}/", {"decision": "approve", "reason": ""})
     assert missing.status_code == 400 and "an approval needs a reason" in missing.content.decode()
     with django_capture_on_commit_callbacks():
         approved = admin_client.post(f"/eviction-runs/{run.pk}/", {"decision": "approve", "reason": "reviewed"})
-    assert approved.status_code == 302
+    assert (approved.status_code, approved["Location"]) == (302, f"/eviction-runs/{run.pk}/")
     run.refresh_from_db()
     assert (run.status, run.approved_by) == ("queued", "admin (page)")
     client.force_login(User.objects.create_user("viewer"))

@@ -79,6 +79,7 @@ class Command(ControlPlaneCommand):
         policy.add_argument("id", type=positive_int)
         _add_policy(policy)
         policy.add_argument("--reason", required=True)
+        policy.add_argument("--release-hold", action="store_true", help="lift the namespace's legal hold on purpose")
         salt = sub.add_parser("salt", help="print the namespace's vLLM cache_salt (audited)")
         salt.add_argument("id", type=positive_int)
         sub.add_parser("list", help="list namespaces")
@@ -137,7 +138,9 @@ class Command(ControlPlaneCommand):
 
     def verb_policy(self, opts: dict[str, Any]) -> None:
         namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
-        namespace_policy_update(namespace=namespace, policy=_policy(opts), actor=ACTOR, reason=opts["reason"])
+        namespace_policy_update(
+            namespace=namespace, policy=_policy(opts), actor=ACTOR, reason=opts["reason"], release_hold=opts["release_hold"]
+        )
         namespace.refresh_from_db()
         self._print(CacheNamespace.objects.select_related("policy").get(pk=namespace.pk), opts["json"])
 
