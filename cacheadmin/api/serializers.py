@@ -83,13 +83,9 @@ class IdField(serializers.PrimaryKeyRelatedField):
         return queryset
 
     def to_internal_value(self, data: object) -> object:
-        if isinstance(data, bool) or not isinstance(data, (int, str)):
+        # A JSON integer only: "4" is a type error in the caller's pipeline, not an id.
+        if isinstance(data, bool) or not isinstance(data, int):
             self.fail("incorrect_type", data_type=type(data).__name__)
-        if isinstance(data, str):
-            # ASCII digits only: int() also takes "²" (error) and "١" (silently 1).
-            if not (data.isascii() and data.isdigit()):
-                self.fail("incorrect_type", data_type="str")
-            data = int(data)
         if not 0 < data <= MAX_ID:
             self.fail("does_not_exist", pk_value=data)
         return super().to_internal_value(data)
@@ -147,7 +143,16 @@ class StrictModelSerializer(serializers.ModelSerializer):
     }
 
 
-class TenantSlugField(serializers.SlugRelatedField):
+class StrictSlugRelatedField(serializers.SlugRelatedField):
+    """A related row by slug, given as a JSON string (``1`` is not the slug ``"1"``)."""
+
+    def to_internal_value(self, data: object) -> object:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class TenantSlugField(StrictSlugRelatedField):
     """A tenant by slug; a tenant-bound token can only name its own tenant
     (any other slug answers like one that does not exist)."""
 
@@ -247,7 +252,7 @@ class CacheNamespaceSerializer(serializers.ModelSerializer):
         )  # fmt: skip
 
 
-class GroupSlugField(serializers.SlugRelatedField):
+class GroupSlugField(StrictSlugRelatedField):
     """A shared group by slug; a tenant-bound token can only name groups its
     tenant is a member of (others answer like slugs that do not exist)."""
 
@@ -282,7 +287,7 @@ class SharedGroupSerializer(StrictFieldsMixin, StrictModelSerializer):
 
 
 class GroupMemberChangeSerializer(StrictFieldsMixin, serializers.Serializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    tenant = StrictSlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
     reason = StrictCharField(max_length=2000)
 
 

@@ -497,8 +497,8 @@ class EvictionRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet)
         )
         return Response(s.EvictionRunSerializer(run).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(responses={200: s.EvictionActionSerializer(many=True)})
-    @action(detail=True, methods=["get"])
+    @extend_schema(responses={200: s.EvictionActionSerializer(many=True)}, filters=False)
+    @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def actions(self, request: Request, pk: str | None = None) -> Response:
         """Every action of the run, in order, with the bytes it frees and what its tier confirmed."""
         run = self.get_object()
@@ -531,8 +531,8 @@ class AccountingScanViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewS
 
     @extend_schema(request=None, responses={202: s.AccountingScanSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        if request.data:
-            raise ValidationError({"non_field_errors": ["this request takes no body"]})
+        if not (isinstance(request.data, dict) and not request.data):
+            raise ValidationError({"non_field_errors": ["this request takes no body (or an empty JSON object)"]})
         scan = accounting_scan_create(actor=actor_of(request))
         return Response(s.AccountingScanSerializer(scan).data, status=status.HTTP_202_ACCEPTED)
 

@@ -65,7 +65,11 @@ def accounting_scan_run(*, scan_id: int) -> None:
     scan = job_claim(AccountingScan, scan_id)
     if scan is None:
         return
-    tiers = tiers_configured()
+    try:
+        tiers = tiers_configured()
+    except TierError as exc:
+        job_finish(scan, JobStatus.FAILED, error=str(exc), line=f"no scan: {exc}")
+        return
     by_prefix = dict(CacheNamespace.objects.values_list("storage_prefix", "pk"))
     live = set(CacheNamespace.objects.exclude(residency=Residency.DROPPED).values_list("storage_prefix", flat=True))
     now = timezone.now()

@@ -153,6 +153,11 @@ def jobs_recover_lost() -> dict[str, int]:
     return counts
 
 
+def _kind(job: Job) -> str:
+    """``"eviction run"``, ``"prewarm job"``...: the model's name in words."""
+    return str(job._meta.verbose_name)
+
+
 class JobCancelled(Exception):
     """Raised inside a running job when an operator cancelled it."""
 
@@ -180,7 +185,7 @@ def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
         )
         if not moved:
             job.refresh_from_db()
-            raise LifecycleError(f"{job} already ended ({job.status}); nothing to cancel")
-        audit_record(actor=actor, action=f"{job._meta.model_name}.cancel", obj=job, reason=reason)
+            raise LifecycleError(f"{_kind(job)} #{job.pk} already ended ({job.status}); nothing to cancel")
+        audit_record(actor=actor, action=f"{_kind(job).replace(' ', '_')}.cancel", obj=job, reason=reason)
     job.refresh_from_db()
     return job

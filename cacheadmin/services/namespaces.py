@@ -138,7 +138,8 @@ def namespace_get_or_create(
     Raises:
         ValidationError: the policy is invalid, or not exactly one boundary (nothing is written).
         NamespaceConflict: the derived id is held by another boundary or identity
-            (e.g. a tenant slug was reused); isolation wins over convenience.
+            (e.g. a tenant slug was reused; isolation wins over convenience), or
+            the model version is retired.
     """
     problems = policy.errors()
     if (tenant is None) == (group is None):
@@ -151,6 +152,8 @@ def namespace_get_or_create(
     existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_id=ns_id).first()
     if existing:
         return _same_owner_or_refuse(existing, model_version, where)
+    if model_version.status == ModelVersion.Status.RETIRED:
+        raise NamespaceConflict(f"{model_version.label} is retired: no new namespace is created for it")
     stale = CacheNamespace.objects.filter(model_version=model_version, **where).first()
     if stale is not None:
         raise NamespaceConflict(

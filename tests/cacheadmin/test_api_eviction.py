@@ -50,7 +50,7 @@ def test_plan_review_approve_through_the_api(world, clients, django_capture_on_c
     assert (again.status_code, again.json()["error"]["code"]) == (409, "eviction_refused")
     cancelled = ops.post(f"/api/eviction-runs/{run['id']}/cancel/", {"reason": "wait for legal"}, format="json")
     assert cancelled.json()["status"] == "cancelled"
-    assert AuditEvent.objects.filter(action__in=["eviction_run.plan", "eviction_run.approve", "evictionrun.cancel"]).count() == 3
+    assert AuditEvent.objects.filter(action__in=["eviction_run.plan", "eviction_run.approve", "eviction_run.cancel"]).count() == 3
 
 
 @pytest.mark.parametrize(
@@ -60,6 +60,7 @@ def test_plan_review_approve_through_the_api(world, clients, django_capture_on_c
         ({"only": "all"}, "only"),
         ({"include_orphans": "yes"}, "include_orphans"),
         ({"purge": [1], "colour": "red"}, "colour"),
+        ({"only": [1, "2"]}, "only"),
     ],
 )
 def test_bad_plans_are_refused_and_write_nothing(world, clients, body, field) -> None:  # noqa: F811
@@ -67,6 +68,15 @@ def test_bad_plans_are_refused_and_write_nothing(world, clients, body, field) ->
     assert response.status_code == 400
     assert field in response.json()["error"]["fields"] or any(k.startswith(field) for k in response.json()["error"]["fields"])
     assert EvictionRun.objects.count() == 0
+
+
+def test_a_scan_takes_no_body(world, clients) -> None:  # noqa: F811
+    from cacheadmin.models import AccountingScan
+
+    for body in ("[]", "null", "0", "false", '{"x": 1}'):
+        response = clients["ops"].post("/api/accounting-scans/", body, content_type="application/json")
+        assert response.status_code == 400, body
+    assert AccountingScan.objects.count() == 0
 
 
 def test_purging_a_held_namespace_is_refused(world, clients) -> None:  # noqa: F811

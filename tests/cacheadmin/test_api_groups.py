@@ -119,6 +119,10 @@ def test_group_membership_changes_need_admin_a_reason_and_valid_members(world) -
     assert (again.status_code, again.json()["error"]["code"]) == (409, "group_conflict")
     not_member = c["alice"].post(f"{url}/leave/", {"tenant": "globex", "reason": "x"}, format="json")
     assert (not_member.status_code, not_member.json()["error"]["message"]) == (409, "tenant globex is not a member of partners")
+    numeric = c["alice"].post(f"{url}/join/", {"tenant": 1, "reason": "r"}, format="json")
+    assert numeric.status_code == 400 and list(numeric.json()["error"]["fields"]) == ["tenant"]
+    as_text = c["alice"].post("/api/namespaces/", {"model_version": str(world["v1"].pk), "tenant": "acme"}, format="json")
+    assert "model_version" in as_text.json()["error"]["fields"]
     blank = c["alice"].post(f"{url}/join/", {"tenant": "globex", "reason": ""}, format="json")
     assert blank.status_code == 400 and "reason" in blank.json()["error"]["fields"]
     dup = c["alice"].post("/api/shared-groups/", {"slug": "partners", "name": "Again"}, format="json")

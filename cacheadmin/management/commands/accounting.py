@@ -5,7 +5,7 @@ namespace and tier (twin of ``POST /api/accounting-scans/``, but run here,
 in this process); ``orphans`` prints what nobody owns (twin of
 ``GET /api/orphans/``); ``metrics`` scrapes every ready engine's /metrics.
 Exit codes: 0 done; 1 the scan could not read a tier (named on stderr; the
-other tiers were recorded).
+other tiers were recorded), or an engine gave no metrics.
 """
 
 from __future__ import annotations
@@ -44,17 +44,9 @@ class Command(ControlPlaneCommand):
             self.stdout.write(json.dumps(orphans_report(), default=str))
         else:
             rows = engine_metrics_scrape()
-            self.stdout.write(
-                json.dumps(
-                    [
-                        {
-                            "engine": r.engine.name,
-                            "ok": r.ok,
-                            "error": r.error,
-                            "hit_rate": r.hit_rate,
-                            "kv_cache_usage": r.kv_cache_usage,
-                        }
-                        for r in rows
-                    ]
-                )  # fmt: skip
-            )
+            fields = ("ok", "error", "hit_rate", "kv_cache_usage")
+            self.stdout.write(json.dumps([{"engine": r.engine.name, **{f: getattr(r, f) for f in fields}} for r in rows]))
+            failed = [r.engine.name for r in rows if not r.ok]
+            if failed:
+                self.stderr.write(f"CommandError: no metrics from {', '.join(failed)}")
+                sys.exit(1)
