@@ -17,6 +17,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand
+from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.demo import DemoError, demo_run
 from cacheadmin.services.workers import WorkerProcess
 from inference.engines.launcher import die_with_parent
@@ -80,6 +81,9 @@ class Command(ControlPlaneCommand):
                 worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo", beat=True)
                 worker.start()
                 log("celery worker restarted with the beat scheduler (accounting, metrics, eviction sweeps)")
+                scan = accounting_scan_scheduled()  # so the namespace pages show storage at once
+                if scan is not None:
+                    log(f"accounting scan #{scan.pk}: {scan.prefixes_seen} prefixes, {scan.bytes_total} bytes")
                 log(f"dashboard: http://{opts['addr']}/  (Ctrl-C to stop)")
                 assert server is not None
                 server.wait()
