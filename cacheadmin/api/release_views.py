@@ -25,6 +25,7 @@ from cacheadmin.services.releases import (
     release_collect_tokenization_evidence,
     release_create,
     release_decide,
+    release_mark_ready,
     release_rollback,
     release_routing,
     release_set_traffic,
@@ -117,6 +118,15 @@ class ReleaseViewSet(viewsets.ReadOnlyModelViewSet):
         release = self.get_object()
         data = validated(request, ReleaseDecideSerializer)
         release = release_decide(release=release, actor=actor_of(request), **data)
+        return Response(ReleaseSerializer(release).data)
+
+    @extend_schema(request=None, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @action(detail=True, methods=["post"])
+    @idempotent
+    def ready(self, request: Request, pk: str | None = None) -> Response:
+        """Mark ready: 200 once the new namespace's prewarm verified (or the purge
+        was confirmed by every tier); 409 with what it is waiting for otherwise."""
+        release = release_mark_ready(release=self.get_object(), actor=actor_of(request))
         return Response(ReleaseSerializer(release).data)
 
     @extend_schema(request=TrafficSerializer, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])

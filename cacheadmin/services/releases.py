@@ -320,6 +320,27 @@ def release_sync(release: Release) -> Release:
     return release
 
 
+def release_mark_ready(*, release: Release, actor: str) -> Release:
+    """Confirm a release is ready to route (a pipeline's gate before it moves traffic).
+
+    Raises:
+        ReleaseRefused: not ready yet (decision required, prewarm or purge still
+            running, or failed), with what it is waiting for.
+    """
+    release = release_sync(release)
+    if release.status != Status.READY:
+        waiting = ""
+        if release.prewarm_job_id:
+            job = release.prewarm_job
+            waiting = f" (prewarm job #{job.pk} {job.status}, {job.progress_done}/{job.progress_total})"
+        elif release.eviction_run_id:
+            run = release.eviction_run
+            waiting = f" (purge run #{run.pk} {run.status}, {run.progress_done}/{run.progress_total} actions)"
+        raise ReleaseRefused(f"release #{release.pk} is {release.status}{waiting}: not ready to route")
+    _event(release, actor, "marked_ready")
+    return release
+
+
 def releases_sync_for(*, prewarm_job: PrewarmJob | None = None, eviction_run: EvictionRun | None = None) -> None:
     """Sync the releases waiting on a job that just ended."""
     releases = Release.objects.filter(status=Status.PREPARING)

@@ -42,6 +42,7 @@ from cacheadmin.services.releases import (
     release_collect_tokenization_evidence,
     release_create,
     release_decide,
+    release_mark_ready,
     release_rollback,
     release_routing,
     release_set_traffic,
@@ -196,9 +197,12 @@ def test_new_namespace_is_ready_only_after_its_prewarm_verified(versions) -> Non
     assert (job.namespace_id, job.engine_id) == (ns2.pk, engine.pk)
     with pytest.raises(ReleaseRefused, match="no routing before it is ready"):
         release_routing(decided)
+    with pytest.raises(ReleaseRefused, match=rf"is preparing \(prewarm job #{job.pk} queued, 0/18\): not ready to route"):
+        release_mark_ready(release=decided, actor="ci")
     PrewarmJob.objects.filter(pk=job.pk).update(status=JobStatus.SUCCEEDED, verified=9)
-    assert release_sync(decided).status == "ready"
-    assert ReleaseEvent.objects.filter(release=release).last().detail == {"prewarm_job": job.pk, "verified": 9, "error": ""}
+    assert release_mark_ready(release=decided, actor="ci").status == "ready"
+    events = list(ReleaseEvent.objects.filter(release=release).order_by("id").values_list("kind", "detail"))
+    assert events[-2:] == [("ready", {"prewarm_job": job.pk, "verified": 9, "error": ""}), ("marked_ready", {})]
 
 
 def test_gray_release_keeps_each_version_on_its_own_namespace(versions) -> None:

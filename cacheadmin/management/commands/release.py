@@ -1,7 +1,7 @@
-"""``python manage.py release plan|evidence|decide|status|traffic|rollback``: the release workflow for pipelines.
+"""``python manage.py release plan|evidence|decide|status|ready|traffic|rollback``: the release workflow for pipelines.
 
 Twins of ``POST /api/releases/`` (plan), ``…/evidence/``, ``…/decide/``,
-``GET /api/releases/{id}/`` (status), ``…/traffic/`` and ``…/rollback/``.
+``GET /api/releases/{id}/`` (status), ``…/ready/``, ``…/traffic/`` and ``…/rollback/``.
 Every verb prints one JSON object (``--json`` is accepted for symmetry).
 Exit codes: 0 ready (or rolled back); 2 bad input; 3 a decision is required;
 4 refused (not allowed for the classification, missing evidence, nothing to
@@ -27,6 +27,7 @@ from cacheadmin.services.releases import (
     release_collect_tokenization_evidence,
     release_create,
     release_decide,
+    release_mark_ready,
     release_rollback,
     release_set_traffic,
     release_sync,
@@ -66,13 +67,15 @@ class Command(ControlPlaneCommand):
         status.add_argument("id", type=positive_int)
         status.add_argument("--wait", action="store_true", help="wait while it is preparing")
         status.add_argument("--timeout", type=positive_int, default=1800)
+        ready = sub.add_parser("ready", help="mark ready (refused, exit 4, while it is not)")
+        ready.add_argument("id", type=positive_int)
         traffic = sub.add_parser("traffic", help="gray release: percent of traffic on the new version")
         traffic.add_argument("id", type=positive_int)
         traffic.add_argument("--percent", type=int, required=True)
         rollback = sub.add_parser("rollback", help="route back to the old version's namespace")
         rollback.add_argument("id", type=positive_int)
         rollback.add_argument("--reason", required=True)
-        for p in (plan, evidence, decide, status, traffic, rollback):
+        for p in (plan, evidence, decide, status, ready, traffic, rollback):
             p.add_argument("--json", action="store_true", help="(default) one JSON object")
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -130,6 +133,9 @@ class Command(ControlPlaneCommand):
             time.sleep(1.0)
             release = release_sync(self._release(opts["id"]))
         return release
+
+    def verb_ready(self, opts: dict[str, Any]) -> Release:
+        return release_mark_ready(release=self._release(opts["id"]), actor=ACTOR)
 
     def verb_traffic(self, opts: dict[str, Any]) -> Release:
         return release_set_traffic(release=self._release(opts["id"]), percent=opts["percent"], actor=ACTOR)
