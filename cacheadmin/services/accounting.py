@@ -19,6 +19,7 @@ from cacheadmin.models import (
     EngineMetricsSample,
     JobStatus,
     ModelVersion,
+    Release,
     Residency,
     Tier,
     TierUsageSample,
@@ -186,8 +187,8 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
         ``{"prefixes": [...], "namespaces": [...], "adapters": [...]}``:
         storage prefixes no namespace has (their newest entry older than
         ``ORPHAN_GRACE_S``: a younger one may be a namespace being created);
-        namespaces of retired versions and superseded shared-group
-        generations whose state is not dropped; adapters no ready engine has
+        namespaces of retired versions, of failed releases and superseded
+        shared-group generations whose state is not dropped; adapters no ready engine has
         used for ``ADAPTER_UNUSED_DAYS`` days (or ever, when registered that long ago).
     """
     now = now or timezone.now()
@@ -202,15 +203,22 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
                      "newest_entry_at": r.newest_entry_at, "sampled_at": r.sampled_at}
                 )  # fmt: skip
     namespaces = []
+    # The new namespace of a failed release that no other release uses.
+    failed = set(Release.objects.filter(status=Release.Status.FAILED).values_list("to_namespace_id", flat=True))
+    in_use = set(Release.objects.exclude(status=Release.Status.FAILED).values_list("to_namespace_id", flat=True))
+    in_use |= set(Release.objects.values_list("from_namespace_id", flat=True))
+    failed_release = (failed - in_use) - {None}
     candidates = (
         CacheNamespace.objects.exclude(residency=Residency.DROPPED)
-        .filter(Q(model_version__status=ModelVersion.Status.RETIRED) | Q(group__isnull=False))
+        .filter(Q(model_version__status=ModelVersion.Status.RETIRED) | Q(group__isnull=False) | Q(pk__in=failed_release))
         .select_related("model_version", "tenant", "group")
         .order_by("id")
     )
     for ns in candidates:
         if ns.model_version.status == ModelVersion.Status.RETIRED:
             why = f"model version {ns.model_version.label} is retired"
+        elif ns.pk in failed_release:
+            why = "the new namespace of a failed release"
         elif ns.superseded:
             why = f"superseded: group {ns.group.slug} is at generation {ns.group.generation}"
         else:

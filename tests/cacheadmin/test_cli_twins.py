@@ -4,6 +4,8 @@ errors, audited changes, and nothing written on bad input."""
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -13,6 +15,7 @@ from inference.identity import cache_salt
 from tests.helpers import manage, subprocess_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
+PROJECT_TMP = Path(tempfile.gettempdir())
 
 
 def run(*args: str):
@@ -52,6 +55,17 @@ def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
                   "--reason", "smaller budget", "--json")  # fmt: skip
     assert json.loads(updated.stdout)["policy"]["max_bytes"] == 1024
     assert AuditEvent.objects.get(action="namespace.policy_update").reason == "smaller budget"
+    heat_file = PROJECT_TMP / f"heat-{ns.pk}.json"
+    heat_file.write_text(json.dumps({"messages": [{"role": "user", "content": "Refund status?"}]}))
+    try:
+        reported = json.loads(run("namespace", "heat", str(ns.pk), str(heat_file), "--hits", "5").stdout)
+        assert reported["hits"] == 5
+        assert json.loads(run("namespace", "heat", str(ns.pk), str(heat_file)).stdout)["hits"] == 6
+        heat_file.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}))
+        one_line_error(run("namespace", "heat", str(ns.pk), str(heat_file)), 2, "must end on a user or tool turn")
+        one_line_error(run("namespace", "heat", str(ns.pk), "/nonexistent.json"), 2, "/nonexistent.json")
+    finally:
+        heat_file.unlink()
     salt = run("namespace", "salt", str(ns.pk)).stdout.strip()
     assert salt == cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
 

@@ -437,3 +437,19 @@ def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(version
     assert [c.messages[-1]["content"] for c in corpus_load(job.corpus)] == ["Refund status?", "Opening hours?"]
     with pytest.raises(ValueError, match="no prefix heat reported for namespace '999'"):
         corpus_load("heat:999")
+
+
+def test_the_new_namespace_of_a_failed_release_is_an_orphan(versions) -> None:
+    from cacheadmin.services.accounting import orphans_report
+
+    release = _release(versions, "v2")
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-fail")
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.FAILED, error="engine died")
+    failed = release_sync(decided)
+    assert (failed.status, failed.error) == ("failed", f"prewarm job #{decided.prewarm_job_id} failed: engine died")
+    assert [(n["id"], n["why"]) for n in orphans_report()["namespaces"]] == [(ns2.pk, "the new namespace of a failed release")]

@@ -1,7 +1,7 @@
 """``python manage.py namespace create|policy|salt|list``: cache namespaces from the CLI.
 
-Twins of ``POST /api/namespaces/``, ``PUT /api/namespaces/{id}/policy/`` and
-``GET /api/namespaces/{id}/cache-salt/``. Exit codes: 0 done; 2 bad input (one
+Twins of ``POST /api/namespaces/``, ``PUT /api/namespaces/{id}/policy/``,
+``GET /api/namespaces/{id}/cache-salt/`` and ``POST /api/namespaces/{id}/prefix-heat/``. Exit codes: 0 done; 2 bad input (one
 line on stderr); 4 refused (e.g. the derived namespace belongs to another
 tenant, or the salt of a superseded shared-group namespace).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -19,6 +20,7 @@ from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or
 from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, SharedGroup, Tenant
 from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
     namespace_cache_salt,
@@ -83,6 +85,10 @@ class Command(ControlPlaneCommand):
         salt = sub.add_parser("salt", help="print the namespace's vLLM cache_salt (audited)")
         salt.add_argument("id", type=positive_int)
         sub.add_parser("list", help="list namespaces")
+        heat = sub.add_parser("heat", help="report a hot conversation (JSON file: messages, tools)")
+        heat.add_argument("id", type=positive_int)
+        heat.add_argument("file", help='JSON object {"messages": [...], "tools": [...]?}; "-" reads stdin')
+        heat.add_argument("--hits", type=positive_int, default=1)
         for p in (create, policy):
             p.add_argument("--json", action="store_true")
 
@@ -143,6 +149,23 @@ class Command(ControlPlaneCommand):
         )
         namespace.refresh_from_db()
         self._print(CacheNamespace.objects.select_related("policy").get(pk=namespace.pk), opts["json"])
+
+    def verb_heat(self, opts: dict[str, Any]) -> None:
+        namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
+        try:
+            text = sys.stdin.read() if opts["file"] == "-" else Path(opts["file"]).read_text(encoding="utf-8")
+            body = json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise self.bad_input(f"{opts['file']}: {exc}") from exc
+        if not isinstance(body, dict) or set(body) - {"messages", "tools"}:
+            raise self.bad_input('the file must hold a JSON object with "messages" (and optionally "tools")')
+        try:
+            row = prefix_heat_record(
+                namespace=namespace, messages=body.get("messages"), tools=body.get("tools"), hits=opts["hits"]
+            )
+        except ValueError as exc:
+            raise self.bad_input(str(exc)) from exc
+        self.stdout.write(json.dumps({"digest": row.digest, "hits": row.hits}))
 
     def verb_salt(self, opts: dict[str, Any]) -> None:
         namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
