@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import django_filters
 from django import forms
 from django.db import models
+from django_filters.fields import IsoDateTimeField
 from django_filters.rest_framework import DjangoFilterBackend
 
 #: Largest id a database row can have (signed 64-bit).
@@ -46,3 +48,30 @@ class ControlPlaneFilterBackend(DjangoFilterBackend):
     """``DjangoFilterBackend`` with :class:`ControlPlaneFilterSet` as the base of generated filter sets."""
 
     filterset_base = ControlPlaneFilterSet
+
+
+class UtcIsoDateTimeField(IsoDateTimeField):
+    """An ISO 8601 time, turned into UTC before it reaches the database.
+
+    PostgreSQL refuses UTC offsets beyond ±15:59 (parsing accepts up to ±23:59)
+    and a shift across year 1 overflows Python's datetime; either is a bad
+    parameter, not a server error.
+    """
+
+    def clean(self, value: Any) -> datetime | None:
+        cleaned = super().clean(value)
+        if cleaned is None:
+            return None
+        offset = cleaned.utcoffset()
+        if offset is not None and abs(offset) > timedelta(hours=14):
+            raise forms.ValidationError("the UTC offset must be within ±14:00")
+        try:
+            return cleaned.astimezone(UTC)
+        except OverflowError as exc:
+            raise forms.ValidationError("the time is out of range") from exc
+
+
+class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
+    """``IsoDateTimeFilter`` with :class:`UtcIsoDateTimeField`."""
+
+    field_class = UtcIsoDateTimeField

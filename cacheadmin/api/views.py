@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import django_filters
 from django.contrib.auth.views import redirect_to_login
 from django.db import models
 from django.http.response import HttpResponseBase
@@ -20,7 +19,7 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
-from cacheadmin.api.filters import ControlPlaneFilterSet
+from cacheadmin.api.filters import ControlPlaneFilterSet, UtcIsoDateTimeFilter
 from cacheadmin.models import (
     AccountingScan,
     Adapter,
@@ -538,8 +537,8 @@ class AccountingScanViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewS
 
 
 class TierUsageFilter(ControlPlaneFilterSet):
-    since = django_filters.IsoDateTimeFilter(field_name="sampled_at", lookup_expr="gte")
-    until = django_filters.IsoDateTimeFilter(field_name="sampled_at", lookup_expr="lt")
+    since = UtcIsoDateTimeFilter(field_name="sampled_at", lookup_expr="gte")
+    until = UtcIsoDateTimeFilter(field_name="sampled_at", lookup_expr="lt")
 
     class Meta(ControlPlaneFilterSet.Meta):
         model = TierUsageSample

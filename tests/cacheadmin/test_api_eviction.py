@@ -110,3 +110,12 @@ def test_scans_time_series_and_orphans(world, kv, clients, django_capture_on_com
     assert [(p["storage_prefix"], p["tier"], p["bytes"]) for p in orphans["prefixes"]] == [("ns-orphan", "disk", 200)]
     assert [n["why"] for n in orphans["namespaces"]] == ["model version v0 is retired"]
     assert clients["bound"].get("/api/orphans/").status_code == 403
+
+
+def test_time_filters_refuse_offsets_and_years_the_database_cannot_hold(world, clients) -> None:  # noqa: F811
+    ops = clients["ops"]
+    for value in ("0893-03-16T10:07:11+19:28", "0001-01-01T00:00:00+05:00", "not-a-time"):
+        response = ops.get("/api/tier-usage/", {"since": value})
+        assert response.status_code == 400, value
+        assert list(response.json()["error"]["fields"]) == ["since"]
+    assert ops.get("/api/tier-usage/", {"since": "2026-11-29T10:00:00+02:00", "until": "2999-01-01T00:00:00Z"}).status_code == 200
