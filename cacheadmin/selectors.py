@@ -65,9 +65,13 @@ def eviction_run_list(limit: int = 10) -> QuerySet[EvictionRun]:
     return EvictionRun.objects.order_by("-created_at", "-id")[:limit]
 
 
-def latest_usage_by_namespace() -> dict[int, dict[str, TierUsageSample]]:
-    """Namespace pk → tier → its newest usage sample (two queries, whatever the history's length)."""
-    newest = TierUsageSample.objects.filter(namespace__isnull=False).values("namespace", "tier").annotate(last=Max("id"))
+def latest_usage_by_namespace(namespaces: list[CacheNamespace] | None = None) -> dict[int, dict[str, TierUsageSample]]:
+    """Namespace pk → tier → its newest usage sample, for ``namespaces`` (default:
+    all); two queries, whatever the history's length."""
+    samples = TierUsageSample.objects.filter(namespace__isnull=False)
+    if namespaces is not None:
+        samples = samples.filter(namespace__in=namespaces)
+    newest = samples.values("namespace", "tier").annotate(last=Max("id"))
     out: dict[int, dict[str, TierUsageSample]] = {}
     for sample in TierUsageSample.objects.filter(id__in=[row["last"] for row in newest]):
         out.setdefault(sample.namespace_id, {})[sample.tier] = sample

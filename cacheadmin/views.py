@@ -11,7 +11,6 @@ from django.views.decorators.http import require_POST
 
 from cacheadmin import selectors
 from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob, Release
-from cacheadmin.services.accounting import namespace_usage_latest
 from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.model_versions import LifecycleError
@@ -112,7 +111,7 @@ def namespace_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "cacheadmin/namespace_detail.html",
         {
             "ns": namespace,
-            "latest": namespace_usage_latest(namespace),
+            "latest": selectors.latest_usage_by_namespace([namespace]).get(namespace.pk, {}),
             "chart": series,
             "actions": namespace.eviction_actions.select_related("run").order_by("-run_id", "seq")[:50],
         },

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,34 @@ def checkpoint_copy(demo_checkpoints: dict[str, Path], model_root: Path, request
     yield make
     for path in copies:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """``mount(size)`` → a directory on a tmpfs of ``size`` (e.g. ``"64k"``), unmounted afterwards.
+
+    A real "no space left on device" needs a small file system, and mounting
+    one needs root. Where mounting is not permitted the test is skipped, with
+    the reason; under ``CI=true`` (where the suite runs as root) it fails
+    instead, so CI never passes without the disk-full tests.
+    """
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        target = tmp_path / f"tmpfs-{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            reason = f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); needs root"
+            if os.environ.get("CI") == "true":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(target)], check=False)

@@ -91,41 +91,46 @@ class IdField(serializers.PrimaryKeyRelatedField):
         return super().to_internal_value(data)
 
 
-class StrictIntegerField(serializers.IntegerField):
-    """A JSON integer only: DRF's ``IntegerField`` also takes ``"10"``, ``10.0``
-    and ``true``, which hides type errors in a caller's pipeline."""
+class JsonTypeMixin:
+    """Takes a value only with its JSON type: DRF's fields coerce (``"10"`` and
+    ``10.0`` to 10, ``"yes"`` and ``1`` to True, numbers to strings), which hides
+    type errors in a caller's pipeline.
 
-    def to_internal_value(self, data: object) -> int:
-        if isinstance(data, bool) or not isinstance(data, int):
-            raise serializers.ValidationError(f"must be a JSON integer, not {type(data).__name__}")
+    ``json_type``: the accepted Python type; ``json_name``: how the error names it.
+    """
+
+    json_type: type = object
+    json_name: str = ""
+
+    def to_internal_value(self, data: object) -> Any:
+        # bool is an int subclass: ``true`` is no integer.
+        if not isinstance(data, self.json_type) or (isinstance(data, bool) and self.json_type is not bool):
+            raise serializers.ValidationError(f"must be {self.json_name}, not {type(data).__name__}")
         return super().to_internal_value(data)
 
 
-class StrictCharField(serializers.CharField):
-    """A JSON string only (DRF's ``CharField`` turns numbers into strings)."""
+class StrictIntegerField(JsonTypeMixin, serializers.IntegerField):
+    """A JSON integer only."""
 
-    def to_internal_value(self, data: object) -> str:
-        if not isinstance(data, str):
-            raise serializers.ValidationError(f"must be a JSON string, not {type(data).__name__}")
-        return super().to_internal_value(data)
+    json_type, json_name = int, "a JSON integer"
 
 
-class StrictBooleanField(serializers.BooleanField):
-    """``true`` or ``false`` only (DRF's ``BooleanField`` also takes ``"yes"``, ``1``, ``"on"``)."""
+class StrictCharField(JsonTypeMixin, serializers.CharField):
+    """A JSON string only."""
 
-    def to_internal_value(self, data: object) -> bool:
-        if not isinstance(data, bool):
-            raise serializers.ValidationError(f"must be true or false, not {type(data).__name__}")
-        return data
+    json_type, json_name = str, "a JSON string"
 
 
-class StrictEmailField(serializers.EmailField):
+class StrictBooleanField(JsonTypeMixin, serializers.BooleanField):
+    """``true`` or ``false`` only."""
+
+    json_type, json_name = bool, "true or false"
+
+
+class StrictEmailField(JsonTypeMixin, serializers.EmailField):
     """A JSON string that is an e-mail address."""
 
-    def to_internal_value(self, data: object) -> str:
-        if not isinstance(data, str):
-            raise serializers.ValidationError(f"must be a JSON string, not {type(data).__name__}")
-        return super().to_internal_value(data)
+    json_type, json_name = str, "a JSON string"
 
 
 class StrictModelSerializer(serializers.ModelSerializer):

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -236,11 +236,3 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
         .order_by("id")
     ]  # fmt: skip
     return {"prefixes": prefixes, "namespaces": namespaces, "adapters": adapters}
-
-
-def namespace_usage_latest(namespace: CacheNamespace) -> dict[str, TierUsageSample]:
-    """The newest sample of each tier for a namespace (one query)."""
-    newest = (
-        TierUsageSample.objects.filter(namespace=namespace).values("tier").annotate(last=Max("id")).values_list("last", flat=True)
-    )
-    return {s.tier: s for s in TierUsageSample.objects.filter(id__in=list(newest))}

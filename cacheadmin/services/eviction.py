@@ -56,11 +56,11 @@ from cacheadmin.services.accounting import orphan_old_enough
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
-from cacheadmin.services.jobs import JobCancelled, job_finish, job_log, job_progress, worker_identity
+from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.tiers import Tiers, tiers_configured
 from inference.errors import EngineError
 from inference.identity import cache_salt
-from inference.tiers.base import TierError, TierUnavailable
+from inference.tiers.base import TierError, TierUnavailable, TierUsage
 from inference.tiers.policy import select_victims
 
 logger = logging.getLogger(__name__)
@@ -145,34 +145,48 @@ def _engines_of(ns: CacheNamespace) -> list[Engine]:
     return list((owned | attached).distinct().select_related("model_version").order_by("id"))
 
 
-def _usage_bytes(store: Any, prefix: str) -> int:
-    return store.usage(prefix).bytes if store is not None and store.exists(prefix) else 0
+class _Sizes:
+    """What each tier holds under a prefix, measured once per plan: a prefix is
+    looked at by several actions, and a Redis lookup is a SCAN."""
+
+    def __init__(self, tiers: Tiers) -> None:
+        self.stores: dict[str, Any] = {Tier.DISK: tiers.disk, Tier.REDIS: tiers.redis, Tier.COLD: tiers.cold}
+        self._seen: dict[tuple[str, str], TierUsage] = {}
+
+    def __call__(self, tier: str, prefix: str) -> TierUsage:
+        """Usage of ``prefix`` in ``tier`` (empty when the tier is not configured or holds nothing)."""
+        key = (tier, prefix)
+        if key not in self._seen:
+            store = self.stores[tier]
+            self._seen[key] = store.usage(prefix) if store is not None else TierUsage.empty(prefix)
+        return self._seen[key]
 
 
-def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers) -> list[_Planned]:
+def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers, sizes: _Sizes) -> list[_Planned]:
     """Actions that take a namespace out of the hot tiers: into the cold tier, or gone."""
     prefix = ns.storage_prefix
+    disk, redis_bytes = sizes(Tier.DISK, prefix).bytes, sizes(Tier.REDIS, prefix).bytes
     actions: list[_Planned] = []
     if to == Residency.COLD:
-        logical = _usage_bytes(tiers.disk, prefix) + _usage_bytes(tiers.redis, prefix)
-        actions.append(_Planned(Kind.ARCHIVE, Tier.COLD, ns, prefix, f"demote: {why}", detail={"logical_bytes": logical}))
-    actions.append(_Planned(Kind.DELETE_PREFIX, Tier.DISK, ns, prefix, why, _usage_bytes(tiers.disk, prefix)))
+        detail = {"logical_bytes": disk + redis_bytes}
+        actions.append(_Planned(Kind.ARCHIVE, Tier.COLD, ns, prefix, f"demote: {why}", detail=detail))
+    actions.append(_Planned(Kind.DELETE_PREFIX, Tier.DISK, ns, prefix, why, disk))
     if tiers.redis is not None:
-        actions.append(_Planned(Kind.DELETE_PREFIX, Tier.REDIS, ns, prefix, why, _usage_bytes(tiers.redis, prefix)))
+        actions.append(_Planned(Kind.DELETE_PREFIX, Tier.REDIS, ns, prefix, why, redis_bytes))
     # After the hot tiers: a connector would reload the state from them on the probe.
     for engine in _engines_of(ns):
         actions.append(_Planned(Kind.RESET_ENGINE, Tier.ENGINE, ns, prefix, why, engine=engine))
     return actions
 
 
-def _budget_actions(ns: CacheNamespace, tiers: Tiers, now: float) -> list[_Planned]:
+def _budget_actions(ns: CacheNamespace, tiers: Tiers, sizes: _Sizes, now: float) -> list[_Planned]:
     """Entry evictions inside a hot namespace: expired by size-aware TTL, then over budget."""
     policy = ns.policy
     if policy.max_bytes is None and policy.max_age_since_last_hit_s is None:
         return []
     actions = []
     for tier, store in ((Tier.DISK, tiers.disk), (Tier.REDIS, tiers.redis)):
-        if store is None or not store.exists(ns.storage_prefix):
+        if store is None or not sizes(tier, ns.storage_prefix).entries:
             continue
         victims = select_victims(
             store.entries(ns.storage_prefix),
@@ -233,10 +247,12 @@ def _plan_actions(
     targets = namespace_targets(namespaces)
     for ns in purge:
         targets[ns.pk] = (Residency.DROPPED, f"purge requested for {ns.boundary_label}/{ns.model_version.label}")
+    purged = {ns.pk for ns in purge}
     scope = {ns.pk for ns in only} if only is not None else None
+    sizes = _Sizes(tiers)
     actions: list[_Planned] = []
     for ns in namespaces:
-        if scope is not None and ns.pk not in scope and ns.pk not in {p.pk for p in purge}:
+        if scope is not None and ns.pk not in scope and ns.pk not in purged:
             continue
         target, why = targets[ns.pk]
         if ns.policy.pinned:
@@ -244,18 +260,17 @@ def _plan_actions(
                 log.append(f"{ns.storage_prefix}: held by {ns.policy.hold_by} ({ns.policy.hold_reason}); would be {target}")
             continue
         if ns.residency == Residency.HOT and target == Residency.HOT:
-            actions += _budget_actions(ns, tiers, now)
+            actions += _budget_actions(ns, tiers, sizes, now)
             continue
         if target == ns.residency or target == Residency.HOT:
             continue  # cold → hot is a rollback, decided by a release, not by eviction
         if ns.residency == Residency.HOT:
-            actions += _leave_hot(ns, target, why, tiers)
+            actions += _leave_hot(ns, target, why, tiers, sizes)
         else:  # cold → dropped: hot tiers again too, in case an engine wrote since
-            actions += _leave_hot(ns, Residency.DROPPED, why, tiers)
+            actions += _leave_hot(ns, Residency.DROPPED, why, tiers, sizes)
         if target == Residency.DROPPED:
-            actions.append(
-                _Planned(Kind.DELETE_ARCHIVE, Tier.COLD, ns, ns.storage_prefix, why, _usage_bytes(tiers.cold, ns.storage_prefix))
-            )
+            archive = sizes(Tier.COLD, ns.storage_prefix).bytes
+            actions.append(_Planned(Kind.DELETE_ARCHIVE, Tier.COLD, ns, ns.storage_prefix, why, archive))
         actions.append(_Planned(Kind.SET_RESIDENCY, "", ns, ns.storage_prefix, why, detail={"residency": target}))
     if include_orphans and scope is None:
         known = set(CacheNamespace.objects.values_list("storage_prefix", flat=True))
@@ -527,20 +542,6 @@ def _pinned_now(namespace_id: int) -> bool:
     return RetentionPolicy.objects.filter(namespace_id=namespace_id, pinned=True).exists()
 
 
-def _claim(run_id: int) -> EvictionRun | None:
-    """queued → running, unless another run of the lane is running (the database says no)."""
-    now = timezone.now()
-    try:
-        with transaction.atomic():
-            claimed = EvictionRun.objects.filter(pk=run_id, status=JobStatus.QUEUED).update(
-                status=JobStatus.RUNNING, attempts=F("attempts") + 1, worker=worker_identity(), heartbeat_at=now,
-                started_at=now, error="", retry_at=None,
-            )  # fmt: skip
-    except IntegrityError:
-        return None
-    return EvictionRun.objects.get(pk=run_id) if claimed else None
-
-
 def eviction_run_execute(*, run_id: int) -> str:
     """Execute up to ``EVICTION_BATCH_ACTIONS`` actions of an approved run.
 
@@ -556,7 +557,8 @@ def eviction_run_execute(*, run_id: int) -> str:
         return "not queued"
     if run.not_before and timezone.now() < run.not_before:
         return "not due"
-    run = _claim(run_id)
+    # The lane's partial unique index refuses a second running run: the claim then fails.
+    run = job_claim(EvictionRun, run_id, retry_at=None)
     if run is None:
         return "busy" if EvictionRun.objects.filter(pk=run_id, status=JobStatus.QUEUED).exists() else "not queued"
     tiers = tiers_configured()

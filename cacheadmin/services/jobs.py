@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import TypeVar
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
@@ -36,22 +36,28 @@ def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def job_claim(model: type[J], job_id: int) -> J | None:
-    """Atomically move a queued job to running for this process.
+def job_claim(model: type[J], job_id: int, **fields: object) -> J | None:
+    """Atomically move a queued job to running for this process (and set ``fields``).
 
     Returns:
         The claimed job, or None when it is not queued (done, cancelled, or
-        held by another worker).
+        held by another worker), or when a database constraint on running jobs
+        refuses it (e.g. one running eviction run at a time).
     """
     now = timezone.now()
-    claimed = model.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
-        status=JobStatus.RUNNING,
-        attempts=F("attempts") + 1,
-        worker=worker_identity(),
-        heartbeat_at=now,
-        started_at=Coalesce(F("started_at"), Value(now)),
-        error="",
-    )
+    try:
+        with transaction.atomic():
+            claimed = model.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
+                status=JobStatus.RUNNING,
+                attempts=F("attempts") + 1,
+                worker=worker_identity(),
+                heartbeat_at=now,
+                started_at=Coalesce(F("started_at"), Value(now)),
+                error="",
+                **fields,
+            )
+    except IntegrityError:
+        return None
     return model.objects.get(pk=job_id) if claimed else None
 
 

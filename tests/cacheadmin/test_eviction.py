@@ -5,7 +5,6 @@ confirmation, and the faults (killed worker, disk full, Redis down)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -270,16 +269,10 @@ def test_redis_down_fails_the_run_with_the_reason_and_it_resumes_later(world, kv
 
 
 @pytest.fixture
-def tiny_cold_root(kv, settings) -> Iterator[Path]:
+def tiny_cold_root(kv, settings, small_tmpfs) -> Path:
     """The cold tier on a 64 KiB tmpfs: a real "no space left on device"."""
-    mount = kv["root"] / "tiny-cold"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    settings.KV_COLD_ROOT = mount
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    settings.KV_COLD_ROOT = small_tmpfs("64k")
+    return settings.KV_COLD_ROOT
 
 
 def test_disk_full_during_a_demotion_fails_it_cleanly_and_keeps_the_hot_copy(world, kv, tiny_cold_root) -> None:

@@ -453,25 +453,17 @@ def test_cold_corrupt_archive_is_a_tier_error(disk_root: Path, tmp_path: Path) -
         cold.verify("ns-aa")
 
 
-def test_cold_archive_on_a_full_disk_fails_cleanly(disk_root: Path, tmp_path: Path) -> None:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); needs root")
-    try:
-        for i in range(5):  # 640 KiB of random bytes: gzip cannot squeeze it into 256 KiB
-            make_entry(disk_root, "ns-big", f"e{i}", [65536, 65536], created=1.0, accessed=[(1.0, 1.0), (1.0, 1.0)])
-        disk, cold = DiskTier(disk_root), ColdTier(mount)
-        before = snapshot(disk_root, "ns-big")
-        with pytest.raises(TierWriteFailed, match="ENOSPC"):
-            cold.archive("ns-big", disk=disk, redis=None)
-        assert os.listdir(mount) == []
-        assert snapshot(disk_root, "ns-big") == before
-        assert disk.usage("ns-big").entries == 5
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], check=False)
+def test_cold_archive_on_a_full_disk_fails_cleanly(disk_root: Path, small_tmpfs) -> None:
+    mount = small_tmpfs("256k")
+    for i in range(5):  # 640 KiB of random bytes: gzip cannot squeeze it into 256 KiB
+        make_entry(disk_root, "ns-big", f"e{i}", [65536, 65536], created=1.0, accessed=[(1.0, 1.0), (1.0, 1.0)])
+    disk, cold = DiskTier(disk_root), ColdTier(mount)
+    before = snapshot(disk_root, "ns-big")
+    with pytest.raises(TierWriteFailed, match="ENOSPC"):
+        cold.archive("ns-big", disk=disk, redis=None)
+    assert os.listdir(mount) == []
+    assert snapshot(disk_root, "ns-big") == before
+    assert disk.usage("ns-big").entries == 5
 
 
 # -- policy --------------------------------------------------------------------
