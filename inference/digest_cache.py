@@ -10,17 +10,24 @@ of one host: each host keeps its own cache.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS file_digest_v2 (
     path BLOB PRIMARY KEY,
     key TEXT NOT NULL,
     digest TEXT NOT NULL
-)
+);
+CREATE TABLE IF NOT EXISTS file_tensors_v1 (
+    path BLOB PRIMARY KEY,
+    key TEXT NOT NULL,
+    tensors TEXT NOT NULL
+);
 """
 
 
@@ -36,7 +43,7 @@ class FileDigestCache:
         self._local = threading.local()
         db_path.parent.mkdir(parents=True, exist_ok=True)
         with self._conn() as conn:
-            conn.execute(_SCHEMA)
+            conn.executescript(_SCHEMA)
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -62,4 +69,19 @@ class FileDigestCache:
             conn.execute(
                 "INSERT OR REPLACE INTO file_digest_v2(path, key, digest) VALUES (?,?,?)",
                 (os.fsencode(path), self.stat_key(st), digest),
+            )
+
+    def get_manifest(self, path: Path, st: os.stat_result) -> list[list[Any]] | None:
+        """The cached tensor list of a weight file (``[[name, dtype, shape, digest], ...]``)
+        if the file's key still matches, else None."""
+        query = "SELECT tensors FROM file_tensors_v1 WHERE path=? AND key=?"
+        row = self._conn().execute(query, (os.fsencode(path), self.stat_key(st))).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def put_manifest(self, path: Path, st: os.stat_result, tensors: list[list[Any]]) -> None:
+        """Record a weight file's tensor list as it was when ``st`` was taken."""
+        with self._conn() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO file_tensors_v1(path, key, tensors) VALUES (?,?,?)",
+                (os.fsencode(path), self.stat_key(st), json.dumps(tensors, separators=(",", ":"))),
             )

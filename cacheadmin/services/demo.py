@@ -41,7 +41,10 @@ UNSAFE_REASON = (
     "demo of the unsafe upgrade: v2 reads v1's persistent KV tier under the same model name, "
     "as a cache keyed on token ids and model name does"
 )
-DEMO_LAYOUT = LayoutOptions(dtype="auto", block_size=32, kv_connector="ExampleConnector")
+#: float32 on purpose: "auto" would serve these float32 checkpoints in bfloat16
+#: on a CPU (vLLM's rule), and the demo's tiny random-weight models need the
+#: cold-vs-cold control of float32 to tell a deceptive hit from rounding.
+DEMO_LAYOUT = LayoutOptions(dtype="float32", block_size=32, kv_connector="ExampleConnector")
 
 
 class DemoError(RuntimeError):

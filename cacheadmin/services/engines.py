@@ -26,21 +26,24 @@ class EngineRefused(ValueError):
 def _spec_for(
     *, model_version: ModelVersion, name: str, port: int, prefix_caching: bool, kv_storage_path: Path | None
 ) -> EngineSpec:
-    layout = model_version.inputs["layout"]
-    return EngineSpec(
-        model_path=Path(model_version.path),
-        served_name=model_version.served_name,
-        # The identity resolved "auto"; the engine gets the resolved value so
-        # that what it computes with is exactly what the identity says.
-        dtype=layout["dtype"],
-        kv_cache_dtype="auto" if layout["kv_cache_dtype"] == layout["dtype"] else layout["kv_cache_dtype"],
-        block_size=int(layout["block_size"]),
-        prefix_caching=prefix_caching,
-        kv_storage_path=kv_storage_path,
-        kv_cache_gib=settings.ENGINE_KV_CACHE_GIB,
-        log_path=settings.ENGINE_LOG_DIR / f"{name}.log",
-        port=port,
-    )
+    """The launch spec carrying every identity layout field.
+
+    Raises:
+        EngineRefused: a layout field this launcher cannot honour here (the reason).
+    """
+    try:
+        return EngineSpec.from_layout(
+            model_version.inputs["layout"],
+            model_path=Path(model_version.path),
+            served_name=model_version.served_name,
+            prefix_caching=prefix_caching,
+            kv_storage_path=kv_storage_path,
+            kv_cache_gib=settings.ENGINE_KV_CACHE_GIB,
+            log_path=settings.ENGINE_LOG_DIR / f"{name}.log",
+            port=port,
+        )
+    except EngineError as exc:
+        raise EngineRefused(str(exc)) from exc
 
 
 def engine_launch(
@@ -67,7 +70,8 @@ def engine_launch(
         The Engine row, status ``ready``.
 
     Raises:
-        EngineRefused: identity mismatch without an override reason, or a
+        EngineRefused: identity mismatch without an override reason, a
+            layout field the local launcher cannot honour here, or a
             salt-blind tier that another running engine of a different
             namespace already uses.
         EngineError: the server did not come up; the row is left ``failed``

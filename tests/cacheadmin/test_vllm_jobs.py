@@ -33,7 +33,7 @@ from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_
 from tests.helpers import subprocess_env, wait_for, worker_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
-LAYOUT = LayoutOptions(kv_connector="ExampleConnector")
+LAYOUT = LayoutOptions(dtype="float32", kv_connector="ExampleConnector")
 CORPUS = load_corpus("diagnostic")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+import safetensors.numpy
 
 from inference.checkpoints import mistral_common_tokenizer_path
 from inference.digest_cache import FileDigestCache
@@ -47,13 +48,19 @@ def test_one_byte_deep_in_a_weight_file_changes_weights_only(checkpoint_copy) ->
     after = fingerprint_checkpoint(path)
     assert changed_fields(before, after) == ["weights"]
     assert before.identity != after.identity
-    assert before.inputs["weights"]["model.safetensors"] != after.inputs["weights"]["model.safetensors"]
+    changed = [name for name, summary in before.inputs["weights"].items() if after.inputs["weights"][name] != summary]
+    assert len(changed) == 1  # one byte belongs to one tensor, and the diff names it
 
 
-def test_weights_digest_is_blake3_of_full_content(demo_checkpoints) -> None:
+def test_weights_are_blake3_of_each_tensor_as_safetensors_loads_it(demo_checkpoints) -> None:
     path = demo_checkpoints["tiny-v1"] / "model.safetensors"
     report = fingerprint_checkpoint(demo_checkpoints["tiny-v1"])
-    assert report.inputs["weights"]["model.safetensors"] == blake3.blake3(path.read_bytes()).hexdigest()
+    arrays = safetensors.numpy.load_file(path)
+    assert sorted(report.inputs["weights"]) == sorted(arrays)
+    for name, array in arrays.items():
+        shape = ",".join(str(d) for d in array.shape)
+        assert report.inputs["weights"][name] == f"F32[{shape}] {blake3.blake3(array.tobytes()).hexdigest()}"
+    assert report.inputs["weight_files"] == {"format": "safetensors", "files": ["model.safetensors"]}
     assert report.total_bytes == path.stat().st_size
 
 
@@ -95,14 +102,16 @@ def test_config_key_order_and_name_fields_do_not_matter(checkpoint_copy) -> None
 def test_layout_resolves_auto_and_moves_alone(demo_checkpoints) -> None:
     path = demo_checkpoints["tiny-v1"]
     auto = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="auto"))
-    explicit = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float32", kv_cache_dtype="fp32"))
+    # vLLM serves a float32 checkpoint in the platform's preferred dtype:
+    # bfloat16 on x86 and aarch64 CPUs (vllm.platforms.cpu.supported_dtypes).
+    explicit = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="bfloat16", kv_cache_dtype="bf16"))
     assert auto.digests() == explicit.digests()
-    assert auto.inputs["layout"]["dtype"] == "float32"
-    assert auto.inputs["layout"]["kv_cache_dtype"] == "float32"
-    bf16 = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="bfloat16"))
+    assert auto.inputs["layout"]["dtype"] == "bfloat16"
+    assert auto.inputs["layout"]["kv_cache_dtype"] == "bfloat16"
+    fp32 = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float32"))
     fp16 = fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float16"))
-    assert changed_fields(auto, bf16) == ["layout"]
-    assert bf16.layout != fp16.layout
+    assert changed_fields(auto, fp32) == ["layout"]
+    assert fp32.layout != fp16.layout
     for options in (
         LayoutOptions(block_size=64),
         LayoutOptions(tensor_parallel_size=2),
@@ -110,8 +119,12 @@ def test_layout_resolves_auto_and_moves_alone(demo_checkpoints) -> None:
         LayoutOptions(kv_cache_dtype="fp8"),
         LayoutOptions(quantization="fp8"),
         LayoutOptions(kv_connector="ExampleConnector"),
+        LayoutOptions(kv_cache_layout="HND"),
+        LayoutOptions(attention_backend="CPU_ATTN"),
+        LayoutOptions(model_impl="transformers"),
+        LayoutOptions(hf_overrides={"rms_norm_eps": 1e-5}),
     ):
-        assert changed_fields(auto, fingerprint_checkpoint(path, layout=options)) == ["layout"], options
+        assert "layout" in changed_fields(auto, fingerprint_checkpoint(path, layout=options)), options
 
 
 def test_adapters_are_identified_by_content(demo_checkpoints, model_root: Path) -> None:
@@ -297,7 +310,7 @@ def test_symlink_loop_and_empty_weight_file_are_refused(checkpoint_copy) -> None
     with pytest.raises(CheckpointError):
         resolve_checkpoint_dir(path, [path.parent])
     other = checkpoint_copy()
-    (other / "model.bin").write_bytes(b"")
+    (other / "model-extra.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="empty weight file"):
         fingerprint_checkpoint(other)
 
@@ -352,7 +365,7 @@ def test_identity_diff_names_the_files_and_keys_behind_each_field(checkpoint_cop
         {"key": "rms_norm_eps", "change": "changed", "a": 1e-06, "b": 1e-05},
         {"key": "rope_parameters.rope_theta", "change": "changed", "a": 10000.0, "b": 500000.0},
     ]
-    assert [(c["key"], c["change"]) for c in diff["fields"]["tokenizer"]["changes"]] == [("chat_template.jinja", "added")]
+    assert [(c["key"], c["change"]) for c in diff["fields"]["tokenizer"]["changes"]] == [("chat_template", "added")]
     assert diff["fields"]["layout"]["changes"] == [{"key": "block_size", "change": "changed", "a": 32, "b": 64}]
     assert [(c["key"], c["change"]) for c in diff["fields"]["adapters"]["changes"]] == [("support", "added")]
     assert identity_diff(before, before) == {"identical": True, "differing": [], "fields": {}}
@@ -378,7 +391,8 @@ def test_tokenizer_in_every_form(checkpoint_copy) -> None:
     }
     (hf / "tokenizer_config.json").write_text(json.dumps(config))
     base = fingerprint_checkpoint(hf)
-    assert set(base.inputs["tokenizer"]) == {"tokenizer.json", "tokenizer_config.json"}  # no mistral_common renderer
+    # no mistral_common renderer; the chat template is its own input, wherever it is written
+    assert set(base.inputs["tokenizer"]) == {"tokenizer.json", "tokenizer_config.json", "chat_template"}
     (hf / "tokenizer_config.json").write_text(json.dumps(dict(reversed(list(config.items()))), indent=2))
     assert fingerprint_checkpoint(hf).digests() == base.digests()  # key order and whitespace are not meaning
     for key, value in (

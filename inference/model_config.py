@@ -1,0 +1,329 @@
+"""The model configuration as the engine parses it, and the code it runs.
+
+The ``config`` field of the state identity is computed from the configuration
+*as vLLM parses it* (``vllm.transformers_utils.config.get_config``: transformers'
+config class for the ``model_type`` with every default filled in, plus vLLM's
+own patches such as the RoPE standardisation and ``hf_quant_config.json``),
+not from the raw JSON text. So writing a value out or leaving it to its
+default, ``rope_scaling`` + ``rope_theta`` or the equivalent
+``rope_parameters``, ``type`` or ``rope_type``, or a ``sliding_window`` that
+``use_sliding_window: false`` disables, all give one identity; any value the
+engine computes with, at any depth (``quantization_config.*``,
+``text_config.*``), is kept.
+
+Dropped are only the keys in :data:`CONFIG_EXCLUDED_KEYS` (and the dropout
+keys of :func:`is_excluded_key`), at the root of the configuration and at the
+root of each sub-model configuration (``text_config``, ``vision_config``…:
+the ``sub_configs`` of the config class). Never at another depth: a
+``dtype`` inside ``quantization_config`` is a quantization parameter.
+
+A configuration whose ``model_type`` only remote code defines (``auto_map``)
+is parsed by transformers' base ``PretrainedConfig`` (no code is executed),
+and the code files it names are digested (:func:`remote_code_files`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from inference.errors import CheckpointError
+
+#: Config keys with no effect on the KV state, with the reason for each.
+#: Dropped at the config's root and at the root of each sub-model config.
+CONFIG_EXCLUDED_KEYS: dict[str, str] = {
+    "_name_or_path": "a name or path, not an input of the computation",
+    "transformers_version": "version of the library that wrote the file",
+    "torch_dtype": "the dtype the engine computes in is resolved into `layout`",
+    "dtype": "the dtype the engine computes in is resolved into `layout`",
+    "initializer_range": "only used to draw random weights before training",
+    "initializer_factor": "only used to draw random weights before training",
+    "use_cache": "a transformers generate() switch; vLLM always keeps its own KV cache",
+    "output_attentions": "transformers output plumbing",
+    "output_hidden_states": "transformers output plumbing",
+    "return_dict": "transformers output plumbing",
+    "chunk_size_feed_forward": "a transformers memory-saving loop; the same arithmetic",
+    "problem_type": "selects a training loss",
+    "id2label": "names of classification outputs, applied after the forward pass",
+    "label2id": "names of classification outputs, applied after the forward pass",
+    "tokenizer_class": "names the tokenizer class; the tokenizer itself is the `tokenizer` field",
+    # Legacy sampling defaults that old configs carry at the top level; they
+    # pick tokens from the logits and never change the KV state of a prompt.
+    **{
+        key: "a sampling default, applied after the forward pass"
+        for key in (
+            "temperature", "top_k", "top_p", "typical_p", "do_sample", "num_beams", "num_beam_groups",
+            "diversity_penalty", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+            "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "max_length", "min_length",
+            "early_stopping", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+            "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+            "begin_suppress_tokens", "task_specific_params",
+        )
+    },
+}  # fmt: skip
+
+#: Suffixes of dropout keys (``attention_dropout``, ``resid_pdrop``,
+#: ``hidden_dropout_prob``…): dropout is off at inference.
+DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+
+
+def is_excluded_key(key: str) -> bool:
+    """True for a key dropped at a config root: :data:`CONFIG_EXCLUDED_KEYS` or a dropout key."""
+    return key in CONFIG_EXCLUDED_KEYS or key.endswith(DROPOUT_SUFFIXES)
+
+
+#: Config files whose ``auto_map`` names code the engine runs with ``trust_remote_code``.
+AUTO_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file, refusing what the engine's parser refuses.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, not UTF-8, nested too deep, an
+            over-long integer, or ``NaN``/``Infinity`` (not JSON; transformers'
+            config classes compute with them).
+    """
+
+    def no_constants(token: str) -> Any:
+        raise ValueError(f"{token} is not a JSON number")
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), parse_constant=no_constants)
+    # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integers.
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _quiet_parse(fn: Any) -> Any:
+    # transformers and vLLM log warnings for every unusual config; fingerprinting
+    # a checkpoint is not the place for them.
+    loggers = [logging.getLogger(name) for name in ("transformers", "vllm")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        return fn()
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _known_model_type(model_type: object) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def parse_config(config_dir: Path, raw: dict[str, Any], *, hf_overrides: dict[str, Any] | None) -> Any:
+    """The configuration object vLLM would compute with.
+
+    Args:
+        config_dir: the directory holding ``config.json``.
+        raw: its parsed JSON (already checked to be an object).
+        hf_overrides: the engine's ``--hf-overrides`` (applied as vLLM applies them).
+
+    Returns:
+        A transformers ``PretrainedConfig``.
+
+    Raises:
+        CheckpointError: the engine could not parse it either (the message says why).
+    """
+    from vllm.transformers_utils.config import get_config, patch_rope_parameters
+
+    if _known_model_type(raw.get("model_type")):
+        try:
+            return _quiet_parse(
+                lambda: get_config(str(config_dir), trust_remote_code=False, hf_overrides_kw=hf_overrides or None)
+            )
+        except Exception as exc:  # transformers and vLLM raise ValueError, TypeError, KeyError… for bad values
+            raise CheckpointError(f"the engine cannot parse {config_dir / 'config.json'}: {exc}") from exc
+    # A model type only remote code defines: the base class holds every key as
+    # written (no code runs here); the code files are digested on their own.
+    from transformers import PretrainedConfig
+
+    def base() -> Any:
+        config = PretrainedConfig(**{**raw, **(hf_overrides or {})})
+        patch_rope_parameters(config)
+        return config
+
+    try:
+        return _quiet_parse(base)
+    except Exception as exc:  # as above
+        raise CheckpointError(f"{config_dir / 'config.json'} cannot be parsed: {exc}") from exc
+
+
+def _sub_config_keys(config: Any) -> list[str]:
+    return sorted(getattr(config, "sub_configs", None) or {})
+
+
+def _canonical_rope(value: Any) -> Any:
+    """Drop the legacy ``type`` where ``rope_type`` says the same (vLLM's
+    ``patch_legacy_rope_type`` treats them as one field)."""
+    if isinstance(value, dict):
+        if "rope_type" in value and "type" in value:
+            value = {k: v for k, v in value.items() if k != "type"}
+        return {k: _canonical_rope(v) for k, v in value.items()}
+    return value
+
+
+def _drop_excluded(mapping: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in mapping.items() if not is_excluded_key(k)}
+
+
+def _json_ready(value: Any) -> Any:
+    """Config values as plain JSON (torch dtypes and other objects as their text)."""
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def normalized_config(config: Any) -> dict[str, Any]:
+    """The identity's view of a parsed config: every value the engine reads,
+    excluded keys dropped at the root and at each sub-config's root, RoPE
+    parameters in one spelling, keys sorted by the canonical JSON encoder."""
+    data = _json_ready(config.to_dict())
+    kept = _drop_excluded(data)
+    for key in _sub_config_keys(config):
+        if isinstance(kept.get(key), dict):
+            kept[key] = _drop_excluded(kept[key])
+    for key in ("rope_parameters", "rope_scaling"):
+        if key in kept:
+            kept[key] = _canonical_rope(kept[key])
+    for key in _sub_config_keys(config):
+        sub = kept.get(key)
+        if isinstance(sub, dict):
+            for rope_key in ("rope_parameters", "rope_scaling"):
+                if rope_key in sub:
+                    sub[rope_key] = _canonical_rope(sub[rope_key])
+    return kept
+
+
+def excluded_values(raw: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The excluded keys as the file writes them, by dotted path
+    (``"text_config.dtype"``): what a release shows as a change without KV effect."""
+    out = {k: raw[k] for k in sorted(raw) if is_excluded_key(k)}
+    for key in _sub_config_keys(config):
+        sub = raw.get(key)
+        if isinstance(sub, dict):
+            out.update({f"{key}.{k}": sub[k] for k in sorted(sub) if is_excluded_key(k)})
+    return _json_ready(out)
+
+
+def declared_dtype(config: Any) -> str | None:
+    """The dtype a config declares, looked up where vLLM looks
+    (``ModelArchConfigConvertorBase.get_torch_dtype``, vLLM 0.32): the root,
+    then the text config, then ``vision_config``, then ``encoder_config``.
+
+    Returns:
+        ``"bfloat16"``-style name, or None if none declares one.
+    """
+    candidates = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        candidates.append(get_text())
+    candidates += [getattr(config, name, None) for name in ("vision_config", "encoder_config")]
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        value = getattr(candidate, "dtype", None)
+        if value is None and isinstance(candidate, dict):
+            value = candidate.get("dtype") or candidate.get("torch_dtype")
+        if value is not None:
+            return str(value).removeprefix("torch.")
+    return None
+
+
+def iter_rope_parameters(config: Any) -> Any:
+    """Each layer type's RoPE parameters (vLLM ``iter_rope_parameters``)."""
+    from vllm.transformers_utils.config import iter_rope_parameters as vllm_iter
+
+    return vllm_iter(config)
+
+
+def has_sliding_window(config: Any) -> bool:
+    """True if the text model attends through a sliding window in any layer
+    (what ``disable_sliding_window`` would turn off)."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if getattr(text, "sliding_window", None):
+        return True
+    return "sliding_attention" in (getattr(text, "layer_types", None) or [])
+
+
+def uses_longrope(config: Any) -> bool:
+    """True if any layer's RoPE is LongRoPE, whose factors the engine picks by
+    ``max_model_len`` (vLLM ``_get_and_verify_max_len``)."""
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        configs.append(get_text())
+    return any(rp.get("rope_type") in ("longrope", "su") for c in configs for rp in iter_rope_parameters(c))
+
+
+def _auto_map_modules(value: Any) -> list[str]:
+    """Module references inside an ``auto_map`` value (a string, or a list for tokenizers)."""
+    refs = value if isinstance(value, list) else [value]
+    return [r for r in refs if isinstance(r, str) and r]
+
+
+def remote_code_files(root: Path, config_files: tuple[str, ...] = AUTO_MAP_FILES) -> dict[str, str]:
+    """The Python files the engine runs with ``trust_remote_code``, by content.
+
+    Every module named by an ``auto_map`` in ``config_files`` (by default :data:`AUTO_MAP_FILES`)
+    (``"modeling_foo.FooForCausalLM"`` → ``modeling_foo.py``), plus every
+    module those import relatively (transformers'
+    ``get_relative_import_files``, which loads them the same way).
+
+    Returns:
+        ``{relative path: BLAKE3 hex}``, empty when nothing names code.
+
+    Raises:
+        CheckpointError: an ``auto_map`` names code in another repository
+            (``org/repo--module.Class``), or a module that is not in the checkpoint.
+    """
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    modules: set[str] = set()
+    for name in config_files:
+        path = root / name
+        if not path.is_file():
+            continue
+        data = read_json(path)
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if not isinstance(auto_map, dict):
+            continue
+        for value in auto_map.values():
+            for ref in _auto_map_modules(value):
+                if "--" in ref:
+                    raise CheckpointError(
+                        f"{path}: auto_map names code in another repository ({ref!r}); copy that code into "
+                        "the checkpoint so it can be identified"
+                    )
+                module = ref.rsplit(".", 1)[0]
+                modules.add(module.replace(".", "/") + ".py")
+    files: dict[str, str] = {}
+    for module in sorted(modules):
+        path = root / module
+        if not path.is_file():
+            raise CheckpointError(f"auto_map names {module}, which is not in the checkpoint {root}")
+        try:
+            related = [Path(p) for p in get_relative_import_files(str(path))]
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise CheckpointError(f"{path} cannot be read as Python: {exc}") from exc
+        for code in [path, *related]:
+            resolved = code.resolve()
+            if not resolved.is_relative_to(root.resolve()):
+                raise CheckpointError(f"{path} imports {code}, outside the checkpoint")
+            files[resolved.relative_to(root.resolve()).as_posix()] = blake3.blake3(resolved.read_bytes()).hexdigest()
+    return dict(sorted(files.items()))
