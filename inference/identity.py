@@ -438,6 +438,27 @@ def _adapters(adapters: dict[str, Path], cache: FileDigestCache | None) -> tuple
     return digest_frames("adapters", frames), inputs
 
 
+def identity_precheck(root: Path, *, layout: LayoutOptions) -> dict[str, Any]:
+    """Everything of the identity but the weights' bytes: the config as the
+    engine parses it, the tokenizer, the resolved layout and the list of
+    weight files. Seconds for any checkpoint, so a registration can refuse bad
+    input before it queues hours of hashing.
+
+    Returns:
+        The resolved layout (``inputs["layout"]``).
+
+    Raises:
+        CheckpointError: as :func:`fingerprint_checkpoint`, except for faults
+            only reading the weights finds (a truncated tensor).
+    """
+    gguf_path = root if root.is_file() else None
+    base = root.parent if gguf_path is not None else root
+    _, _, layout_dict, _, _ = _config(base, layout, gguf_path)
+    _tokenizer(base, gguf_path)
+    engine_weight_files(root)
+    return layout_dict
+
+
 def fingerprint_checkpoint(
     root: Path,
     *,

@@ -12,7 +12,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.model_versions import RegistrationConflict, adapter_dir_resolve, model_version_register
 from inference.errors import CheckpointError
-from inference.identity import LayoutOptions, weight_files
+from inference.identity import LayoutOptions, identity_precheck, weight_files
 from inference.paths import resolve_checkpoint_dir
 
 
@@ -26,11 +26,15 @@ def registration_job_create(
         adapters: LoRA adapter name → directory inside the model roots.
 
     Raises:
-        CheckpointError: missing, outside the model roots, no config.json, an
-            adapter directory that is missing or outside the roots.
+        CheckpointError: missing, outside the model roots, no config.json, a
+            config, tokenizer or layout the engine would refuse, an adapter
+            directory that is missing or outside the roots.
     """
     root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
     adapter_dirs = {name: str(adapter_dir_resolve(p)) for name, p in (adapters or {}).items()}
+    # Config, tokenizer and layout take seconds; refuse what they refuse now,
+    # not after the job has queued behind hours of weight hashing.
+    identity_precheck(root, layout=layout)
     total = sum(p.stat().st_size for p in weight_files(root))
     from cacheadmin.tasks import registration_job_task
 

@@ -29,6 +29,21 @@ def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) ->
     assert len(out["identity"]) == 64
 
 
+def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
+    path = demo_checkpoints["tiny-v1"]
+    proc = manage(
+        "fingerprint", str(path), "--json", "--kv-cache-layout", "HND", "--attention-backend", "CPU_ATTN",
+        "--hf-overrides", '{"rms_norm_eps": 1e-05}', "--model-impl", "vllm", "--max-model-len", "4096",
+        "--disable-sliding-window", "--kv-connector", "ExampleConnector", "--kv-storage-format", "example/v1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    options = LayoutOptions(
+        kv_cache_layout="HND", attention_backend="CPU_ATTN", hf_overrides={"rms_norm_eps": 1e-05}, model_impl="vllm",
+        max_model_len=4096, disable_sliding_window=True, kv_connector="ExampleConnector", kv_storage_format="example/v1",
+    )  # fmt: skip
+    assert json.loads(proc.stdout)["identity"] == fingerprint_checkpoint(path, layout=options).identity
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -39,6 +54,12 @@ def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) ->
         (["{root}/tiny-v1", "--tenant", "Not A Slug"], "--tenant"),
         (["{tmp}"], "outside the model roots"),
         (["{root}/tiny-v1", "--unknown-flag"], "unrecognized arguments"),
+        (["{root}/tiny-v1", "--hf-overrides", "[1]"], "must be a JSON object"),
+        (["{root}/tiny-v1", "--hf-overrides", "[[bad"], "not JSON"),
+        (["{root}/tiny-v1", "--kv-cache-layout", "XYZ"], "kv_cache_layout 'XYZ' is not one of"),
+        (["{root}/tiny-v1", "--attention-backend", "NOPE"], "attention_backend 'NOPE' is not one of"),
+        (["{root}/tiny-v1", "--model-impl", "jax"], "model_impl 'jax' is not one of"),
+        (["{root}/tiny-v1", "--dtype", "bf16", "--kv-cache-dtype", "fp16"], "kv_cache_dtype float16 on a bfloat16 model"),
     ],
 )
 def test_fingerprint_bad_input_exits_2_with_one_line(demo_checkpoints, model_root: Path, tmp_path: Path, args, message) -> None:
@@ -234,13 +255,16 @@ def test_fingerprint_adapters_and_verify(checkpoint_copy, model_root: Path) -> N
     # A digest cache that lies (as after a block-level rewrite the filesystem never saw).
     weights_file = os.fsencode(path / "model.safetensors")
     with sqlite3.connect(settings.DIGEST_CACHE_PATH) as conn:
-        (actual,) = conn.execute("SELECT digest FROM file_digest_v2 WHERE path=?", (weights_file,)).fetchone()
-        conn.execute("UPDATE file_digest_v2 SET digest=? WHERE path=?", ("0" * 64, weights_file))
+        (manifest,) = conn.execute("SELECT tensors FROM file_tensors_v1 WHERE path=?", (weights_file,)).fetchone()
+        tensors = json.loads(manifest)
+        tensor, actual = tensors[0][0], tensors[0][3]
+        tensors[0][3] = "0" * 64
+        conn.execute("UPDATE file_tensors_v1 SET tensors=? WHERE path=?", (json.dumps(tensors), weights_file))
     lied = manage("fingerprint", str(path), "--json")
     assert json.loads(lied.stdout)["weights"] != plain["weights"]  # the cache answered, wrongly
     verified = manage("fingerprint", str(path), "--verify", "--json")
     assert verified.returncode == 3
     out = json.loads(verified.stdout)
-    assert out["cache_mismatches"] == [{"file": "model.safetensors", "cached": "0" * 64, "actual": actual}]
+    assert out["cache_mismatches"] == [{"file": "model.safetensors", "tensor": tensor, "cached": "0" * 64, "actual": actual}]
     assert out["weights"] == plain["weights"]  # corrected before fingerprinting
     assert json.loads(manage("fingerprint", str(path), "--json").stdout)["weights"] == plain["weights"]
