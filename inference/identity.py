@@ -38,6 +38,7 @@ from inference.layout import LayoutOptions, engine_version, resolve_dtype, resol
 from inference.model_config import (
     excluded_values,
     has_sliding_window,
+    known_model_type,
     iter_rope_parameters,
     normalized_config,
     parse_config,
@@ -331,9 +332,10 @@ def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None) -> tuple[str, dict[s
         key = "chat_template" if name == "default" else f"chat_template:{name}"
         inputs[key] = digest
         frames += [("chat_template", name.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
-    for rel, digest in remote_code_files(tokenizer_dir, ("tokenizer_config.json",)).items():
+    required = not known_model_type(tokenizer_dir)
+    for rel, digest in remote_code_files(tokenizer_dir, ("tokenizer_config.json",), required=required).items():
         inputs[f"code:{rel}"] = digest
-        frames += [("code", rel.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
+        frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
     if any(p.name == "tekken.json" or p.name.startswith("tokenizer.model.v") for p in files):
         # vLLM's mistral tokenizer mode renders the chat format in mistral_common's
         # code, not from a template file: its version is part of the template.
@@ -384,9 +386,11 @@ def _config(
         metadata_kv = gguf_metadata(gguf_path, tokenizer=False)
         kept = {**kept, "gguf": metadata_kv} if kept else {"gguf": metadata_kv}
         frames.append(("gguf", canonical_json(metadata_kv)))
-    code = remote_code_files(root, ("config.json", "processor_config.json", "preprocessor_config.json"))
+    code = remote_code_files(
+        root, ("config.json", "processor_config.json", "preprocessor_config.json"), required=not known_model_type(root)
+    )
     for rel, digest in code.items():
-        frames += [("code", rel.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
+        frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
     dtype = resolve_dtype(layout.dtype, parsed_config=parsed, model_id=str(root))
     quant = None
     if parsed is not None:

@@ -148,7 +148,10 @@ def parse_config(config_dir: Path, raw: dict[str, Any], *, hf_overrides: dict[st
     from transformers import PretrainedConfig
 
     def base() -> Any:
-        config = PretrainedConfig(**{**raw, **(hf_overrides or {})})
+        # Set as attributes after construction: the constructor standardises
+        # RoPE before it has stored the keys that standardisation reads.
+        config = PretrainedConfig()
+        config.update({**raw, **(hf_overrides or {})})
         patch_rope_parameters(config)
         return config
 
@@ -277,24 +280,39 @@ def _auto_map_modules(value: Any) -> list[str]:
     return [r for r in refs if isinstance(r, str) and r]
 
 
-def remote_code_files(root: Path, config_files: tuple[str, ...] = AUTO_MAP_FILES) -> dict[str, str]:
+def known_model_type(root: Path) -> bool:
+    """True if the checkpoint's ``model_type`` is one transformers defines, so
+    the engine parses and runs it without the checkpoint's own code."""
+    path = root / "config.json"
+    raw = read_json(path) if path.is_file() else None
+    return isinstance(raw, dict) and _known_model_type(raw.get("model_type"))
+
+
+def remote_code_files(root: Path, config_files: tuple[str, ...] = AUTO_MAP_FILES, *, required: bool) -> dict[str, str]:
     """The Python files the engine runs with ``trust_remote_code``, by content.
 
-    Every module named by an ``auto_map`` in ``config_files`` (by default :data:`AUTO_MAP_FILES`)
-    (``"modeling_foo.FooForCausalLM"`` → ``modeling_foo.py``), plus every
-    module those import relatively (transformers'
-    ``get_relative_import_files``, which loads them the same way).
+    Every module named by an ``auto_map`` in ``config_files`` (by default
+    :data:`AUTO_MAP_FILES`; ``"modeling_foo.FooForCausalLM"`` →
+    ``modeling_foo.py``), plus every module those import relatively
+    (transformers' ``get_relative_import_files``, which loads them the same way).
+
+    Args:
+        required: the engine cannot load the model without this code (its
+            ``model_type`` is one transformers does not define). Otherwise a
+            module that is absent, or that lives in another repository, is
+            code the engine does not run (it uses its built-in model code) and
+            is recorded as ``"absent"``.
 
     Returns:
-        ``{relative path: BLAKE3 hex}``, empty when nothing names code.
+        ``{relative path or reference: BLAKE3 hex or "absent"}``, empty when nothing names code.
 
     Raises:
-        CheckpointError: an ``auto_map`` names code in another repository
-            (``org/repo--module.Class``), or a module that is not in the checkpoint.
+        CheckpointError: required code that lives in another repository
+            (``org/repo--module.Class``) or is not in the checkpoint.
     """
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    modules: set[str] = set()
+    modules: dict[str, Path] = {}
     for name in config_files:
         path = root / name
         if not path.is_file():
@@ -305,18 +323,20 @@ def remote_code_files(root: Path, config_files: tuple[str, ...] = AUTO_MAP_FILES
             continue
         for value in auto_map.values():
             for ref in _auto_map_modules(value):
-                if "--" in ref:
-                    raise CheckpointError(
-                        f"{path}: auto_map names code in another repository ({ref!r}); copy that code into "
-                        "the checkpoint so it can be identified"
-                    )
-                module = ref.rsplit(".", 1)[0]
-                modules.add(module.replace(".", "/") + ".py")
+                modules[ref.rsplit(".", 1)[0]] = path
     files: dict[str, str] = {}
-    for module in sorted(modules):
-        path = root / module
-        if not path.is_file():
-            raise CheckpointError(f"auto_map names {module}, which is not in the checkpoint {root}")
+    for module, named_in in sorted(modules.items()):
+        rel = module.replace(".", "/") + ".py"
+        path = root / rel
+        if "--" in module or not path.is_file():
+            if required:
+                where = "in another repository" if "--" in module else "not in the checkpoint"
+                raise CheckpointError(
+                    f"{named_in}: auto_map names code {where} ({module}), and the engine cannot load this model type "
+                    "without it; copy that code into the checkpoint so it can be identified"
+                )
+            files[module if "--" in module else rel] = "absent"
+            continue
         try:
             related = [Path(p) for p in get_relative_import_files(str(path))]
         except (OSError, SyntaxError, ValueError) as exc:

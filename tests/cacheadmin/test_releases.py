@@ -453,3 +453,43 @@ def test_the_new_namespace_of_a_failed_release_is_an_orphan(versions) -> None:
     failed = release_sync(decided)
     assert (failed.status, failed.error) == ("failed", f"prewarm job #{decided.prewarm_job_id} failed: engine died")
     assert [(n["id"], n["why"]) for n in orphans_report()["namespaces"]] == [(ns2.pk, "the new namespace of a failed release")]
+
+
+def test_a_nested_config_change_reaches_the_classification(versions, demo_checkpoints, model_root: Path, tmp_path: Path) -> None:
+    """A change deep inside the config is incompatible like a top-level one; a
+    change only to what the engine does not compute with is compatible."""
+    copies = []
+
+    def variant(name: str, edit: dict) -> ModelVersion:
+        path = model_root / f"tiny-v1-{name}-{tmp_path.name}"
+        shutil.copytree(demo_checkpoints["tiny-v1"], path)
+        copies.append(path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **edit}))
+        return model_version_register(path=path, label=f"tiny-v1-{name}", served_name="tiny", layout=LAYOUT, actor="alice")[0]
+
+    def quant(dtype: str) -> dict:
+        spec = {"dtype": dtype, "qscheme": "per_group", "group_size": 32}
+        return {"quantization_config": {"quant_method": "quark", "global_quant_config": {"input_tensors": spec}}}
+
+    try:
+        fp4, fp6 = variant("fp4", quant("fp4")), variant("fp6", quant("fp6_e2m3"))
+        dropout = variant("dropout", {"attention_dropout": 0.1, "initializer_range": 0.02})
+        model_version_transition(version=fp4, to=ModelVersion.Status.ACTIVE, actor="alice")
+        ns = namespace_get_or_create(
+            model_version=fp4, tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+        )
+        nested = release_create(served_name="tiny", tenant=versions["acme"], from_version=fp4, to_version=fp6, actor="ci")
+        assert (nested.classification, nested.diff["differing"]) == ("incompatible", ["config"])
+        assert nested.diff["fields"]["config"]["changes"] == [
+            {"key": "quantization_config.global_quant_config.input_tensors.dtype", "change": "changed", "a": "fp4", "b": "fp6_e2m3"}
+        ]
+        Release.objects.filter(pk=nested.pk).update(status="rolled_back")
+        compatible = release_create(
+            served_name="tiny", tenant=versions["acme"], from_version=versions["v1"], to_version=dropout, actor="ci"
+        )
+        assert (compatible.classification, compatible.diff["differing"]) == ("compatible", [])
+        assert compatible.diff["non_kv"]["config_excluded"]["b"]["attention_dropout"] == 0.1
+    finally:
+        for path in copies:
+            shutil.rmtree(path)

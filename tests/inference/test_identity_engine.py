@@ -105,7 +105,7 @@ def test_remote_code_counts_and_the_diff_names_the_file(checkpoint_copy) -> None
     assert [(c["key"], c["change"]) for c in changes] == [("code:rope_acme.py", "changed")]
 
 
-def test_tokenizer_code_counts_and_foreign_code_is_refused(checkpoint_copy) -> None:
+def test_tokenizer_code_counts_and_foreign_code_is_refused_where_the_engine_needs_it(checkpoint_copy) -> None:
     path = checkpoint_copy()
     (path / "tokenizer_config.json").write_text(
         json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_acme.AcmeTokenizer", None]}})
@@ -115,11 +115,16 @@ def test_tokenizer_code_counts_and_foreign_code_is_refused(checkpoint_copy) -> N
     assert "code:tokenization_acme.py" in before.inputs["tokenizer"]
     (path / "tokenization_acme.py").write_text("class AcmeTokenizer:\n    lowercase = True\n")
     assert changed(before, fingerprint_checkpoint(path)) == ["tokenizer"]
+    # A model type transformers knows runs without the checkpoint's code: code
+    # that is absent or elsewhere is recorded, not refused.
     (path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["org/repo--tok.Tok", None]}}))
-    with pytest.raises(CheckpointError, match="code in another repository"):
+    assert fingerprint_checkpoint(path).inputs["tokenizer"]["code:org/repo--tok"] == "absent"
+    # A model type only its own code defines cannot be served without it: refused.
+    write_config(path, {**read_config(path), "model_type": "acme_lm"})
+    with pytest.raises(CheckpointError, match=r"code in another repository \(org/repo--tok\)"):
         fingerprint_checkpoint(path)
     (path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["missing_mod.Tok", None]}}))
-    with pytest.raises(CheckpointError, match="missing_mod.py, which is not in the checkpoint"):
+    with pytest.raises(CheckpointError, match=r"code not in the checkpoint \(missing_mod\)"):
         fingerprint_checkpoint(path)
 
 
