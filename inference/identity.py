@@ -38,8 +38,8 @@ from inference.layout import LayoutOptions, engine_version, resolve_dtype, resol
 from inference.model_config import (
     excluded_values,
     has_sliding_window,
-    known_model_type,
     iter_rope_parameters,
+    known_model_type,
     normalized_config,
     parse_config,
     read_json,

@@ -239,9 +239,7 @@ def refuse_unlaunchable(layout: dict[str, Any], *, model_path: Path, kv_storage_
     if connector and connector != "ExampleConnector":
         raise EngineError(f"the local launcher runs the ExampleConnector disk tier only, not {connector}")
     if connector and layout.get("kv_storage_format") != f"{connector}@{installed}":
-        raise EngineError(
-            f"kv_storage_format {layout.get('kv_storage_format')!r} is not what {installed}'s {connector} writes"
-        )
+        raise EngineError(f"kv_storage_format {layout.get('kv_storage_format')!r} is not what {installed}'s {connector} writes")
 
 
 def _has_mistral_tokenizer(path: Path) -> bool:

@@ -70,12 +70,28 @@ def test_api_registration_runs_as_a_job_with_byte_progress(operator, worker, dem
         ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"dtype": "int3"}}, 400, "layout"),
         ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "layout": {"block_size": 0}}, 400, "layout.block_size"),
         ({"path": "{root}/tiny-v1", "label": "x"}, 400, "served_name"),
-        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"hf_overrides": [1]}}, 400, "layout.hf_overrides"),
+        (
+            {"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"hf_overrides": [1]}},
+            400,
+            "layout.hf_overrides",
+        ),
         ({"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"kv_cache_layout": "XYZ"}}, 400, "layout"),
-        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"max_model_len": 0}}, 400, "layout.max_model_len"),
-        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"disable_sliding_window": "yes"}}, 400, "layout.disable_sliding_window"),
+        (
+            {"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"max_model_len": 0}},
+            400,
+            "layout.max_model_len",
+        ),
+        (
+            {"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"disable_sliding_window": "yes"}},
+            400,
+            "layout.disable_sliding_window",
+        ),
         # Refused from the config before any hashing: float16 KV on the bfloat16 that auto resolves to.
-        ({"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"kv_cache_dtype": "float16"}}, 400, "bad_checkpoint"),
+        (
+            {"path": "{root}/tiny-v1", "label": "x", "served_name": "t", "layout": {"kv_cache_dtype": "float16"}},
+            400,
+            "bad_checkpoint",
+        ),
         ({"path": "{root}/tiny-v1", "label": "x", "served_name": "tiny", "extra": 1}, 400, "extra"),
     ],
 )

@@ -476,13 +476,18 @@ def test_a_nested_config_change_reaches_the_classification(versions, demo_checkp
         fp4, fp6 = variant("fp4", quant("fp4")), variant("fp6", quant("fp6_e2m3"))
         dropout = variant("dropout", {"attention_dropout": 0.1, "initializer_range": 0.02})
         model_version_transition(version=fp4, to=ModelVersion.Status.ACTIVE, actor="alice")
-        ns = namespace_get_or_create(
+        namespace_get_or_create(
             model_version=fp4, tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
         )
         nested = release_create(served_name="tiny", tenant=versions["acme"], from_version=fp4, to_version=fp6, actor="ci")
         assert (nested.classification, nested.diff["differing"]) == ("incompatible", ["config"])
         assert nested.diff["fields"]["config"]["changes"] == [
-            {"key": "quantization_config.global_quant_config.input_tensors.dtype", "change": "changed", "a": "fp4", "b": "fp6_e2m3"}
+            {
+                "key": "quantization_config.global_quant_config.input_tensors.dtype",
+                "change": "changed",
+                "a": "fp4",
+                "b": "fp6_e2m3",
+            }
         ]
         Release.objects.filter(pk=nested.pk).update(status="rolled_back")
         compatible = release_create(

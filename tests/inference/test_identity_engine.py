@@ -171,7 +171,9 @@ def test_a_gguf_file_is_a_checkpoint_and_a_folder_of_quantizations_asks_which(mo
         assert "general.name" not in a.inputs["config"]["gguf"]  # descriptive, not computed with
         assert "tokenizer.chat_template" in a.inputs["tokenizer"]
         # Metadata the engine computes with moves the config field.
-        longer = fingerprint_checkpoint(write_gguf(folder / "tiny-ctx.gguf", quant=gguf.GGMLQuantizationType.Q8_0, context_length=8192))
+        longer = fingerprint_checkpoint(
+            write_gguf(folder / "tiny-ctx.gguf", quant=gguf.GGMLQuantizationType.Q8_0, context_length=8192)
+        )
         assert changed(a, longer) == ["config"]
         with pytest.raises(EngineError, match="no GGUF loader"):
             EngineSpec.from_layout(
@@ -185,9 +187,10 @@ def test_a_gguf_file_is_a_checkpoint_and_a_folder_of_quantizations_asks_which(mo
 def test_engine_side_settings_count_and_longrope_counts_max_model_len(checkpoint_copy) -> None:
     path = checkpoint_copy()
     base = fingerprint_checkpoint(path)
-    assert fingerprint_checkpoint(path, layout=LayoutOptions(kv_cache_layout="NHD")).layout == fingerprint_checkpoint(
-        path, layout=LayoutOptions(kv_cache_layout="LBNHC")
-    ).layout  # the legacy name and the current one are one layout
+    assert (
+        fingerprint_checkpoint(path, layout=LayoutOptions(kv_cache_layout="NHD")).layout
+        == fingerprint_checkpoint(path, layout=LayoutOptions(kv_cache_layout="LBNHC")).layout
+    )  # the legacy name and the current one are one layout
     for options, key, value in (
         (LayoutOptions(kv_cache_layout="HND"), "kv_cache_layout", "LBHNC"),
         (LayoutOptions(attention_backend="CPU_ATTN"), "attention_backend", "CPU_ATTN"),
@@ -196,7 +199,9 @@ def test_engine_side_settings_count_and_longrope_counts_max_model_len(checkpoint
         report = fingerprint_checkpoint(path, layout=options)
         assert changed(base, report) == ["layout"] and report.inputs["layout"][key] == value
     # An RoPE override through hf_overrides moves the config as the engine sees it, and the layout.
-    theta = fingerprint_checkpoint(path, layout=LayoutOptions(hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}))
+    theta = fingerprint_checkpoint(
+        path, layout=LayoutOptions(hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    )
     assert changed(base, theta) == ["config", "layout"]
     assert theta.inputs["config"]["rope_parameters"]["rope_theta"] == 5e5
     # max_model_len does not count for an ordinary RoPE model...
@@ -289,10 +294,15 @@ def test_a_16_bit_kv_dtype_other_than_the_model_dtype_is_refused(checkpoint_copy
         fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float16", kv_cache_dtype="bfloat16"))
     with pytest.raises(CheckpointError, match="kv_cache_dtype float32 on a bfloat16 model"):
         fingerprint_checkpoint(path, layout=LayoutOptions(kv_cache_dtype="float32"))
-    assert fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float16", kv_cache_dtype="half")).inputs["layout"][
-        "kv_cache_dtype"
-    ] == "float16"
-    assert fingerprint_checkpoint(path, layout=LayoutOptions(kv_cache_dtype="fp8")).inputs["layout"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert (
+        fingerprint_checkpoint(path, layout=LayoutOptions(dtype="float16", kv_cache_dtype="half")).inputs["layout"][
+            "kv_cache_dtype"
+        ]
+        == "float16"
+    )
+    assert (
+        fingerprint_checkpoint(path, layout=LayoutOptions(kv_cache_dtype="fp8")).inputs["layout"]["kv_cache_dtype"] == "fp8_e4m3"
+    )
 
 
 # --- false misses (wasted cache) -------------------------------------------------
@@ -453,8 +463,12 @@ def test_every_layout_field_reaches_the_engine_command_line(checkpoint_copy, tmp
         ({"kv_storage_format": "ExampleConnector@vllm 0.1"}, "is not what"),
     ],
 )
-def test_a_layout_the_local_launcher_cannot_honour_is_refused(demo_checkpoints, change: dict, message: str, tmp_path: Path) -> None:
-    layout = fingerprint_checkpoint(demo_checkpoints["tiny-v1"], layout=LayoutOptions(kv_connector="ExampleConnector")).inputs["layout"]
+def test_a_layout_the_local_launcher_cannot_honour_is_refused(
+    demo_checkpoints, change: dict, message: str, tmp_path: Path
+) -> None:
+    layout = fingerprint_checkpoint(demo_checkpoints["tiny-v1"], layout=LayoutOptions(kv_connector="ExampleConnector")).inputs[
+        "layout"
+    ]
     assert layout["engine_version"] == engine_version()
     with pytest.raises(EngineError, match=message):
         EngineSpec.from_layout(

@@ -169,7 +169,9 @@ def test_real_chat_template_moved_to_its_own_file_is_one_tokenizer(path: Path, c
     (checkpoint / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     inline = fingerprint_checkpoint(checkpoint)
     template = tokenizer_config["chat_template"]
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tokenizer_config.items() if k != "chat_template"}))
+    (checkpoint / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in tokenizer_config.items() if k != "chat_template"})
+    )
     (checkpoint / "chat_template.jinja").write_text(template)
     assert fingerprint_checkpoint(checkpoint).digests() == inline.digests()
     (checkpoint / "chat_template.jinja").write_text(template.replace("<｜Assistant｜>", "<｜Bot｜>", 1) + " ")
