@@ -444,6 +444,14 @@ def test_every_layout_field_reaches_the_engine_command_line(checkpoint_copy, tmp
     assert json.loads(flag("--kv-transfer-config"))["kv_connector"] == "ExampleConnector"
     assert spec.environment()["VLLM_KV_CACHE_LAYOUT"] == "LBHNC"
     assert "--disable-sliding-window" not in argv
+    # The engine's own argument parser reads back what the identity says.
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert (parsed.dtype, parsed.kv_cache_dtype, parsed.block_size, parsed.quantization) == ("float16", "fp8_e4m3", 64, "fp8")
+    assert (parsed.attention_backend, parsed.model_impl, parsed.hf_overrides) == ("CPU_ATTN", "vllm", {"rms_norm_eps": 1e-5})
+    assert (parsed.tensor_parallel_size, parsed.pipeline_parallel_size) == (1, 1)
     # Every field of the identity's layout is either on the command line or checked against the install.
     handled = {
         "engine", "engine_version", "dtype", "kv_cache_dtype", "block_size", "tensor_parallel_size",
