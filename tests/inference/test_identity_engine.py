@@ -483,3 +483,19 @@ def test_a_layout_the_local_launcher_cannot_honour_is_refused(
             {**layout, **change}, model_path=demo_checkpoints["tiny-v1"], served_name="t", log_path=tmp_path / "l",
             port=1, prefix_caching=True, kv_storage_path=tmp_path,
         )  # fmt: skip
+
+
+def test_a_modelopt_quant_config_beside_the_config_counts(checkpoint_copy) -> None:
+    # ModelOpt <= 0.29 writes its quantization settings to hf_quant_config.json,
+    # which vLLM's get_config merges into the config (a sibling of the nested-dtype case).
+    path = checkpoint_copy()
+    base = fingerprint_checkpoint(path)
+    quant = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}}
+    (path / "hf_quant_config.json").write_text(json.dumps(quant))
+    fp8 = fingerprint_checkpoint(path)
+    assert changed(base, fp8) == ["config"]
+    quant["quantization"]["quant_algo"] = "NVFP4"
+    (path / "hf_quant_config.json").write_text(json.dumps(quant))
+    nvfp4 = fingerprint_checkpoint(path)
+    changes = identity_diff(fp8.as_dict(), nvfp4.as_dict())["fields"]["config"]["changes"]
+    assert changes == [{"key": "quantization_config.quantization.quant_algo", "change": "changed", "a": "FP8", "b": "NVFP4"}]
