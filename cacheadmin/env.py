@@ -119,3 +119,83 @@ def sqlite_database(path: Path) -> dict:
         },
         "TEST": {"NAME": str(path.with_name(path.stem + "-test.sqlite3"))},
     }
+
+
+#: Shortest secret accepted (characters): 32 hex characters are 128 bits.
+MIN_SECRET_CHARS = 32
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) readable by its owner only, and tighten it if it exists.
+
+    The database, the secrets, the digest cache and the KV tiers live in such
+    folders: a world-readable one would let any local user read cached KV
+    state and compute every tenant's ``cache_salt``.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def persistent_secret(name: str, env_name: str, folder: Path) -> str:
+    """A secret from ``env_name``, else from ``folder/name``, created once.
+
+    Creation is atomic across processes and faults: the secret is written to a
+    temporary file, fsynced, then hard-linked to its name (which fails if
+    another process got there first, whose secret is then read), so no
+    process ever sees an empty or partial file, and two processes starting
+    together agree on one secret.
+
+    Raises:
+        ImproperlyConfigured: the environment's value or the file's is shorter
+            than :data:`MIN_SECRET_CHARS` (empty included): with a weak key,
+            anyone who can read namespace ids could compute their salts. The
+            message says how to recover. Also raised when the secret cannot be
+            written (a full disk), leaving nothing behind.
+    """
+    value = os.environ.get(env_name, "")
+    if value:
+        if len(value.strip()) < MIN_SECRET_CHARS:
+            raise ImproperlyConfigured(f"{env_name} is shorter than {MIN_SECRET_CHARS} characters; refusing a weak secret")
+        return value.strip()
+    path = folder / name
+    if not path.exists():
+        _create_secret(path)
+    try:
+        stored = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ImproperlyConfigured(f"{path} cannot be read: {exc}") from exc
+    if len(stored) < MIN_SECRET_CHARS:
+        raise ImproperlyConfigured(
+            f"{path} holds {len(stored)} characters, fewer than {MIN_SECRET_CHARS}: refusing a weak secret. "
+            f"Restore it from a backup, or set {env_name}; deleting it makes a new one and changes every value "
+            "derived from it"
+        )
+    return stored
+
+
+def _create_secret(path: Path) -> None:
+    import secrets
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_hex(32).encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic create-if-absent: the first process wins
+        except FileExistsError:
+            pass
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise ImproperlyConfigured(f"cannot create the secret {path}: {exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -8,6 +8,8 @@ from typing import Any
 from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.http import HttpRequest, HttpResponseBase
 
+from cacheadmin.services.db import RETRY_AFTER_S, database_busy
+
 
 class PageLoginRequiredMiddleware(LoginRequiredMiddleware):
     """Django's login-required default for every page, except ``/api/``.
@@ -52,3 +54,28 @@ class ApiBodyLimitMiddleware:
                 message = f"request body of {length} bytes exceeds the {limit}-byte limit"
                 return JsonResponse(envelope(413, "too_large", message), status=413)
         return self.get_response(request)
+
+
+class DatabaseBusyMiddleware:
+    """Pages and API alike: a busy database is a 503 with ``Retry-After``, never a 500."""
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: Any) -> Any:
+        return self.get_response(request)
+
+    def process_exception(self, request: Any, exception: Exception) -> Any:
+        if not database_busy(exception):
+            return None
+        from django.http import HttpResponse, JsonResponse
+
+        from cacheadmin.api.exceptions import envelope
+
+        message = f"the database is busy; retry in {RETRY_AFTER_S} s"
+        if request.path_info.startswith("/api/"):
+            response: Any = JsonResponse(envelope(503, "database_busy", message), status=503)
+        else:
+            response = HttpResponse(message, status=503, content_type="text/plain")
+        response["Retry-After"] = str(RETRY_AFTER_S)
+        return response

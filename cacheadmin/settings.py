@@ -8,35 +8,26 @@ with the same code. Every environment read goes through :mod:`cacheadmin.env`.
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 
-from cacheadmin.env import database_from_url, env_bool, env_int, env_paths, env_str, sqlite_database
+from cacheadmin.env import (
+    database_from_url,
+    env_bool,
+    env_int,
+    env_paths,
+    env_str,
+    persistent_secret,
+    private_dir,
+    sqlite_database,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+private_dir(VAR_DIR)
 
-
-def _persistent_secret(name: str, env_name: str) -> str:
-    """Read a secret from the environment, else from ``var/`` (created once).
-
-    A secret generated per process would change every cache_salt on restart,
-    so the embedded default keeps one on disk, readable by its owner only.
-    """
-    value = env_str(env_name, "")
-    if value:
-        return value
-    path = VAR_DIR / name
-    if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_hex(32))
-    return path.read_text().strip()
-
-
-SECRET_KEY = _persistent_secret("secret-key", "DJANGO_SECRET_KEY")
+SECRET_KEY = persistent_secret("secret-key", "DJANGO_SECRET_KEY", VAR_DIR)
 #: Key of the HMAC that turns a namespace id into its vLLM ``cache_salt``.
-CACHE_SALT_SECRET = _persistent_secret("cache-salt-secret", "CACHE_SALT_SECRET")
+CACHE_SALT_SECRET = persistent_secret("cache-salt-secret", "CACHE_SALT_SECRET", VAR_DIR)
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h for h in env_str("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h]
 
@@ -64,6 +55,7 @@ MIDDLEWARE = [
     # Every page needs a login (the health view opts out); /api/ has its own auth.
     "cacheadmin.middleware.PageLoginRequiredMiddleware",
     "cacheadmin.middleware.ApiBodyLimitMiddleware",
+    "cacheadmin.middleware.DatabaseBusyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]

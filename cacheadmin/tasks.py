@@ -1,4 +1,5 @@
-"""Celery tasks: thin wrappers that take ids and call one service each.
+"""Celery tasks: thin wrappers that take ids and call one service each, so
+that no exception leaves a job ``running`` (:func:`~cacheadmin.services.jobs.job_run_guarded`).
 
 ``acks_late`` with ``reject_on_worker_lost`` (settings) lets a broker that
 supports it redeliver a task whose worker died; the job row's conditional
@@ -13,33 +14,41 @@ from celery import shared_task
 @shared_task(name="cacheadmin.prewarm_job")
 def prewarm_job_task(job_id: int) -> None:
     """Run prewarm job ``job_id``."""
+    from cacheadmin.models import PrewarmJob
+    from cacheadmin.services.jobs import job_run_guarded
     from cacheadmin.services.prewarm import prewarm_job_run
 
-    prewarm_job_run(job_id=job_id)
+    job_run_guarded(PrewarmJob, job_id, lambda: prewarm_job_run(job_id=job_id))
 
 
 @shared_task(name="cacheadmin.comparison_job")
 def comparison_job_task(job_id: int) -> None:
     """Run comparison job ``job_id``."""
+    from cacheadmin.models import ComparisonJob
     from cacheadmin.services.comparison import comparison_job_run
+    from cacheadmin.services.jobs import job_run_guarded
 
-    comparison_job_run(job_id=job_id)
+    job_run_guarded(ComparisonJob, job_id, lambda: comparison_job_run(job_id=job_id))
 
 
 @shared_task(name="cacheadmin.registration_job")
 def registration_job_task(job_id: int) -> None:
     """Run registration job ``job_id``."""
+    from cacheadmin.models import RegistrationJob
+    from cacheadmin.services.jobs import job_run_guarded
     from cacheadmin.services.registration import registration_job_run
 
-    registration_job_run(job_id=job_id)
+    job_run_guarded(RegistrationJob, job_id, lambda: registration_job_run(job_id=job_id))
 
 
 @shared_task(name="cacheadmin.accounting_scan")
 def accounting_scan_task(scan_id: int) -> None:
     """Run accounting scan ``scan_id``."""
+    from cacheadmin.models import AccountingScan
     from cacheadmin.services.accounting import accounting_scan_run
+    from cacheadmin.services.jobs import job_run_guarded
 
-    accounting_scan_run(scan_id=scan_id)
+    job_run_guarded(AccountingScan, scan_id, lambda: accounting_scan_run(scan_id=scan_id))
 
 
 @shared_task(name="cacheadmin.accounting_scan_scheduled")
@@ -61,9 +70,13 @@ def engine_metrics_scrape_task() -> None:
 @shared_task(name="cacheadmin.eviction_run")
 def eviction_run_task(run_id: int) -> None:
     """Execute a batch of eviction run ``run_id``; a busy lane retries in 30 s."""
+    from cacheadmin.models import EvictionRun
     from cacheadmin.services.eviction import eviction_run_execute
+    from cacheadmin.services.jobs import job_run_guarded
 
-    if eviction_run_execute(run_id=run_id) == "busy":
+    outcome: list[object] = []
+    job_run_guarded(EvictionRun, run_id, lambda: outcome.append(eviction_run_execute(run_id=run_id)))
+    if outcome == ["busy"]:
         eviction_run_task.apply_async((run_id,), countdown=30)
 
 

@@ -11,6 +11,7 @@ from django.views.decorators.http import require_POST
 
 from cacheadmin import selectors
 from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob, Release
+from cacheadmin.services.db import RETRY_AFTER_S, database_writable
 from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.model_versions import LifecycleError
@@ -220,7 +221,17 @@ def _optional_row(model: type, raw: str) -> object | None:
 
 @login_not_required
 def health(request: HttpRequest) -> JsonResponse:
-    """Liveness: the database answers. The only page without login."""
+    """Health: the database answers reads, and takes writes now (without
+    waiting for another writer's lock). The only page without login.
+
+    200 ``{"status": "ok", "database": {"read": true, "write": true}}``; 503
+    with ``Retry-After`` and ``"status": "degraded"`` while writes would wait.
+    """
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
-    return JsonResponse({"status": "ok"})
+    writable = database_writable()
+    body = {"status": "ok" if writable else "degraded", "database": {"read": True, "write": writable}}
+    response = JsonResponse(body, status=200 if writable else 503)
+    if not writable:
+        response["Retry-After"] = str(RETRY_AFTER_S)
+    return response

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from inference.errors import CheckpointError, CheckpointOutsideRoots
+from inference.errors import AdapterOutsideRoots, CheckpointError, CheckpointOutsideRoots
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:
@@ -29,7 +29,9 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> P
             outside, or has no ``config.json`` (a folder of GGUF files names
             them: each is its own quantization).
     """
-    raw = Path(path).expanduser()
+    # No expanduser(): "~" is the shell's to expand, and a server must not
+    # resolve a request's "~" (or a relative path) against its own account.
+    raw = Path(path)
     try:
         str(raw).encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -68,8 +70,46 @@ def _resolve(raw: Path, roots: list[Path]) -> Path:
 
 
 def _check_links(resolved: Path, resolved_roots: list[Path]) -> None:
+    confine_tree(resolved, resolved_roots)
+
+
+def confine_tree(resolved: Path, resolved_roots: list[Path], *, error: type[CheckpointError] = CheckpointOutsideRoots) -> None:
+    """Refuse a folder holding a symlink that resolves outside every root, or a
+    file with more than one hard link.
+
+    A hard link has no "target" to check: the same file may also be reachable
+    from outside the roots (a link made to a file the server can read but
+    users cannot), so its digest would leak what it holds.
+
+    Raises:
+        ``error``: the first such entry, named.
+    """
     for entry in resolved.rglob("*"):
         if entry.is_symlink():
             target = entry.resolve()
             if not any(target.is_relative_to(root) for root in resolved_roots):
-                raise CheckpointOutsideRoots(f"{entry} links to {target}, outside the model roots")
+                raise error(f"{entry} links to {target}, outside the model roots")
+        elif entry.is_file() and entry.stat().st_nlink > 1:
+            raise error(f"{entry} has {entry.stat().st_nlink} hard links; copy it into the model roots instead")
+
+
+def resolve_adapter_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:
+    """Resolve a LoRA adapter directory with the same rules as a checkpoint:
+    inside the roots after symlinks, no link inside it leading out, no hard links.
+
+    Raises:
+        AdapterOutsideRoots: missing, not a directory, outside the roots, or
+            holding such a link.
+    """
+    raw = Path(path)
+    try:
+        if not raw.is_dir():
+            raise AdapterOutsideRoots(f"adapter path is not a directory: {raw}")
+        resolved = raw.resolve()
+        resolved_roots = [r.resolve() for r in roots]
+        if not any(resolved.is_relative_to(r) for r in resolved_roots):
+            raise AdapterOutsideRoots(f"adapter path {raw} resolves to {resolved}, outside the model roots")
+        confine_tree(resolved, resolved_roots, error=AdapterOutsideRoots)
+    except (OSError, RuntimeError) as exc:  # symlink loops, permissions
+        raise AdapterOutsideRoots(f"adapter path {raw}: {exc}") from exc
+    return resolved

@@ -21,6 +21,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from cacheadmin.services.db import RETRY_AFTER_S, database_busy
 from cacheadmin.services.engines import EngineRefused
 from cacheadmin.services.eviction import EvictionRefused
 from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
@@ -74,6 +75,8 @@ def envelope(status_code: int, code: str, message: str, fields: dict[str, list[s
 
 def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF ``EXCEPTION_HANDLER``: every error in the one envelope."""
+    if database_busy(exc):
+        return busy_response()
     if isinstance(exc, BadJobInput):
         return Response(envelope(400, "invalid", str(exc), {exc.field: [exc.message]}), status=400)
     for error_type, (status_code, code) in DOMAIN_ERRORS.items():
@@ -100,6 +103,13 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
         detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
         code = exc.get_codes() if isinstance(exc, exceptions.APIException) else "error"
         response.data = envelope(response.status_code, str(code) if isinstance(code, str) else "error", str(detail))
+    return response
+
+
+def busy_response() -> Response:
+    """503 with ``Retry-After``: the database is busy (another writer holds its lock), not broken."""
+    response = Response(envelope(503, "database_busy", f"the database is busy; retry in {RETRY_AFTER_S} s"), status=503)
+    response["Retry-After"] = str(RETRY_AFTER_S)
     return response
 
 

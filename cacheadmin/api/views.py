@@ -119,6 +119,9 @@ class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
             raise ValidationError({"layout": [str(exc)]}) from exc
         if not data["path"].startswith("/"):
             raise ValidationError({"path": ["must be an absolute path"]})
+        if any(not p.startswith("/") for p in (data.get("adapters") or {}).values()):
+            # A relative or "~" path would resolve against the server's directory and account.
+            raise ValidationError({"adapters": ["must be absolute paths"]})
         try:
             job = registration_job_create(
                 path=data["path"],
@@ -273,6 +276,9 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
         """Replace the retention policy (a reason is required; audited)."""
         namespace = self.get_object()
         data = validated(request, s.PolicyUpdateSerializer)
+        if data["release_hold"] and (request_tenant(request) is not None or not request_scope_allows(request, "admin")):
+            # A hold protects a namespace from its own tenant too (litigation, audit).
+            raise PermissionDenied("lifting a legal hold needs an admin token not bound to a tenant")
         spec = RetentionPolicySpec(**data["policy"])
         namespace_policy_update(
             namespace=namespace, policy=spec, actor=actor_of(request), reason=data["reason"], release_hold=data["release_hold"]

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from cacheadmin.models import ApiToken, Tenant
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.db import best_effort_write
 
 TOKEN_PREFIX = "kvcp"
 
@@ -60,8 +61,9 @@ def api_token_check(key: str) -> ApiToken | None:
     now = timezone.now()
     # At most one write a minute per token: "last used" is for spotting stale
     # tokens, and a write on every request would cost every read its own UPDATE.
+    # Best effort: a read never waits for (or fails on) another writer's lock.
     if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
-        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        best_effort_write(lambda: ApiToken.objects.filter(pk=token.pk).update(last_used_at=now))
     return token
 
 

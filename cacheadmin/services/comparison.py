@@ -37,7 +37,7 @@ def comparison_job_create(
     if not 1 <= max_tokens <= 256:
         raise BadJobInput("max_tokens", f"must be within 1..256, got {max_tokens}")
     try:
-        total = len(corpus_load(corpus))
+        total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:
         raise BadJobInput("corpus", str(exc)) from exc
     from cacheadmin.tasks import comparison_job_task
@@ -72,7 +72,7 @@ def comparison_job_run(*, job_id: int) -> None:
     job = job_claim(ComparisonJob, job_id)
     if job is None:
         return
-    conversations = corpus_load(job.corpus)
+    conversations = corpus_load(job.corpus, for_namespace=job.namespace)
     salt = namespace_cache_salt(job.namespace)
     job_log(job, f"attempt {job.attempts}: {job.engine.name} vs reference {job.reference_engine.name}")
 

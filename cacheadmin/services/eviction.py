@@ -447,7 +447,7 @@ def _probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, Any]:
     corpus_name = job.corpus if job else "diagnostic"
     index = job.results.filter(verified=True).order_by("index").values_list("index", flat=True).first() if job else None
     try:
-        conversations = corpus_load(corpus_name)
+        conversations = corpus_load(corpus_name, for_namespace=ns)
     except ValueError:  # a heat corpus whose reports were removed since
         corpus_name, conversations, index = "diagnostic", corpus_load("diagnostic"), 0
     conversation = conversations[index or 0]

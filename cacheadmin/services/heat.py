@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace
@@ -19,14 +19,17 @@ HEAT_CORPUS = "heat:"
 #: Prompts a heat corpus holds at most (the hottest first).
 HEAT_CORPUS_SIZE = 32
 ROLES = {"system", "user", "assistant", "tool"}
+#: Largest count a heat row holds (signed 64-bit column); reports add up to it and stay there.
+MAX_HITS = (1 << 63) - 1
 
 
 def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, hits: int) -> PrefixHeat:
-    """Add ``hits`` to a conversation's heat in ``namespace`` (created on first report).
+    """Add ``hits`` to a conversation's heat in ``namespace`` (created on first
+    report), saturating at :data:`MAX_HITS`.
 
     Raises:
         ValueError: messages that are not a list of chat turns ending on a user
-            or tool turn, tools that are not a list, hits below 1.
+            or tool turn, tools that are not a list, hits outside 1..MAX_HITS.
     """
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError("messages must be a non-empty list of chat turns")
@@ -37,8 +40,8 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
         raise ValueError("the conversation must end on a user or tool turn (the prefix a request sends)")
     if tools is not None and not isinstance(tools, list):
         raise ValueError("tools must be a list")
-    if isinstance(hits, bool) or not isinstance(hits, int) or hits < 1:
-        raise ValueError("hits must be a positive integer")
+    if isinstance(hits, bool) or not isinstance(hits, int) or not 1 <= hits <= MAX_HITS:
+        raise ValueError(f"hits must be an integer within 1..{MAX_HITS}")
     digest = digest_frames("prefix-heat", [("messages", canonical_json(messages)), ("tools", canonical_json(tools))])
     now = timezone.now()
     try:
@@ -51,27 +54,41 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
     except IntegrityError:  # a concurrent first report of the same prompt
         row, created = PrefixHeat.objects.get(namespace=namespace, digest=digest), False
     if not created:
-        PrefixHeat.objects.filter(pk=row.pk).update(hits=F("hits") + hits, last_hit_at=now)
+        # Saturate at the column's maximum: the sum is never computed past it,
+        # which PostgreSQL would refuse ("bigint out of range") and SQLite would
+        # turn into a float.
+        saturated = Case(When(hits__gt=MAX_HITS - hits, then=Value(MAX_HITS)), default=F("hits") + hits)
+        PrefixHeat.objects.filter(pk=row.pk).update(hits=saturated, last_hit_at=now)
         row.refresh_from_db()
     return row
 
 
-def corpus_load(name: str) -> list[Conversation]:
+def corpus_load(name: str, *, for_namespace: CacheNamespace | None = None) -> list[Conversation]:
     """The conversations of a corpus: a bundled one by name, or ``heat:<namespace
     pk>`` for that namespace's hottest reported prompts (at most
     ``HEAT_CORPUS_SIZE``, hottest first).
 
+    Args:
+        for_namespace: the namespace a job runs the corpus in. A heat corpus is
+            then only one of the same sharing boundary (the same tenant, or
+            the same shared group): another tenant's prompts are never read
+            into this one's engine and results. Elsewhere it answers exactly
+            like a namespace with no heat.
+
     Raises:
-        ValueError: unknown corpus, or a heat corpus with no reported prompt.
+        ValueError: unknown corpus, a heat corpus whose id is not ASCII digits,
+            of another boundary, or with no reported prompt.
     """
     if not name.startswith(HEAT_CORPUS):
         return load_corpus(name)
     raw = name[len(HEAT_CORPUS) :]
-    rows = (
-        list(PrefixHeat.objects.filter(namespace_id=int(raw)).order_by("-hits", "-last_hit_at", "id")[:HEAT_CORPUS_SIZE])
-        if raw.isdigit() and len(raw) <= 18
-        else []
-    )
+    # ASCII digits only: str.isdigit() and int() also take other scripts' digits.
+    rows: list[PrefixHeat] = []
+    if raw.isascii() and raw.isdigit() and len(raw) <= 18:
+        heat = PrefixHeat.objects.filter(namespace_id=int(raw))
+        if for_namespace is not None:
+            heat = heat.filter(namespace__tenant_id=for_namespace.tenant_id, namespace__group_id=for_namespace.group_id)
+        rows = list(heat.order_by("-hits", "-last_hit_at", "id")[:HEAT_CORPUS_SIZE])
     if not rows:
         raise ValueError(f"corpus {name!r}: no prefix heat reported for namespace {raw!r}")
     return [Conversation(id=f"heat-{r.digest[:12]}", messages=r.messages, tools=r.tools, note=f"{r.hits} hits") for r in rows]

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -102,16 +103,19 @@ def _is_lost(job: Job, now: timezone.datetime) -> bool:
     return stale
 
 
-#: Job kinds and the task that runs each, resolved lazily (tasks import services).
-def _job_kinds() -> list[tuple[type[Job], Callable[[int], None]]]:
+#: Job kinds and how to enqueue each (pk, countdown in seconds), resolved lazily (tasks import services).
+def _job_kinds() -> list[tuple[type[Job], Callable[..., None]]]:
     from cacheadmin import tasks
 
+    def sender(task: Any) -> Callable[..., None]:
+        return lambda pk, countdown=0: task.apply_async((pk,), countdown=countdown)
+
     return [
-        (PrewarmJob, lambda pk: tasks.prewarm_job_task.delay(pk)),
-        (ComparisonJob, lambda pk: tasks.comparison_job_task.delay(pk)),
-        (RegistrationJob, lambda pk: tasks.registration_job_task.delay(pk)),
-        (AccountingScan, lambda pk: tasks.accounting_scan_task.delay(pk)),
-        (EvictionRun, lambda pk: tasks.eviction_run_task.delay(pk)),
+        (PrewarmJob, sender(tasks.prewarm_job_task)),
+        (ComparisonJob, sender(tasks.comparison_job_task)),
+        (RegistrationJob, sender(tasks.registration_job_task)),
+        (AccountingScan, sender(tasks.accounting_scan_task)),
+        (EvictionRun, sender(tasks.eviction_run_task)),
     ]
 
 
@@ -166,6 +170,67 @@ def _kind(job: Job) -> str:
 
 class JobCancelled(Exception):
     """Raised inside a running job when an operator cancelled it."""
+
+
+#: Seconds before a job that met a busy database is tried again.
+BUSY_RETRY_S = 5
+#: Tries at recording a job's failure while the database stays busy.
+FINISH_TRIES = 30
+
+
+def job_run_guarded(model: type[Job], job_id: int, run: Callable[[], object]) -> None:
+    """Run a job's service so that no exception leaves its row ``running``.
+
+    An exception the service did not handle fails the job at once with the
+    real reason (type and message; the traceback goes to the log). A busy
+    database (another writer held SQLite's lock past the timeout) puts the job
+    back in the queue with the reason, to run again in ``BUSY_RETRY_S``
+    seconds, while it has attempts left. Recording the outcome itself retries
+    while the database stays busy.
+    """
+    try:
+        run()
+    except JobCancelled:
+        return
+    except Exception as exc:  # the point: whatever the service missed
+        from cacheadmin.services.db import database_busy
+
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.exception("%s #%s failed: %s", model.__name__, job_id, reason)
+        retry = database_busy(exc)
+        for attempt in range(FINISH_TRIES):
+            try:
+                _record_unexpected(model, job_id, reason, retry=retry)
+                return
+            except Exception as again:  # noqa: BLE001 - only a busy database is retried
+                if not database_busy(again) or attempt == FINISH_TRIES - 1:
+                    raise
+                time.sleep(1)
+
+
+def _record_unexpected(model: type[Job], job_id: int, reason: str, *, retry: bool) -> None:
+    now = timezone.now()
+    running = model.objects.filter(pk=job_id, status=JobStatus.RUNNING, worker=worker_identity())
+    job = running.first()
+    if job is None:
+        return  # cancelled, or never claimed by this worker: nothing of ours to record
+    if retry and job.attempts < settings.JOB_MAX_ATTEMPTS:
+        moved = running.update(
+            status=JobStatus.QUEUED,
+            error=reason,
+            log=Concat(F("log"), Value(f"{now:%H:%M:%S} {reason}; the database was busy, retrying in {BUSY_RETRY_S} s\n")),
+        )
+        if moved:
+            enqueue = dict(_job_kinds())[model]
+            enqueue(job_id, BUSY_RETRY_S)
+        return
+    running.update(
+        status=JobStatus.FAILED,
+        error=reason,
+        finished_at=now,
+        heartbeat_at=now,
+        log=Concat(F("log"), Value(f"{now:%H:%M:%S} failed: {reason}\n")),
+    )
 
 
 def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:

@@ -13,9 +13,9 @@ from cacheadmin.models import Adapter, ModelVersion
 from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
 from inference.digest_cache import FileDigestCache
-from inference.errors import AdapterOutsideRoots, CheckpointError
+from inference.errors import CheckpointError
 from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint, verify_digest_cache
-from inference.paths import resolve_checkpoint_dir
+from inference.paths import resolve_adapter_dir, resolve_checkpoint_dir
 
 
 class RegistrationConflict(ValueError):
@@ -56,18 +56,14 @@ def checkpoint_verify_cache(*, path: str | Path) -> list[dict[str, str]]:
 
 
 def adapter_dir_resolve(path: str | Path) -> Path:
-    """An adapter directory, symlinks resolved, confined to ``MODEL_ROOTS``.
+    """An adapter directory confined to ``MODEL_ROOTS`` like a checkpoint
+    (:func:`inference.paths.resolve_adapter_dir`).
 
     Raises:
-        AdapterOutsideRoots: not a directory, or outside the model roots.
+        AdapterOutsideRoots: not a directory, outside the model roots, or a
+            link inside it leading out, or a hard link.
     """
-    raw = Path(path).expanduser()
-    if not raw.is_dir():
-        raise AdapterOutsideRoots(f"adapter path is not a directory: {raw}")
-    resolved = raw.resolve()
-    if not any(resolved.is_relative_to(r) for r in settings.MODEL_ROOTS):
-        raise AdapterOutsideRoots(f"adapter path {raw} resolves to {resolved}, outside the model roots")
-    return resolved
+    return resolve_adapter_dir(path, settings.MODEL_ROOTS)
 
 
 def model_version_register(

@@ -40,7 +40,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     if engine.status != Engine.Status.READY:
         raise JobRefused(f"engine {engine.name} is {engine.status}, not ready")
     try:
-        total = len(corpus_load(corpus))
+        total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:
         raise BadJobInput("corpus", str(exc)) from exc
     from cacheadmin.tasks import prewarm_job_task
@@ -64,7 +64,7 @@ def prewarm_job_run(*, job_id: int) -> None:
     job = job_claim(PrewarmJob, job_id)
     if job is None:
         return
-    conversations = corpus_load(job.corpus)
+    conversations = corpus_load(job.corpus, for_namespace=job.namespace)
     engine = job.engine
     layout = engine.model_version.inputs["layout"]
     salt = namespace_cache_salt(job.namespace)

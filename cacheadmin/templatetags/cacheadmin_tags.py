@@ -25,3 +25,14 @@ def field_value(obj: object, name: str) -> object:
 def get_item(mapping: dict | None, key: object) -> object:
     """``mapping[key]``, or an empty dict when absent (templates cannot index by a variable)."""
     return (mapping or {}).get(key, {})
+
+
+@register.filter
+def pairs(mapping: dict | None) -> list[tuple[object, object]]:
+    """A mapping's ``(key, value)`` pairs, for ``{% for k, v in m|pairs %}``.
+
+    Templates never write ``m.items``: Django resolves ``.items`` as a key
+    lookup first, so a mapping from a checkpoint with a key named ``items``
+    (config.json is the checkpoint author's) would replace what the page shows.
+    """
+    return list(mapping.items()) if isinstance(mapping, dict) else []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import User
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
@@ -398,3 +399,49 @@ def test_tenant_bound_tokens_cannot_name_other_tenants_engines(world) -> None:
     own = world["clients"]["bob"].post("/api/comparison-jobs/", {**body, "engine": world["engine"].pk}, format="json")
     assert own.status_code == 201, own.json()  # reference engines hold nobody's state: any tenant may use them
     assert ComparisonJob.objects.get(pk=own.json()["id"]).reference_engine == reference
+
+
+def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
+    """Another tenant's hot prompts answer exactly like a namespace with no heat,
+    for prewarm and comparison jobs alike; ids take ASCII digits only."""
+    from cacheadmin.models.releases import PrefixHeat
+
+    c, acme_ns, globex_ns = world["clients"], world["ns"]["acme"], world["ns"]["globex"]
+    for ns, text in ((globex_ns, "globex secret prompt"), (acme_ns, "acme prompt")):
+        PrefixHeat.objects.create(
+            namespace=ns, digest=ns.namespace_id, messages=[{"role": "user", "content": text}], tools=None, hits=5,
+            last_hit_at=timezone.now(),
+        )  # fmt: skip
+    reference = Engine.objects.create(
+        name="ref",
+        model_version=world["v1"],
+        base_url="http://127.0.0.1:2",
+        status="ready",
+        role="reference",
+        prefix_caching=False,
+    )
+    jobs_before = (PrewarmJob.objects.count(), ComparisonJob.objects.count())
+    for corpus in (f"heat:{globex_ns.pk}", "heat:999999", f"heat:{chr(0x0660 + globex_ns.pk % 10)}"):
+        prewarm = c["bob"].post(
+            "/api/prewarm-jobs/", {"namespace": acme_ns.pk, "engine": world["engine"].pk, "corpus": corpus}, format="json"
+        )
+        compare = c["bob"].post(
+            "/api/comparison-jobs/",
+            {"namespace": acme_ns.pk, "engine": world["engine"].pk, "reference_engine": reference.pk, "corpus": corpus},
+            format="json",
+        )
+        for response in (prewarm, compare):
+            assert response.status_code == 400, response.json()
+            raw = corpus.removeprefix("heat:")
+            assert response.json()["error"]["fields"]["corpus"] == [
+                f"corpus {corpus!r}: no prefix heat reported for namespace {raw!r}"
+            ]
+            assert "globex secret prompt" not in response.content.decode()
+    assert (PrewarmJob.objects.count(), ComparisonJob.objects.count()) == jobs_before
+    # The tenant's own heat is a corpus for its own jobs.
+    own = c["bob"].post(
+        "/api/prewarm-jobs/",
+        {"namespace": acme_ns.pk, "engine": world["engine"].pk, "corpus": f"heat:{acme_ns.pk}"},
+        format="json",
+    )
+    assert own.status_code == 201 and own.json()["corpus"] == f"heat:{acme_ns.pk}"

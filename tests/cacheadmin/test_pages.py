@@ -150,3 +150,30 @@ def test_staff_approve_eviction_runs_on_their_page_and_others_cannot(
     assert client.post(f"/eviction-runs/{run.pk}/", {"decision": "cancel", "reason": "x"}).status_code == 403
     assert client.post("/eviction-runs/plan", {"reason": "x"}).status_code == 403
     assert EvictionRun.objects.get(pk=run.pk).status == "queued"
+
+
+def test_a_config_key_named_like_a_mapping_method_does_not_replace_the_page(admin_client) -> None:
+    # config.json is the checkpoint author's: keys named items/keys/values must
+    # show as keys, not be taken for the mapping's methods by the template.
+    version = ModelVersion.objects.create(
+        label="odd", served_name="tiny", path="/x", weights="a" * 64, tokenizer="b" * 64, config="c" * 64,
+        layout="d" * 64, adapters="e" * 64, identity="f" * 64,
+        inputs={
+            "weights": {"items": "F32[1] " + "0" * 64, "w": "F32[2] " + "1" * 64},
+            "tokenizer": {"items": "2" * 64},
+            "config": {"items": "SHOWN-AS-A-KEY", "hidden_size": 256, "values": [1, 2]},
+            "config_code": {"items.py": "3" * 64},
+            "layout": {"items": "x", "block_size": 32},
+            "adapters": {"items": {"content": "4" * 64}},
+        },
+    )  # fmt: skip
+    html = admin_client.get(f"/model-versions/{version.pk}/").content.decode()
+    for shown in (
+        "<td>hidden_size</td>",
+        "&quot;SHOWN-AS-A-KEY&quot;",
+        "<td>values</td>",
+        "code: items.py",
+        "<td>block_size</td>",
+    ):
+        assert shown in html, shown
+    assert html.count("<td>items</td>") == 5  # weights, tokenizer, config, layout, adapters

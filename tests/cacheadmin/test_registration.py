@@ -198,3 +198,34 @@ def test_adapters_register_by_content_through_the_api_and_the_cli(operator, work
     finally:
         shutil.rmtree(support)
         shutil.rmtree(twin)
+
+
+def test_adapters_are_confined_like_checkpoints(operator, demo_checkpoints, model_root: Path, tmp_path: Path) -> None:
+    """Relative and "~" paths, a link to a file outside the roots, and a hard
+    link are refused; nothing is hashed or shown; nothing is written."""
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"outside the model roots")
+    linked, hard = model_root / f"lora-link-{tmp_path.name}", model_root / f"lora-hard-{tmp_path.name}"
+    for folder in (linked, hard):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 8}')
+    (linked / "adapter_model.safetensors").symlink_to(secret)
+    outside_root = model_root / f"outside-{tmp_path.name}.safetensors"
+    outside_root.write_bytes(b"w")
+    (hard / "adapter_model.safetensors").hardlink_to(outside_root)
+    try:
+        for adapter in ("relative/lora", "~/lora", str(linked), str(hard)):
+            body = {"path": str(demo_checkpoints["tiny-v1"]), "label": "x", "served_name": "t", "adapters": {"a": adapter}}
+            response = operator.post("/api/model-versions/", body, format="json")
+            assert response.status_code == 400, (adapter, response.json())
+            assert list(response.json()["error"]["fields"]) == ["adapters"]
+            assert "secret" not in json.dumps(response.json())
+        proc = manage("fingerprint", str(demo_checkpoints["tiny-v1"]), "--adapter", f"a={linked}", "--json")
+        assert proc.returncode == 2 and "links to" in proc.stderr and proc.stdout == ""
+        proc = manage("fingerprint", str(demo_checkpoints["tiny-v1"]), "--adapter", f"a={hard}", "--json")
+        assert proc.returncode == 2 and "has 2 hard links" in proc.stderr
+        assert RegistrationJob.objects.count() == 0 and ModelVersion.objects.count() == 0
+    finally:
+        shutil.rmtree(linked)
+        shutil.rmtree(hard)
+        outside_root.unlink()

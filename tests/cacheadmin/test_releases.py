@@ -439,6 +439,20 @@ def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(version
         corpus_load("heat:999")
 
 
+def test_prefix_heat_saturates_at_64_bits(versions) -> None:
+    from cacheadmin.services.heat import MAX_HITS
+
+    client = _client()
+    url = f"/api/namespaces/{versions['ns1'].pk}/prefix-heat/"
+    messages = [{"role": "user", "content": "Refund status?"}]
+    for hits in (MAX_HITS - 5, 10, MAX_HITS):
+        assert client.post(url, {"messages": messages, "hits": hits}, format="json").status_code == 200
+    assert [row["hits"] for row in client.get(url).json()] == [9223372036854775807]  # saturated, not wrapped
+    too_big = client.post(url, {"messages": messages, "hits": MAX_HITS + 1}, format="json")
+    assert too_big.status_code == 400 and list(too_big.json()["error"]["fields"]) == ["hits"]
+    assert [row["hits"] for row in client.get(url).json()] == [9223372036854775807]
+
+
 def test_the_new_namespace_of_a_failed_release_is_an_orphan(versions) -> None:
     from cacheadmin.services.accounting import orphans_report
 
