@@ -154,6 +154,12 @@ class CacheNamespaceAdmin(AuditedAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # A namespace's cached state lives on in its tiers after its row is
+        # gone; it leaves through an eviction purge, which deletes every tier
+        # first and records what it did.
+        return False
+
 
 class SharedGroupMembershipInline(admin.TabularInline):
     model = SharedGroupMembership

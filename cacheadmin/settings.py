@@ -62,7 +62,9 @@ MIDDLEWARE = [
 
 ROOT_URLCONF = "cacheadmin.urls"
 WSGI_APPLICATION = "cacheadmin.wsgi.application"
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
 
 TEMPLATES = [
     {

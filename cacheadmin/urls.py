@@ -1,6 +1,7 @@
 """URL configuration."""
 
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from cacheadmin import views
@@ -8,6 +9,9 @@ from cacheadmin import views
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
     path("healthz", views.health, name="health"),
+    # Every active account signs in here (the admin site's login takes staff only).
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("fragments/live", views.live_fragment, name="live-fragment"),
     path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),

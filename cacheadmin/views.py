@@ -10,7 +10,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from cacheadmin import selectors
-from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob, Release
+from cacheadmin.models import ApiToken, CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob, Release
+from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.db import RETRY_AFTER_S, database_writable
 from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
@@ -124,8 +125,8 @@ def eviction_run_detail(request: HttpRequest, pk: int) -> HttpResponse:
     run = get_object_or_404(EvictionRun, pk=pk)
     error = ""
     if request.method == "POST":
-        if not request.user.is_staff:
-            return HttpResponseForbidden("approving or cancelling an eviction run needs a staff account")
+        if not session_allows(request.user, ApiToken.Scope.OPERATE):
+            return HttpResponseForbidden("approving or cancelling an eviction run needs the operate permission")
         reason = request.POST.get("reason", "")
         actor = f"{request.user.get_username()} (page)"
         try:
@@ -154,8 +155,8 @@ def eviction_run_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 def eviction_run_plan(request: HttpRequest) -> HttpResponse:
     """Plan a run of every namespace (a dry run) and show it for review (staff)."""
-    if not request.user.is_staff:
-        return HttpResponseForbidden("planning an eviction run needs a staff account")
+    if not session_allows(request.user, ApiToken.Scope.OPERATE):
+        return HttpResponseForbidden("planning an eviction run needs the operate permission")
     try:
         run = eviction_plan(actor=f"{request.user.get_username()} (page)", reason=request.POST.get("reason", ""))
     except TierUnavailable as exc:
@@ -175,8 +176,8 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
     )  # fmt: skip
     error = ""
     if request.method == "POST":
-        if not request.user.is_staff:
-            return HttpResponseForbidden("deciding or rolling back a release needs a staff account")
+        if not session_allows(request.user, ApiToken.Scope.OPERATE):
+            return HttpResponseForbidden("deciding or rolling back a release needs the operate permission")
         actor = f"{request.user.get_username()} (page)"
         reason = request.POST.get("reason", "")
         try:

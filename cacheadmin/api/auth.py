@@ -9,6 +9,7 @@ from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
 
 from cacheadmin.models import ApiToken
+from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.api_tokens import api_token_check
 
 
@@ -48,13 +49,10 @@ class ApiTokenScheme(OpenApiAuthenticationExtension):
 
 def request_scope_allows(request: Request, scope: str) -> bool:
     """Whether the caller holds ``scope``: a token by its scope; a browser
-    session user: staff have admin, other users read."""
+    session by its user's Django permissions (:func:`session_scope`)."""
     if isinstance(request.auth, ApiToken):
         return request.auth.allows(scope)
-    user = request.user
-    if not (user and user.is_authenticated):
-        return False
-    return True if user.is_staff else scope == ApiToken.Scope.READ
+    return session_allows(request.user, scope)
 
 
 def request_tenant(request: Request) -> int | None:

@@ -31,6 +31,12 @@ class ApiToken(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        # What a browser session may do, by Django permission (superusers hold
+        # both): see :func:`session_scope`. Any active user may read.
+        permissions = [
+            ("operate_cache", "Can operate the cache control plane (jobs, engines, releases, eviction runs)"),
+            ("administer_cache", "Can administer the cache control plane (tenants, groups, salts, holds, audit trail)"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.scope}{', ' + self.tenant.slug if self.tenant_id else ''})"
@@ -40,3 +46,25 @@ class ApiToken(models.Model):
     def allows(self, scope: str) -> bool:
         """True if this token's scope includes ``scope``."""
         return self.SCOPE_RANK[self.scope] >= self.SCOPE_RANK[scope]
+
+
+def session_scope(user: object) -> str | None:
+    """The scope a browser session's user holds, from Django permissions:
+    ``admin`` with ``cacheadmin.administer_cache`` (every superuser), else
+    ``operate`` with ``cacheadmin.operate_cache``, else ``read`` for any
+    active user; None for anonymous or inactive users. ``is_staff`` alone
+    (the admin site's login) grants nothing more than read.
+    """
+    if not (getattr(user, "is_authenticated", False) and getattr(user, "is_active", False)):
+        return None
+    if user.has_perm("cacheadmin.administer_cache"):  # type: ignore[attr-defined]
+        return ApiToken.Scope.ADMIN
+    if user.has_perm("cacheadmin.operate_cache"):  # type: ignore[attr-defined]
+        return ApiToken.Scope.OPERATE
+    return ApiToken.Scope.READ
+
+
+def session_allows(user: object, scope: str) -> bool:
+    """True if a browser session's user holds ``scope`` (see :func:`session_scope`)."""
+    held = session_scope(user)
+    return held is not None and ApiToken.SCOPE_RANK[held] >= ApiToken.SCOPE_RANK[scope]

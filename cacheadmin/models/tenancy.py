@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from django.core.validators import RegexValidator
 from django.db import models
 
@@ -10,10 +12,23 @@ from cacheadmin.models.naming import name_key, validate_display_name
 slug_validator = RegexValidator(r"\A[a-z0-9][a-z0-9-]{0,62}\Z", "lowercase letters, digits and '-', 1 to 63 characters")
 
 
+def new_boundary_key() -> str:
+    """A random, immutable key for a new tenant or group (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
 class Tenant(models.Model):
-    """A sharing boundary: prefixes are never shared across tenants."""
+    """A sharing boundary: prefixes are never shared across tenants.
+
+    ``key`` is drawn at creation and never changes: it is digested into the
+    tenant's namespace ids, so a tenant created later under a deleted one's
+    slug gets other ids, salts and storage prefixes (never the old cached
+    state). Tenants from before keys existed have an empty key and keep
+    their ids.
+    """
 
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    key = models.CharField(max_length=32, default=new_boundary_key, editable=False, blank=True)
     name = models.CharField(max_length=200, validators=[validate_display_name])
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -25,8 +40,8 @@ class Tenant(models.Model):
 
     @property
     def boundary(self) -> str:
-        """The tenant boundary string digested into namespace ids."""
-        return f"tenant:{self.slug}"
+        """The tenant boundary string digested into namespace ids: ``tenant:<slug>:<key>``."""
+        return f"tenant:{self.slug}:{self.key}" if self.key else f"tenant:{self.slug}"
 
 
 class SharedGroup(models.Model):
@@ -41,6 +56,7 @@ class SharedGroup(models.Model):
     """
 
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    key = models.CharField(max_length=32, default=new_boundary_key, editable=False, blank=True)
     name = models.CharField(max_length=200, validators=[validate_display_name])
     generation = models.PositiveIntegerField(default=1)
     members = models.ManyToManyField(Tenant, through="SharedGroupMembership", related_name="shared_groups")
@@ -54,8 +70,9 @@ class SharedGroup(models.Model):
 
     @property
     def boundary(self) -> str:
-        """The group boundary string digested into namespace ids (changes with each generation)."""
-        return f"group:{self.slug}:{self.generation}"
+        """The group boundary string digested into namespace ids (changes with
+        each generation; holds the group's immutable ``key`` as a tenant's does)."""
+        return f"group:{self.slug}:{self.key}:{self.generation}" if self.key else f"group:{self.slug}:{self.generation}"
 
 
 class SharedGroupMembership(models.Model):

@@ -36,3 +36,11 @@ def pairs(mapping: dict | None) -> list[tuple[object, object]]:
     (config.json is the checkpoint author's) would replace what the page shows.
     """
     return list(mapping.items()) if isinstance(mapping, dict) else []
+
+
+@register.filter
+def can(user: object, scope: str) -> bool:
+    """``{% if user|can:"operate" %}``: the session's scope from Django permissions."""
+    from cacheadmin.models.api_tokens import session_allows
+
+    return session_allows(user, scope)

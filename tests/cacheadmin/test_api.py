@@ -203,7 +203,8 @@ def test_creating_a_namespace_needs_an_owner_and_a_policy(world) -> None:
     assert {k: ns["policy"][k] for k in POLICY} == POLICY and ns["policy"]["pinned"] is False
     from inference.identity import namespace_id
 
-    assert ns["namespace_id"] == namespace_id("2" * 64, "tenant:acme")
+    acme = world["acme"]
+    assert len(acme.key) == 32 and ns["namespace_id"] == namespace_id("2" * 64, f"tenant:acme:{acme.key}")
     again = c["bob"].post("/api/namespaces/", body, format="json")
     assert again.json()["id"] == ns["id"] and CacheNamespace.objects.count() == 3
 

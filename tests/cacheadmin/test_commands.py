@@ -17,16 +17,24 @@ from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_
 from tests.helpers import manage
 
 
+@pytest.mark.django_db(transaction=True)  # the command runs in a subprocess: the tenant must be committed
 def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) -> None:
+    from cacheadmin.models import Tenant
+    from tests.helpers import subprocess_env
+
+    acme = Tenant.objects.create(slug="acme", name="Acme")
     path = demo_checkpoints["tiny-v1"]
-    proc = manage("fingerprint", str(path), "--block-size", "64", "--dtype", "bf16", "--tenant", "acme", "--json")
+    args = ("fingerprint", str(path), "--block-size", "64", "--dtype", "bf16", "--json")
+    proc = manage(*args, "--tenant", "acme", env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     expected = fingerprint_checkpoint(path, layout=LayoutOptions(block_size=64, dtype="bfloat16"))
     for key, value in expected.digests().items():
         assert out[key] == value
-    assert out["namespace"] == namespace_id(expected.identity, "tenant:acme")
-    assert len(out["identity"]) == 64
+    assert out["namespace"] == namespace_id(expected.identity, f"tenant:acme:{acme.key}")
+    assert len(out["identity"]) == 64 and len(acme.key) == 32
+    missing = manage(*args, "--tenant", "globex", env=subprocess_env())
+    assert (missing.returncode, missing.stderr.strip()) == (2, "CommandError: --tenant 'globex': no such tenant")
 
 
 def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
@@ -119,14 +127,14 @@ def test_register_is_idempotent_and_refuses_bad_checkpoints(
 
 @pytest.mark.django_db
 def test_health_needs_no_login_and_pages_do(client) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "database": {"read": True, "write": True}}
     response = client.get("/")
-    assert response.status_code == 302 and response.url.startswith("/admin/login/")
+    assert response.status_code == 302 and response.url.startswith("/login/")
 
 
 @pytest.mark.django_db
 def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoints) -> None:
-    from cacheadmin.models import Tenant
+    from cacheadmin.models import CacheNamespace, Tenant
     from cacheadmin.services.namespaces import (
         DEMO_POLICY,
         NamespaceConflict,
@@ -143,9 +151,18 @@ def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoi
     first = namespace_get_or_create(model_version=version, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice")
     Tenant.objects.filter(pk=acme.pk).update(slug="acme-old")  # a rename behind the services' back
     newcomer = tenant_get_or_create(slug="acme", name="Someone else", actor="bob")
+    # The newcomer's boundary holds its own key: another namespace, never the first one.
+    theirs = namespace_get_or_create(
+        model_version=version, tenant=newcomer, retention_owner=owner, policy=DEMO_POLICY, actor="bob"
+    )
+    assert theirs.namespace_id != first.namespace_id and theirs.storage_prefix != first.storage_prefix
+    assert CacheNamespaceCount() == 2 and first.tenant_id == acme.pk
+    # A boundary string that collides anyway (a row edited behind the services' back) is still refused.
+    Tenant.objects.filter(pk=newcomer.pk).update(key=acme.key)
+    newcomer.refresh_from_db()
+    CacheNamespace.objects.filter(pk=theirs.pk).delete()
     with pytest.raises(NamespaceConflict, match="never handed to another boundary"):
         namespace_get_or_create(model_version=version, tenant=newcomer, retention_owner=owner, policy=DEMO_POLICY, actor="bob")
-    assert CacheNamespaceCount() == 1 and first.tenant_id == acme.pk
 
 
 def CacheNamespaceCount() -> int:  # noqa: N802 - reads like the count it returns

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from cacheadmin.models import ComparisonJob, Engine, JobStatus, PrewarmJob
+from cacheadmin.models import ComparisonJob, Engine, JobStatus, PrewarmJob, Tenant
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_launch
 from cacheadmin.services.model_versions import model_version_register
@@ -21,7 +21,6 @@ from cacheadmin.services.namespaces import (
     namespace_get_or_create,
     namespace_storage_path,
     retention_owner_get_or_create,
-    tenant_get_or_create,
 )
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.workers import WorkerProcess
@@ -56,9 +55,14 @@ def _spec(path: Path, name: str, *, prefix_caching: bool, storage: Path | None) 
     )
 
 
+#: Tenant acme's boundary key, fixed here so that the session's engines can be
+#: started on its namespace's disk tier before the test database has the tenant.
+ACME_KEY = "a" * 32
+
+
 def _storage_for(path: Path, tenant: str = "acme") -> Path:
     identity = fingerprint_checkpoint(path, layout=LAYOUT).identity
-    return settings.KV_STORE_ROOT / storage_prefix(namespace_id(identity, f"tenant:{tenant}"))
+    return settings.KV_STORE_ROOT / storage_prefix(namespace_id(identity, f"tenant:{tenant}:{ACME_KEY}"))
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +95,7 @@ def _setup(demo_checkpoints, label: str):
     version, _ = model_version_register(
         path=demo_checkpoints[label], label=label, served_name="tiny", layout=LAYOUT, actor="alice"
     )
-    tenant = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
+    tenant = Tenant.objects.get_or_create(slug="acme", defaults={"name": "Acme", "key": ACME_KEY})[0]
     owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="alice")
     return version, namespace_get_or_create(
         model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="alice"

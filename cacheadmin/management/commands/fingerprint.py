@@ -15,7 +15,7 @@ from cacheadmin.management.base import (
     add_layout_arguments,
     layout_from_options,
 )
-from cacheadmin.models.tenancy import slug_validator
+from cacheadmin.models.tenancy import Tenant, slug_validator
 from cacheadmin.services.model_versions import checkpoint_fingerprint, checkpoint_verify_cache
 from inference.errors import CheckpointError
 from inference.identity import namespace_id
@@ -40,11 +40,16 @@ class Command(ControlPlaneCommand):
         parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        tenant = None
         if opts["tenant"] is not None:
             try:
                 slug_validator(opts["tenant"])
             except ValidationError as exc:
                 raise self.bad_input(f"--tenant {opts['tenant']!r}: {exc.messages[0]}") from exc
+            # The id digests the tenant's immutable key, not only its slug.
+            tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
+            if tenant is None:
+                raise self.bad_input(f"--tenant {opts['tenant']!r}: no such tenant")
         try:
             adapters = adapters_from_options(self, opts)
             mismatches = checkpoint_verify_cache(path=opts["path"]) if opts["verify"] else []
@@ -54,8 +59,8 @@ class Command(ControlPlaneCommand):
         out: dict[str, Any] = dict(report.digests())
         if opts["verify"]:
             out["cache_mismatches"] = mismatches
-        if opts["tenant"] is not None:
-            out["namespace"] = namespace_id(report.identity, f"tenant:{opts['tenant']}")
+        if tenant is not None:
+            out["namespace"] = namespace_id(report.identity, tenant.boundary)
         if opts["json"]:
             out.update(
                 path=str(root), total_bytes=report.total_bytes, hashed_bytes=report.hashed_bytes, seconds=round(report.seconds, 4)
