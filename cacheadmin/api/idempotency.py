@@ -1,7 +1,9 @@
 """``Idempotency-Key`` for state-changing API calls.
 
 Release pipelines retry on timeouts; a retried ``decide`` or ``rollback`` must
-not act twice. The first request with a key records its answer; a retry with
+not act twice, and a retried job start must not start a second job. Release
+calls require the header (:func:`idempotent`); every other state change honours
+it when given (:class:`IdempotentWritesMixin`). The first request with a key records its answer; a retry with
 the same key, caller, route and body gets that answer again (with
 ``Idempotent-Replayed: true``); the same key with another route or body is a
 409; a retry while the first is still being answered is a 409 too. Errors are
@@ -53,9 +55,15 @@ def idempotent(handler: Callable[..., Response]) -> Callable[..., Response]:
         IdempotencyConflict: the key belongs to another request, or is in flight (409).
     """
 
+    return _keyed(handler, required=True)
+
+
+def _keyed(handler: Callable[..., Response], *, required: bool) -> Callable[..., Response]:
     @functools.wraps(handler)
     def wrapper(self: Any, request: Request, *args: Any, **kwargs: Any) -> Response:
         key = request.headers.get(HEADER, "")
+        if not key and not required:
+            return handler(self, request, *args, **kwargs)
         if not key:
             raise ValidationError({HEADER: ["every state change here needs an Idempotency-Key header"]})
         if len(key) > 200 or not (key.isascii() and key.isprintable()):
@@ -82,4 +90,24 @@ def idempotent(handler: Callable[..., Response]) -> Callable[..., Response]:
         IdempotencyKey.objects.filter(pk=record.pk).update(status_code=response.status_code, response=response.data)
         return response
 
+    wrapper.idempotent = True  # type: ignore[attr-defined]
     return wrapper
+
+
+class IdempotentWritesMixin:
+    """For a DRF view: every POST, PUT, PATCH and DELETE handler honours an
+    ``Idempotency-Key`` header when the caller sends one (a retry with the same
+    key and body gets the first answer and acts once); handlers decorated with
+    :func:`idempotent` (which require it) are left as they are."""
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        method = request.method.lower()
+        if request.method in ("GET", "HEAD", "OPTIONS"):
+            return
+        handler = getattr(self, method, None)
+        func = getattr(handler, "__func__", None)
+        if handler is None or func is None or getattr(func, "idempotent", False):
+            return
+        keyed = _keyed(func, required=False)
+        setattr(self, method, functools.partial(keyed, self))

@@ -16,7 +16,7 @@ from rest_framework.response import Response
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
-from cacheadmin.api.idempotency import HEADER, idempotent
+from cacheadmin.api.idempotency import HEADER, IdempotentWritesMixin, idempotent
 from cacheadmin.api.views import actor_of, validated
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release, ReleaseEvent
@@ -76,7 +76,7 @@ class TrafficSerializer(s.StrictFieldsMixin, serializers.Serializer):
     percent = s.StrictIntegerField(min_value=0, max_value=100)
 
 
-class ReleaseViewSet(viewsets.ReadOnlyModelViewSet):
+class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Releases of a served model for a tenant: classification by identity
     diff, the invalidation decision and its evidence, readiness, gray traffic,
     rollback, timeline."""

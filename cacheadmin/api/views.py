@@ -20,6 +20,7 @@ from rest_framework.views import APIView
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
 from cacheadmin.api.filters import ControlPlaneFilterSet, UtcIsoDateTimeFilter
+from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.models import (
     AccountingScan,
     Adapter,
@@ -94,7 +95,7 @@ class TenantScopedMixin:
         return queryset if tenant_id is None else queryset.filter(namespaces_visible_to(tenant_id, self.namespace_path))
 
 
-class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class ModelVersionViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Registered model versions with their identity digests. POST starts a
     registration job (202): hashing a large checkpoint takes minutes."""
 
@@ -139,7 +140,7 @@ class ModelVersionViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
         return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
-class TenantViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class TenantViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Tenants: sharing boundaries."""
 
     serializer_class = s.TenantSerializer
@@ -161,7 +162,7 @@ class TenantViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
 
 
-class SharedGroupViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class SharedGroupViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Shared groups: the only way tenants share cached prefixes. Creating a
     group and changing its members needs admin scope; a tenant-bound token
     sees the groups its tenant is in."""
@@ -217,7 +218,7 @@ class AdapterViewSet(viewsets.ReadOnlyModelViewSet):
     tenant_bound_read = True
 
 
-class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class RetentionOwnerViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Retention owners: who answers for a namespace's storage."""
 
     queryset = RetentionOwner.objects.order_by("name")
@@ -237,7 +238,7 @@ class RetentionOwnerViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewS
         serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
 
 
-class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class CacheNamespaceViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Cache namespaces with their retention owner and policy. Creating one
     needs both; the salt is served only to operate-scope callers."""
 
@@ -322,7 +323,7 @@ class CacheNamespaceViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets
         )
 
 
-class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+class EngineViewSet(IdempotentWritesMixin, TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
     """Engines the control plane launched or knows."""
 
     serializer_class = s.EngineSerializer
@@ -352,7 +353,7 @@ class EngineViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
         return Response(s.EngineSerializer(self.get_queryset().get(pk=engine.pk)).data)
 
 
-class _JobViewSet(TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class _JobViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     namespace_path = "namespace__"
     filterset_fields = ("status", "namespace", "engine")
     ordering_fields = ("created_at", "status")
@@ -413,7 +414,7 @@ class ComparisonJobViewSet(_JobViewSet):
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
 
-class RegistrationJobViewSet(viewsets.ReadOnlyModelViewSet):
+class RegistrationJobViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Registration jobs: progress in weight bytes, the model version when done."""
 
     serializer_class = s.RegistrationJobSerializer
@@ -477,7 +478,7 @@ class IdentityDiffView(APIView):
         return Response(identity_diff({f: getattr(a, f) for f in fields}, {f: getattr(b, f) for f in fields}))
 
 
-class EvictionRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class EvictionRunViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Eviction runs: POST plans one (a dry run, nothing is touched); an
     operator approves it (``…/approve/`` with a reason) and a worker executes
     it, each action recorded before it is done and confirmed by its tier.
@@ -525,7 +526,7 @@ class EvictionRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet)
         return Response(s.EvictionRunSerializer(job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)).data)
 
 
-class AccountingScanViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class AccountingScanViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Accounting scans of every tier; POST starts one (202)."""
 
     queryset = AccountingScan.objects.order_by("-created_at", "-id")

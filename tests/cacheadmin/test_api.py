@@ -446,3 +446,34 @@ def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
         format="json",
     )
     assert own.status_code == 201 and own.json()["corpus"] == f"heat:{acme_ns.pk}"
+
+
+def test_every_state_change_honours_an_idempotency_key(world, settings, tmp_path) -> None:
+    """A retried job start, eviction plan or heat report with the same key acts
+    once and gets the first answer, marked as a replay; another body is a 409."""
+    from cacheadmin.models import EvictionRun
+    from cacheadmin.models.releases import PrefixHeat
+
+    from cacheadmin.models import RetentionPolicy
+
+    settings.KV_STORE_ROOT, settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "kv", tmp_path / "cold", ""
+    c, acme_ns = world["clients"], world["ns"]["acme"]
+    for ns in world["ns"].values():  # as the services create every namespace
+        RetentionPolicy.objects.create(namespace=ns, versions_kept=1)
+    body = {"namespace": acme_ns.pk, "engine": world["engine"].pk}
+    first = c["bob"].post("/api/prewarm-jobs/", body, format="json", HTTP_IDEMPOTENCY_KEY="start-1")
+    again = c["bob"].post("/api/prewarm-jobs/", body, format="json", HTTP_IDEMPOTENCY_KEY="start-1")
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again.json() == first.json() and again["Idempotent-Replayed"] == "true"
+    assert PrewarmJob.objects.filter(namespace=acme_ns).count() == 2  # the fixture's job and this one
+    other = c["bob"].post("/api/prewarm-jobs/", {**body, "corpus": "diagnostic-short"}, format="json", HTTP_IDEMPOTENCY_KEY="start-1")
+    assert (other.status_code, other.json()["error"]["code"]) == (409, "idempotency_conflict")
+    plan = [c["alice"].post("/api/eviction-runs/", {"reason": "r"}, format="json", HTTP_IDEMPOTENCY_KEY="plan-7") for _ in range(2)]
+    assert [r.status_code for r in plan] == [201, 201] and EvictionRun.objects.count() == 1
+    heat = {"messages": [{"role": "user", "content": "Refund status?"}], "hits": 3}
+    for _ in range(2):
+        c["bob"].post(f"/api/namespaces/{acme_ns.pk}/prefix-heat/", heat, format="json", HTTP_IDEMPOTENCY_KEY="heat-1")
+    assert PrefixHeat.objects.get(namespace=acme_ns).hits == 3  # counted once, not twice
+    # Without a key, each call acts (clients that do not retry are not burdened).
+    c["bob"].post(f"/api/namespaces/{acme_ns.pk}/prefix-heat/", heat, format="json")
+    assert PrefixHeat.objects.get(namespace=acme_ns).hits == 6
