@@ -29,6 +29,23 @@ SECRET_KEY = persistent_secret("secret-key", "DJANGO_SECRET_KEY", VAR_DIR)
 #: Key of the HMAC that turns a namespace id into its vLLM ``cache_salt``.
 CACHE_SALT_SECRET = persistent_secret("cache-salt-secret", "CACHE_SALT_SECRET", VAR_DIR)
 DEBUG = env_bool("DJANGO_DEBUG", False)
+
+# --- TLS and cookies (a deployment behind HTTPS sets these; `manage.py check
+# --deploy` is clean with DJANGO_HTTPS=1 and DJANGO_HSTS_SECONDS set) -------
+#: Served over HTTPS: secure cookies, and plain HTTP redirected to HTTPS.
+HTTPS = env_bool("DJANGO_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", HTTPS)
+SESSION_COOKIE_HTTPONLY = True
+#: HSTS max-age in seconds (0: off). Once browsers have seen it, they refuse
+#: plain HTTP for that long: set it when HTTPS is there to stay.
+SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", False)
+#: Behind a TLS-terminating proxy that sets this header (e.g. X-Forwarded-Proto).
+if env_str("DJANGO_SECURE_PROXY_SSL_HEADER", ""):
+    SECURE_PROXY_SSL_HEADER = (f"HTTP_{env_str('DJANGO_SECURE_PROXY_SSL_HEADER', '').upper().replace('-', '_')}", "https")
+CSRF_TRUSTED_ORIGINS = [o for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 ALLOWED_HOSTS = [h for h in env_str("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h]
 
 INSTALLED_APPS = [
