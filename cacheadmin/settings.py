@@ -8,6 +8,7 @@ with the same code. Every environment read goes through :mod:`cacheadmin.env`.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from cacheadmin.env import (
@@ -60,6 +61,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_celery_beat",
+    "axes",
     "cacheadmin",
 ]
 
@@ -75,7 +77,17 @@ MIDDLEWARE = [
     "cacheadmin.middleware.DatabaseBusyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes requires: answers a locked-out sign-in.
+    "axes.middleware.AxesMiddleware",
 ]
+
+# Sign-in throttling (django-axes): after AXES_FAILURE_LIMIT failed sign-ins for
+# one username from one address, that pair is locked out for the cool-off time.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("LOGIN_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
 
 ROOT_URLCONF = "cacheadmin.urls"
 WSGI_APPLICATION = "cacheadmin.wsgi.application"

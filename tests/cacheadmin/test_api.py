@@ -466,9 +466,13 @@ def test_every_state_change_honours_an_idempotency_key(world, settings, tmp_path
     assert (first.status_code, again.status_code) == (201, 201)
     assert again.json() == first.json() and again["Idempotent-Replayed"] == "true"
     assert PrewarmJob.objects.filter(namespace=acme_ns).count() == 2  # the fixture's job and this one
-    other = c["bob"].post("/api/prewarm-jobs/", {**body, "corpus": "diagnostic-short"}, format="json", HTTP_IDEMPOTENCY_KEY="start-1")
+    other = c["bob"].post(
+        "/api/prewarm-jobs/", {**body, "corpus": "diagnostic-short"}, format="json", HTTP_IDEMPOTENCY_KEY="start-1"
+    )
     assert (other.status_code, other.json()["error"]["code"]) == (409, "idempotency_conflict")
-    plan = [c["alice"].post("/api/eviction-runs/", {"reason": "r"}, format="json", HTTP_IDEMPOTENCY_KEY="plan-7") for _ in range(2)]
+    plan = [
+        c["alice"].post("/api/eviction-runs/", {"reason": "r"}, format="json", HTTP_IDEMPOTENCY_KEY="plan-7") for _ in range(2)
+    ]
     assert [r.status_code for r in plan] == [201, 201] and EvictionRun.objects.count() == 1
     heat = {"messages": [{"role": "user", "content": "Refund status?"}], "hits": 3}
     for _ in range(2):

@@ -49,3 +49,20 @@ def test_a_sessions_scope_is_what_its_permissions_give(perms, tenant_create, aud
     assert client.post("/eviction-runs/plan", {"reason": "r"}).status_code == plan_page
     if plan_page == 403:
         assert not AuditEvent.objects.filter(action__startswith="eviction_run").exists()
+
+
+def test_repeated_failed_sign_ins_lock_the_account_out(settings) -> None:
+    """django-axes: after LOGIN_FAILURE_LIMIT failures for one username and
+    address, even the right password is refused until the cool-off ends."""
+    User.objects.create_user("rita", password="right-password")
+    client = Client()
+    for _ in range(settings.AXES_FAILURE_LIMIT - 1):
+        wrong = client.post("/login/", {"username": "rita", "password": "guess"})
+        assert wrong.status_code == 200 and "did not match" in wrong.content.decode()
+    locked = client.post("/login/", {"username": "rita", "password": "guess"})
+    assert locked.status_code == 429
+    refused = client.post("/login/", {"username": "rita", "password": "right-password"})
+    assert refused.status_code == 429 and client.get("/").status_code == 302
+    # Another address is not locked out by this one's guesses.
+    other = Client(REMOTE_ADDR="10.9.8.7")
+    assert other.post("/login/", {"username": "rita", "password": "right-password"}).status_code == 302
