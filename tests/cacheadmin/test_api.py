@@ -451,10 +451,8 @@ def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
 def test_every_state_change_honours_an_idempotency_key(world, settings, tmp_path) -> None:
     """A retried job start, eviction plan or heat report with the same key acts
     once and gets the first answer, marked as a replay; another body is a 409."""
-    from cacheadmin.models import EvictionRun
+    from cacheadmin.models import EvictionRun, RetentionPolicy
     from cacheadmin.models.releases import PrefixHeat
-
-    from cacheadmin.models import RetentionPolicy
 
     settings.KV_STORE_ROOT, settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "kv", tmp_path / "cold", ""
     c, acme_ns = world["clients"], world["ns"]["acme"]
