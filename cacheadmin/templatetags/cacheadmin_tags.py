@@ -44,3 +44,18 @@ def can(user: object, scope: str) -> bool:
     from cacheadmin.models.api_tokens import session_allows
 
     return session_allows(user, scope)
+
+
+#: Characters that reorder or hide text (bidirectional overrides and isolates,
+#: zero-width characters): shown as ``\\uXXXX`` so a file name cannot disguise itself.
+_DISGUISING = {
+    *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C, *range(0x200B, 0x200E), 0x2060, 0xFEFF,
+}  # fmt: skip
+
+
+@register.filter
+def shown(value: object) -> str:
+    """Text with control, bidirectional-override and zero-width characters
+    written as escapes (``\\u202e``), for names that come from files."""
+    text = str(value)
+    return "".join(f"\\u{ord(c):04x}" if ord(c) in _DISGUISING or (not c.isprintable() and c not in " ") else c for c in text)

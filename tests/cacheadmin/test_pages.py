@@ -177,3 +177,18 @@ def test_a_config_key_named_like_a_mapping_method_does_not_replace_the_page(admi
     ):
         assert shown in html, shown
     assert html.count("<td>items</td>") == 5  # weights, tokenizer, config, layout, adapters
+
+
+def test_file_names_that_disguise_themselves_are_shown_escaped(admin_client) -> None:
+    # "model\u202egpj.safetensors" would render as "modelsrosnetefas.jpg" in a browser.
+    disguised = "model\u202egpj.safetensors"
+    version = ModelVersion.objects.create(
+        label="bidi", served_name="tiny", path=f"/models/{disguised}", weights="a" * 64, tokenizer="b" * 64,
+        config="c" * 64, layout="d" * 64, adapters="e" * 64, identity="9" * 64,
+        inputs={"weights": {"w\u200bq": "F32[1] " + "0" * 64}, "weight_files": {"format": "safetensors", "files": [disguised]},
+                "tokenizer": {"tok\u2066en.json": "1" * 64}},
+    )  # fmt: skip
+    html = admin_client.get(f"/model-versions/{version.pk}/").content.decode()
+    assert "\u202e" not in html and "\u200b" not in html and "\u2066" not in html
+    for escaped in ("model\\u202egpj.safetensors", "w\\u200bq", "tok\\u2066en.json"):
+        assert escaped in html, escaped
