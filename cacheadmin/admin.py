@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.db import models, transaction
 from django.forms.models import model_to_dict
@@ -28,7 +29,9 @@ from cacheadmin.models import (
     SharedGroupMembership,
     Tenant,
 )
+from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.namespaces import retention_owner_get_or_create, tenant_get_or_create
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
@@ -113,11 +116,43 @@ class TenantAdmin(AuditedAdmin):
         # namespaces to whoever takes the old slug next.
         return ("slug",) if obj is not None else ()
 
+    def save_model(self, request: HttpRequest, obj: Tenant, form: Any, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        # Created by the same service as the API and CLI (validation, audit).
+        created = tenant_get_or_create(slug=obj.slug, name=obj.name, actor=f"{request.user.get_username()} (admin)")
+        obj.pk, obj.key, obj.created_at = created.pk, created.key, created.created_at
+
+
+class RetentionOwnerForm(forms.ModelForm):
+    """Refuses a name that collides with another owner's by case or Unicode
+    form, as the API and CLI do (instead of a database error)."""
+
+    class Meta:
+        model = RetentionOwner
+        fields = ("name", "email")
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        clash = RetentionOwner.objects.filter(name_key=name_key(name)).exclude(pk=self.instance.pk).first()
+        if clash is not None:
+            raise forms.ValidationError(f"retention owner {clash.name!r} already exists (case and Unicode form do not count)")
+        return name
+
 
 @admin.register(RetentionOwner)
 class RetentionOwnerAdmin(AuditedAdmin):
+    form = RetentionOwnerForm
     list_display = ("name", "email", "created_at")
     search_fields = ("name", "email")
+
+    def save_model(self, request: HttpRequest, obj: RetentionOwner, form: Any, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        created = retention_owner_get_or_create(name=obj.name, email=obj.email, actor=f"{request.user.get_username()} (admin)")
+        obj.pk, obj.name_key, obj.created_at = created.pk, created.name_key, created.created_at
 
 
 class RetentionPolicyInline(admin.StackedInline):

@@ -192,3 +192,21 @@ def test_file_names_that_disguise_themselves_are_shown_escaped(admin_client) -> 
     assert "\u202e" not in html and "\u200b" not in html and "\u2066" not in html
     for escaped in ("model\\u202egpj.safetensors", "w\\u200bq", "tok\\u2066en.json"):
         assert escaped in html, escaped
+
+
+def test_admin_add_forms_go_through_the_services(admin_client) -> None:
+    from cacheadmin.models import AuditEvent
+
+    added = admin_client.post("/admin/cacheadmin/tenant/add/", {"name": "Acme", "slug": "acme"})
+    assert added.status_code == 302
+    tenant = Tenant.objects.get(slug="acme")
+    assert len(tenant.key) == 32
+    assert list(AuditEvent.objects.filter(action="tenant.create").values_list("actor", flat=True)) == ["admin (admin)"]
+    owner = admin_client.post("/admin/cacheadmin/retentionowner/add/", {"name": "Platform", "email": "p@example.com"})
+    assert owner.status_code == 302 and RetentionOwner.objects.get().name_key == "platform"
+    # A name that differs only by case or Unicode form is a form error, not a 500; nothing is written.
+    for clash in ("PLATFORM", "Ｐｌａｔｆｏｒｍ"):
+        refused = admin_client.post("/admin/cacheadmin/retentionowner/add/", {"name": clash, "email": "x@example.com"})
+        assert refused.status_code == 200 and "already exists (case and Unicode form do not count)" in refused.content.decode()
+    assert RetentionOwner.objects.count() == 1
+    assert AuditEvent.objects.filter(action="retention_owner.create").count() == 1
