@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django import forms
@@ -106,8 +107,27 @@ class ModelVersionAdmin(AuditedAdmin):
     )
 
 
+class ServiceCreatedAdmin(AuditedAdmin):
+    """An admin whose add form creates the row through the same service as the
+    API and CLI (validation, derived fields, audit): ``create_service`` called
+    with ``create_fields`` of the form's object. Changes stay audited edits."""
+
+    create_service: Callable[..., models.Model]
+    create_fields: tuple[str, ...] = ()
+
+    def save_model(self, request: HttpRequest, obj: models.Model, form: Any, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        values = {name: getattr(obj, name) for name in self.create_fields}
+        created = self.create_service(**values, actor=f"{request.user.get_username()} (admin)")
+        # The admin redirects to and logs the form's object: make it the created row.
+        for f in type(obj)._meta.concrete_fields:
+            setattr(obj, f.attname, getattr(created, f.attname))
+
+
 @admin.register(Tenant)
-class TenantAdmin(AuditedAdmin):
+class TenantAdmin(ServiceCreatedAdmin):
     list_display = ("slug", "name", "created_at")
     search_fields = ("slug", "name")
 
@@ -116,13 +136,8 @@ class TenantAdmin(AuditedAdmin):
         # namespaces to whoever takes the old slug next.
         return ("slug",) if obj is not None else ()
 
-    def save_model(self, request: HttpRequest, obj: Tenant, form: Any, change: bool) -> None:
-        if change:
-            super().save_model(request, obj, form, change)
-            return
-        # Created by the same service as the API and CLI (validation, audit).
-        created = tenant_get_or_create(slug=obj.slug, name=obj.name, actor=f"{request.user.get_username()} (admin)")
-        obj.pk, obj.key, obj.created_at = created.pk, created.key, created.created_at
+    create_service = staticmethod(tenant_get_or_create)
+    create_fields = ("slug", "name")
 
 
 class RetentionOwnerForm(forms.ModelForm):
@@ -142,17 +157,13 @@ class RetentionOwnerForm(forms.ModelForm):
 
 
 @admin.register(RetentionOwner)
-class RetentionOwnerAdmin(AuditedAdmin):
+class RetentionOwnerAdmin(ServiceCreatedAdmin):
     form = RetentionOwnerForm
     list_display = ("name", "email", "created_at")
     search_fields = ("name", "email")
 
-    def save_model(self, request: HttpRequest, obj: RetentionOwner, form: Any, change: bool) -> None:
-        if change:
-            super().save_model(request, obj, form, change)
-            return
-        created = retention_owner_get_or_create(name=obj.name, email=obj.email, actor=f"{request.user.get_username()} (admin)")
-        obj.pk, obj.name_key, obj.created_at = created.pk, created.name_key, created.created_at
+    create_service = staticmethod(retention_owner_get_or_create)
+    create_fields = ("name", "email")
 
 
 class RetentionPolicyInline(admin.StackedInline):

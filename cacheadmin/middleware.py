@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib.auth.middleware import LoginRequiredMiddleware
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
+from cacheadmin.api.exceptions import envelope
 from cacheadmin.services.db import RETRY_AFTER_S, database_busy
 
 
@@ -68,10 +69,6 @@ class DatabaseBusyMiddleware:
     def process_exception(self, request: Any, exception: Exception) -> Any:
         if not database_busy(exception):
             return None
-        from django.http import HttpResponse, JsonResponse
-
-        from cacheadmin.api.exceptions import envelope
-
         message = f"the database is busy; retry in {RETRY_AFTER_S} s"
         if request.path_info.startswith("/api/"):
             response: Any = JsonResponse(envelope(503, "database_busy", message), status=503)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from cacheadmin.models import AccountingScan, ComparisonJob, EvictionRun, PrewarmJob, RegistrationJob
+from cacheadmin.services.jobs import job_run_guarded, jobs_recover_lost
+
+# The services that run each job are imported inside the tasks: they enqueue
+# these tasks themselves, so a module-level import would be a cycle.
+
 
 @shared_task(name="cacheadmin.prewarm_job")
 def prewarm_job_task(job_id: int) -> None:
     """Run prewarm job ``job_id``."""
-    from cacheadmin.models import PrewarmJob
-    from cacheadmin.services.jobs import job_run_guarded
     from cacheadmin.services.prewarm import prewarm_job_run
 
     job_run_guarded(PrewarmJob, job_id, lambda: prewarm_job_run(job_id=job_id))
@@ -24,9 +28,7 @@ def prewarm_job_task(job_id: int) -> None:
 @shared_task(name="cacheadmin.comparison_job")
 def comparison_job_task(job_id: int) -> None:
     """Run comparison job ``job_id``."""
-    from cacheadmin.models import ComparisonJob
     from cacheadmin.services.comparison import comparison_job_run
-    from cacheadmin.services.jobs import job_run_guarded
 
     job_run_guarded(ComparisonJob, job_id, lambda: comparison_job_run(job_id=job_id))
 
@@ -34,8 +36,6 @@ def comparison_job_task(job_id: int) -> None:
 @shared_task(name="cacheadmin.registration_job")
 def registration_job_task(job_id: int) -> None:
     """Run registration job ``job_id``."""
-    from cacheadmin.models import RegistrationJob
-    from cacheadmin.services.jobs import job_run_guarded
     from cacheadmin.services.registration import registration_job_run
 
     job_run_guarded(RegistrationJob, job_id, lambda: registration_job_run(job_id=job_id))
@@ -44,9 +44,7 @@ def registration_job_task(job_id: int) -> None:
 @shared_task(name="cacheadmin.accounting_scan")
 def accounting_scan_task(scan_id: int) -> None:
     """Run accounting scan ``scan_id``."""
-    from cacheadmin.models import AccountingScan
     from cacheadmin.services.accounting import accounting_scan_run
-    from cacheadmin.services.jobs import job_run_guarded
 
     job_run_guarded(AccountingScan, scan_id, lambda: accounting_scan_run(scan_id=scan_id))
 
@@ -70,9 +68,7 @@ def engine_metrics_scrape_task() -> None:
 @shared_task(name="cacheadmin.eviction_run")
 def eviction_run_task(run_id: int) -> None:
     """Execute a batch of eviction run ``run_id``; a busy lane retries in 30 s."""
-    from cacheadmin.models import EvictionRun
     from cacheadmin.services.eviction import eviction_run_execute
-    from cacheadmin.services.jobs import job_run_guarded
 
     outcome: list[object] = []
     job_run_guarded(EvictionRun, run_id, lambda: outcome.append(eviction_run_execute(run_id=run_id)))
@@ -91,6 +87,4 @@ def eviction_sweep_task() -> None:
 @shared_task(name="cacheadmin.jobs_recover_lost")
 def jobs_recover_lost_task() -> None:
     """Scheduled: requeue or fail jobs whose worker is gone (on any host)."""
-    from cacheadmin.services.jobs import jobs_recover_lost
-
     jobs_recover_lost()

@@ -294,7 +294,7 @@ def _optional_json(path: Path) -> Any:
     return read_json(path) if path.is_file() else None
 
 
-def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None) -> tuple[str, dict[str, str]]:
+def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None, *, code_required: bool) -> tuple[str, dict[str, str]]:
     """Digest of the tokenizer files, their special tokens and the chat templates.
 
     ``tokenizer_dir`` holds the tokenizer files; for a GGUF checkpoint with
@@ -332,8 +332,7 @@ def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None) -> tuple[str, dict[s
         key = "chat_template" if name == "default" else f"chat_template:{name}"
         inputs[key] = digest
         frames += [("chat_template", name.encode("utf-8")), ("blake3", bytes.fromhex(digest))]
-    required = not known_model_type(tokenizer_dir)
-    for rel, digest in remote_code_files(tokenizer_dir, ("tokenizer_config.json",), required=required).items():
+    for rel, digest in remote_code_files(tokenizer_dir, ("tokenizer_config.json",), required=code_required).items():
         inputs[f"code:{rel}"] = digest
         frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
     if any(p.name == "tekken.json" or p.name.startswith("tokenizer.model.v") for p in files):
@@ -360,9 +359,13 @@ def _generation_config(root: Path) -> Any:
 
 
 def _config(
-    root: Path, layout: LayoutOptions, gguf_path: Path | None
+    root: Path, layout: LayoutOptions, gguf_path: Path | None, *, code_required: bool
 ) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, Any]]:
     """Digest of the configuration as the engine parses it and of the model code it runs.
+
+    Args:
+        code_required: the engine cannot load this model type without the
+            checkpoint's own code (see :func:`inference.model_config.remote_code_files`).
 
     Returns:
         ``(digest, normalized config, resolved layout, code files, non-KV inputs)``.
@@ -386,9 +389,7 @@ def _config(
         metadata_kv = gguf_metadata(gguf_path, tokenizer=False)
         kept = {**kept, "gguf": metadata_kv} if kept else {"gguf": metadata_kv}
         frames.append(("gguf", canonical_json(metadata_kv)))
-    code = remote_code_files(
-        root, ("config.json", "processor_config.json", "preprocessor_config.json"), required=not known_model_type(root)
-    )
+    code = remote_code_files(root, ("config.json", "processor_config.json", "preprocessor_config.json"), required=code_required)
     for rel, digest in code.items():
         frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
     dtype = resolve_dtype(layout.dtype, parsed_config=parsed, model_id=str(root))
@@ -457,8 +458,9 @@ def identity_precheck(root: Path, *, layout: LayoutOptions) -> dict[str, Any]:
     """
     gguf_path = root if root.is_file() else None
     base = root.parent if gguf_path is not None else root
-    _, _, layout_dict, _, _ = _config(base, layout, gguf_path)
-    _tokenizer(base, gguf_path)
+    code_required = not known_model_type(base)
+    _, _, layout_dict, _, _ = _config(base, layout, gguf_path, code_required=code_required)
+    _tokenizer(base, gguf_path, code_required=code_required)
     engine_weight_files(root)
     return layout_dict
 
@@ -496,8 +498,10 @@ def fingerprint_checkpoint(
     base = root.parent if gguf_path is not None else root
     # Cheap checks first, so a bad checkpoint is refused before any weight
     # file is hashed (and before the digest cache records anything).
-    config_digest, config_kept, layout_dict, config_code, non_kv = _config(base, layout, gguf_path)
-    tokenizer_digest, tokenizer_inputs = _tokenizer(base, gguf_path)
+    # Whether the model type needs the checkpoint's own code: read once, used by both fields.
+    code_required = not known_model_type(base)
+    config_digest, config_kept, layout_dict, config_code, non_kv = _config(base, layout, gguf_path, code_required=code_required)
+    tokenizer_digest, tokenizer_inputs = _tokenizer(base, gguf_path, code_required=code_required)
     weights_digest, tensors, weight_layout, total, hashed = _weights(root, cache, on_bytes)
     layout_digest = digest_frames("layout", [("layout", canonical_json(layout_dict))])
     adapters_digest, adapter_inputs = _adapters(adapters or {}, cache)

@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from cacheadmin.models import AccountingScan, ComparisonJob, EvictionRun, JobStatus, PrewarmJob, RegistrationJob
 from cacheadmin.models.jobs import Job
+from cacheadmin.services.db import database_busy
 from inference.engines.launcher import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -193,8 +194,6 @@ def job_run_guarded(model: type[Job], job_id: int, run: Callable[[], object]) ->
     except JobCancelled:
         return
     except Exception as exc:  # the point: whatever the service missed
-        from cacheadmin.services.db import database_busy
-
         reason = f"{type(exc).__name__}: {exc}"
         logger.exception("%s #%s failed: %s", model.__name__, job_id, reason)
         retry = database_busy(exc)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django import template
 
+from cacheadmin.models.api_tokens import session_allows
+
 register = template.Library()
 
 
@@ -41,8 +43,6 @@ def pairs(mapping: dict | None) -> list[tuple[object, object]]:
 @register.filter
 def can(user: object, scope: str) -> bool:
     """``{% if user|can:"operate" %}``: the session's scope from Django permissions."""
-    from cacheadmin.models.api_tokens import session_allows
-
     return session_allows(user, scope)
 
 

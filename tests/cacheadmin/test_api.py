@@ -12,7 +12,19 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
+from cacheadmin.models import (
+    AuditEvent,
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EvictionRun,
+    ModelVersion,
+    PrewarmJob,
+    RetentionOwner,
+    RetentionPolicy,
+    Tenant,
+)
+from cacheadmin.models.releases import PrefixHeat
 from cacheadmin.services.api_tokens import api_token_issue, api_token_revoke
 
 pytestmark = pytest.mark.django_db
@@ -211,7 +223,6 @@ def test_creating_a_namespace_needs_an_owner_and_a_policy(world) -> None:
 
 def test_policy_changes_need_a_reason_and_are_audited(world) -> None:
     c, ns = world["clients"], world["ns"]["acme"]
-    from cacheadmin.models import RetentionPolicy
 
     RetentionPolicy.objects.create(namespace=ns, max_age_since_last_hit_s=60, max_bytes=None, versions_kept=1)
     no_reason = c["bob"].put(f"/api/namespaces/{ns.pk}/policy/", {"policy": POLICY}, format="json")
@@ -405,8 +416,6 @@ def test_tenant_bound_tokens_cannot_name_other_tenants_engines(world) -> None:
 def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
     """Another tenant's hot prompts answer exactly like a namespace with no heat,
     for prewarm and comparison jobs alike; ids take ASCII digits only."""
-    from cacheadmin.models.releases import PrefixHeat
-
     c, acme_ns, globex_ns = world["clients"], world["ns"]["acme"], world["ns"]["globex"]
     for ns, text in ((globex_ns, "globex secret prompt"), (acme_ns, "acme prompt")):
         PrefixHeat.objects.create(
@@ -451,9 +460,6 @@ def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
 def test_every_state_change_honours_an_idempotency_key(world, settings, tmp_path) -> None:
     """A retried job start, eviction plan or heat report with the same key acts
     once and gets the first answer, marked as a replay; another body is a 409."""
-    from cacheadmin.models import EvictionRun, RetentionPolicy
-    from cacheadmin.models.releases import PrefixHeat
-
     settings.KV_STORE_ROOT, settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "kv", tmp_path / "cold", ""
     c, acme_ns = world["clients"], world["ns"]["acme"]
     for ns in world["ns"].values():  # as the services create every namespace

@@ -10,18 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from cacheadmin.models import AuditEvent, ModelVersion
+from cacheadmin.models import AuditEvent, ModelVersion, Tenant
 from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
 from inference.errors import CheckpointError
 from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id
-from tests.helpers import manage
+from tests.helpers import manage, subprocess_env
 
 
 @pytest.mark.django_db(transaction=True)  # the command runs in a subprocess: the tenant must be committed
 def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) -> None:
-    from cacheadmin.models import Tenant
-    from tests.helpers import subprocess_env
-
     acme = Tenant.objects.create(slug="acme", name="Acme")
     path = demo_checkpoints["tiny-v1"]
     args = ("fingerprint", str(path), "--block-size", "64", "--dtype", "bf16", "--json")

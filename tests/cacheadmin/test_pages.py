@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from cacheadmin.models import (
     AccountingScan,
+    AuditEvent,
     CacheNamespace,
     ComparisonJob,
     Engine,
@@ -195,8 +196,6 @@ def test_file_names_that_disguise_themselves_are_shown_escaped(admin_client) -> 
 
 
 def test_admin_add_forms_go_through_the_services(admin_client) -> None:
-    from cacheadmin.models import AuditEvent
-
     added = admin_client.post("/admin/cacheadmin/tenant/add/", {"name": "Acme", "slug": "acme"})
     assert added.status_code == 302
     tenant = Tenant.objects.get(slug="acme")

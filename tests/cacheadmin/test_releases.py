@@ -28,6 +28,7 @@ from cacheadmin.models import (
 from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
+from cacheadmin.services.heat import MAX_HITS
 from cacheadmin.services.model_versions import model_version_register, model_version_transition
 from cacheadmin.services.namespaces import (
     DEMO_POLICY,
@@ -440,8 +441,6 @@ def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(version
 
 
 def test_prefix_heat_saturates_at_64_bits(versions) -> None:
-    from cacheadmin.services.heat import MAX_HITS
-
     client = _client()
     url = f"/api/namespaces/{versions['ns1'].pk}/prefix-heat/"
     messages = [{"role": "user", "content": "Refund status?"}]
