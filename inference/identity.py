@@ -42,6 +42,7 @@ from inference.model_config import (
     known_model_type,
     normalized_config,
     parse_config,
+    quiet_engine_logs,
     read_json,
     remote_code_files,
     uses_longrope,
@@ -392,7 +393,7 @@ def _config(
     code = remote_code_files(root, ("config.json", "processor_config.json", "preprocessor_config.json"), required=code_required)
     for rel, digest in code.items():
         frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
-    dtype = resolve_dtype(layout.dtype, parsed_config=parsed, model_id=str(root))
+    dtype = quiet_engine_logs(lambda: resolve_dtype(layout.dtype, parsed_config=parsed, model_id=str(root)))
     quant = None
     if parsed is not None:
         qc = getattr(parsed, "quantization_config", None)

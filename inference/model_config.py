@@ -101,13 +101,15 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _quiet_parse(fn: Any) -> Any:
+def quiet_engine_logs(fn: Any) -> Any:
     # transformers and vLLM log warnings for every unusual config; fingerprinting
     # a checkpoint is not the place for them.
     loggers = [logging.getLogger(name) for name in ("transformers", "vllm")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        # CRITICAL: vLLM logs its own parse failures (and retries) at ERROR;
+        # the one error a user sees is ours.
+        lg.setLevel(logging.CRITICAL)
     try:
         return fn()
     finally:
@@ -157,11 +159,16 @@ def _parse_config_cached(key: str, config_dir: Path, raw_json: str, overrides_js
 
     if _known_model_type(raw.get("model_type")):
         try:
-            return _quiet_parse(
+            return quiet_engine_logs(
                 lambda: get_config(str(config_dir), trust_remote_code=False, hf_overrides_kw=hf_overrides or None)
             )
         except Exception as exc:  # transformers and vLLM raise ValueError, TypeError, KeyError… for bad values
             raise CheckpointError(f"the engine cannot parse {config_dir / 'config.json'}: {exc}") from exc
+    if not isinstance(raw.get("auto_map"), dict):
+        raise CheckpointError(
+            f"{config_dir / 'config.json'}: model_type {raw.get('model_type')!r} is not one transformers defines, "
+            "and no auto_map names the code that would; the engine cannot load it"
+        )
     # A model type only remote code defines: the base class holds every key as
     # written (no code runs here); the code files are digested on their own.
     from transformers import PretrainedConfig
@@ -175,7 +182,7 @@ def _parse_config_cached(key: str, config_dir: Path, raw_json: str, overrides_js
         return config
 
     try:
-        return _quiet_parse(base)
+        return quiet_engine_logs(base)
     except Exception as exc:  # as above
         raise CheckpointError(f"{config_dir / 'config.json'} cannot be parsed: {exc}") from exc
 

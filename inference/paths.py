@@ -53,7 +53,10 @@ def _resolve(raw: Path, roots: list[Path]) -> Path:
     if resolved.is_file() and resolved.suffix.lower() == ".gguf":
         # A GGUF file is a checkpoint of its own (one quantization); what lies
         # beside it (a tokenizer, a config) is confined like a folder's files.
-        _check_links(resolved.parent, resolved_roots)
+        # Only the file and what lies beside it (a tokenizer, a config) are
+        # read, not the other checkpoints that share its folder.
+        for entry in [resolved, *resolved.parent.iterdir()]:
+            _check_entry(entry, resolved_roots, CheckpointOutsideRoots)
         return resolved
     if not resolved.is_dir():
         raise CheckpointOutsideRoots(f"checkpoint path is neither a directory nor a .gguf file: {raw}")
@@ -85,12 +88,16 @@ def confine_tree(resolved: Path, resolved_roots: list[Path], *, error: type[Chec
         ``error``: the first such entry, named.
     """
     for entry in resolved.rglob("*"):
-        if entry.is_symlink():
-            target = entry.resolve()
-            if not any(target.is_relative_to(root) for root in resolved_roots):
-                raise error(f"{entry} links to {target}, outside the model roots")
-        elif entry.is_file() and entry.stat().st_nlink > 1:
-            raise error(f"{entry} has {entry.stat().st_nlink} hard links; copy it into the model roots instead")
+        _check_entry(entry, resolved_roots, error)
+
+
+def _check_entry(entry: Path, resolved_roots: list[Path], error: type[CheckpointError]) -> None:
+    if entry.is_symlink():
+        target = entry.resolve()
+        if not any(target.is_relative_to(root) for root in resolved_roots):
+            raise error(f"{entry} links to {target}, outside the model roots")
+    elif entry.is_file() and entry.stat().st_nlink > 1:
+        raise error(f"{entry} has {entry.stat().st_nlink} hard links; copy it into the model roots instead")
 
 
 def resolve_adapter_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:

@@ -120,7 +120,12 @@ def test_tokenizer_code_counts_and_foreign_code_is_refused_where_the_engine_need
     (path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["org/repo--tok.Tok", None]}}))
     assert fingerprint_checkpoint(path).inputs["tokenizer"]["code:org/repo--tok"] == "absent"
     # A model type only its own code defines cannot be served without it: refused.
-    write_config(path, {**read_config(path), "model_type": "acme_lm"})
+    config = {**read_config(path), "model_type": "acme_lm"}
+    write_config(path, config)
+    with pytest.raises(CheckpointError, match="model_type 'acme_lm' is not one transformers defines, and no auto_map"):
+        fingerprint_checkpoint(path)
+    write_config(path, {**config, "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}})
+    (path / "configuration_acme.py").write_text("class AcmeConfig: pass\n")
     with pytest.raises(CheckpointError, match=r"code in another repository \(org/repo--tok\)"):
         fingerprint_checkpoint(path)
     (path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["missing_mod.Tok", None]}}))
@@ -163,6 +168,12 @@ def test_a_gguf_file_is_a_checkpoint_and_a_folder_of_quantizations_asks_which(mo
         with pytest.raises(CheckpointError, match=r"GGUF files \(tiny-F32.gguf, tiny-Q8_0.gguf\).*name the .gguf file"):
             resolve_checkpoint_dir(folder, [model_root])
         assert resolve_checkpoint_dir(q8, [model_root]) == q8.resolve()
+        # Another checkpoint in a subfolder is not this file's business (its hard link included).
+        (folder / "other").mkdir()
+        (folder / "other" / "a.bin").write_bytes(b"w")
+        (folder / "other" / "b.bin").hardlink_to(folder / "other" / "a.bin")
+        assert resolve_checkpoint_dir(q8, [model_root]) == q8.resolve()
+        shutil.rmtree(folder / "other")
         a, b = fingerprint_checkpoint(q8), fingerprint_checkpoint(f32)
         assert changed(a, b) == ["weights"]
         assert a.inputs["weights"]["blk.0.attn_q.weight"].startswith("Q8_0[64,64] ")

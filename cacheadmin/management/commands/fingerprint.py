@@ -7,6 +7,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
+from django.db import DatabaseError
 
 from cacheadmin.management.base import (
     ControlPlaneCommand,
@@ -47,7 +48,10 @@ class Command(ControlPlaneCommand):
             except ValidationError as exc:
                 raise self.bad_input(f"--tenant {opts['tenant']!r}: {exc.messages[0]}") from exc
             # The id digests the tenant's immutable key, not only its slug.
-            tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
+            try:
+                tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
+            except DatabaseError as exc:
+                raise self.bad_input(f"--tenant needs the control plane's database ({exc}); run manage.py migrate") from exc
             if tenant is None:
                 raise self.bad_input(f"--tenant {opts['tenant']!r}: no such tenant")
         try:
