@@ -16,7 +16,7 @@ from cacheadmin.services.db import RETRY_AFTER_S, database_writable
 from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.model_versions import LifecycleError
-from cacheadmin.services.releases import ALLOWED, ReleaseConflict, ReleaseRefused, release_decide, release_rollback, release_sync
+from cacheadmin.services.releases import ALLOWED, ReleaseConflict, ReleaseRefused, release_decide, release_rollback
 from inference.tiers.base import TierUnavailable
 
 #: Poll intervals (seconds) of live fragments: while a job or an engine runs,
@@ -195,7 +195,6 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
             error = str(exc)
         if not error:
             return redirect("release-detail", pk=release.pk)
-    release = release_sync(release)
     context = {
         "release": release,
         "events": release.events.order_by("at", "id"),

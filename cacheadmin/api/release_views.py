@@ -29,7 +29,6 @@ from cacheadmin.services.releases import (
     release_rollback,
     release_routing,
     release_set_traffic,
-    release_sync,
 )
 
 IDEMPOTENCY = OpenApiParameter(
@@ -89,9 +88,6 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         queryset = Release.objects.select_related("tenant").order_by("-created_at", "-id")
         tenant_id = request_tenant(self.request)
         return queryset if tenant_id is None else queryset.filter(tenant_id=tenant_id)
-
-    def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        return Response(ReleaseSerializer(release_sync(self.get_object())).data)
 
     @extend_schema(request=ReleaseCreateSerializer, responses={201: ReleaseSerializer}, parameters=[IDEMPOTENCY])
     @idempotent
@@ -153,7 +149,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         """Per version: traffic share, namespace and cache_salt (operate scope; 409 before the release is ready)."""
         if not request_scope_allows(request, "operate"):
             raise PermissionDenied("routing carries cache salts: it needs an operate-scope token")
-        return Response(release_routing(release_sync(self.get_object())))
+        return Response(release_routing(self.get_object()))
 
     @extend_schema(responses={200: ReleaseEventSerializer(many=True)})
     @action(detail=True, methods=["get"])
