@@ -86,5 +86,9 @@ def eviction_sweep_task() -> None:
 
 @shared_task(name="cacheadmin.jobs_recover_lost")
 def jobs_recover_lost_task() -> None:
-    """Scheduled: requeue or fail jobs whose worker is gone (on any host)."""
+    """Scheduled: requeue or fail jobs whose worker is gone (on any host), then
+    move the releases whose prewarm or purge ended without its event reaching them."""
+    from cacheadmin.services.releases import releases_sync_pending
+
     jobs_recover_lost()
+    releases_sync_pending()

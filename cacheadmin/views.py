@@ -146,6 +146,7 @@ def eviction_run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "actions": run.actions.select_related("namespace__model_version", "namespace__tenant", "namespace__group", "engine"),
         "poll_s": POLL_ACTIVE_S if run.is_active else None,
         "error": error,
+        "form": {"reason": request.POST.get("reason", "")} if error else {},
     }
     if request.headers.get("HX-Request"):
         return render(request, "cacheadmin/_eviction_run_detail.html", context)
@@ -201,6 +202,8 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "allowed": ALLOWED[release.classification],
         "poll_s": POLL_ACTIVE_S if release.status == Release.Status.PREPARING else None,
         "error": error,
+        # A refused form comes back with what was typed (the page re-renders it).
+        "form": {k: request.POST.get(k, "") for k in ("decision", "reason", "comparison_job", "engine")} if error else {},
     }
     return render(request, "cacheadmin/release_detail.html", context, status=400 if error else 200)
 

@@ -79,6 +79,20 @@ def attention_backends() -> list[str]:
     return sorted(AttentionBackendEnum.__members__)
 
 
+def quantization_methods() -> list[str]:
+    """Names vLLM's ``--quantization`` accepts (``QUANTIZATION_METHODS``)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return sorted(QUANTIZATION_METHODS)
+
+
+def kv_connectors() -> list[str]:
+    """Names vLLM's ``--kv-transfer-config`` ``kv_connector`` accepts (``KVConnectorFactory`` registry)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return sorted(KVConnectorFactory._registry)
+
+
 @dataclass(frozen=True)
 class LayoutOptions:
     """Engine settings that change the KV state or its stored form (see the module docstring).
@@ -119,6 +133,17 @@ class LayoutOptions:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 # An empty string would digest differently from "unset" for the same engine.
                 raise CheckpointError(f"{name} is empty; leave it out instead")
+        # Names the engine would refuse at launch are refused here, before they become part of an identity.
+        if self.quantization is not None and self.quantization not in quantization_methods():
+            raise CheckpointError(f"quantization {self.quantization!r} is not a vLLM quantization method")
+        if self.kv_connector is not None and self.kv_connector not in kv_connectors():
+            raise CheckpointError(f"kv_connector {self.kv_connector!r} is not one of {', '.join(kv_connectors())}")
+        if self.kv_storage_format is not None:
+            connector, at, version = self.kv_storage_format.partition("@")
+            if not at or not version.strip() or connector not in kv_connectors():
+                raise CheckpointError(
+                    f"kv_storage_format {self.kv_storage_format!r} is not <connector>@<version> with a vLLM connector name"
+                )
         if self.kv_cache_layout != "auto" and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise CheckpointError(f"kv_cache_layout {self.kv_cache_layout!r} is not one of auto, {', '.join(KV_CACHE_LAYOUTS)}")
         if self.attention_backend != "auto":

@@ -14,6 +14,16 @@ class IdRouter(DefaultRouter):
     def get_lookup_regex(self, viewset: type, lookup_prefix: str = "") -> str:
         return f"(?P<{lookup_prefix}pk>[0-9]{{1,18}})"
 
+    def get_api_root_view(self, api_urls: object = None) -> object:
+        """``GET /api/`` lists the routes outside the registry too (identity diff, orphans, schema, docs)."""
+        root = {prefix: self.routes[0].name.format(basename=basename) for prefix, _viewset, basename in self.registry}
+        root.update(ROOT_EXTRAS)
+        return self.APIRootView.as_view(api_root_dict=root)
+
+
+#: Routes of ``urlpatterns`` below that ``GET /api/`` lists beside the viewsets: name in the listing → URL name.
+ROOT_EXTRAS = {"identity-diff": "identity-diff", "orphans": "orphans", "schema": "api-schema", "docs": "api-docs"}
+
 
 # A missing trailing slash is not worth a 301 (which many HTTP clients turn
 # into a GET, dropping a POST body): both forms route.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from typing import Any, NoReturn
 
@@ -17,6 +16,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from cacheadmin.api.filters import MAX_ID
 from inference.identity import LayoutOptions
+from inference.strict_json import loads_unique
 
 EXIT_BAD_INPUT = 2
 
@@ -67,7 +67,7 @@ def positive_int(value: str) -> int:
 def _json_object(value: str) -> dict[str, Any]:
     """argparse type: a JSON object (``--hf-overrides``)."""
     try:
-        parsed = json.loads(value)
+        parsed = loads_unique(value)
     except (ValueError, RecursionError) as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
     if not isinstance(parsed, dict):

@@ -82,6 +82,16 @@ class Release(models.Model):
     def __str__(self) -> str:
         return f"release #{self.pk} {self.served_name} {self.from_version_id}→{self.to_version_id} ({self.status})"
 
+    @property
+    def classification_summary(self) -> str:
+        """The classification with what actually differs, e.g. ``incompatible: weights changed``."""
+        if self.classification == self.Classification.INCOMPATIBLE:
+            return f"incompatible: {', '.join(self.diff.get('differing', [])) or 'the identity'} changed"
+        if self.classification == self.Classification.COMPATIBLE:
+            changed = ", ".join(sorted(self.diff.get("non_kv", {})))
+            return f"compatible candidate: only fields without effect on KV state changed ({changed})"
+        return self.get_classification_display()
+
 
 class ReleaseEvent(models.Model):
     """One entry of a release's timeline: what happened, who did it, and the details."""

@@ -12,6 +12,7 @@ from django.db import IntegrityError, transaction
 from cacheadmin.models import Adapter, ModelVersion
 from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.serving import version_status_wanted, version_traffic
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
 from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint, verify_digest_cache
@@ -157,12 +158,18 @@ def model_version_transition(*, version: ModelVersion, to: str, actor: str, reas
     cannot both apply.
 
     Raises:
-        LifecycleError: ``to`` is not reachable from the current status, or the
-            status changed underneath.
+        LifecycleError: ``to`` is not reachable from the current status, the
+            status changed underneath, or ``to`` is draining or retired while a
+            release routes traffic to the version.
     """
     current = version.status
     if to not in LIFECYCLE.get(current, set()):
         raise LifecycleError(f"{version.label} is {current}; it cannot become {to}")
+    if to in (ModelVersion.Status.DRAINING, ModelVersion.Status.RETIRED):
+        routes = version_traffic(version)
+        if routes:
+            where = ", ".join(f"{r.percent}% of release #{r.release_id}" for r in routes)
+            raise LifecycleError(f"{version.label} still serves traffic ({where}); it cannot become {to}")
     with transaction.atomic():
         moved = ModelVersion.objects.filter(pk=version.pk, status=current).update(status=to)
         if not moved:
@@ -177,3 +184,22 @@ def model_version_transition(*, version: ModelVersion, to: str, actor: str, reas
         )
     version.refresh_from_db()
     return version
+
+
+def model_versions_status_sync(*, versions: list[ModelVersion], actor: str, reason: str) -> dict[str, str]:
+    """Bring each version's status to what routing gives it
+    (:func:`cacheadmin.services.serving.version_status_wanted`), audited.
+
+    Called after every change of what serves (traffic, rollback, a release
+    becoming ready), so status and routing never disagree.
+
+    Returns:
+        label → new status, for the versions that moved.
+    """
+    moved = {}
+    for version in versions:
+        version.refresh_from_db()
+        wanted = version_status_wanted(version)
+        if wanted != version.status:
+            moved[version.label] = model_version_transition(version=version, to=wanted, actor=actor, reason=reason).status
+    return moved

@@ -35,9 +35,10 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.heat import prewarm_corpus_for
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.model_versions import model_version_transition
+from cacheadmin.services.model_versions import model_versions_status_sync
 from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_cache_salt, namespace_get_or_create
 from cacheadmin.services.prewarm import prewarm_job_create
+from cacheadmin.services.serving import ROUTED, current_releases, dropped_routes, release_routes
 from cacheadmin.services.tiers import tiers_configured
 from inference.corpus import load_corpus
 from inference.identity import identity_diff, namespace_id
@@ -111,6 +112,15 @@ def release_create(
     ).first()
     if open_release is not None:
         raise ReleaseRefused(f"release #{open_release.pk} of {served_name} for {tenant.slug} is still {open_release.status}")
+    current = current_releases(tenant_ids=[tenant.pk], served_names=[served_name]).get((tenant.pk, served_name))
+    if current is not None:
+        serving = {r.model_version_id: r.percent for r in release_routes(current) if r.percent}
+        if serving != {from_version.pk: 100}:
+            shares = ", ".join(f"{ModelVersion.objects.get(pk=pk).label} {p}%" for pk, p in serving.items())
+            raise ReleaseRefused(
+                f"release #{current.pk} routes {served_name} for {tenant.slug} as {shares}: a new release must start "
+                "from the one version carrying all of it"
+            )
     classification, diff = release_classify(from_version, to_version)
     from_namespace = CacheNamespace.objects.filter(model_version=from_version, tenant=tenant).first()
     with transaction.atomic():
@@ -307,17 +317,56 @@ def release_sync(release: Release) -> Release:
         run = EvictionRun.objects.get(pk=release.eviction_run_id)
         if run.status == JobStatus.SUCCEEDED:
             CacheNamespace.objects.filter(pk=release.to_namespace_id).update(residency=Residency.HOT)
-            outcome = (Status.READY, "", {"eviction_run": run.pk, "bytes_freed": run.bytes_freed})
+            # The old namespace is gone: the old version has nothing left to
+            # serve from, so all traffic moves with the release (no gray share).
+            outcome = (Status.READY, "", {"eviction_run": run.pk, "bytes_freed": run.bytes_freed, "traffic_percent": 100})
         elif run.status == JobStatus.CANCELLED:
             outcome = (Status.FAILED, f"eviction run #{run.pk} was cancelled", {"eviction_run": run.pk})
     if outcome is None:
         return release
     status, error, detail = outcome
     with transaction.atomic():
-        if Release.objects.filter(pk=release.pk, status=Status.PREPARING).update(status=status, error=error):
+        fields = {"status": status, "error": error, "traffic_percent": detail.get("traffic_percent", 0)}
+        if Release.objects.filter(pk=release.pk, status=Status.PREPARING).update(**fields):
             _event(release, "policy", status, **detail, error=error)
+            _sync_versions(release, "policy", f"release #{release.pk} {status}")
     release.refresh_from_db()
     return release
+
+
+def releases_sync_pending() -> int:
+    """Sync every preparing release whose prewarm or purge already ended
+    (the periodic sweep behind the job-end event, for an event lost with a worker).
+
+    Returns:
+        How many releases moved.
+    """
+    moved = 0
+    for release in Release.objects.filter(status=Status.PREPARING):
+        moved += release_sync(release).status != Status.PREPARING
+    return moved
+
+
+def _sync_versions(release: Release, actor: str, reason: str) -> None:
+    """Derive both versions' status from routing after ``release`` changed what serves."""
+    model_versions_status_sync(versions=[release.from_version, release.to_version], actor=actor, reason=reason)
+
+
+def _refuse_superseded(release: Release, what: str) -> None:
+    """Refuse acting on a release that a later routed release of the same pair superseded.
+
+    Raises:
+        ReleaseRefused: a later release routes the same served name for the tenant.
+    """
+    later = (
+        Release.objects.filter(tenant_id=release.tenant_id, served_name=release.served_name, pk__gt=release.pk, status__in=ROUTED)
+        .order_by("-pk")
+        .first()
+    )
+    if later is not None:
+        raise ReleaseRefused(
+            f"release #{later.pk} now routes {release.served_name} for {release.tenant.slug}: {what} that one instead"
+        )
 
 
 def release_mark_ready(*, release: Release, actor: str) -> Release:
@@ -365,22 +414,20 @@ def release_set_traffic(*, release: Release, percent: int, actor: str) -> Releas
     release = release_sync(release)
     if release.status != Status.READY:
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: traffic moves only once it is ready")
+    _refuse_superseded(release, "move traffic with")
+    if release.decision == Decision.PURGE and percent != 100:
+        raise ReleaseRefused(
+            f"release #{release.pk} purged {release.from_version.label}'s namespace: all traffic stays on "
+            f"{release.to_version.label} (roll back through a new release)"
+        )
     with transaction.atomic():
-        for version, wanted in ((release.to_version, percent > 0), (release.from_version, percent < 100)):
-            version.refresh_from_db()
-            if wanted and version.status != ModelVersion.Status.ACTIVE:
-                model_version_transition(
-                    version=version, to=ModelVersion.Status.ACTIVE, actor=actor, reason=f"release #{release.pk}"
-                )
-            elif not wanted and version.status == ModelVersion.Status.ACTIVE:
-                model_version_transition(
-                    version=version, to=ModelVersion.Status.DRAINING, actor=actor, reason=f"release #{release.pk}"
-                )
         before = release.traffic_percent
-        Release.objects.filter(pk=release.pk).update(traffic_percent=percent)
+        if not Release.objects.filter(pk=release.pk, status=Status.READY).update(traffic_percent=percent):
+            raise ReleaseConflict(f"release #{release.pk} changed concurrently")
+        release.refresh_from_db()
+        _sync_versions(release, actor, f"release #{release.pk}")
         _event(release, actor, "traffic", before=before, after=percent)
         audit_record(actor=actor, action="release.traffic", obj=release, before={"percent": before}, after={"percent": percent})
-    release.refresh_from_db()
     return release
 
 
@@ -390,31 +437,25 @@ def release_routing(release: Release) -> list[dict[str, Any]]:
     Raises:
         ReleaseRefused: the release is not ready or rolled back (there is nothing safe to route yet).
     """
-    if release.status not in (Status.READY, Status.ROLLED_BACK):
+    if release.status not in ROUTED:
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: no routing before it is ready")
-    share = 0 if release.status == Status.ROLLED_BACK else release.traffic_percent
-    routes = []
-    for version, percent, namespace in (
-        (release.from_version, 100 - share, release.from_namespace),
-        (release.to_version, share, release.to_namespace),
-    ):
-        if namespace is None:
-            continue
+    _refuse_superseded(release, "route by")
+    routes = release_routes(release)
+    dropped = dropped_routes(routes)
+    if any(r.percent for r in dropped):
+        raise ReleaseRefused(f"release #{release.pk} would route traffic to a dropped namespace; refusing to route it")
+    out = []
+    for route in routes:
+        if route.namespace_pk is None or route in dropped:
+            continue  # no cached state to route to (never created, or purged with no traffic left on it)
+        version = release.from_version if route.model_version_id == release.from_version_id else release.to_version
+        namespace = CacheNamespace.objects.get(pk=route.namespace_pk)
         _check_identity(namespace, version, release.tenant)
-        routes.append({
-            "model_version": version.pk, "label": version.label, "percent": percent, "namespace": namespace.pk,
+        out.append({
+            "model_version": version.pk, "label": version.label, "percent": route.percent, "namespace": namespace.pk,
             "namespace_id": namespace.namespace_id, "cache_salt": namespace_cache_salt(namespace),
         })  # fmt: skip
-    return routes
-
-
-def _activate(version: ModelVersion, active: bool, actor: str, reason: str) -> None:
-    """Make ``version`` active, or move it from active to draining (lifecycle rules apply)."""
-    version.refresh_from_db()
-    if active and version.status != ModelVersion.Status.ACTIVE:
-        model_version_transition(version=version, to=ModelVersion.Status.ACTIVE, actor=actor, reason=reason)
-    elif not active and version.status == ModelVersion.Status.ACTIVE:
-        model_version_transition(version=version, to=ModelVersion.Status.DRAINING, actor=actor, reason=reason)
+    return out
 
 
 def _check_identity(namespace: CacheNamespace, version: ModelVersion, tenant: Tenant) -> None:
@@ -470,6 +511,7 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
             "under a new decision; create a release back to it instead"
         )
     _check_identity(namespace, release.from_version, release.tenant)
+    _refuse_superseded(release, "roll back")
     _stop_preparation(release, actor)
     namespace.refresh_from_db()
     restored = 0
@@ -484,16 +526,8 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
             raise ReleaseConflict(f"release #{release.pk} changed concurrently")
         if namespace.residency == Residency.COLD:
             CacheNamespace.objects.filter(pk=namespace.pk).update(residency=Residency.HOT, residency_changed_at=timezone.now())
-        for version, wanted in ((release.from_version, True), (release.to_version, False)):
-            version.refresh_from_db()
-            if wanted and version.status != ModelVersion.Status.ACTIVE:
-                model_version_transition(
-                    version=version, to=ModelVersion.Status.ACTIVE, actor=actor, reason=f"rollback of #{release.pk}"
-                )
-            elif not wanted and version.status == ModelVersion.Status.ACTIVE:
-                model_version_transition(
-                    version=version, to=ModelVersion.Status.DRAINING, actor=actor, reason=f"rollback of #{release.pk}"
-                )
+        release.refresh_from_db()
+        _sync_versions(release, actor, f"rollback of #{release.pk}")
         how = "restored from the cold tier" if restored else "still hot"
         _event(release, actor, "rolled_back", namespace=namespace.pk, how=how, entries_restored=restored, reason=reason)
         audit_record(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import humanize
 from django import template
 
 from cacheadmin.models.api_tokens import session_allows
@@ -12,8 +15,6 @@ register = template.Library()
 @register.filter
 def as_json(value: object) -> str:
     """A config or layout value as JSON (null, true, {...}), not a Python repr."""
-    import json
-
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
@@ -59,3 +60,35 @@ def shown(value: object) -> str:
     written as escapes (``\\u202e``), for names that come from files."""
     text = str(value)
     return "".join(f"\\u{ord(c):04x}" if ord(c) in _DISGUISING or (not c.isprintable() and c not in " ") else c for c in text)
+
+
+#: What a missing value renders as, instead of a bare unit (" ms", "None MiB").
+MISSING = "—"
+
+
+@register.filter
+def iec_bytes(value: int | None) -> str:
+    """A byte count in binary units as labelled (``1.5 MiB``; 1 MiB = 2**20 bytes), ``—`` when missing.
+
+    Django's ``filesizeformat`` divides by 1024 but labels the result ``MB``;
+    ``humanize.naturalsize(binary=True)`` labels what it computes.
+    """
+    if value is None or value == "":
+        return MISSING
+    return humanize.naturalsize(int(value), binary=True, format="%.1f")
+
+
+@register.filter
+def with_unit(value: object, unit: str) -> str:
+    """``value unit`` (``{{ x|floatformat:1|with_unit:"ms" }}``), ``—`` when the value is missing."""
+    if value is None or value == "":
+        return MISSING
+    return f"{value} {unit}"
+
+
+@register.filter
+def detail_items(detail: dict | None) -> list[tuple[str, str]]:
+    """A timeline event's details as ``(key, text)``: strings as they are, other values as JSON (never a Python repr)."""
+    if not isinstance(detail, dict):
+        return []
+    return [(str(k), v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False)) for k, v in detail.items()]

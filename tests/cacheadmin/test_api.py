@@ -485,3 +485,35 @@ def test_every_state_change_honours_an_idempotency_key(world, settings, tmp_path
     # Without a key, each call acts (clients that do not retry are not burdened).
     c["bob"].post(f"/api/namespaces/{acme_ns.pk}/prefix-heat/", heat, format="json")
     assert PrefixHeat.objects.get(namespace=acme_ns).hits == 6
+
+
+def test_the_api_root_lists_every_route(world) -> None:
+    """``GET /api/`` names each list route and the routes outside the router (identity diff, orphans, schema, docs)."""
+    root = world["clients"]["charlie"].get("/api/").json()
+    assert set(root) == {
+        "model-versions", "tenants", "shared-groups", "adapters", "retention-owners", "namespaces", "engines", "prewarm-jobs",
+        "comparison-jobs", "registration-jobs", "eviction-runs", "accounting-scans", "tier-usage", "engine-metrics", "releases",
+        "audit-events", "identity-diff", "orphans", "schema", "docs",
+    }  # fmt: skip
+    assert (root["orphans"], root["identity-diff"], root["schema"]) == (
+        "http://testserver/api/orphans",
+        "http://testserver/api/identity-diff",
+        "http://testserver/api/schema",
+    )
+    assert root["releases"] == "http://testserver/api/releases"
+
+
+def test_a_json_body_naming_a_key_twice_is_refused(world) -> None:
+    """``{"slug": "a", "slug": "b"}`` would be read as "b" by Python and as "a" by
+    parsers that keep the first: refused as a parse error, nothing created."""
+    before = Tenant.objects.count()
+    response = world["clients"]["alice"].post(
+        "/api/tenants/", data='{"slug": "initech", "slug": "evil", "name": "Initech"}', content_type="application/json"
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "JSON parse error - duplicate key 'slug' in a JSON object"
+    nan = world["clients"]["alice"].post(
+        "/api/tenants/", data='{"slug": "initech", "name": NaN}', content_type="application/json"
+    )
+    assert (nan.status_code, nan.json()["error"]["message"]) == (400, "JSON parse error - NaN is not a JSON value")
+    assert Tenant.objects.count() == before

@@ -39,12 +39,13 @@ def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
     proc = manage(
         "fingerprint", str(path), "--json", "--kv-cache-layout", "HND", "--attention-backend", "CPU_ATTN",
         "--hf-overrides", '{"rms_norm_eps": 1e-05}', "--model-impl", "vllm", "--max-model-len", "4096",
-        "--disable-sliding-window", "--kv-connector", "ExampleConnector", "--kv-storage-format", "example/v1",
+        "--disable-sliding-window", "--kv-connector", "ExampleConnector", "--kv-storage-format", "ExampleConnector@example-v1",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     options = LayoutOptions(
         kv_cache_layout="HND", attention_backend="CPU_ATTN", hf_overrides={"rms_norm_eps": 1e-05}, model_impl="vllm",
-        max_model_len=4096, disable_sliding_window=True, kv_connector="ExampleConnector", kv_storage_format="example/v1",
+        max_model_len=4096, disable_sliding_window=True, kv_connector="ExampleConnector",
+        kv_storage_format="ExampleConnector@example-v1",
     )  # fmt: skip
     assert json.loads(proc.stdout)["identity"] == fingerprint_checkpoint(path, layout=options).identity
 
@@ -61,6 +62,10 @@ def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
         (["{root}/tiny-v1", "--unknown-flag"], "unrecognized arguments"),
         (["{root}/tiny-v1", "--hf-overrides", "[1]"], "must be a JSON object"),
         (["{root}/tiny-v1", "--hf-overrides", "[[bad"], "not JSON"),
+        (["{root}/tiny-v1", "--hf-overrides", '{"rope_theta": 1, "rope_theta": 2}'], "duplicate key 'rope_theta'"),
+        (["{root}/tiny-v1", "--quantization", "fp9"], "quantization 'fp9' is not a vLLM quantization method"),
+        (["{root}/tiny-v1", "--kv-connector", "Nope"], "kv_connector 'Nope' is not one of"),
+        (["{root}/tiny-v1", "--kv-storage-format", "x"], "kv_storage_format 'x' is not <connector>@<version>"),
         (["{root}/tiny-v1", "--kv-cache-layout", "XYZ"], "kv_cache_layout 'XYZ' is not one of"),
         (["{root}/tiny-v1", "--attention-backend", "NOPE"], "attention_backend 'NOPE' is not one of"),
         (["{root}/tiny-v1", "--model-impl", "jax"], "model_impl 'jax' is not one of"),

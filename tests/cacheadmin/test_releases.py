@@ -24,12 +24,13 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     Residency,
+    Tenant,
 )
 from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
 from cacheadmin.services.heat import MAX_HITS
-from cacheadmin.services.model_versions import model_version_register, model_version_transition
+from cacheadmin.services.model_versions import LifecycleError, model_version_register, model_version_transition
 from cacheadmin.services.namespaces import (
     DEMO_POLICY,
     namespace_get_or_create,
@@ -48,6 +49,7 @@ from cacheadmin.services.releases import (
     release_routing,
     release_set_traffic,
     release_sync,
+    releases_sync_pending,
 )
 from inference.checkpoints import mistral_common_tokenizer_path
 from inference.corpus import load_corpus
@@ -390,14 +392,23 @@ def test_release_command_exit_codes(versions) -> None:
 def test_release_page_shows_the_diff_and_lets_staff_decide(versions, admin_client, client) -> None:
     release = _release(versions, "v2")
     page = admin_client.get(f"/releases/{release.pk}/").content.decode()
-    assert "incompatible: weights, tokenizer, config, layout or adapters changed" in page
+    # Only the weights differ: the heading names them, not every identity field.
+    assert "<b>incompatible: weights changed</b>" in page
     assert "<td>weights</td>" in page and "Required: new_namespace or purge." in page
+    # Timeline details are key: JSON, never a Python repr.
+    assert "differing: <code>[&quot;weights&quot;]</code>; non_kv: <code>[]</code>" in page and "{&#x27;" not in page
     refused = admin_client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "verified_reuse", "reason": "r"})
     assert refused.status_code == 400 and "verified_reuse is not allowed for a incompatible release" in refused.content.decode()
     bad_engine = admin_client.post(
         f"/releases/{release.pk}/", {"action": "decide", "decision": "new_namespace", "reason": "r", "engine": "99999"}
     )
     assert bad_engine.status_code == 400 and "no engine &#x27;99999&#x27;" in bad_engine.content.decode()
+    # The refused form keeps what was typed.
+    kept = bad_engine.content.decode()
+    assert (
+        '<option value="new_namespace" selected>' in kept and 'name="engine" size="6" inputmode="numeric" value="99999"' in kept
+    )
+    assert 'name="reason" required maxlength="2000" size="40" value="r"' in kept
     client.force_login(User.objects.create_user("viewer"))
     assert client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "purge", "reason": "r"}).status_code == 403
     decided = admin_client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "purge", "reason": "v1 bug"})
@@ -502,7 +513,7 @@ def test_a_nested_config_change_reaches_the_classification(versions, demo_checkp
                 "b": "fp6_e2m3",
             }
         ]
-        Release.objects.filter(pk=nested.pk).update(status="rolled_back")
+        Release.objects.filter(pk=nested.pk).delete()  # only its classification mattered
         compatible = release_create(
             served_name="tiny", tenant=versions["acme"], from_version=versions["v1"], to_version=dropout, actor="ci"
         )
@@ -511,3 +522,100 @@ def test_a_nested_config_change_reaches_the_classification(versions, demo_checkp
     finally:
         for path in copies:
             shutil.rmtree(path)
+
+
+def _new_namespace_release(versions: dict, tenant: Tenant, engine_name: str) -> Release:
+    """A v1 → v2 release for ``tenant`` decided new_namespace, its prewarm done: ready at 0%."""
+    release = release_create(
+        served_name="tiny", tenant=tenant, from_version=versions["v1"], to_version=versions["v2"], actor="ci"
+    )
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=tenant, retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, engine_name)
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    return release_sync(decided)
+
+
+def _statuses(versions: dict) -> tuple[str, str]:
+    return tuple(ModelVersion.objects.get(pk=versions[v].pk).status for v in ("v1", "v2"))
+
+
+def _shares(release: Release) -> list[tuple[str, int]]:
+    return [(r["label"], r["percent"]) for r in release_routing(Release.objects.get(pk=release.pk))]
+
+
+def test_two_tenants_sharing_versions_status_follows_routing(versions) -> None:
+    """Gray releases, rollbacks and a purge for two tenants on the same versions:
+    a version is active exactly while some tenant's routing sends it traffic."""
+    globex = tenant_get_or_create(slug="globex", name="Globex", actor="alice")
+    ns1_globex = namespace_get_or_create(
+        model_version=versions["v1"], tenant=globex, retention_owner=versions["owner"], policy=DEMO_POLICY, actor="alice"
+    )
+    a = _new_namespace_release(versions, versions["acme"], "v2-acme")
+    b = _new_namespace_release(versions, globex, "v2-globex")
+    assert (a.status, b.status, _statuses(versions)) == ("ready", "ready", ("active", "registered"))
+    release_set_traffic(release=a, percent=50, actor="bob")
+    release_set_traffic(release=b, percent=100, actor="bob")
+    # Globex left v1 entirely; acme still sends it half its traffic.
+    assert _statuses(versions) == ("active", "active")
+    assert (_shares(a), _shares(b)) == ([("tiny-v1", 50), ("tiny-v2", 50)], [("tiny-v1", 0), ("tiny-v2", 100)])
+    release_rollback(release=b, actor="bob", reason="globex regression")
+    # Globex is back on v1; acme still sends v2 half its traffic: v2 stays active.
+    assert _statuses(versions) == ("active", "active")
+    assert _shares(b) == [("tiny-v1", 100), ("tiny-v2", 0)]
+    release_set_traffic(release=a, percent=100, actor="bob")
+    assert _statuses(versions) == ("active", "active")  # v1 still serves globex
+    with pytest.raises(LifecycleError, match=r"tiny-v1 still serves traffic \(100% of release #\d+\); it cannot become draining"):
+        model_version_transition(version=ModelVersion.objects.get(pk=versions["v1"].pk), to="draining", actor="x")
+    # Globex's next release purges v1's namespace: at ready all its traffic is on v2, none on the dropped namespace.
+    c = release_create(served_name="tiny", tenant=globex, from_version=versions["v1"], to_version=versions["v2"], actor="ci")
+    c = release_decide(release=c, decision="purge", actor="bob", reason="v1 cache suspect")
+    assert eviction_run_execute(run_id=c.eviction_run_id) == "succeeded"
+    c = Release.objects.get(pk=c.pk)
+    assert (c.status, c.traffic_percent) == ("ready", 100)
+    assert CacheNamespace.objects.get(pk=ns1_globex.pk).residency == Residency.DROPPED
+    assert _shares(c) == [("tiny-v2", 100)]
+    assert _statuses(versions) == ("draining", "active")
+    with pytest.raises(ReleaseRefused, match=r"purged tiny-v1's namespace: all traffic stays on tiny-v2"):
+        release_set_traffic(release=c, percent=50, actor="bob")
+    # B's rolled-back release is superseded by C: it no longer routes, and cannot move traffic.
+    with pytest.raises(ReleaseRefused, match=rf"release #{c.pk} now routes tiny for globex: route by that one instead"):
+        release_routing(Release.objects.get(pk=b.pk))
+    # Acme rolls back: v1 serves again, v2 still serves globex.
+    release_rollback(release=Release.objects.get(pk=a.pk), actor="bob", reason="acme regression")
+    assert _statuses(versions) == ("active", "active")
+
+
+def test_a_new_release_starts_from_the_version_carrying_all_traffic(versions) -> None:
+    a = _new_namespace_release(versions, versions["acme"], "v2-split")
+    release_set_traffic(release=a, percent=30, actor="bob")
+    with pytest.raises(ReleaseRefused, match=rf"release #{a.pk} routes tiny for acme as tiny-v1 70%, tiny-v2 30%"):
+        _release(versions, "v1-gen")
+
+
+def test_reads_do_not_move_a_release(versions, settings) -> None:
+    """GET on the release, its routing, the page and the CLI's status change nothing;
+    the job-end event or the recovery sweep moves it."""
+    release = _release(versions, "v2")
+    ns2 = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-reads")
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED, verified=4)
+    api = _client("operate")
+    assert api.get(f"/api/releases/{release.pk}/").json()["status"] == "preparing"
+    assert api.get(f"/api/releases/{release.pk}/routing/").status_code == 409
+    staff = User.objects.create_user("viewer", password="pw-viewer-123456", is_staff=True)
+    page = APIClient()
+    page.force_login(staff)
+    assert page.get(f"/releases/{release.pk}/").status_code == 200
+    assert Release.objects.get(pk=release.pk).status == "preparing"
+    assert ReleaseEvent.objects.filter(release=release, kind="ready").count() == 0
+    assert releases_sync_pending() == 1
+    assert Release.objects.get(pk=release.pk).status == "ready"
+    assert releases_sync_pending() == 0

@@ -336,10 +336,18 @@ def test_layout_options_refuse_empty_and_out_of_range_values() -> None:
         ({"kv_connector": " "}, "kv_connector is empty"),
         ({"dtype": "fp8"}, "dtype 'fp8' is not one of"),
         ({"block_size": 10**30}, "block_size must be an integer within"),
+        # Names the engine would refuse at launch are refused before they enter an identity.
+        ({"quantization": "fp9"}, "quantization 'fp9' is not a vLLM quantization method"),
+        ({"kv_connector": "LMCacheConnector"}, "kv_connector 'LMCacheConnector' is not one of DecodeBenchConnector, "),
+        ({"kv_storage_format": "example/v1"}, "kv_storage_format 'example/v1' is not <connector>@<version>"),
+        ({"kv_storage_format": "NoSuchConnector@1"}, "kv_storage_format 'NoSuchConnector@1' is not <connector>@<version>"),
+        ({"kv_storage_format": "ExampleConnector@ "}, "kv_storage_format 'ExampleConnector@ ' is not <connector>@<version>"),
     ):
         with pytest.raises(CheckpointError, match=message):
             LayoutOptions(**kwargs)
     assert LayoutOptions(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    accepted = LayoutOptions(quantization="fp8", kv_connector="LMCacheConnectorV1", kv_storage_format="LMCacheConnectorV1@0.3")
+    assert (accepted.quantization, accepted.kv_connector) == ("fp8", "LMCacheConnectorV1")
 
 
 def test_identity_diff_names_the_files_and_keys_behind_each_field(checkpoint_copy, model_root: Path) -> None:

@@ -30,7 +30,6 @@ from cacheadmin.services.releases import (
     release_mark_ready,
     release_rollback,
     release_set_traffic,
-    release_sync,
 )
 from inference.errors import CheckpointError
 
@@ -127,11 +126,12 @@ class Command(ControlPlaneCommand):
         )
 
     def verb_status(self, opts: dict[str, Any]) -> Release:
-        release = release_sync(self._release(opts["id"]))
+        # Read only: a release moves on its job's end (or the recovery sweep), never on a read.
+        release = self._release(opts["id"])
         deadline = time.monotonic() + opts["timeout"]
         while opts["wait"] and release.status == Release.Status.PREPARING and time.monotonic() < deadline:
             time.sleep(1.0)
-            release = release_sync(self._release(opts["id"]))
+            release = self._release(opts["id"])
         return release
 
     def verb_ready(self, opts: dict[str, Any]) -> Release:
