@@ -34,6 +34,7 @@ Settings that count, and why (vLLM 0.32):
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import re
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from importlib import metadata
 from typing import Any
 
 from inference.errors import CheckpointError
+from inference.model_config import quiet_engine_logs
 
 DTYPE_ALIASES = {
     "float32": "float32",
@@ -72,25 +74,28 @@ MAX_OVERRIDES_BYTES = 64 << 10
 _BACKEND_NAME = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
 
 
+def _engine_module(name: str) -> Any:
+    # Importing vLLM logs platform notes (e.g. about Triton) on stderr; a
+    # command's one-line error must stay the only line.
+    return quiet_engine_logs(lambda: importlib.import_module(name))
+
+
+@functools.cache
 def attention_backends() -> list[str]:
     """Names vLLM's ``--attention-backend`` accepts (``AttentionBackendEnum``)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    return sorted(AttentionBackendEnum.__members__)
+    return sorted(_engine_module("vllm.v1.attention.backends.registry").AttentionBackendEnum.__members__)
 
 
+@functools.cache
 def quantization_methods() -> list[str]:
     """Names vLLM's ``--quantization`` accepts (``QUANTIZATION_METHODS``)."""
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-
-    return sorted(QUANTIZATION_METHODS)
+    return sorted(_engine_module("vllm.model_executor.layers.quantization").QUANTIZATION_METHODS)
 
 
+@functools.cache
 def kv_connectors() -> list[str]:
     """Names vLLM's ``--kv-transfer-config`` ``kv_connector`` accepts (``KVConnectorFactory`` registry)."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    return sorted(KVConnectorFactory._registry)
+    return sorted(_engine_module("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory._registry)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
         (["{root}/tiny-v1", "--unknown-flag"], "unrecognized arguments"),
         (["{root}/tiny-v1", "--hf-overrides", "[1]"], "must be a JSON object"),
         (["{root}/tiny-v1", "--hf-overrides", "[[bad"], "not JSON"),
-        (["{root}/tiny-v1", "--hf-overrides", '{"rope_theta": 1, "rope_theta": 2}'], "duplicate key 'rope_theta'"),
+        (["{root}/tiny-v1", "--hf-overrides", '{{"rope_theta": 1, "rope_theta": 2}}'], "duplicate key 'rope_theta'"),
         (["{root}/tiny-v1", "--quantization", "fp9"], "quantization 'fp9' is not a vLLM quantization method"),
         (["{root}/tiny-v1", "--kv-connector", "Nope"], "kv_connector 'Nope' is not one of"),
         (["{root}/tiny-v1", "--kv-storage-format", "x"], "kv_storage_format 'x' is not <connector>@<version>"),
