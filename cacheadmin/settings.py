@@ -67,6 +67,9 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files answer right after the security headers: no session, login
+    # or database query for an asset (WhiteNoise's required position).
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -129,6 +132,25 @@ STATICFILES_DIRS = [
     ("vendor/htmx", BASE_DIR / "node_modules" / "htmx.org" / "dist"),
     ("vendor/chartjs", BASE_DIR / "node_modules" / "chart.js" / "dist"),
 ]
+#: Serve the files ``collectstatic`` gathered into STATIC_ROOT under content-hashed
+#: names, gzip-compressed, cached by browsers for a year (WhiteNoise). Off by
+#: default so tests and development need no collectstatic: the manifest storage
+#: refuses to render a page whose assets were never collected. The demo, the
+#: production-server test and the load bench turn it on after collectstatic.
+STATIC_MANIFEST = env_bool("DJANGO_STATIC_MANIFEST", False)
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        if STATIC_MANIFEST
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
+}
+# Without the manifest, WhiteNoise finds each asset in the source folders when
+# it is requested (static/, node_modules): nothing to collect, nothing scanned
+# when a test client loads the middleware. With it, the collected folder is
+# indexed once per server process and hashed names get the long cache header.
+WHITENOISE_USE_FINDERS = WHITENOISE_AUTOREFRESH = not STATIC_MANIFEST
 
 # --- Control plane -----------------------------------------------------------
 #: Directories that checkpoints must live under (symlinks resolved).
@@ -201,6 +223,9 @@ SPECTACULAR_SETTINGS = {
     # Swagger UI assets from the drf-spectacular-sidecar package: works offline.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # Request bodies get their own components (TenantRequest, ...) without the
+    # read-only fields (id, created_at, ...): generated clients can then build them.
+    "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {
         "JobStatusEnum": "cacheadmin.models.jobs.JobStatus",
         "ModelVersionStatusEnum": "cacheadmin.models.model_versions.ModelVersion.Status",

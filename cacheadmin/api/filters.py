@@ -10,6 +10,9 @@ from django import forms
 from django.db import models
 from django_filters.fields import IsoDateTimeField
 from django_filters.rest_framework import DjangoFilterBackend
+from rest_framework.exceptions import ValidationError
+from rest_framework.filters import OrderingFilter
+from rest_framework.request import Request
 
 #: Largest id a database row can have (signed 64-bit).
 MAX_ID = 2**63 - 1
@@ -44,10 +47,57 @@ class ControlPlaneFilterSet(django_filters.FilterSet):
         }
 
 
+def ordering_choices(view: Any, queryset: models.QuerySet | None = None) -> list[str]:
+    """The values ``?ordering=`` takes on ``view``'s list: each of its
+    ``ordering_fields``, ascending, then each with ``-`` (descending).
+
+    ``queryset`` is needed only by a view without explicit ``ordering_fields``
+    (DRF then allows the serializer's fields); every view here names them.
+    """
+    fields = OrderingFilter().get_valid_fields(queryset, view, {"request": getattr(view, "request", None)})
+    names = [name for name, _label in fields]
+    return [*names, *(f"-{name}" for name in names)]
+
+
+def ordering_check(request: Request, view: Any, queryset: models.QuerySet) -> None:
+    """Refuse an ``ordering`` that DRF's ``OrderingFilter`` would silently
+    ignore: one field of :func:`ordering_choices`, exactly.
+
+    DRF drops unknown fields and returns the default order, so a typo
+    (``-create_at``) looks like it worked. One field, not DRF's comma list:
+    that is what the schema can declare as an enum, and generated clients
+    send a list parameter as repeated values, not joined by commas.
+
+    Raises:
+        ValidationError: any other value (400 in the envelope; ``fields``
+            names ``ordering`` and lists the allowed values).
+    """
+    values = request.query_params.getlist(OrderingFilter.ordering_param)
+    if not values:
+        return
+    allowed = ordering_choices(view, queryset)
+    for value in values:
+        if value not in allowed:
+            raise ValidationError(
+                {OrderingFilter.ordering_param: [f"unknown ordering {value[:60]!r}; one of: {', '.join(allowed)}"]}
+            )
+
+
 class ControlPlaneFilterBackend(DjangoFilterBackend):
-    """``DjangoFilterBackend`` with :class:`ControlPlaneFilterSet` as the base of generated filter sets."""
+    """``DjangoFilterBackend`` with :class:`ControlPlaneFilterSet` as the base of
+    generated filter sets. On list actions it also checks ``ordering``
+    (:func:`ordering_check`) before any filter or query runs: it is the first of
+    the default filter backends, ahead of DRF's ``OrderingFilter``."""
 
     filterset_base = ControlPlaneFilterSet
+
+    def filter_queryset(self, request: Request, queryset: models.QuerySet, view: Any) -> models.QuerySet:
+        """Filter by the query's field filters (400 on a bad value or ``ordering``)."""
+        # Only lists declare ``ordering``; a detail route ignores undeclared
+        # query parameters like any other.
+        if getattr(view, "action", None) == "list":
+            ordering_check(request, view, queryset)
+        return super().filter_queryset(request, queryset, view)
 
 
 class UtcIsoDateTimeField(IsoDateTimeField):

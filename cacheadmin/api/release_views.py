@@ -1,13 +1,14 @@
 """Release workflow API: create a release (its plan), read it, decide, collect
 evidence, move traffic, roll back, read the timeline. Every state change takes
-an ``Idempotency-Key`` header."""
+an ``Idempotency-Key`` header (declared in the schema by
+:class:`cacheadmin.api.schema.ControlPlaneAutoSchema` from :func:`idempotent`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.db import models
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
@@ -16,7 +17,9 @@ from rest_framework.response import Response
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
-from cacheadmin.api.idempotency import HEADER, IdempotentWritesMixin, idempotent
+from cacheadmin.api.idempotency import IdempotentWritesMixin, idempotent
+from cacheadmin.api.payloads import ReleaseDiffField, RouteSerializer, TokenizationEvidenceField
+from cacheadmin.api.schema import ControlPlaneSchemaMixin, FreeFormObjectField, error_response
 from cacheadmin.api.views import actor_of, validated
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release, ReleaseEvent
@@ -31,13 +34,16 @@ from cacheadmin.services.releases import (
     release_set_traffic,
 )
 
-IDEMPOTENCY = OpenApiParameter(
-    HEADER, str, OpenApiParameter.HEADER, required=True, description="retries with the same key act once"
-)
-
 
 class ReleaseSerializer(serializers.ModelSerializer):
+    """A release of a served model for a tenant: its classification and diff, the
+    invalidation decision and its evidence, preparation, traffic and status."""
+
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    diff = ReleaseDiffField(read_only=True)
+    tokenization_evidence = TokenizationEvidenceField(
+        read_only=True, allow_null=True, help_text="null until collected (POST …/evidence/)"
+    )
 
     class Meta:
         model = Release
@@ -49,12 +55,24 @@ class ReleaseSerializer(serializers.ModelSerializer):
 
 
 class ReleaseEventSerializer(serializers.ModelSerializer):
+    """One step of a release's timeline: when, who, what."""
+
+    detail = FreeFormObjectField(
+        read_only=True,
+        help_text="keys by kind: `created` {classification, differing, non_kv}; `decided` {decision, reason, "
+        "comparison_job, prewarm_corpus}; `evidence.tokenization` {identical, summary}; `ready`/`failed` "
+        "{the prewarm job or eviction run, its outcome, error} or {}; `marked_ready` {}; `traffic` {before, after}; "
+        "`rolled_back` {namespace, how, entries_restored, reason}",
+    )
+
     class Meta:
         model = ReleaseEvent
         fields = ("at", "actor", "kind", "detail")
 
 
 class ReleaseCreateSerializer(s.StrictFieldsMixin, serializers.Serializer):
+    """A release to plan: the served model, the tenant, the version it leaves and the one it brings."""
+
     served_name = s.StrictCharField(max_length=200)
     tenant = s.TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
     from_version = s.IdField(queryset=ModelVersion.objects.all())
@@ -62,6 +80,8 @@ class ReleaseCreateSerializer(s.StrictFieldsMixin, serializers.Serializer):
 
 
 class ReleaseDecideSerializer(s.StrictFieldsMixin, serializers.Serializer):
+    """The invalidation decision, its reason and its evidence (a comparison job) or engine (to prewarm on)."""
+
     decision = serializers.ChoiceField(choices=[d for d in Release.Decision.values if d != Release.Decision.REUSE])
     reason = s.StrictCharField(max_length=2000)
     comparison_job = s.IdField(
@@ -72,10 +92,12 @@ class ReleaseDecideSerializer(s.StrictFieldsMixin, serializers.Serializer):
 
 
 class TrafficSerializer(s.StrictFieldsMixin, serializers.Serializer):
+    """The share of the tenant's traffic on the new version."""
+
     percent = s.StrictIntegerField(min_value=0, max_value=100)
 
 
-class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
+class ReleaseViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Releases of a served model for a tenant: classification by identity
     diff, the invalidation decision and its evidence, readiness, gray traffic,
     rollback, timeline."""
@@ -89,7 +111,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         tenant_id = request_tenant(self.request)
         return queryset if tenant_id is None else queryset.filter(tenant_id=tenant_id)
 
-    @extend_schema(request=ReleaseCreateSerializer, responses={201: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @extend_schema(request=ReleaseCreateSerializer, responses={201: ReleaseSerializer})
     @idempotent
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         """Create a release: its classification is the plan (identical ones are ready at once)."""
@@ -97,7 +119,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         release = release_create(actor=actor_of(request), **data)
         return Response(ReleaseSerializer(release).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=None, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @extend_schema(request=None, responses={200: ReleaseSerializer})
     @action(detail=True, methods=["post"], url_path="evidence")
     @idempotent
     def evidence(self, request: Request, pk: str | None = None) -> Response:
@@ -106,7 +128,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         release_collect_tokenization_evidence(release=release, actor=actor_of(request))
         return Response(ReleaseSerializer(Release.objects.get(pk=release.pk)).data)
 
-    @extend_schema(request=ReleaseDecideSerializer, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @extend_schema(request=ReleaseDecideSerializer, responses={200: ReleaseSerializer})
     @action(detail=True, methods=["post"])
     @idempotent
     def decide(self, request: Request, pk: str | None = None) -> Response:
@@ -116,7 +138,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         release = release_decide(release=release, actor=actor_of(request), **data)
         return Response(ReleaseSerializer(release).data)
 
-    @extend_schema(request=None, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @extend_schema(request=None, responses={200: ReleaseSerializer})
     @action(detail=True, methods=["post"])
     @idempotent
     def ready(self, request: Request, pk: str | None = None) -> Response:
@@ -125,7 +147,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         release = release_mark_ready(release=self.get_object(), actor=actor_of(request))
         return Response(ReleaseSerializer(release).data)
 
-    @extend_schema(request=TrafficSerializer, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @extend_schema(request=TrafficSerializer, responses={200: ReleaseSerializer})
     @action(detail=True, methods=["post"])
     @idempotent
     def traffic(self, request: Request, pk: str | None = None) -> Response:
@@ -134,7 +156,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         percent = validated(request, TrafficSerializer)["percent"]
         return Response(ReleaseSerializer(release_set_traffic(release=release, percent=percent, actor=actor_of(request))).data)
 
-    @extend_schema(request=s.ReasonSerializer, responses={200: ReleaseSerializer}, parameters=[IDEMPOTENCY])
+    @extend_schema(request=s.ReasonSerializer, responses={200: ReleaseSerializer})
     @action(detail=True, methods=["post"])
     @idempotent
     def rollback(self, request: Request, pk: str | None = None) -> Response:
@@ -143,8 +165,15 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         reason = validated(request, s.ReasonSerializer)["reason"]
         return Response(ReleaseSerializer(release_rollback(release=release, actor=actor_of(request), reason=reason)).data)
 
-    @extend_schema(responses={200: dict})
-    @action(detail=True, methods=["get"])
+    @extend_schema(
+        responses={
+            200: RouteSerializer(many=True),
+            409: error_response(
+                "not ready (or rolled back) yet, or a namespace's identity no longer matches its version: `release_refused`"
+            ),
+        }
+    )
+    @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def routing(self, request: Request, pk: str | None = None) -> Response:
         """Per version: traffic share, namespace and cache_salt (operate scope; 409 before the release is ready)."""
         if not request_scope_allows(request, "operate"):
@@ -152,7 +181,7 @@ class ReleaseViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
         return Response(release_routing(self.get_object()))
 
     @extend_schema(responses={200: ReleaseEventSerializer(many=True)})
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def timeline(self, request: Request, pk: str | None = None) -> Response:
         """Everything that happened to the release, oldest first, with its actor."""
         return Response(ReleaseEventSerializer(self.get_object().events.order_by("at", "id"), many=True).data)

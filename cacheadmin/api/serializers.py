@@ -13,6 +13,7 @@ from rest_framework import serializers
 
 from cacheadmin.api.auth import request_tenant
 from cacheadmin.api.filters import MAX_ID
+from cacheadmin.api.schema import FreeFormObjectField, IntegerListField, ObjectListField, StringMapField
 from cacheadmin.models import (
     AccountingScan,
     Adapter,
@@ -184,6 +185,8 @@ class StrictFieldsMixin:
 
 
 class ModelVersionSerializer(serializers.ModelSerializer):
+    """A registered model version: label, served name, lifecycle status and its identity digests (hex)."""
+
     class Meta:
         model = ModelVersion
         fields = (
@@ -193,11 +196,21 @@ class ModelVersionSerializer(serializers.ModelSerializer):
 
 
 class ModelVersionDetailSerializer(ModelVersionSerializer):
+    """A model version with what its identity was computed from and how long fingerprinting took."""
+
+    inputs = FreeFormObjectField(
+        read_only=True,
+        help_text="per identity field, what was digested: weight files and tensors, tokenizer files and templates, "
+        "canonical config, layout options, adapters",
+    )
+
     class Meta(ModelVersionSerializer.Meta):
         fields = (*ModelVersionSerializer.Meta.fields, "inputs", "fingerprint_seconds")
 
 
 class TenantSerializer(StrictFieldsMixin, StrictModelSerializer):
+    """A tenant: a sharing boundary (prefixes are never shared across tenants but through a shared group)."""
+
     slug = StrictCharField(max_length=63, validators=[slug_validator])
 
     class Meta:
@@ -206,12 +219,16 @@ class TenantSerializer(StrictFieldsMixin, StrictModelSerializer):
 
 
 class RetentionOwnerSerializer(StrictFieldsMixin, StrictModelSerializer):
+    """A retention owner: who answers for a namespace's storage and cleanup."""
+
     class Meta:
         model = RetentionOwner
         fields = ("id", "name", "email", "created_at")
 
 
 class RetentionPolicySerializer(StrictFieldsMixin, StrictModelSerializer):
+    """A namespace's retention policy; ``pinned`` is a legal hold and needs ``hold_by`` and ``hold_reason``."""
+
     max_age_since_last_hit_s = StrictIntegerField(
         min_value=1, max_value=MAX_ID, allow_null=True, help_text="seconds; null = no limit"
     )
@@ -242,8 +259,13 @@ class RetentionPolicySerializer(StrictFieldsMixin, StrictModelSerializer):
 
 
 class CacheNamespaceSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    group = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    """A cache namespace: (state identity, tenant or shared group) with its owner, policy and residency."""
+
+    # Exactly one of the two is set: the other is null.
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True, help_text="null for a group's")
+    group = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True, allow_null=True, help_text="null for a tenant's namespace"
+    )
     superseded = serializers.BooleanField(read_only=True, help_text="a shared-group namespace of an earlier generation")
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
     retention_owner = serializers.CharField(source="retention_owner.name", read_only=True)
@@ -269,6 +291,8 @@ class GroupSlugField(StrictSlugRelatedField):
 
 
 class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A namespace to create: a model version, exactly one of ``tenant`` and ``group``, an owner and a policy."""
+
     model_version = IdField(queryset=ModelVersion.objects.all())
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all(), required=False)
     group = GroupSlugField(slug_field="slug", queryset=SharedGroup.objects.all(), required=False)
@@ -282,6 +306,8 @@ class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class SharedGroupSerializer(StrictFieldsMixin, StrictModelSerializer):
+    """A shared group: the only way tenants share cached prefixes; ``generation`` moves when a member leaves."""
+
     slug = StrictCharField(max_length=63, validators=[slug_validator])
     members = serializers.SlugRelatedField(slug_field="slug", many=True, read_only=True)
 
@@ -292,41 +318,60 @@ class SharedGroupSerializer(StrictFieldsMixin, StrictModelSerializer):
 
 
 class GroupMemberChangeSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A tenant to add to or remove from a group, with the reason (audited)."""
+
     tenant = StrictSlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
     reason = StrictCharField(max_length=2000)
 
 
 class AdapterSerializer(serializers.ModelSerializer):
+    """A LoRA adapter of a model version, identified by its content digest."""
+
+    files = StringMapField(read_only=True, help_text="weight file → BLAKE3 digest")
+
     class Meta:
         model = Adapter
         fields = ("id", "model_version", "name", "content", "path", "files", "last_used_at", "created_at")
 
 
 class PolicyUpdateSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A namespace's new retention policy, with the reason (audited)."""
+
     policy = RetentionPolicySerializer()
     release_hold = StrictBooleanField(default=False, help_text="lift a legal hold (the new policy is unpinned on purpose)")
     reason = StrictCharField(max_length=2000)
 
 
 class PrefixHeatReportSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A router's report: a conversation (OpenAI chat messages, optional tools) and how many hits it had."""
+
     messages = serializers.ListField(child=serializers.DictField(), min_length=1, max_length=500)
     tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True, default=None, max_length=200)
     hits = StrictIntegerField(min_value=1, max_value=MAX_ID, default=1)
 
 
 class PrefixHeatSerializer(serializers.ModelSerializer):
+    """A hot conversation of a namespace: hits added up per distinct prompt."""
+
+    messages = ObjectListField(read_only=True, help_text="OpenAI chat messages")
+    tools = ObjectListField(read_only=True, allow_null=True, help_text="OpenAI tool definitions, or null")
+
     class Meta:
         model = PrefixHeat
         fields = ("digest", "hits", "last_hit_at", "messages", "tools")
 
 
 class CacheSaltSerializer(serializers.Serializer):
+    """What a router needs to send a namespace's requests."""
+
     namespace_id = serializers.CharField()
     cache_salt = serializers.CharField(help_text="send as vLLM's cache_salt with every request of this namespace")
     storage_prefix = serializers.CharField()
 
 
 class EngineSerializer(serializers.ModelSerializer):
+    """An engine the control plane launched or adopted, with the namespaces it serves."""
+
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
     salt_blind_tier = serializers.BooleanField(
         read_only=True, help_text="its persistent tier ignores cache_salt: one namespace only"
@@ -342,10 +387,14 @@ class EngineSerializer(serializers.ModelSerializer):
 
 
 class EngineAttachSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Another namespace for the engine to serve from its memory."""
+
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
 
 
 class PrewarmResultSerializer(serializers.ModelSerializer):
+    """One prompt of a prewarm job: tokens cached by the fill pass, expected, and confirmed by the verify pass."""
+
     class Meta:
         model = PrewarmResult
         fields = (
@@ -360,24 +409,35 @@ class PrewarmResultSerializer(serializers.ModelSerializer):
 
 
 class PrewarmJobSerializer(serializers.ModelSerializer):
+    """A prewarm job: fills a namespace's caches on an engine and verifies the fill."""
+
     class Meta:
         model = PrewarmJob
         fields = (*JOB_FIELDS, "namespace", "engine", "prompts", "verified", "uncacheable", "cached_tokens_verified")
 
 
 class PrewarmJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A prewarm to start: the namespace, an engine serving it, the corpus."""
+
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
     engine = IdField(queryset=Engine.objects.all(), tenant_filter=engine_of_tenant)
     corpus = StrictCharField(max_length=100, default="diagnostic")
 
 
 class ComparisonResultSerializer(serializers.ModelSerializer):
+    """One prompt of a comparison job: cached against reference output, divergence, logprob deltas (nats), TTFT (ms)."""
+
+    reference_token_ids = IntegerListField(read_only=True)
+    cached_token_ids = IntegerListField(read_only=True)
+
     class Meta:
         model = ComparisonResult
         exclude = ("id", "job")
 
 
 class ComparisonJobSerializer(serializers.ModelSerializer):
+    """A comparison job: the same prompts with cache and on a reference engine, and the deceptive hits found."""
+
     class Meta:
         model = ComparisonJob
         fields = (
@@ -387,6 +447,8 @@ class ComparisonJobSerializer(serializers.ModelSerializer):
 
 
 class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A comparison to start: the engine under test, a reference engine, the namespace, the corpus."""
+
     engine = IdField(queryset=Engine.objects.all(), tenant_filter=engine_of_tenant)
     reference_engine = IdField(queryset=Engine.objects.all(), tenant_filter=reference_or_engine_of_tenant)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
@@ -395,17 +457,26 @@ class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
+    """Who did what to which object, when, why, and the object's state before and after."""
+
+    before = FreeFormObjectField(read_only=True, allow_null=True, help_text="fields before the change, by action; null if none")
+    after = FreeFormObjectField(read_only=True, allow_null=True, help_text="fields after the change, by action; null if none")
+
     class Meta:
         model = AuditEvent
         fields = ("id", "actor", "action", "object_type", "object_id", "before", "after", "reason", "created_at")
 
 
 class IdentityDiffQuerySerializer(serializers.Serializer):
+    """The two model versions to compare."""
+
     a = serializers.IntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
     b = serializers.IntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
 
 
 class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
+    """How the engine lays out KV state (part of the identity); every key has a default."""
+
     dtype = StrictCharField(default="auto")
     kv_cache_dtype = StrictCharField(default="auto")
     block_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=32)
@@ -416,7 +487,7 @@ class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
     kv_storage_format = StrictCharField(max_length=200, allow_null=True, default=None)
     kv_cache_layout = StrictCharField(max_length=16, default="auto", help_text="VLLM_KV_CACHE_LAYOUT; auto = the engine's")
     attention_backend = StrictCharField(max_length=64, default="auto", help_text="vLLM --attention-backend")
-    hf_overrides = serializers.JSONField(
+    hf_overrides = FreeFormObjectField(
         required=False, allow_null=True, default=None, help_text="vLLM --hf-overrides: config keys the engine replaces"
     )
     max_model_len = StrictIntegerField(
@@ -432,6 +503,8 @@ class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A checkpoint to fingerprint and register as a model version (in the background)."""
+
     path = StrictCharField(max_length=1000, help_text="checkpoint directory inside MODEL_ROOTS")
     label = StrictCharField(max_length=100, validators=[validate_display_name])
     served_name = StrictCharField(max_length=200, validators=[validate_display_name])
@@ -454,16 +527,25 @@ class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class RegistrationJobSerializer(serializers.ModelSerializer):
+    """A registration job: progress in weight bytes, then the model version it registered."""
+
+    layout_options = FreeFormObjectField(read_only=True, help_text="the layout options as given (see Layout)")
+    adapters = StringMapField(read_only=True, help_text="LoRA adapter name → resolved directory")
+
     class Meta:
         model = RegistrationJob
         fields = (*JOB_FIELDS, "path", "label", "served_name", "layout_options", "adapters", "model_version")
 
 
 class CancelSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Why a job or run is cancelled (optional)."""
+
     reason = StrictCharField(max_length=500, required=False, allow_blank=True, default="")
 
 
 class EvictionRunSerializer(serializers.ModelSerializer):
+    """An eviction run: a planned dry run until approved, then executed action by action."""
+
     class Meta:
         model = EvictionRun
         fields = (
@@ -474,6 +556,15 @@ class EvictionRunSerializer(serializers.ModelSerializer):
 
 
 class EvictionActionSerializer(serializers.ModelSerializer):
+    """One action of an eviction run, recorded before it is done, with what its tier confirmed."""
+
+    detail = FreeFormObjectField(
+        read_only=True,
+        help_text="by kind: `delete_entries` {entries: [[key, last access]]}, `set_residency` {residency}, "
+        "`archive` {logical_bytes}; {} otherwise",
+    )
+    confirmation = FreeFormObjectField(read_only=True, help_text="what the tier answered when the action was confirmed")
+
     class Meta:
         model = EvictionAction
         fields = (
@@ -483,6 +574,8 @@ class EvictionActionSerializer(serializers.ModelSerializer):
 
 
 class EvictionPlanSerializer(StrictFieldsMixin, serializers.Serializer):
+    """What to plan: all namespaces (and orphan prefixes) or only some, and which to purge outright."""
+
     only = serializers.ListField(
         child=IdField(queryset=CacheNamespace.objects.all()), required=False, max_length=1000,
         help_text="consider only these namespaces (default: all, and orphan prefixes)",
@@ -496,10 +589,14 @@ class EvictionPlanSerializer(StrictFieldsMixin, serializers.Serializer):
 
 
 class ReasonSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Why (required; audited)."""
+
     reason = StrictCharField(max_length=2000)
 
 
 class AccountingScanSerializer(serializers.ModelSerializer):
+    """An accounting scan of every tier: prefixes seen, orphans, bytes."""
+
     class Meta:
         model = AccountingScan
         fields = (
@@ -509,6 +606,8 @@ class AccountingScanSerializer(serializers.ModelSerializer):
 
 
 class TierUsageSampleSerializer(serializers.ModelSerializer):
+    """Usage of one (tier, storage prefix) at one scan; ``namespace`` is null for an orphan prefix."""
+
     class Meta:
         model = TierUsageSample
         fields = (
@@ -518,6 +617,8 @@ class TierUsageSampleSerializer(serializers.ModelSerializer):
 
 
 class EngineMetricsSampleSerializer(serializers.ModelSerializer):
+    """One scrape of an engine's /metrics: prefix-cache queries and hits (tokens), KV usage."""
+
     hit_rate = serializers.FloatField(read_only=True, allow_null=True)
 
     class Meta:

@@ -7,7 +7,7 @@ from typing import Any
 from django.contrib.auth.views import redirect_to_login
 from django.db import models
 from django.http.response import HttpResponseBase
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from drf_spectacular.views import SpectacularSwaggerView
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -21,6 +21,8 @@ from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
 from cacheadmin.api.filters import ControlPlaneFilterSet, UtcIsoDateTimeFilter
 from cacheadmin.api.idempotency import IdempotentWritesMixin
+from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
+from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
 from cacheadmin.models import (
     AccountingScan,
     Adapter,
@@ -95,7 +97,7 @@ class TenantScopedMixin:
         return queryset if tenant_id is None else queryset.filter(namespaces_visible_to(tenant_id, self.namespace_path))
 
 
-class ModelVersionViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class ModelVersionViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Registered model versions with their identity digests. POST starts a
     registration job (202): hashing a large checkpoint takes minutes."""
 
@@ -140,7 +142,7 @@ class ModelVersionViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewse
         return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
-class TenantViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class TenantViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Tenants: sharing boundaries."""
 
     serializer_class = s.TenantSerializer
@@ -162,7 +164,7 @@ class TenantViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.Rea
         serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
 
 
-class SharedGroupViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class SharedGroupViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Shared groups: the only way tenants share cached prefixes. Creating a
     group and changing its members needs admin scope; a tenant-bound token
     sees the groups its tenant is in."""
@@ -206,7 +208,7 @@ class SharedGroupViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewset
         return self._change(request, shared_group_leave)
 
 
-class AdapterViewSet(viewsets.ReadOnlyModelViewSet):
+class AdapterViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
     """LoRA adapters registered with model versions, identified by content.
     Register them with the model version (``adapters`` in ``POST /api/model-versions/``)."""
 
@@ -218,7 +220,9 @@ class AdapterViewSet(viewsets.ReadOnlyModelViewSet):
     tenant_bound_read = True
 
 
-class RetentionOwnerViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class RetentionOwnerViewSet(
+    ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
+):
     """Retention owners: who answers for a namespace's storage."""
 
     queryset = RetentionOwner.objects.order_by("name")
@@ -238,7 +242,9 @@ class RetentionOwnerViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, view
         serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
 
 
-class CacheNamespaceViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class CacheNamespaceViewSet(
+    ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
+):
     """Cache namespaces with their retention owner and policy. Creating one
     needs both; the salt is served only to operate-scope callers."""
 
@@ -250,7 +256,13 @@ class CacheNamespaceViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.Cre
         queryset = CacheNamespace.objects.select_related("tenant", "group", "model_version", "retention_owner", "policy")
         return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
 
-    @extend_schema(request=s.CacheNamespaceCreateSerializer, responses={201: s.CacheNamespaceSerializer})
+    @extend_schema(
+        request=s.CacheNamespaceCreateSerializer,
+        responses={
+            200: OpenApiResponse(s.CacheNamespaceSerializer, description="the namespace existed: returned as it is"),
+            201: OpenApiResponse(s.CacheNamespaceSerializer, description="created"),
+        },
+    )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.CacheNamespaceCreateSerializer)
         if "tenant" in data:
@@ -288,7 +300,7 @@ class CacheNamespaceViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.Cre
 
     @extend_schema(methods=["POST"], request=s.PrefixHeatReportSerializer, responses={200: s.PrefixHeatSerializer})
     @extend_schema(methods=["GET"], responses={200: s.PrefixHeatSerializer(many=True)})
-    @action(detail=True, methods=["get", "post"], url_path="prefix-heat")
+    @action(detail=True, methods=["get", "post"], url_path="prefix-heat", pagination_class=None, filter_backends=[])
     def prefix_heat(self, request: Request, pk: str | None = None) -> Response:
         """Hot prompts of the namespace: routers POST a conversation and its hits
         (added up per distinct prompt); a successor namespace is prewarmed with the
@@ -305,7 +317,14 @@ class CacheNamespaceViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.Cre
             raise ValidationError({"messages": [str(exc)]}) from exc
         return Response(s.PrefixHeatSerializer(row).data)
 
-    @extend_schema(responses={200: s.CacheSaltSerializer})
+    @extend_schema(
+        responses={
+            200: s.CacheSaltSerializer,
+            409: error_response("a superseded shared-group namespace: its salt is no longer served (`namespace_conflict`)"),
+            # The read is audited: a write, which can meet a busy database.
+            503: error_response("the database is busy (`database_busy`, with `Retry-After`): retry later"),
+        }
+    )
     @action(detail=True, methods=["get"], url_path="cache-salt")
     def cache_salt(self, request: Request, pk: str | None = None) -> Response:
         """The namespace's vLLM cache_salt, for the router that sends its requests (operate scope; audited)."""
@@ -323,7 +342,7 @@ class CacheNamespaceViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.Cre
         )
 
 
-class EngineViewSet(IdempotentWritesMixin, TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+class EngineViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
     """Engines the control plane launched or knows."""
 
     serializer_class = s.EngineSerializer
@@ -353,7 +372,9 @@ class EngineViewSet(IdempotentWritesMixin, TenantScopedMixin, viewsets.ReadOnlyM
         return Response(s.EngineSerializer(self.get_queryset().get(pk=engine.pk)).data)
 
 
-class _JobViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class _JobViewSet(
+    ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
+):
     namespace_path = "namespace__"
     filterset_fields = ("status", "namespace", "engine")
     ordering_fields = ("created_at", "status")
@@ -367,7 +388,6 @@ class _JobViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMi
     def get_serializer_class(self) -> type:
         return self.create_serializer if self.action == "create" else self.serializer_class
 
-    @extend_schema(request=None, responses=None)
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel a queued or running job (409 if it already ended)."""
@@ -375,13 +395,17 @@ class _JobViewSet(IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMi
         job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)
         return Response(self.serializer_class(job).data)
 
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def results(self, request: Request, pk: str | None = None) -> Response:
         """Per-prompt results, in corpus order."""
         job = self.get_object()
         return Response(self.result_serializer(job.results.order_by("index"), many=True).data)
 
 
+@extend_schema_view(
+    cancel=extend_schema(request=s.CancelSerializer, responses={200: s.PrewarmJobSerializer}),
+    results=extend_schema(responses={200: s.PrewarmResultSerializer(many=True)}),
+)
 class PrewarmJobViewSet(_JobViewSet):
     """Prewarm jobs: start (operate scope), read, cancel."""
 
@@ -399,6 +423,10 @@ class PrewarmJobViewSet(_JobViewSet):
         return Response(s.PrewarmJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
 
+@extend_schema_view(
+    cancel=extend_schema(request=s.CancelSerializer, responses={200: s.ComparisonJobSerializer}),
+    results=extend_schema(responses={200: s.ComparisonResultSerializer(many=True)}),
+)
 class ComparisonJobViewSet(_JobViewSet):
     """Comparison jobs: start (operate scope), read with per-prompt results, cancel."""
 
@@ -414,7 +442,7 @@ class ComparisonJobViewSet(_JobViewSet):
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
 
-class RegistrationJobViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
+class RegistrationJobViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Registration jobs: progress in weight bytes, the model version when done."""
 
     serializer_class = s.RegistrationJobSerializer
@@ -426,7 +454,7 @@ class RegistrationJobViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSe
     def get_queryset(self) -> models.QuerySet:
         return RegistrationJob.objects.order_by("-created_at", "-id")
 
-    @extend_schema(request=None, responses={200: s.RegistrationJobSerializer})
+    @extend_schema(request=s.CancelSerializer, responses={200: s.RegistrationJobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel a queued or running registration (409 if it already ended)."""
@@ -437,7 +465,7 @@ class RegistrationJobViewSet(IdempotentWritesMixin, viewsets.ReadOnlyModelViewSe
         return Response(s.RegistrationJobSerializer(job).data)
 
 
-class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
+class AuditEventViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
     """The audit trail (admin scope): who did what, when, before and after."""
 
     queryset = AuditEvent.objects.order_by("-created_at", "-id")
@@ -462,10 +490,10 @@ class ApiDocsView(SpectacularSwaggerView):
         return response
 
 
-class IdentityDiffView(APIView):
+class IdentityDiffView(ControlPlaneSchemaMixin, APIView):
     """Which identity fields differ between two model versions, and the files or keys behind each."""
 
-    @extend_schema(parameters=[s.IdentityDiffQuerySerializer], responses={200: dict})
+    @extend_schema(parameters=[s.IdentityDiffQuerySerializer], responses={200: IdentityDiffSerializer})
     def get(self, request: Request) -> Response:
         query = s.IdentityDiffQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
@@ -478,7 +506,7 @@ class IdentityDiffView(APIView):
         return Response(identity_diff({f: getattr(a, f) for f in fields}, {f: getattr(b, f) for f in fields}))
 
 
-class EvictionRunViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class EvictionRunViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Eviction runs: POST plans one (a dry run, nothing is touched); an
     operator approves it (``…/approve/`` with a reason) and a worker executes
     it, each action recorded before it is done and confirmed by its tier.
@@ -526,7 +554,9 @@ class EvictionRunViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewset
         return Response(s.EvictionRunSerializer(job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)).data)
 
 
-class AccountingScanViewSet(IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class AccountingScanViewSet(
+    ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
+):
     """Accounting scans of every tier; POST starts one (202)."""
 
     queryset = AccountingScan.objects.order_by("-created_at", "-id")
@@ -552,7 +582,7 @@ class TierUsageFilter(ControlPlaneFilterSet):
         fields = ("namespace", "tier", "storage_prefix", "scan")
 
 
-class TierUsageViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+class TierUsageViewSet(ControlPlaneSchemaMixin, TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
     """Accounting time series: bytes, entries, oldest/newest entry and last
     access per (tier, storage prefix) and scan. ``namespace`` is null for
     orphan prefixes. Filter by ``namespace``, ``tier``, ``since``/``until``."""
@@ -566,7 +596,7 @@ class TierUsageViewSet(TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
         return self.scope_to_tenant(TierUsageSample.objects.order_by("-sampled_at", "-id"), self.request)
 
 
-class EngineMetricsViewSet(viewsets.ReadOnlyModelViewSet):
+class EngineMetricsViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
     """Scrapes of engines' ``/metrics``: prefix-cache queries and hits (tokens),
     external (persistent tier) queries and hits, KV usage."""
 
@@ -582,13 +612,13 @@ class EngineMetricsViewSet(viewsets.ReadOnlyModelViewSet):
         return queryset
 
 
-class OrphansView(APIView):
+class OrphansView(ControlPlaneSchemaMixin, APIView):
     """What nobody owns any more: storage prefixes without a namespace (from the
     latest scan), namespaces of retired versions and superseded group
     generations still holding state, adapters unused for ADAPTER_UNUSED_DAYS."""
 
     tenant_bound_allowed = False
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses={200: OrphansReportSerializer})
     def get(self, request: Request) -> Response:
         return Response(orphans_report())
