@@ -46,7 +46,7 @@ from cacheadmin.models import (
     Tenant,
 )
 from cacheadmin.models.api_tokens import session_allows
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.api_tokens import api_token_revoke
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import EngineRefused, engine_attach_namespace
@@ -333,7 +333,7 @@ class RetentionOwnerForm(forms.ModelForm):
         name = self.cleaned_data["name"]
         clash = RetentionOwner.objects.filter(name_key=name_key(name)).exclude(pk=self.instance.pk).first()
         if clash is not None:
-            raise forms.ValidationError(f"retention owner {clash.name!r} already exists (case and Unicode form do not count)")
+            raise forms.ValidationError(f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})")
         return name
 
 

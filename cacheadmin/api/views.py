@@ -41,7 +41,7 @@ from cacheadmin.models import (
     Tenant,
     TierUsageSample,
 )
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.accounting import accounting_scan_create, orphans_report
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
@@ -236,9 +236,7 @@ class RetentionOwnerViewSet(
         data = serializer.validated_data
         clash = RetentionOwner.objects.filter(name_key=name_key(data["name"])).first()
         if clash is not None:
-            raise ValidationError(
-                {"name": [f"retention owner {clash.name!r} already exists (case and Unicode form do not count)"]}
-            )
+            raise ValidationError({"name": [f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})"]})
         serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from django.db import models
 
-from cacheadmin.models.naming import name_key, validate_display_name
+from cacheadmin.models.naming import NameKeysMixin, validate_display_name
 
 
-class ModelVersion(models.Model):
+class ModelVersion(NameKeysMixin, models.Model):
     """A registered checkpoint with its state identity.
 
     Each identity field is a 64-char hex BLAKE3 digest (see
@@ -24,9 +24,10 @@ class ModelVersion(models.Model):
     label = models.CharField(
         max_length=100, unique=True, validators=[validate_display_name], help_text="Unique label, e.g. tiny-v2."
     )
-    #: ``name_key(label)``: labels that differ only by case or Unicode form collide.
-    #: Text, not varchar: NFKC can make a key many times longer than its label.
-    label_key = models.TextField(unique=True, null=True)
+    #: ``name_key(label)``: labels that differ only by case, Unicode form or
+    #: look-alike characters collide. Text, not varchar: NFKC and the
+    #: confusable skeleton can make a key many times longer than its label.
+    label_key = models.TextField(unique=True, null=True, editable=False)
     served_name = models.CharField(
         max_length=200, validators=[validate_display_name], help_text="Model name clients send to the engine."
     )
@@ -51,9 +52,11 @@ class ModelVersion(models.Model):
 
     IDENTITY_FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")
 
-    def save(self, *args: object, **kwargs: object) -> None:
-        self.label_key = name_key(self.label)
-        super().save(*args, **kwargs)
+    name_keys = {"label": "label_key"}
+
+    def look_alike_message(self, field: str, other: models.Model) -> str:
+        assert isinstance(other, ModelVersion)
+        return f"looks like model version {other.label!r}"
 
 
 class Adapter(models.Model):

@@ -7,7 +7,7 @@ import secrets
 from django.core.validators import RegexValidator
 from django.db import models
 
-from cacheadmin.models.naming import name_key, validate_display_name
+from cacheadmin.models.naming import NameKeysMixin, validate_display_name
 
 slug_validator = RegexValidator(r"\A[a-z0-9][a-z0-9-]{0,62}\Z", "lowercase letters, digits and '-', 1 to 63 characters")
 
@@ -17,7 +17,7 @@ def new_boundary_key() -> str:
     return secrets.token_hex(16)
 
 
-class Tenant(models.Model):
+class Tenant(NameKeysMixin, models.Model):
     """A sharing boundary: prefixes are never shared across tenants.
 
     ``key`` is drawn at creation and never changes: it is digested into the
@@ -25,12 +25,25 @@ class Tenant(models.Model):
     slug gets other ids, salts and storage prefixes (never the old cached
     state). Tenants from before keys existed have an empty key and keep
     their ids.
+
+    Neither two slugs nor two names may look alike (``name_key``: case,
+    Unicode form and confusable characters do not count): "acme-1" beside
+    "acme-l", or "Acme" beside "Аcme" with a Cyrillic "А", would let a person
+    act on the wrong tenant.
     """
 
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     key = models.CharField(max_length=32, default=new_boundary_key, editable=False, blank=True)
     name = models.CharField(max_length=200, validators=[validate_display_name])
+    #: ``name_key(slug)`` and ``name_key(name)``, set on save; NULL only for
+    #: look-alikes that predate the keys (migration 0008 reports them).
+    #: Text, not varchar: NFKC and the confusable skeleton can lengthen a key.
+    slug_key = models.TextField(unique=True, null=True, editable=False)
+    name_key = models.TextField(unique=True, null=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
+
+    name_keys = {"slug": "slug_key", "name": "name_key"}
+    identity_field = "slug"
 
     class Meta:
         ordering = ["slug"]
@@ -38,13 +51,19 @@ class Tenant(models.Model):
     def __str__(self) -> str:
         return self.slug
 
+    def look_alike_message(self, field: str, other: models.Model) -> str:
+        assert isinstance(other, Tenant)
+        if field == "slug":
+            return f"looks like tenant {other.slug!r}"
+        return f"looks like {other.name!r}, the name of tenant {other.slug}"
+
     @property
     def boundary(self) -> str:
         """The tenant boundary string digested into namespace ids: ``tenant:<slug>:<key>``."""
         return f"tenant:{self.slug}:{self.key}" if self.key else f"tenant:{self.slug}"
 
 
-class SharedGroup(models.Model):
+class SharedGroup(NameKeysMixin, models.Model):
     """Tenants that chose, explicitly, to share cached prefixes with each other.
 
     A group is a boundary of its own: its namespaces are derived from
@@ -53,6 +72,8 @@ class SharedGroup(models.Model):
     When a member leaves, ``generation`` goes up: the namespaces of the old
     generation are superseded (their salts, which the leaver may still hold,
     are no longer served) and the remaining members get new ones.
+
+    Slugs and names may not look alike, as for tenants.
     """
 
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
@@ -60,13 +81,25 @@ class SharedGroup(models.Model):
     name = models.CharField(max_length=200, validators=[validate_display_name])
     generation = models.PositiveIntegerField(default=1)
     members = models.ManyToManyField(Tenant, through="SharedGroupMembership", related_name="shared_groups")
+    #: As :attr:`Tenant.slug_key` and :attr:`Tenant.name_key`.
+    slug_key = models.TextField(unique=True, null=True, editable=False)
+    name_key = models.TextField(unique=True, null=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
+
+    name_keys = {"slug": "slug_key", "name": "name_key"}
+    identity_field = "slug"
 
     class Meta:
         ordering = ["slug"]
 
     def __str__(self) -> str:
         return f"group {self.slug}"
+
+    def look_alike_message(self, field: str, other: models.Model) -> str:
+        assert isinstance(other, SharedGroup)
+        if field == "slug":
+            return f"looks like shared group {other.slug!r}"
+        return f"looks like {other.name!r}, the name of shared group {other.slug}"
 
     @property
     def boundary(self) -> str:
@@ -94,15 +127,18 @@ class SharedGroupMembership(models.Model):
         return f"{self.tenant_id} in {self.group_id}"
 
 
-class RetentionOwner(models.Model):
+class RetentionOwner(NameKeysMixin, models.Model):
     """The team or person accountable for a namespace's storage and cleanup."""
 
     name = models.CharField(max_length=200, unique=True, validators=[validate_display_name])
-    #: ``name_key(name)``: names that differ only by case or Unicode form collide.
-    #: Text, not varchar: NFKC can make a key many times longer than its name.
-    name_key = models.TextField(unique=True, null=True)
+    #: ``name_key(name)``: names that differ only by case, Unicode form or
+    #: look-alike characters collide. Text, not varchar: NFKC and the
+    #: confusable skeleton can make a key many times longer than its name.
+    name_key = models.TextField(unique=True, null=True, editable=False)
     email = models.EmailField()
     created_at = models.DateTimeField(auto_now_add=True)
+
+    name_keys = {"name": "name_key"}
 
     class Meta:
         ordering = ["name"]
@@ -110,9 +146,9 @@ class RetentionOwner(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def save(self, *args: object, **kwargs: object) -> None:
-        self.name_key = name_key(self.name)
-        super().save(*args, **kwargs)
+    def look_alike_message(self, field: str, other: models.Model) -> str:
+        assert isinstance(other, RetentionOwner)
+        return f"looks like retention owner {other.name!r}"
 
 
 class Residency(models.TextChoices):

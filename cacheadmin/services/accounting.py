@@ -28,7 +28,7 @@ from cacheadmin.services.engines import engine_client
 from cacheadmin.services.jobs import job_claim, job_finish, job_log
 from cacheadmin.services.tiers import tiers_configured
 from inference.errors import EngineError
-from inference.tiers.base import TierError, TierUsage
+from inference.tiers.base import TierError, TierUsage, is_stray_prefix
 
 
 def _when(epoch_s: float | None) -> datetime | None:
@@ -59,9 +59,13 @@ def accounting_scan_run(*, scan_id: int) -> None:
     """Scan every tier and write one :class:`TierUsageSample` per (tier, prefix).
 
     Every namespace that is not dropped gets a row for each hot tier even when
-    the tier holds nothing for it (a zero in the series, not a gap). A tier
-    that cannot be read (e.g. Redis down) is named in the scan's error; the
-    rows of the other tiers are kept and the scan ends ``failed``.
+    the tier holds nothing for it (a zero in the series, not a gap). What a
+    tier holds outside every storage prefix (a file at a disk or cold root, a
+    Redis key without a prefix) gets a row per item under its stray
+    pseudo-prefix ``(stray)/<name>`` (``inference.tiers.base.stray_prefix``),
+    which no namespace owns: an orphan, with its bytes. A tier that cannot be
+    read (e.g. Redis down) is named in the scan's error; the rows of the other
+    tiers are kept and the scan ends ``failed``.
     """
     scan = job_claim(AccountingScan, scan_id)
     if scan is None:
@@ -104,7 +108,12 @@ def accounting_scan_run(*, scan_id: int) -> None:
                     sampled_at=now,
                 )  # fmt: skip
             )
-        job_log(scan, f"{tier}: {len(usage)} prefixes, {sum(u.bytes for u in usage.values())} bytes")
+        strays = [u for prefix, u in usage.items() if is_stray_prefix(prefix)]
+        line = f"{tier}: {len(usage) - len(strays)} prefixes, {sum(u.bytes for u in usage.values())} bytes"
+        if strays:
+            # Files, folders or keys outside any storage prefix: orphans under "(stray)/<name>".
+            line += f", of which {sum(u.bytes for u in strays)} in {len(strays)} stray items outside any prefix"
+        job_log(scan, line)
     TierUsageSample.objects.bulk_create(rows, batch_size=1000)
     summary = {
         "prefixes_seen": len({r.storage_prefix for r in rows}),
@@ -185,8 +194,10 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
 
     Returns:
         ``{"prefixes": [...], "namespaces": [...], "adapters": [...]}``:
-        storage prefixes no namespace has (their newest entry older than
-        ``ORPHAN_GRACE_S``: a younger one may be a namespace being created);
+        storage prefixes no namespace has, stray items outside every prefix
+        included (``(stray)/<name>``, see :func:`accounting_scan_run`), their
+        newest entry older than ``ORPHAN_GRACE_S`` (a younger one may be a
+        namespace being created);
         namespaces of retired versions, of failed releases and superseded
         shared-group generations whose state is not dropped; adapters no ready engine has
         used for ``ADAPTER_UNUSED_DAYS`` days (or ever, when registered that long ago).

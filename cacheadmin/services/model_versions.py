@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from cacheadmin.models import Adapter, ModelVersion
-from cacheadmin.models.naming import name_key, validate_display_name
+from cacheadmin.models.naming import NOT_DIFFERENT, name_key, validate_display_name
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.serving import version_status_wanted, version_traffic
 from inference.digest_cache import FileDigestCache
@@ -36,10 +36,21 @@ def checkpoint_fingerprint(
         (resolved checkpoint directory, identity report).
 
     Raises:
-        CheckpointError: bad path, outside the roots, malformed checkpoint.
+        CheckpointError: bad path, outside the roots, malformed checkpoint, an adapter name
+            that is not a display name or looks like another adapter's.
     """
     root = resolve_checkpoint_dir(path, settings.MODEL_ROOTS)
     adapter_dirs: dict[str, Path] = {}
+    seen: dict[str, str] = {}
+    for name in adapters or {}:
+        # Adapter names are what clients send as the model: held to the rules of every other name.
+        try:
+            validate_display_name(name)
+        except ValidationError as exc:
+            raise CheckpointError(f"adapter name {name!r}: {exc.messages[0]}") from exc
+        clash = seen.setdefault(name_key(name), name)
+        if clash != name:
+            raise CheckpointError(f"adapter names {clash!r} and {name!r} look alike ({NOT_DIFFERENT})")
     for name, adapter_path in (adapters or {}).items():
         adapter_dirs[name] = adapter_dir_resolve(adapter_path)
     cache = FileDigestCache(settings.DIGEST_CACHE_PATH)

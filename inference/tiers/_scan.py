@@ -115,19 +115,36 @@ def walk_tree(dir_fd: int) -> tuple[int, int, float | None]:
 
 
 def list_prefix(prefix_fd: int) -> tuple[list[str], list[os.DirEntry[str]]]:
-    """(entry folder names, other visible children) of a prefix directory.
-    Hidden names (leading ".") are neither."""
+    """(entry folder names, other children) of a prefix directory.
+
+    Entries are the visible folders; everything else (files, links, hidden
+    names: the tiers keep none of their own inside a prefix) is an "other",
+    whose bytes count towards the prefix but which is no entry."""
     entries: list[str] = []
     others: list[os.DirEntry[str]] = []
     with os.scandir(prefix_fd) as it:
         for child in it:
-            if child.name.startswith("."):
-                continue
-            if child.is_dir(follow_symlinks=False):
+            if not child.name.startswith(".") and child.is_dir(follow_symlinks=False):
                 entries.append(child.name)
             else:
                 others.append(child)
     return entries, others
+
+
+def tree_at(dir_fd: int, name: str) -> tuple[int, int, float | None] | None:
+    """:func:`walk_tree` of the folder ``name`` in ``dir_fd``: (logical bytes,
+    512-byte blocks, last file access) of everything below it, its own
+    blocks not included; None if it vanished or is not a folder (anymore)."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if _gone(exc):
+            return None
+        raise
+    try:
+        return walk_tree(fd)
+    finally:
+        os.close(fd)
 
 
 def scan_prefix(root_fd: int, prefix: str, shard: int = 0, nshards: int = 1) -> Aggregate | None:
@@ -150,15 +167,22 @@ def scan_prefix(root_fd: int, prefix: str, shard: int = 0, nshards: int = 1) -> 
     try:
         names, others = list_prefix(pfd)
         if shard == 0:
-            # The prefix directory itself and stray files are counted once, by shard 0.
+            # The prefix directory itself and what is not an entry are counted once, by shard 0.
             blocks += os.fstat(pfd).st_blocks
             for other in others:
                 try:
                     st = other.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                size += st.st_size
                 blocks += st.st_blocks
+                if not stat_module.S_ISDIR(st.st_mode):
+                    size += st.st_size
+                    continue
+                # A hidden folder: no entry, but its content is the prefix's.
+                tree = tree_at(pfd, other.name)
+                if tree is not None:
+                    size += tree[0]
+                    blocks += tree[1]
         if nshards > 1:
             names = [n for n in names if in_shard(n, shard, nshards)]
         count = 0

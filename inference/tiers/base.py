@@ -8,10 +8,12 @@ prefix of a prompt: a folder of per-layer files on disk, one string in Redis.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from dataclasses import dataclass
 
 __all__ = [
+    "STRAY_PREFIX",
     "TierEntry",
     "TierError",
     "TierUnavailable",
@@ -20,7 +22,25 @@ __all__ = [
     "check_entry_key",
     "check_prefix",
     "errno_text",
+    "is_prefix_name",
+    "is_stray_prefix",
+    "stray_prefix",
 ]
+
+#: Head of the pseudo-prefixes under which a tier reports what it holds
+#: outside every storage prefix ("strays"): files, links and foreign folders
+#: at a disk or cold tier's root, Redis keys without a valid ``{prefix}:``
+#: head. Each stray item is its own pseudo-prefix, ``(stray)/<its name>``
+#: (see :func:`stray_prefix`), so it has its own size and age and is deleted
+#: alone. No namespace can own one (no storage prefix may hold a ``/``, and
+#: no file name can), so accounting lists them as orphans; the tiers'
+#: ``usage``, ``exists`` and prefix deletes accept them like prefixes.
+STRAY_PREFIX = "(stray)/"
+#: Longest pseudo-prefix, in characters: the width of the accounting tables'
+#: ``storage_prefix`` columns. Longer names end in a digest (:func:`stray_prefix`).
+MAX_STRAY_CHARS = 200
+#: Characters of the digest that ends a shortened pseudo-prefix (``~`` + 16 hex).
+_DIGEST_CHARS = 17
 
 
 @dataclass(frozen=True)
@@ -135,6 +155,48 @@ def check_prefix(prefix: str) -> str:
             tiers' hidden names), or is absolute.
     """
     return _check_plain_name(prefix, "storage prefix")
+
+
+def is_prefix_name(name: str) -> bool:
+    """Whether a name found in a tier (a folder at the root, the head of a
+    Redis key) can be a storage prefix: :func:`check_prefix` accepts it and
+    it is valid UTF-8 (a name decoded with ``surrogateescape`` from other
+    bytes cannot be stored or shown as text). Anything else is a stray."""
+    try:
+        check_prefix(name)
+        name.encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        return False
+    return True
+
+
+def _printable(c: str) -> str:
+    """``c``, or its escape (``\\n``, ``\\x00``, ``\\u200b``) when it is not printable."""
+    return c if c.isprintable() else repr(c)[1:-1]
+
+
+def stray_prefix(raw: bytes) -> str:
+    """The pseudo-prefix of one stray item, from its name as bytes (a file
+    name, ``os.fsencode``-d, or a Redis key).
+
+    ``(stray)/`` + the name as UTF-8 text, with undecodable bytes as ``\\xNN``
+    and unprintable characters escaped, so it can be stored and shown; a name
+    that would make it longer than :data:`MAX_STRAY_CHARS` is cut and ends in
+    ``~`` + 16 hex digits of its BLAKE2b digest. Two names may map to one
+    pseudo-prefix (a literal ``\\x80`` and the byte 0x80): the tiers then count
+    and delete them together, both being strays.
+    """
+    text = "".join(_printable(c) for c in raw.decode("utf-8", "backslashreplace"))
+    name = STRAY_PREFIX + text
+    if len(name) <= MAX_STRAY_CHARS:
+        return name
+    digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+    return f"{name[: MAX_STRAY_CHARS - _DIGEST_CHARS]}~{digest}"
+
+
+def is_stray_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` is a stray pseudo-prefix (see :data:`STRAY_PREFIX`), not a storage prefix."""
+    return isinstance(prefix, str) and prefix.startswith(STRAY_PREFIX)
 
 
 def check_entry_key(key: str) -> str:

@@ -14,6 +14,13 @@ is restored or dropped. ``root/<prefix>.tar.gz`` is a tar stream (stdlib
 4. ``digest.json``: ``{"blake3": hex}`` over every member before it, each as
    ``len(name) name len(data) data`` (8-byte big-endian lengths).
 
+Hidden temp files ``.<prefix>.tar.gz.tmp-<16 hex>`` are archives being written
+(or left by a crash); :meth:`ColdTier.usage_all` counts them as bytes of their
+prefix and :meth:`ColdTier.delete` removes them. Anything else under ``root``
+(another file, a folder, a link, an archive name that cannot be a storage
+prefix) is a stray: reported under its own pseudo-prefix
+(:func:`inference.tiers.base.stray_prefix`) and removed by ``delete`` of it.
+
 gzip rather than xz: KV tensors are float data that barely compress. Measured
 here on float16 normal values: gzip level 1 leaves 92.6 % of the bytes at
 ~24 MB/s, xz preset 6 88.8 % at ~2.4 MB/s; restores (rollback) and demotions
@@ -26,25 +33,40 @@ import io
 import json
 import os
 import secrets
+import stat
 import struct
 import tarfile
 import tempfile
 import time
 import zlib
+from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 import blake3
 
-from inference.tiers.base import TierError, TierUsage, TierWriteFailed, check_entry_key, check_prefix, errno_text
-from inference.tiers.disk import DiskTier, _rmtree
+from inference.tiers import _scan
+from inference.tiers.base import (
+    TierError,
+    TierUsage,
+    TierWriteFailed,
+    check_entry_key,
+    check_prefix,
+    errno_text,
+    is_prefix_name,
+    is_stray_prefix,
+    stray_prefix,
+)
+from inference.tiers.disk import DiskTier, _rmtree, root_items_usage
 from inference.tiers.redis_tier import DumpedEntry, RedisTier
 
 __all__ = ["ArchiveInfo", "ColdTier"]
 
 SUFFIX = ".tar.gz"
+#: Between ``.<prefix>.tar.gz`` and the 16 hex digits of an archive's temp file.
+TEMP_MARK = ".tmp-"
 FORMAT = 1
 MANIFEST = "manifest.json"
 DIGEST = "digest.json"
@@ -127,6 +149,42 @@ class _HashingReader:
         return data
 
 
+@dataclass
+class _RootListing:
+    """What lies directly under the cold tier's root, by kind (see the module doc).
+
+    Attributes:
+        archives: prefixes with an archive.
+        temps: prefix → names of its archives' temp files.
+        strays: stray pseudo-prefix → the names of the items it stands for.
+    """
+
+    archives: list[str] = field(default_factory=list)
+    temps: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    strays: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+
+def _temp_prefix(name: str) -> str | None:
+    """The prefix of a temp file name ``.<prefix>.tar.gz.tmp-<16 hex>``, else None."""
+    head, mark, token = name.rpartition(TEMP_MARK)
+    if not (mark and name.startswith(".") and head.endswith(SUFFIX)) or len(token) != 16:
+        return None
+    if any(c not in "0123456789abcdef" for c in token):
+        return None
+    prefix = head[1 : -len(SUFFIX)]
+    return prefix if is_prefix_name(prefix) else None
+
+
+def _kind_of(name: str, is_file: bool) -> str:
+    """``"archive"``, ``"temp"`` or ``"stray"``: what a name directly under the
+    root is (``is_file``: a regular file, not a link)."""
+    if is_file and _temp_prefix(name) is not None:
+        return "temp"
+    if is_file and name.endswith(SUFFIX) and is_prefix_name(name[: -len(SUFFIX)]):
+        return "archive"
+    return "stray"
+
+
 def _hash_header(hasher: Any, name: str, size: int) -> None:
     encoded = name.encode("utf-8", "surrogateescape")
     hasher.update(_LEN.pack(len(encoded)) + encoded + _LEN.pack(size))
@@ -182,20 +240,25 @@ class ColdTier:
         return self.root / f"{check_prefix(prefix)}{SUFFIX}"
 
     def exists(self, prefix: str) -> bool:
-        """Whether the prefix has an archive (not checked; see :meth:`verify`)."""
+        """Whether the prefix has an archive (not checked; see :meth:`verify`);
+        for a stray pseudo-prefix, whether any item it stands for is there.
+
+        Raises:
+            ValueError: invalid prefix.
+        """
+        if is_stray_prefix(prefix):
+            return bool(self._list_root().strays.get(prefix))
         return self.archive_path(prefix).is_file()
 
     def prefixes(self) -> list[str]:
-        """Prefixes with an archive, sorted (temp files are hidden names, not listed)."""
-        try:
-            with os.scandir(self.root) as it:
-                return sorted(
-                    e.name[: -len(SUFFIX)]
-                    for e in it
-                    if e.name.endswith(SUFFIX) and not e.name.startswith(".") and e.is_file(follow_symlinks=False)
-                )
-        except FileNotFoundError:
-            return []
+        """Prefixes with an archive, sorted: regular files ``<prefix>.tar.gz``
+        whose ``<prefix>`` can be a storage prefix (temp files and strays are
+        not listed).
+
+        Raises:
+            TierError: ``root`` cannot be listed (other than not existing).
+        """
+        return sorted(self._list_root().archives)
 
     # -- writing -------------------------------------------------------------
 
@@ -431,11 +494,15 @@ class ColdTier:
 
     def delete(self, prefix: str) -> int:
         """Drop the prefix's archive (and any temp file a crashed archive left);
-        returns bytes freed (file sizes). Idempotent: 0 when absent.
+        returns bytes freed (file sizes). For a stray pseudo-prefix, remove
+        the items it stands for (a folder with everything below it; a link,
+        never its target). Idempotent: 0 when absent.
 
         Raises:
             ValueError: invalid prefix. TierError: removal failed.
         """
+        if is_stray_prefix(prefix):
+            return self._delete_strays(self._list_root().strays.get(prefix, []))
         path = self.archive_path(prefix)
         freed = 0
         candidates = [path]
@@ -463,9 +530,15 @@ class ColdTier:
         last access. An unreadable manifest counts 0 entries and uses the
         file's mtime (run :meth:`verify` to find out why).
 
+        A stray pseudo-prefix gets the usage of the items it stands for (see
+        :func:`inference.tiers.disk.root_items_usage`).
+
         Raises:
             ValueError: invalid prefix.
+            TierError: a stray cannot be read.
         """
+        if is_stray_prefix(prefix):
+            return root_items_usage(self.root, prefix, self._list_root().strays.get(prefix, []))
         path = self.archive_path(prefix)
         try:
             st = path.stat()
@@ -494,10 +567,85 @@ class ColdTier:
         )
 
     def usage_all(self) -> dict[str, TierUsage]:
-        """:meth:`usage` of every archived prefix, keyed by prefix."""
-        return {prefix: self.usage(prefix) for prefix in self.prefixes()}
+        """:meth:`usage` of every archived prefix and of every stray, keyed by
+        prefix or pseudo-prefix: every byte under ``root`` is in one of them.
+
+        An archive's temp files (being written, or left by a crash) add to
+        its prefix's ``bytes`` and ``allocated_bytes``; a prefix with temp
+        files only has 0 entries and their mtimes as its times (a temp file
+        still being written keeps it young).
+
+        Raises:
+            TierError: ``root`` cannot be listed, or a stray cannot be read.
+        """
+        listing = self._list_root()
+        usages = {prefix: self.usage(prefix) for prefix in sorted(listing.archives)}
+        for prefix, names in sorted(listing.temps.items()):
+            extra = root_items_usage(self.root, prefix, names)
+            current = usages.get(prefix)
+            if current is None:
+                usages[prefix] = replace(extra, entries=0)
+            else:
+                usages[prefix] = replace(
+                    current,
+                    bytes=current.bytes + extra.bytes,
+                    allocated_bytes=current.allocated_bytes + extra.allocated_bytes,
+                )
+        for pseudo, names in sorted(listing.strays.items()):
+            usages[pseudo] = root_items_usage(self.root, pseudo, names)
+        return usages
 
     # -- internals -----------------------------------------------------------
+
+    def _list_root(self) -> _RootListing:
+        """Every name directly under ``root`` by kind."""
+        listing = _RootListing()
+        try:
+            with os.scandir(self.root) as it:
+                children = [(e.name, e.is_file(follow_symlinks=False)) for e in it]
+        except FileNotFoundError:
+            return listing
+        except OSError as exc:
+            raise TierError(f"cold tier {self.root}: cannot list: {exc}") from exc
+        for name, is_file in children:
+            kind = _kind_of(name, is_file)
+            if kind == "archive":
+                listing.archives.append(name[: -len(SUFFIX)])
+            elif kind == "temp":
+                prefix = _temp_prefix(name)
+                assert prefix is not None
+                listing.temps[prefix].append(name)
+            else:
+                listing.strays[stray_prefix(os.fsencode(name))].append(name)
+        return listing
+
+    def _delete_strays(self, names: list[str]) -> int:
+        """Remove stray items directly under ``root``; returns logical bytes
+        freed. Each is classified again first: one that became an archive or
+        a temp file since the listing is left alone."""
+        freed = 0
+        for name in sorted(names):
+            path = self.root / name
+            try:
+                st = os.lstat(path)
+                if _kind_of(name, stat.S_ISREG(st.st_mode)) != "stray":
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    try:
+                        tree = _scan.tree_at(root_fd, name)
+                    finally:
+                        os.close(root_fd)
+                    _rmtree(path)
+                    freed += tree[0] if tree is not None else 0
+                else:
+                    path.unlink()
+                    freed += st.st_size
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise TierError(f"cold tier {self.root}: cannot delete stray {name!r}: {exc}") from exc
+        return freed
 
     def _read(self, prefix: str, path: Path, restore: _Restore | None) -> ArchiveInfo | None:
         """One sequential pass over the archive: verify it, and restore it

@@ -13,10 +13,17 @@ attention layer (``_generate_filename_debug``). So here:
   layer files were created, all within one forward pass), its last access
   ``max(atime, mtime)`` over its files.
 
-Hidden names (leading ``.``) under ``root`` are the tier's own: tombstones
-``.deleting-<prefix>.<hex>`` of prefixes and entries being removed, and
-staging folders ``.restoring-<prefix>.<hex>`` of restores in progress. They are
-never reported as prefixes or entries.
+Hidden folders under ``root`` named by the tier are its own: tombstones
+``.deleting-<prefix>.<hex>`` of prefixes, entries and strays being removed
+(finished by every scan, never reported), and staging folders
+``.restoring-<prefix>.<hex>`` of restores in progress or crashed (reported by
+:meth:`DiskTier.usage_all` as bytes of their prefix, removed by a delete of
+that prefix). Everything else under ``root`` that is not a prefix folder (a
+file, a link, a foreign hidden name, a folder whose name cannot be a storage
+prefix) is a stray: reported under its own pseudo-prefix
+(:func:`inference.tiers.base.stray_prefix`) so its bytes are seen and an
+eviction can delete it; inside a prefix folder, whatever is not an entry
+folder counts towards the prefix's bytes.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ import shutil
 import stat as stat_module
 import subprocess
 import sys
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,9 +51,12 @@ from inference.tiers.base import (
     check_entry_key,
     check_prefix,
     errno_text,
+    is_prefix_name,
+    is_stray_prefix,
+    stray_prefix,
 )
 
-__all__ = ["DiskEntryFiles", "DiskFile", "DiskTier"]
+__all__ = ["DiskEntryFiles", "DiskFile", "DiskTier", "root_items_usage"]
 
 TOMBSTONE = ".deleting-"
 STAGING = ".restoring-"
@@ -77,8 +88,41 @@ class DiskEntryFiles:
     files: tuple[DiskFile, ...]
 
 
+@dataclass
+class _RootListing:
+    """What lies directly under a disk tier's root, by kind (see the module doc).
+
+    Attributes:
+        prefixes: prefix folder names.
+        staging: prefix → names of its staging folders.
+        strays: stray pseudo-prefix → the names of the items it stands for.
+    """
+
+    prefixes: list[str] = field(default_factory=list)
+    staging: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    strays: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+
 def _tombstone_name(prefix: str) -> str:
+    # A stray's tombstone has an empty prefix: ".deleting-.<hex>".
     return f"{TOMBSTONE}{prefix}.{secrets.token_hex(8)}"
+
+
+def _hidden_head(name: str, kind: str) -> str | None:
+    """The ``<prefix>`` of ``<kind><prefix>.<16 hex digits>``, or None if
+    ``name`` is not so formed."""
+    return name[len(kind) :].rpartition(".")[0] if _is_hidden_of(name, kind, None) else None
+
+
+def _kind_of(name: str, is_dir: bool) -> str:
+    """``"prefix"``, ``"tombstone"``, ``"staging"`` or ``"stray"``: what a
+    name directly under the root is (``is_dir``: a real folder, not a link)."""
+    if name.startswith("."):
+        if is_dir and _is_hidden_of(name, TOMBSTONE, None):
+            return "tombstone"
+        head = _hidden_head(name, STAGING)
+        return "staging" if is_dir and head is not None and is_prefix_name(head) else "stray"
+    return "prefix" if is_dir and is_prefix_name(name) else "stray"
 
 
 def _is_hidden_of(name: str, kind: str, prefix: str | None) -> bool:
@@ -157,20 +201,24 @@ class DiskTier:
 
     def prefixes(self) -> list[str]:
         """Storage prefixes present, sorted: real directories directly under
-        ``root`` without a leading ``.`` (symlinks are not followed, so not
-        listed). Empty when ``root`` does not exist."""
-        try:
-            with os.scandir(self.root) as it:
-                return sorted(e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
-        except FileNotFoundError:
-            return []
+        ``root`` whose names can be storage prefixes (no leading ``.``; see
+        :func:`inference.tiers.base.is_prefix_name`; symlinks are not
+        followed, so not listed). Empty when ``root`` does not exist.
+
+        Raises:
+            TierError: ``root`` cannot be listed (other than not existing).
+        """
+        return sorted(self._list_root().prefixes)
 
     def exists(self, prefix: str) -> bool:
-        """Whether ``root/<prefix>`` is a directory (not a symlink).
+        """Whether ``root/<prefix>`` is a directory (not a symlink); for a
+        stray pseudo-prefix, whether any item it stands for is there.
 
         Raises:
             ValueError: invalid prefix.
         """
+        if is_stray_prefix(prefix):
+            return bool(self._list_root().strays.get(prefix))
         try:
             return stat_module.S_ISDIR(os.lstat(self.prefix_path(prefix)).st_mode)
         except FileNotFoundError:
@@ -180,27 +228,56 @@ class DiskTier:
         """Usage of one prefix (:class:`TierUsage.empty` if absent). ``bytes``
         is the sum of file sizes; ``allocated_bytes`` counts file system blocks
         of files and directories, prefix folder included, as ``du -s -B1``
-        does (hard links are counted each time).
+        does (hard links are counted each time). The prefix's staging folders
+        are left out (only :meth:`usage_all` lists the root to find them).
+        A stray pseudo-prefix gets the usage of the items it stands for (see
+        :meth:`usage_all`).
 
         Raises:
             ValueError: invalid prefix.
         """
+        if is_stray_prefix(prefix):
+            return self._strays_usage(prefix, self._list_root().strays.get(prefix, []))
         check_prefix(prefix)
         return self._usage_of([prefix]).get(prefix) or TierUsage.empty(prefix)
 
     def usage_all(self) -> dict[str, TierUsage]:
-        """The accounting scan: usage of every prefix in one pass, keyed by prefix.
+        """The accounting scan: usage of every prefix in one pass, keyed by
+        prefix, and of every stray, keyed by its pseudo-prefix: every byte
+        under ``root`` is in exactly one of them, except leftover tombstones,
+        which are finished first (a crash between rename and removal) so they
+        stop holding space.
 
-        Finishes leftover tombstones first (a crash between rename and
-        removal), so they stop holding space. Big trees are split across
-        worker processes (see :data:`PARALLEL_MIN_ENTRIES`); a worker that
-        fails is redone in this process.
+        A prefix's staging folders (restores in progress or crashed) add to
+        its ``bytes`` and ``allocated_bytes`` (a prefix with nothing else has
+        0 entries and the staging folders' times). A stray's usage: its bytes (a folder's: of everything
+        below it), 1 entry, created and newest at its mtime (a folder's: the
+        latest of its own mtime and its files' atime and mtime, so a folder in
+        use never looks old). Big trees are split across worker processes (see
+        :data:`PARALLEL_MIN_ENTRIES`); a worker that fails is redone in this
+        process.
 
         Raises:
-            TierError: ``root`` cannot be listed (other than not existing).
+            TierError: ``root`` cannot be listed or scanned (other than not existing).
         """
         self._finish_tombstones(None)
-        return self._usage_of(self.prefixes())
+        listing = self._list_root()
+        usages = self._usage_of(sorted(listing.prefixes))
+        for prefix, names in sorted(listing.staging.items()):
+            extra = root_items_usage(self.root, prefix, names)
+            current = usages.get(prefix)
+            if current is None:
+                # Times stay: a restore still writing keeps a prefix no namespace has yet young.
+                usages[prefix] = replace(extra, entries=0)
+            else:
+                usages[prefix] = replace(
+                    current,
+                    bytes=current.bytes + extra.bytes,
+                    allocated_bytes=current.allocated_bytes + extra.allocated_bytes,
+                )
+        for pseudo, names in sorted(listing.strays.items()):
+            usages[pseudo] = self._strays_usage(pseudo, names)
+        return usages
 
     def entries(self, prefix: str) -> list[TierEntry]:
         """Entries of ``prefix`` sorted by key (empty if the prefix is absent).
@@ -328,13 +405,17 @@ class DiskTier:
         The prefix directory is renamed to a tombstone first, so no live
         prefix is ever half deleted; leftover tombstones and staging folders
         of this prefix (an earlier crash) are removed too and their bytes
-        counted. Idempotent: afterwards ``exists(prefix)`` is False and a
-        second call returns 0.
+        counted. For a stray pseudo-prefix, the items it stands for are
+        removed (a folder through a tombstone, like a prefix; a file or link
+        unlinked, never its target). Idempotent: afterwards ``exists(prefix)``
+        is False and a second call returns 0.
 
         Raises:
             ValueError: invalid prefix.
             TierError: the rename or removal failed for another reason.
         """
+        if is_stray_prefix(prefix):
+            return self._delete_strays(self._list_root().strays.get(prefix, []))
         path = self.prefix_path(prefix)
         try:
             if stat_module.S_ISDIR(os.lstat(path).st_mode):
@@ -416,6 +497,53 @@ class DiskTier:
         return len(keys)
 
     # -- internals -----------------------------------------------------------
+
+    def _list_root(self) -> _RootListing:
+        """Every name directly under ``root`` by kind (tombstones left out)."""
+        listing = _RootListing()
+        try:
+            with os.scandir(self.root) as it:
+                children = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        except FileNotFoundError:
+            return listing
+        except OSError as exc:
+            raise TierError(f"disk tier {self.root}: cannot list: {exc}") from exc
+        for name, is_dir in children:
+            kind = _kind_of(name, is_dir)
+            if kind == "prefix":
+                listing.prefixes.append(name)
+            elif kind == "staging":
+                listing.staging[name[len(STAGING) :].rpartition(".")[0]].append(name)
+            elif kind == "stray":
+                listing.strays[stray_prefix(os.fsencode(name))].append(name)
+        return listing
+
+    def _strays_usage(self, pseudo: str, names: list[str]) -> TierUsage:
+        return root_items_usage(self.root, pseudo, names)
+
+    def _delete_strays(self, names: list[str]) -> int:
+        """Remove stray items directly under ``root``; returns logical bytes freed.
+        Each is classified again first: one that became a prefix folder since
+        the listing is left alone."""
+        freed = 0
+        for name in sorted(names):
+            path = self.root / name
+            try:
+                st = os.lstat(path)
+                if _kind_of(name, stat_module.S_ISDIR(st.st_mode)) != "stray":
+                    continue
+                if stat_module.S_ISDIR(st.st_mode):
+                    tomb = self.root / _tombstone_name("")
+                    os.rename(path, tomb)
+                    freed += self._remove_tombstone(tomb.name)
+                else:
+                    os.unlink(path)
+                    freed += st.st_size
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise TierError(f"disk tier {self.root}: cannot delete stray {name!r}: {exc}") from exc
+        return freed
 
     def _remove_tombstone(self, name: str) -> int:
         """Remove one tombstone; returns the logical bytes it held (0 if
@@ -505,6 +633,64 @@ class DiskTier:
                 continue
             total += nlink - 2 if nlink >= 2 else PARALLEL_MIN_ENTRIES
         return total
+
+
+def root_items_usage(root: Path, prefix: str, names: Iterable[str]) -> TierUsage:
+    """Usage of items directly under ``root`` (files, links or whole folders,
+    never followed), reported as ``prefix``: one entry each, items that
+    vanished meanwhile count nothing (:meth:`TierUsage.empty` when none is left).
+
+    Each item: a file's size, blocks and mtime (its creation time here) and
+    ``max(atime, mtime)`` (its last access); a folder's bytes and blocks of
+    everything below it and, as both times, the latest of its own mtime and
+    its files' atime and mtime (so a folder in use never looks old).
+
+    Raises:
+        TierError: an item cannot be read (other than vanishing).
+    """
+    size = blocks = count = 0
+    created: list[float] = []
+    accessed: list[float] = []
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return TierUsage.empty(prefix)
+    name = ""
+    try:
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+                tree = _scan.tree_at(root_fd, name) if stat_module.S_ISDIR(st.st_mode) else None
+            except FileNotFoundError:
+                continue
+            count += 1
+            blocks += st.st_blocks
+            if tree is None:
+                size += st.st_size
+                created.append(st.st_mtime)
+                accessed.append(max(st.st_atime, st.st_mtime))
+            else:
+                # Not the folder's own atime: listing it (this scan) sets that.
+                size += tree[0]
+                blocks += tree[1]
+                last = st.st_mtime if tree[2] is None else max(st.st_mtime, tree[2])
+                created.append(last)
+                accessed.append(last)
+    except OSError as exc:
+        raise TierError(f"{root}: cannot scan {name!r}: {exc}") from exc
+    finally:
+        os.close(root_fd)
+    if not count:
+        return TierUsage.empty(prefix)
+    return TierUsage(
+        prefix=prefix,
+        bytes=size,
+        allocated_bytes=blocks * _scan.BLOCK,
+        entries=count,
+        oldest_entry_at=min(created),
+        newest_entry_at=max(created),
+        last_access_at=max(accessed),
+    )
 
 
 def _regular_files(dir_fd: int, base: str) -> Iterator[DiskFile]:

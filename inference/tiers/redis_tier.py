@@ -11,13 +11,20 @@ Times recorded by ``put``/``get`` come from the calling host's clock; idle
 times from Redis are converted with the server's ``TIME``.
 
 Use a database of its own for the tier: :meth:`RedisTier.usage_all` groups
-every key of the database by the text before its first ``:``. The Lua script
-of ``get`` touches an entry and its prefix's metadata hash in one call, which
-Redis Cluster refuses (different hash slots): the tier needs a single Redis.
+every key of the database by the text before its first ``:``. A key whose
+head cannot be a storage prefix (no ``:``, an empty head, a head with ``/`` or
+a leading ``.``, invalid UTF-8...) and a ``kvcp:`` key that is no prefix's
+metadata are strays: each is reported under its own pseudo-prefix
+(:func:`inference.tiers.base.stray_prefix`) with its size, so no key is
+unaccounted, and :meth:`RedisTier.delete_prefix` of that pseudo-prefix removes
+it. The Lua script of ``get`` touches an entry and its prefix's metadata hash
+in one call, which Redis Cluster refuses (different hash slots): the tier
+needs a single Redis.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -27,12 +34,23 @@ from typing import Any, NamedTuple
 
 import redis
 
-from inference.tiers.base import TierEntry, TierError, TierUnavailable, TierUsage, check_prefix
+from inference.tiers.base import (
+    TierEntry,
+    TierError,
+    TierUnavailable,
+    TierUsage,
+    check_prefix,
+    is_stray_prefix,
+    stray_prefix,
+)
 
-__all__ = ["DumpedEntry", "RedisTier", "escape_glob"]
+__all__ = ["DumpedEntry", "RedisTier", "escape_glob", "escape_glob_bytes"]
 
 #: First segment of the tier's own keys; no storage prefix may be named so.
 META_NS = "kvcp"
+_META_HEAD = META_NS.encode()
+#: What follows ``kvcp:`` in a prefix's metadata key, before the prefix.
+_META_PART = b"meta:"
 #: SCAN's COUNT: keys examined per round trip. Large, so a million keys take
 #: ~100 round trips instead of redis-cli's 100,000 at its default of 10; each
 #: call still blocks the server only for the ~ms it takes to walk 10,000 slots.
@@ -78,6 +96,41 @@ return total
 """
 
 
+# Sizes of stray keys, whatever their type: STRLEN of a string (the logical
+# length, as for entries), MEMORY USAGE of any other value (what it takes in
+# Redis: a hash or list has no logical length); -1 for a key that is gone.
+_STRAY_SIZES = """
+local out = {}
+for i, k in ipairs(KEYS) do
+  local t = redis.call('TYPE', k)['ok']
+  if t == 'none' then
+    out[i] = -1
+  elseif t == 'string' then
+    out[i] = redis.call('STRLEN', k)
+  else
+    out[i] = redis.call('MEMORY', 'USAGE', k) or 0
+  end
+end
+return out
+"""
+
+# The same sizes, summed, and one UNLINK of all KEYS, atomically: the bytes
+# freed are those of the keys this call removed.
+_STRAY_SIZES_AND_UNLINK = """
+local total = 0
+for _, k in ipairs(KEYS) do
+  local t = redis.call('TYPE', k)['ok']
+  if t == 'string' then
+    total = total + redis.call('STRLEN', k)
+  elseif t ~= 'none' then
+    total = total + (redis.call('MEMORY', 'USAGE', k) or 0)
+  end
+end
+redis.call('UNLINK', unpack(KEYS))
+return total
+"""
+
+
 class DumpedEntry(NamedTuple):
     """One entry as ``DUMP`` serialises it, for cold archiving.
 
@@ -103,9 +156,35 @@ def escape_glob(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\^" else c for c in text)
 
 
+def escape_glob_bytes(raw: bytes) -> bytes:
+    """:func:`escape_glob` of a key's raw bytes (which need not be UTF-8)."""
+    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\^" else bytes([c]) for c in raw)
+
+
 def _chunks(items: Sequence[bytes], size: int) -> Iterator[Sequence[bytes]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+@functools.lru_cache(maxsize=4096)  # one head per prefix, met once per key in a scan
+def _prefix_of_head(head: bytes) -> str | None:
+    """``head`` as a storage prefix of this tier, or None when it cannot be
+    one (invalid UTF-8, or refused by :meth:`RedisTier.check_prefix`)."""
+    try:
+        return RedisTier.check_prefix(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _classify(raw: bytes) -> tuple[str, str]:
+    """What a key of the tier's database is: ``("entry", prefix)``, ``("meta",
+    prefix)`` for a prefix's metadata hash, or ``("stray", pseudo-prefix)``."""
+    head, sep, rest = raw.partition(b":")
+    if sep and head == _META_HEAD:
+        prefix = _prefix_of_head(rest[len(_META_PART) :]) if rest.startswith(_META_PART) else None
+        return ("meta", prefix) if prefix is not None else ("stray", stray_prefix(raw))
+    prefix = _prefix_of_head(head) if sep else None
+    return ("entry", prefix) if prefix is not None else ("stray", stray_prefix(raw))
 
 
 def _float_or_none(raw: bytes | None) -> float | None:
@@ -145,6 +224,8 @@ class RedisTier:
         self.history_k = history_k
         self._get_script = client.register_script(_GET_AND_RECORD)
         self._unlink_script = client.register_script(_STRLEN_AND_UNLINK)
+        self._stray_sizes_script = client.register_script(_STRAY_SIZES)
+        self._stray_unlink_script = client.register_script(_STRAY_SIZES_AND_UNLINK)
         self._no_touch: bool | None = None
 
     def __repr__(self) -> str:
@@ -237,11 +318,16 @@ class RedisTier:
 
     def exists(self, prefix: str) -> bool:
         """Whether any key ``{prefix}:*`` exists (SCAN until the first match:
-        O(keys in the database) when there is none).
+        O(keys in the database) when there is none); for a stray
+        pseudo-prefix, whether a key it stands for exists (a SCAN of the
+        whole database until it is found).
 
         Raises:
             ValueError: invalid prefix. TierUnavailable: Redis down.
         """
+        if is_stray_prefix(prefix):
+            with self._errors(f"exists {prefix}"):
+                return any(True for _ in self._stray_keys(prefix))
         self.check_prefix(prefix)
         with self._errors(f"exists {prefix}"):
             return any(True for _ in self._scan(self._match(prefix), first_only=True))
@@ -267,23 +353,39 @@ class RedisTier:
 
     def count_all(self) -> dict[str, int]:
         """Keys per prefix in one SCAN of the database, grouped by the text
-        before the first ``:``; the tier's ``kvcp:`` keys and keys without
-        ``:`` are left out.
+        before the first ``:``, and 1 per stray key under its pseudo-prefix;
+        the metadata of prefixes (``kvcp:meta:*``) is left out.
+
+        Keys under a head that is no prefix (rare: ``kvcp``, an empty or
+        invalid head) are looked at one by one in a SCAN of that head each.
 
         Raises:
             TierUnavailable: Redis down.
         """
         counts: Counter[bytes] = Counter()
+        no_head: list[bytes] = []
+        result: Counter[str] = Counter()
         with self._errors("count_all"):
             cursor = 0
             while True:
                 cursor, keys = self.client.scan(cursor, count=SCAN_COUNT)
+                # Grouped in C (this is the fast count); keys without ":" are rare.
                 counts.update(head for head, sep, _ in map(bytes.partition, keys, repeat(b":")) if sep)
+                no_head += [k for k in keys if b":" not in k]
                 if cursor == 0:
                     break
-        counts.pop(META_NS.encode(), None)
-        counts.pop(b"", None)
-        return {head.decode("utf-8", "surrogateescape"): n for head, n in counts.items()}
+            for head, n in counts.items():
+                prefix = _prefix_of_head(head)
+                if prefix is not None:
+                    result[prefix] += n
+                    continue
+                for raw in self._scan(escape_glob_bytes(head) + b":*"):
+                    kind, pseudo = _classify(raw)
+                    if kind == "stray":
+                        result[pseudo] += 1
+        for raw in no_head:
+            result[stray_prefix(raw)] += 1
+        return dict(result)
 
     def entries(self, prefix: str) -> list[TierEntry]:
         """Entries of ``prefix`` sorted by key.
@@ -312,31 +414,54 @@ class RedisTier:
     def usage(self, prefix: str) -> TierUsage:
         """Usage of one prefix from :meth:`entries`: ``bytes`` = sum of value
         lengths (``allocated_bytes`` the same: the tier does not measure Redis'
-        per-key overhead); creation times where ``put`` recorded them.
+        per-key overhead); creation times where ``put`` recorded them. A
+        stray pseudo-prefix gets the usage of the keys it stands for (see
+        :meth:`usage_all`; a SCAN of the whole database).
 
         Raises:
             ValueError: invalid prefix. TierUnavailable: Redis down.
         """
+        if is_stray_prefix(prefix):
+            with self._errors(f"usage {prefix}"):
+                return self._stray_usage(prefix, sorted(set(self._stray_keys(prefix))))
         return _usage_from(prefix, self.entries(prefix))
 
     def usage_all(self) -> dict[str, TierUsage]:
-        """Usage of every prefix: one SCAN of the whole database grouped by
-        the text before the first ``:`` (skipping the ``kvcp:`` metadata and
-        keys without ``:``), then the per-key pipeline of :meth:`entries`.
+        """Usage of every prefix and of every stray key: one SCAN of the whole
+        database, each key sorted to its prefix (the text before the first
+        ``:``), to its prefix's metadata (``kvcp:meta:{prefix}``) or to a
+        stray pseudo-prefix (see the module doc); then the per-key pipeline
+        of :meth:`entries` for prefixes.
+
+        A prefix with metadata but no entry left (entries expired or removed
+        by another client) is listed with zero usage, so an orphan's metadata
+        is seen and deleted with it. A stray key's usage: 1 entry of
+        ``STRLEN`` bytes for a string, ``MEMORY USAGE`` bytes for any other
+        type (it has no logical length), no times (Redis keeps none; the
+        accounting's first sighting stands in for its age).
 
         Raises:
             TierUnavailable: Redis down.
         """
-        groups: defaultdict[bytes, list[bytes]] = defaultdict(list)
+        groups: defaultdict[str, list[bytes]] = defaultdict(list)
+        strays: defaultdict[str, list[bytes]] = defaultdict(list)
+        with_meta: set[str] = set()
         with self._errors("usage_all"):
             for raw in self._scan(None):
-                head, sep, _ = raw.partition(b":")
-                if sep and head and head != META_NS.encode():
-                    groups[head].append(raw)
+                kind, prefix = _classify(raw)
+                if kind == "entry":
+                    groups[prefix].append(raw)
+                elif kind == "meta":
+                    with_meta.add(prefix)
+                else:
+                    strays[prefix].append(raw)
             result: dict[str, TierUsage] = {}
-            for head in sorted(groups):
-                prefix = head.decode("utf-8", "surrogateescape")
-                result[prefix] = _usage_from(prefix, self._describe(prefix, sorted(set(groups[head]))))
+            for prefix in sorted(groups):
+                result[prefix] = _usage_from(prefix, self._describe(prefix, sorted(set(groups[prefix]))))
+            for prefix in sorted(with_meta - set(result)):
+                result[prefix] = TierUsage.empty(prefix)
+            for pseudo in sorted(strays):
+                result[pseudo] = self._stray_usage(pseudo, sorted(set(strays[pseudo])))
             return result
 
     # -- deleting ------------------------------------------------------------
@@ -367,11 +492,17 @@ class RedisTier:
         """Delete every key ``{prefix}:*`` and the prefix's metadata; returns
         logical bytes freed (sum of ``STRLEN``). SCAN + ``UNLINK`` in batches
         of :data:`BATCH`. Idempotent; keys written while it runs may survive
-        (stop writers first).
+        (stop writers first). For a stray pseudo-prefix, the keys it stands
+        for are deleted (a SCAN of the whole database) and their sizes, as
+        :meth:`usage_all` counts them, returned.
 
         Raises:
             ValueError: invalid prefix. TierUnavailable: Redis down.
         """
+        if is_stray_prefix(prefix):
+            with self._errors(f"delete {prefix}"):
+                keys = sorted(set(self._stray_keys(prefix)))
+                return sum(int(self._stray_unlink_script(keys=list(batch))) for batch in _chunks(keys, BATCH))
         self.check_prefix(prefix)
         pattern = self._match(prefix)
         freed = 0
@@ -519,6 +650,28 @@ class RedisTier:
                 )
         return entries
 
+    def _stray_keys(self, pseudo: str) -> Iterator[bytes]:
+        """Keys of the database that ``pseudo`` (a stray pseudo-prefix) stands for."""
+        for raw in self._scan(None):
+            kind, prefix = _classify(raw)
+            if kind == "stray" and prefix == pseudo:
+                yield raw
+
+    def _stray_usage(self, pseudo: str, keys: Sequence[bytes]) -> TierUsage:
+        """Usage of stray keys (see :meth:`usage_all`); keys gone meanwhile count nothing."""
+        sizes = [size for batch in _chunks(keys, BATCH) for size in self._stray_sizes_script(keys=list(batch)) if size >= 0]
+        if not sizes:
+            return TierUsage.empty(pseudo)
+        return TierUsage(
+            prefix=pseudo,
+            bytes=sum(sizes),
+            allocated_bytes=sum(sizes),
+            entries=len(sizes),
+            oldest_entry_at=None,
+            newest_entry_at=None,
+            last_access_at=None,
+        )
+
     def _parse_history(self, raw: bytes | None) -> tuple[float, ...]:
         if not raw:
             return ()
@@ -527,7 +680,7 @@ class RedisTier:
         except ValueError:
             return ()
 
-    def _scan(self, pattern: str | None, *, first_only: bool = False) -> Iterator[bytes]:
+    def _scan(self, pattern: str | bytes | None, *, first_only: bool = False) -> Iterator[bytes]:
         cursor = 0
         while True:
             cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)

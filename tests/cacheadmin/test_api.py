@@ -24,6 +24,7 @@ from cacheadmin.models import (
     RetentionPolicy,
     Tenant,
 )
+from cacheadmin.models.naming import name_key
 from cacheadmin.models.releases import PrefixHeat
 from cacheadmin.services.api_tokens import api_token_issue, api_token_revoke
 
@@ -332,7 +333,7 @@ def test_model_version_labels_differing_only_by_case_or_unicode_form_collide(dem
         model_version_register(
             path=demo_checkpoints["tiny-v2"], label="TINY-v1", served_name="tiny", layout=LayoutOptions(), actor="a"
         )
-    assert ModelVersion.objects.filter(label_key="tiny-v1").count() == 1
+    assert ModelVersion.objects.filter(label_key=name_key("tiny-v1")).count() == 1
 
 
 def test_hostile_bodies_get_envelopes_not_500s(world) -> None:

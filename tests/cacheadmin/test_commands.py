@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cacheadmin.models import AuditEvent, ModelVersion, Tenant
+from cacheadmin.models.naming import name_key
 from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
 from inference.errors import CheckpointError
 from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id
@@ -151,7 +152,8 @@ def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoi
     owner = retention_owner_get_or_create(name="team", email="t@example.com", actor="alice")
     acme = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
     first = namespace_get_or_create(model_version=version, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice")
-    Tenant.objects.filter(pk=acme.pk).update(slug="acme-old")  # a rename behind the services' back
+    # A rename behind the services' back (its comparison key follows, as a save would).
+    Tenant.objects.filter(pk=acme.pk).update(slug="acme-old", slug_key=name_key("acme-old"))
     newcomer = tenant_get_or_create(slug="acme", name="Someone else", actor="bob")
     # The newcomer's boundary holds its own key: another namespace, never the first one.
     theirs = namespace_get_or_create(

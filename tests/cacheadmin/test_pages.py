@@ -22,6 +22,7 @@ from cacheadmin.models import (
     Tenant,
     TierUsageSample,
 )
+from cacheadmin.models.naming import name_key
 
 pytestmark = pytest.mark.django_db
 
@@ -41,8 +42,8 @@ def _rows(n: int) -> None:
             identity=f"{n:032x}{i:032x}",
             inputs={"layout": {"block_size": 32}},
         )
-        tenant = Tenant.objects.create(slug=f"t{n}-{i}", name="T")
-        group = SharedGroup.objects.create(slug=f"g{n}-{i}", name="G")
+        tenant = Tenant.objects.create(slug=f"t{n}-{i}", name=f"T{n}-{i}")
+        group = SharedGroup.objects.create(slug=f"g{n}-{i}", name=f"G{n}-{i}")
         SharedGroupMembership.objects.create(group=group, tenant=tenant, added_by="setup")
         ns = CacheNamespace.objects.create(
             namespace_id=f"{n:032x}{i:032x}",
@@ -197,7 +198,7 @@ def test_admin_add_forms_go_through_the_services(admin_client) -> None:
     assert len(tenant.key) == 32
     assert list(AuditEvent.objects.filter(action="tenant.create").values_list("actor", flat=True)) == ["admin (admin)"]
     owner = admin_client.post("/admin/cacheadmin/retentionowner/add/", {"name": "Platform", "email": "p@example.com"})
-    assert owner.status_code == 302 and RetentionOwner.objects.get().name_key == "platform"
+    assert owner.status_code == 302 and RetentionOwner.objects.get().name_key == name_key("platform")
     # A name that differs only by case or Unicode form is a form error, not a 500; nothing is written.
     for clash in ("PLATFORM", "Ｐｌａｔｆｏｒｍ"):
         refused = admin_client.post("/admin/cacheadmin/retentionowner/add/", {"name": clash, "email": "x@example.com"})

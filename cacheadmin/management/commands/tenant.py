@@ -15,7 +15,7 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand
 from cacheadmin.models import RetentionOwner, Tenant
-from cacheadmin.models.naming import name_key
+from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.namespaces import retention_owner_get_or_create, tenant_get_or_create
 
 ACTOR = "cli"
@@ -40,12 +40,14 @@ class Command(ControlPlaneCommand):
             try:
                 tenant = tenant_get_or_create(slug=opts["slug"], name=opts["name"], actor=ACTOR)
             except ValidationError as exc:
-                raise self.bad_input(f"slug {opts['slug']!r}: {exc.messages[0]}") from exc
+                # Name the field that was refused (slug or name), with the value typed.
+                field, messages = next(iter(exc.message_dict.items())) if hasattr(exc, "error_dict") else ("slug", exc.messages)
+                raise self.bad_input(f"{field} {opts.get(field, '')!r}: {messages[0]}") from exc
             self.stdout.write(json.dumps({"id": tenant.pk, "slug": tenant.slug, "name": tenant.name}))
         else:
             clash = RetentionOwner.objects.filter(name_key=name_key(opts["name"])).first()
             if clash is not None:
-                raise self.bad_input(f"retention owner {clash.name!r} already exists")
+                raise self.bad_input(f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})")
             try:
                 RetentionOwner(name=opts["name"], email=opts["email"]).full_clean(exclude=["name_key"])
             except ValidationError as exc:
