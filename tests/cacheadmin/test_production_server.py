@@ -1,0 +1,145 @@
+"""The production server: gunicorn (the demo's :class:`DashboardServer`) serves
+the pages, the API's health check and, through WhiteNoise, the collected static
+files under hashed names; it stops on SIGTERM within seconds.
+
+The server runs as a subprocess on a free port against this run's test
+database, with this run's ``VAR_DIR`` (tests/env.py) inherited.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.test import Client
+
+from cacheadmin.management.commands.demo import DashboardServer, ServerOptions
+from tests.helpers import subprocess_env
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the server's workers must see committed rows
+
+#: Two workers: enough to show the pre-forked model, cheap to start on 2 cores.
+OPTIONS = ServerOptions(workers=2, threads=1, timeout_s=30, graceful_timeout_s=10)
+#: What WhiteNoise sends for a file whose name carries its content hash (ten years).
+IMMUTABLE = "max-age=315360000, public, immutable"
+HTMX_SOURCE = Path(settings.BASE_DIR) / "node_modules" / "htmx.org" / "dist" / "htmx.min.js"
+HASHED_HTMX = re.compile(r'src="(/static/vendor/htmx/htmx\.min\.([0-9a-f]{12})\.js)"')
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server(name: str) -> DashboardServer:
+    return DashboardServer(
+        f"127.0.0.1:{_free_port()}",
+        log_path=settings.VAR_DIR / "logs" / f"{name}.log",
+        options=OPTIONS,
+        env=subprocess_env(),  # this run's test database; VAR_DIR and the rest inherited
+    )
+
+
+@pytest.fixture(scope="module")
+def server(django_db_setup: None) -> Iterator[DashboardServer]:
+    """One gunicorn for the module, after collectstatic, on the test database."""
+    running = _server("test-gunicorn")
+    running.start()
+    yield running
+    running.stop()
+
+
+def test_healthz_answers_what_it_answers_in_process(server: DashboardServer) -> None:
+    with server.client() as client:
+        served = client.get("/healthz")
+    in_process = Client().get("/healthz")
+    assert served.status_code == in_process.status_code == 200
+    assert served.headers["content-type"] == in_process.headers["Content-Type"] == "application/json"
+    assert served.json() == in_process.json() == {"status": "ok", "database": {"read": True, "write": True}}
+
+
+def test_dashboard_is_served_to_a_signed_in_user_only(server: DashboardServer) -> None:
+    browser = Client()
+    browser.force_login(User.objects.create_user("viewer"))
+    session = {settings.SESSION_COOKIE_NAME: browser.cookies[settings.SESSION_COOKIE_NAME].value}
+    with server.client() as anonymous, server.client(cookies=session) as signed_in:
+        refused = anonymous.get("/")
+        page = signed_in.get("/")
+    assert refused.status_code == 302
+    assert refused.headers["location"] == "/login/?next=/"
+    assert page.status_code == 200
+    assert page.headers["content-type"] == "text/html; charset=utf-8"
+    assert "<title>KV cache control plane</title>" in page.text
+    assert "<h1>Model versions</h1>" in page.text
+    # The page links its assets by their collected, hashed names.
+    match = HASHED_HTMX.search(page.text)
+    assert match is not None, page.text[:500]
+
+
+def test_static_asset_is_served_hashed_compressed_and_cached_for_good(server: DashboardServer) -> None:
+    with server.client() as client:
+        login = client.get("/login/")
+        match = HASHED_HTMX.search(login.text)
+        assert match is not None, login.text[:500]
+        url, digest = match[1], match[2]
+        with client.stream("GET", url, headers={"Accept-Encoding": "gzip"}) as hashed:
+            sent = b"".join(hashed.iter_raw())  # the bytes on the wire, not decoded by httpx
+        raw = client.get(url, headers={"Accept-Encoding": "identity"})
+        unhashed = client.get("/static/vendor/htmx/htmx.min.js", headers={"Accept-Encoding": "identity"})
+        missing = client.get("/static/vendor/htmx/htmx.min.000000000000.js")
+    assert hashed.status_code == raw.status_code == unhashed.status_code == 200
+    assert hashed.headers["content-type"] == 'text/javascript; charset="utf-8"'
+    assert hashed.headers["cache-control"] == IMMUTABLE
+    assert hashed.headers["content-encoding"] == "gzip"  # the .gz collectstatic wrote beside it
+    assert hashed.headers["vary"] == "Accept-Encoding"
+    source = HTMX_SOURCE.read_bytes()
+    assert gzip.decompress(sent) == source
+    assert len(sent) < len(source) // 2
+    assert raw.content == source
+    assert "content-encoding" not in raw.headers
+    assert hashlib.md5(source).hexdigest()[:12] == digest  # Django's manifest: the name carries the content's MD5
+    # The unhashed name still answers (for anything that hard-codes it), but
+    # may change under the same name, so browsers must not keep it long.
+    assert unhashed.headers["cache-control"] == "max-age=60, public"
+    assert unhashed.content == source
+    assert missing.status_code == 404
+
+
+def test_server_stops_on_sigterm_within_seconds(server: DashboardServer) -> None:
+    stopping = _server("test-gunicorn-sigterm")
+    stopping.start(collect_static=False)  # the module's server collected them into the same STATIC_ROOT
+    assert stopping.proc is not None
+    master = stopping.proc.pid
+    workers = [int(pid) for pid in Path(f"/proc/{master}/task/{master}/children").read_text().split()]
+    assert len(workers) == OPTIONS.workers
+    with stopping.client() as client:
+        assert client.get("/healthz").status_code == 200
+    started = time.monotonic()
+    stopping.proc.send_signal(signal.SIGTERM)
+    returncode = stopping.proc.wait(timeout=OPTIONS.graceful_timeout_s + 5)
+    elapsed = time.monotonic() - started
+    log = stopping.tail()
+    assert returncode == 0, log
+    # Graceful: every worker exited by itself, before the graceful timeout
+    # would have had the arbiter SIGKILL it (which gunicorn logs).
+    assert elapsed < OPTIONS.graceful_timeout_s, f"stopped after {elapsed:.1f} s:\n{log}"
+    assert "SIGKILL" not in log
+    assert log.count("Worker exiting") == OPTIONS.workers
+    assert log.splitlines()[-1].endswith("Shutting down: Master")
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(httpx.ConnectError), stopping.client(timeout=2.0) as client:
+        client.get("/healthz")
