@@ -199,9 +199,12 @@ def test_admin_add_forms_go_through_the_services(admin_client) -> None:
     assert list(AuditEvent.objects.filter(action="tenant.create").values_list("actor", flat=True)) == ["admin (admin)"]
     owner = admin_client.post("/admin/cacheadmin/retentionowner/add/", {"name": "Platform", "email": "p@example.com"})
     assert owner.status_code == 302 and RetentionOwner.objects.get().name_key == name_key("platform")
-    # A name that differs only by case or Unicode form is a form error, not a 500; nothing is written.
+    # A name that differs only by case, Unicode form or look-alike letters is a form error, not a 500; nothing is written.
     for clash in ("PLATFORM", "Ｐｌａｔｆｏｒｍ"):
         refused = admin_client.post("/admin/cacheadmin/retentionowner/add/", {"name": clash, "email": "x@example.com"})
-        assert refused.status_code == 200 and "already exists (case and Unicode form do not count)" in refused.content.decode()
+        assert (
+            refused.status_code == 200
+            and "already exists (case, Unicode form and look-alike letters do not count)" in refused.content.decode()
+        )
     assert RetentionOwner.objects.count() == 1
     assert AuditEvent.objects.filter(action="retention_owner.create").count() == 1
