@@ -38,6 +38,7 @@ import blake3
 
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
+from inference.strict_json import unique_pairs
 
 #: Files vLLM's loader drops before loading (``filter_files_not_needed_for_inference``).
 TRAINING_FILES = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
@@ -148,15 +149,6 @@ def _filter_by_index(root: Path, files: list[Path], index_name: str) -> list[Pat
     return [p for p in files if p in named]
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
-
-
 def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]:
     """Parse and check a safetensors header: its length, JSON, no duplicate
     names, each tensor's ``data_offsets``, and that the data ends exactly at
@@ -180,7 +172,7 @@ def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]
             (header_len,) = struct.unpack("<Q", head)
             if header_len > size - 8:
                 raise CheckpointError(f"{path} is truncated: header of {header_len} bytes in a {size}-byte file")
-            header = json.loads(fh.read(header_len), object_pairs_hook=_no_duplicate_keys)
+            header = json.loads(fh.read(header_len), object_pairs_hook=unique_pairs)
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} has a malformed safetensors header: {exc}") from exc
     if not isinstance(header, dict):
