@@ -14,6 +14,7 @@ allowed, and a refusal is never a 500.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import models, transaction
 from django.forms.models import model_to_dict
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 
+from cacheadmin.forms import AsciiIntegerField, AsciiModelChoiceField, AsciiModelMultipleChoiceField
 from cacheadmin.models import (
     Adapter,
     ApiToken,
@@ -157,6 +160,24 @@ def _refusals_for(request: HttpRequest, models_: set[type[models.Model]]) -> lis
     return [r for r in getattr(request, _REFUSALS_ATTR, []) if r.model in models_]
 
 
+#: Every integer and related-row field of admin forms takes ASCII digits only ("١٢" is not 12).
+ASCII_NUMBER_OVERRIDES: dict[type, dict[str, Any]] = {
+    **{
+        field: {"form_class": AsciiIntegerField}
+        for field in (
+            models.IntegerField, models.BigIntegerField, models.SmallIntegerField, models.PositiveIntegerField,
+            models.PositiveBigIntegerField, models.PositiveSmallIntegerField,
+        )
+    },
+    models.ForeignKey: {"form_class": AsciiModelChoiceField},
+    models.OneToOneField: {"form_class": AsciiModelChoiceField},
+    models.ManyToManyField: {"form_class": AsciiModelMultipleChoiceField},
+}  # fmt: skip
+
+#: A selected row id of a changelist action: what a row id can be (signed 64-bit, ASCII).
+_ROW_ID = re.compile(r"[0-9]{1,18}")
+
+
 class ServiceAdmin(admin.ModelAdmin):
     """An admin whose writes are the services' and nothing else.
 
@@ -171,11 +192,19 @@ class ServiceAdmin(admin.ModelAdmin):
       model permission.
     """
 
+    formfield_overrides = ASCII_NUMBER_OVERRIDES
     write_scope: str = ApiToken.Scope.OPERATE
     create_service: Callable[..., models.Model] | None = None
     create_fields: tuple[str, ...] = ()
     changes_through_services: bool = False
     audited_deletes: bool = False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        """The changelist; an action posted with a selected id that no row can have is a 400
+        (it would otherwise reach the database driver, which cannot hold it)."""
+        if request.method == "POST" and not all(_ROW_ID.fullmatch(v) for v in request.POST.getlist(ACTION_CHECKBOX_NAME)):
+            return HttpResponseBadRequest("selected rows must be ids (ASCII digits, at most 18)")
+        return super().changelist_view(request, extra_context)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return (
@@ -388,6 +417,8 @@ class RetentionPolicyInline(admin.StackedInline):
     so there is nothing to add or delete; changes go through the policy service
     (:meth:`CacheNamespaceAdmin.save_formset`)."""
 
+    formfield_overrides = ASCII_NUMBER_OVERRIDES
+
     model = RetentionPolicy
     form = RetentionPolicyForm
     extra = 0
@@ -465,10 +496,10 @@ class SharedGroupMembershipInline(ReadOnlyTabularInline):
 class SharedGroupForm(forms.ModelForm):
     """Join or leave a tenant through the group services (a reason is required)."""
 
-    join_tenant = forms.ModelChoiceField(
+    join_tenant = AsciiModelChoiceField(
         queryset=Tenant.objects.order_by("slug"), required=False, help_text="Add this tenant to the group."
     )
-    leave_tenant = forms.ModelChoiceField(
+    leave_tenant = AsciiModelChoiceField(
         queryset=Tenant.objects.order_by("slug"),
         required=False,
         help_text="Remove this tenant: the group moves to a new generation and its namespaces are superseded.",
@@ -533,7 +564,7 @@ class ReleaseAdmin(ServiceAdmin):
 class EngineForm(forms.ModelForm):
     """Attach one more namespace, as ``POST /api/engines/{id}/attach/`` does."""
 
-    attach_namespace = forms.ModelChoiceField(
+    attach_namespace = AsciiModelChoiceField(
         queryset=CacheNamespace.objects.select_related("tenant", "group", "model_version").order_by("id"),
         required=False,
         help_text="Serve this namespace from the engine's memory too (refused on a tier that ignores cache_salt).",

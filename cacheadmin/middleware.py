@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
@@ -34,6 +35,10 @@ class ApiBodyLimitMiddleware:
 
     DRF parses bodies from the request stream, which Django's own size check
     (applied when ``request.body`` is read) does not cover.
+
+    A body sent with ``Transfer-Encoding`` (chunked) and no ``Content-Length``
+    is refused with 411: WSGI gives Django no length, so Django reads it as
+    empty and a write would run with its defaults instead of what was sent.
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
@@ -41,11 +46,9 @@ class ApiBodyLimitMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         if request.path_info.startswith("/api/"):
-            from django.conf import settings
-            from django.http import JsonResponse
-
-            from cacheadmin.api.exceptions import envelope
-
+            if request.META.get("HTTP_TRANSFER_ENCODING"):
+                message = "a body sent with Transfer-Encoding is not read: send it with Content-Length"
+                return JsonResponse(envelope(411, "length_required", message), status=411)
             limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
             try:
                 length = int(request.META.get("CONTENT_LENGTH") or 0)

@@ -4,8 +4,9 @@ runs and back off when nothing does (or the tab is hidden)."""
 from __future__ import annotations
 
 from django.contrib.auth.decorators import login_not_required
+from django.core.exceptions import ValidationError
 from django.db import connection
-from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
@@ -138,6 +139,8 @@ def eviction_run_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 error = "unknown decision"
         except (EvictionRefused, LifecycleError) as exc:
             error = str(exc)
+        except ValidationError as exc:
+            error = "; ".join(exc.messages)
         if not error:
             return redirect("eviction-run-detail", pk=run.pk)
         run.refresh_from_db()
@@ -162,6 +165,8 @@ def eviction_run_plan(request: HttpRequest) -> HttpResponse:
         run = eviction_plan(actor=f"{request.user.get_username()} (page)", reason=request.POST.get("reason", ""))
     except TierUnavailable as exc:
         return HttpResponse(f"cannot plan: {exc}", status=503, content_type="text/plain")
+    except ValidationError as exc:
+        return HttpResponseBadRequest(f"cannot plan: {'; '.join(exc.messages)}", content_type="text/plain")
     return redirect("eviction-run-detail", pk=run.pk)
 
 
@@ -194,6 +199,8 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 error = "unknown action"
         except (ReleaseRefused, ReleaseConflict, ValueError) as exc:
             error = str(exc)
+        except ValidationError as exc:
+            error = "; ".join(exc.messages)
         if not error:
             return redirect("release-detail", pk=release.pk)
     context = {
@@ -216,7 +223,9 @@ def _optional_row(model: type, raw: str) -> object | None:
     """
     if not raw.strip():
         return None
-    row = model.objects.filter(pk=int(raw)).first() if raw.strip().isdigit() and len(raw.strip()) <= 18 else None
+    raw_id = raw.strip()
+    # ASCII digits only: int() also reads other scripts' digits ("١" as 1).
+    row = model.objects.filter(pk=int(raw_id)).first() if raw_id.isascii() and raw_id.isdigit() and len(raw_id) <= 18 else None
     if row is None:
         raise ValueError(f"no {model._meta.verbose_name} {raw.strip()!r}")
     return row

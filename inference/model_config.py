@@ -34,6 +34,7 @@ from typing import Any
 import blake3
 
 from inference.errors import CheckpointError
+from inference.strict_json import loads_unique
 
 #: Config keys with no effect on the KV state, with the reason for each.
 #: Dropped at the config's root and at the root of each sub-model config.
@@ -87,17 +88,16 @@ def read_json(path: Path) -> Any:
 
     Raises:
         CheckpointError: unreadable, not JSON, not UTF-8, nested too deep, an
-            over-long integer, or ``NaN``/``Infinity`` (not JSON; transformers'
-            config classes compute with them).
+            over-long integer, ``NaN``/``Infinity`` (not JSON; transformers'
+            config classes compute with them), or a key written twice in one
+            object (parsers disagree on which one counts).
     """
-
-    def no_constants(token: str) -> Any:
-        raise ValueError(f"{token} is not a JSON number")
-
     try:
-        return json.loads(path.read_text(encoding="utf-8"), parse_constant=no_constants)
-    # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integers.
-    except (OSError, ValueError, RecursionError) as exc:
+        return loads_unique(path.read_text(encoding="utf-8"))
+    except RecursionError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: nested too deeply") from exc
+    # ValueError covers JSONDecodeError, UnicodeDecodeError, over-long integers and duplicate keys.
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from inference.errors import AdapterOutsideRoots, CheckpointError, CheckpointOutsideRoots
+from inference.errors import AdapterOutsideRoots, CheckpointError, CheckpointOutsideRoots, storable_text
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:
@@ -92,8 +92,13 @@ def confine_tree(resolved: Path, resolved_roots: list[Path], *, error: type[Chec
 
 
 def _check_entry(entry: Path, resolved_roots: list[Path], error: type[CheckpointError]) -> None:
+    if storable_text(entry.name) != entry.name:
+        # Such a name cannot be stored, shown or sent back; it would become part of the identity.
+        raise CheckpointError(f"{entry} has a file name that is not UTF-8; rename it")
     if entry.is_symlink():
         target = entry.resolve()
+        if not target.exists():
+            raise error(f"{entry} links to {target}, which does not exist")
         if not any(target.is_relative_to(root) for root in resolved_roots):
             raise error(f"{entry} links to {target}, outside the model roots")
     elif entry.is_file() and entry.stat().st_nlink > 1:

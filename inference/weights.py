@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import mmap
 import os
+import pickle
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -149,10 +152,19 @@ def _filter_by_index(root: Path, files: list[Path], index_name: str) -> list[Pat
     return [p for p in files if p in named]
 
 
+#: Bits per element of each safetensors dtype (``safetensors`` ``Dtype``; F4 and F6 pack below a byte).
+SAFETENSORS_DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+    "U64": 64,
+}  # fmt: skip
+
+
 def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]:
-    """Parse and check a safetensors header: its length, JSON, no duplicate
-    names, each tensor's ``data_offsets``, and that the data ends exactly at
-    the end of the file.
+    """Parse and check a safetensors header as the safetensors library does before
+    loading: its length, JSON, no duplicate names, a known dtype per tensor,
+    ``data_offsets`` spanning exactly ``shape × dtype`` bytes, tensors that tile
+    the data with no overlap or hole, and data ending exactly at the end of the file.
 
     Format: 8-byte little-endian header length, JSON header whose entries carry
     ``dtype``, ``shape`` and ``data_offsets`` relative to the end of the header
@@ -179,6 +191,7 @@ def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]
         raise CheckpointError(f"{path} has a malformed safetensors header: not a JSON object")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     end = 0
+    spans: list[tuple[int, int, str]] = []
     for name, entry in tensors.items():
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
@@ -193,7 +206,23 @@ def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]
             isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
             raise CheckpointError(f"{path} has a malformed safetensors header: tensor {name!r} has no valid dtype/shape")
+        bits = SAFETENSORS_DTYPE_BITS.get(entry["dtype"])
+        if bits is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']!r}, which safetensors does not define")
+        expected_bytes = -(-math.prod(shape) * bits // 8)
+        if offsets[1] - offsets[0] != expected_bytes:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is {entry['dtype']}{shape} ({expected_bytes} bytes) "
+                f"but its data_offsets span {offsets[1] - offsets[0]} bytes"
+            )
+        spans.append((offsets[0], offsets[1], name))
         end = max(end, offsets[1])
+    position = 0
+    for start, stop, name in sorted(spans):
+        if start != position:
+            what = "overlaps the tensor before it" if start < position else f"leaves a gap of {start - position} bytes before it"
+            raise CheckpointError(f"{path}: tensor {name!r} {what} (safetensors data must be tiled exactly)")
+        position = stop
     expected = 8 + header_len + end
     if expected != size:
         state = "truncated" if expected > size else "longer than its header declares"
@@ -278,6 +307,12 @@ def _pickle_tensors(path: Path, on_bytes: Callable[[int], None] | None) -> list[
         except RuntimeError:
             # Files from torch < 1.6 are not zip archives and cannot be mapped.
             state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message goes on to advise weights_only=False, i.e. running the
+        # file's code: never advice to pass on. Name only what was refused.
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"it names {named.group(1).rstrip('.')}" if named else "it holds objects other than tensors"
+        raise CheckpointError(f"{path} is refused: {what}, and loading it would run code") from exc
     except Exception as exc:  # the unpickler raises many kinds; all mean "not a weights file"
         raise CheckpointError(f"{path} is not a loadable weights file: {exc}") from exc
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):

@@ -14,8 +14,16 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.filters import OrderingFilter
 from rest_framework.request import Request
 
+from cacheadmin.forms import AsciiIntegerField
+
 #: Largest id a database row can have (signed 64-bit).
 MAX_ID = 2**63 - 1
+
+
+class AsciiNumberFilter(django_filters.NumberFilter):
+    """An integer column's filter that takes ASCII digits only (:class:`cacheadmin.forms.AsciiIntegerField`)."""
+
+    field_class = AsciiIntegerField
 
 
 class IdFilter(django_filters.NumberFilter):
@@ -27,7 +35,7 @@ class IdFilter(django_filters.NumberFilter):
     other tenants' ids. An integer filter gives both an empty page.
     """
 
-    field_class = forms.IntegerField
+    field_class = AsciiIntegerField
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Beyond signed 64-bit is no row id; refusing it keeps it away from the database driver.
@@ -44,6 +52,20 @@ class ControlPlaneFilterSet(django_filters.FilterSet):
             models.ForeignKey: {"filter_class": IdFilter},
             models.OneToOneField: {"filter_class": IdFilter},
             models.ManyToManyField: {"filter_class": IdFilter},
+            # Integer columns too: "١" is not 1 here either.
+            **{
+                field: {"filter_class": AsciiNumberFilter}
+                for field in (
+                    models.IntegerField,
+                    models.BigIntegerField,
+                    models.SmallIntegerField,
+                    models.PositiveIntegerField,
+                    models.PositiveBigIntegerField,
+                    models.PositiveSmallIntegerField,
+                    models.AutoField,
+                    models.BigAutoField,
+                )
+            },
         }
 
 

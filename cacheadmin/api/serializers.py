@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import models as dj_models
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from rest_framework import serializers
 
 from cacheadmin.api.auth import request_tenant
@@ -52,8 +52,19 @@ def namespace_of_tenant(tenant_id: int) -> Q:
 
 
 def engine_of_tenant(tenant_id: int) -> Q:
-    """Engines serving one of the tenant's visible namespaces (as tier owner or attached)."""
-    return namespaces_visible_to(tenant_id, "namespace__") | namespaces_visible_to(tenant_id, "attached_namespaces__")
+    """Engines all of whose namespaces (tier owner and attached) the tenant may see, and at least one.
+
+    An engine that also serves a namespace the tenant may not see (another
+    tenant's, next to a shared group's) holds that tenant's cached state: a
+    tenant-bound token neither sees it nor acts on it (attach, jobs, purges).
+    """
+    attached = Engine.attached_namespaces.through.objects.filter(engine_id=OuterRef("pk"))
+    foreign_attached = attached.exclude(namespaces_visible_to(tenant_id, "cachenamespace__"))
+    return (
+        (Q(namespace__isnull=True) | namespaces_visible_to(tenant_id, "namespace__"))
+        & ~Exists(foreign_attached)
+        & (Q(namespace__isnull=False) | Exists(attached))
+    )
 
 
 def reference_or_engine_of_tenant(tenant_id: int) -> Q:
@@ -114,6 +125,15 @@ class StrictIntegerField(JsonTypeMixin, serializers.IntegerField):
     """A JSON integer only."""
 
     json_type, json_name = int, "a JSON integer"
+
+
+class QueryIntegerField(serializers.IntegerField):
+    """An integer query parameter in ASCII digits (DRF's ``int()`` also reads "١" as 1)."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, str) and not data.isascii():
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class StrictCharField(JsonTypeMixin, serializers.CharField):
@@ -470,8 +490,8 @@ class AuditEventSerializer(serializers.ModelSerializer):
 class IdentityDiffQuerySerializer(serializers.Serializer):
     """The two model versions to compare."""
 
-    a = serializers.IntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
-    b = serializers.IntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
+    a = QueryIntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
+    b = QueryIntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
 
 
 class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):

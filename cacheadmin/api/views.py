@@ -286,6 +286,10 @@ class CacheNamespaceViewSet(
     def policy(self, request: Request, pk: str | None = None) -> Response:
         """Replace the retention policy (a reason is required; audited)."""
         namespace = self.get_object()
+        if namespace.group_id is not None and request_tenant(request) is not None:
+            # A shared group's namespace is every member's: one member's token
+            # must not hold it against the others or shrink it under them.
+            raise PermissionDenied("a shared group's namespace policy needs a token not bound to a tenant")
         data = validated(request, s.PolicyUpdateSerializer)
         if data["release_hold"] and (request_tenant(request) is not None or not request_scope_allows(request, "admin")):
             # A hold protects a namespace from its own tenant too (litigation, audit).

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 from typing import Any, NoReturn
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from cacheadmin.api.filters import MAX_ID
@@ -42,6 +43,19 @@ class ControlPlaneCommand(BaseCommand):
                 for subparser in action.choices.values():
                     subparser.__class__ = OneLineParser
         return parser
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        """Run the command; a service's ValidationError (e.g. a reason with
+        invisible characters) is bad input: one line, exit 2, never a traceback."""
+        try:
+            return super().execute(*args, **options)
+        except ValidationError as exc:
+            problems = (
+                [f"{field}: {messages[0]}" for field, messages in exc.message_dict.items()]
+                if hasattr(exc, "error_dict")
+                else exc.messages
+            )
+            raise self.bad_input("; ".join(problems)) from exc
 
     def bad_input(self, message: str) -> CommandError:
         """A CommandError that exits 2 with ``message`` on one line."""

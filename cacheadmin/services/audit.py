@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import models
 
 from cacheadmin.models import AuditEvent
+
+#: Longest reason kept (characters), the API's bound for every reason field.
+MAX_REASON_CHARS = 2000
+
+
+def reason_check(reason: str) -> None:
+    """Refuse a reason that cannot be read back as written: too long, or holding
+    control, format (bidirectional override, zero-width) or unassigned characters.
+
+    Line breaks and tabs are kept. Whether a reason is required is each caller's rule.
+
+    Raises:
+        ValidationError: ``{"reason": [problem]}`` (400 in the API, exit 2 on the CLI).
+    """
+    if len(reason) > MAX_REASON_CHARS:
+        raise ValidationError({"reason": [f"a reason is at most {MAX_REASON_CHARS} characters, got {len(reason)}"]})
+    hidden = next((c for c in reason if c not in "\n\t" and unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn")), None)
+    if hidden is not None:
+        name = unicodedata.name(hidden, "unnamed")
+        raise ValidationError({"reason": [f"a reason cannot hold U+{ord(hidden):04X} {name} (invisible or control)"]})
 
 
 def audit_record(

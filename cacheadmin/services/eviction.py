@@ -53,7 +53,7 @@ from cacheadmin.models import (
     Tier,
 )
 from cacheadmin.services.accounting import orphan_old_enough
-from cacheadmin.services.audit import audit_record
+from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
@@ -301,7 +301,9 @@ def eviction_plan(
     Raises:
         EvictionRefused: a purge of a held namespace; another scheduled run is still open.
         inference.tiers.base.TierUnavailable: a tier needed for planning cannot be read.
+        ValidationError: the reason is too long or holds invisible characters (:func:`reason_check`).
     """
+    reason_check(reason)
     purge = purge or []
     held = [ns for ns in purge if ns.policy.pinned]
     if held:
@@ -367,6 +369,7 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
     """
     if not reason.strip():
         raise EvictionRefused("an approval needs a reason")
+    reason_check(reason)
     held = _held_prefixes(run)
     if held:
         raise EvictionRefused(f"namespaces put under a legal hold since the plan: {', '.join(held)}; plan again")

@@ -28,6 +28,7 @@ from cacheadmin.models import AccountingScan, ComparisonJob, EvictionRun, JobSta
 from cacheadmin.models.jobs import Job
 from cacheadmin.services.db import database_busy
 from inference.engines.launcher import pid_alive
+from inference.errors import storable_text
 
 logger = logging.getLogger(__name__)
 J = TypeVar("J", bound=Job)
@@ -66,6 +67,7 @@ def job_claim(model: type[J], job_id: int, **fields: object) -> J | None:
 def job_log(job: Job, line: str, **fields: object) -> None:
     """Append a timestamped line to the job's log, update ``fields`` and the heartbeat."""
     stamp = timezone.now()
+    line = storable_text(line)  # a checkpoint's file names need not be UTF-8
     type(job).objects.filter(pk=job.pk).update(
         log=Concat(F("log"), Value(f"{stamp:%H:%M:%S} {line}\n")), heartbeat_at=stamp, **fields
     )
@@ -92,7 +94,7 @@ def job_finish(job: Job, status: JobStatus, *, error: str = "", line: str = "", 
     if line:
         job_log(job, line)
     type(job).objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
-        status=status, error=error, finished_at=timezone.now(), heartbeat_at=timezone.now(), **fields
+        status=status, error=storable_text(error), finished_at=timezone.now(), heartbeat_at=timezone.now(), **fields
     )
 
 
@@ -239,10 +241,12 @@ def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
 
     Raises:
         cacheadmin.services.model_versions.LifecycleError: the job already ended.
+        ValidationError: the reason is too long or holds invisible characters.
     """
-    from cacheadmin.services.audit import audit_record
+    from cacheadmin.services.audit import audit_record, reason_check
     from cacheadmin.services.model_versions import LifecycleError
 
+    reason_check(reason)
     with transaction.atomic():
         moved = (
             type(job)

@@ -21,7 +21,7 @@ from cacheadmin.models import (
     Tenant,
 )
 from cacheadmin.models.naming import name_key, validate_display_name
-from cacheadmin.services.audit import audit_record
+from cacheadmin.services.audit import audit_record, reason_check
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
 
@@ -250,6 +250,7 @@ def shared_group_join(*, group: SharedGroup, tenant: Tenant, actor: str, reason:
     """
     if not reason.strip():
         raise GroupError("joining a shared group needs a reason")
+    reason_check(reason)
     try:
         with transaction.atomic():
             group.refresh_from_db()
@@ -275,6 +276,7 @@ def shared_group_leave(*, group: SharedGroup, tenant: Tenant, actor: str, reason
     """
     if not reason.strip():
         raise GroupError("leaving a shared group needs a reason")
+    reason_check(reason)
     with transaction.atomic():
         deleted, _ = SharedGroupMembership.objects.filter(group=group, tenant=tenant).delete()
         if not deleted:
@@ -319,23 +321,32 @@ def namespace_policy_update(
     """Replace a namespace's retention policy (audited with before and after).
 
     A legal hold is lifted only on purpose: replacing the policy of a held
-    namespace with an unpinned one needs ``release_hold``.
+    namespace with an unpinned one, or with another holder or reason (lifting
+    one hold to set another), needs ``release_hold``.
 
     Raises:
         ValidationError: invalid policy, or no reason given; nothing changes.
-        NamespaceConflict: the namespace is held and ``release_hold`` was not given.
+        NamespaceConflict: the namespace is held, the change lifts or rewrites
+            the hold and ``release_hold`` was not given.
     """
     problems = policy.errors()
     if not reason.strip():
         problems["reason"] = ["a policy change needs a reason"]
+    else:
+        try:
+            reason_check(reason)
+        except ValidationError as exc:
+            problems.update(exc.message_dict)
     if problems:
         raise ValidationError(problems)
     with transaction.atomic():
         current, _ = RetentionPolicy.objects.select_for_update().get_or_create(namespace=namespace, defaults={"versions_kept": 1})
-        if current.pinned and not policy.pinned and not release_hold:
+        rewritten = (policy.hold_by, policy.hold_reason) != (current.hold_by, current.hold_reason)
+        if current.pinned and (not policy.pinned or rewritten) and not release_hold:
+            what = "lifting it" if not policy.pinned else "replacing its holder or reason"
             raise NamespaceConflict(
                 f"namespace {namespace.namespace_id[:12]}… is under a legal hold by {current.hold_by} "
-                f"({current.hold_reason}); lifting it needs release_hold"
+                f"({current.hold_reason}); {what} needs release_hold"
             )
         before = {k: getattr(current, k) for k in policy.as_dict()}
         for key, value in policy.as_dict().items():

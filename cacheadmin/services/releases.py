@@ -31,7 +31,7 @@ from cacheadmin.models import (
     Tenant,
 )
 from cacheadmin.models.releases import Release, ReleaseEvent
-from cacheadmin.services.audit import audit_record
+from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.heat import prewarm_corpus_for
 from cacheadmin.services.jobs import job_cancel
@@ -234,6 +234,7 @@ def release_decide(
     """
     if not reason.strip():
         raise ReleaseRefused("a decision needs a reason")
+    reason_check(reason)
     if decision not in ALLOWED[release.classification]:
         allowed = ", ".join(ALLOWED[release.classification])
         raise ReleaseRefused(f"{decision} is not allowed for a {release.classification} release (allowed: {allowed})")
@@ -502,6 +503,7 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
     """
     if not reason.strip():
         raise ReleaseRefused("a rollback needs a reason")
+    reason_check(reason)
     if release.status not in (Status.READY, Status.PREPARING, Status.FAILED):
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: nothing to roll back")
     namespace = release.from_namespace

@@ -217,6 +217,10 @@ def test_namespace_policy_changes_go_through_the_policy_service(admin_client) ->
     assert "must be a positive integer or null (no limit)" in zero_budget.content.decode()
     assert _policy(namespace) == (86400, 2048, 2, 1, 2, False, "", "")
     assert AuditEvent.objects.filter(action="namespace.policy_update").count() == 1
+    # Other scripts' digits are not numbers here ("١٢" would be saved as 12).
+    arabic = _submit(admin_client, url, {"policy-0-versions_kept": "١٢", "policy-0-reason": "r"})
+    assert arabic.status_code == 200 and "write the number with ASCII digits 0-9" in arabic.content.decode()
+    assert _policy(namespace) == (86400, 2048, 2, 1, 2, False, "", "")
 
     # Fields no service changes keep their values.
     forged = _submit(

@@ -5,6 +5,7 @@ what it does not compute with never counts (wasted cache)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -356,6 +357,67 @@ def test_a_safetensors_header_with_a_duplicate_name_is_refused(checkpoint_copy) 
     (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
     with pytest.raises(CheckpointError, match="duplicate key 'a'"):
         fingerprint_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("entries", "data_bytes", "problem"),
+    [
+        (
+            '"a":{"dtype":"F99","shape":[1],"data_offsets":[0,4]}',
+            4,
+            "tensor 'a' has dtype 'F99', which safetensors does not define",
+        ),
+        (
+            '"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}',
+            4,
+            "tensor 'a' is F32[2] (8 bytes) but its data_offsets span 4 bytes",
+        ),
+        (
+            '"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[2,6]}',
+            6,
+            "tensor 'b' overlaps the tensor before it (safetensors data must be tiled exactly)",
+        ),
+        (
+            '"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}',
+            4,
+            "tensor 'a' leaves a gap of 2 bytes before it (safetensors data must be tiled exactly)",
+        ),
+    ],
+)
+def test_a_safetensors_header_the_library_would_refuse_is_refused(checkpoint_copy, entries, data_bytes, problem) -> None:
+    """Found: headers with an unknown dtype, a shape that disagrees with the
+    offsets, or overlapping tensors were registered (the engine cannot load them)."""
+    path = checkpoint_copy()
+    header = ("{" + entries + "}").encode()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * data_bytes)
+    with pytest.raises(CheckpointError) as caught:
+        fingerprint_checkpoint(path)
+    assert str(caught.value) == f"{path / 'model.safetensors'}: {problem}"
+
+
+def test_a_config_naming_a_key_twice_is_refused(checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    text = (path / "config.json").read_text()
+    (path / "config.json").write_text(text.replace("{", '{"model_type": "llama", ', 1))
+    with pytest.raises(CheckpointError) as caught:
+        fingerprint_checkpoint(path)
+    assert str(caught.value) == f"{path / 'config.json'} is not valid JSON: duplicate key 'model_type' in a JSON object"
+
+
+def test_a_pickle_that_would_run_code_is_refused_without_torchs_advice(checkpoint_copy, tmp_path: Path) -> None:
+    import torch
+
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (os.system, (f"touch {tmp_path / 'PWNED'}",))
+
+    path = checkpoint_copy()
+    (path / "model.safetensors").unlink()
+    torch.save({"a": Evil()}, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as caught:
+        fingerprint_checkpoint(path)
+    assert str(caught.value) == f"{path / 'pytorch_model.bin'} is refused: it names posix.system, and loading it would run code"
+    assert not (tmp_path / "PWNED").exists()
 
 
 def test_pickled_weights_are_the_same_tensors_as_safetensors(checkpoint_copy) -> None:
