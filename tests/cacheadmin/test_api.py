@@ -289,10 +289,13 @@ def test_a_salt_blind_tier_never_backs_a_second_namespace(world, admin_client) -
         retention_owner=RetentionOwner.objects.get(),
         storage_prefix="ns-c",
     )
-    mismatch = c["bob"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": wrong_identity.pk}, format="json")
+    mismatch = c["alice"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": wrong_identity.pk}, format="json")
     assert mismatch.status_code == 409 and "computes with v1" in mismatch.json()["error"]["message"]
+    # The engine now also holds initech's state: acme's token no longer sees it at all.
+    hidden = c["bob"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": wrong_identity.pk}, format="json")
+    assert hidden.status_code == 404
     foreign = c["bob"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": ns["globex"].pk}, format="json")
-    assert foreign.status_code == 400
+    assert foreign.status_code == 404
     assert c["charlie"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": other.pk}, format="json").status_code in (
         403,
         404,
