@@ -725,6 +725,13 @@ class ApiTokenAdmin(ServiceAdmin):
     write_scope = ApiToken.Scope.ADMIN
     changes_through_services = True
 
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Who holds which scope for which tenant is admin business, as in ``manage.py api_token list``.
+        return super().has_view_permission(request, obj) and session_allows(request.user, ApiToken.Scope.ADMIN)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return super().has_module_permission(request) and session_allows(request.user, ApiToken.Scope.ADMIN)
+
     def save_change(self, request: HttpRequest, obj: models.Model, form: Any) -> None:
         """Revoke through the token service when asked."""
         if form.cleaned_data.get("revoke"):

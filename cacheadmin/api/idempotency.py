@@ -43,7 +43,7 @@ def _actor(request: Request) -> str:
 
 def _digest(request: Request) -> str:
     body = json.dumps(request.data, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(f"{request.method}\n{request.path}\n{body}".encode()).hexdigest()
+    return hashlib.sha256(f"{request.method}\n{_route(request)}\n{body}".encode()).hexdigest()
 
 
 def idempotent(handler: Callable[..., Response]) -> Callable[..., Response]:
@@ -72,7 +72,7 @@ def _keyed(handler: Callable[..., Response], *, required: bool) -> Callable[...,
         try:
             with transaction.atomic():
                 record = IdempotencyKey.objects.create(
-                    key=key, actor=actor, method=request.method, path=request.path, request_digest=digest
+                    key=key, actor=actor, method=request.method, path=_route(request), request_digest=digest
                 )
         except IntegrityError:
             record = IdempotencyKey.objects.get(actor=actor, key=key)
@@ -111,3 +111,8 @@ class IdempotentWritesMixin:
             return
         keyed = _keyed(func, required=False)
         setattr(self, method, functools.partial(keyed, self))
+
+
+def _route(request: Request) -> str:
+    """The request's path without its trailing slash: both spellings are one route."""
+    return request.path.rstrip("/") or "/"

@@ -200,10 +200,13 @@ def _budget_actions(ns: CacheNamespace, tiers: Tiers, sizes: _Sizes, now: float)
         for start in range(0, len(victims), step):
             chunk = victims[start : start + step]
             expired = sum(1 for _, why in chunk if why == "expired")
-            reason = (
-                f"{expired} expired (size-aware TTL from {policy.max_age_since_last_hit_s} s), "
-                f"{len(chunk) - expired} over the {policy.max_bytes} B budget ({order})"
-            )
+            # Only the causes that apply: a policy without an age limit or a budget has no value to name.
+            causes = []
+            if expired:
+                causes.append(f"{expired} expired (size-aware TTL from {policy.max_age_since_last_hit_s} s)")
+            if len(chunk) - expired:
+                causes.append(f"{len(chunk) - expired} over the {policy.max_bytes} B budget ({order})")
+            reason = ", ".join(causes)
             entries = [[e.key, e.last_access_at if e.last_access_at is not None else e.created_at] for e, _ in chunk]
             actions.append(
                 _Planned(

@@ -237,7 +237,8 @@ def release_decide(
     reason_check(reason)
     if decision not in ALLOWED[release.classification]:
         allowed = ", ".join(ALLOWED[release.classification])
-        raise ReleaseRefused(f"{decision} is not allowed for a {release.classification} release (allowed: {allowed})")
+        article = "an" if release.classification[0] in "aeiou" else "a"
+        raise ReleaseRefused(f"{decision} is not allowed for {article} {release.classification} release (allowed: {allowed})")
     if release.status != Status.DECISION_REQUIRED:
         raise ReleaseConflict(f"release #{release.pk} is {release.status}, decided by {release.decided_by or 'nobody'}")
     if decision == Decision.VERIFIED_REUSE:

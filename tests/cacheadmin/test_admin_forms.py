@@ -425,6 +425,8 @@ def test_audit_event_change_page_is_read_only(admin_client) -> None:
     assert olga.get(_url("auditevent", event.pk)).status_code == 403
     assert olga.get("/admin/cacheadmin/auditevent/").status_code == 403
     assert _staff("ada", "administer_cache", "view_auditevent").get(_url("auditevent", event.pk)).status_code == 200
+    # Tokens too: view permission alone does not show who holds which scope.
+    assert _staff("vic", "operate_cache", "view_apitoken").get("/admin/cacheadmin/apitoken/").status_code == 403
 
 
 def test_api_tokens_are_revoked_only_through_the_token_service(admin_client) -> None:

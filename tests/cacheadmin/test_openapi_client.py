@@ -368,7 +368,7 @@ def test_a_purge_release_through_the_client(api: ModuleType, client: Any, versio
     assert (refused.status_code, refused.parsed.error.code, refused.parsed.error.message) == (
         409,
         "release_refused",
-        "verified_reuse is not allowed for a incompatible release (allowed: new_namespace, purge)",
+        "verified_reuse is not allowed for an incompatible release (allowed: new_namespace, purge)",
     )
 
     decided = _module(f"{r}decide_create").sync(

@@ -350,6 +350,9 @@ def test_the_api_acts_once_per_idempotency_key(versions) -> None:
     retry = client.post("/api/releases/", body, format="json", HTTP_IDEMPOTENCY_KEY="deploy-42")
     assert (retry.status_code, retry.json()["id"], retry["Idempotent-Replayed"]) == (201, first.json()["id"], "true")
     assert Release.objects.count() == 1
+    # Without the trailing slash it is the same route: a replay, not a conflict.
+    slashless = client.post("/api/releases", body, format="json", HTTP_IDEMPOTENCY_KEY="deploy-42")
+    assert (slashless.status_code, slashless["Idempotent-Replayed"]) == (201, "true")
     other = client.post("/api/releases/", {**body, "served_name": "x"}, format="json", HTTP_IDEMPOTENCY_KEY="deploy-42")
     assert (other.status_code, other.json()["error"]["code"]) == (409, "idempotency_conflict")
     rid = first.json()["id"]
@@ -380,7 +383,7 @@ def test_release_command_exit_codes(versions) -> None:
     out = json.loads(plan.stdout)
     assert (out["classification"], out["status"], out["differing"]) == ("incompatible", "decision_required", ["weights"])
     refused = manage("release", "decide", str(out["id"]), "--decision", "verified_reuse", "--reason", "r", env=env)
-    assert refused.returncode == 4 and "verified_reuse is not allowed for a incompatible release" in refused.stderr
+    assert refused.returncode == 4 and "verified_reuse is not allowed for an incompatible release" in refused.stderr
     bad = manage("release", "decide", "999", "--decision", "purge", "--reason", "r", env=env)
     assert bad.returncode == 2 and bad.stderr.strip() == "CommandError: no release 999"
     purge = manage("release", "decide", str(out["id"]), "--decision", "purge", "--reason", "v1 bug", env=env)
@@ -398,7 +401,7 @@ def test_release_page_shows_the_diff_and_lets_staff_decide(versions, admin_clien
     # Timeline details are key: JSON, never a Python repr.
     assert "differing: <code>[&quot;weights&quot;]</code>; non_kv: <code>[]</code>" in page and "{&#x27;" not in page
     refused = admin_client.post(f"/releases/{release.pk}/", {"action": "decide", "decision": "verified_reuse", "reason": "r"})
-    assert refused.status_code == 400 and "verified_reuse is not allowed for a incompatible release" in refused.content.decode()
+    assert refused.status_code == 400 and "verified_reuse is not allowed for an incompatible release" in refused.content.decode()
     bad_engine = admin_client.post(
         f"/releases/{release.pk}/", {"action": "decide", "decision": "new_namespace", "reason": "r", "engine": "99999"}
     )
