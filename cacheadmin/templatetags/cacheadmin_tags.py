@@ -88,7 +88,11 @@ def with_unit(value: object, unit: str) -> str:
 
 @register.filter
 def detail_items(detail: dict | None) -> list[tuple[str, str]]:
-    """A timeline event's details as ``(key, text)``: strings as they are, other values as JSON (never a Python repr)."""
+    """A timeline event's details as ``(key, text)`` sorted by key: strings as they are, other values as JSON (never a
+    Python repr). Sorted because PostgreSQL's jsonb keeps keys in its own order and SQLite in insertion order."""
     if not isinstance(detail, dict):
         return []
-    return [(str(k), v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False)) for k, v in detail.items()]
+    return [
+        (str(k), v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False))
+        for k, v in sorted(detail.items(), key=lambda item: str(item[0]))
+    ]

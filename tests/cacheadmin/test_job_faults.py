@@ -65,4 +65,4 @@ def test_a_config_with_nan_fails_registration_with_the_reason(checkpoint_copy) -
     tasks.registration_job_task(job.pk)
     job.refresh_from_db()
     assert job.status == JobStatus.FAILED
-    assert job.error.endswith("config.json is not valid JSON: NaN is not a JSON number")
+    assert job.error.endswith("config.json is not valid JSON: NaN is not a JSON value")
