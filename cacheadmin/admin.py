@@ -52,10 +52,8 @@ from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.api_tokens import api_token_revoke
 from cacheadmin.services.audit import audit_record
-from cacheadmin.services.engines import EngineRefused, engine_attach_namespace
+from cacheadmin.services.engines import engine_attach_namespace
 from cacheadmin.services.namespaces import (
-    GroupError,
-    NamespaceConflict,
     RetentionPolicySpec,
     namespace_policy_update,
     retention_owner_get_or_create,
@@ -63,9 +61,10 @@ from cacheadmin.services.namespaces import (
     shared_group_leave,
     tenant_get_or_create,
 )
+from inference.errors import ControlPlaneError
 
 #: What the services raise to refuse a change; shown as form errors.
-SERVICE_REFUSALS: tuple[type[Exception], ...] = (ValidationError, EngineRefused, GroupError, NamespaceConflict)
+SERVICE_REFUSALS: tuple[type[Exception], ...] = (ValidationError, ControlPlaneError)
 
 #: Request attribute holding the refusals of a rolled-back save while the form is shown again.
 _REFUSALS_ATTR = "_cacheadmin_service_refusals"

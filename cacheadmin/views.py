@@ -14,10 +14,10 @@ from cacheadmin import selectors
 from cacheadmin.models import ApiToken, CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion, PrewarmJob, Release
 from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.db import RETRY_AFTER_S, database_writable
-from cacheadmin.services.eviction import EvictionRefused, eviction_plan, eviction_run_approve
+from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.model_versions import LifecycleError
-from cacheadmin.services.releases import ALLOWED, ReleaseConflict, ReleaseRefused, release_decide, release_rollback
+from cacheadmin.services.releases import ALLOWED, release_decide, release_rollback
+from inference.errors import ControlPlaneError
 from inference.tiers.base import TierUnavailable
 
 #: Poll intervals (seconds) of live fragments: while a job or an engine runs,
@@ -137,7 +137,7 @@ def eviction_run_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 job_cancel(job=run, actor=actor, reason=reason)
             else:
                 error = "unknown decision"
-        except (EvictionRefused, LifecycleError) as exc:
+        except ControlPlaneError as exc:
             error = str(exc)
         except ValidationError as exc:
             error = "; ".join(exc.messages)
@@ -197,7 +197,7 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
                 release_rollback(release=release, actor=actor, reason=reason)
             else:
                 error = "unknown action"
-        except (ReleaseRefused, ReleaseConflict, ValueError) as exc:
+        except (ControlPlaneError, ValueError) as exc:
             error = str(exc)
         except ValidationError as exc:
             error = "; ".join(exc.messages)

@@ -2,6 +2,46 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+#: Exit statuses of the management commands (0 success; 1 a check the command ran failed).
+EXIT_BAD_INPUT = 2
+#: A conflict with what exists (a label registered with another identity) or a backend that cannot be reached.
+EXIT_CONFLICT = 3
+#: The control plane refused the action in the current state.
+EXIT_REFUSED = 4
+
+
+class ControlPlaneError(Exception):
+    """Base of every error a caller is told about; the class says how each surface reports it.
+
+    Modelled on Zulip's ``JsonableError``: the REST API's error handler and the
+    management commands read these class attributes, so a new error class needs
+    no entry in any table.
+
+    Attributes:
+        code: the API envelope's ``error.code`` (snake_case, stable).
+        http_status: the API answer's status: 400 bad input, 409 refused or in
+            conflict with the current state, 503 a backend that cannot be reached.
+        exit_code: the management command's exit status (``EXIT_*`` above).
+    """
+
+    code: ClassVar[str] = "invalid"
+    http_status: ClassVar[int] = 400
+    exit_code: ClassVar[int] = EXIT_BAD_INPUT
+
+    def fields(self) -> dict[str, list[str]] | None:
+        """The API envelope's ``error.fields`` (field → problems), or None when no one field is at fault."""
+        return None
+
+
+class Refused(ControlPlaneError, ValueError):
+    """The control plane refuses the action in the current state; the message says why (409, exit 4)."""
+
+    code = "refused"
+    http_status = 409
+    exit_code = EXIT_REFUSED
+
 
 def storable_text(text: str) -> str:
     """``text`` with lone surrogates written as ``\\udcff`` escapes: valid UTF-8.
@@ -12,10 +52,13 @@ def storable_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ControlPlaneError, ValueError):
     """A checkpoint path or file cannot be fingerprinted (missing, outside the
     model roots, truncated, rewritten while hashed...). The message names the
-    path and the problem, always as valid UTF-8 (see :func:`storable_text`)."""
+    path and the problem, always as valid UTF-8 (see :func:`storable_text`).
+    Bad input: 400 ``bad_checkpoint``, exit 2."""
+
+    code = "bad_checkpoint"
 
     def __init__(self, message: object = "", *args: object) -> None:
         super().__init__(storable_text(str(message)), *args)

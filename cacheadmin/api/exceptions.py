@@ -6,7 +6,8 @@ Every 4xx/5xx body is::
                "fields": {"field": ["problem", ...]}}}
 
 ``fields`` is present for validation errors and names each offending field.
-Domain errors from the services map to 400 (bad input) or 409 (conflict).
+Service errors (:class:`inference.errors.ControlPlaneError`) carry their own
+status and code: 400 bad input, 409 refused, 503 a backend that cannot be reached.
 """
 
 from __future__ import annotations
@@ -17,36 +18,14 @@ from typing import Any
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from rest_framework import exceptions, status
+from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from cacheadmin.services.db import RETRY_AFTER_S, database_busy
-from cacheadmin.services.engines import EngineRefused
-from cacheadmin.services.eviction import EvictionRefused
-from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
-from cacheadmin.services.namespaces import GroupError, NamespaceConflict
-from cacheadmin.services.prewarm import BadJobInput, JobRefused
-from cacheadmin.services.releases import ReleaseConflict, ReleaseRefused
-from inference.errors import CheckpointError
-from inference.tiers.base import TierUnavailable
+from inference.errors import ControlPlaneError
 
 logger = logging.getLogger("django.request")
-
-#: Service errors → (HTTP status, code).
-DOMAIN_ERRORS: dict[type[Exception], tuple[int, str]] = {
-    CheckpointError: (status.HTTP_400_BAD_REQUEST, "bad_checkpoint"),
-    JobRefused: (status.HTTP_409_CONFLICT, "job_refused"),
-    EngineRefused: (status.HTTP_409_CONFLICT, "engine_refused"),
-    RegistrationConflict: (status.HTTP_409_CONFLICT, "registration_conflict"),
-    NamespaceConflict: (status.HTTP_409_CONFLICT, "namespace_conflict"),
-    GroupError: (status.HTTP_409_CONFLICT, "group_conflict"),
-    EvictionRefused: (status.HTTP_409_CONFLICT, "eviction_refused"),
-    ReleaseRefused: (status.HTTP_409_CONFLICT, "release_refused"),
-    ReleaseConflict: (status.HTTP_409_CONFLICT, "release_conflict"),
-    TierUnavailable: (status.HTTP_503_SERVICE_UNAVAILABLE, "tier_unavailable"),
-    LifecycleError: (status.HTTP_409_CONFLICT, "lifecycle_conflict"),
-}
 
 
 def _fields(detail: Any, prefix: str = "") -> dict[str, list[str]]:
@@ -77,11 +56,9 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
     """DRF ``EXCEPTION_HANDLER``: every error in the one envelope."""
     if database_busy(exc):
         return busy_response()
-    if isinstance(exc, BadJobInput):
-        return Response(envelope(400, "invalid", str(exc), {exc.field: [exc.message]}), status=400)
-    for error_type, (status_code, code) in DOMAIN_ERRORS.items():
-        if isinstance(exc, error_type):
-            return Response(envelope(status_code, code, str(exc)), status=status_code)
+    if isinstance(exc, ControlPlaneError):
+        # The error's class says its status and code (see inference.errors.ControlPlaneError).
+        return Response(envelope(exc.http_status, exc.code, str(exc), exc.fields()), status=exc.http_status)
     if isinstance(exc, DjangoValidationError):
         exc = exceptions.ValidationError(exc.message_dict if hasattr(exc, "error_dict") else exc.messages)
     elif isinstance(exc, Http404):

@@ -1,8 +1,10 @@
 """Shared behaviour of the control plane's management commands.
 
 Exit codes: 0 success; 1 the command ran but its check failed (e.g. the demo
-did not catch the unsafe upgrade); 2 bad input (usage, path, checkpoint),
-reported as one line on stderr.
+did not catch the unsafe upgrade); 2 bad input (usage, path, checkpoint);
+3 a conflict with what exists or a backend that cannot be reached; 4 refused
+in the current state. Errors are one line on stderr; a service error's exit
+code is its class's ``exit_code`` (:class:`inference.errors.ControlPlaneError`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from cacheadmin.api.filters import MAX_ID
+from inference.errors import EXIT_BAD_INPUT, ControlPlaneError
 from inference.identity import LayoutOptions
 from inference.strict_json import loads_unique
-
-EXIT_BAD_INPUT = 2
 
 
 class OneLineParser(CommandParser):
@@ -45,10 +46,13 @@ class ControlPlaneCommand(BaseCommand):
         return parser
 
     def execute(self, *args: Any, **options: Any) -> Any:
-        """Run the command; a service's ValidationError (e.g. a reason with
-        invisible characters) is bad input: one line, exit 2, never a traceback."""
+        """Run the command; a service error is one line and its class's exit
+        code, a service's ValidationError (e.g. a reason with invisible
+        characters) is bad input (exit 2); never a traceback."""
         try:
             return super().execute(*args, **options)
+        except ControlPlaneError as exc:
+            raise self.failed(str(exc), exc.exit_code) from exc
         except ValidationError as exc:
             problems = (
                 [f"{field}: {messages[0]}" for field, messages in exc.message_dict.items()]
@@ -59,10 +63,15 @@ class ControlPlaneCommand(BaseCommand):
 
     def bad_input(self, message: str) -> CommandError:
         """A CommandError that exits 2 with ``message`` on one line."""
+        return self.failed(message, EXIT_BAD_INPUT)
+
+    @staticmethod
+    def failed(message: str, exit_code: int) -> CommandError:
+        """A CommandError that exits ``exit_code`` with ``message`` on one printable line."""
         one_line = " ".join(message.split())
         # Escape control characters from user input (paths) so they cannot drive the terminal.
         printable = "".join(c if c.isprintable() else repr(c)[1:-1] for c in one_line)
-        return CommandError(printable, returncode=EXIT_BAD_INPUT)
+        return CommandError(printable, returncode=exit_code)
 
 
 def positive_int(value: str) -> int:
@@ -121,10 +130,6 @@ def layout_from_options(opts: dict[str, Any]) -> LayoutOptions:
 LAYOUT_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LayoutOptions))
 
 
-#: Exit code when the control plane refuses an action (a conflict, not bad input).
-EXIT_REFUSED = 4
-
-
 def add_adapter_argument(parser: CommandParser) -> None:
     """``--adapter NAME=PATH`` (repeatable): LoRA adapters, identified by content."""
     parser.add_argument(
@@ -147,19 +152,6 @@ def adapters_from_options(command: ControlPlaneCommand, opts: dict[str, Any]) ->
             raise command.bad_input(f"--adapter {name!r} given twice")
         adapters[name] = path
     return adapters
-
-
-def refused_errors() -> tuple[type[Exception], ...]:
-    """Service errors that mean "refused" (exit 4) rather than "bad input" (exit 2)."""
-    from cacheadmin.services.engines import EngineRefused
-    from cacheadmin.services.eviction import EvictionRefused
-    from cacheadmin.services.model_versions import LifecycleError, RegistrationConflict
-    from cacheadmin.services.namespaces import GroupError, NamespaceConflict
-    from cacheadmin.services.prewarm import JobRefused
-
-    return (
-        EngineRefused, EvictionRefused, GroupError, JobRefused, LifecycleError, NamespaceConflict, RegistrationConflict,
-    )  # fmt: skip
 
 
 def get_or_bad_input(command: ControlPlaneCommand, model: type, pk: int | str, what: str, **lookup: Any) -> Any:

@@ -13,14 +13,16 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.namespaces import namespace_storage_path
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
-from inference.errors import EngineError
+from inference.errors import EngineError, Refused
 
 #: Engines this process launched, by Engine pk (handles to their subprocesses).
 _LAUNCHED: dict[int, LocalEngine] = {}
 
 
-class EngineRefused(ValueError):
-    """The control plane refuses this engine configuration; the message says why."""
+class EngineRefused(Refused):
+    """The control plane refuses this engine configuration; the message says why (409, exit 4)."""
+
+    code = "engine_refused"
 
 
 def _spec_for(

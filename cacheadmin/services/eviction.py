@@ -58,7 +58,7 @@ from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.tiers import Tiers, tiers_configured
-from inference.errors import EngineError
+from inference.errors import EngineError, Refused
 from inference.identity import cache_salt
 from inference.tiers.base import TierError, TierUnavailable, TierUsage
 from inference.tiers.policy import select_victims
@@ -68,8 +68,10 @@ Kind = EvictionAction.Kind
 ActionStatus = EvictionAction.Status
 
 
-class EvictionRefused(ValueError):
-    """A plan or approval that cannot be made (a held namespace, a run not awaiting approval...)."""
+class EvictionRefused(Refused):
+    """A plan or approval that cannot be made (a held namespace, a run not awaiting approval...) (409, exit 4)."""
+
+    code = "eviction_refused"
 
 
 class EvictionNotConfirmed(RuntimeError):

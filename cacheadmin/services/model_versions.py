@@ -14,13 +14,16 @@ from cacheadmin.models.naming import NOT_DIFFERENT, name_key, validate_display_n
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.serving import version_status_wanted, version_traffic
 from inference.digest_cache import FileDigestCache
-from inference.errors import CheckpointError
+from inference.errors import EXIT_CONFLICT, CheckpointError, Refused
 from inference.identity import IdentityReport, LayoutOptions, fingerprint_checkpoint, verify_digest_cache
 from inference.paths import resolve_adapter_dir, resolve_checkpoint_dir
 
 
-class RegistrationConflict(ValueError):
-    """A label is already registered with a different identity."""
+class RegistrationConflict(Refused):
+    """A label is already registered with a different identity (409, exit 3: a conflict with what exists)."""
+
+    code = "registration_conflict"
+    exit_code = EXIT_CONFLICT
 
 
 def checkpoint_fingerprint(
@@ -158,8 +161,10 @@ LIFECYCLE: dict[str, set[str]] = {
 }
 
 
-class LifecycleError(ValueError):
-    """A lifecycle move that is not allowed from the version's current status."""
+class LifecycleError(Refused):
+    """A lifecycle move that is not allowed from the version's current status (409, exit 4)."""
+
+    code = "lifecycle_conflict"
 
 
 def model_version_transition(*, version: ModelVersion, to: str, actor: str, reason: str = "") -> ModelVersion:

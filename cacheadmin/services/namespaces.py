@@ -22,6 +22,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.naming import name_key, validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
+from inference.errors import Refused
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
 
@@ -187,8 +188,10 @@ def namespace_get_or_create(
     return namespace
 
 
-class NamespaceConflict(ValueError):
-    """A namespace id is held by another (boundary, model version) row."""
+class NamespaceConflict(Refused):
+    """A namespace id is held by another (boundary, model version) row (409, exit 4)."""
+
+    code = "namespace_conflict"
 
 
 def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion, where: dict[str, object]) -> CacheNamespace:
@@ -220,8 +223,10 @@ def namespaces_visible_to(tenant_id: int, path: str = "") -> Q:
     return Q(**{f"{path}tenant_id": tenant_id}) | Q(Exists(member))
 
 
-class GroupError(ValueError):
-    """A shared-group change that cannot be made (already a member, not a member...)."""
+class GroupError(Refused):
+    """A shared-group change that cannot be made (already a member, not a member...) (409, exit 4)."""
+
+    code = "group_conflict"
 
 
 def shared_group_create(*, slug: str, name: str, actor: str) -> SharedGroup:

@@ -10,22 +10,28 @@ from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_cache_salt
-from inference.errors import EngineError
+from inference.errors import ControlPlaneError, EngineError, Refused
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
 
 
-class JobRefused(ValueError):
+class JobRefused(Refused):
     """A job cannot be created in the current state (engine not ready, namespace
-    not served...); the message says why."""
+    not served...); the message says why (409, exit 4)."""
+
+    code = "job_refused"
 
 
-class BadJobInput(ValueError):
-    """A job was asked for with an invalid value; ``field`` names it."""
+class BadJobInput(ControlPlaneError, ValueError):
+    """A job was asked for with an invalid value; ``field`` names it (400 ``invalid`` with the field, exit 2)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+    def fields(self) -> dict[str, list[str]]:
+        """``{field: [message]}``."""
+        return {self.field: [self.message]}
 
 
 def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str, actor: str) -> PrewarmJob:

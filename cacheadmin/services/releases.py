@@ -41,6 +41,7 @@ from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.serving import ROUTED, current_releases, dropped_routes, release_routes
 from cacheadmin.services.tiers import tiers_configured
 from inference.corpus import load_corpus
+from inference.errors import Refused
 from inference.identity import identity_diff, namespace_id
 
 Decision = Release.Decision
@@ -55,13 +56,17 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 
 
-class ReleaseRefused(ValueError):
+class ReleaseRefused(Refused):
     """A release step that is not allowed now, with the reason (no evidence,
-    wrong classification, nothing to roll back to...)."""
+    wrong classification, nothing to roll back to...) (409, exit 4)."""
+
+    code = "release_refused"
 
 
-class ReleaseConflict(ValueError):
-    """The release changed underneath (e.g. a concurrent decision won)."""
+class ReleaseConflict(Refused):
+    """The release changed underneath (e.g. a concurrent decision won) (409, exit 4)."""
+
+    code = "release_conflict"
 
 
 def _event(release: Release, actor: str, kind: str, **detail: Any) -> None:

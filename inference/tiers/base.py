@@ -12,6 +12,8 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+from inference.errors import EXIT_CONFLICT, ControlPlaneError
+
 __all__ = [
     "STRAY_PREFIX",
     "TierEntry",
@@ -111,10 +113,14 @@ class TierError(Exception):
     """A tier operation failed; the message names the tier, the prefix and the reason."""
 
 
-class TierUnavailable(TierError):
+class TierUnavailable(TierError, ControlPlaneError):
     """The tier's backend cannot be reached (Redis down, connection refused,
     timeout...). The message says which backend and why; nothing was changed
-    that the caller can rely on, so the operation may be retried."""
+    that the caller can rely on, so the operation may be retried (503, exit 3)."""
+
+    code = "tier_unavailable"
+    http_status = 503
+    exit_code = EXIT_CONFLICT
 
 
 class TierWriteFailed(TierError):

@@ -6,12 +6,11 @@ Twin of ``POST /api/engines/{id}/attach/``. Exit codes: 0 done; 2 bad input;
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input, positive_int, refused_errors
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, Engine
 from cacheadmin.services.engines import engine_attach_namespace
 
@@ -34,9 +33,5 @@ class Command(ControlPlaneCommand):
             return
         engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
         namespace = get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
-        try:
-            engine_attach_namespace(engine=engine, namespace=namespace, actor="cli")
-        except refused_errors() as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_REFUSED)
+        engine_attach_namespace(engine=engine, namespace=namespace, actor="cli")
         self.stdout.write(f"engine {engine.name} now serves namespace {namespace.namespace_id}")

@@ -19,15 +19,13 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input, positive_int, refused_errors
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, EvictionRun, JobStatus
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_sweep
 from cacheadmin.services.jobs import job_cancel
-from inference.tiers.base import TierUnavailable
 
 ACTOR = "cli"
 EXIT_RUN_FAILED = 1
-EXIT_TIER_UNAVAILABLE = 3
 
 
 class Command(ControlPlaneCommand):
@@ -55,14 +53,7 @@ class Command(ControlPlaneCommand):
         sub.add_parser("sweep", help="what the scheduled sweep does, now")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        try:
-            out = getattr(self, f"verb_{opts['verb']}")(opts)
-        except TierUnavailable as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_TIER_UNAVAILABLE)
-        except refused_errors() as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_REFUSED)
+        out = getattr(self, f"verb_{opts['verb']}")(opts)
         self.stdout.write(json.dumps(out, default=str))
         if isinstance(out, dict) and out.get("status") == JobStatus.FAILED:
             sys.exit(EXIT_RUN_FAILED)

@@ -18,7 +18,6 @@ from cacheadmin.management.base import (
 )
 from cacheadmin.models.tenancy import Tenant, slug_validator
 from cacheadmin.services.model_versions import checkpoint_fingerprint, checkpoint_verify_cache
-from inference.errors import CheckpointError
 from inference.identity import namespace_id
 
 #: Exit code when --verify found files whose cached digest was wrong.
@@ -54,12 +53,10 @@ class Command(ControlPlaneCommand):
                 raise self.bad_input(f"--tenant needs the control plane's database ({exc}); run manage.py migrate") from exc
             if tenant is None:
                 raise self.bad_input(f"--tenant {opts['tenant']!r}: no such tenant")
-        try:
-            adapters = adapters_from_options(self, opts)
-            mismatches = checkpoint_verify_cache(path=opts["path"]) if opts["verify"] else []
-            root, report = checkpoint_fingerprint(path=opts["path"], layout=layout_from_options(opts), adapters=adapters)
-        except CheckpointError as exc:
-            raise self.bad_input(str(exc)) from exc
+        # A CheckpointError is bad input: exit 2 (its class's exit code).
+        adapters = adapters_from_options(self, opts)
+        mismatches = checkpoint_verify_cache(path=opts["path"]) if opts["verify"] else []
+        root, report = checkpoint_fingerprint(path=opts["path"], layout=layout_from_options(opts), adapters=adapters)
         out: dict[str, Any] = dict(report.digests())
         if opts["verify"]:
             out["cache_mismatches"] = mismatches

@@ -8,15 +8,14 @@ and ``POST /api/shared-groups/{id}/leave/``. Exit codes: 0 done; 2 bad input
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input
 from cacheadmin.models import SharedGroup, Tenant
-from cacheadmin.services.namespaces import GroupError, shared_group_create, shared_group_join, shared_group_leave
+from cacheadmin.services.namespaces import shared_group_create, shared_group_join, shared_group_leave
 
 ACTOR = "cli"
 
@@ -54,9 +53,6 @@ class Command(ControlPlaneCommand):
                     self._print(group)
         except ValidationError as exc:
             raise self.bad_input("; ".join(f"{k}: {v[0]}" for k, v in exc.message_dict.items())) from exc
-        except GroupError as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_REFUSED)
 
     def _print(self, group: SharedGroup) -> None:
         members = sorted(t.slug for t in group.members.all())

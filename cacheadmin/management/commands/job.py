@@ -16,11 +16,11 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input, positive_int, refused_errors
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, JobStatus, PrewarmJob, RegistrationJob
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.prewarm import BadJobInput, prewarm_job_create
+from cacheadmin.services.prewarm import prewarm_job_create
 
 ACTOR = "cli"
 KINDS = {"prewarm": PrewarmJob, "comparison": ComparisonJob, "registration": RegistrationJob}
@@ -54,13 +54,7 @@ class Command(ControlPlaneCommand):
             p.add_argument("--timeout", type=positive_int, default=1800, help="seconds to wait at most")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        try:
-            job = getattr(self, f"verb_{opts['verb']}")(opts)
-        except BadJobInput as exc:
-            raise self.bad_input(str(exc)) from exc
-        except refused_errors() as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_REFUSED)
+        job = getattr(self, f"verb_{opts['verb']}")(opts)
         if opts.get("wait"):
             deadline = time.monotonic() + opts["timeout"]
             while job.status in (JobStatus.QUEUED, JobStatus.RUNNING) and time.monotonic() < deadline:

@@ -16,7 +16,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import EXIT_REFUSED, ControlPlaneCommand, get_or_bad_input, positive_int, refused_errors
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, SharedGroup, Tenant
 from cacheadmin.models.naming import name_key
 from cacheadmin.services.audit import audit_record
@@ -100,9 +100,6 @@ class Command(ControlPlaneCommand):
                 "; ".join(f"{k}: {v[0]}" for k, v in exc.message_dict.items()) if hasattr(exc, "error_dict") else exc.messages[0]
             )
             raise self.bad_input(detail) from exc
-        except refused_errors() as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_REFUSED)
 
     def _print(self, namespace: CacheNamespace, as_json: bool) -> None:
         policy = namespace.policy

@@ -14,10 +14,7 @@ from cacheadmin.management.base import (
     add_layout_arguments,
     layout_from_options,
 )
-from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
-from inference.errors import CheckpointError
-
-EXIT_CONFLICT = 3
+from cacheadmin.services.model_versions import model_version_register
 
 
 class Command(ControlPlaneCommand):
@@ -39,20 +36,15 @@ class Command(ControlPlaneCommand):
         for key in ("label", "served_name"):
             if not opts[key].strip():
                 raise self.bad_input(f"--{key.replace('_', '-')} must not be empty")
-        try:
-            version, created = model_version_register(
-                path=opts["path"],
-                label=opts["label"],
-                served_name=opts["served_name"],
-                layout=layout_from_options(opts),
-                adapters=adapters_from_options(self, opts),
-                actor="cli",
-            )
-        except CheckpointError as exc:
-            raise self.bad_input(str(exc)) from exc
-        except RegistrationConflict as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            raise SystemExit(EXIT_CONFLICT) from exc
+        # A CheckpointError exits 2 and a RegistrationConflict 3 (their classes' exit codes).
+        version, created = model_version_register(
+            path=opts["path"],
+            label=opts["label"],
+            served_name=opts["served_name"],
+            layout=layout_from_options(opts),
+            adapters=adapters_from_options(self, opts),
+            actor="cli",
+        )
         out = {"id": version.pk, "label": version.label, "created": created, "identity": version.identity}
         out.update({f: getattr(version, f) for f in version.IDENTITY_FIELDS})
         out["adapters_registered"] = {a.name: a.content for a in version.adapter_set.all()}

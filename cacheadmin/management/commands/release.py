@@ -22,8 +22,6 @@ from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, po
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release
 from cacheadmin.services.releases import (
-    ReleaseConflict,
-    ReleaseRefused,
     release_collect_tokenization_evidence,
     release_create,
     release_decide,
@@ -31,7 +29,6 @@ from cacheadmin.services.releases import (
     release_rollback,
     release_set_traffic,
 )
-from inference.errors import CheckpointError
 
 ACTOR = "cli"
 EXIT = {
@@ -41,7 +38,6 @@ EXIT = {
     Release.Status.DECISION_REQUIRED: 3,
     Release.Status.PREPARING: 5,
 }
-EXIT_REFUSED = 4
 
 
 class Command(ControlPlaneCommand):
@@ -78,13 +74,7 @@ class Command(ControlPlaneCommand):
             p.add_argument("--json", action="store_true", help="(default) one JSON object")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        try:
-            release = getattr(self, f"verb_{opts['verb']}")(opts)
-        except (ReleaseRefused, ReleaseConflict) as exc:
-            self.stderr.write(f"CommandError: {exc}")
-            sys.exit(EXIT_REFUSED)
-        except CheckpointError as exc:
-            raise self.bad_input(str(exc)) from exc
+        release = getattr(self, f"verb_{opts['verb']}")(opts)
         out = {
             f: getattr(release, f)
             for f in ("id", "served_name", "classification", "status", "decision", "decided_by", "traffic_percent", "error")

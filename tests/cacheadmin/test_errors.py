@@ -1,0 +1,81 @@
+"""Each service error class says its API status, code and CLI exit code; both surfaces read them from the class."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management.base import CommandError
+
+import cacheadmin.services.engines
+import cacheadmin.services.eviction
+import cacheadmin.services.model_versions
+import cacheadmin.services.namespaces
+import cacheadmin.services.prewarm
+import cacheadmin.services.releases  # noqa: F401  (each module defines error classes)
+from cacheadmin.api.exceptions import api_exception_handler
+from cacheadmin.management.base import ControlPlaneCommand
+from inference.errors import ControlPlaneError, Refused
+
+#: Every error class the surfaces report, with the status, code and exit code the README documents.
+EXPECTED = {
+    "CheckpointError": (400, "bad_checkpoint", 2),
+    "CheckpointOutsideRoots": (400, "bad_checkpoint", 2),
+    "AdapterOutsideRoots": (400, "bad_checkpoint", 2),
+    "BadJobInput": (400, "invalid", 2),
+    "TierUnavailable": (503, "tier_unavailable", 3),
+    "RegistrationConflict": (409, "registration_conflict", 3),
+    "EngineRefused": (409, "engine_refused", 4),
+    "NamespaceConflict": (409, "namespace_conflict", 4),
+    "GroupError": (409, "group_conflict", 4),
+    "JobRefused": (409, "job_refused", 4),
+    "EvictionRefused": (409, "eviction_refused", 4),
+    "ReleaseRefused": (409, "release_refused", 4),
+    "ReleaseConflict": (409, "release_conflict", 4),
+    "LifecycleError": (409, "lifecycle_conflict", 4),
+}
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+def _instance(cls: type[ControlPlaneError]) -> ControlPlaneError:
+    return cls("field", "is wrong") if cls.__name__ == "BadJobInput" else cls("the reason")
+
+
+def test_every_error_class_declares_what_the_readme_documents() -> None:
+    declared = {c.__name__: (c.http_status, c.code, c.exit_code) for c in _subclasses(ControlPlaneError) if c is not Refused}
+    assert declared == EXPECTED
+
+
+class _Raises(ControlPlaneCommand):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def handle(self, *args: object, **options: object) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_api_and_cli_read_the_class(name: str) -> None:
+    cls = next(c for c in _subclasses(ControlPlaneError) if c.__name__ == name)
+    error = _instance(cls)
+    response = api_exception_handler(error, {"view": None})
+    status, code, exit_code = EXPECTED[name]
+    assert response is not None and response.status_code == status
+    expected_error = {"status": status, "code": code, "message": str(error)}
+    if name == "BadJobInput":
+        expected_error["fields"] = {"field": ["is wrong"]}
+    assert response.data == {"error": expected_error}
+    with pytest.raises(CommandError) as raised:
+        _Raises(error).execute(no_color=True, force_color=False, skip_checks=True, stdout=None, stderr=None)
+    assert (raised.value.returncode, str(raised.value)) == (exit_code, str(error))
+
+
+def test_cli_message_is_one_printable_line() -> None:
+    with pytest.raises(CommandError) as raised:
+        _Raises(Refused("first\nsecond\x1b[31m")).execute(no_color=True, force_color=False, skip_checks=True)
+    assert (raised.value.returncode, str(raised.value)) == (4, "first second\\x1b[31m")
