@@ -80,9 +80,8 @@ def accounting_scan_run(*, scan_id: int) -> None:
     now = timezone.now()
     rows: list[TierUsageSample] = []
     problems: list[str] = []
-    sources: list[tuple[str, Any, set[str]]] = [(Tier.DISK, tiers.disk, live), (Tier.COLD, tiers.cold, set())]
-    if tiers.redis is not None:
-        sources.insert(1, (Tier.REDIS, tiers.redis, live))
+    # Hot tiers report every live namespace, zero where it holds nothing; the cold tier only its archives.
+    sources = [(kind, store, live) for kind, store in tiers.hot()] + [(Tier.COLD, tiers.cold, set())]
     for tier, store, zero_fill in sources:
         try:
             usage: dict[str, TierUsage] = store.usage_all()

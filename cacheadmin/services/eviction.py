@@ -61,7 +61,8 @@ from cacheadmin.services.tiers import Tiers, tiers_configured
 from inference.errors import EngineError, Refused
 from inference.identity import cache_salt
 from inference.tiers.base import TierError, TierUnavailable, TierUsage
-from inference.tiers.policy import select_victims
+from inference.tiers.policy import VersionFacts, select_victims
+from inference.tiers.policy import version_ranks as policy_version_ranks
 
 logger = logging.getLogger(__name__)
 Kind = EvictionAction.Kind
@@ -91,23 +92,18 @@ class _Planned:
 
 
 def version_ranks(served_names: set[str]) -> dict[int, int]:
-    """Rank of every model version within its served model: active versions
-    first, then newest first (0 = first). Versions count whether or not a
-    boundary has a namespace for them: a tenant still on v1 after v2 went
-    active holds the previous version's state.
+    """Rank of every model version within its served model
+    (:func:`inference.tiers.policy.version_ranks`: active first, then newest).
+    Versions count whether or not a boundary has a namespace for them: a
+    tenant still on v1 after v2 went active holds the previous version's state.
 
     Returns:
         model version pk → rank.
     """
     rows = ModelVersion.objects.filter(served_name__in=served_names).values_list("pk", "served_name", "status", "created_at")
-    by_name: dict[str, list[tuple[int, str, Any]]] = defaultdict(list)
-    for pk, name, status, created in rows:
-        by_name[name].append((pk, status, created))
-    ranks = {}
-    for versions in by_name.values():
-        versions.sort(key=lambda v: (v[1] != ModelVersion.Status.ACTIVE, -v[2].timestamp(), -v[0]))
-        ranks.update({pk: rank for rank, (pk, _, _) in enumerate(versions)})
-    return ranks
+    return policy_version_ranks(
+        VersionFacts(pk, name, status == ModelVersion.Status.ACTIVE, created.timestamp()) for pk, name, status, created in rows
+    )
 
 
 def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, str]]:
@@ -152,14 +148,14 @@ class _Sizes:
     looked at by several actions, and a Redis lookup is a SCAN."""
 
     def __init__(self, tiers: Tiers) -> None:
-        self.stores: dict[str, Any] = {Tier.DISK: tiers.disk, Tier.REDIS: tiers.redis, Tier.COLD: tiers.cold}
+        self.tiers = tiers
         self._seen: dict[tuple[str, str], TierUsage] = {}
 
     def __call__(self, tier: str, prefix: str) -> TierUsage:
         """Usage of ``prefix`` in ``tier`` (empty when the tier is not configured or holds nothing)."""
         key = (tier, prefix)
         if key not in self._seen:
-            store = self.stores[tier]
+            store = self.tiers.store(tier)
             self._seen[key] = store.usage(prefix) if store is not None else TierUsage.empty(prefix)
         return self._seen[key]
 
@@ -167,14 +163,13 @@ class _Sizes:
 def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers, sizes: _Sizes) -> list[_Planned]:
     """Actions that take a namespace out of the hot tiers: into the cold tier, or gone."""
     prefix = ns.storage_prefix
-    disk, redis_bytes = sizes(Tier.DISK, prefix).bytes, sizes(Tier.REDIS, prefix).bytes
+    hot_bytes = {kind: sizes(kind, prefix).bytes for kind, _ in tiers.hot()}
     actions: list[_Planned] = []
     if to == Residency.COLD:
-        detail = {"logical_bytes": disk + redis_bytes}
+        detail = {"logical_bytes": sum(hot_bytes.values())}
         actions.append(_Planned(Kind.ARCHIVE, Tier.COLD, ns, prefix, f"demote: {why}", detail=detail))
-    actions.append(_Planned(Kind.DELETE_PREFIX, Tier.DISK, ns, prefix, why, disk))
-    if tiers.redis is not None:
-        actions.append(_Planned(Kind.DELETE_PREFIX, Tier.REDIS, ns, prefix, why, redis_bytes))
+    for kind, held in hot_bytes.items():
+        actions.append(_Planned(Kind.DELETE_PREFIX, kind, ns, prefix, why, held))
     # After the hot tiers: a connector would reload the state from them on the probe.
     for engine in _engines_of(ns):
         actions.append(_Planned(Kind.RESET_ENGINE, Tier.ENGINE, ns, prefix, why, engine=engine))
@@ -187,8 +182,8 @@ def _budget_actions(ns: CacheNamespace, tiers: Tiers, sizes: _Sizes, now: float)
     if policy.max_bytes is None and policy.max_age_since_last_hit_s is None:
         return []
     actions = []
-    for tier, store in ((Tier.DISK, tiers.disk), (Tier.REDIS, tiers.redis)):
-        if store is None or not sizes(tier, ns.storage_prefix).entries:
+    for tier, store in tiers.hot():
+        if not sizes(tier, ns.storage_prefix).entries:
             continue
         victims = select_victims(
             store.entries(ns.storage_prefix),
@@ -227,10 +222,7 @@ def _budget_actions(ns: CacheNamespace, tiers: Tiers, sizes: _Sizes, now: float)
 def _orphan_actions(tiers: Tiers, known: set[str]) -> list[_Planned]:
     """Purges of storage prefixes no namespace owns, once older than ``ORPHAN_GRACE_S``."""
     actions = []
-    stores: list[tuple[str, Any]] = [(Tier.DISK, tiers.disk), (Tier.REDIS, tiers.redis), (Tier.COLD, tiers.cold)]
-    for tier, store in stores:
-        if store is None:
-            continue
+    for tier, store in tiers.stores():
         for prefix, usage in sorted(store.usage_all().items()):
             newest = datetime.fromtimestamp(usage.newest_entry_at, tz=UTC) if usage.newest_entry_at is not None else None
             if prefix in known or not orphan_old_enough(prefix, tier, newest, timezone.now()):
@@ -487,7 +479,7 @@ def _perform(action: EvictionAction, tiers: Tiers) -> tuple[int, dict[str, Any]]
         EngineError: an engine did not answer the reset or the probe.
     """
     prefix = action.storage_prefix
-    store = {Tier.DISK: tiers.disk, Tier.REDIS: tiers.redis, Tier.COLD: tiers.cold}.get(action.tier)
+    store = tiers.store(action.tier)
     if action.kind in (Kind.DELETE_PREFIX, Kind.DELETE_ENTRIES) and store is None:
         raise TierUnavailable(f"the {action.tier} tier is not configured here (KV_REDIS_URL)")
     if action.kind == Kind.ARCHIVE:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 from inference.errors import EXIT_CONFLICT, ControlPlaneError
 
 __all__ = [
     "STRAY_PREFIX",
+    "HotTier",
     "TierEntry",
     "TierError",
     "TierUnavailable",
@@ -107,6 +110,55 @@ class TierUsage:
             newest_entry_at=None,
             last_access_at=None,
         )
+
+
+@runtime_checkable
+class HotTier(Protocol):
+    """What the control plane needs of a hot tier (engine-side KV state it
+    accounts for and evicts by storage prefix): the disk tier, the Redis tier,
+    and the tiers that come next implement it.
+
+    Every method that takes a prefix raises ``ValueError`` for an invalid one,
+    :class:`TierUnavailable` when the backend cannot be reached, and
+    :class:`TierError` for other failures. Stray pseudo-prefixes
+    (:func:`stray_prefix`) are accepted by ``exists``, ``usage`` and
+    ``delete_prefix`` and reported by ``usage_all``.
+
+    Attributes:
+        keeps_access_history: whether entries carry ``access_history`` (LRU-K can rank them).
+        access_time_source: what counts as an access in this tier, for an operator.
+    """
+
+    keeps_access_history: ClassVar[bool]
+    access_time_source: ClassVar[str]
+
+    def prefixes(self) -> list[str]:
+        """Storage prefixes holding state, sorted (strays left out)."""
+        ...
+
+    def exists(self, prefix: str) -> bool:
+        """Whether ``prefix`` holds anything."""
+        ...
+
+    def usage(self, prefix: str) -> TierUsage:
+        """What ``prefix`` holds (:meth:`TierUsage.empty` when nothing)."""
+        ...
+
+    def usage_all(self) -> dict[str, TierUsage]:
+        """Usage of every prefix and stray, keyed by (pseudo-)prefix: every byte of the tier in one of them."""
+        ...
+
+    def entries(self, prefix: str) -> list[TierEntry]:
+        """Entries of ``prefix`` sorted by key (empty when absent)."""
+        ...
+
+    def delete_entries(self, prefix: str, keys: Iterable[str]) -> int:
+        """Delete these entries of ``prefix``; returns the logical bytes freed."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete everything under ``prefix``; returns the logical bytes freed."""
+        ...
 
 
 class TierError(Exception):

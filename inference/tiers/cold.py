@@ -39,9 +39,8 @@ import tarfile
 import tempfile
 import time
 import zlib
-from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -57,10 +56,10 @@ from inference.tiers.base import (
     errno_text,
     is_prefix_name,
     is_stray_prefix,
-    stray_prefix,
 )
-from inference.tiers.disk import DiskTier, _rmtree, root_items_usage
+from inference.tiers.disk import DiskTier
 from inference.tiers.redis_tier import DumpedEntry, RedisTier
+from inference.tiers.rooted import RootListing, add_root_items, list_root, remove_tree, root_items_usage
 
 __all__ = ["ArchiveInfo", "ColdTier"]
 
@@ -147,21 +146,6 @@ class _HashingReader:
         data = self._raw.read(size)
         self._hasher.update(data)
         return data
-
-
-@dataclass
-class _RootListing:
-    """What lies directly under the cold tier's root, by kind (see the module doc).
-
-    Attributes:
-        archives: prefixes with an archive.
-        temps: prefix → names of its archives' temp files.
-        strays: stray pseudo-prefix → the names of the items it stands for.
-    """
-
-    archives: list[str] = field(default_factory=list)
-    temps: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    strays: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
 def _temp_prefix(name: str) -> str | None:
@@ -258,7 +242,7 @@ class ColdTier:
         Raises:
             TierError: ``root`` cannot be listed (other than not existing).
         """
-        return sorted(self._list_root().archives)
+        return sorted(self._list_root().prefixes)
 
     # -- writing -------------------------------------------------------------
 
@@ -531,7 +515,7 @@ class ColdTier:
         file's mtime (run :meth:`verify` to find out why).
 
         A stray pseudo-prefix gets the usage of the items it stands for (see
-        :func:`inference.tiers.disk.root_items_usage`).
+        :func:`inference.tiers.rooted.root_items_usage`).
 
         Raises:
             ValueError: invalid prefix.
@@ -579,45 +563,26 @@ class ColdTier:
             TierError: ``root`` cannot be listed, or a stray cannot be read.
         """
         listing = self._list_root()
-        usages = {prefix: self.usage(prefix) for prefix in sorted(listing.archives)}
-        for prefix, names in sorted(listing.temps.items()):
-            extra = root_items_usage(self.root, prefix, names)
-            current = usages.get(prefix)
-            if current is None:
-                usages[prefix] = replace(extra, entries=0)
-            else:
-                usages[prefix] = replace(
-                    current,
-                    bytes=current.bytes + extra.bytes,
-                    allocated_bytes=current.allocated_bytes + extra.allocated_bytes,
-                )
-        for pseudo, names in sorted(listing.strays.items()):
-            usages[pseudo] = root_items_usage(self.root, pseudo, names)
+        usages = {prefix: self.usage(prefix) for prefix in sorted(listing.prefixes)}
+        add_root_items(usages, self.root, listing)
         return usages
 
     # -- internals -----------------------------------------------------------
 
-    def _list_root(self) -> _RootListing:
-        """Every name directly under ``root`` by kind."""
-        listing = _RootListing()
-        try:
-            with os.scandir(self.root) as it:
-                children = [(e.name, e.is_file(follow_symlinks=False)) for e in it]
-        except FileNotFoundError:
-            return listing
-        except OSError as exc:
-            raise TierError(f"cold tier {self.root}: cannot list: {exc}") from exc
-        for name, is_file in children:
-            kind = _kind_of(name, is_file)
+    def _list_root(self) -> RootListing:
+        """Every name directly under ``root`` by kind: ``prefixes`` are those with an archive, ``partial`` their temp files."""
+
+        def classify(name: str, entry: os.DirEntry[str]) -> tuple[str, str]:
+            kind = _kind_of(name, entry.is_file(follow_symlinks=False))
             if kind == "archive":
-                listing.archives.append(name[: -len(SUFFIX)])
-            elif kind == "temp":
+                return ("prefix", name[: -len(SUFFIX)])
+            if kind == "temp":
                 prefix = _temp_prefix(name)
                 assert prefix is not None
-                listing.temps[prefix].append(name)
-            else:
-                listing.strays[stray_prefix(os.fsencode(name))].append(name)
-        return listing
+                return ("partial", prefix)
+            return ("stray", name)
+
+        return list_root(self.root, f"cold tier {self.root}", classify)
 
     def _delete_strays(self, names: list[str]) -> int:
         """Remove stray items directly under ``root``; returns logical bytes
@@ -636,7 +601,7 @@ class ColdTier:
                         tree = _scan.tree_at(root_fd, name)
                     finally:
                         os.close(root_fd)
-                    _rmtree(path)
+                    remove_tree(path)
                     freed += tree[0] if tree is not None else 0
                 else:
                     path.unlink()
@@ -806,7 +771,7 @@ class _Restore:
 
     def abort(self) -> None:
         if self.staging is not None and self.staging.exists():
-            _rmtree(self.staging)
+            remove_tree(self.staging)
 
 
 def _copy(stream: IO[bytes], hasher: Any, target: IO[bytes] | None, member: tarfile.TarInfo) -> None:

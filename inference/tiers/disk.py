@@ -32,13 +32,11 @@ import errno
 import json
 import os
 import secrets
-import shutil
 import stat as stat_module
 import subprocess
 import sys
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -53,10 +51,10 @@ from inference.tiers.base import (
     errno_text,
     is_prefix_name,
     is_stray_prefix,
-    stray_prefix,
 )
+from inference.tiers.rooted import RootListing, add_root_items, list_root, remove_tree, root_items_usage
 
-__all__ = ["DiskEntryFiles", "DiskFile", "DiskTier", "root_items_usage"]
+__all__ = ["DiskEntryFiles", "DiskFile", "DiskTier"]
 
 TOMBSTONE = ".deleting-"
 STAGING = ".restoring-"
@@ -86,21 +84,6 @@ class DiskEntryFiles:
     key: str
     mtime: float
     files: tuple[DiskFile, ...]
-
-
-@dataclass
-class _RootListing:
-    """What lies directly under a disk tier's root, by kind (see the module doc).
-
-    Attributes:
-        prefixes: prefix folder names.
-        staging: prefix → names of its staging folders.
-        strays: stray pseudo-prefix → the names of the items it stands for.
-    """
-
-    prefixes: list[str] = field(default_factory=list)
-    staging: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    strays: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
 def _tombstone_name(prefix: str) -> str:
@@ -135,21 +118,6 @@ def _is_hidden_of(name: str, kind: str, prefix: str | None) -> bool:
     if not dot or len(token) != 16 or any(c not in "0123456789abcdef" for c in token):
         return False
     return prefix is None or head == prefix
-
-
-def _rmtree(path: Path) -> None:
-    """Remove a tree; a part someone else removed meanwhile is not an error
-    (two finishers of one tombstone). ``shutil.rmtree`` works on directory
-    file descriptors here (Linux), so it never follows a symlink."""
-
-    def ignore_missing(_func: object, _path: str, exc: BaseException) -> None:
-        if not isinstance(exc, FileNotFoundError):
-            raise exc
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=ignore_missing)  # type: ignore[call-arg]
-    else:
-        shutil.rmtree(path, onerror=lambda f, p, info: ignore_missing(f, p, info[1]))
 
 
 class DiskTier:
@@ -237,7 +205,7 @@ class DiskTier:
             ValueError: invalid prefix.
         """
         if is_stray_prefix(prefix):
-            return self._strays_usage(prefix, self._list_root().strays.get(prefix, []))
+            return root_items_usage(self.root, prefix, self._list_root().strays.get(prefix, []))
         check_prefix(prefix)
         return self._usage_of([prefix]).get(prefix) or TierUsage.empty(prefix)
 
@@ -263,20 +231,7 @@ class DiskTier:
         self._finish_tombstones(None)
         listing = self._list_root()
         usages = self._usage_of(sorted(listing.prefixes))
-        for prefix, names in sorted(listing.staging.items()):
-            extra = root_items_usage(self.root, prefix, names)
-            current = usages.get(prefix)
-            if current is None:
-                # Times stay: a restore still writing keeps a prefix no namespace has yet young.
-                usages[prefix] = replace(extra, entries=0)
-            else:
-                usages[prefix] = replace(
-                    current,
-                    bytes=current.bytes + extra.bytes,
-                    allocated_bytes=current.allocated_bytes + extra.allocated_bytes,
-                )
-        for pseudo, names in sorted(listing.strays.items()):
-            usages[pseudo] = self._strays_usage(pseudo, names)
+        add_root_items(usages, self.root, listing)
         return usages
 
     def entries(self, prefix: str) -> list[TierEntry]:
@@ -492,34 +447,24 @@ class DiskTier:
                 except FileNotFoundError:
                     pass
             os.rename(staging / key, target / key)
-        _rmtree(staging)
+        remove_tree(staging)
         self._finish_tombstones(prefix)
         return len(keys)
 
     # -- internals -----------------------------------------------------------
 
-    def _list_root(self) -> _RootListing:
+    def _list_root(self) -> RootListing:
         """Every name directly under ``root`` by kind (tombstones left out)."""
-        listing = _RootListing()
-        try:
-            with os.scandir(self.root) as it:
-                children = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        except FileNotFoundError:
-            return listing
-        except OSError as exc:
-            raise TierError(f"disk tier {self.root}: cannot list: {exc}") from exc
-        for name, is_dir in children:
-            kind = _kind_of(name, is_dir)
-            if kind == "prefix":
-                listing.prefixes.append(name)
-            elif kind == "staging":
-                listing.staging[name[len(STAGING) :].rpartition(".")[0]].append(name)
-            elif kind == "stray":
-                listing.strays[stray_prefix(os.fsencode(name))].append(name)
-        return listing
 
-    def _strays_usage(self, pseudo: str, names: list[str]) -> TierUsage:
-        return root_items_usage(self.root, pseudo, names)
+        def classify(name: str, entry: os.DirEntry[str]) -> tuple[str, str] | None:
+            kind = _kind_of(name, entry.is_dir(follow_symlinks=False))
+            if kind == "prefix":
+                return ("prefix", name)
+            if kind == "staging":
+                return ("partial", name[len(STAGING) :].rpartition(".")[0])
+            return ("stray", name) if kind == "stray" else None
+
+        return list_root(self.root, f"disk tier {self.root}", classify)
 
     def _delete_strays(self, names: list[str]) -> int:
         """Remove stray items directly under ``root``; returns logical bytes freed.
@@ -561,7 +506,7 @@ class DiskTier:
         finally:
             os.close(root_fd)
         try:
-            _rmtree(self.root / name)
+            remove_tree(self.root / name)
         except OSError as exc:
             raise TierError(f"disk tier {self.root}: cannot remove {name}: {exc}") from exc
         return size
@@ -633,64 +578,6 @@ class DiskTier:
                 continue
             total += nlink - 2 if nlink >= 2 else PARALLEL_MIN_ENTRIES
         return total
-
-
-def root_items_usage(root: Path, prefix: str, names: Iterable[str]) -> TierUsage:
-    """Usage of items directly under ``root`` (files, links or whole folders,
-    never followed), reported as ``prefix``: one entry each, items that
-    vanished meanwhile count nothing (:meth:`TierUsage.empty` when none is left).
-
-    Each item: a file's size, blocks and mtime (its creation time here) and
-    ``max(atime, mtime)`` (its last access); a folder's bytes and blocks of
-    everything below it and, as both times, the latest of its own mtime and
-    its files' atime and mtime (so a folder in use never looks old).
-
-    Raises:
-        TierError: an item cannot be read (other than vanishing).
-    """
-    size = blocks = count = 0
-    created: list[float] = []
-    accessed: list[float] = []
-    try:
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return TierUsage.empty(prefix)
-    name = ""
-    try:
-        for name in names:
-            try:
-                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-                tree = _scan.tree_at(root_fd, name) if stat_module.S_ISDIR(st.st_mode) else None
-            except FileNotFoundError:
-                continue
-            count += 1
-            blocks += st.st_blocks
-            if tree is None:
-                size += st.st_size
-                created.append(st.st_mtime)
-                accessed.append(max(st.st_atime, st.st_mtime))
-            else:
-                # Not the folder's own atime: listing it (this scan) sets that.
-                size += tree[0]
-                blocks += tree[1]
-                last = st.st_mtime if tree[2] is None else max(st.st_mtime, tree[2])
-                created.append(last)
-                accessed.append(last)
-    except OSError as exc:
-        raise TierError(f"{root}: cannot scan {name!r}: {exc}") from exc
-    finally:
-        os.close(root_fd)
-    if not count:
-        return TierUsage.empty(prefix)
-    return TierUsage(
-        prefix=prefix,
-        bytes=size,
-        allocated_bytes=blocks * _scan.BLOCK,
-        entries=count,
-        oldest_entry_at=min(created),
-        newest_entry_at=max(created),
-        last_access_at=max(accessed),
-    )
 
 
 def _regular_files(dir_fd: int, base: str) -> Iterator[DiskFile]:

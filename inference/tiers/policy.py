@@ -1,17 +1,28 @@
-"""Which entries leave a tier first: size-aware TTL and LRU-K ordering.
+"""Which state leaves a tier first: version ranking, size-aware TTL and LRU-K ordering.
 
-Pure functions over :class:`inference.tiers.base.TierEntry` lists, so an
-eviction plan can be computed (and shown as a dry run) without touching a tier.
+Pure functions over model version facts and :class:`inference.tiers.base.TierEntry`
+lists, so an eviction plan can be computed (and shown as a dry run) without
+touching a tier or the database.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from inference.tiers.base import TierEntry
 
-__all__ = ["EXPIRED", "OVER_BUDGET", "last_access", "lru_k_order", "select_victims", "size_aware_ttl"]
+__all__ = [
+    "EXPIRED",
+    "OVER_BUDGET",
+    "VersionFacts",
+    "last_access",
+    "lru_k_order",
+    "select_victims",
+    "size_aware_ttl",
+    "version_ranks",
+]
 
 EXPIRED = "expired"
 OVER_BUDGET = "over_budget"
@@ -19,6 +30,40 @@ OVER_BUDGET = "over_budget"
 #: keeps 1/8 of the namespace's max age, so a single big prompt prefix is not
 #: evicted moments after it was written.
 TTL_FLOOR_FRACTION = 1 / 8
+
+
+@dataclass(frozen=True)
+class VersionFacts:
+    """What ranking needs of one model version.
+
+    Attributes:
+        pk: the version's id.
+        served_name: the model name clients send; versions rank within it.
+        active: whether the version is the served model's active one.
+        created_at: registration time, seconds since the epoch.
+    """
+
+    pk: int
+    served_name: str
+    active: bool
+    created_at: float
+
+
+def version_ranks(versions: Iterable[VersionFacts]) -> dict[int, int]:
+    """Rank of every version within its served model: active versions first,
+    then newest first, then the higher id (0 = first).
+
+    Returns:
+        version pk → rank.
+    """
+    by_name: dict[str, list[VersionFacts]] = {}
+    for version in versions:
+        by_name.setdefault(version.served_name, []).append(version)
+    ranks: dict[int, int] = {}
+    for group in by_name.values():
+        group.sort(key=lambda v: (not v.active, -v.created_at, -v.pk))
+        ranks.update({v.pk: rank for rank, v in enumerate(group)})
+    return ranks
 
 
 def size_aware_ttl(max_age_s: float, size_bytes: int, reference_bytes: int) -> float:

@@ -29,7 +29,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any, NamedTuple
 
 import redis
@@ -161,9 +161,11 @@ def escape_glob_bytes(raw: bytes) -> bytes:
     return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\^" else bytes([c]) for c in raw)
 
 
-def _chunks(items: Sequence[bytes], size: int) -> Iterator[Sequence[bytes]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+def _chunks(items: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
+    """``items`` in lists of at most ``size`` (``itertools.batched`` from Python 3.12)."""
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
 
 
 @functools.lru_cache(maxsize=4096)  # one head per prefix, met once per key in a scan
@@ -332,6 +334,14 @@ class RedisTier:
         with self._errors(f"exists {prefix}"):
             return any(True for _ in self._scan(self._match(prefix), first_only=True))
 
+    def prefixes(self) -> list[str]:
+        """Storage prefixes with at least one entry, sorted (strays left out): one SCAN of the database.
+
+        Raises:
+            TierUnavailable: Redis down.
+        """
+        return sorted(p for p in self.count_all() if not is_stray_prefix(p))
+
     def count(self, prefix: str) -> int:
         """Number of keys ``{prefix}:*``: SCAN with MATCH only, no per-key
         command (the cheap count; may count a key twice if the table is
@@ -343,13 +353,7 @@ class RedisTier:
         self.check_prefix(prefix)
         pattern = self._match(prefix)
         with self._errors(f"count {prefix}"):
-            total = 0
-            cursor = 0
-            while True:
-                cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)
-                total += len(keys)
-                if cursor == 0:
-                    return total
+            return sum(1 for _ in self._scan(pattern))
 
     def count_all(self) -> dict[str, int]:
         """Keys per prefix in one SCAN of the database, grouped by the text
@@ -366,14 +370,10 @@ class RedisTier:
         no_head: list[bytes] = []
         result: Counter[str] = Counter()
         with self._errors("count_all"):
-            cursor = 0
-            while True:
-                cursor, keys = self.client.scan(cursor, count=SCAN_COUNT)
+            for keys in _chunks(self._scan(None), SCAN_COUNT):
                 # Grouped in C (this is the fast count); keys without ":" are rare.
                 counts.update(head for head, sep, _ in map(bytes.partition, keys, repeat(b":")) if sep)
                 no_head += [k for k in keys if b":" not in k]
-                if cursor == 0:
-                    break
             for head, n in counts.items():
                 prefix = _prefix_of_head(head)
                 if prefix is not None:
@@ -507,12 +507,8 @@ class RedisTier:
         pattern = self._match(prefix)
         freed = 0
         with self._errors(f"delete prefix {prefix}"):
-            cursor = 0
-            while True:
-                cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)
+            for keys in _chunks(self._scan(pattern), SCAN_COUNT):
                 freed += self._unlink(keys)
-                if cursor == 0:
-                    break
             self.client.unlink(self.meta_key(prefix))
         return freed
 
@@ -681,12 +677,10 @@ class RedisTier:
             return ()
 
     def _scan(self, pattern: str | bytes | None, *, first_only: bool = False) -> Iterator[bytes]:
-        cursor = 0
-        while True:
-            cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_COUNT)
-            yield from keys
-            if cursor == 0 or (first_only and keys):
-                return
+        """Keys matching ``pattern`` (every key when None), by redis-py's ``scan_iter``
+        (a key may come twice if the table is rehashed meanwhile, per SCAN's guarantees)."""
+        keys = self.client.scan_iter(match=pattern, count=SCAN_COUNT)
+        return islice(keys, 1) if first_only else keys
 
     @staticmethod
     def _match(prefix: str) -> str:

@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from inference.tiers import disk as disk_module
-from inference.tiers.base import TierEntry, TierError, TierUnavailable, TierUsage, TierWriteFailed
+from inference.tiers.base import HotTier, TierEntry, TierError, TierUnavailable, TierUsage, TierWriteFailed
 from inference.tiers.cold import ColdTier
 from inference.tiers.disk import DiskTier
-from inference.tiers.policy import lru_k_order, select_victims, size_aware_ttl
+from inference.tiers.policy import VersionFacts, lru_k_order, select_victims, size_aware_ttl, version_ranks
 from inference.tiers.redis_tier import RedisTier
 
 REDIS_URL = os.environ.get("KV_REDIS_URL", "redis://127.0.0.1:6379/14")
@@ -540,3 +540,25 @@ def test_select_victims_expired_first_then_over_budget() -> None:
     assert [e.key for e, _ in select_victims(entries, max_bytes=0, max_age_s=None, now=1000.0, k=2)] == [
         e.key for e in lru_k_order(entries, 2)
     ]
+
+
+# -- version ranking (pure policy) ----------------------------------------------
+
+
+def test_version_ranks_put_the_active_version_first_then_newest_within_each_served_name() -> None:
+    versions = [
+        VersionFacts(pk=1, served_name="tiny", active=False, created_at=100.0),
+        VersionFacts(pk=2, served_name="tiny", active=True, created_at=200.0),
+        VersionFacts(pk=3, served_name="tiny", active=False, created_at=300.0),
+        VersionFacts(pk=4, served_name="other", active=False, created_at=50.0),
+        # Same registration second as pk 3: the higher id ranks first.
+        VersionFacts(pk=5, served_name="tiny", active=False, created_at=300.0),
+    ]
+    assert version_ranks(versions) == {2: 0, 5: 1, 3: 2, 1: 3, 4: 0}
+    assert version_ranks([]) == {}
+
+
+def test_disk_and_redis_tiers_are_hot_tiers(tmp_path: Path, rclient: redis.Redis) -> None:
+    assert isinstance(DiskTier(tmp_path), HotTier) and isinstance(RedisTier(rclient), HotTier)
+    # The cold tier archives; engines never read it, so it is not a hot tier.
+    assert not isinstance(ColdTier(tmp_path), HotTier)
