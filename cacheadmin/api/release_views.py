@@ -171,14 +171,17 @@ class ReleaseViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, viewsets.Re
             409: error_response(
                 "not ready (or rolled back) yet, or a namespace's identity no longer matches its version: `release_refused`"
             ),
+            # Each salt read is audited: a write, which can meet a busy database.
+            503: error_response("the database is busy (`database_busy`, with `Retry-After`): retry later"),
         }
     )
     @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def routing(self, request: Request, pk: str | None = None) -> Response:
-        """Per version: traffic share, namespace and cache_salt (operate scope; 409 before the release is ready)."""
+        """Per version: traffic share, namespace and cache_salt (operate scope; 409 before the release is ready;
+        each salt read is audited with its purpose)."""
         if not request_scope_allows(request, "operate"):
             raise PermissionDenied("routing carries cache salts: it needs an operate-scope token")
-        return Response(release_routing(self.get_object()))
+        return Response(release_routing(self.get_object(), actor=actor_of(request)))
 
     @extend_schema(responses={200: ReleaseEventSerializer(many=True)})
     @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])

@@ -43,7 +43,6 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.accounting import accounting_scan_create, orphans_report
-from cacheadmin.services.audit import audit_record
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_attach_namespace
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
@@ -51,9 +50,9 @@ from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
-    namespace_cache_salt,
     namespace_get_or_create,
     namespace_policy_update,
+    namespace_salt_read,
     namespaces_visible_to,
     retention_owner_get_or_create,
     shared_group_create,
@@ -333,8 +332,7 @@ class CacheNamespaceViewSet(
         if not request_scope_allows(request, "operate"):
             raise PermissionDenied("the cache_salt needs an operate-scope token")
         namespace = self.get_object()
-        salt = namespace_cache_salt(namespace)  # refused first: a refused read is no read
-        audit_record(actor=actor_of(request), action="namespace.read_salt", obj=namespace)
+        salt = namespace_salt_read(namespace, actor=actor_of(request), purpose="router")
         return Response(
             {
                 "namespace_id": namespace.namespace_id,

@@ -167,7 +167,7 @@ class CacheNamespace(models.Model):
 
     The ``cache_salt`` is not stored: it is an HMAC of ``namespace_id`` under
     the server secret, computed when a request needs it
-    (``services.namespaces.namespace_cache_salt``).
+    (``services.namespaces.namespace_salt_read``).
     """
 
     namespace_id = models.CharField(max_length=64, unique=True)

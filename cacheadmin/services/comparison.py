@@ -9,7 +9,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
-from cacheadmin.services.namespaces import namespace_cache_salt
+from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
 from inference.errors import EngineError
@@ -73,7 +73,7 @@ def comparison_job_run(*, job_id: int) -> None:
     if job is None:
         return
     conversations = corpus_load(job.corpus, for_namespace=job.namespace)
-    salt = namespace_cache_salt(job.namespace)
+    salt = namespace_salt_read(job.namespace, actor=job.created_by, purpose=f"comparison job #{job.pk}")
     job_log(job, f"attempt {job.attempts}: {job.engine.name} vs reference {job.reference_engine.name}")
 
     def on_result(outcome: PromptComparison) -> None:

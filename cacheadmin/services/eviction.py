@@ -57,9 +57,9 @@ from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.tiers import Tiers, tiers_configured
 from inference.errors import EngineError, Refused
-from inference.identity import cache_salt
 from inference.tiers.base import TierError, TierUnavailable, TierUsage
 from inference.tiers.policy import VersionFacts, select_victims
 from inference.tiers.policy import version_ranks as policy_version_ranks
@@ -452,7 +452,7 @@ def _probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, Any]:
         corpus_name, conversations, index = "diagnostic", corpus_load("diagnostic"), 0
     conversation = conversations[index or 0]
     # The namespace's own salt even when superseded: this probe never leaves the control plane.
-    salt = cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
+    salt = namespace_salt_read(ns, actor="eviction", purpose=f"eviction probe of engine {engine.name}", superseded_ok=True)
     removed = 0
     with engine_client(engine) as client:
         client.reset_prefix_cache()

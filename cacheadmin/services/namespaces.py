@@ -300,18 +300,29 @@ def shared_group_leave(*, group: SharedGroup, tenant: Tenant, actor: str, reason
     return group
 
 
-def namespace_cache_salt(namespace: CacheNamespace) -> str:
-    """The namespace's vLLM ``cache_salt`` (HMAC under ``CACHE_SALT_SECRET``).
+def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, superseded_ok: bool = False) -> str:
+    """The namespace's vLLM ``cache_salt`` (HMAC under ``CACHE_SALT_SECRET``): the
+    one place a salt is computed, and every read is audited
+    (``namespace.read_salt`` with ``{"purpose": purpose}``).
+
+    Args:
+        actor: who reads it (a user, ``"cli"``, a job's creator).
+        purpose: why, in a few words: ``"router"``, ``"prewarm job #3"``,
+            ``"routing of release #7"``, ``"eviction probe"``.
+        superseded_ok: the control plane's own use of a superseded group
+            namespace's salt (an eviction probe, which never leaves it).
 
     Raises:
         NamespaceConflict: a superseded shared-group namespace (a member left
-            since; its salt is not handed out any more).
+            since; its salt is not handed out any more), unless ``superseded_ok``.
+            Refused before the audit: a refused read is no read.
     """
-    if namespace.superseded:
+    if namespace.superseded and not superseded_ok:
         raise NamespaceConflict(
             f"namespace {namespace.namespace_id[:12]}… is of generation {namespace.group_generation} of "
             f"group {namespace.group.slug}, now at {namespace.group.generation} (a member left): use the new generation's"
         )
+    audit_record(actor=actor, action="namespace.read_salt", obj=namespace, after={"purpose": purpose})
     return cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_id)
 
 

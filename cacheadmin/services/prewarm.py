@@ -9,7 +9,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
-from cacheadmin.services.namespaces import namespace_cache_salt
+from cacheadmin.services.namespaces import namespace_salt_read
 from inference.errors import ControlPlaneError, EngineError, Refused
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
 
@@ -73,7 +73,7 @@ def prewarm_job_run(*, job_id: int) -> None:
     conversations = corpus_load(job.corpus, for_namespace=job.namespace)
     engine = job.engine
     layout = engine.model_version.inputs["layout"]
-    salt = namespace_cache_salt(job.namespace)
+    salt = namespace_salt_read(job.namespace, actor=job.created_by, purpose=f"prewarm job #{job.pk}")
     job_log(job, f"attempt {job.attempts} on {engine.name} ({engine.base_url}), {len(conversations)} prompts")
 
     def on_fill(outcome: FillOutcome) -> None:

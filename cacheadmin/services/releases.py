@@ -36,7 +36,7 @@ from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.heat import prewarm_corpus_for
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.model_versions import model_versions_status_sync
-from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_cache_salt, namespace_get_or_create
+from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_get_or_create, namespace_salt_read
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.serving import ROUTED, current_releases, dropped_routes, release_routes
 from cacheadmin.services.tiers import tiers_configured
@@ -438,8 +438,10 @@ def release_set_traffic(*, release: Release, percent: int, actor: str) -> Releas
     return release
 
 
-def release_routing(release: Release) -> list[dict[str, Any]]:
+def release_routing(release: Release, *, actor: str) -> list[dict[str, Any]]:
     """What a router needs: per version, its share of traffic and the namespace (and salt) its requests use.
+
+    Each salt read is audited for ``actor`` (:func:`namespace_salt_read`).
 
     Raises:
         ReleaseRefused: the release is not ready or rolled back (there is nothing safe to route yet).
@@ -458,9 +460,10 @@ def release_routing(release: Release) -> list[dict[str, Any]]:
         version = release.from_version if route.model_version_id == release.from_version_id else release.to_version
         namespace = CacheNamespace.objects.get(pk=route.namespace_pk)
         _check_identity(namespace, version, release.tenant)
+        salt = namespace_salt_read(namespace, actor=actor, purpose=f"routing of release #{release.pk}")
         out.append({
             "model_version": version.pk, "label": version.label, "percent": route.percent, "namespace": namespace.pk,
-            "namespace_id": namespace.namespace_id, "cache_salt": namespace_cache_salt(namespace),
+            "namespace_id": namespace.namespace_id, "cache_salt": salt,
         })  # fmt: skip
     return out
 

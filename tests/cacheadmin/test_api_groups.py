@@ -8,7 +8,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from cacheadmin.models import ApiToken, AuditEvent, CacheNamespace, Engine, RetentionOwner, SharedGroup
-from cacheadmin.services.namespaces import namespace_cache_salt
+from cacheadmin.services.namespaces import namespace_salt_read
 from inference.identity import cache_salt, namespace_id
 
 pytestmark = pytest.mark.django_db
@@ -98,7 +98,7 @@ def test_leaving_a_group_supersedes_its_namespaces(world) -> None:
     key = SharedGroup.objects.get(slug="partners").key
     assert new.json()["namespace_id"] == namespace_id(world["v1"].identity, f"group:partners:{key}:2")
     assert new.json()["storage_prefix"] != old["storage_prefix"]
-    assert namespace_cache_salt(CacheNamespace.objects.get(pk=new.json()["id"])) != cache_salt(
+    assert namespace_salt_read(CacheNamespace.objects.get(pk=new.json()["id"]), actor="ci", purpose="test") != cache_salt(
         settings.CACHE_SALT_SECRET, old["namespace_id"]
     )
     # globex no longer sees any group namespace.

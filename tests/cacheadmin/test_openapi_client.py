@@ -37,7 +37,7 @@ from cacheadmin.models.releases import Release
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.eviction import eviction_run_execute
 from cacheadmin.services.model_versions import model_version_register, model_version_transition
-from cacheadmin.services.namespaces import namespace_cache_salt
+from cacheadmin.services.namespaces import namespace_salt_read
 from inference.corpus import load_corpus
 from inference.identity import LayoutOptions
 from tests.cacheadmin.test_eviction import write_entry
@@ -196,7 +196,7 @@ def test_tenant_owner_and_namespace_through_the_client(api: ModuleType, client: 
     assert (listed.count, [n.id for n in listed.results], listed.previous) == (1, [namespace.id], None)
 
     salt = _module("api.namespaces.namespaces_cache_salt_retrieve").sync(client=client, id=namespace.id)
-    assert (salt.namespace_id, salt.cache_salt) == (row.namespace_id, namespace_cache_salt(row))
+    assert (salt.namespace_id, salt.cache_salt) == (row.namespace_id, namespace_salt_read(row, actor="ci", purpose="test"))
 
     # Errors come back parsed, in the envelope.
     duplicate = _module("api.tenants.tenants_create").sync_detailed(
@@ -292,7 +292,7 @@ def test_a_verified_reuse_release_through_the_client(api: ModuleType, client: An
     )
     assert gray.traffic_percent == 20
     routes = _module(f"{r}routing_list").sync(client=client, id=release.id)
-    salt = namespace_cache_salt(CacheNamespace.objects.get(pk=namespace.id))
+    salt = namespace_salt_read(CacheNamespace.objects.get(pk=namespace.id), actor="ci", purpose="test")
     # Verified reuse: both versions share the old namespace, and so its salt.
     assert [r.to_dict() for r in routes] == [
         {"model_version": v1.pk, "label": "tiny-v1", "percent": 80, "namespace": namespace.id,
@@ -403,7 +403,7 @@ def test_a_purge_release_through_the_client(api: ModuleType, client: Any, versio
     new = CacheNamespace.objects.get(pk=ready.to_namespace)
     assert [r.to_dict() for r in routes] == [
         {"model_version": versions["v2"].pk, "label": "tiny-v2", "percent": 100, "namespace": new.pk,
-         "namespace_id": new.namespace_id, "cache_salt": namespace_cache_salt(new)},
+         "namespace_id": new.namespace_id, "cache_salt": namespace_salt_read(new, actor="ci", purpose="test")},
     ]  # fmt: skip
 
     back = _module(f"{r}rollback_create").sync_detailed(
@@ -474,7 +474,7 @@ def test_every_operation_declares_its_errors_in_the_envelope(schema: dict) -> No
     assert schema["components"]["schemas"]["ErrorEnvelope"]["required"] == ["error"]
     assert schema["components"]["schemas"]["Error"]["required"] == ["code", "message", "status"]
     # GETs with statuses beyond the defaults, each declared by its view.
-    extra = {"GET /api/releases/{id}/routing/": {"409"}, "GET /api/namespaces/{id}/cache-salt/": {"409", "503"}}
+    extra = {"GET /api/releases/{id}/routing/": {"409", "503"}, "GET /api/namespaces/{id}/cache-salt/": {"409", "503"}}
     seen = 0
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():

@@ -16,6 +16,7 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from cacheadmin.models import (
+    AuditEvent,
     CacheNamespace,
     ComparisonJob,
     Engine,
@@ -199,7 +200,7 @@ def test_new_namespace_is_ready_only_after_its_prewarm_verified(versions) -> Non
     job = PrewarmJob.objects.get(pk=decided.prewarm_job_id)
     assert (job.namespace_id, job.engine_id) == (ns2.pk, engine.pk)
     with pytest.raises(ReleaseRefused, match="no routing before it is ready"):
-        release_routing(decided)
+        release_routing(decided, actor="ci")
     with pytest.raises(ReleaseRefused, match=rf"is preparing \(prewarm job #{job.pk} queued, 0/18\): not ready to route"):
         release_mark_ready(release=decided, actor="ci")
     PrewarmJob.objects.filter(pk=job.pk).update(status=JobStatus.SUCCEEDED, verified=9)
@@ -221,16 +222,22 @@ def test_gray_release_keeps_each_version_on_its_own_namespace(versions) -> None:
     assert gray.traffic_percent == 20
     statuses = dict(ModelVersion.objects.filter(pk__in=[versions["v1"].pk, versions["v2"].pk]).values_list("label", "status"))
     assert statuses == {"tiny-v1": "active", "tiny-v2": "active"}
-    routes = release_routing(gray)
+    routes = release_routing(gray, actor="ci")
     assert [(r["label"], r["percent"]) for r in routes] == [("tiny-v1", 80), ("tiny-v2", 20)]
     assert routes[0]["namespace_id"] != routes[1]["namespace_id"] and routes[0]["cache_salt"] != routes[1]["cache_salt"]
+    # Every salt handed out is audited with who read it and why.
+    reads = AuditEvent.objects.filter(action="namespace.read_salt", actor="ci").order_by("id")
+    assert [(int(r.object_id), r.after) for r in reads] == [
+        (routes[0]["namespace"], {"purpose": f"routing of release #{gray.pk}"}),
+        (routes[1]["namespace"], {"purpose": f"routing of release #{gray.pk}"}),
+    ]
     # Both versions active: the version policy keeps both namespaces hot.
     plan = eviction_plan(actor="alice", only=[versions["ns1"], ns2])
     assert plan.actions.count() == 0
     with pytest.raises(ReleaseRefused, match="percent must be within 0..100"):
         release_set_traffic(release=release, percent=101, actor="bob")
     done = release_set_traffic(release=release, percent=100, actor="bob")
-    assert [r["percent"] for r in release_routing(done)] == [0, 100]
+    assert [r["percent"] for r in release_routing(done, actor="ci")] == [0, 100]
     assert ModelVersion.objects.get(pk=versions["v1"].pk).status == "draining"
 
 
@@ -549,7 +556,7 @@ def _statuses(versions: dict) -> tuple[str, str]:
 
 
 def _shares(release: Release) -> list[tuple[str, int]]:
-    return [(r["label"], r["percent"]) for r in release_routing(Release.objects.get(pk=release.pk))]
+    return [(r["label"], r["percent"]) for r in release_routing(Release.objects.get(pk=release.pk), actor="ci")]
 
 
 def test_two_tenants_sharing_versions_status_follows_routing(versions) -> None:
@@ -588,7 +595,7 @@ def test_two_tenants_sharing_versions_status_follows_routing(versions) -> None:
         release_set_traffic(release=c, percent=50, actor="bob")
     # B's rolled-back release is superseded by C: it no longer routes, and cannot move traffic.
     with pytest.raises(ReleaseRefused, match=rf"release #{c.pk} now routes tiny for globex: route by that one instead"):
-        release_routing(Release.objects.get(pk=b.pk))
+        release_routing(Release.objects.get(pk=b.pk), actor="ci")
     # Acme rolls back: v1 serves again, v2 still serves globex.
     release_rollback(release=Release.objects.get(pk=a.pk), actor="bob", reason="acme regression")
     assert _statuses(versions) == ("active", "active")

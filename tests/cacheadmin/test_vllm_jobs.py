@@ -210,7 +210,7 @@ def test_eviction_on_a_disk_tier_written_by_vllm_confirms_every_tier_and_restore
     from cacheadmin.services.accounting import accounting_scan_scheduled, engine_metrics_scrape
     from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
     from cacheadmin.services.model_versions import model_version_transition
-    from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_cache_salt, namespace_policy_update
+    from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_policy_update, namespace_salt_read
     from cacheadmin.services.prewarm import prewarm_job_run
     from cacheadmin.services.tiers import tiers_configured
 
@@ -266,6 +266,9 @@ def test_eviction_on_a_disk_tier_written_by_vllm_confirms_every_tier_and_restore
     with VllmHttpClient(v1_engine.base_url, "tiny") as client:
         client.reset_prefix_cache()
         again = client.chat(
-            conversation.messages, cache_salt=namespace_cache_salt(namespace), max_tokens=1, tools=conversation.tools
+            conversation.messages,
+            cache_salt=namespace_salt_read(namespace, actor="ci", purpose="test"),
+            max_tokens=1,
+            tools=conversation.tools,
         )
     assert again.cached_tokens > 0

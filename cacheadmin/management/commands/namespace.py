@@ -19,13 +19,12 @@ from django.core.management.base import CommandParser
 from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, SharedGroup, Tenant
 from cacheadmin.models.naming import name_key
-from cacheadmin.services.audit import audit_record
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
-    namespace_cache_salt,
     namespace_get_or_create,
     namespace_policy_update,
+    namespace_salt_read,
 )
 
 ACTOR = "cli"
@@ -166,8 +165,7 @@ class Command(ControlPlaneCommand):
 
     def verb_salt(self, opts: dict[str, Any]) -> None:
         namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
-        salt = namespace_cache_salt(namespace)  # refused first: a refused read is no read
-        audit_record(actor=ACTOR, action="namespace.read_salt", obj=namespace)
+        salt = namespace_salt_read(namespace, actor=ACTOR, purpose="cli")
         self.stdout.write(salt)
 
     def verb_list(self, opts: dict[str, Any]) -> None:
