@@ -12,6 +12,23 @@ from django.conf import settings
 
 from inference.checkpoints import ensure_demo_checkpoints
 
+#: Fixtures that start processes (a generated client's build, a server, a Celery worker): their tests are ``slow``.
+SLOW_FIXTURES = frozenset({"api", "server", "worker"})
+#: Fixtures that talk to the Redis server as a KV tier: their tests are ``redis``.
+REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark by what a test uses: engines (``vllm``) and process-starting fixtures
+    are ``slow``; Redis-tier fixtures are ``redis``. Tests that start a process
+    themselves carry ``@pytest.mark.slow``."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("vllm") is not None or used & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if used & REDIS_FIXTURES:
+            item.add_marker(pytest.mark.redis)
+
 
 @pytest.fixture(scope="session")
 def model_root() -> Path:

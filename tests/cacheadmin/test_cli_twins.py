@@ -28,6 +28,7 @@ def one_line_error(proc, code: int, text: str) -> None:
     assert len(lines) == 1 and text in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
     version = ModelVersion.objects.create(
         label="v1", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
@@ -70,6 +71,7 @@ def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
     assert salt == cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
 
 
+@pytest.mark.slow
 def test_jobs_and_engines_from_the_cli() -> None:
     version = ModelVersion.objects.create(
         label="v1", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
@@ -103,6 +105,7 @@ def test_jobs_and_engines_from_the_cli() -> None:
     assert list(engine.attached_namespaces.all()) == []
 
 
+@pytest.mark.slow
 def test_shared_groups_from_the_cli() -> None:
     version = ModelVersion.objects.create(
         label="v1", served_name="tiny", path="/m", weights="a" * 64, tokenizer="b" * 64, config="c" * 64, layout="d" * 64,
@@ -134,6 +137,7 @@ def test_shared_groups_from_the_cli() -> None:
     assert [e.action for e in AuditEvent.objects.order_by("id")].count("shared_group.join") == 2
 
 
+@pytest.mark.slow
 def test_eviction_and_accounting_from_the_cli(tmp_path) -> None:
     from cacheadmin.models import EvictionRun, RetentionPolicy
     from tests.cacheadmin.test_eviction import write_entry

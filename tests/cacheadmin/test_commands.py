@@ -18,6 +18,7 @@ from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_
 from tests.helpers import manage, subprocess_env
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)  # the command runs in a subprocess: the tenant must be committed
 def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) -> None:
     acme = Tenant.objects.create(slug="acme", name="Acme")
@@ -35,6 +36,7 @@ def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) ->
     assert (missing.returncode, missing.stderr.strip()) == (2, "CommandError: --tenant 'globex': no such tenant")
 
 
+@pytest.mark.slow
 def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
     path = demo_checkpoints["tiny-v1"]
     proc = manage(
@@ -51,6 +53,7 @@ def test_fingerprint_takes_every_layout_option(demo_checkpoints) -> None:
     assert json.loads(proc.stdout)["identity"] == fingerprint_checkpoint(path, layout=options).identity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -83,6 +86,7 @@ def test_fingerprint_bad_input_exits_2_with_one_line(demo_checkpoints, model_roo
     assert message in lines[0]
 
 
+@pytest.mark.slow
 def test_fingerprint_truncated_and_configless_checkpoints(checkpoint_copy) -> None:
     truncated = checkpoint_copy()
     with (truncated / "model.safetensors").open("r+b") as fh:
@@ -193,6 +197,7 @@ def test_admin_cannot_forge_identity_namespaces_engines_or_jobs(admin_client) ->
     assert list(Tenant.objects.values_list("slug", flat=True)) == ["acme"]
 
 
+@pytest.mark.slow
 def test_fingerprint_escapes_control_characters_and_refuses_non_ascii_digits(demo_checkpoints) -> None:
     proc = manage("fingerprint", "/nonexistent/a\x1b[31mred", "--json")
     assert proc.returncode == 2 and "\x1b" not in proc.stderr and "\\x1b[31mred" in proc.stderr
@@ -226,6 +231,7 @@ def test_model_version_lifecycle_moves_and_refusals(demo_checkpoints) -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)  # the command runs in a subprocess: rows must be committed
 def test_identity_diff_command_between_registered_versions_and_paths(demo_checkpoints) -> None:
     v1, _ = model_version_register(
@@ -250,6 +256,7 @@ def test_identity_diff_command_between_registered_versions_and_paths(demo_checkp
     assert (bad.returncode, bad.stderr.strip().splitlines()) == (2, ["CommandError: no model version with id 424242"])
 
 
+@pytest.mark.slow
 def test_fingerprint_adapters_and_verify(checkpoint_copy, model_root: Path) -> None:
     import sqlite3
 

@@ -253,6 +253,7 @@ def cli_error(*args: str) -> tuple[int, str]:
     return proc.returncode, proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)  # the commands run in subprocesses: rows must be committed
 def test_the_cli_refuses_look_alikes() -> None:
     tenant_get_or_create(slug="acme", name="Acme", actor="setup")

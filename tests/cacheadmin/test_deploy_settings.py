@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.helpers import manage
 
 HTTPS_ENV = {
@@ -18,6 +20,7 @@ HTTPS_ENV = {
 }
 
 
+@pytest.mark.slow
 def test_check_deploy_is_clean_with_the_https_settings() -> None:
     clean = manage("check", "--deploy", "--fail-level", "WARNING", env={**os.environ, **HTTPS_ENV})
     assert clean.returncode == 0, clean.stderr
@@ -28,6 +31,7 @@ def test_check_deploy_is_clean_with_the_https_settings() -> None:
         assert warning in plain.stderr, warning
 
 
+@pytest.mark.slow
 def test_a_malformed_setting_refuses_the_start() -> None:
     bad = manage("check", env={**os.environ, "DJANGO_HTTPS": "maybe"})
     assert bad.returncode != 0 and "DJANGO_HTTPS='maybe' is not a boolean" in bad.stderr

@@ -37,6 +37,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 NAMESPACES = 12  # each dropped in 4 actions: 48 actions, in batches of 10
 
 
+@pytest.mark.slow
+@pytest.mark.redis
 def test_a_worker_killed_mid_sweep_loses_nothing(settings, tmp_path: Path) -> None:
     settings.KV_STORE_ROOT, settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "kv", tmp_path / "cold", REDIS_URL
     env = subprocess_env(
@@ -109,6 +111,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing(settings, tmp_path: Path) -> No
     assert timezone.now() - run.finished_at < timedelta(minutes=2)
 
 
+@pytest.mark.slow
 def test_a_worker_with_beat_runs_the_schedules_from_the_database(settings, tmp_path: Path) -> None:
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 

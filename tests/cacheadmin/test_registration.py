@@ -104,6 +104,7 @@ def test_bad_registrations_write_nothing(operator, demo_checkpoints, model_root:
     assert RegistrationJob.objects.count() == 0 and ModelVersion.objects.count() == 0
 
 
+@pytest.mark.slow
 def test_register_command_is_idempotent_and_reports_conflicts(demo_checkpoints) -> None:
     env = subprocess_env()
     first = manage("register", str(demo_checkpoints["tiny-v1"]), "--label", "v1", "--served-name", "tiny", "--json", env=env)
@@ -167,6 +168,7 @@ def _safetensors(payload: bytes) -> bytes:
     return len(header).to_bytes(8, "little") + header + payload
 
 
+@pytest.mark.slow
 def test_adapters_register_by_content_through_the_api_and_the_cli(operator, worker, demo_checkpoints, model_root) -> None:
     support = _adapter(model_root, "lora-support", b"\x01" * 64)
     twin = _adapter(model_root, "lora-support-retrained", b"\x02" * 64)  # same name below, other bytes
@@ -200,6 +202,7 @@ def test_adapters_register_by_content_through_the_api_and_the_cli(operator, work
         shutil.rmtree(twin)
 
 
+@pytest.mark.slow
 def test_adapters_are_confined_like_checkpoints(operator, demo_checkpoints, model_root: Path, tmp_path: Path) -> None:
     """Relative and "~" paths, a link to a file outside the roots, and a hard
     link are refused; nothing is hashed or shown; nothing is written."""

@@ -379,6 +379,7 @@ def test_the_api_acts_once_per_idempotency_key(versions) -> None:
     assert _client("read").post("/api/releases/", body, format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 403
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_release_command_exit_codes(versions) -> None:
     env = subprocess_env()

@@ -37,6 +37,7 @@ def run(var_dir: Path, **env: str) -> tuple[int, str, str]:
     return proc.returncode, out.strip(), err.strip().splitlines()[-1] if err.strip() else ""
 
 
+@pytest.mark.slow
 def test_processes_starting_together_agree_on_one_secret(tmp_path: Path) -> None:
     var = tmp_path / "var"
     procs = [start(var) for _ in range(6)]
