@@ -90,7 +90,7 @@ def main() -> int:
         namespaces = CacheNamespace.objects.bulk_create(
             [
                 CacheNamespace(
-                    namespace_id=f"{i:064x}", model_version=v1, tenant=t, retention_owner=owner, storage_prefix=f"ns-{i:032x}"
+                    namespace_key=f"{i:064x}", model_version=v1, tenant=t, retention_owner=owner, storage_prefix=f"ns-{i:032x}"
                 )
                 for i, t in enumerate(tenants)
             ]
@@ -111,7 +111,7 @@ def main() -> int:
         api_diff = timed(lambda: client.get(diff_url), args.requests)
 
         sql = (
-            "SELECT n.id, n.namespace_id, n.storage_prefix, n.model_version_id, v.label, t.slug, o.name,"
+            "SELECT n.id, n.namespace_key, n.storage_prefix, n.model_version_id, v.label, t.slug, o.name,"
             " p.max_age_since_last_hit_s, p.max_bytes, p.versions_kept, p.pinned, p.hold_by, p.hold_reason,"
             " p.updated_at, n.created_at"
             " FROM cacheadmin_cachenamespace n JOIN cacheadmin_modelversion v ON v.id = n.model_version_id"

@@ -444,7 +444,7 @@ class CacheNamespaceAdmin(ServiceAdmin):
 
     inlines = [RetentionPolicyInline]
     list_display = (
-        "namespace_id",
+        "namespace_key",
         "boundary_label",
         "model_version",
         "retention_owner",
@@ -455,7 +455,7 @@ class CacheNamespaceAdmin(ServiceAdmin):
     list_filter = ("tenant", "group", "residency")
     list_select_related = ("tenant", "group", "model_version", "retention_owner")
     readonly_fields = (
-        "namespace_id", "storage_prefix", "model_version", "tenant", "group", "group_generation", "retention_owner",
+        "namespace_key", "storage_prefix", "model_version", "tenant", "group", "group_generation", "retention_owner",
         "residency", "residency_changed_at",
     )  # fmt: skip
     changes_through_services = True

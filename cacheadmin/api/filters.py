@@ -15,6 +15,7 @@ from rest_framework.filters import OrderingFilter
 from rest_framework.request import Request
 
 from cacheadmin.forms import AsciiIntegerField
+from cacheadmin.models import CacheNamespace
 
 #: Largest id a database row can have (signed 64-bit).
 MAX_ID = 2**63 - 1
@@ -147,3 +148,13 @@ class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
     """``IsoDateTimeFilter`` with :class:`UtcIsoDateTimeField`."""
 
     field_class = UtcIsoDateTimeField
+
+
+class CacheNamespaceFilterSet(ControlPlaneFilterSet):
+    """Namespace list filters; ``namespace_id`` is the API's name of the model's ``namespace_key``."""
+
+    namespace_id = django_filters.CharFilter(field_name="namespace_key", help_text="the namespace's stable id (64 hex)")
+
+    class Meta(ControlPlaneFilterSet.Meta):
+        model = CacheNamespace
+        fields = ("tenant__slug", "group__slug", "model_version", "namespace_id", "residency")

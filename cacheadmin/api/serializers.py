@@ -290,6 +290,7 @@ class CacheNamespaceSerializer(serializers.ModelSerializer):
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
     retention_owner = serializers.CharField(source="retention_owner.name", read_only=True)
     policy = RetentionPolicySerializer(read_only=True)
+    namespace_id = serializers.CharField(source="namespace_key", read_only=True, help_text="the namespace's stable id (64 hex)")
 
     class Meta:
         model = CacheNamespace

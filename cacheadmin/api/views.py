@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
-from cacheadmin.api.filters import ControlPlaneFilterSet, UtcIsoDateTimeFilter
+from cacheadmin.api.filters import CacheNamespaceFilterSet, ControlPlaneFilterSet, UtcIsoDateTimeFilter
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
 from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
@@ -246,7 +246,7 @@ class CacheNamespaceViewSet(
     needs both; the salt is served only to operate-scope callers."""
 
     serializer_class = s.CacheNamespaceSerializer
-    filterset_fields = ("tenant__slug", "group__slug", "model_version", "namespace_id", "residency")
+    filterset_class = CacheNamespaceFilterSet
     ordering_fields = ("created_at",)
 
     def get_queryset(self) -> models.QuerySet:
@@ -335,7 +335,7 @@ class CacheNamespaceViewSet(
         salt = namespace_salt_read(namespace, actor=actor_of(request), purpose="router")
         return Response(
             {
-                "namespace_id": namespace.namespace_id,
+                "namespace_id": namespace.namespace_key,
                 "cache_salt": salt,
                 "storage_prefix": namespace.storage_prefix,
             }

@@ -165,12 +165,14 @@ class CacheNamespace(models.Model):
     The boundary is one tenant, or one generation of a shared group (exactly
     one of ``tenant`` and ``group`` is set).
 
-    The ``cache_salt`` is not stored: it is an HMAC of ``namespace_id`` under
+    ``namespace_key`` is the namespace's stable id (64 hex,
+    :func:`inference.identity.namespace_id`; the API calls it ``namespace_id``).
+    The ``cache_salt`` is not stored: it is an HMAC of ``namespace_key`` under
     the server secret, computed when a request needs it
     (``services.namespaces.namespace_salt_read``).
     """
 
-    namespace_id = models.CharField(max_length=64, unique=True)
+    namespace_key = models.CharField(max_length=64, unique=True)
     model_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="namespaces")
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="namespaces", null=True, blank=True)
     group = models.ForeignKey(SharedGroup, on_delete=models.PROTECT, related_name="namespaces", null=True, blank=True)
@@ -204,7 +206,7 @@ class CacheNamespace(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.boundary_label}/{self.model_version.label} ({self.namespace_id[:12]})"
+        return f"{self.boundary_label}/{self.model_version.label} ({self.namespace_key[:12]})"
 
     @property
     def boundary_label(self) -> str:

@@ -26,7 +26,7 @@ def comparison_job_create(
             corpus is unknown, or ``max_tokens`` is outside 1..256.
     """
     if not engine.serves(namespace.pk):
-        raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_id[:12]}…")
+        raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_key[:12]}…")
     if reference_engine.prefix_caching or reference_engine.kv_connector:
         raise JobRefused(f"reference engine {reference_engine.name} caches prefixes; a reference must compute every token")
     if reference_engine.model_version.served_name != engine.model_version.served_name:
@@ -57,7 +57,7 @@ def comparison_job_create(
             actor=actor,
             action="comparison_job.create",
             obj=job,
-            after={"engine": engine.name, "reference": reference_engine.name, "namespace": namespace.namespace_id},
+            after={"engine": engine.name, "reference": reference_engine.name, "namespace": namespace.namespace_key},
         )
         transaction.on_commit(lambda: comparison_job_task.delay(job.pk))
     return job

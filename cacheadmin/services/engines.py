@@ -82,7 +82,7 @@ def engine_launch(
     if namespace is not None and namespace.model_version.identity != model_version.identity:
         if not identity_override_reason.strip():
             raise EngineRefused(
-                f"namespace {namespace.namespace_id[:12]}… belongs to {namespace.model_version.label} "
+                f"namespace {namespace.namespace_key[:12]}… belongs to {namespace.model_version.label} "
                 f"(identity {namespace.model_version.identity[:12]}…), not {model_version.label} "
                 f"(identity {model_version.identity[:12]}…): its cached KV state was computed by other weights"
             )
@@ -119,7 +119,7 @@ def engine_launch(
             actor=actor,
             action="engine.launch",
             obj=engine,
-            after={"model_version": model_version.label, "namespace": namespace.namespace_id if namespace else None},
+            after={"model_version": model_version.label, "namespace": namespace.namespace_key if namespace else None},
             reason=identity_override_reason.strip(),
         )
     local = LocalEngine(spec)
@@ -199,10 +199,10 @@ def engine_attach_namespace(*, engine: Engine, namespace: CacheNamespace, actor:
         )
     if namespace.model_version.identity != engine.model_version.identity:
         raise EngineRefused(
-            f"namespace {namespace.namespace_id[:12]}… belongs to {namespace.model_version.label}, "
+            f"namespace {namespace.namespace_key[:12]}… belongs to {namespace.model_version.label}, "
             f"engine {engine.name} computes with {engine.model_version.label}"
         )
     with transaction.atomic():
         engine.attached_namespaces.add(namespace)
-        audit_record(actor=actor, action="engine.attach_namespace", obj=engine, after={"namespace": namespace.namespace_id})
+        audit_record(actor=actor, action="engine.attach_namespace", obj=engine, after={"namespace": namespace.namespace_key})
     return engine

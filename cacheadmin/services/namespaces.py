@@ -150,7 +150,7 @@ def namespace_get_or_create(
     boundary = tenant.boundary if tenant is not None else group.boundary
     where = {"tenant": tenant} if tenant is not None else {"group": group, "group_generation": group.generation}
     ns_id = namespace_id(model_version.identity, boundary)
-    existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_id=ns_id).first()
+    existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_key=ns_id).first()
     if existing:
         return _same_owner_or_refuse(existing, model_version, where)
     if model_version.status == ModelVersion.Status.RETIRED:
@@ -158,13 +158,13 @@ def namespace_get_or_create(
     stale = CacheNamespace.objects.filter(model_version=model_version, **where).first()
     if stale is not None:
         raise NamespaceConflict(
-            f"{boundary} already has namespace {stale.namespace_id[:12]}… for {model_version.label}, "
+            f"{boundary} already has namespace {stale.namespace_key[:12]}… for {model_version.label}, "
             f"but its identity and boundary now derive {ns_id[:12]}… (was the tenant renamed?); resolve that first"
         )
     try:
         with transaction.atomic():
             namespace = CacheNamespace.objects.create(
-                namespace_id=ns_id,
+                namespace_key=ns_id,
                 model_version=model_version,
                 retention_owner=retention_owner,
                 storage_prefix=storage_prefix(ns_id),
@@ -184,7 +184,7 @@ def namespace_get_or_create(
                 },
             )
     except IntegrityError:
-        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_id=ns_id), model_version, where)
+        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_key=ns_id), model_version, where)
     return namespace
 
 
@@ -201,7 +201,7 @@ def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion,
     )
     if not same_boundary or existing.model_version.identity != model_version.identity:
         raise NamespaceConflict(
-            f"namespace {existing.namespace_id[:12]}… belongs to {existing.boundary_label} and "
+            f"namespace {existing.namespace_key[:12]}… belongs to {existing.boundary_label} and "
             f"{existing.model_version.label}; it is never handed to another boundary or identity"
         )
     return existing
@@ -319,11 +319,11 @@ def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, 
     """
     if namespace.superseded and not superseded_ok:
         raise NamespaceConflict(
-            f"namespace {namespace.namespace_id[:12]}… is of generation {namespace.group_generation} of "
+            f"namespace {namespace.namespace_key[:12]}… is of generation {namespace.group_generation} of "
             f"group {namespace.group.slug}, now at {namespace.group.generation} (a member left): use the new generation's"
         )
     audit_record(actor=actor, action="namespace.read_salt", obj=namespace, after={"purpose": purpose})
-    return cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_id)
+    return cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_key)
 
 
 def namespace_storage_path(namespace: CacheNamespace) -> Path:
@@ -361,7 +361,7 @@ def namespace_policy_update(
         if current.pinned and (not policy.pinned or rewritten) and not release_hold:
             what = "lifting it" if not policy.pinned else "replacing its holder or reason"
             raise NamespaceConflict(
-                f"namespace {namespace.namespace_id[:12]}… is under a legal hold by {current.hold_by} "
+                f"namespace {namespace.namespace_key[:12]}… is under a legal hold by {current.hold_by} "
                 f"({current.hold_reason}); {what} needs release_hold"
             )
         before = {k: getattr(current, k) for k in policy.as_dict()}

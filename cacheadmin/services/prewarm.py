@@ -42,7 +42,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
             or the corpus is unknown.
     """
     if not engine.serves(namespace.pk):
-        raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_id[:12]}…")
+        raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_key[:12]}…")
     if engine.status != Engine.Status.READY:
         raise JobRefused(f"engine {engine.name} is {engine.status}, not ready")
     try:

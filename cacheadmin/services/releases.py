@@ -271,7 +271,7 @@ def release_decide(
         elif decision == Decision.NEW_NAMESPACE:
             to_namespace = _namespace_like(release.from_namespace, release.to_version, release.tenant, actor)
             if not engine.serves(to_namespace.pk):
-                raise ReleaseRefused(f"engine {engine.name} does not serve the new namespace {to_namespace.namespace_id[:12]}…")
+                raise ReleaseRefused(f"engine {engine.name} does not serve the new namespace {to_namespace.namespace_key[:12]}…")
             # The old namespace's hottest prefixes when routers reported them, else the diagnostic corpus.
             job = prewarm_job_create(
                 namespace=to_namespace, engine=engine, corpus=prewarm_corpus_for(release.from_namespace), actor=actor
@@ -463,16 +463,16 @@ def release_routing(release: Release, *, actor: str) -> list[dict[str, Any]]:
         salt = namespace_salt_read(namespace, actor=actor, purpose=f"routing of release #{release.pk}")
         out.append({
             "model_version": version.pk, "label": version.label, "percent": route.percent, "namespace": namespace.pk,
-            "namespace_id": namespace.namespace_id, "cache_salt": salt,
+            "namespace_id": namespace.namespace_key, "cache_salt": salt,
         })  # fmt: skip
     return out
 
 
 def _check_identity(namespace: CacheNamespace, version: ModelVersion, tenant: Tenant) -> None:
     """Refuse to expose a namespace whose identity differs from the version served with it."""
-    if namespace.namespace_id != namespace_id(version.identity, tenant.boundary):
+    if namespace.namespace_key != namespace_id(version.identity, tenant.boundary):
         raise ReleaseRefused(
-            f"namespace {namespace.namespace_id[:12]}… does not derive from {version.label}'s identity for "
+            f"namespace {namespace.namespace_key[:12]}… does not derive from {version.label}'s identity for "
             f"{tenant.slug}; refusing to route it"
         )
 
@@ -545,7 +545,7 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
             actor=actor,
             action="release.rollback",
             obj=release,
-            after={"namespace": namespace.namespace_id, "how": how},
+            after={"namespace": namespace.namespace_key, "how": how},
             reason=reason,
         )
     release.refresh_from_db()

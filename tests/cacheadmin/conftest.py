@@ -32,7 +32,7 @@ def world() -> dict:
     v1, v2 = make_version("v1", "1" * 64), make_version("v2", "2" * 64, weights="f" * 64)
     ns = {
         t.slug: CacheNamespace.objects.create(
-            namespace_id=t.slug.ljust(64, "0"), model_version=v1, tenant=t, retention_owner=owner, storage_prefix=f"ns-{t.slug}"
+            namespace_key=t.slug.ljust(64, "0"), model_version=v1, tenant=t, retention_owner=owner, storage_prefix=f"ns-{t.slug}"
         )
         for t in (acme, globex)
     }

@@ -317,7 +317,7 @@ def test_engine_namespaces_attach_only_through_the_engine_service(admin_client) 
     assert (event.actor, event.object_id, event.after) == (
         "admin (admin)",
         str(memory_only.pk),
-        {"namespace": initech.namespace_id},
+        {"namespace": initech.namespace_key},
     )
     assert admin_client.post(_url("engine", memory_only.pk, "delete"), {"post": "yes"}).status_code == 403
     # Attaching is an operate-scope action, as in the API.

@@ -252,8 +252,8 @@ def test_cache_salt_needs_operate_scope_and_the_right_tenant(world) -> None:
     c, ns = world["clients"], world["ns"]
     response = c["bob"].get(f"/api/namespaces/{ns['acme'].pk}/cache-salt/")
     assert response.json() == {
-        "namespace_id": ns["acme"].namespace_id,
-        "cache_salt": cache_salt(settings.CACHE_SALT_SECRET, ns["acme"].namespace_id),
+        "namespace_id": ns["acme"].namespace_key,
+        "cache_salt": cache_salt(settings.CACHE_SALT_SECRET, ns["acme"].namespace_key),
         "storage_prefix": "ns-acme",
     }
     assert c["bob"].get(f"/api/namespaces/{ns['globex'].pk}/cache-salt/").status_code == 404
@@ -270,7 +270,7 @@ def test_a_salt_blind_tier_never_backs_a_second_namespace(world, admin_client) -
     Engine.objects.filter(pk=engine.pk).update(kv_connector="ExampleConnector", kv_storage_path="/kv/ns-acme")
     initech = Tenant.objects.create(slug="initech", name="Initech")
     other = CacheNamespace.objects.create(
-        namespace_id="b" * 64,
+        namespace_key="b" * 64,
         model_version=world["v1"],
         tenant=initech,
         retention_owner=RetentionOwner.objects.get(),
@@ -289,7 +289,7 @@ def test_a_salt_blind_tier_never_backs_a_second_namespace(world, admin_client) -
     assert attached.status_code == 200 and attached.json()["attached_namespaces"] == [other.pk]
     assert AuditEvent.objects.filter(action="engine.attach_namespace").count() == 1
     wrong_identity = CacheNamespace.objects.create(
-        namespace_id="c" * 64,
+        namespace_key="c" * 64,
         model_version=world["v2"],
         tenant=world["acme"],
         retention_owner=RetentionOwner.objects.get(),
@@ -428,7 +428,7 @@ def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
     c, acme_ns, globex_ns = world["clients"], world["ns"]["acme"], world["ns"]["globex"]
     for ns, text in ((globex_ns, "globex secret prompt"), (acme_ns, "acme prompt")):
         PrefixHeat.objects.create(
-            namespace=ns, digest=ns.namespace_id, messages=[{"role": "user", "content": text}], tools=None, hits=5,
+            namespace=ns, digest=ns.namespace_key, messages=[{"role": "user", "content": text}], tools=None, hits=5,
             last_hit_at=timezone.now(),
         )  # fmt: skip
     reference = Engine.objects.create(

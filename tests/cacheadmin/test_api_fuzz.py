@@ -55,7 +55,7 @@ def admin_key(db, wsgi_keeps_test_connection) -> str:
         adapters="e" * 64, identity="1" * 64, inputs={"layout": {"block_size": 32}},
     )  # fmt: skip
     ns = CacheNamespace.objects.create(
-        namespace_id="f" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix="ns-f"
+        namespace_key="f" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix="ns-f"
     )
     RetentionPolicy.objects.create(namespace=ns, max_age_since_last_hit_s=60, max_bytes=None, versions_kept=1)
     engine = Engine.objects.create(name="e", model_version=version, namespace=ns, base_url="http://127.0.0.1:9", status="ready")

@@ -41,7 +41,7 @@ def test_a_group_namespace_is_shared_by_its_members_only(world) -> None:
     # The id is derived from the group boundary: never equal to a member tenant's own namespace.
     key = SharedGroup.objects.get(slug="partners").key
     assert len(key) == 32 and ns["namespace_id"] == namespace_id(world["v1"].identity, f"group:partners:{key}:1")
-    assert ns["namespace_id"] != world["ns"]["acme"].namespace_id
+    assert ns["namespace_id"] != world["ns"]["acme"].namespace_key
     # acme (bob) sees its own namespace and the group's; globex (charlie) neither.
     assert sorted(n["id"] for n in bob.get("/api/namespaces/").json()["results"]) == sorted([ns["id"], world["ns"]["acme"].pk])
     assert [n["id"] for n in charlie.get("/api/namespaces/").json()["results"]] == [world["ns"]["globex"].pk]

@@ -66,7 +66,7 @@ def _namespaces(world: dict, n: int) -> None:
     versions = list(ModelVersion.objects.filter(label__startswith="m").order_by("id"))
     namespaces = CacheNamespace.objects.bulk_create(
         CacheNamespace(
-            namespace_id=f"{i:064x}",
+            namespace_key=f"{i:064x}",
             model_version=versions[i],
             tenant=world["acme"],
             retention_owner=owner,
@@ -74,7 +74,7 @@ def _namespaces(world: dict, n: int) -> None:
         )
         if i % 2
         else CacheNamespace(
-            namespace_id=f"{i:064x}",
+            namespace_key=f"{i:064x}",
             model_version=versions[i],
             group=_shared(world),
             group_generation=1,

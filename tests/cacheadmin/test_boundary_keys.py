@@ -25,9 +25,9 @@ def test_a_recreated_tenant_gets_new_ids_salts_and_storage() -> None:
     second = tenant_get_or_create(slug="acme", name="Acme again", actor="mallory")
     new = namespace_get_or_create(model_version=version, tenant=second, retention_owner=owner, policy=DEMO_POLICY, actor="m")
     assert len(first.key) == len(second.key) == 32 and first.key != second.key
-    assert new.namespace_id != old.namespace_id
+    assert new.namespace_key != old.namespace_key
     assert new.storage_prefix != old.storage_prefix
-    assert cache_salt(settings.CACHE_SALT_SECRET, new.namespace_id) != cache_salt(settings.CACHE_SALT_SECRET, old.namespace_id)
+    assert cache_salt(settings.CACHE_SALT_SECRET, new.namespace_key) != cache_salt(settings.CACHE_SALT_SECRET, old.namespace_key)
 
 
 def test_a_tenant_from_before_keys_keeps_its_ids() -> None:

@@ -68,7 +68,7 @@ def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
     finally:
         heat_file.unlink()
     salt = run("namespace", "salt", str(ns.pk)).stdout.strip()
-    assert salt == cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_id)
+    assert salt == cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_key)
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_jobs_and_engines_from_the_cli() -> None:
     tenant = Tenant.objects.create(slug="acme", name="Acme")
     owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
     ns = CacheNamespace.objects.create(
-        namespace_id="f" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix="ns-f"
+        namespace_key="f" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix="ns-f"
     )
     engine = Engine.objects.create(
         name="e",
@@ -99,7 +99,7 @@ def test_jobs_and_engines_from_the_cli() -> None:
     one_line_error(run("job", "cancel", "prewarm", str(job.pk)), 4, "already ended")
     globex = Tenant.objects.create(slug="globex", name="G")
     other = CacheNamespace.objects.create(
-        namespace_id="e" * 64, model_version=version, tenant=globex, retention_owner=owner, storage_prefix="ns-e"
+        namespace_key="e" * 64, model_version=version, tenant=globex, retention_owner=owner, storage_prefix="ns-e"
     )
     one_line_error(run("engine", "attach", str(engine.pk), str(other.pk)), 4, "ignores cache_salt")
     assert list(engine.attached_namespaces.all()) == []
@@ -152,7 +152,7 @@ def test_eviction_and_accounting_from_the_cli(tmp_path) -> None:
             layout="d" * 64, adapters="e" * 64, identity=f"{i}" * 64, inputs={}, status=status,
         )  # fmt: skip
         ns = CacheNamespace.objects.create(
-            namespace_id=f"{i}" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix=f"ns-cli-{i}"
+            namespace_key=f"{i}" * 64, model_version=version, tenant=tenant, retention_owner=owner, storage_prefix=f"ns-cli-{i}"
         )
         RetentionPolicy.objects.create(namespace=ns, versions_kept=1, cold_versions_kept=0)
         write_entry(tmp_path / "kv", ns.storage_prefix, "a" * 64, size=100, age_s=10)

@@ -163,7 +163,7 @@ def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoi
     theirs = namespace_get_or_create(
         model_version=version, tenant=newcomer, retention_owner=owner, policy=DEMO_POLICY, actor="bob"
     )
-    assert theirs.namespace_id != first.namespace_id and theirs.storage_prefix != first.storage_prefix
+    assert theirs.namespace_key != first.namespace_key and theirs.storage_prefix != first.storage_prefix
     assert CacheNamespaceCount() == 2 and first.tenant_id == acme.pk
     # A boundary string that collides anyway (a row edited behind the services' back) is still refused.
     Tenant.objects.filter(pk=newcomer.pk).update(key=acme.key)

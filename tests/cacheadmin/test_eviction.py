@@ -88,7 +88,7 @@ def world(kv) -> dict:
         prefix = f"ns-{uuid.uuid4().hex[:20]}"
         kv["prefixes"].append(prefix)
         ns = CacheNamespace.objects.create(
-            namespace_id=prefix.ljust(64, "0"), model_version=version, tenant=acme, retention_owner=owner, storage_prefix=prefix
+            namespace_key=prefix.ljust(64, "0"), model_version=version, tenant=acme, retention_owner=owner, storage_prefix=prefix
         )
         RetentionPolicy.objects.create(namespace=ns, versions_kept=1, cold_versions_kept=1)
         for e in range(3):

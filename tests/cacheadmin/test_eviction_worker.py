@@ -55,7 +55,11 @@ def test_a_worker_killed_mid_sweep_loses_nothing(settings, tmp_path: Path) -> No
         prefix = f"ns-{uuid.uuid4().hex[:20]}"
         prefixes.append(prefix)
         ns = CacheNamespace.objects.create(
-            namespace_id=prefix.ljust(64, "0"), model_version=version, tenant=tenant, retention_owner=owner, storage_prefix=prefix
+            namespace_key=prefix.ljust(64, "0"),
+            model_version=version,
+            tenant=tenant,
+            retention_owner=owner,
+            storage_prefix=prefix,
         )
         RetentionPolicy.objects.create(namespace=ns, versions_kept=1, cold_versions_kept=0)
         write_entry(tiers.disk.root, prefix, "a" * 64, size=4096, age_s=60)

@@ -48,7 +48,7 @@ def shared(world) -> dict:
     for tenant in (world["acme"], world["globex"]):
         SharedGroupMembership.objects.create(group=group, tenant=tenant, added_by="setup")
     group_ns = CacheNamespace.objects.create(
-        namespace_id="partners".ljust(64, "0"), model_version=world["v1"], group=group, group_generation=1,
+        namespace_key="partners".ljust(64, "0"), model_version=world["v1"], group=group, group_generation=1,
         retention_owner=RetentionOwner.objects.get(), storage_prefix="ns-partners",
     )  # fmt: skip
     RetentionPolicy.objects.create(namespace=group_ns, versions_kept=1)
@@ -95,7 +95,7 @@ def test_rewriting_a_hold_needs_release_hold(world) -> None:
     refused = world["clients"]["bob"].put(f"/api/namespaces/{ns.pk}/policy/", body, format="json")
     assert refused.status_code == 409, refused.json()
     assert refused.json()["error"]["message"] == (
-        f"namespace {ns.namespace_id[:12]}… is under a legal hold by legal (case 7); "
+        f"namespace {ns.namespace_key[:12]}… is under a legal hold by legal (case 7); "
         "replacing its holder or reason needs release_hold"
     )
     assert RetentionPolicy.objects.filter(namespace=ns).values_list("hold_by", "hold_reason").get() == ("legal", "case 7")

@@ -159,7 +159,7 @@ def test_tenant_owner_and_namespace_through_the_client(api: ModuleType, client: 
     assert (tenant.slug, tenant.name, tenant.id, tenant.additional_properties) == ("acme", "Acme", row.tenant_id, {})
     assert (owner.name, owner.email, owner.additional_properties) == ("platform", "platform@example.com", {})
     assert (namespace.tenant, namespace.group, namespace.group_generation, namespace.superseded) == ("acme", None, None, False)
-    assert (namespace.namespace_id, namespace.storage_prefix) == (row.namespace_id, row.storage_prefix)
+    assert (namespace.namespace_id, namespace.storage_prefix) == (row.namespace_key, row.storage_prefix)
     assert (namespace.model_version, namespace.model_version_label, namespace.retention_owner) == (
         versions["v1"].pk,
         "tiny-v1",
@@ -196,7 +196,7 @@ def test_tenant_owner_and_namespace_through_the_client(api: ModuleType, client: 
     assert (listed.count, [n.id for n in listed.results], listed.previous) == (1, [namespace.id], None)
 
     salt = _module("api.namespaces.namespaces_cache_salt_retrieve").sync(client=client, id=namespace.id)
-    assert (salt.namespace_id, salt.cache_salt) == (row.namespace_id, namespace_salt_read(row, actor="ci", purpose="test"))
+    assert (salt.namespace_id, salt.cache_salt) == (row.namespace_key, namespace_salt_read(row, actor="ci", purpose="test"))
 
     # Errors come back parsed, in the envelope.
     duplicate = _module("api.tenants.tenants_create").sync_detailed(

@@ -46,7 +46,7 @@ def _rows(n: int) -> None:
         group = SharedGroup.objects.create(slug=f"g{n}-{i}", name=f"G{n}-{i}")
         SharedGroupMembership.objects.create(group=group, tenant=tenant, added_by="setup")
         ns = CacheNamespace.objects.create(
-            namespace_id=f"{n:032x}{i:032x}",
+            namespace_key=f"{n:032x}{i:032x}",
             model_version=version,
             tenant=tenant,
             retention_owner=owner,

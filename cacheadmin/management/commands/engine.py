@@ -34,4 +34,4 @@ class Command(ControlPlaneCommand):
         engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
         namespace = get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
         engine_attach_namespace(engine=engine, namespace=namespace, actor="cli")
-        self.stdout.write(f"engine {engine.name} now serves namespace {namespace.namespace_id}")
+        self.stdout.write(f"engine {engine.name} now serves namespace {namespace.namespace_key}")

@@ -104,7 +104,7 @@ class Command(ControlPlaneCommand):
         policy = namespace.policy
         out = {
             "id": namespace.pk,
-            "namespace_id": namespace.namespace_id,
+            "namespace_id": namespace.namespace_key,
             "storage_prefix": namespace.storage_prefix,
             "tenant": namespace.tenant.slug if namespace.tenant_id else None,
             "group": namespace.group.slug if namespace.group_id else None,
@@ -124,7 +124,7 @@ class Command(ControlPlaneCommand):
                 )  # fmt: skip
             },
         }
-        self.stdout.write(json.dumps(out) if as_json else f"{namespace.pk} {namespace.namespace_id} {namespace.storage_prefix}")
+        self.stdout.write(json.dumps(out) if as_json else f"{namespace.pk} {namespace.namespace_key} {namespace.storage_prefix}")
 
     def verb_create(self, opts: dict[str, Any]) -> None:
         version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
@@ -171,6 +171,6 @@ class Command(ControlPlaneCommand):
     def verb_list(self, opts: dict[str, Any]) -> None:
         for ns in CacheNamespace.objects.select_related("tenant", "group", "model_version").order_by("id"):
             self.stdout.write(
-                f"{ns.pk}  {ns.namespace_id[:16]}  {ns.boundary_label:16} {ns.model_version.label:20} "
+                f"{ns.pk}  {ns.namespace_key[:16]}  {ns.boundary_label:16} {ns.model_version.label:20} "
                 f"{ns.storage_prefix} {ns.residency}"
             )
