@@ -18,10 +18,25 @@ SLOW_FIXTURES = frozenset({"api", "server", "worker"})
 REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"})
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark by what a test uses: engines (``vllm``) and process-starting fixtures
     are ``slow``; Redis-tier fixtures are ``redis``. Tests that start a process
-    themselves carry ``@pytest.mark.slow``."""
+    themselves carry ``@pytest.mark.slow``.
+
+    On the scale-out run (``KVCP_SCALE_OUT_RUN=1``, set by ``scripts/test`` for
+    PostgreSQL + Redis) what cannot differ by database or broker is deselected:
+    ``tests/inference`` (that package imports no Django) and tests marked
+    ``embedded_default`` (the demo, the embedded default's main job by definition).
+    """
+    if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
+        inference = Path(__file__).parent / "inference"
+        kept, dropped = [], []
+        for item in items:
+            independent = inference in Path(item.path).parents or item.get_closest_marker("embedded_default") is not None
+            (dropped if independent else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("vllm") is not None or used & SLOW_FIXTURES:

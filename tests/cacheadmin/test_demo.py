@@ -1,8 +1,11 @@
 """``python manage.py demo --no-serve``: the main job, end to end, as CI runs it.
 
-Real vLLM engines, a real Celery worker on the configured broker, the test
-database. Asserts the unsafe upgrade is caught on every prompt and the safe
-one is clean, then checks the rows the dashboard reads.
+Real vLLM engines, a real Celery worker on the filesystem broker, the test
+database on SQLite: the embedded default, which the demo is the main job of.
+Asserts the unsafe upgrade is caught on every prompt and the safe one is
+clean, then checks the rows the dashboard reads. The scale-out run
+(PostgreSQL + Redis) leaves it out: the same prewarm and comparison jobs run
+there through a worker on Redis in ``test_vllm_jobs.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from cacheadmin.services.demo import UNSAFE_REASON
 from inference.corpus import load_corpus
 from tests.helpers import manage, subprocess_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.vllm, pytest.mark.embedded_default, pytest.mark.django_db(transaction=True)]
 
 
 def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_user_model) -> None:
