@@ -13,6 +13,9 @@ class CacheAdminConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
+        # Registers every job runner (and its Celery task) and the job_finished
+        # receivers, in every process: web, worker, commands.
+        import cacheadmin.tasks  # noqa: F401
         from cacheadmin.schedules import schedules_sync
 
         def sync_after_migrate(sender: AppConfig, **kwargs: object) -> None:

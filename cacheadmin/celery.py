@@ -25,6 +25,8 @@ def _recover_lost_jobs(**_kwargs: object) -> None:
     kombu's filesystem transport deletes a message when it is received, so a
     worker killed mid-task loses the message; the job row is what survives.
     """
+    # Here, not at the top: this module loads before Django is set up (the
+    # package imports it), and services need the app registry.
     from cacheadmin.services.jobs import jobs_recover_lost
 
     jobs_recover_lost()

@@ -4,15 +4,14 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cacheadmin', '0008_confusable_name_keys'),
+        ("cacheadmin", "0008_confusable_name_keys"),
     ]
 
     operations = [
         migrations.RenameField(
-            model_name='cachenamespace',
-            old_name='namespace_id',
-            new_name='namespace_key',
+            model_name="cachenamespace",
+            old_name="namespace_id",
+            new_name="namespace_key",
         ),
     ]

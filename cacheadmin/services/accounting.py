@@ -25,7 +25,7 @@ from cacheadmin.models import (
     TierUsageSample,
 )
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.jobs import job_claim, job_finish, job_log
+from cacheadmin.services.jobs import JobRunner, job_claim, job_finish, job_log
 from cacheadmin.services.tiers import tiers_configured
 from inference.errors import EngineError
 from inference.tiers.base import TierError, TierUsage, is_stray_prefix
@@ -37,11 +37,9 @@ def _when(epoch_s: float | None) -> datetime | None:
 
 def accounting_scan_create(*, actor: str) -> AccountingScan:
     """Record a scan and enqueue it once committed."""
-    from cacheadmin.tasks import accounting_scan_task
-
     with transaction.atomic():
         scan = AccountingScan.objects.create(created_by=actor, corpus="")
-        transaction.on_commit(lambda: accounting_scan_task.delay(scan.pk))
+        AccountingScanRunner.enqueue(scan.pk)
     return scan
 
 
@@ -246,3 +244,15 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
         .order_by("id")
     ]  # fmt: skip
     return {"prefixes": prefixes, "namespaces": namespaces, "adapters": adapters}
+
+
+class AccountingScanRunner(JobRunner):
+    """Accounting scans (:func:`accounting_scan_run`)."""
+
+    model = AccountingScan
+    task_name = "cacheadmin.accounting_scan"
+
+    @classmethod
+    def run(cls, job_id: int) -> None:
+        """Scan every tier for accounting scan ``job_id``."""
+        accounting_scan_run(scan_id=job_id)

@@ -8,7 +8,7 @@ from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, E
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
-from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.prewarm import BadJobInput, JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
@@ -40,7 +40,6 @@ def comparison_job_create(
         total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:
         raise BadJobInput("corpus", str(exc)) from exc
-    from cacheadmin.tasks import comparison_job_task
 
     with transaction.atomic():
         job = ComparisonJob.objects.create(
@@ -59,7 +58,7 @@ def comparison_job_create(
             obj=job,
             after={"engine": engine.name, "reference": reference_engine.name, "namespace": namespace.namespace_key},
         )
-        transaction.on_commit(lambda: comparison_job_task.delay(job.pk))
+        ComparisonRunner.enqueue(job.pk)
     return job
 
 
@@ -143,3 +142,15 @@ def _summary(job: ComparisonJob) -> dict[str, object]:
         "ttft_warm_ms": median_or_none([r["ttft_warm_ms"] for r in rows]),
         "control_max_logprob_delta": max((r["control_max_logprob_delta"] for r in rows), default=None),
     }
+
+
+class ComparisonRunner(JobRunner):
+    """Comparison jobs (:func:`comparison_job_run`)."""
+
+    model = ComparisonJob
+    task_name = "cacheadmin.comparison_job"
+
+    @classmethod
+    def run(cls, job_id: int) -> None:
+        """Run (or resume) comparison job ``job_id``."""
+        comparison_job_run(job_id=job_id)

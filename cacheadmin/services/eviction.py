@@ -56,7 +56,7 @@ from cacheadmin.services.accounting import orphan_old_enough
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
-from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.tiers import Tiers, tiers_configured
 from inference.errors import EngineError, Refused
@@ -370,8 +370,6 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
     held = _held_prefixes(run)
     if held:
         raise EvictionRefused(f"namespaces put under a legal hold since the plan: {', '.join(held)}; plan again")
-    from cacheadmin.tasks import eviction_run_task
-
     now = timezone.now()
     with transaction.atomic():
         moved = EvictionRun.objects.filter(pk=run.pk, status=JobStatus.PLANNED).update(
@@ -389,7 +387,7 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
             reason=reason,
         )
         transaction.on_commit(lambda: eviction_digest_send(run_id=run.pk))
-        transaction.on_commit(lambda: eviction_run_task.delay(run.pk))
+        EvictionRunner.enqueue(run.pk)
     run.refresh_from_db()
     return run
 
@@ -550,8 +548,6 @@ def eviction_run_execute(*, run_id: int) -> str:
         try later), ``"not queued"``, ``"batch"`` (re-enqueued for the next
         batch), ``"succeeded"``, ``"failed"`` or ``"cancelled"``.
     """
-    from cacheadmin.tasks import eviction_run_task
-
     run = EvictionRun.objects.filter(pk=run_id).first()
     if run is None or run.status != JobStatus.QUEUED:
         return "not queued"
@@ -583,7 +579,7 @@ def eviction_run_execute(*, run_id: int) -> str:
                 EvictionRun.objects.filter(pk=run.pk, status=JobStatus.RUNNING).update(
                     status=JobStatus.QUEUED, attempts=F("attempts") - 1
                 )
-                transaction.on_commit(lambda: eviction_run_task.delay(run.pk))
+                EvictionRunner.enqueue(run.pk)
             job_log(run, f"batch of {done_in_batch} actions done; re-enqueued")
             return "batch"
         # Intent first: a successor finding "running" redoes this action (all are idempotent).
@@ -617,14 +613,6 @@ def eviction_run_execute(*, run_id: int) -> str:
 
 
 def _eviction_finish(run: EvictionRun) -> str:
-    outcome = _eviction_finish_run(run)
-    from cacheadmin.services.releases import releases_sync_for
-
-    releases_sync_for(eviction_run=run)  # a release waiting on this purge
-    return outcome
-
-
-def _eviction_finish_run(run: EvictionRun) -> str:
     failed = list(run.actions.filter(status=ActionStatus.FAILED).order_by("seq"))
     freed = run.actions.aggregate(total=Sum("bytes_freed"))["total"] or 0
     if failed:
@@ -647,8 +635,6 @@ def eviction_runs_resume_due(*, now: Any = None) -> list[int]:
     Returns:
         Ids of the runs re-queued.
     """
-    from cacheadmin.tasks import eviction_run_task
-
     now = now or timezone.now()
     resumed = []
     due = EvictionRun.objects.filter(status=JobStatus.FAILED, retry_at__lte=now, attempts__lt=settings.JOB_MAX_ATTEMPTS)
@@ -660,7 +646,7 @@ def eviction_runs_resume_due(*, now: Any = None) -> list[int]:
             )  # fmt: skip
             if moved:
                 run.actions.filter(status=ActionStatus.FAILED).update(status=ActionStatus.PENDING)
-                transaction.on_commit(lambda pk=run.pk: eviction_run_task.delay(pk))
+                EvictionRunner.enqueue(run.pk)
                 resumed.append(run.pk)
     return resumed
 
@@ -672,14 +658,12 @@ def eviction_sweep(*, actor: str = "scheduler") -> dict[str, Any]:
     Returns:
         ``{"resumed": [...], "started": [...], "planned": id or None}``.
     """
-    from cacheadmin.tasks import eviction_run_task
-
     resumed = eviction_runs_resume_due()
     now = timezone.now()
     waiting = EvictionRun.objects.filter(status=JobStatus.QUEUED, not_before__lte=now).exclude(pk__in=resumed)
     due = list(waiting.values_list("pk", flat=True))
     for pk in due:
-        eviction_run_task.delay(pk)
+        EvictionRunner.enqueue(pk)
     planned = None
     if not EvictionRun.objects.filter(
         trigger=EvictionRun.Trigger.SCHEDULED, status__in=[JobStatus.PLANNED, JobStatus.QUEUED, JobStatus.RUNNING]
@@ -689,3 +673,19 @@ def eviction_sweep(*, actor: str = "scheduler") -> dict[str, Any]:
         except EvictionRefused:
             planned = None  # a concurrent sweep planned one first
     return {"resumed": resumed, "started": due, "planned": planned}
+
+
+class EvictionRunner(JobRunner):
+    """Eviction runs (:func:`eviction_run_execute`), one bounded batch per
+    task: a run that holds the lane re-queues itself; one that finds the lane
+    held is retried by Celery every 30 s. A release waiting on a purge hears
+    of its end through ``job_finished``."""
+
+    model = EvictionRun
+    task_name = "cacheadmin.eviction_run"
+    retry_busy_lane_s = 30
+
+    @classmethod
+    def run(cls, job_id: int) -> str:
+        """Execute a batch of eviction run ``job_id``; ``"busy"`` when another run holds the lane."""
+        return eviction_run_execute(run_id=job_id)

@@ -1,4 +1,12 @@
-"""Claiming, progressing, finishing and recovering job rows.
+"""Job runners, and claiming, progressing, finishing and recovering job rows.
+
+Every background run kind is a :class:`JobRunner` subclass beside the service
+that does the work: it names its model and Celery task and implements
+``run``; the base class registers the task, queues it once the caller's
+transaction commits, guards it so no exception leaves the row ``running``, and
+retries a busy database. A job that reaches a final status sends
+:data:`job_finished`, which releases (and later metrics and dashboards)
+subscribe to instead of being called from inside the job.
 
 The claim is a conditional UPDATE (queued → running); "0 rows" means another
 worker has the job, which is what makes ``acks_late`` redelivery and manual
@@ -16,22 +24,104 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from celery import shared_task
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Concat
+from django.dispatch import Signal
 from django.utils import timezone
 
-from cacheadmin.models import AccountingScan, ComparisonJob, EvictionRun, JobStatus, PrewarmJob, RegistrationJob
+from cacheadmin.models import JobStatus
 from cacheadmin.models.jobs import Job
+from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.db import database_busy
+from cacheadmin.services.model_versions import LifecycleError
 from inference.engines.launcher import pid_alive
 from inference.errors import storable_text
 
 logger = logging.getLogger(__name__)
 J = TypeVar("J", bound=Job)
+
+#: Sent once when a job row reaches a final status (succeeded, failed,
+#: cancelled), by whatever moved it there: ``sender`` is the job's model,
+#: ``job`` the row as stored. Receivers run in the process that finished the
+#: job, after the row is updated; they must be idempotent (a recovery may
+#: finish a job a receiver already heard of through a scheduled sweep).
+job_finished = Signal()
+
+#: Job model → its runner; each runner registers itself when its module is
+#: imported, and the app's ``ready()`` imports them all (``cacheadmin.tasks``).
+RUNNERS: dict[type[Job], type[JobRunner]] = {}
+
+_FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class JobRunner:
+    """One kind of background run: a subclass per job model.
+
+    A subclass declares ``model`` (the job row's model) and ``task_name`` (the
+    Celery task's name, stable because queued messages carry it) and
+    implements :meth:`run`, which claims the row (:func:`job_claim`), does the
+    work with :func:`job_progress` and :func:`job_log`, and ends it with
+    :func:`job_finish`. The base class gives it:
+
+    - ``task``: the Celery task taking the row's id, registered when the
+      subclass is defined (as NetBox's ``JobRunner`` wraps its ``handle``);
+    - :meth:`enqueue`: queue the task once the caller's transaction commits
+      (``transaction.on_commit``), the one way a job is queued;
+    - the guard: no exception leaves the row ``running``; a busy database puts
+      it back in the queue for ``BUSY_RETRY_S`` while attempts are left
+      (:func:`job_run_guarded`);
+    - the finish: :data:`job_finished`, sent by :func:`job_finish`.
+
+    Attributes:
+        retry_busy_lane_s: seconds before Celery retries the task when
+            :meth:`run` answers ``"busy"`` (another run holds what it needs);
+            None: never answers that.
+    """
+
+    model: ClassVar[type[Job]]
+    task_name: ClassVar[str]
+    task: ClassVar[Any]
+    retry_busy_lane_s: ClassVar[int | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.model in RUNNERS:
+            raise TypeError(f"{cls.model.__name__} already has a runner: {RUNNERS[cls.model].__name__}")
+        RUNNERS[cls.model] = cls
+
+        def execute(task: Any, job_id: int) -> None:
+            outcome: list[object] = []
+            job_run_guarded(cls.model, job_id, lambda: outcome.append(cls.run(job_id)))
+            if outcome == ["busy"] and cls.retry_busy_lane_s is not None:
+                # Celery's own retry: the same message again after the countdown, for as long as the lane is busy.
+                raise task.retry(countdown=cls.retry_busy_lane_s)
+
+        execute.__name__ = execute.__qualname__ = cls.task_name.rpartition(".")[2]
+        execute.__doc__ = f"Run {cls.model._meta.verbose_name} ``job_id`` ({cls.__name__})."
+        # No retry cap: a busy lane is retried for as long as it stays busy (a bounded wait for another run).
+        cls.task = shared_task(name=cls.task_name, bind=True, max_retries=None)(execute)
+
+    @classmethod
+    def run(cls, job_id: int) -> object:
+        """Claim and run the job (a no-op when it is not queued); the result is
+        the service's outcome (``"busy"`` asks for a retry, see ``retry_busy_lane_s``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def enqueue(cls, job_id: int, *, countdown: int = 0) -> None:
+        """Queue the job's task once the current transaction commits (at once outside one)."""
+        transaction.on_commit(lambda: cls.task.apply_async((job_id,), countdown=countdown))
+
+
+def _send_finished(model: type[Job], job_id: int) -> None:
+    job = model.objects.filter(pk=job_id).first()
+    if job is not None and job.status in _FINAL:
+        job_finished.send(sender=model, job=job)
 
 
 def worker_identity() -> str:
@@ -90,12 +180,17 @@ def job_progress(job: Job, done: int, **fields: object) -> None:
 
 
 def job_finish(job: Job, status: JobStatus, *, error: str = "", line: str = "", **fields: object) -> None:
-    """Move a running job to a final status, keeping what it recorded so far."""
+    """Move a running job to a final status, keeping what it recorded so far,
+    and send :data:`job_finished` (only when this call moved it)."""
     if line:
         job_log(job, line)
-    type(job).objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
-        status=status, error=storable_text(error), finished_at=timezone.now(), heartbeat_at=timezone.now(), **fields
+    moved = (
+        type(job)
+        .objects.filter(pk=job.pk, status=JobStatus.RUNNING)
+        .update(status=status, error=storable_text(error), finished_at=timezone.now(), heartbeat_at=timezone.now(), **fields)
     )
+    if moved:
+        _send_finished(type(job), job.pk)
 
 
 def _is_lost(job: Job, now: timezone.datetime) -> bool:
@@ -104,22 +199,6 @@ def _is_lost(job: Job, now: timezone.datetime) -> bool:
         return True
     stale = job.heartbeat_at is None or now - job.heartbeat_at > timedelta(seconds=settings.JOB_STALE_AFTER_S)
     return stale
-
-
-#: Job kinds and how to enqueue each (pk, countdown in seconds), resolved lazily (tasks import services).
-def _job_kinds() -> list[tuple[type[Job], Callable[..., None]]]:
-    from cacheadmin import tasks
-
-    def sender(task: Any) -> Callable[..., None]:
-        return lambda pk, countdown=0: task.apply_async((pk,), countdown=countdown)
-
-    return [
-        (PrewarmJob, sender(tasks.prewarm_job_task)),
-        (ComparisonJob, sender(tasks.comparison_job_task)),
-        (RegistrationJob, sender(tasks.registration_job_task)),
-        (AccountingScan, sender(tasks.accounting_scan_task)),
-        (EvictionRun, sender(tasks.eviction_run_task)),
-    ]
 
 
 def jobs_recover_lost() -> dict[str, int]:
@@ -137,7 +216,7 @@ def jobs_recover_lost() -> dict[str, int]:
     """
     now = timezone.now()
     counts = {"requeued": 0, "failed": 0, "resent": 0}
-    for model, enqueue in _job_kinds():
+    for model, runner in RUNNERS.items():
         for job in model.objects.filter(status=JobStatus.RUNNING):
             if not _is_lost(job, now):
                 continue
@@ -149,7 +228,7 @@ def jobs_recover_lost() -> dict[str, int]:
                     )
                     if moved:
                         counts["requeued"] += 1
-                        transaction.on_commit(lambda pk=job.pk, enqueue=enqueue: enqueue(pk))
+                        runner.enqueue(job.pk)
                 else:
                     moved = model.objects.filter(pk=job.pk, status=JobStatus.RUNNING, worker=job.worker).update(
                         status=JobStatus.FAILED,
@@ -157,9 +236,11 @@ def jobs_recover_lost() -> dict[str, int]:
                         finished_at=now,
                     )
                     counts["failed"] += moved
+                    if moved:
+                        transaction.on_commit(lambda pk=job.pk, model=model: _send_finished(model, pk))
         cutoff = now - timedelta(seconds=settings.JOB_STALE_AFTER_S)
         for pk in model.objects.filter(status=JobStatus.QUEUED, created_at__lt=cutoff).values_list("pk", flat=True):
-            enqueue(pk)
+            runner.enqueue(pk)
             counts["resent"] += 1
     if any(counts.values()):
         logger.warning("recovered lost jobs: %s", counts)
@@ -222,16 +303,17 @@ def _record_unexpected(model: type[Job], job_id: int, reason: str, *, retry: boo
             log=Concat(F("log"), Value(f"{now:%H:%M:%S} {reason}; the database was busy, retrying in {BUSY_RETRY_S} s\n")),
         )
         if moved:
-            enqueue = dict(_job_kinds())[model]
-            enqueue(job_id, BUSY_RETRY_S)
+            RUNNERS[model].enqueue(job_id, countdown=BUSY_RETRY_S)
         return
-    running.update(
+    moved = running.update(
         status=JobStatus.FAILED,
         error=reason,
         finished_at=now,
         heartbeat_at=now,
         log=Concat(F("log"), Value(f"{now:%H:%M:%S} failed: {reason}\n")),
     )
+    if moved:
+        _send_finished(model, job_id)
 
 
 def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
@@ -243,9 +325,6 @@ def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
         cacheadmin.services.model_versions.LifecycleError: the job already ended.
         ValidationError: the reason is too long or holds invisible characters.
     """
-    from cacheadmin.services.audit import audit_record, reason_check
-    from cacheadmin.services.model_versions import LifecycleError
-
     reason_check(reason)
     with transaction.atomic():
         moved = (
@@ -261,5 +340,6 @@ def job_cancel(*, job: Job, actor: str, reason: str = "") -> Job:
             job.refresh_from_db()
             raise LifecycleError(f"{_kind(job)} #{job.pk} already ended ({job.status}); nothing to cancel")
         audit_record(actor=actor, action=f"{_kind(job).replace(' ', '_')}.cancel", obj=job, reason=reason)
+        transaction.on_commit(lambda: _send_finished(type(job), job.pk))
     job.refresh_from_db()
     return job

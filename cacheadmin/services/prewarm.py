@@ -8,7 +8,7 @@ from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, Pre
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
-from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_salt_read
 from inference.errors import ControlPlaneError, EngineError, Refused
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
@@ -49,14 +49,12 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
         total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:
         raise BadJobInput("corpus", str(exc)) from exc
-    from cacheadmin.tasks import prewarm_job_task
-
     with transaction.atomic():
         job = PrewarmJob.objects.create(
             namespace=namespace, engine=engine, corpus=corpus, progress_total=2 * total, prompts=total, created_by=actor
         )
         audit_record(actor=actor, action="prewarm_job.create", obj=job, after={"engine": engine.name, "corpus": corpus})
-        transaction.on_commit(lambda: prewarm_job_task.delay(job.pk))
+        PrewarmRunner.enqueue(job.pk)
     return job
 
 
@@ -116,20 +114,11 @@ def prewarm_job_run(*, job_id: int) -> None:
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}")
-            _releases_sync(job)
             return
         except JobCancelled:
             job_log(job, "cancelled; stopped")
             return
     _prewarm_summarise(job, tier="persistent tier" if engine.kv_connector else "engine memory")
-    _releases_sync(job)
-
-
-def _releases_sync(job: PrewarmJob) -> None:
-    """A release waiting on this prewarm becomes ready (or failed) now."""
-    from cacheadmin.services.releases import releases_sync_for
-
-    releases_sync_for(prewarm_job=job)
 
 
 def _prewarm_summarise(job: PrewarmJob, *, tier: str) -> None:
@@ -152,3 +141,15 @@ def _prewarm_summarise(job: PrewarmJob, *, tier: str) -> None:
             line=f"verified {len(verified)} prompts from the {tier}, {fields['cached_tokens_verified']} cached tokens",
             **fields,
         )
+
+
+class PrewarmRunner(JobRunner):
+    """Prewarm jobs (:func:`prewarm_job_run`); a release waiting on one hears of its end through ``job_finished``."""
+
+    model = PrewarmJob
+    task_name = "cacheadmin.prewarm_job"
+
+    @classmethod
+    def run(cls, job_id: int) -> None:
+        """Run (or resume) prewarm job ``job_id``."""
+        prewarm_job_run(job_id=job_id)

@@ -9,7 +9,7 @@ from django.db import transaction
 
 from cacheadmin.models import JobStatus, RegistrationJob
 from cacheadmin.services.audit import audit_record
-from cacheadmin.services.jobs import JobCancelled, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.model_versions import RegistrationConflict, adapter_dir_resolve, model_version_register
 from inference.errors import CheckpointError
 from inference.identity import LayoutOptions, identity_precheck, weight_files
@@ -36,8 +36,6 @@ def registration_job_create(
     # not after the job has queued behind hours of weight hashing.
     identity_precheck(root, layout=layout)
     total = sum(p.stat().st_size for p in weight_files(root))
-    from cacheadmin.tasks import registration_job_task
-
     with transaction.atomic():
         job = RegistrationJob.objects.create(
             path=str(root),
@@ -49,7 +47,7 @@ def registration_job_create(
             created_by=actor,
         )
         audit_record(actor=actor, action="registration_job.create", obj=job, after={"path": str(root), "label": label})
-        transaction.on_commit(lambda: registration_job_task.delay(job.pk))
+        RegistrationRunner.enqueue(job.pk)
     return job
 
 
@@ -85,3 +83,15 @@ def registration_job_run(*, job_id: int) -> None:
         return
     word = "registered" if created else "already registered as"
     job_finish(job, JobStatus.SUCCEEDED, line=f"{word} {version.label} ({version.identity[:12]}…)", model_version=version)
+
+
+class RegistrationRunner(JobRunner):
+    """Registration jobs (:func:`registration_job_run`)."""
+
+    model = RegistrationJob
+    task_name = "cacheadmin.registration_job"
+
+    @classmethod
+    def run(cls, job_id: int) -> None:
+        """Hash and register for registration job ``job_id``."""
+        registration_job_run(job_id=job_id)

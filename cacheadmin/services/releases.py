@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
+from django.dispatch import receiver
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -30,11 +31,12 @@ from cacheadmin.models import (
     Residency,
     Tenant,
 )
+from cacheadmin.models.jobs import Job
 from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.heat import prewarm_corpus_for
-from cacheadmin.services.jobs import job_cancel
+from cacheadmin.services.jobs import job_cancel, job_finished
 from cacheadmin.services.model_versions import model_versions_status_sync
 from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_get_or_create, namespace_salt_read
 from cacheadmin.services.prewarm import prewarm_job_create
@@ -43,6 +45,7 @@ from cacheadmin.services.tiers import tiers_configured
 from inference.corpus import load_corpus
 from inference.errors import Refused
 from inference.identity import identity_diff, namespace_id
+from inference.tokenization import load_chat_tokenizer, serialized_inputs_digest, summary, tokenization_diff
 
 Decision = Release.Decision
 Status = Release.Status
@@ -159,8 +162,6 @@ def release_collect_tokenization_evidence(*, release: Release, actor: str, corpu
     Raises:
         inference.errors.CheckpointError: a tokenizer cannot be loaded.
     """
-    from inference.tokenization import load_chat_tokenizer, serialized_inputs_digest, summary, tokenization_diff
-
     conversations = load_corpus(corpus)
     a = load_chat_tokenizer(release.from_version.path)
     b = load_chat_tokenizer(release.to_version.path)
@@ -397,11 +398,14 @@ def release_mark_ready(*, release: Release, actor: str) -> Release:
     return release
 
 
-def releases_sync_for(*, prewarm_job: PrewarmJob | None = None, eviction_run: EvictionRun | None = None) -> None:
-    """Sync the releases waiting on a job that just ended."""
-    releases = Release.objects.filter(status=Status.PREPARING)
-    releases = releases.filter(prewarm_job=prewarm_job) if prewarm_job is not None else releases.filter(eviction_run=eviction_run)
-    for release in releases:
+@receiver(job_finished, sender=PrewarmJob, dispatch_uid="releases.prewarm_finished")
+@receiver(job_finished, sender=EvictionRun, dispatch_uid="releases.eviction_run_finished")
+def releases_sync_for(sender: type[Job], job: Job, **_kwargs: object) -> None:
+    """``job_finished`` receiver: sync the releases waiting on the prewarm job or
+    eviction run (a purge) that just ended (idempotent: a release moves once)."""
+    waiting = Release.objects.filter(status=Status.PREPARING)
+    waiting = waiting.filter(prewarm_job=job) if sender is PrewarmJob else waiting.filter(eviction_run=job)
+    for release in waiting:
         release_sync(release)
 
 

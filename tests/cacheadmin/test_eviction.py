@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from celery.exceptions import Retry
 from django.core import mail
 from django.utils import timezone
 
@@ -30,6 +31,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.services.eviction import (
     EvictionRefused,
+    EvictionRunner,
     eviction_plan,
     eviction_run_approve,
     eviction_run_execute,
@@ -235,7 +237,7 @@ def test_scheduled_plans_are_auto_approved_with_notice_and_one_at_a_time(world, 
     assert eviction_run_execute(run_id=run.pk) == "succeeded"
 
 
-def test_only_one_run_executes_at_a_time(world) -> None:
+def test_only_one_run_executes_at_a_time(world, monkeypatch) -> None:
     first = eviction_plan(actor="alice", only=[world["ns"]["v0"]])
     second = eviction_plan(actor="alice", only=[world["ns"]["v1"]])
     for run in (first, second):
@@ -244,6 +246,17 @@ def test_only_one_run_executes_at_a_time(world) -> None:
     assert eviction_run_execute(run_id=second.pk) == "busy"
     assert EvictionRun.objects.get(pk=second.pk).status == JobStatus.QUEUED
     assert not EvictionAction.objects.filter(run=second).exclude(status="pending").exists()
+    # In a worker, the runner's task asks Celery to send it again in 30 s, with no cap on retries.
+    sent: list[dict] = []
+    monkeypatch.setattr(EvictionRunner.task, "apply_async", lambda *args, **options: sent.append(options))
+    EvictionRunner.task.push_request(id="t-1", args=(second.pk,), kwargs={}, retries=0, called_directly=False)
+    try:
+        with pytest.raises(Retry, match="Retry in 30s"):
+            EvictionRunner.task.run(second.pk)
+    finally:
+        EvictionRunner.task.pop_request()
+    assert [o.get("countdown") for o in sent] == [30] and EvictionRunner.task.max_retries is None
+    assert EvictionRun.objects.get(pk=second.pk).status == JobStatus.QUEUED
 
 
 def test_redis_down_fails_the_run_with_the_reason_and_it_resumes_later(world, kv, settings) -> None:
