@@ -249,8 +249,19 @@ class CacheNamespaceViewSet(
     filterset_class = CacheNamespaceFilterSet
     ordering_fields = ("created_at",)
 
+    #: Columns the serializer reads: a page sorts and carries only these, not
+    #: the version's ``inputs`` manifest or the boundaries' keys.
+    LIST_COLUMNS = (
+        "namespace_key", "storage_prefix", "model_version__label", "tenant__slug", "group__slug", "group__generation",
+        "group_generation", "retention_owner__name", "policy__max_age_since_last_hit_s", "policy__max_bytes",
+        "policy__versions_kept", "policy__cold_versions_kept", "policy__lru_k", "policy__pinned", "policy__hold_by",
+        "policy__hold_reason", "policy__updated_at", "residency", "residency_changed_at", "created_at",
+    )  # fmt: skip
+
     def get_queryset(self) -> models.QuerySet:
         queryset = CacheNamespace.objects.select_related("tenant", "group", "model_version", "retention_owner", "policy")
+        if self.action in ("list", "retrieve"):
+            queryset = queryset.only(*self.LIST_COLUMNS)
         return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
 
     @extend_schema(
