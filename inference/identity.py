@@ -47,6 +47,7 @@ from inference.model_config import (
     remote_code_files,
     uses_longrope,
 )
+from inference.paths import is_mistral_tokenizer_file
 from inference.weights import Tensor, engine_weight_files, file_tensors, gguf_metadata, read_safetensors_header
 
 #: Digest format version; bump when any encoding below changes.
@@ -262,7 +263,7 @@ def _weights(
 
 
 def _is_tokenizer_file(name: str) -> bool:
-    return name in TOKENIZER_FILES or name.startswith("tokenizer.model.v") or name.endswith(".jinja")
+    return name in TOKENIZER_FILES or is_mistral_tokenizer_file(name) or name.endswith(".jinja")
 
 
 def _chat_templates(tokenizer_dir: Path, tokenizer_config: dict[str, Any] | None) -> dict[str, str]:
@@ -336,7 +337,7 @@ def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None, *, code_required: bo
     for rel, digest in remote_code_files(tokenizer_dir, ("tokenizer_config.json",), required=code_required).items():
         inputs[f"code:{rel}"] = digest
         frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
-    if any(p.name == "tekken.json" or p.name.startswith("tokenizer.model.v") for p in files):
+    if any(is_mistral_tokenizer_file(p.name) for p in files):
         # vLLM's mistral tokenizer mode renders the chat format in mistral_common's
         # code, not from a template file: its version is part of the template.
         version = f"mistral_common {metadata.version('mistral_common')}"

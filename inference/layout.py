@@ -33,6 +33,7 @@ Settings that count, and why (vLLM 0.32):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -122,6 +123,11 @@ class LayoutOptions:
     max_model_len: int | None = None
     model_impl: str = "auto"
     disable_sliding_window: bool = False
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each field's default: the one source of the CLI's and the API's layout defaults."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
 
     def __post_init__(self) -> None:
         for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size"):

@@ -125,3 +125,21 @@ def resolve_adapter_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path
     except (OSError, RuntimeError) as exc:  # symlink loops, permissions
         raise AdapterOutsideRoots(f"adapter path {raw}: {exc}") from exc
     return resolved
+
+
+def is_mistral_tokenizer_file(name: str) -> bool:
+    """Whether a checkpoint file named ``name`` is a mistral_common tokenizer:
+    ``tekken.json`` or a versioned SentencePiece ``tokenizer.model.v*``. A folder
+    holding one is served in vLLM's ``--tokenizer-mode mistral``, which renders
+    the chat format in mistral_common's code (vLLM 0.32,
+    ``vllm/transformers_utils/tokenizers/mistral.py``); identity, tokenization
+    and the launcher all use this one rule."""
+    return name == "tekken.json" or name.startswith("tokenizer.model.v")
+
+
+def has_mistral_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` holds a mistral_common tokenizer file (:func:`is_mistral_tokenizer_file`)."""
+    try:
+        return any(is_mistral_tokenizer_file(entry.name) and entry.is_file() for entry in os.scandir(directory))
+    except OSError:
+        return False

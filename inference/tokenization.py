@@ -45,6 +45,7 @@ from inference.comparison import first_divergence
 from inference.corpus import Conversation
 from inference.errors import CheckpointError
 from inference.identity import digest_frames
+from inference.paths import is_mistral_tokenizer_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -223,12 +224,6 @@ class HFChatTokenizer:
         return self._description
 
 
-def _is_mistral_tokenizer_name(name: str) -> bool:
-    # The launcher's rule for starting vLLM in mistral tokenizer mode, and
-    # identity's rule for tokenizer files: both name these two forms.
-    return name == "tekken.json" or name.startswith("tokenizer.model.v")
-
-
 def load_chat_tokenizer(path: Path) -> ChatTokenizer:
     """Load the chat tokenizer of a checkpoint directory or a tokenizer file.
 
@@ -253,7 +248,7 @@ def load_chat_tokenizer(path: Path) -> ChatTokenizer:
     path = Path(path)
     if path.is_dir():
         names = sorted(p.name for p in path.iterdir() if p.is_file())
-        mistral = [n for n in names if _is_mistral_tokenizer_name(n)]
+        mistral = [n for n in names if is_mistral_tokenizer_file(n)]
         if mistral:
             try:
                 chosen = get_one_valid_tokenizer_file(mistral)

@@ -39,6 +39,7 @@ from cacheadmin.models import (
 from cacheadmin.models.naming import validate_display_name
 from cacheadmin.models.tenancy import slug_validator
 from cacheadmin.services.namespaces import namespaces_visible_to
+from inference.layout import LayoutOptions
 
 JOB_FIELDS = (
     "id", "status", "corpus", "progress_done", "progress_total", "attempts", "created_at", "started_at",
@@ -495,27 +496,42 @@ class IdentityDiffQuerySerializer(serializers.Serializer):
     b = QueryIntegerField(min_value=1, max_value=MAX_ID, help_text="model version id")
 
 
+#: LayoutOptions' defaults: the API, the CLI and the identity code share them.
+_LAYOUT = LayoutOptions.defaults()
+
+
 class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
     """How the engine lays out KV state (part of the identity); every key has a default."""
 
-    dtype = StrictCharField(default="auto")
-    kv_cache_dtype = StrictCharField(default="auto")
-    block_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=32)
-    tensor_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=1)
-    pipeline_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=1)
-    quantization = StrictCharField(max_length=100, allow_null=True, default=None)
-    kv_connector = StrictCharField(max_length=100, allow_null=True, default=None)
-    kv_storage_format = StrictCharField(max_length=200, allow_null=True, default=None)
-    kv_cache_layout = StrictCharField(max_length=16, default="auto", help_text="VLLM_KV_CACHE_LAYOUT; auto = the engine's")
-    attention_backend = StrictCharField(max_length=64, default="auto", help_text="vLLM --attention-backend")
+    dtype = StrictCharField(default=_LAYOUT["dtype"])
+    kv_cache_dtype = StrictCharField(default=_LAYOUT["kv_cache_dtype"])
+    block_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=_LAYOUT["block_size"])
+    tensor_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=_LAYOUT["tensor_parallel_size"])
+    pipeline_parallel_size = StrictIntegerField(min_value=1, max_value=1 << 16, default=_LAYOUT["pipeline_parallel_size"])
+    quantization = StrictCharField(max_length=100, allow_null=True, default=_LAYOUT["quantization"])
+    kv_connector = StrictCharField(max_length=100, allow_null=True, default=_LAYOUT["kv_connector"])
+    kv_storage_format = StrictCharField(
+        max_length=200, allow_null=True, default=_LAYOUT["kv_storage_format"], help_text="<connector>@<version>"
+    )
+    kv_cache_layout = StrictCharField(
+        max_length=16, default=_LAYOUT["kv_cache_layout"], help_text="VLLM_KV_CACHE_LAYOUT; auto = the engine's"
+    )
+    attention_backend = StrictCharField(max_length=64, default=_LAYOUT["attention_backend"], help_text="vLLM --attention-backend")
     hf_overrides = FreeFormObjectField(
-        required=False, allow_null=True, default=None, help_text="vLLM --hf-overrides: config keys the engine replaces"
+        required=False,
+        allow_null=True,
+        default=_LAYOUT["hf_overrides"],
+        help_text="vLLM --hf-overrides: config keys the engine replaces",
     )
     max_model_len = StrictIntegerField(
-        min_value=1, max_value=1 << 31, allow_null=True, default=None, help_text="counts for LongRoPE models only"
+        min_value=1,
+        max_value=1 << 31,
+        allow_null=True,
+        default=_LAYOUT["max_model_len"],
+        help_text="counts for LongRoPE models only",
     )
-    model_impl = StrictCharField(max_length=16, default="auto", help_text="vLLM --model-impl")
-    disable_sliding_window = StrictBooleanField(default=False)
+    model_impl = StrictCharField(max_length=16, default=_LAYOUT["model_impl"], help_text="vLLM --model-impl")
+    disable_sliding_window = StrictBooleanField(default=_LAYOUT["disable_sliding_window"])
 
     def validate_hf_overrides(self, value: Any) -> Any:
         if value is not None and not isinstance(value, dict):

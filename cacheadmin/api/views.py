@@ -512,9 +512,8 @@ class IdentityDiffView(ControlPlaneSchemaMixin, APIView):
         missing = [k for k in ("a", "b") if query.validated_data[k] not in versions]
         if missing:
             raise ValidationError({k: [f"no model version with id {query.validated_data[k]}"] for k in missing})
-        fields = (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")
         a, b = (versions[query.validated_data[k]] for k in ("a", "b"))
-        return Response(identity_diff({f: getattr(a, f) for f in fields}, {f: getattr(b, f) for f in fields}))
+        return Response(identity_diff(a.identity_view(), b.identity_view()))
 
 
 class EvictionRunViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):

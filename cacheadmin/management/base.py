@@ -101,19 +101,30 @@ def _json_object(value: str) -> dict[str, Any]:
 def add_layout_arguments(parser: CommandParser) -> None:
     """The engine layout options shared by commands that fingerprint a path
     (each one a field of the identity's ``layout``; see :mod:`inference.layout`)."""
-    parser.add_argument("--dtype", default="auto", help="engine dtype; auto = as the engine resolves it on this platform")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype; auto = the dtype")
-    parser.add_argument("--block-size", type=positive_int, default=32, help="KV block size in tokens")
-    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1)
-    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1)
-    parser.add_argument("--quantization", default=None)
-    parser.add_argument("--kv-connector", default=None, help="KV connector of the persistent tier, e.g. ExampleConnector")
-    parser.add_argument("--kv-storage-format", default=None, help="the connector's storage format; default: its engine build")
-    parser.add_argument("--kv-cache-layout", default="auto", help="VLLM_KV_CACHE_LAYOUT (NHD, HND, LBNHC…); auto = the engine's")
-    parser.add_argument("--attention-backend", default="auto", help="vLLM --attention-backend; auto = the engine's choice")
-    parser.add_argument("--hf-overrides", type=_json_object, default=None, help="vLLM --hf-overrides, a JSON object")
-    parser.add_argument("--max-model-len", type=positive_int, default=None, help="context length (counts for LongRoPE models)")
-    parser.add_argument("--model-impl", default="auto", help="vLLM --model-impl: auto, vllm, transformers, terratorch")
+    d = LayoutOptions.defaults()
+    parser.add_argument("--dtype", default=d["dtype"], help="engine dtype; auto = as the engine resolves it on this platform")
+    parser.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], help="KV cache dtype; auto = the dtype")
+    parser.add_argument("--block-size", type=positive_int, default=d["block_size"], help="KV block size in tokens")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=d["tensor_parallel_size"])
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=d["pipeline_parallel_size"])
+    parser.add_argument("--quantization", default=d["quantization"])
+    parser.add_argument(
+        "--kv-connector", default=d["kv_connector"], help="KV connector of the persistent tier, e.g. ExampleConnector"
+    )
+    parser.add_argument(
+        "--kv-storage-format", default=d["kv_storage_format"], help="the connector's storage format; default: its engine build"
+    )
+    parser.add_argument(
+        "--kv-cache-layout", default=d["kv_cache_layout"], help="VLLM_KV_CACHE_LAYOUT (NHD, HND, LBNHC…); auto = the engine's"
+    )
+    parser.add_argument(
+        "--attention-backend", default=d["attention_backend"], help="vLLM --attention-backend; auto = the engine's"
+    )
+    parser.add_argument("--hf-overrides", type=_json_object, default=d["hf_overrides"], help="vLLM --hf-overrides, a JSON object")
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=d["max_model_len"], help="context length (counts for LongRoPE models)"
+    )
+    parser.add_argument("--model-impl", default=d["model_impl"], help="vLLM --model-impl: auto, vllm, transformers, terratorch")
     parser.add_argument("--disable-sliding-window", action="store_true", help="full attention instead of the model's window")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 
 from cacheadmin.models.naming import NameKeysMixin, validate_display_name
@@ -53,6 +55,11 @@ class ModelVersion(NameKeysMixin, models.Model):
     IDENTITY_FIELDS = ("weights", "tokenizer", "config", "layout", "adapters")
 
     name_keys = {"label": "label_key"}
+
+    def identity_view(self) -> dict[str, Any]:
+        """The version's identity as :func:`inference.identity.identity_diff` takes it:
+        each identity field's digest, ``identity`` and the ``inputs`` behind them."""
+        return {f: getattr(self, f) for f in (*self.IDENTITY_FIELDS, "identity", "inputs")}
 
     def look_alike_message(self, field: str, other: models.Model) -> str:
         assert isinstance(other, ModelVersion)

@@ -76,10 +76,6 @@ def _event(release: Release, actor: str, kind: str, **detail: Any) -> None:
     ReleaseEvent.objects.create(release=release, actor=actor, kind=kind, detail=detail)
 
 
-def _identity_view(version: ModelVersion) -> dict[str, Any]:
-    return {f: getattr(version, f) for f in (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")}
-
-
 def release_classify(from_version: ModelVersion, to_version: ModelVersion) -> tuple[str, dict[str, Any]]:
     """Classify a model update from the identity diff, field by field.
 
@@ -88,7 +84,7 @@ def release_classify(from_version: ModelVersion, to_version: ModelVersion) -> tu
         plus ``"non_kv"``: the fields without effect on KV state that differ
         (served name, config keys excluded from the identity, generation defaults).
     """
-    diff = identity_diff(_identity_view(from_version), _identity_view(to_version))
+    diff = identity_diff(from_version.identity_view(), to_version.identity_view())
     if not diff["identical"]:
         return Classification.INCOMPATIBLE, {**diff, "non_kv": {}}
     non_kv: dict[str, Any] = {}

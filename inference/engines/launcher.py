@@ -27,6 +27,7 @@ from typing import Any
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
 from inference.layout import engine_version
+from inference.paths import has_mistral_tokenizer
 
 _PR_SET_PDEATHSIG = 1
 
@@ -140,7 +141,7 @@ class EngineSpec:
             "--served-model-name",
             self.served_name,
             "--tokenizer-mode",
-            "mistral" if _has_mistral_tokenizer(self.model_path) else "auto",
+            "mistral" if has_mistral_tokenizer(self.model_path) else "auto",
             "--dtype",
             self.dtype,
             "--kv-cache-dtype",
@@ -240,10 +241,6 @@ def refuse_unlaunchable(layout: dict[str, Any], *, model_path: Path, kv_storage_
         raise EngineError(f"the local launcher runs the ExampleConnector disk tier only, not {connector}")
     if connector and layout.get("kv_storage_format") != f"{connector}@{installed}":
         raise EngineError(f"kv_storage_format {layout.get('kv_storage_format')!r} is not what {installed}'s {connector} writes")
-
-
-def _has_mistral_tokenizer(path: Path) -> bool:
-    return (path / "tekken.json").is_file() or any(path.glob("tokenizer.model.v*"))
 
 
 def die_with_parent() -> None:

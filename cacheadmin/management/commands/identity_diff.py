@@ -34,7 +34,7 @@ class Command(ControlPlaneCommand):
             version = ModelVersion.objects.filter(pk=int(ref)).first()
             if version is None:
                 raise self.bad_input(f"no model version with id {ref}")
-            return {f: getattr(version, f) for f in (*ModelVersion.IDENTITY_FIELDS, "identity", "inputs")}
+            return version.identity_view()
         _, report = checkpoint_fingerprint(path=ref, layout=layout_from_options(opts))  # CheckpointError: exit 2
         return report.as_dict()
 
