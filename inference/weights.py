@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+from safetensors import SafetensorError, safe_open
 
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
@@ -174,7 +175,8 @@ def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]
         ``(header length in bytes, {tensor name: entry})`` without ``__metadata__``.
 
     Raises:
-        CheckpointError: truncated, padded or malformed.
+        CheckpointError: truncated, padded or malformed, or refused by
+            ``safetensors.safe_open`` for any other reason.
     """
     try:
         with path.open("rb") as fh:
@@ -227,6 +229,13 @@ def read_safetensors_header(path: Path, size: int) -> tuple[int, dict[str, Any]]
     if expected != size:
         state = "truncated" if expected > size else "longer than its header declares"
         raise CheckpointError(f"{path} is {state}: header declares {expected} bytes, file has {size}")
+    # The checks above name the problem; the library's own open is the verdict a
+    # loader will reach (it also refuses e.g. __metadata__ values that are not strings).
+    try:
+        with safe_open(path, framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is refused by the safetensors library: {exc}") from exc
     return header_len, tensors
 
 

@@ -295,6 +295,15 @@ def test_malformed_safetensors_headers_are_refused(checkpoint_copy, header: byte
         fingerprint_checkpoint(path)
 
 
+def test_a_header_the_safetensors_library_refuses_is_refused(checkpoint_copy) -> None:
+    # Well formed as far as offsets and dtypes go, but __metadata__ must map strings to strings.
+    path = checkpoint_copy()
+    header = b'{"__metadata__":{"format":1},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(CheckpointError, match="refused by the safetensors library: .*expected a string"):
+        fingerprint_checkpoint(path)
+
+
 @pytest.mark.parametrize("config", ['{"a": ' + "9" * 5000 + "}", "[" * 100000 + "]" * 100000])
 def test_hostile_config_json_is_refused(checkpoint_copy, config: str) -> None:
     path = checkpoint_copy()
