@@ -38,6 +38,7 @@ from cacheadmin.services.eviction import (
     eviction_runs_resume_due,
     eviction_sweep,
 )
+from cacheadmin.services.eviction.execute import ACTION_HANDLERS
 from cacheadmin.services.tiers import tiers_configured
 from inference.tiers.disk import DiskTier
 from tests.cacheadmin.conftest import make_version
@@ -364,3 +365,7 @@ def test_a_redis_orphan_without_timestamps_waits_for_the_grace_period(world, kv)
     assert [(p["storage_prefix"], p["tier"]) for p in orphans_report()["prefixes"]] == [(prefix, "redis")]
     planned = eviction_plan(actor="a").actions.get(storage_prefix=prefix)
     assert (planned.kind, planned.tier) == ("delete_prefix", "redis")
+
+
+def test_every_action_kind_has_a_handler() -> None:
+    assert sorted(ACTION_HANDLERS) == sorted(EvictionAction.Kind.values)
