@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import models
+from django.db.models import Q
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
@@ -16,11 +16,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from cacheadmin.api import serializers as s
-from cacheadmin.api.auth import request_scope_allows, request_tenant
+from cacheadmin.api.auth import request_scope_allows
 from cacheadmin.api.idempotency import IdempotentWritesMixin, idempotent
 from cacheadmin.api.payloads import ReleaseDiffField, RouteSerializer, TokenizationEvidenceField
-from cacheadmin.api.schema import ControlPlaneSchemaMixin, FreeFormObjectField, error_response
-from cacheadmin.api.views import actor_of, validated
+from cacheadmin.api.schema import FreeFormObjectField, error_response
+from cacheadmin.api.views import ScopedViewSetMixin, actor_of, validated
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.namespaces import namespaces_visible_to
@@ -97,7 +97,7 @@ class TrafficSerializer(s.StrictFieldsMixin, serializers.Serializer):
     percent = s.StrictIntegerField(min_value=0, max_value=100)
 
 
-class ReleaseViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
+class ReleaseViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Releases of a served model for a tenant: classification by identity
     diff, the invalidation decision and its evidence, readiness, gray traffic,
     rollback, timeline."""
@@ -106,10 +106,11 @@ class ReleaseViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, viewsets.Re
     filterset_fields = ("status", "served_name", "classification", "tenant")
     ordering_fields = ("created_at",)
 
-    def get_queryset(self) -> models.QuerySet:
-        queryset = Release.objects.select_related("tenant").order_by("-created_at", "-id")
-        tenant_id = request_tenant(self.request)
-        return queryset if tenant_id is None else queryset.filter(tenant_id=tenant_id)
+    queryset = Release.objects.select_related("tenant").order_by("-created_at", "-id")
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Its tenant's releases."""
+        return Q(tenant_id=tenant_id)
 
     @extend_schema(request=ReleaseCreateSerializer, responses={201: ReleaseSerializer})
     @idempotent

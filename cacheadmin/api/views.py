@@ -6,6 +6,7 @@ from typing import Any
 
 from django.contrib.auth.views import redirect_to_login
 from django.db import models
+from django.db.models import Q
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from drf_spectacular.views import SpectacularSwaggerView
@@ -81,22 +82,48 @@ def validated(request: Request, serializer_class: type) -> dict[str, Any]:
     return serializer.validated_data
 
 
-class TenantScopedMixin:
-    """Limits a queryset to what the caller's tenant may see when its token is
-    bound to one: rows of namespaces of that tenant or of its shared groups.
+class ScopedViewSetMixin(ControlPlaneSchemaMixin):
+    """Base of every API viewset: tenant scoping applied once, for every action.
 
-    ``namespace_path`` is the lookup from the listed model to its namespace
-    (``""`` for namespaces themselves).
+    As NetBox's ``BaseViewSet.initial()`` restricts its queryset to the user,
+    :meth:`initial` notes the tenant the caller's token is bound to (after
+    authentication) and :meth:`get_queryset` restricts :meth:`base_queryset`
+    by :meth:`tenant_filter`, so lists, details and actions all see the same
+    rows and an invisible row answers exactly like a missing one (404). A
+    viewset says which rows a tenant may see by overriding
+    :meth:`tenant_filter`; one that does not shows a bound token nothing.
     """
 
-    namespace_path: str = ""
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        """DRF's checks (authentication, scope, throttles), then the caller's tenant."""
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        self.tenant_id = request_tenant(request)
 
-    def scope_to_tenant(self, queryset: models.QuerySet, request: Request) -> models.QuerySet:
-        tenant_id = request_tenant(request)
-        return queryset if tenant_id is None else queryset.filter(namespaces_visible_to(tenant_id, self.namespace_path))
+    def base_queryset(self) -> models.QuerySet:
+        """The viewset's rows before tenant scoping (default: its ``queryset``)."""
+        return super().get_queryset()  # type: ignore[misc]
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Rows a token bound to ``tenant_id`` may see (default: none)."""
+        return Q(pk__in=[])
+
+    def get_queryset(self) -> models.QuerySet:
+        """:meth:`base_queryset`, restricted by :meth:`tenant_filter` for a tenant-bound caller."""
+        if hasattr(self, "tenant_id"):
+            tenant_id = self.tenant_id
+        else:  # before initial(): a permission check, or schema generation without a request
+            request = getattr(self, "request", None)
+            tenant_id = request_tenant(request) if request is not None else None
+        queryset = self.base_queryset()
+        return queryset if tenant_id is None else queryset.filter(self.tenant_filter(tenant_id))
 
 
-class ModelVersionViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+#: The tenant filter of rows every tenant may see (the catalog: versions, adapters, owners, registrations).
+def _every_row(self: Any, tenant_id: int) -> Q:
+    return Q()
+
+
+class ModelVersionViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Registered model versions with their identity digests. POST starts a
     registration job (202): hashing a large checkpoint takes minutes."""
 
@@ -105,6 +132,7 @@ class ModelVersionViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins
     tenant_bound_allowed = False
     tenant_bound_read = True
     ordering_fields = ("created_at", "label", "status")
+    tenant_filter = _every_row
 
     def get_serializer_class(self) -> type:
         if self.action == "create":
@@ -141,7 +169,7 @@ class ModelVersionViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins
         return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
-class TenantViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class TenantViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Tenants: sharing boundaries."""
 
     serializer_class = s.TenantSerializer
@@ -151,10 +179,11 @@ class TenantViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.Creat
     tenant_bound_allowed = False
     tenant_bound_read = True
 
-    def get_queryset(self) -> models.QuerySet:
-        tenant_id = request_tenant(self.request)
-        queryset = Tenant.objects.order_by("slug")
-        return queryset if tenant_id is None else queryset.filter(pk=tenant_id)
+    queryset = Tenant.objects.order_by("slug")
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Its own tenant."""
+        return Q(pk=tenant_id)
 
     def perform_create(self, serializer: s.TenantSerializer) -> None:
         data = serializer.validated_data
@@ -163,7 +192,7 @@ class TenantViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.Creat
         serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
 
 
-class SharedGroupViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class SharedGroupViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Shared groups: the only way tenants share cached prefixes. Creating a
     group and changing its members needs admin scope; a tenant-bound token
     sees the groups its tenant is in."""
@@ -175,12 +204,11 @@ class SharedGroupViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.
     tenant_bound_allowed = False
     tenant_bound_read = True
 
-    def get_queryset(self) -> models.QuerySet:
-        tenant_id = request_tenant(self.request)
-        queryset = SharedGroup.objects.prefetch_related("members").order_by("slug")
-        if tenant_id is not None:
-            queryset = queryset.filter(pk__in=SharedGroupMembership.objects.filter(tenant_id=tenant_id).values("group_id"))
-        return queryset
+    queryset = SharedGroup.objects.prefetch_related("members").order_by("slug")
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """The groups its tenant is a member of."""
+        return Q(pk__in=SharedGroupMembership.objects.filter(tenant_id=tenant_id).values("group_id"))
 
     def perform_create(self, serializer: s.SharedGroupSerializer) -> None:
         data = serializer.validated_data
@@ -207,7 +235,7 @@ class SharedGroupViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.
         return self._change(request, shared_group_leave)
 
 
-class AdapterViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
+class AdapterViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """LoRA adapters registered with model versions, identified by content.
     Register them with the model version (``adapters`` in ``POST /api/model-versions/``)."""
 
@@ -217,17 +245,17 @@ class AdapterViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
     ordering_fields = ("created_at", "name", "last_used_at")
     tenant_bound_allowed = False
     tenant_bound_read = True
+    tenant_filter = _every_row
 
 
-class RetentionOwnerViewSet(
-    ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
-):
+class RetentionOwnerViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Retention owners: who answers for a namespace's storage."""
 
     queryset = RetentionOwner.objects.order_by("name")
     serializer_class = s.RetentionOwnerSerializer
     tenant_bound_allowed = False
     tenant_bound_read = True
+    tenant_filter = _every_row
     filterset_fields = ("name",)
     ordering_fields = ("name", "created_at")
 
@@ -239,9 +267,7 @@ class RetentionOwnerViewSet(
         serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
 
 
-class CacheNamespaceViewSet(
-    ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
-):
+class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Cache namespaces with their retention owner and policy. Creating one
     needs both; the salt is served only to operate-scope callers."""
 
@@ -258,11 +284,15 @@ class CacheNamespaceViewSet(
         "policy__hold_reason", "policy__updated_at", "residency", "residency_changed_at", "created_at",
     )  # fmt: skip
 
-    def get_queryset(self) -> models.QuerySet:
+    def base_queryset(self) -> models.QuerySet:
         queryset = CacheNamespace.objects.select_related("tenant", "group", "model_version", "retention_owner", "policy")
         if self.action in ("list", "retrieve"):
             queryset = queryset.only(*self.LIST_COLUMNS)
-        return self.scope_to_tenant(queryset.order_by("-created_at", "-id"), self.request)
+        return queryset.order_by("-created_at", "-id")
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Its tenant's namespaces and its shared groups' (from the generation it joined on)."""
+        return namespaces_visible_to(tenant_id)
 
     @extend_schema(
         request=s.CacheNamespaceCreateSerializer,
@@ -353,22 +383,22 @@ class CacheNamespaceViewSet(
         )
 
 
-class EngineViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Engines the control plane launched or knows."""
 
     serializer_class = s.EngineSerializer
     filterset_fields = ("status", "role", "model_version", "namespace")
     ordering_fields = ("created_at", "name")
 
-    def get_queryset(self) -> models.QuerySet:
-        queryset = Engine.objects.select_related("model_version").prefetch_related("attached_namespaces")
-        tenant_id = request_tenant(self.request)
-        if tenant_id is not None:
-            # Its own engines (tier owner or attached) and every reference
-            # engine: those hold nobody's cached state, and any tenant may compare against them.
-            visible = Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk")
-            queryset = queryset.filter(pk__in=visible)
-        return queryset.order_by("-created_at", "-id")
+    def base_queryset(self) -> models.QuerySet:
+        return (
+            Engine.objects.select_related("model_version").prefetch_related("attached_namespaces").order_by("-created_at", "-id")
+        )
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Engines all of whose namespaces it may see, and every reference engine:
+        those hold nobody's cached state, and any tenant may compare against them."""
+        return Q(pk__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
 
     @extend_schema(request=s.EngineAttachSerializer, responses={200: s.EngineSerializer})
     @action(detail=True, methods=["post"])
@@ -383,18 +413,19 @@ class EngineViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScoped
         return Response(s.EngineSerializer(self.get_queryset().get(pk=engine.pk)).data)
 
 
-class _JobViewSet(
-    ControlPlaneSchemaMixin, IdempotentWritesMixin, TenantScopedMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
-):
-    namespace_path = "namespace__"
+class _JobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     filterset_fields = ("status", "namespace", "engine")
     ordering_fields = ("created_at", "status")
     model: type[models.Model]
     create_serializer: type[Any]
     result_serializer: type[Any]
 
-    def get_queryset(self) -> models.QuerySet:
-        return self.scope_to_tenant(self.model.objects.order_by("-created_at", "-id"), self.request)
+    def base_queryset(self) -> models.QuerySet:
+        return self.model.objects.order_by("-created_at", "-id")
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Jobs on the namespaces it may see."""
+        return namespaces_visible_to(tenant_id, "namespace__")
 
     def get_serializer_class(self) -> type:
         return self.create_serializer if self.action == "create" else self.serializer_class
@@ -453,7 +484,7 @@ class ComparisonJobViewSet(_JobViewSet):
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
 
-class RegistrationJobViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
+class RegistrationJobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
     """Registration jobs: progress in weight bytes, the model version when done."""
 
     serializer_class = s.RegistrationJobSerializer
@@ -462,8 +493,8 @@ class RegistrationJobViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, vie
     tenant_bound_read = True
     ordering_fields = ("created_at", "status")
 
-    def get_queryset(self) -> models.QuerySet:
-        return RegistrationJob.objects.order_by("-created_at", "-id")
+    queryset = RegistrationJob.objects.order_by("-created_at", "-id")
+    tenant_filter = _every_row
 
     @extend_schema(request=s.CancelSerializer, responses={200: s.RegistrationJobSerializer})
     @action(detail=True, methods=["post"])
@@ -476,7 +507,7 @@ class RegistrationJobViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, vie
         return Response(s.RegistrationJobSerializer(job).data)
 
 
-class AuditEventViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
+class AuditEventViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """The audit trail (admin scope): who did what, when, before and after."""
 
     queryset = AuditEvent.objects.order_by("-created_at", "-id")
@@ -516,7 +547,7 @@ class IdentityDiffView(ControlPlaneSchemaMixin, APIView):
         return Response(identity_diff(a.identity_view(), b.identity_view()))
 
 
-class EvictionRunViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class EvictionRunViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Eviction runs: POST plans one (a dry run, nothing is touched); an
     operator approves it (``…/approve/`` with a reason) and a worker executes
     it, each action recorded before it is done and confirmed by its tier.
@@ -564,9 +595,7 @@ class EvictionRunViewSet(ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.
         return Response(s.EvictionRunSerializer(job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)).data)
 
 
-class AccountingScanViewSet(
-    ControlPlaneSchemaMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
-):
+class AccountingScanViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Accounting scans of every tier; POST starts one (202)."""
 
     queryset = AccountingScan.objects.order_by("-created_at", "-id")
@@ -592,7 +621,7 @@ class TierUsageFilter(ControlPlaneFilterSet):
         fields = ("namespace", "tier", "storage_prefix", "scan")
 
 
-class TierUsageViewSet(ControlPlaneSchemaMixin, TenantScopedMixin, viewsets.ReadOnlyModelViewSet):
+class TierUsageViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Accounting time series: bytes, entries, oldest/newest entry and last
     access per (tier, storage prefix) and scan. ``namespace`` is null for
     orphan prefixes. Filter by ``namespace``, ``tier``, ``since``/``until``."""
@@ -600,13 +629,14 @@ class TierUsageViewSet(ControlPlaneSchemaMixin, TenantScopedMixin, viewsets.Read
     serializer_class = s.TierUsageSampleSerializer
     filterset_class = TierUsageFilter
     ordering_fields = ("sampled_at", "bytes", "tier")
-    namespace_path = "namespace__"
+    queryset = TierUsageSample.objects.order_by("-sampled_at", "-id")
 
-    def get_queryset(self) -> models.QuerySet:
-        return self.scope_to_tenant(TierUsageSample.objects.order_by("-sampled_at", "-id"), self.request)
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Samples of the namespaces it may see (never orphans: they have none)."""
+        return namespaces_visible_to(tenant_id, "namespace__")
 
 
-class EngineMetricsViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSet):
+class EngineMetricsViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Scrapes of engines' ``/metrics``: prefix-cache queries and hits (tokens),
     external (persistent tier) queries and hits, KV usage."""
 
@@ -614,12 +644,11 @@ class EngineMetricsViewSet(ControlPlaneSchemaMixin, viewsets.ReadOnlyModelViewSe
     filterset_fields = ("engine", "ok")
     ordering_fields = ("sampled_at",)
 
-    def get_queryset(self) -> models.QuerySet:
-        queryset = EngineMetricsSample.objects.order_by("-sampled_at", "-id")
-        tenant_id = request_tenant(self.request)
-        if tenant_id is not None:
-            queryset = queryset.filter(engine__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
-        return queryset
+    queryset = EngineMetricsSample.objects.order_by("-sampled_at", "-id")
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Scrapes of the engines it may see."""
+        return Q(engine__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
 
 
 class OrphansView(ControlPlaneSchemaMixin, APIView):

@@ -403,7 +403,7 @@ def test_a_purge_release_through_the_client(api: ModuleType, client: Any, versio
     new = CacheNamespace.objects.get(pk=ready.to_namespace)
     assert [r.to_dict() for r in routes] == [
         {"model_version": versions["v2"].pk, "label": "tiny-v2", "percent": 100, "namespace": new.pk,
-         "namespace_id": new.namespace_id, "cache_salt": namespace_salt_read(new, actor="ci", purpose="test")},
+         "namespace_id": new.namespace_key, "cache_salt": namespace_salt_read(new, actor="ci", purpose="test")},
     ]  # fmt: skip
 
     back = _module(f"{r}rollback_create").sync_detailed(
