@@ -15,7 +15,7 @@ from rest_framework.filters import OrderingFilter
 from rest_framework.request import Request
 
 from cacheadmin.forms import AsciiIntegerField
-from cacheadmin.models import CacheNamespace
+from cacheadmin.models import CacheNamespace, TierUsageSample
 
 #: Largest id a database row can have (signed 64-bit).
 MAX_ID = 2**63 - 1
@@ -158,3 +158,14 @@ class CacheNamespaceFilterSet(ControlPlaneFilterSet):
     class Meta(ControlPlaneFilterSet.Meta):
         model = CacheNamespace
         fields = ("tenant__slug", "group__slug", "model_version", "namespace_id", "residency")
+
+
+class TierUsageFilterSet(ControlPlaneFilterSet):
+    """Accounting samples by namespace, tier, prefix and scan, and by time: ``since`` ≤ ``sampled_at`` < ``until``."""
+
+    since = UtcIsoDateTimeFilter(field_name="sampled_at", lookup_expr="gte")
+    until = UtcIsoDateTimeFilter(field_name="sampled_at", lookup_expr="lt")
+
+    class Meta(ControlPlaneFilterSet.Meta):
+        model = TierUsageSample
+        fields = ("namespace", "tier", "storage_prefix", "scan")

@@ -20,7 +20,7 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import request_scope_allows, request_tenant
-from cacheadmin.api.filters import CacheNamespaceFilterSet, ControlPlaneFilterSet, UtcIsoDateTimeFilter
+from cacheadmin.api.filters import CacheNamespaceFilterSet, TierUsageFilterSet
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
 from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
@@ -612,22 +612,13 @@ class AccountingScanViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
         return Response(s.AccountingScanSerializer(scan).data, status=status.HTTP_202_ACCEPTED)
 
 
-class TierUsageFilter(ControlPlaneFilterSet):
-    since = UtcIsoDateTimeFilter(field_name="sampled_at", lookup_expr="gte")
-    until = UtcIsoDateTimeFilter(field_name="sampled_at", lookup_expr="lt")
-
-    class Meta(ControlPlaneFilterSet.Meta):
-        model = TierUsageSample
-        fields = ("namespace", "tier", "storage_prefix", "scan")
-
-
 class TierUsageViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Accounting time series: bytes, entries, oldest/newest entry and last
     access per (tier, storage prefix) and scan. ``namespace`` is null for
     orphan prefixes. Filter by ``namespace``, ``tier``, ``since``/``until``."""
 
     serializer_class = s.TierUsageSampleSerializer
-    filterset_class = TierUsageFilter
+    filterset_class = TierUsageFilterSet
     ordering_fields = ("sampled_at", "bytes", "tier")
     queryset = TierUsageSample.objects.order_by("-sampled_at", "-id")
 

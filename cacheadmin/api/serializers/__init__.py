@@ -1,0 +1,126 @@
+"""API serializers: read shapes of every resource, write shapes of the few
+things release tooling creates. Writes go through services, never ``save()``."""
+
+from __future__ import annotations
+
+from cacheadmin.api.serializers.engines import (
+    EngineAttachSerializer,
+    EngineMetricsSampleSerializer,
+    EngineSerializer,
+)
+from cacheadmin.api.serializers.eviction import (
+    AccountingScanSerializer,
+    EvictionActionSerializer,
+    EvictionPlanSerializer,
+    EvictionRunSerializer,
+    TierUsageSampleSerializer,
+)
+from cacheadmin.api.serializers.fields import (
+    CancelSerializer,
+    GroupSlugField,
+    IdField,
+    JsonTypeMixin,
+    QueryIntegerField,
+    ReasonSerializer,
+    StrictBooleanField,
+    StrictCharField,
+    StrictEmailField,
+    StrictFieldsMixin,
+    StrictIntegerField,
+    StrictModelSerializer,
+    StrictSlugRelatedField,
+    TenantSlugField,
+)
+from cacheadmin.api.serializers.jobs import (
+    JOB_FIELDS,
+    ComparisonJobCreateSerializer,
+    ComparisonJobSerializer,
+    ComparisonResultSerializer,
+    PrewarmJobCreateSerializer,
+    PrewarmJobSerializer,
+    PrewarmResultSerializer,
+)
+from cacheadmin.api.serializers.model_versions import (
+    AdapterSerializer,
+    IdentityDiffQuerySerializer,
+    LayoutSerializer,
+    ModelVersionDetailSerializer,
+    ModelVersionSerializer,
+    RegistrationCreateSerializer,
+    RegistrationJobSerializer,
+)
+from cacheadmin.api.serializers.namespaces import (
+    CacheNamespaceCreateSerializer,
+    CacheNamespaceSerializer,
+    CacheSaltSerializer,
+    PolicyUpdateSerializer,
+    PrefixHeatReportSerializer,
+    PrefixHeatSerializer,
+    RetentionPolicySerializer,
+)
+from cacheadmin.api.serializers.scope import (
+    engine_of_tenant,
+    namespace_of_tenant,
+    reference_or_engine_of_tenant,
+)
+from cacheadmin.api.serializers.tenancy import (
+    AuditEventSerializer,
+    GroupMemberChangeSerializer,
+    RetentionOwnerSerializer,
+    SharedGroupSerializer,
+    TenantSerializer,
+)
+
+__all__ = [
+    "AccountingScanSerializer",
+    "AdapterSerializer",
+    "AuditEventSerializer",
+    "CacheNamespaceCreateSerializer",
+    "CacheNamespaceSerializer",
+    "CacheSaltSerializer",
+    "CancelSerializer",
+    "ComparisonJobCreateSerializer",
+    "ComparisonJobSerializer",
+    "ComparisonResultSerializer",
+    "EngineAttachSerializer",
+    "EngineMetricsSampleSerializer",
+    "EngineSerializer",
+    "EvictionActionSerializer",
+    "EvictionPlanSerializer",
+    "EvictionRunSerializer",
+    "GroupMemberChangeSerializer",
+    "GroupSlugField",
+    "IdField",
+    "IdentityDiffQuerySerializer",
+    "JOB_FIELDS",
+    "JsonTypeMixin",
+    "LayoutSerializer",
+    "ModelVersionDetailSerializer",
+    "ModelVersionSerializer",
+    "PolicyUpdateSerializer",
+    "PrefixHeatReportSerializer",
+    "PrefixHeatSerializer",
+    "PrewarmJobCreateSerializer",
+    "PrewarmJobSerializer",
+    "PrewarmResultSerializer",
+    "QueryIntegerField",
+    "ReasonSerializer",
+    "RegistrationCreateSerializer",
+    "RegistrationJobSerializer",
+    "RetentionOwnerSerializer",
+    "RetentionPolicySerializer",
+    "SharedGroupSerializer",
+    "StrictBooleanField",
+    "StrictCharField",
+    "StrictEmailField",
+    "StrictFieldsMixin",
+    "StrictIntegerField",
+    "StrictModelSerializer",
+    "StrictSlugRelatedField",
+    "TenantSerializer",
+    "TenantSlugField",
+    "TierUsageSampleSerializer",
+    "engine_of_tenant",
+    "namespace_of_tenant",
+    "reference_or_engine_of_tenant",
+]
