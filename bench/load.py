@@ -216,7 +216,7 @@ def seed(*, tenants: int, log: Any) -> Seeded:
     namespaces = {
         (v.pk, t.pk): namespace_get_or_create(
             model_version=v, tenant=t, retention_owner=owners[i % len(owners)], policy=DEMO_POLICY, actor=ACTOR
-        )
+        )[0]
         for v in versions
         for i, t in enumerate(tenant_rows)
     }

@@ -49,17 +49,16 @@ from cacheadmin.models import (
     Tenant,
 )
 from cacheadmin.models.api_tokens import session_allows
-from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.api_tokens import api_token_revoke
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_attach_namespace
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
     namespace_policy_update,
-    retention_owner_get_or_create,
+    retention_owner_create,
     shared_group_join,
     shared_group_leave,
-    tenant_get_or_create,
+    tenant_create,
 )
 from inference.errors import ControlPlaneError
 
@@ -114,8 +113,12 @@ class ServiceRefused(Exception):
 
 
 def refusals_of(exc: Exception, model: type[models.Model], field: str | None) -> list[Refusal]:
-    """The form errors of a service's refusal: a ``ValidationError`` by field
-    (services name fields as the forms do), anything else on ``field``."""
+    """The form errors of a service's refusal: a ``ValidationError`` or a
+    :class:`ControlPlaneError` with fields by field (services name fields as
+    the forms do), anything else on ``field``."""
+    named = exc.fields() if isinstance(exc, ControlPlaneError) else None
+    if named:
+        return [Refusal(model, name, problem) for name, problems in named.items() for problem in problems]
     if isinstance(exc, ValidationError) and hasattr(exc, "error_dict"):
         return [
             Refusal(model, None if name == NON_FIELD_ERRORS else name, message)
@@ -344,25 +347,8 @@ class TenantAdmin(ServiceAdmin):
     search_fields = ("slug", "name")
     write_scope = ApiToken.Scope.ADMIN
     audited_deletes = True
-    create_service = staticmethod(tenant_get_or_create)
+    create_service = staticmethod(tenant_create)
     create_fields = ("slug", "name")
-
-
-class RetentionOwnerForm(forms.ModelForm):
-    """Refuses a name that collides with another owner's by case or Unicode
-    form, as the API and CLI do (instead of a database error)."""
-
-    class Meta:
-        model = RetentionOwner
-        fields = ("name", "email")
-
-    def clean_name(self) -> str:
-        """The name, unless another owner's has the same :func:`name_key`."""
-        name = self.cleaned_data["name"]
-        clash = RetentionOwner.objects.filter(name_key=name_key(name)).exclude(pk=self.instance.pk).first()
-        if clash is not None:
-            raise forms.ValidationError(f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})")
-        return name
 
 
 @admin.register(RetentionOwner)
@@ -371,11 +357,10 @@ class RetentionOwnerAdmin(ServiceAdmin):
     email, so the change page is read-only. Deleting is audited, and refused
     while the owner answers for a namespace (``PROTECT``)."""
 
-    form = RetentionOwnerForm
     list_display = ("name", "email", "created_at")
     search_fields = ("name", "email")
     audited_deletes = True
-    create_service = staticmethod(retention_owner_get_or_create)
+    create_service = staticmethod(retention_owner_create)
     create_fields = ("name", "email")
 
 

@@ -34,6 +34,28 @@ class ControlPlaneError(Exception):
         """The API envelope's ``error.fields`` (field → problems), or None when no one field is at fault."""
         return None
 
+    def api_message(self) -> str:
+        """The API envelope's ``error.message`` (default: the message itself).
+
+        A subclass whose message is for an operator at the server (paths, the
+        server's directories) says less to a remote caller here."""
+        return str(self)
+
+
+class InvalidField(ControlPlaneError, ValueError):
+    """One input field's value is refused; ``field`` names it (400 ``invalid``
+    with ``{field: [problem]}``, exit 2). The message is ``"<field>: <problem>"``,
+    as a validation error's is."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+    def fields(self) -> dict[str, list[str]]:
+        """``{field: [problem]}``."""
+        return {self.field: [self.problem]}
+
 
 class Refused(ControlPlaneError, ValueError):
     """The control plane refuses the action in the current state; the message says why (409, exit 4)."""
@@ -66,7 +88,22 @@ class CheckpointError(ControlPlaneError, ValueError):
 
 class CheckpointOutsideRoots(CheckpointError):
     """The path does not exist, is not a directory, or resolves outside the
-    model roots (a message for an operator; an API answer says less)."""
+    model roots (400 ``invalid`` on ``path``, exit 2). The message is for an
+    operator; the API answer says less (details would map the server's
+    filesystem)."""
+
+    code = "invalid"
+    #: The request field at fault, and what a remote caller is told about it.
+    field: ClassVar[str] = "path"
+    public_problem: ClassVar[str] = "not a checkpoint directory inside the model roots"
+
+    def fields(self) -> dict[str, list[str]]:
+        """``{field: [public_problem]}``."""
+        return {self.field: [self.public_problem]}
+
+    def api_message(self) -> str:
+        """``"<field>: <public_problem>"``: nothing about the server's directories."""
+        return f"{self.field}: {self.public_problem}"
 
 
 class EngineError(RuntimeError):
@@ -75,4 +112,7 @@ class EngineError(RuntimeError):
 
 class AdapterOutsideRoots(CheckpointOutsideRoots):
     """A LoRA adapter path that does not exist, is not a directory, or resolves
-    outside the model roots."""
+    outside the model roots (400 ``invalid`` on ``adapters``, exit 2)."""
+
+    field = "adapters"
+    public_problem = "not a directory inside the model roots"

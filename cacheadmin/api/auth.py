@@ -61,8 +61,10 @@ def request_tenant(request: Request) -> int | None:
 
 
 class ScopePermission(permissions.BasePermission):
-    """Safe methods need ``read``; writes need ``operate`` (or the view's
-    ``write_scope``, e.g. ``admin``)."""
+    """The scope a call needs, declared by its view: an action named in the
+    view's ``action_scopes`` needs that scope (e.g. reading a cache_salt needs
+    ``operate``); otherwise safe methods need ``read`` (or ``read_scope``) and
+    writes ``operate`` (or ``write_scope``, e.g. ``admin``)."""
 
     message = "this action needs a token with a higher scope"
 
@@ -72,8 +74,33 @@ class ScopePermission(permissions.BasePermission):
             # trail) are not for a token confined to one tenant.
             self.message = "a token bound to a tenant cannot use this resource"
             return request.method in permissions.SAFE_METHODS and getattr(view, "tenant_bound_read", False)
-        if request.method in permissions.SAFE_METHODS:
+        needed = getattr(view, "action_scopes", {}).get(getattr(view, "action", None))
+        if needed is None and request.method in permissions.SAFE_METHODS:
             needed = getattr(view, "read_scope", ApiToken.Scope.READ)
-        else:
+        elif needed is None:
             needed = getattr(view, "write_scope", ApiToken.Scope.OPERATE)
+        else:
+            self.message = f"this action needs a token with {needed} scope"
         return request_scope_allows(request, needed)
+
+
+class NamespacePolicyPermission(permissions.BasePermission):
+    """Who may replace a namespace's retention policy, beyond the operate scope every write needs.
+
+    - A shared group's namespace is every member's: one member's tenant-bound
+      token must not hold it against the others or shrink it under them.
+    - Lifting a legal hold (``release_hold``) needs an admin token not bound to
+      a tenant: a hold protects a namespace from its own tenant too
+      (litigation, audit).
+    """
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        tenant_id = request_tenant(request)
+        if obj.group_id is not None and tenant_id is not None:
+            self.message = "a shared group's namespace policy needs a token not bound to a tenant"
+            return False
+        lifts_hold = isinstance(request.data, dict) and request.data.get("release_hold") is True
+        if lifts_hold and (tenant_id is not None or not request_scope_allows(request, ApiToken.Scope.ADMIN)):
+            self.message = "lifting a legal hold needs an admin token not bound to a tenant"
+            return False
+        return True

@@ -58,7 +58,7 @@ def api_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
         return busy_response()
     if isinstance(exc, ControlPlaneError):
         # The error's class says its status and code (see inference.errors.ControlPlaneError).
-        return Response(envelope(exc.http_status, exc.code, str(exc), exc.fields()), status=exc.http_status)
+        return Response(envelope(exc.http_status, exc.code, exc.api_message(), exc.fields()), status=exc.http_status)
     if isinstance(exc, DjangoValidationError):
         exc = exceptions.ValidationError(exc.message_dict if hasattr(exc, "error_dict") else exc.messages)
     elif isinstance(exc, Http404):

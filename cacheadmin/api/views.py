@@ -12,14 +12,16 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_
 from drf_spectacular.views import SpectacularSwaggerView
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotAuthenticated, PermissionDenied, ValidationError
+from rest_framework.exceptions import NotAuthenticated, ValidationError
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
-from cacheadmin.api.auth import request_scope_allows, request_tenant
+from cacheadmin.api.auth import NamespacePolicyPermission
+from cacheadmin.api.base import ScopedViewSetMixin, actor_of, every_row, validated
 from cacheadmin.api.filters import CacheNamespaceFilterSet, TierUsageFilterSet
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
@@ -27,6 +29,7 @@ from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
 from cacheadmin.models import (
     AccountingScan,
     Adapter,
+    ApiToken,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
@@ -42,7 +45,6 @@ from cacheadmin.models import (
     Tenant,
     TierUsageSample,
 )
-from cacheadmin.models.naming import NOT_DIFFERENT, name_key
 from cacheadmin.services.accounting import accounting_scan_create, orphans_report
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.engines import engine_attach_namespace
@@ -55,72 +57,15 @@ from cacheadmin.services.namespaces import (
     namespace_policy_update,
     namespace_salt_read,
     namespaces_visible_to,
-    retention_owner_get_or_create,
+    retention_owner_create,
     shared_group_create,
     shared_group_join,
     shared_group_leave,
-    tenant_get_or_create,
+    tenant_create,
 )
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.registration import registration_job_create
-from inference.errors import AdapterOutsideRoots, CheckpointError, CheckpointOutsideRoots
-from inference.identity import LayoutOptions, identity_diff
-
-
-def actor_of(request: Request) -> str:
-    """Audit actor: the user, and the token name when a token was used."""
-    token = getattr(request.auth, "name", None)
-    return f"{request.user.get_username()}" + (f" (token {token})" if token else "")
-
-
-def validated(request: Request, serializer_class: type) -> dict[str, Any]:
-    """Validate a request body with ``serializer_class``; 400 envelope on error."""
-    if not isinstance(request.data, dict):
-        raise ValidationError({"non_field_errors": ["the body must be a JSON object"]})
-    serializer = serializer_class(data=request.data, context={"request": request})
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
-
-
-class ScopedViewSetMixin(ControlPlaneSchemaMixin):
-    """Base of every API viewset: tenant scoping applied once, for every action.
-
-    As NetBox's ``BaseViewSet.initial()`` restricts its queryset to the user,
-    :meth:`initial` notes the tenant the caller's token is bound to (after
-    authentication) and :meth:`get_queryset` restricts :meth:`base_queryset`
-    by :meth:`tenant_filter`, so lists, details and actions all see the same
-    rows and an invisible row answers exactly like a missing one (404). A
-    viewset says which rows a tenant may see by overriding
-    :meth:`tenant_filter`; one that does not shows a bound token nothing.
-    """
-
-    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        """DRF's checks (authentication, scope, throttles), then the caller's tenant."""
-        super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        self.tenant_id = request_tenant(request)
-
-    def base_queryset(self) -> models.QuerySet:
-        """The viewset's rows before tenant scoping (default: its ``queryset``)."""
-        return super().get_queryset()  # type: ignore[misc]
-
-    def tenant_filter(self, tenant_id: int) -> Q:
-        """Rows a token bound to ``tenant_id`` may see (default: none)."""
-        return Q(pk__in=[])
-
-    def get_queryset(self) -> models.QuerySet:
-        """:meth:`base_queryset`, restricted by :meth:`tenant_filter` for a tenant-bound caller."""
-        if hasattr(self, "tenant_id"):
-            tenant_id = self.tenant_id
-        else:  # before initial(): a permission check, or schema generation without a request
-            request = getattr(self, "request", None)
-            tenant_id = request_tenant(request) if request is not None else None
-        queryset = self.base_queryset()
-        return queryset if tenant_id is None else queryset.filter(self.tenant_filter(tenant_id))
-
-
-#: The tenant filter of rows every tenant may see (the catalog: versions, adapters, owners, registrations).
-def _every_row(self: Any, tenant_id: int) -> Q:
-    return Q()
+from inference.identity import identity_diff
 
 
 class ModelVersionViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -132,7 +77,7 @@ class ModelVersionViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Crea
     tenant_bound_allowed = False
     tenant_bound_read = True
     ordering_fields = ("created_at", "label", "status")
-    tenant_filter = _every_row
+    tenant_filter = every_row
 
     def get_serializer_class(self) -> type:
         if self.action == "create":
@@ -141,31 +86,7 @@ class ModelVersionViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Crea
 
     @extend_schema(request=s.RegistrationCreateSerializer, responses={202: s.RegistrationJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        data = validated(request, s.RegistrationCreateSerializer)
-        layout = data.get("layout") or {}
-        try:
-            options = LayoutOptions(**layout)
-        except CheckpointError as exc:
-            raise ValidationError({"layout": [str(exc)]}) from exc
-        if not data["path"].startswith("/"):
-            raise ValidationError({"path": ["must be an absolute path"]})
-        if any(not p.startswith("/") for p in (data.get("adapters") or {}).values()):
-            # A relative or "~" path would resolve against the server's directory and account.
-            raise ValidationError({"adapters": ["must be absolute paths"]})
-        try:
-            job = registration_job_create(
-                path=data["path"],
-                label=data["label"],
-                served_name=data["served_name"],
-                layout=options,
-                adapters=data.get("adapters") or {},
-                actor=actor_of(request),
-            )
-        except AdapterOutsideRoots as exc:
-            raise ValidationError({"adapters": ["not a directory inside the model roots"]}) from exc
-        except CheckpointOutsideRoots as exc:
-            # Say no more than that: details would map the server's filesystem.
-            raise ValidationError({"path": ["not a checkpoint directory inside the model roots"]}) from exc
+        job = registration_job_create(actor=actor_of(request), **validated(request, s.RegistrationCreateSerializer))
         return Response(s.RegistrationJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -186,10 +107,7 @@ class TenantViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateMode
         return Q(pk=tenant_id)
 
     def perform_create(self, serializer: s.TenantSerializer) -> None:
-        data = serializer.validated_data
-        if Tenant.objects.filter(slug=data["slug"]).exists():
-            raise ValidationError({"slug": [f"tenant {data['slug']!r} already exists"]})
-        serializer.instance = tenant_get_or_create(slug=data["slug"], name=data["name"], actor=actor_of(self.request))
+        serializer.instance = tenant_create(**serializer.validated_data, actor=actor_of(self.request))
 
 
 class SharedGroupViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -245,7 +163,7 @@ class AdapterViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     ordering_fields = ("created_at", "name", "last_used_at")
     tenant_bound_allowed = False
     tenant_bound_read = True
-    tenant_filter = _every_row
+    tenant_filter = every_row
 
 
 class RetentionOwnerViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -255,16 +173,16 @@ class RetentionOwnerViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     serializer_class = s.RetentionOwnerSerializer
     tenant_bound_allowed = False
     tenant_bound_read = True
-    tenant_filter = _every_row
+    tenant_filter = every_row
     filterset_fields = ("name",)
     ordering_fields = ("name", "created_at")
 
     def perform_create(self, serializer: s.RetentionOwnerSerializer) -> None:
-        data = serializer.validated_data
-        clash = RetentionOwner.objects.filter(name_key=name_key(data["name"])).first()
-        if clash is not None:
-            raise ValidationError({"name": [f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})"]})
-        serializer.instance = retention_owner_get_or_create(name=data["name"], email=data["email"], actor=actor_of(self.request))
+        serializer.instance = retention_owner_create(**serializer.validated_data, actor=actor_of(self.request))
+
+
+#: The policy action's permissions: every view's, then who may change a policy.
+POLICY_PERMISSIONS = (*api_settings.DEFAULT_PERMISSION_CLASSES, NamespacePolicyPermission)
 
 
 class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -273,6 +191,8 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
 
     serializer_class = s.CacheNamespaceSerializer
     filterset_class = CacheNamespaceFilterSet
+    #: The salt is served to routers only (see ScopePermission).
+    action_scopes = {"cache_salt": ApiToken.Scope.OPERATE}
     ordering_fields = ("created_at",)
 
     #: Columns the serializer reads: a page sorts and carries only these, not
@@ -303,37 +223,24 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.CacheNamespaceCreateSerializer)
-        if "tenant" in data:
-            boundary: dict[str, Any] = {"tenant": data["tenant"]}
-        else:
-            boundary = {"group": data["group"], "group_generation": data["group"].generation}
-        existed = CacheNamespace.objects.filter(model_version=data["model_version"], **boundary).exists()
-        boundary.pop("group_generation", None)
-        namespace = namespace_get_or_create(
+        namespace, created = namespace_get_or_create(
             model_version=data["model_version"],
             retention_owner=data["retention_owner"],
             policy=RetentionPolicySpec(**data["policy"]),
             actor=actor_of(request),
-            **boundary,
+            **{k: data[k] for k in ("tenant", "group") if k in data},
         )
         # An existing namespace is returned as it is (200); its owner and policy
         # change only through their own, audited, endpoints.
-        code = status.HTTP_200_OK if existed else status.HTTP_201_CREATED
+        code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
         return Response(s.CacheNamespaceSerializer(self.get_queryset().get(pk=namespace.pk)).data, status=code)
 
     @extend_schema(request=s.PolicyUpdateSerializer, responses={200: s.CacheNamespaceSerializer})
-    @action(detail=True, methods=["put"])
+    @action(detail=True, methods=["put"], permission_classes=[*POLICY_PERMISSIONS])
     def policy(self, request: Request, pk: str | None = None) -> Response:
-        """Replace the retention policy (a reason is required; audited)."""
+        """Replace the retention policy (a reason is required; audited; who may: :class:`NamespacePolicyPermission`)."""
         namespace = self.get_object()
-        if namespace.group_id is not None and request_tenant(request) is not None:
-            # A shared group's namespace is every member's: one member's token
-            # must not hold it against the others or shrink it under them.
-            raise PermissionDenied("a shared group's namespace policy needs a token not bound to a tenant")
         data = validated(request, s.PolicyUpdateSerializer)
-        if data["release_hold"] and (request_tenant(request) is not None or not request_scope_allows(request, "admin")):
-            # A hold protects a namespace from its own tenant too (litigation, audit).
-            raise PermissionDenied("lifting a legal hold needs an admin token not bound to a tenant")
         spec = RetentionPolicySpec(**data["policy"])
         namespace_policy_update(
             namespace=namespace, policy=spec, actor=actor_of(request), reason=data["reason"], release_hold=data["release_hold"]
@@ -353,10 +260,7 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
                 s.PrefixHeatSerializer(namespace.prefix_heat.order_by("-hits", "-last_hit_at", "id")[:100], many=True).data
             )
         data = validated(request, s.PrefixHeatReportSerializer)
-        try:
-            row = prefix_heat_record(namespace=namespace, messages=data["messages"], tools=data["tools"], hits=data["hits"])
-        except ValueError as exc:
-            raise ValidationError({"messages": [str(exc)]}) from exc
+        row = prefix_heat_record(namespace=namespace, messages=data["messages"], tools=data["tools"], hits=data["hits"])
         return Response(s.PrefixHeatSerializer(row).data)
 
     @extend_schema(
@@ -370,8 +274,6 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     @action(detail=True, methods=["get"], url_path="cache-salt")
     def cache_salt(self, request: Request, pk: str | None = None) -> Response:
         """The namespace's vLLM cache_salt, for the router that sends its requests (operate scope; audited)."""
-        if not request_scope_allows(request, "operate"):
-            raise PermissionDenied("the cache_salt needs an operate-scope token")
         namespace = self.get_object()
         salt = namespace_salt_read(namespace, actor=actor_of(request), purpose="router")
         return Response(
@@ -405,8 +307,6 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     def attach(self, request: Request, pk: str | None = None) -> Response:
         """Serve another namespace from this engine's memory (refused, with the
         reason, when its persistent tier ignores cache_salt)."""
-        if not request_scope_allows(request, "operate"):
-            raise PermissionDenied()
         engine = self.get_object()
         namespace = validated(request, s.EngineAttachSerializer)["namespace"]
         engine_attach_namespace(engine=engine, namespace=namespace, actor=actor_of(request))
@@ -494,14 +394,12 @@ class RegistrationJobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets
     ordering_fields = ("created_at", "status")
 
     queryset = RegistrationJob.objects.order_by("-created_at", "-id")
-    tenant_filter = _every_row
+    tenant_filter = every_row
 
     @extend_schema(request=s.CancelSerializer, responses={200: s.RegistrationJobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel a queued or running registration (409 if it already ended)."""
-        if not request_scope_allows(request, "operate"):
-            raise PermissionDenied()
         reason = validated(request, s.CancelSerializer)["reason"]
         job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)
         return Response(s.RegistrationJobSerializer(job).data)

@@ -10,9 +10,9 @@ from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_salt_read
-from cacheadmin.services.prewarm import BadJobInput, JobRefused
+from cacheadmin.services.prewarm import JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
-from inference.errors import EngineError
+from inference.errors import EngineError, InvalidField
 
 
 def comparison_job_create(
@@ -35,11 +35,11 @@ def comparison_job_create(
         if candidate.status != Engine.Status.READY:
             raise JobRefused(f"engine {candidate.name} is {candidate.status}, not ready")
     if not 1 <= max_tokens <= 256:
-        raise BadJobInput("max_tokens", f"must be within 1..256, got {max_tokens}")
+        raise InvalidField("max_tokens", f"must be within 1..256, got {max_tokens}")
     try:
         total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:
-        raise BadJobInput("corpus", str(exc)) from exc
+        raise InvalidField("corpus", str(exc)) from exc
 
     with transaction.atomic():
         job = ComparisonJob.objects.create(

@@ -127,8 +127,8 @@ def demo_run(
     log(f"registered tiny-v1 {v1.identity[:12]} and tiny-v2 {v2.identity[:12]}; fields that differ: {changed}")
     tenant = tenant_get_or_create(slug="acme", name="Acme Corp", actor=ACTOR)
     owner = retention_owner_get_or_create(name="platform-team", email="platform@example.com", actor=ACTOR)
-    ns1 = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
-    ns2 = namespace_get_or_create(model_version=v2, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
+    ns1, _ = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
+    ns2, _ = namespace_get_or_create(model_version=v2, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
     log(f"namespaces: v1 {ns1.storage_prefix}, v2 {ns2.storage_prefix}")
 
     started: list[Engine] = []

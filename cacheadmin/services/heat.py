@@ -12,6 +12,7 @@ from django.utils import timezone
 from cacheadmin.models import CacheNamespace
 from cacheadmin.models.releases import PrefixHeat
 from inference.corpus import Conversation, load_corpus
+from inference.errors import InvalidField
 from inference.identity import canonical_json, digest_frames
 
 #: Corpus name of a namespace's hottest prefixes: ``heat:<namespace pk>``.
@@ -28,20 +29,21 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
     report), saturating at :data:`MAX_HITS`.
 
     Raises:
-        ValueError: messages that are not a list of chat turns ending on a user
-            or tool turn, tools that are not a list, hits outside 1..MAX_HITS.
+        InvalidField: messages that are not a list of chat turns ending on a
+            user or tool turn, tools that are not a list, hits outside
+            1..MAX_HITS (400 on that field, exit 2).
     """
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("messages must be a non-empty list of chat turns")
+        raise InvalidField("messages", "must be a non-empty list of chat turns")
     for turn in messages:
         if turn.get("role") not in ROLES:
-            raise ValueError(f"a turn's role must be one of {', '.join(sorted(ROLES))}")
+            raise InvalidField("messages", f"a turn's role must be one of {', '.join(sorted(ROLES))}")
     if messages[-1].get("role") not in {"user", "tool"}:
-        raise ValueError("the conversation must end on a user or tool turn (the prefix a request sends)")
+        raise InvalidField("messages", "the conversation must end on a user or tool turn (the prefix a request sends)")
     if tools is not None and not isinstance(tools, list):
-        raise ValueError("tools must be a list")
+        raise InvalidField("tools", "must be a list")
     if isinstance(hits, bool) or not isinstance(hits, int) or not 1 <= hits <= MAX_HITS:
-        raise ValueError(f"hits must be an integer within 1..{MAX_HITS}")
+        raise InvalidField("hits", f"must be an integer within 1..{MAX_HITS}")
     digest = digest_frames("prefix-heat", [("messages", canonical_json(messages)), ("tools", canonical_json(tools))])
     now = timezone.now()
     try:

@@ -20,9 +20,9 @@ from cacheadmin.models import (
     SharedGroupMembership,
     Tenant,
 )
-from cacheadmin.models.naming import name_key, validate_display_name
+from cacheadmin.models.naming import NOT_DIFFERENT, name_key, validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
-from inference.errors import Refused
+from inference.errors import InvalidField, Refused
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
 
@@ -56,6 +56,34 @@ def retention_owner_get_or_create(*, name: str, email: str, actor: str) -> Reten
         if created:
             audit_record(actor=actor, action="retention_owner.create", obj=owner, after={"name": name, "email": email})
     return owner
+
+
+def tenant_create(*, slug: str, name: str, actor: str) -> Tenant:
+    """Create a tenant (audited); the API, the CLI and the admin create through this.
+
+    Raises:
+        django.core.exceptions.ValidationError: malformed slug or name.
+        InvalidField: ``slug`` is taken (400 on ``slug``, exit 2).
+    """
+    if Tenant.objects.filter(slug=slug).exists():
+        raise InvalidField("slug", f"tenant {slug!r} already exists")
+    return tenant_get_or_create(slug=slug, name=name, actor=actor)
+
+
+def retention_owner_create(*, name: str, email: str, actor: str) -> RetentionOwner:
+    """Create a retention owner (audited); the API, the CLI and the admin create through this.
+
+    Raises:
+        django.core.exceptions.ValidationError: a blank or invisible-character
+            name, or a malformed email.
+        InvalidField: another owner's name equals it by :func:`name_key`
+            (case, Unicode form, look-alike letters) (400 on ``name``, exit 2).
+    """
+    clash = RetentionOwner.objects.filter(name_key=name_key(name)).first()
+    if clash is not None:
+        raise InvalidField("name", f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})")
+    RetentionOwner(name=name, email=email).full_clean(exclude=["name_key"])
+    return retention_owner_get_or_create(name=name, email=email, actor=actor)
 
 
 @dataclass(frozen=True)
@@ -125,8 +153,9 @@ def namespace_get_or_create(
     actor: str,
     tenant: Tenant | None = None,
     group: SharedGroup | None = None,
-) -> CacheNamespace:
-    """The cache namespace of (model version identity, boundary), created if missing.
+) -> tuple[CacheNamespace, bool]:
+    """The cache namespace of (model version identity, boundary), created if
+    missing, and whether this call created it (as Django's ``get_or_create``).
 
     The boundary is ``tenant`` or, for prefixes shared on purpose, the current
     generation of ``group`` (exactly one of the two). The id is derived
@@ -152,7 +181,7 @@ def namespace_get_or_create(
     ns_id = namespace_id(model_version.identity, boundary)
     existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_key=ns_id).first()
     if existing:
-        return _same_owner_or_refuse(existing, model_version, where)
+        return _same_owner_or_refuse(existing, model_version, where), False
     if model_version.status == ModelVersion.Status.RETIRED:
         raise NamespaceConflict(f"{model_version.label} is retired: no new namespace is created for it")
     stale = CacheNamespace.objects.filter(model_version=model_version, **where).first()
@@ -183,9 +212,9 @@ def namespace_get_or_create(
                     "policy": policy.as_dict(),
                 },
             )
-    except IntegrityError:
-        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_key=ns_id), model_version, where)
-    return namespace
+    except IntegrityError:  # a concurrent caller created it first
+        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_key=ns_id), model_version, where), False
+    return namespace, True
 
 
 class NamespaceConflict(Refused):

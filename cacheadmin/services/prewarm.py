@@ -10,7 +10,7 @@ from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_salt_read
-from inference.errors import ControlPlaneError, EngineError, Refused
+from inference.errors import EngineError, InvalidField, Refused
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
 
 
@@ -19,19 +19,6 @@ class JobRefused(Refused):
     not served...); the message says why (409, exit 4)."""
 
     code = "job_refused"
-
-
-class BadJobInput(ControlPlaneError, ValueError):
-    """A job was asked for with an invalid value; ``field`` names it (400 ``invalid`` with the field, exit 2)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def fields(self) -> dict[str, list[str]]:
-        """``{field: [message]}``."""
-        return {self.field: [self.message]}
 
 
 def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str, actor: str) -> PrewarmJob:
@@ -48,7 +35,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     try:
         total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:
-        raise BadJobInput("corpus", str(exc)) from exc
+        raise InvalidField("corpus", str(exc)) from exc
     with transaction.atomic():
         job = PrewarmJob.objects.create(
             namespace=namespace, engine=engine, corpus=corpus, progress_total=2 * total, prompts=total, created_by=actor

@@ -303,7 +303,7 @@ def _namespace_like(template: CacheNamespace | None, version: ModelVersion, tena
     spec = RetentionPolicySpec(**{k: getattr(policy, k) for k in RetentionPolicySpec.__dataclass_fields__})
     return namespace_get_or_create(
         model_version=version, tenant=tenant, retention_owner=template.retention_owner, policy=spec, actor=actor
-    )
+    )[0]
 
 
 def release_sync(release: Release) -> Release:

@@ -94,7 +94,9 @@ def _namespace(slug: str = "acme", version: ModelVersion | None = None) -> Cache
     version = version or ModelVersion.objects.filter(label="v1").first() or make_version("v1", "1" * 64)
     tenant = tenant_get_or_create(slug=slug, name=slug.title(), actor="setup")
     owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="setup")
-    return namespace_get_or_create(model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="setup")
+    return namespace_get_or_create(
+        model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="setup"
+    )[0]
 
 
 def _policy(namespace: CacheNamespace) -> tuple[Any, ...]:

@@ -257,7 +257,11 @@ def test_cache_salt_needs_operate_scope_and_the_right_tenant(world) -> None:
         "storage_prefix": "ns-acme",
     }
     assert c["bob"].get(f"/api/namespaces/{ns['globex'].pk}/cache-salt/").status_code == 404
-    assert c["charlie"].get(f"/api/namespaces/{ns['globex'].pk}/cache-salt/").status_code == 403
+    denied = c["charlie"].get(f"/api/namespaces/{ns['globex'].pk}/cache-salt/")
+    assert (denied.status_code, denied.json()["error"]) == (
+        403,
+        {"status": 403, "code": "permission_denied", "message": "this action needs a token with operate scope"},
+    )
     assert list(AuditEvent.objects.filter(action="namespace.read_salt").values_list("after", flat=True)) == [
         {"purpose": "router"}
     ]

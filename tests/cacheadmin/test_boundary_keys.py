@@ -18,12 +18,12 @@ def test_a_recreated_tenant_gets_new_ids_salts_and_storage() -> None:
     version = make_version("v1", "1" * 64)
     owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
     first = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
-    old = namespace_get_or_create(model_version=version, tenant=first, retention_owner=owner, policy=DEMO_POLICY, actor="a")
+    old, _ = namespace_get_or_create(model_version=version, tenant=first, retention_owner=owner, policy=DEMO_POLICY, actor="a")
     # What deleting through the old admin did: the rows go, the tiers stay.
     CacheNamespace.objects.filter(pk=old.pk).delete()
     first.delete()
     second = tenant_get_or_create(slug="acme", name="Acme again", actor="mallory")
-    new = namespace_get_or_create(model_version=version, tenant=second, retention_owner=owner, policy=DEMO_POLICY, actor="m")
+    new, _ = namespace_get_or_create(model_version=version, tenant=second, retention_owner=owner, policy=DEMO_POLICY, actor="m")
     assert len(first.key) == len(second.key) == 32 and first.key != second.key
     assert new.namespace_key != old.namespace_key
     assert new.storage_prefix != old.storage_prefix
@@ -43,7 +43,7 @@ def test_namespaces_cannot_be_deleted_from_the_admin(admin_client) -> None:
     version = make_version("v1", "1" * 64)
     owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
     tenant = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
-    ns = namespace_get_or_create(model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="a")
+    ns, _ = namespace_get_or_create(model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="a")
     response = admin_client.post(f"/admin/cacheadmin/cachenamespace/{ns.pk}/delete/", {"post": "yes"})
     assert response.status_code == 403
     assert CacheNamespace.objects.filter(pk=ns.pk).exists()

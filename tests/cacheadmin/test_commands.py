@@ -155,12 +155,14 @@ def test_a_reused_tenant_slug_never_gets_another_tenants_namespace(demo_checkpoi
     )
     owner = retention_owner_get_or_create(name="team", email="t@example.com", actor="alice")
     acme = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
-    first = namespace_get_or_create(model_version=version, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice")
+    first, _ = namespace_get_or_create(
+        model_version=version, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice"
+    )
     # A rename behind the services' back (its comparison key follows, as a save would).
     Tenant.objects.filter(pk=acme.pk).update(slug="acme-old", slug_key=name_key("acme-old"))
     newcomer = tenant_get_or_create(slug="acme", name="Someone else", actor="bob")
     # The newcomer's boundary holds its own key: another namespace, never the first one.
-    theirs = namespace_get_or_create(
+    theirs, _ = namespace_get_or_create(
         model_version=version, tenant=newcomer, retention_owner=owner, policy=DEMO_POLICY, actor="bob"
     )
     assert theirs.namespace_key != first.namespace_key and theirs.storage_prefix != first.storage_prefix

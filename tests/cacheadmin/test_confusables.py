@@ -260,7 +260,7 @@ def test_the_cli_refuses_look_alikes() -> None:
     retention_owner_get_or_create(name="platform", email="p@example.com", actor="setup")
     assert cli_error("tenant", "create", "acme-eu", "--name", "ACME") == (
         2,
-        f"CommandError: name 'ACME': looks like 'Acme', the name of tenant acme {NOT_DIFFERENT}",
+        f"CommandError: name: looks like 'Acme', the name of tenant acme {NOT_DIFFERENT}",
     )
     assert cli_error("group", "create", "partners", "--name", "Раrtners") == (
         2,
@@ -269,7 +269,7 @@ def test_the_cli_refuses_look_alikes() -> None:
     # The command looks for a clash first: the look-alike of an existing owner is named as such.
     assert cli_error("tenant", "owner", "plаtform", "--email", "x@example.com") == (
         2,
-        "CommandError: retention owner 'platform' already exists (case, Unicode form and look-alike letters do not count)",
+        "CommandError: name: retention owner 'platform' already exists (case, Unicode form and look-alike letters do not count)",
     )
     assert cli_error("tenant", "owner", "tеam", "--email", "x@example.com") == (
         2,

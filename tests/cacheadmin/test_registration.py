@@ -104,6 +104,25 @@ def test_bad_registrations_write_nothing(operator, demo_checkpoints, model_root:
     assert RegistrationJob.objects.count() == 0 and ModelVersion.objects.count() == 0
 
 
+@pytest.mark.parametrize("path", ["/etc", "/nonexistent", "{root}/../.."])
+def test_a_path_outside_the_roots_is_named_without_the_servers_directories(operator, model_root: Path, path: str) -> None:
+    response = operator.post(
+        "/api/model-versions/", {"path": path.format(root=model_root), "label": "x", "served_name": "tiny"}, format="json"
+    )
+    assert (response.status_code, response.json()) == (
+        400,
+        {
+            "error": {
+                "status": 400,
+                "code": "invalid",
+                "message": "path: not a checkpoint directory inside the model roots",
+                "fields": {"path": ["not a checkpoint directory inside the model roots"]},
+            }
+        },
+    )
+    assert RegistrationJob.objects.count() == 0
+
+
 @pytest.mark.slow
 def test_register_command_is_idempotent_and_reports_conflicts(demo_checkpoints) -> None:
     env = subprocess_env()

@@ -87,7 +87,7 @@ def versions(demo_checkpoints, model_root: Path, tmp_path: Path, settings) -> di
     model_version_transition(version=out["v1"], to=ModelVersion.Status.ACTIVE, actor="alice")
     out["acme"] = tenant_get_or_create(slug="acme", name="Acme", actor="alice")
     out["owner"] = retention_owner_get_or_create(name="platform", email="platform@example.com", actor="alice")
-    out["ns1"] = namespace_get_or_create(
+    out["ns1"], _ = namespace_get_or_create(
         model_version=out["v1"], tenant=out["acme"], retention_owner=out["owner"], policy=DEMO_POLICY, actor="alice"
     )
     yield out
@@ -191,7 +191,7 @@ def test_new_namespace_is_ready_only_after_its_prewarm_verified(versions) -> Non
     release = _release(versions, "v2")
     with pytest.raises(ReleaseRefused, match="new_namespace needs an engine serving tiny-v2"):
         release_decide(release=release, decision="new_namespace", actor="bob", reason="new weights")
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     engine = _engine(versions["v2"], ns2, "v2-serving")
@@ -211,7 +211,7 @@ def test_new_namespace_is_ready_only_after_its_prewarm_verified(versions) -> Non
 
 def test_gray_release_keeps_each_version_on_its_own_namespace(versions) -> None:
     release = _release(versions, "v2")
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     decided = release_decide(
@@ -268,7 +268,7 @@ def test_rollback_restores_a_demoted_namespace_from_the_cold_tier(versions, sett
     for e in range(3):
         write_entry(settings.KV_STORE_ROOT, ns1.storage_prefix, f"{e:064x}", size=500, age_s=60)
     release = _release(versions, "v2")
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     decided = release_decide(
@@ -451,7 +451,7 @@ def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(version
         bad = client.post(f"/api/namespaces/{ns1.pk}/prefix-heat/", body, format="json")
         assert bad.status_code == 400 and list(bad.json()["error"]["fields"]) == [field], bad.json()
     release = _release(versions, "v2")
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     decided = release_decide(
@@ -480,7 +480,7 @@ def test_the_new_namespace_of_a_failed_release_is_an_orphan(versions) -> None:
     from cacheadmin.services.accounting import orphans_report
 
     release = _release(versions, "v2")
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     decided = release_decide(
@@ -542,7 +542,7 @@ def _new_namespace_release(versions: dict, tenant: Tenant, engine_name: str) -> 
     release = release_create(
         served_name="tiny", tenant=tenant, from_version=versions["v1"], to_version=versions["v2"], actor="ci"
     )
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=tenant, retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     decided = release_decide(
@@ -564,7 +564,7 @@ def test_two_tenants_sharing_versions_status_follows_routing(versions) -> None:
     """Gray releases, rollbacks and a purge for two tenants on the same versions:
     a version is active exactly while some tenant's routing sends it traffic."""
     globex = tenant_get_or_create(slug="globex", name="Globex", actor="alice")
-    ns1_globex = namespace_get_or_create(
+    ns1_globex, _ = namespace_get_or_create(
         model_version=versions["v1"], tenant=globex, retention_owner=versions["owner"], policy=DEMO_POLICY, actor="alice"
     )
     a = _new_namespace_release(versions, versions["acme"], "v2-acme")
@@ -613,7 +613,7 @@ def test_reads_do_not_move_a_release(versions, settings) -> None:
     """GET on the release, its routing, the page and the CLI's status change nothing;
     the job-end event or the recovery sweep moves it."""
     release = _release(versions, "v2")
-    ns2 = namespace_get_or_create(
+    ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
     )
     decided = release_decide(

@@ -99,7 +99,7 @@ def _setup(demo_checkpoints, label: str):
     owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="alice")
     return version, namespace_get_or_create(
         model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="alice"
-    )
+    )[0]
 
 
 def _record(engine: LocalEngine, version, namespace, name: str, *, connector: bool = True) -> Engine:

@@ -58,6 +58,13 @@ from cacheadmin.api.serializers.namespaces import (
     PrefixHeatSerializer,
     RetentionPolicySerializer,
 )
+from cacheadmin.api.serializers.releases import (
+    ReleaseCreateSerializer,
+    ReleaseDecideSerializer,
+    ReleaseEventSerializer,
+    ReleaseSerializer,
+    TrafficSerializer,
+)
 from cacheadmin.api.serializers.scope import (
     engine_of_tenant,
     namespace_of_tenant,
@@ -107,6 +114,10 @@ __all__ = [
     "ReasonSerializer",
     "RegistrationCreateSerializer",
     "RegistrationJobSerializer",
+    "ReleaseCreateSerializer",
+    "ReleaseDecideSerializer",
+    "ReleaseEventSerializer",
+    "ReleaseSerializer",
     "RetentionOwnerSerializer",
     "RetentionPolicySerializer",
     "SharedGroupSerializer",
@@ -120,6 +131,7 @@ __all__ = [
     "TenantSerializer",
     "TenantSlugField",
     "TierUsageSampleSerializer",
+    "TrafficSerializer",
     "engine_of_tenant",
     "namespace_of_tenant",
     "reference_or_engine_of_tenant",

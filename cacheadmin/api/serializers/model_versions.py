@@ -23,6 +23,7 @@ from cacheadmin.models import (
     RegistrationJob,
 )
 from cacheadmin.models.naming import validate_display_name
+from inference.errors import CheckpointError
 from inference.layout import LayoutOptions
 
 
@@ -113,15 +114,25 @@ class LayoutSerializer(StrictFieldsMixin, serializers.Serializer):
 class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     """A checkpoint to fingerprint and register as a model version (in the background)."""
 
-    path = StrictCharField(max_length=1000, help_text="checkpoint directory inside MODEL_ROOTS")
+    path = StrictCharField(max_length=1000, help_text="absolute path of a checkpoint directory inside MODEL_ROOTS")
     label = StrictCharField(max_length=100, validators=[validate_display_name])
     served_name = StrictCharField(max_length=200, validators=[validate_display_name])
     layout = LayoutSerializer(required=False)
     adapters = serializers.DictField(
-        child=StrictCharField(max_length=1000), required=False, help_text="LoRA adapter name → directory inside MODEL_ROOTS"
+        child=StrictCharField(max_length=1000),
+        required=False,
+        default=dict,
+        help_text="LoRA adapter name → absolute path of a directory inside MODEL_ROOTS",
     )
 
+    def validate_path(self, value: str) -> str:
+        """An absolute path: a relative or ``~`` one would resolve against the server's directory and account."""
+        if not value.startswith("/"):
+            raise serializers.ValidationError("must be an absolute path")
+        return value
+
     def validate_adapters(self, value: dict[str, str]) -> dict[str, str]:
+        """At most 64, each named as a display name and at an absolute path."""
         if len(value) > 64:
             raise serializers.ValidationError("at most 64 adapters")
         for name in value:
@@ -131,7 +142,17 @@ class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
                 raise serializers.ValidationError(f"adapter name {name!r}: {exc.messages[0]}") from exc
             if len(name) > 200:
                 raise serializers.ValidationError(f"adapter name {name[:20]!r}…: at most 200 characters")
+        if any(not p.startswith("/") for p in value.values()):
+            raise serializers.ValidationError("must be absolute paths")
         return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """``layout`` as :class:`inference.layout.LayoutOptions` (every key defaulted when absent)."""
+        try:
+            attrs["layout"] = LayoutOptions(**attrs.get("layout", {}))
+        except CheckpointError as exc:
+            raise serializers.ValidationError({"layout": [str(exc)]}) from exc
+        return attrs
 
 
 class RegistrationJobSerializer(serializers.ModelSerializer):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input
@@ -36,23 +35,20 @@ class Command(ControlPlaneCommand):
         sub.add_parser("list", help="list groups with their generation and members")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        try:
-            if opts["verb"] == "create":
-                group = shared_group_create(slug=opts["slug"], name=opts["name"], actor=ACTOR)
+        if opts["verb"] == "create":
+            group = shared_group_create(slug=opts["slug"], name=opts["name"], actor=ACTOR)
+            self._print(group)
+        elif opts["verb"] in ("join", "leave"):
+            if not opts["reason"].strip():
+                raise self.bad_input("--reason must not be empty")
+            group = get_or_bad_input(self, SharedGroup, opts["slug"], "shared group", slug=opts["slug"])
+            tenant = get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"])
+            change = shared_group_join if opts["verb"] == "join" else shared_group_leave
+            change(group=group, tenant=tenant, actor=ACTOR, reason=opts["reason"])
+            self._print(SharedGroup.objects.get(pk=group.pk))
+        else:
+            for group in SharedGroup.objects.prefetch_related("members").order_by("slug"):
                 self._print(group)
-            elif opts["verb"] in ("join", "leave"):
-                if not opts["reason"].strip():
-                    raise self.bad_input("--reason must not be empty")
-                group = get_or_bad_input(self, SharedGroup, opts["slug"], "shared group", slug=opts["slug"])
-                tenant = get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"])
-                change = shared_group_join if opts["verb"] == "join" else shared_group_leave
-                change(group=group, tenant=tenant, actor=ACTOR, reason=opts["reason"])
-                self._print(SharedGroup.objects.get(pk=group.pk))
-            else:
-                for group in SharedGroup.objects.prefetch_related("members").order_by("slug"):
-                    self._print(group)
-        except ValidationError as exc:
-            raise self.bad_input("; ".join(f"{k}: {v[0]}" for k, v in exc.message_dict.items())) from exc
 
     def _print(self, group: SharedGroup) -> None:
         members = sorted(t.slug for t in group.members.all())

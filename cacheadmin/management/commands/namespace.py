@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
@@ -92,13 +91,7 @@ class Command(ControlPlaneCommand):
             p.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        try:
-            getattr(self, f"verb_{opts['verb']}")(opts)
-        except ValidationError as exc:
-            detail = (
-                "; ".join(f"{k}: {v[0]}" for k, v in exc.message_dict.items()) if hasattr(exc, "error_dict") else exc.messages[0]
-            )
-            raise self.bad_input(detail) from exc
+        getattr(self, f"verb_{opts['verb']}")(opts)
 
     def _print(self, namespace: CacheNamespace, as_json: bool) -> None:
         policy = namespace.policy
@@ -133,7 +126,7 @@ class Command(ControlPlaneCommand):
         else:
             boundary = {"group": get_or_bad_input(self, SharedGroup, opts["group"], "shared group", slug=opts["group"])}
         owner = get_or_bad_input(self, RetentionOwner, opts["owner"], "retention owner", name_key=name_key(opts["owner"]))
-        namespace = namespace_get_or_create(
+        namespace, _ = namespace_get_or_create(
             model_version=version, retention_owner=owner, policy=_policy(opts), actor=ACTOR, **boundary
         )
         self._print(namespace, opts["json"])
@@ -155,12 +148,7 @@ class Command(ControlPlaneCommand):
             raise self.bad_input(f"{opts['file']}: {exc}") from exc
         if not isinstance(body, dict) or set(body) - {"messages", "tools"}:
             raise self.bad_input('the file must hold a JSON object with "messages" (and optionally "tools")')
-        try:
-            row = prefix_heat_record(
-                namespace=namespace, messages=body.get("messages"), tools=body.get("tools"), hits=opts["hits"]
-            )
-        except ValueError as exc:
-            raise self.bad_input(str(exc)) from exc
+        row = prefix_heat_record(namespace=namespace, messages=body.get("messages"), tools=body.get("tools"), hits=opts["hits"])
         self.stdout.write(json.dumps({"digest": row.digest, "hits": row.hits}))
 
     def verb_salt(self, opts: dict[str, Any]) -> None:

@@ -10,13 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand
-from cacheadmin.models import RetentionOwner, Tenant
-from cacheadmin.models.naming import NOT_DIFFERENT, name_key
-from cacheadmin.services.namespaces import retention_owner_get_or_create, tenant_get_or_create
+from cacheadmin.services.namespaces import retention_owner_create, tenant_create
 
 ACTOR = "cli"
 
@@ -35,22 +32,8 @@ class Command(ControlPlaneCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         if opts["verb"] == "create":
-            if Tenant.objects.filter(slug=opts["slug"]).exists():
-                raise self.bad_input(f"tenant {opts['slug']!r} already exists")
-            try:
-                tenant = tenant_get_or_create(slug=opts["slug"], name=opts["name"], actor=ACTOR)
-            except ValidationError as exc:
-                # Name the field that was refused (slug or name), with the value typed.
-                field, messages = next(iter(exc.message_dict.items())) if hasattr(exc, "error_dict") else ("slug", exc.messages)
-                raise self.bad_input(f"{field} {opts.get(field, '')!r}: {messages[0]}") from exc
+            tenant = tenant_create(slug=opts["slug"], name=opts["name"], actor=ACTOR)
             self.stdout.write(json.dumps({"id": tenant.pk, "slug": tenant.slug, "name": tenant.name}))
         else:
-            clash = RetentionOwner.objects.filter(name_key=name_key(opts["name"])).first()
-            if clash is not None:
-                raise self.bad_input(f"retention owner {clash.name!r} already exists ({NOT_DIFFERENT})")
-            try:
-                RetentionOwner(name=opts["name"], email=opts["email"]).full_clean(exclude=["name_key"])
-            except ValidationError as exc:
-                raise self.bad_input("; ".join(f"{k}: {v[0]}" for k, v in exc.message_dict.items())) from exc
-            owner = retention_owner_get_or_create(name=opts["name"], email=opts["email"], actor=ACTOR)
+            owner = retention_owner_create(name=opts["name"], email=opts["email"], actor=ACTOR)
             self.stdout.write(json.dumps({"id": owner.pk, "name": owner.name, "email": owner.email}))

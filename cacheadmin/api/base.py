@@ -1,0 +1,70 @@
+"""What every API view shares: the audit actor of a request, body validation,
+and the base viewset that applies tenant scoping once (NetBox's ``BaseViewSet``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+from django.db.models import Q
+from rest_framework.exceptions import ValidationError
+from rest_framework.request import Request
+
+from cacheadmin.api.auth import request_tenant
+from cacheadmin.api.schema import ControlPlaneSchemaMixin
+
+
+def actor_of(request: Request) -> str:
+    """Audit actor: the user, and the token name when a token was used."""
+    token = getattr(request.auth, "name", None)
+    return f"{request.user.get_username()}" + (f" (token {token})" if token else "")
+
+
+def validated(request: Request, serializer_class: type) -> dict[str, Any]:
+    """Validate a request body with ``serializer_class``; 400 envelope on error."""
+    if not isinstance(request.data, dict):
+        raise ValidationError({"non_field_errors": ["the body must be a JSON object"]})
+    serializer = serializer_class(data=request.data, context={"request": request})
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+class ScopedViewSetMixin(ControlPlaneSchemaMixin):
+    """Base of every API viewset: tenant scoping applied once, for every action.
+
+    As NetBox's ``BaseViewSet.initial()`` restricts its queryset to the user,
+    :meth:`initial` notes the tenant the caller's token is bound to (after
+    authentication) and :meth:`get_queryset` restricts :meth:`base_queryset`
+    by :meth:`tenant_filter`, so lists, details and actions all see the same
+    rows and an invisible row answers exactly like a missing one (404). A
+    viewset says which rows a tenant may see by overriding
+    :meth:`tenant_filter`; one that does not shows a bound token nothing.
+    """
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        """DRF's checks (authentication, scope, throttles), then the caller's tenant."""
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        self.tenant_id = request_tenant(request)
+
+    def base_queryset(self) -> models.QuerySet:
+        """The viewset's rows before tenant scoping (default: its ``queryset``)."""
+        return super().get_queryset()  # type: ignore[misc]
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Rows a token bound to ``tenant_id`` may see (default: none)."""
+        return Q(pk__in=[])
+
+    def get_queryset(self) -> models.QuerySet:
+        """:meth:`base_queryset`, restricted by :meth:`tenant_filter` for a tenant-bound caller."""
+        if hasattr(self, "tenant_id"):
+            tenant_id = self.tenant_id
+        else:  # before initial(): a permission check, or schema generation without a request
+            request = getattr(self, "request", None)
+            tenant_id = request_tenant(request) if request is not None else None
+        queryset = self.base_queryset()
+        return queryset if tenant_id is None else queryset.filter(self.tenant_filter(tenant_id))
+
+
+def every_row(self: Any, tenant_id: int) -> Q:
+    """A ``tenant_filter`` for rows every tenant may see (the catalog: versions, adapters, owners, registrations)."""
+    return Q()
