@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference.errors import EngineError
@@ -132,6 +133,33 @@ class VllmHttpClient:
                 values[family.name] = values.get(family.name, 0.0) + sample.value
         return values
 
+    def chat_body(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        cache_salt: str | None,
+        max_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The JSON body of :meth:`chat`'s request: greedy, streamed with usage,
+        per-token logprobs with tokens as ids, ``cache_salt`` when given."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_tokens_as_token_ids": True,
+        }
+        if tools:
+            body["tools"] = tools
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return body
+
     def chat(
         self,
         messages: list[dict[str, Any]],
@@ -152,21 +180,7 @@ class VllmHttpClient:
             EngineError: unreachable, error status, malformed stream, or a
                 stream that ended without usage.
         """
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "logprobs": True,
-            "top_logprobs": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_tokens_as_token_ids": True,
-        }
-        if tools:
-            body["tools"] = tools
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
+        body = self.chat_body(messages, cache_salt=cache_salt, max_tokens=max_tokens, tools=tools)
         result = ChatResult()
         started = time.perf_counter()
         first: float | None = None
@@ -176,13 +190,10 @@ class VllmHttpClient:
                 if response.status_code >= 400:
                     response.read()
                     raise EngineError(f"engine at {self.base_url} answered {response.status_code} on chat: {response.text[:300]}")
-                for line in response.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
+                for event in EventSource(response).iter_sse():
+                    if event.data == "[DONE]":  # OpenAI's end-of-stream sentinel
                         break
-                    chunk = json.loads(data)
+                    chunk = json.loads(event.data)
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     for choice in chunk.get("choices", []):
