@@ -211,6 +211,9 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # JSON only: release tooling sends JSON; form and multipart add surface, not features.
     "DEFAULT_PARSER_CLASSES": ["cacheadmin.api.parsers.StrictJSONParser"],
+    # JSON answers only: every error under /api/ is the JSON envelope, whatever
+    # the Accept header (no browsable-API HTML page; the docs are /api/docs/).
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "EXCEPTION_HANDLER": "cacheadmin.api.exceptions.api_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }

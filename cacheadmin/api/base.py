@@ -42,9 +42,33 @@ class ScopedViewSetMixin(ControlPlaneSchemaMixin):
     """
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        """DRF's checks (authentication, scope, throttles), then the caller's tenant."""
+        """DRF's checks (authentication, scope, throttles), the caller's tenant,
+        then the query string: a parameter the action does not take is a 400
+        (a misspelt filter would otherwise return every row)."""
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
         self.tenant_id = request_tenant(request)
+        unknown = sorted(set(request.query_params) - self.query_parameters())
+        if unknown:
+            takes = ", ".join(sorted(self.query_parameters() - {"format"})) or "no query parameters"
+            raise ValidationError({unknown[0][:60]: [f"unknown query parameter; this takes: {takes}"]})
+
+    def query_parameters(self) -> set[str]:
+        """The query parameters the current action takes: ``format``; on a
+        list, its filters, ``ordering`` and the paginator's (a sub-list such as
+        ``…/results/`` is answered whole and takes none of those)."""
+        names = {"format"}
+        if self.action != "list":  # type: ignore[attr-defined]
+            return names
+        for backend in self.filter_backends:  # type: ignore[attr-defined]
+            if hasattr(backend, "get_filterset_class"):
+                filterset = backend().get_filterset_class(self, self.base_queryset())
+                names |= set(filterset.base_filters) if filterset is not None else set()
+            elif hasattr(backend, "ordering_param"):
+                names.add(backend.ordering_param)
+        paginator = self.paginator  # type: ignore[attr-defined]
+        if paginator is not None:
+            names |= {paginator.limit_query_param, paginator.offset_query_param}
+        return names
 
     def base_queryset(self) -> models.QuerySet:
         """The viewset's rows before tenant scoping (default: its ``queryset``)."""

@@ -1,7 +1,6 @@
 """API routes under /api/."""
 
 from django.urls import include, path, re_path
-from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
 from cacheadmin.api import release_views, views
@@ -49,7 +48,7 @@ router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
 urlpatterns = [
     re_path(r"^identity-diff/?$", views.IdentityDiffView.as_view(), name="identity-diff"),
     re_path(r"^orphans/?$", views.OrphansView.as_view(), name="orphans"),
-    re_path(r"^schema/?$", SpectacularAPIView.as_view(), name="api-schema"),
+    re_path(r"^schema/?$", views.ApiSchemaView.as_view(), name="api-schema"),
     re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api:api-schema"), name="api-docs"),
     path("", include(router.urls)),
 ]

@@ -9,7 +9,7 @@ from django.db import models
 from django.db.models import Q
 from django.http.response import HttpResponseBase
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
-from drf_spectacular.views import SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotAuthenticated, ValidationError
@@ -416,7 +416,21 @@ class AuditEventViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     tenant_bound_allowed = False
 
 
-class ApiDocsView(SpectacularSwaggerView):
+class JsonErrorsMixin:
+    """Errors of a view that renders something else (YAML, HTML) in the JSON envelope."""
+
+    def handle_exception(self, exc: Exception) -> HttpResponseBase:
+        response = super().handle_exception(exc)  # type: ignore[misc]
+        self.request.accepted_renderer = JSONRenderer()  # type: ignore[attr-defined]
+        self.request.accepted_media_type = "application/json"  # type: ignore[attr-defined]
+        return response
+
+
+class ApiSchemaView(JsonErrorsMixin, SpectacularAPIView):
+    """The OpenAPI schema (YAML, or JSON with ``?format=json``); its errors are the JSON envelope."""
+
+
+class ApiDocsView(JsonErrorsMixin, SpectacularSwaggerView):
     """Swagger UI (offline assets). A browser without a session is sent to the
     login page; any other refusal is the JSON error envelope, not an HTML stub."""
 
@@ -424,10 +438,7 @@ class ApiDocsView(SpectacularSwaggerView):
         accepts_html = "text/html" in self.request.headers.get("Accept", "")
         if isinstance(exc, NotAuthenticated) and accepts_html and "Authorization" not in self.request.headers:
             return redirect_to_login(self.request.get_full_path())
-        response = super().handle_exception(exc)
-        self.request.accepted_renderer = JSONRenderer()
-        self.request.accepted_media_type = "application/json"
-        return response
+        return super().handle_exception(exc)
 
 
 class IdentityDiffView(ControlPlaneSchemaMixin, APIView):

@@ -31,6 +31,7 @@ import pytest
 from django.contrib.auth.models import User
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.renderers import OpenApiJsonRenderer
+from rest_framework.test import APIClient
 
 from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, EvictionRun, ModelVersion
 from cacheadmin.models.releases import Release
@@ -462,8 +463,61 @@ def test_lists_take_every_declared_ordering_and_bound(world: dict) -> None:
     assert [t["slug"] for t in alice.get("/api/tenants/?ordering=slug&limit=1").json()["results"]] == ["acme"]
     last = alice.get("/api/tenants/?offset=4611686018427387904").json()
     assert (last["count"], last["results"]) == (2, [])
-    # A detail route declares no ordering and ignores it, like any undeclared query parameter.
-    assert alice.get(f"/api/tenants/{world['acme'].pk}/?ordering=bogus").status_code == 200
+    # A detail route takes no ordering: refused like any query parameter it does not declare.
+    detail = alice.get(f"/api/tenants/{world['acme'].pk}/?ordering=bogus")
+    assert (detail.status_code, detail.json()["error"]["fields"]) == (
+        400,
+        {"ordering": ["unknown query parameter; this takes: no query parameters"]},
+    )
+
+
+@pytest.mark.django_db
+def test_a_query_parameter_the_route_does_not_take_is_refused(world: dict) -> None:
+    """A misspelt filter would otherwise answer every row; a sub-list is answered whole and takes no page bounds."""
+    alice = world["clients"]["alice"]
+    listed = alice.get("/api/namespaces/?tenant=acme")
+    takes = "group__slug, limit, model_version, namespace_id, offset, ordering, residency, tenant__slug"
+    assert (listed.status_code, listed.json()) == (
+        400,
+        {
+            "error": {
+                "status": 400,
+                "code": "invalid",
+                "message": f"tenant: unknown query parameter; this takes: {takes}",
+                "fields": {"tenant": [f"unknown query parameter; this takes: {takes}"]},
+            }
+        },
+    )
+    assert alice.get("/api/namespaces/?tenant__slug=acme&format=json").status_code == 200
+    job = alice.get("/api/prewarm-jobs/?limit=1")
+    assert job.status_code == 200
+    sub = alice.get("/api/eviction-runs/1/actions/?limit=0")
+    assert (sub.status_code, sub.json()["error"]["fields"]) == (
+        400,
+        {"limit": ["unknown query parameter; this takes: no query parameters"]},
+    )
+
+
+@pytest.mark.django_db
+def test_errors_under_api_are_json_whatever_is_accepted(world: dict) -> None:
+    """No browsable-API page and no YAML error: the envelope, as JSON, for every client."""
+    alice = world["clients"]["alice"]
+    browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+    page = alice.get("/api/tenants/?limit=0", HTTP_ACCEPT=browser)
+    assert (page.status_code, page["Content-Type"], page.json()["error"]["code"]) == (400, "application/json", "invalid")
+    html_only = alice.get("/api/tenants/", HTTP_ACCEPT="text/html")
+    assert (html_only.status_code, html_only["Content-Type"], html_only.json()["error"]["code"]) == (
+        406,
+        "application/json",
+        "not_acceptable",
+    )
+    anonymous = APIClient()
+    for url in ("/api/schema/", "/api/tenants/"):
+        refused = anonymous.get(url, HTTP_ACCEPT=browser)
+        assert (refused.status_code, refused["Content-Type"]) == (401, "application/json"), url
+        assert refused.json()["error"]["code"] == "not_authenticated"
+    bogus = alice.get("/api/schema/?format=bogus")
+    assert (bogus.status_code, bogus["Content-Type"], bogus.json()["error"]["code"]) == (404, "application/json", "not_found")
 
 
 def test_every_operation_declares_its_errors_in_the_envelope(schema: dict) -> None:
