@@ -9,7 +9,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
-from cacheadmin.services.namespaces import namespace_salt_read
+from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from cacheadmin.services.prewarm import JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
 from inference.errors import EngineError, InvalidField
@@ -24,7 +24,9 @@ def comparison_job_create(
         JobRefused: the reference engine caches (prefix caching or connector),
             serves another served model name, an engine is not ready, the
             corpus is unknown, or ``max_tokens`` is outside 1..256.
+        NamespaceConflict: a superseded shared-group namespace (409, exit 4).
     """
+    namespace_check_current(namespace)
     if not engine.serves(namespace.pk):
         raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_key[:12]}…")
     if reference_engine.prefix_caching or reference_engine.kv_connector:

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
 from cacheadmin.services.audit import audit_record
-from cacheadmin.services.namespaces import namespace_storage_path
+from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError, Refused
@@ -187,10 +187,15 @@ def engine_attach_namespace(*, engine: Engine, namespace: CacheNamespace, actor:
     Raises:
         EngineRefused: the engine's persistent tier is salt-blind (it would
             hand one namespace's KV to another), the namespace's identity is not
-            the engine's, or the engine is a reference engine.
+            the engine's, the engine is a reference engine, or it is stopped or
+            failed (nothing would serve the namespace).
+        NamespaceConflict: a superseded shared-group namespace.
     """
     if engine.role != Engine.Role.SERVING:
         raise EngineRefused(f"engine {engine.name} is a reference engine; it serves no namespace")
+    if engine.status in (Engine.Status.STOPPED, Engine.Status.FAILED):
+        raise EngineRefused(f"engine {engine.name} is {engine.status}; start it before it serves another namespace")
+    namespace_check_current(namespace)
     if engine.salt_blind_tier:
         raise EngineRefused(
             f"engine {engine.name} has a {engine.kv_connector} tier, which keys KV by token ids alone and ignores "

@@ -329,6 +329,21 @@ def shared_group_leave(*, group: SharedGroup, tenant: Tenant, actor: str, reason
     return group
 
 
+def namespace_check_current(namespace: CacheNamespace) -> None:
+    """Refuse a superseded shared-group namespace as the target of new work
+    (serving, prewarming, comparing, reading its salt): a member left since,
+    and the salt it may still hold must not be served again.
+
+    Raises:
+        NamespaceConflict: the namespace is of an earlier generation of its group (409, exit 4).
+    """
+    if namespace.superseded:
+        raise NamespaceConflict(
+            f"namespace {namespace.namespace_key[:12]}… is of generation {namespace.group_generation} of "
+            f"group {namespace.group.slug}, now at {namespace.group.generation} (a member left): use the new generation's"
+        )
+
+
 def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, superseded_ok: bool = False) -> str:
     """The namespace's vLLM ``cache_salt`` (HMAC under ``CACHE_SALT_SECRET``): the
     one place a salt is computed, and every read is audited
@@ -346,11 +361,8 @@ def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, 
             since; its salt is not handed out any more), unless ``superseded_ok``.
             Refused before the audit: a refused read is no read.
     """
-    if namespace.superseded and not superseded_ok:
-        raise NamespaceConflict(
-            f"namespace {namespace.namespace_key[:12]}… is of generation {namespace.group_generation} of "
-            f"group {namespace.group.slug}, now at {namespace.group.generation} (a member left): use the new generation's"
-        )
+    if not superseded_ok:
+        namespace_check_current(namespace)
     audit_record(actor=actor, action="namespace.read_salt", obj=namespace, after={"purpose": purpose})
     return cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_key)
 

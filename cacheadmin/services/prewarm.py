@@ -9,7 +9,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
-from cacheadmin.services.namespaces import namespace_salt_read
+from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from inference.errors import EngineError, InvalidField, Refused
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
 
@@ -27,7 +27,9 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     Raises:
         JobRefused: the engine does not serve this namespace, is not ready,
             or the corpus is unknown.
+        NamespaceConflict: a superseded shared-group namespace (409, exit 4).
     """
+    namespace_check_current(namespace)
     if not engine.serves(namespace.pk):
         raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_key[:12]}…")
     if engine.status != Engine.Status.READY:

@@ -309,6 +309,19 @@ def test_a_salt_blind_tier_never_backs_a_second_namespace(world, admin_client) -
     # A read token attaches nothing: 403 on scope, before the engine is looked up.
     assert c["charlie"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": other.pk}, format="json").status_code == 403
     assert c["charlie"].post("/api/engines/99999/attach/", {"namespace": other.pk}, format="json").status_code == 403
+    # A stopped or failed engine serves nothing: attaching to it is refused, not recorded.
+    for status in ("stopped", "failed"):
+        Engine.objects.filter(pk=engine.pk).update(status=status)
+        idle = c["alice"].post(f"/api/engines/{engine.pk}/attach/", {"namespace": ns["acme"].pk}, format="json")
+        assert (idle.status_code, idle.json()["error"]) == (
+            409,
+            {
+                "status": 409,
+                "code": "engine_refused",
+                "message": f"engine e-acme is {status}; start it before it serves another namespace",
+            },
+        )
+    assert list(Engine.objects.get(pk=engine.pk).attached_namespaces.values_list("pk", flat=True)) == [other.pk]
 
 
 def test_oversized_bodies_are_refused_with_413(world) -> None:

@@ -7,7 +7,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from cacheadmin.models import ApiToken, AuditEvent, CacheNamespace, Engine, RetentionOwner, SharedGroup
+from cacheadmin.models import ApiToken, AuditEvent, CacheNamespace, Engine, PrewarmJob, RetentionOwner, SharedGroup
 from cacheadmin.services.namespaces import namespace_salt_read
 from inference.identity import cache_salt, namespace_id
 
@@ -92,6 +92,15 @@ def test_leaving_a_group_supersedes_its_namespaces(world) -> None:
     assert "generation 1 of group partners, now at 2" in refused.json()["error"]["message"]
     assert not AuditEvent.objects.filter(action="namespace.read_salt").exists()
     assert bob.get(f"/api/namespaces/{old['id']}/").json()["superseded"] is True
+    # Nor is new work aimed at it: serving it from an engine, prewarming or comparing it.
+    engine = world["engine"]
+    before = (AuditEvent.objects.count(), PrewarmJob.objects.count(), list(engine.attached_namespaces.values_list("pk")))
+    attach = alice.post(f"/api/engines/{engine.pk}/attach/", {"namespace": old["id"]}, format="json")
+    prewarm = alice.post("/api/prewarm-jobs/", {"namespace": old["id"], "engine": engine.pk}, format="json")
+    for refused in (attach, prewarm):
+        assert (refused.status_code, refused.json()["error"]["code"]) == (409, "namespace_conflict")
+        assert "generation 1 of group partners, now at 2" in refused.json()["error"]["message"]
+    assert (AuditEvent.objects.count(), PrewarmJob.objects.count(), list(engine.attached_namespaces.values_list("pk"))) == before
     # The remaining members get a namespace of the new generation: new id, salt and prefix.
     new = alice.post("/api/namespaces/", body, format="json")
     assert new.status_code == 201
