@@ -30,6 +30,53 @@ class Conversation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: Keys of an OpenAI chat message, by role (OpenAI Chat Completions API, "messages").
+TURN_KEYS: dict[str, frozenset[str]] = {
+    "system": frozenset({"role", "content", "name"}),
+    "user": frozenset({"role", "content", "name"}),
+    "assistant": frozenset({"role", "content", "name", "tool_calls"}),
+    "tool": frozenset({"role", "content", "tool_call_id"}),
+}
+
+
+def conversation_problem(messages: Any) -> str | None:
+    """What makes ``messages`` not a conversation a request would send, or None.
+
+    A non-empty list of OpenAI chat turns: each a JSON object with a known
+    ``role``, only the keys that role takes (:data:`TURN_KEYS`), ``content`` a
+    string or a list of typed parts (absent or null only on an assistant turn
+    with ``tool_calls``), ``name``/``tool_call_id`` strings, ``tool_calls`` a
+    list of objects; the last turn a user or tool turn (the prefix a request
+    sends). The message names the turn by its index.
+    """
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return "must be a non-empty list of chat turns (JSON objects)"
+    for index, turn in enumerate(messages):
+        role = turn.get("role")
+        if role not in TURN_KEYS:
+            return f"turn {index}: role must be one of {', '.join(sorted(TURN_KEYS))}"
+        unknown = sorted(set(turn) - TURN_KEYS[role])
+        if unknown:
+            return f"turn {index}: a {role} turn takes no {unknown[0][:40]!r}"
+        content = turn.get("content")
+        calls = turn.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            return f"turn {index}: tool_calls must be a list of objects"
+        if content is None and not (role == "assistant" and calls):
+            return f"turn {index}: content is required (a string or a list of parts)"
+        if content is not None and not (
+            isinstance(content, str)
+            or (isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content))
+        ):
+            return f"turn {index}: content must be a string or a list of parts with a type"
+        for key in ("name", "tool_call_id"):
+            if key in turn and not isinstance(turn[key], str):
+                return f"turn {index}: {key} must be a string"
+    if messages[-1]["role"] not in {"user", "tool"}:
+        return "the conversation must end on a user or tool turn (the prefix a request sends)"
+    return None
+
+
 def load_corpus(name: str) -> list[Conversation]:
     """Load a bundled corpus by name.
 
@@ -45,8 +92,8 @@ def read_corpus(path: Path) -> list[Conversation]:
     """Parse a JSONL corpus file.
 
     Raises:
-        ValueError: a line that is not a conversation, a duplicate id, or a
-            conversation that does not end on a user or tool turn.
+        ValueError: a line that is not a conversation, a duplicate id, or
+            messages that :func:`conversation_problem` refuses.
     """
     conversations: list[Conversation] = []
     seen: set[str] = set()
@@ -62,8 +109,9 @@ def read_corpus(path: Path) -> list[Conversation]:
             raise ValueError(f"{path}:{number}: not a conversation: {exc}") from exc
         if conv.id in seen:
             raise ValueError(f"{path}:{number}: duplicate conversation id {conv.id!r}")
-        if not conv.messages or conv.messages[-1].get("role") not in {"user", "tool"}:
-            raise ValueError(f"{path}:{number}: conversation {conv.id!r} must end on a user or tool turn")
+        problem = conversation_problem(conv.messages)
+        if problem is not None:
+            raise ValueError(f"{path}:{number}: conversation {conv.id!r}: {problem}")
         seen.add(conv.id)
         conversations.append(conv)
     return conversations

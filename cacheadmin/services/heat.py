@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace
 from cacheadmin.models.releases import PrefixHeat
-from inference.corpus import Conversation, load_corpus
+from inference.corpus import Conversation, conversation_problem, load_corpus
 from inference.errors import InvalidField
 from inference.identity import canonical_json, digest_frames
 
@@ -19,7 +19,6 @@ from inference.identity import canonical_json, digest_frames
 HEAT_CORPUS = "heat:"
 #: Prompts a heat corpus holds at most (the hottest first).
 HEAT_CORPUS_SIZE = 32
-ROLES = {"system", "user", "assistant", "tool"}
 #: Largest count a heat row holds (signed 64-bit column); reports add up to it and stay there.
 MAX_HITS = (1 << 63) - 1
 
@@ -29,17 +28,13 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
     report), saturating at :data:`MAX_HITS`.
 
     Raises:
-        InvalidField: messages that are not a list of chat turns ending on a
-            user or tool turn, tools that are not a list, hits outside
+        InvalidField: messages that :func:`inference.corpus.conversation_problem`
+            refuses, tools that are not a list, hits outside
             1..MAX_HITS (400 on that field, exit 2).
     """
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise InvalidField("messages", "must be a non-empty list of chat turns")
-    for turn in messages:
-        if turn.get("role") not in ROLES:
-            raise InvalidField("messages", f"a turn's role must be one of {', '.join(sorted(ROLES))}")
-    if messages[-1].get("role") not in {"user", "tool"}:
-        raise InvalidField("messages", "the conversation must end on a user or tool turn (the prefix a request sends)")
+    problem = conversation_problem(messages)
+    if problem is not None:
+        raise InvalidField("messages", problem)
     if tools is not None and not isinstance(tools, list):
         raise InvalidField("tools", "must be a list")
     if isinstance(hits, bool) or not isinstance(hits, int) or not 1 <= hits <= MAX_HITS:

@@ -27,7 +27,7 @@ from cacheadmin.models import (
     Residency,
     Tenant,
 )
-from cacheadmin.models.releases import Release, ReleaseEvent
+from cacheadmin.models.releases import PrefixHeat, Release, ReleaseEvent
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
 from cacheadmin.services.heat import MAX_HITS
@@ -447,9 +447,13 @@ def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(version
         ({"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "hits": 0}, "hits"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages"),
     ):
         bad = client.post(f"/api/namespaces/{ns1.pk}/prefix-heat/", body, format="json")
         assert bad.status_code == 400 and list(bad.json()["error"]["fields"]) == [field], bad.json()
+    assert PrefixHeat.objects.filter(namespace=ns1).count() == 2
     release = _release(versions, "v2")
     ns2, _ = namespace_get_or_create(
         model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"

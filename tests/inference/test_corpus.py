@@ -1,0 +1,48 @@
+"""Which chat conversations a corpus or a prefix-heat report may hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.corpus import conversation_problem, load_corpus
+
+USER = {"role": "user", "content": "Refund status?"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ([], "must be a non-empty list of chat turns (JSON objects)"),
+        ("hello", "must be a non-empty list of chat turns (JSON objects)"),
+        ([USER, 7], "must be a non-empty list of chat turns (JSON objects)"),
+        ([{"role": "robot", "content": "x"}], "turn 0: role must be one of assistant, system, tool, user"),
+        ([{"role": "user"}], "turn 0: content is required (a string or a list of parts)"),
+        ([{"role": "user", "content": 5}], "turn 0: content must be a string or a list of parts with a type"),
+        ([{"role": "user", "content": [{"text": "x"}]}], "turn 0: content must be a string or a list of parts with a type"),
+        ([{"role": "user", "content": "x", "extra": 1}], "turn 0: a user turn takes no 'extra'"),
+        ([{"role": "system", "content": "x", "tool_calls": []}, USER], "turn 0: a system turn takes no 'tool_calls'"),
+        ([USER, {"role": "assistant", "tool_calls": "f"}, USER], "turn 1: tool_calls must be a list of objects"),
+        ([USER, {"role": "assistant", "content": None}, USER], "turn 1: content is required (a string or a list of parts)"),
+        ([{"role": "tool", "content": "42", "tool_call_id": 3}], "turn 0: tool_call_id must be a string"),
+        ([{"role": "user", "content": "x", "name": ["a"]}], "turn 0: name must be a string"),
+        (
+            [USER, {"role": "assistant", "content": "x"}],
+            "the conversation must end on a user or tool turn (the prefix a request sends)",
+        ),
+    ],
+)
+def test_a_malformed_conversation_is_named_by_turn(messages: object, problem: str) -> None:
+    assert conversation_problem(messages) == problem
+
+
+def test_what_requests_send_is_a_conversation() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert (
+        conversation_problem(
+            [USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "1", "tool_call_id": "c1"}]
+        )
+        is None
+    )
+    assert conversation_problem([{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}]) is None
+    assert conversation_problem([{"role": "user", "content": ""}]) is None
+    assert all(conversation_problem(c.messages) is None for c in load_corpus("diagnostic"))
