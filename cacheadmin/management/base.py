@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from django.core.exceptions import ValidationError
@@ -74,11 +75,29 @@ class ControlPlaneCommand(BaseCommand):
         return CommandError(printable, returncode=exit_code)
 
 
-def positive_int(value: str) -> int:
-    """argparse type: a positive integer in ASCII digits (int() also takes other scripts' digits)."""
+def _ascii_int(value: str) -> int:
+    """An integer in ASCII digits (int() also takes other scripts' digits: "١٠" is 10)."""
     if not (value.isascii() and value.strip().lstrip("+-").isdigit()):
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer")
-    number = int(value)
+    return int(value)
+
+
+def int_within(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an integer in ASCII digits within ``low..high`` (inclusive)."""
+
+    def parse(value: str) -> int:
+        number = _ascii_int(value)
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{number} is not within {low}..{high}")
+        return number
+
+    parse.__name__ = f"integer {low}..{high}"  # argparse names the type in its error
+    return parse
+
+
+def positive_int(value: str) -> int:
+    """argparse type: a positive integer in ASCII digits (int() also takes other scripts' digits)."""
+    number = _ascii_int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"{number} is not a positive integer")
     if number > MAX_ID:

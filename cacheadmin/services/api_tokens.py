@@ -8,12 +8,15 @@ import secrets
 from datetime import timedelta
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import ApiToken, Tenant
+from cacheadmin.models.naming import validate_display_name
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.db import best_effort_write
+from inference.errors import InvalidField
 
 TOKEN_PREFIX = "kvcp"
 
@@ -29,10 +32,19 @@ def api_token_issue(*, user: AbstractBaseUser, name: str, scope: str, tenant: Te
         (token row, ``"kvcp_<prefix>_<secret>"``).
 
     Raises:
-        ValueError: unknown scope.
+        InvalidField: unknown scope, or a name that is blank, longer than the
+            column, or holds invisible or control characters (it is shown in
+            listings and the audit trail) (400, exit 2).
     """
     if scope not in ApiToken.Scope.values:
-        raise ValueError(f"scope must be one of {', '.join(ApiToken.Scope.values)}")
+        raise InvalidField("scope", f"must be one of {', '.join(ApiToken.Scope.values)}")
+    name_max = ApiToken._meta.get_field("name").max_length
+    if len(name) > name_max:
+        raise InvalidField("name", f"at most {name_max} characters, got {len(name)}")
+    try:
+        validate_display_name(name)
+    except ValidationError as exc:
+        raise InvalidField("name", exc.messages[0]) from exc
     prefix = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     with transaction.atomic():

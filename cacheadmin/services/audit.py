@@ -14,15 +14,22 @@ from cacheadmin.models import AuditEvent
 MAX_REASON_CHARS = 2000
 
 
-def reason_check(reason: str) -> None:
+def reason_check(reason: str, *, required_for: str | None = None) -> None:
     """Refuse a reason that cannot be read back as written: too long, or holding
-    control, format (bidirectional override, zero-width) or unassigned characters.
+    control, format (bidirectional override, zero-width) or unassigned characters;
+    and a blank one where the action needs one.
 
-    Line breaks and tabs are kept. Whether a reason is required is each caller's rule.
+    Line breaks and tabs are kept (a reason may be a paragraph).
+
+    Args:
+        required_for: the action, when it needs a reason: ``"a rollback"``
+            gives ``"a rollback needs a reason"`` for a blank one.
 
     Raises:
         ValidationError: ``{"reason": [problem]}`` (400 in the API, exit 2 on the CLI).
     """
+    if required_for is not None and not reason.strip():
+        raise ValidationError({"reason": [f"{required_for} needs a reason"]})
     if len(reason) > MAX_REASON_CHARS:
         raise ValidationError({"reason": [f"a reason is at most {MAX_REASON_CHARS} characters, got {len(reason)}"]})
     hidden = next((c for c in reason if c not in "\n\t" and unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn")), None)

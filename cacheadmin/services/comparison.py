@@ -14,6 +14,9 @@ from cacheadmin.services.prewarm import JobRefused
 from inference.comparison import PromptComparison, median_or_none, run_comparison
 from inference.errors import EngineError, InvalidField
 
+#: Most tokens a comparison generates per prompt: enough to see a divergence, bounded so a job stays minutes.
+MAX_TOKENS = 256
+
 
 def comparison_job_create(
     *, engine: Engine, reference_engine: Engine, namespace: CacheNamespace, corpus: str, max_tokens: int, actor: str
@@ -36,8 +39,8 @@ def comparison_job_create(
     for candidate in (engine, reference_engine):
         if candidate.status != Engine.Status.READY:
             raise JobRefused(f"engine {candidate.name} is {candidate.status}, not ready")
-    if not 1 <= max_tokens <= 256:
-        raise InvalidField("max_tokens", f"must be within 1..256, got {max_tokens}")
+    if not 1 <= max_tokens <= MAX_TOKENS:
+        raise InvalidField("max_tokens", f"must be within 1..{MAX_TOKENS}, got {max_tokens}")
     try:
         total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:

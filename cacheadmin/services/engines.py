@@ -193,15 +193,15 @@ def engine_attach_namespace(*, engine: Engine, namespace: CacheNamespace, actor:
     """
     if engine.role != Engine.Role.SERVING:
         raise EngineRefused(f"engine {engine.name} is a reference engine; it serves no namespace")
-    if engine.status in (Engine.Status.STOPPED, Engine.Status.FAILED):
-        raise EngineRefused(f"engine {engine.name} is {engine.status}; start it before it serves another namespace")
-    namespace_check_current(namespace)
     if engine.salt_blind_tier:
         raise EngineRefused(
             f"engine {engine.name} has a {engine.kv_connector} tier, which keys KV by token ids alone and ignores "
             f"cache_salt: a second namespace would read the first one's cached state (measured on vLLM 0.32: "
             f"640 tokens of another tenant's KV loaded). Give the namespace its own engine."
         )
+    if engine.status in (Engine.Status.STOPPED, Engine.Status.FAILED):
+        raise EngineRefused(f"engine {engine.name} is {engine.status}; start it before it serves another namespace")
+    namespace_check_current(namespace)
     if namespace.model_version.identity != engine.model_version.identity:
         raise EngineRefused(
             f"namespace {namespace.namespace_key[:12]}… belongs to {namespace.model_version.label}, "

@@ -280,11 +280,10 @@ def shared_group_join(*, group: SharedGroup, tenant: Tenant, actor: str, reason:
     """Add ``tenant`` to ``group``: from now on it may use the group's namespaces (audited).
 
     Raises:
-        GroupError: already a member, or no reason given.
+        ValidationError: no reason given (400, exit 2).
+        GroupError: already a member.
     """
-    if not reason.strip():
-        raise GroupError("joining a shared group needs a reason")
-    reason_check(reason)
+    reason_check(reason, required_for="joining a shared group")
     try:
         with transaction.atomic():
             group.refresh_from_db()
@@ -306,11 +305,10 @@ def shared_group_leave(*, group: SharedGroup, tenant: Tenant, actor: str, reason
     and storage prefixes). The superseded ones are left for eviction.
 
     Raises:
-        GroupError: not a member, or no reason given.
+        ValidationError: no reason given (400, exit 2).
+        GroupError: not a member.
     """
-    if not reason.strip():
-        raise GroupError("leaving a shared group needs a reason")
-    reason_check(reason)
+    reason_check(reason, required_for="leaving a shared group")
     with transaction.atomic():
         deleted, _ = SharedGroupMembership.objects.filter(group=group, tenant=tenant).delete()
         if not deleted:

@@ -43,7 +43,7 @@ from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.serving import ROUTED, current_releases, dropped_routes, release_routes
 from cacheadmin.services.tiers import tiers_configured
 from inference.corpus import load_corpus
-from inference.errors import Refused
+from inference.errors import InvalidField, Refused
 from inference.identity import identity_diff, namespace_id
 from inference.tokenization import load_chat_tokenizer, serialized_inputs_digest, summary, tokenization_diff
 
@@ -229,14 +229,13 @@ def release_decide(
       namespace from every tier; ready when every tier confirmed.
 
     Raises:
+        ValidationError: no reason (400, exit 2).
         ReleaseRefused: the decision is not allowed for the classification, or
             its evidence or engine is missing; nothing changes.
         ReleaseConflict: the release is not awaiting a decision (e.g. a
             concurrent decision won).
     """
-    if not reason.strip():
-        raise ReleaseRefused("a decision needs a reason")
-    reason_check(reason)
+    reason_check(reason, required_for="a decision")
     if decision not in ALLOWED[release.classification]:
         allowed = ", ".join(ALLOWED[release.classification])
         article = "an" if release.classification[0] in "aeiou" else "a"
@@ -414,10 +413,11 @@ def release_set_traffic(*, release: Release, percent: int, actor: str) -> Releas
     other's cached state. At 100 the old version starts draining.
 
     Raises:
-        ReleaseRefused: the release is not ready, or ``percent`` is outside 0..100.
+        InvalidField: ``percent`` is outside 0..100 (400, exit 2).
+        ReleaseRefused: the release is not ready.
     """
     if not 0 <= percent <= 100:
-        raise ReleaseRefused("percent must be within 0..100")
+        raise InvalidField("percent", f"must be within 0..100, got {percent}")
     release = release_sync(release)
     if release.status != Status.READY:
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: traffic moves only once it is ready")
@@ -507,12 +507,11 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
     exposes a namespace whose identity differs from the version served.
 
     Raises:
-        ReleaseRefused: no reason; the release was not routed or already rolled
+        ValidationError: no reason (400, exit 2).
+        ReleaseRefused: the release was not routed or already rolled
             back; the old namespace was dropped; its identity does not match.
     """
-    if not reason.strip():
-        raise ReleaseRefused("a rollback needs a reason")
-    reason_check(reason)
+    reason_check(reason, required_for="a rollback")
     if release.status not in (Status.READY, Status.PREPARING, Status.FAILED):
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: nothing to roll back")
     namespace = release.from_namespace

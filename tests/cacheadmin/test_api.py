@@ -13,6 +13,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from cacheadmin.models import (
+    ApiToken,
     AuditEvent,
     CacheNamespace,
     ComparisonJob,
@@ -192,6 +193,21 @@ def test_api_token_command_issues_a_working_key_and_revokes_it() -> None:
     assert (bad.returncode, bad.stderr.strip()) == (2, "CommandError: no tenant 'nope'")
     bad_scope = manage("api_token", "issue", "--user", "ci", "--name", "x", "--scope", "root", env=env)
     assert bad_scope.returncode == 2 and len(bad_scope.stderr.strip().splitlines()) == 1
+    # A user name Django would not take, a name that would rewrite a terminal or overflow its column: nothing is created.
+    users_before, tokens_before = User.objects.count(), ApiToken.objects.count()
+    for args, message in (
+        (("--user", "", "--name", "x"), "CommandError: --user '': This field cannot be blank."),
+        (
+            ("--user", "a b<>", "--name", "x"),
+            "CommandError: --user 'a b<>': Enter a valid username. This value may contain only letters, numbers, "
+            "and @/./+/-/_ characters.",
+        ),
+        (("--user", "fresh", "--name", "x\x1b[31m"), "CommandError: name: contains the invisible or control character U+001B"),
+        (("--user", "fresh", "--name", "n" * 101), "CommandError: name: at most 100 characters, got 101"),
+    ):
+        refused = manage("api_token", "issue", *args, env=env)
+        assert (refused.returncode, refused.stderr.strip()) == (2, message), args
+    assert (User.objects.count(), ApiToken.objects.count()) == (users_before, tokens_before)
 
 
 POLICY = {"max_age_since_last_hit_s": 3600, "max_bytes": 1 << 30, "versions_kept": 2}

@@ -15,6 +15,7 @@ import pytest
 import redis
 from celery.exceptions import Retry
 from django.core import mail
+from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -146,8 +147,9 @@ def test_approved_run_demotes_drops_and_confirms_every_tier(world, kv, django_ca
     v2 = world["ns"]["v2"].storage_prefix
     before = {p.name: p.read_bytes() for p in (tiers.disk.root / v2).rglob("*.safetensors")}
     run = eviction_plan(actor="alice")
-    with pytest.raises(EvictionRefused, match="needs a reason"):
+    with pytest.raises(ValidationError) as blank:
         eviction_run_approve(run=run, actor="bob", reason=" ")
+    assert blank.value.message_dict == {"reason": ["an approval needs a reason"]}
     with django_capture_on_commit_callbacks() as callbacks:
         eviction_run_approve(run=run, actor="bob", reason="release 2026-11 done")
     assert len(callbacks) == 2  # the owners' digest, then the task (run here in-process instead)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.exceptions import ValidationError
 from django.db import connection
 from rest_framework.test import APIClient
 
@@ -54,6 +55,7 @@ from cacheadmin.services.releases import (
 )
 from inference.checkpoints import mistral_common_tokenizer_path
 from inference.corpus import load_corpus
+from inference.errors import InvalidField
 from inference.identity import LayoutOptions
 from inference.tokenization import load_chat_tokenizer, summary, tokenization_diff
 from tests.cacheadmin.test_eviction import write_entry
@@ -234,8 +236,9 @@ def test_gray_release_keeps_each_version_on_its_own_namespace(versions) -> None:
     # Both versions active: the version policy keeps both namespaces hot.
     plan = eviction_plan(actor="alice", only=[versions["ns1"], ns2])
     assert plan.actions.count() == 0
-    with pytest.raises(ReleaseRefused, match="percent must be within 0..100"):
+    with pytest.raises(InvalidField) as beyond:
         release_set_traffic(release=release, percent=101, actor="bob")
+    assert beyond.value.fields() == {"percent": ["must be within 0..100, got 101"]}
     done = release_set_traffic(release=release, percent=100, actor="bob")
     assert [r["percent"] for r in release_routing(done, actor="ci")] == [0, 100]
     assert ModelVersion.objects.get(pk=versions["v1"].pk).status == "draining"
@@ -252,8 +255,9 @@ def test_rollback_to_a_hot_namespace(versions) -> None:
         comparison_job=_comparison(versions, "v1-gen", deceptive=0),
     )
     release_set_traffic(release=release, percent=100, actor="bob")
-    with pytest.raises(ReleaseRefused, match="needs a reason"):
+    with pytest.raises(ValidationError) as blank:
         release_rollback(release=release, actor="bob", reason="")
+    assert blank.value.message_dict == {"reason": ["a rollback needs a reason"]}
     back = release_rollback(release=release, actor="bob", reason="latency regression")
     assert (back.status, back.traffic_percent) == ("rolled_back", 0)
     statuses = dict(ModelVersion.objects.filter(pk__in=[versions["v1"].pk, versions["v1-gen"].pk]).values_list("label", "status"))
@@ -394,6 +398,17 @@ def test_release_command_exit_codes(versions) -> None:
     assert refused.returncode == 4 and "verified_reuse is not allowed for an incompatible release" in refused.stderr
     bad = manage("release", "decide", "999", "--decision", "purge", "--reason", "r", env=env)
     assert bad.returncode == 2 and bad.stderr.strip() == "CommandError: no release 999"
+    # Bad input is exit 2, before any state is looked at: a blank reason, a share beyond 0..100, other scripts' digits.
+    for args, message in (
+        (("decide", str(out["id"]), "--decision", "purge", "--reason", " "), "CommandError: reason: a decision needs a reason"),
+        (("rollback", str(out["id"]), "--reason", ""), "CommandError: reason: a rollback needs a reason"),
+        (("traffic", str(out["id"]), "--percent", "101"), "argument --percent: 101 is not within 0..100"),
+        (("traffic", str(out["id"]), "--percent", "-1"), "argument --percent: -1 is not within 0..100"),
+        (("traffic", str(out["id"]), "--percent", "١٠"), "argument --percent: '١٠' is not an integer"),
+    ):
+        refused = manage("release", *args, env=env)
+        assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+    assert Release.objects.get(pk=out["id"]).status == "decision_required"
     purge = manage("release", "decide", str(out["id"]), "--decision", "purge", "--reason", "v1 bug", env=env)
     assert purge.returncode == 5, purge.stderr  # preparing: the purge has to run first
     status = manage("release", "status", str(out["id"]), env=env)

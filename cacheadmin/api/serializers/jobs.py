@@ -15,6 +15,7 @@ from cacheadmin.models import (
     PrewarmJob,
     PrewarmResult,
 )
+from cacheadmin.services.comparison import MAX_TOKENS
 
 JOB_FIELDS = (
     "id", "status", "corpus", "progress_done", "progress_total", "attempts", "created_at", "started_at",
@@ -83,4 +84,4 @@ class ComparisonJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     reference_engine = IdField(queryset=Engine.objects.all(), tenant_filter=reference_or_engine_of_tenant)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
     corpus = StrictCharField(max_length=100, default="diagnostic")
-    max_tokens = StrictIntegerField(min_value=1, max_value=256, default=16)
+    max_tokens = StrictIntegerField(min_value=1, max_value=MAX_TOKENS, default=16)

@@ -6,7 +6,9 @@ import json
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
+from django.db import transaction
 
 from cacheadmin.management.base import ControlPlaneCommand
 from cacheadmin.models import ApiToken, Tenant
@@ -41,10 +43,15 @@ class Command(ControlPlaneCommand):
                 tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
                 if tenant is None:
                     raise self.bad_input(f"no tenant {opts['tenant']!r}")
-            if not opts["name"].strip():
-                raise self.bad_input("--name must not be empty")
-            user, _ = get_user_model().objects.get_or_create(username=opts["user"])
-            token, key = api_token_issue(user=user, name=opts["name"], scope=opts["scope"], tenant=tenant, actor=ACTOR)
+            users = get_user_model()
+            try:
+                # The model field's own rules: not blank, at most 150 characters, letters, digits and @.+-_ only.
+                username = users._meta.get_field(users.USERNAME_FIELD).clean(opts["user"], None)
+            except ValidationError as exc:
+                raise self.bad_input(f"--user {opts['user'][:60]!r}: {exc.messages[0]}") from exc
+            with transaction.atomic():  # a refused token creates no user either
+                user, _ = users.objects.get_or_create(**{users.USERNAME_FIELD: username})
+                token, key = api_token_issue(user=user, name=opts["name"], scope=opts["scope"], tenant=tenant, actor=ACTOR)
             out = {"prefix": token.prefix, "scope": token.scope, "tenant": opts["tenant"], "key": key}
             self.stdout.write(json.dumps(out) if opts["json"] else key)
         elif verb == "revoke":

@@ -22,8 +22,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandParser
 
 from cacheadmin.env import env_int, env_str
-from cacheadmin.management.base import ControlPlaneCommand
+from cacheadmin.management.base import ControlPlaneCommand, int_within
 from cacheadmin.services.accounting import accounting_scan_scheduled
+from cacheadmin.services.comparison import MAX_TOKENS
 from cacheadmin.services.demo import DemoError, demo_run
 from cacheadmin.services.workers import WorkerProcess
 from inference.engines.launcher import die_with_parent
@@ -297,7 +298,9 @@ class Command(ControlPlaneCommand):
             default=None,
             help=f"dashboard address HOST:PORT or unix:PATH (default GUNICORN_BIND, else {DEFAULT_BIND})",
         )
-        parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt when comparing")
+        parser.add_argument(
+            "--max-tokens", type=int_within(1, MAX_TOKENS), default=16, help="tokens generated per prompt when comparing"
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         # Stop cleanly (worker, dashboard server, engines) on Ctrl-C and on

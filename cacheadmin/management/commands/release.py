@@ -18,7 +18,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, int_within, positive_int
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release
 from cacheadmin.services.releases import (
@@ -66,7 +66,7 @@ class Command(ControlPlaneCommand):
         ready.add_argument("id", type=positive_int)
         traffic = sub.add_parser("traffic", help="gray release: percent of traffic on the new version")
         traffic.add_argument("id", type=positive_int)
-        traffic.add_argument("--percent", type=int, required=True)
+        traffic.add_argument("--percent", type=int_within(0, 100), required=True)
         rollback = sub.add_parser("rollback", help="route back to the old version's namespace")
         rollback.add_argument("id", type=positive_int)
         rollback.add_argument("--reason", required=True)

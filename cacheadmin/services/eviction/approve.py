@@ -19,12 +19,11 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
     """Approve a planned run: it is queued at once and owners get their digest.
 
     Raises:
-        EvictionRefused: no reason, or the run is not awaiting approval (e.g. a
-            concurrent approval won; only one of two concurrent calls succeeds).
+        ValidationError: no reason, or one that cannot be read back (400, exit 2).
+        EvictionRefused: the run is not awaiting approval (e.g. a concurrent
+            approval won; only one of two concurrent calls succeeds).
     """
-    if not reason.strip():
-        raise EvictionRefused("an approval needs a reason")
-    reason_check(reason)
+    reason_check(reason, required_for="an approval")
     held = _held_prefixes(run)
     if held:
         raise EvictionRefused(f"namespaces put under a legal hold since the plan: {', '.join(held)}; plan again")
