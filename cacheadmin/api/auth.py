@@ -75,12 +75,12 @@ class ScopePermission(permissions.BasePermission):
             self.message = "a token bound to a tenant cannot use this resource"
             return request.method in permissions.SAFE_METHODS and getattr(view, "tenant_bound_read", False)
         needed = getattr(view, "action_scopes", {}).get(getattr(view, "action", None))
-        if needed is None and request.method in permissions.SAFE_METHODS:
-            needed = getattr(view, "read_scope", ApiToken.Scope.READ)
-        elif needed is None:
-            needed = getattr(view, "write_scope", ApiToken.Scope.OPERATE)
-        else:
+        if needed is not None:
             self.message = f"this action needs a token with {needed} scope"
+        elif request.method in permissions.SAFE_METHODS:
+            needed = getattr(view, "read_scope", ApiToken.Scope.READ)
+        else:
+            needed = getattr(view, "write_scope", ApiToken.Scope.OPERATE)
         return request_scope_allows(request, needed)
 
 

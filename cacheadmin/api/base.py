@@ -47,18 +47,27 @@ class ScopedViewSetMixin(ControlPlaneSchemaMixin):
         (a misspelt filter would otherwise return every row)."""
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
         self.tenant_id = request_tenant(request)
-        unknown = sorted(set(request.query_params) - self.query_parameters())
+        if not request.query_params:
+            return
+        allowed = self.query_parameters()
+        unknown = sorted(set(request.query_params) - allowed)
         if unknown:
-            takes = ", ".join(sorted(self.query_parameters() - {"format"})) or "no query parameters"
+            takes = ", ".join(sorted(allowed - {"format"})) or "no query parameters"
             raise ValidationError({unknown[0][:60]: [f"unknown query parameter; this takes: {takes}"]})
 
-    def query_parameters(self) -> set[str]:
+    #: A list's query parameters, per viewset class (they depend on the class alone).
+    _list_parameters: dict[type, frozenset[str]] = {}
+
+    def query_parameters(self) -> frozenset[str]:
         """The query parameters the current action takes: ``format``; on a
         list, its filters, ``ordering`` and the paginator's (a sub-list such as
         ``…/results/`` is answered whole and takes none of those)."""
-        names = {"format"}
         if self.action != "list":  # type: ignore[attr-defined]
-            return names
+            return frozenset({"format"})
+        cached = self._list_parameters.get(type(self))
+        if cached is not None:
+            return cached
+        names = {"format"}
         for backend in self.filter_backends:  # type: ignore[attr-defined]
             if hasattr(backend, "get_filterset_class"):
                 filterset = backend().get_filterset_class(self, self.base_queryset())
@@ -68,7 +77,8 @@ class ScopedViewSetMixin(ControlPlaneSchemaMixin):
         paginator = self.paginator  # type: ignore[attr-defined]
         if paginator is not None:
             names |= {paginator.limit_query_param, paginator.offset_query_param}
-        return names
+        self._list_parameters[type(self)] = frozenset(names)
+        return self._list_parameters[type(self)]
 
     def base_queryset(self) -> models.QuerySet:
         """The viewset's rows before tenant scoping (default: its ``queryset``)."""

@@ -93,8 +93,6 @@ class Command(ControlPlaneCommand):
         return self._run(run, actions=True)
 
     def verb_approve(self, opts: dict[str, Any]) -> dict[str, Any]:
-        if not opts["reason"].strip():
-            raise self.bad_input("--reason must not be empty")
         run = get_or_bad_input(self, EvictionRun, opts["id"], "eviction run")
         run = eviction_run_approve(run=run, actor=ACTOR, reason=opts["reason"])
         if opts["wait"]:

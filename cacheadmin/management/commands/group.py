@@ -39,8 +39,6 @@ class Command(ControlPlaneCommand):
             group = shared_group_create(slug=opts["slug"], name=opts["name"], actor=ACTOR)
             self._print(group)
         elif opts["verb"] in ("join", "leave"):
-            if not opts["reason"].strip():
-                raise self.bad_input("--reason must not be empty")
             group = get_or_bad_input(self, SharedGroup, opts["slug"], "shared group", slug=opts["slug"])
             tenant = get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"])
             change = shared_group_join if opts["verb"] == "join" else shared_group_leave
