@@ -34,6 +34,8 @@ class ScheduleSpec:
 SCHEDULES = (
     ScheduleSpec("accounting-scan", "cacheadmin.accounting_scan_scheduled", 900, 600, "bytes and entries per namespace and tier"),
     ScheduleSpec("engine-metrics-scrape", "cacheadmin.engine_metrics_scrape", 60, 50, "prefix-cache counters of ready engines"),
+    ScheduleSpec("engines-health", "cacheadmin.engines_health", 20, 15, "crashed or silent engines, restarts by policy"),
+    ScheduleSpec("engines-verify", "cacheadmin.engines_verify", 300, 240, "re-verify engines against their identity (drift)"),
     ScheduleSpec("eviction-sweep", "cacheadmin.eviction_sweep", 600, 540, "version policy, budgets, orphans"),
     ScheduleSpec("jobs-recover-lost", "cacheadmin.jobs_recover_lost", 120, 100, "requeue or fail jobs of dead workers"),
 )

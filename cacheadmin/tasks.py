@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from cacheadmin.models import Engine
 from cacheadmin.services.accounting import AccountingScanRunner, accounting_scan_scheduled, engine_metrics_scrape
 from cacheadmin.services.comparison import ComparisonRunner
+from cacheadmin.services.engines import ENGINE_BOOT_TASK, ENGINE_RESTART_DUE_TASK, engine_boot
 from cacheadmin.services.eviction import EvictionRunner, eviction_sweep
+from cacheadmin.services.fleet import engines_health, engines_restart_due, engines_verify_all
 from cacheadmin.services.jobs import jobs_recover_lost
 from cacheadmin.services.prewarm import PrewarmRunner
 from cacheadmin.services.registration import RegistrationRunner
@@ -54,3 +57,35 @@ def jobs_recover_lost_task() -> None:
     move the releases whose prewarm or purge ended without its event reaching them."""
     jobs_recover_lost()
     releases_sync_pending()
+
+
+@shared_task(name=ENGINE_BOOT_TASK)
+def engine_boot_task(engine_id: int) -> None:
+    """Start, wait for and verify a ``starting`` engine (API start and restart).
+    Idempotent: a redelivery finds the process by pid; a finished row is left alone."""
+    engine = Engine.objects.filter(pk=engine_id).first()
+    if engine is not None:
+        try:
+            engine_boot(engine, actor="worker")
+        except Exception:  # noqa: BLE001 - engine_boot recorded the failure on the row
+            pass
+
+
+@shared_task(name="cacheadmin.engines_health")
+def engines_health_task() -> None:
+    """Scheduled: fail engines whose process died or whose /health went silent;
+    queue the restarts their policy asks for."""
+    if engines_health()["restart_due"]:
+        engines_restart_due_task.delay()
+
+
+@shared_task(name=ENGINE_RESTART_DUE_TASK)
+def engines_restart_due_task() -> None:
+    """Restart the failed engines whose backoff has passed (one claim per engine)."""
+    engines_restart_due(actor="restart policy")
+
+
+@shared_task(name="cacheadmin.engines_verify")
+def engines_verify_task() -> None:
+    """Scheduled: re-verify every ready engine; drift takes it out of service with an alarm."""
+    engines_verify_all()

@@ -3,7 +3,7 @@
 from django.urls import include, path, re_path
 from rest_framework.routers import DefaultRouter
 
-from cacheadmin.api import release_views, views
+from cacheadmin.api import engine_views, release_views, views
 
 
 class IdRouter(DefaultRouter):
@@ -34,7 +34,8 @@ router.register("shared-groups", views.SharedGroupViewSet, basename="shared-grou
 router.register("adapters", views.AdapterViewSet, basename="adapter")
 router.register("retention-owners", views.RetentionOwnerViewSet, basename="retention-owner")
 router.register("namespaces", views.CacheNamespaceViewSet, basename="namespace")
-router.register("engines", views.EngineViewSet, basename="engine")
+router.register("engines", engine_views.EngineViewSet, basename="engine")
+router.register("engine-alarms", engine_views.EngineAlarmViewSet, basename="engine-alarm")
 router.register("prewarm-jobs", views.PrewarmJobViewSet, basename="prewarm-job")
 router.register("comparison-jobs", views.ComparisonJobViewSet, basename="comparison-job")
 router.register("registration-jobs", views.RegistrationJobViewSet, basename="registration-job")

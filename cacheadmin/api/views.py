@@ -47,7 +47,6 @@ from cacheadmin.models import (
 )
 from cacheadmin.services.accounting import accounting_scan_create, orphans_report
 from cacheadmin.services.comparison import comparison_job_create
-from cacheadmin.services.engines import engine_attach_namespace
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.jobs import job_cancel
@@ -283,34 +282,6 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
                 "storage_prefix": namespace.storage_prefix,
             }
         )
-
-
-class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
-    """Engines the control plane launched or knows."""
-
-    serializer_class = s.EngineSerializer
-    filterset_fields = ("status", "role", "model_version", "namespace")
-    ordering_fields = ("created_at", "name")
-
-    def base_queryset(self) -> models.QuerySet:
-        return (
-            Engine.objects.select_related("model_version").prefetch_related("attached_namespaces").order_by("-created_at", "-id")
-        )
-
-    def tenant_filter(self, tenant_id: int) -> Q:
-        """Engines all of whose namespaces it may see, and every reference engine:
-        those hold nobody's cached state, and any tenant may compare against them."""
-        return Q(pk__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
-
-    @extend_schema(request=s.EngineAttachSerializer, responses={200: s.EngineSerializer})
-    @action(detail=True, methods=["post"])
-    def attach(self, request: Request, pk: str | None = None) -> Response:
-        """Serve another namespace from this engine's memory (refused, with the
-        reason, when its persistent tier ignores cache_salt)."""
-        engine = self.get_object()
-        namespace = validated(request, s.EngineAttachSerializer)["namespace"]
-        engine_attach_namespace(engine=engine, namespace=namespace, actor=actor_of(request))
-        return Response(s.EngineSerializer(self.get_queryset().get(pk=engine.pk)).data)
 
 
 class _JobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):

@@ -2,7 +2,7 @@
 
 from cacheadmin.models.api_tokens import ApiToken
 from cacheadmin.models.audit import AuditEvent
-from cacheadmin.models.engines import Engine
+from cacheadmin.models.engines import Engine, EngineAlarm, EngineVerification, KvEventStream, ResidentSample
 from cacheadmin.models.eviction import (
     AccountingScan,
     EngineMetricsSample,
@@ -38,6 +38,10 @@ __all__ = [
     "ComparisonJob",
     "ComparisonResult",
     "Engine",
+    "EngineAlarm",
+    "EngineVerification",
+    "KvEventStream",
+    "ResidentSample",
     "IdempotencyKey",
     "JobStatus",
     "ModelVersion",

@@ -25,6 +25,27 @@ class Engine(models.Model):
         STOPPED = "stopped"
         FAILED = "failed"
 
+    class Origin(models.TextChoices):
+        #: Started by the control plane on this host; it owns the process.
+        LOCAL = "local"
+        #: A running server the control plane registered by URL (a GPU host,
+        #: a Kubernetes service); it verifies and watches it, never starts it.
+        ADOPTED = "adopted"
+
+    class Verification(models.TextChoices):
+        UNVERIFIED = "unverified"
+        VERIFIED = "verified"
+        #: What the engine reports differs from the model version's identity.
+        REFUSED = "refused"
+        #: Verified once, then a re-check found it changed (restarted on other
+        #: weights or flags): out of service until it verifies again.
+        DRIFTED = "drifted"
+        UNREACHABLE = "unreachable"
+
+    class RestartPolicy(models.TextChoices):
+        NEVER = "never"
+        ON_FAILURE = "on_failure"
+
     name = models.CharField(max_length=100, unique=True)
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.SERVING)
     model_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="engines")
@@ -46,6 +67,33 @@ class Engine(models.Model):
     start_seconds = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
+    origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.LOCAL)
+    #: ``/metrics`` of the engine; empty means ``{base_url}/metrics``.
+    metrics_url = models.CharField(max_length=200, blank=True, default="")
+    #: ZMQ address of the engine's KV-event stream, empty for none. For local
+    #: engines the consumer binds it and the engine connects; for adopted ones
+    #: the engine binds it and the consumer connects (``kv_events_bind``).
+    kv_events_endpoint = models.CharField(max_length=200, blank=True, default="")
+    kv_events_replay_endpoint = models.CharField(max_length=200, blank=True, default="")
+    kv_events_topic = models.CharField(max_length=100, blank=True, default="")
+    kv_events_bind = models.BooleanField(default=False, help_text="the consumer binds the endpoint (local engines)")
+    #: Incremented at every start of the process: a consumer's saved state of
+    #: an earlier incarnation is dropped (a new process has an empty cache).
+    generation = models.PositiveIntegerField(default=0)
+    #: Started detached from the process that asked (CLI, API worker): it
+    #: outlives that process and is stopped by pid.
+    detached = models.BooleanField(default=False)
+    restart_policy = models.CharField(max_length=16, choices=RestartPolicy.choices, default=RestartPolicy.NEVER)
+    restart_max_attempts = models.PositiveIntegerField(default=3)
+    restart_backoff_s = models.PositiveIntegerField(default=10, help_text="seconds before the first restart; doubles")
+    restart_attempts = models.PositiveIntegerField(default=0, help_text="restarts since the last healthy check")
+    next_restart_at = models.DateTimeField(null=True, blank=True)
+    health_checked_at = models.DateTimeField(null=True, blank=True)
+    health_failures = models.PositiveIntegerField(default=0, help_text="consecutive health checks that failed")
+    verification = models.CharField(max_length=16, choices=Verification.choices, default=Verification.UNVERIFIED)
+    verified_at = models.DateTimeField(null=True, blank=True)
+    #: What the engine reported when it last verified (the drift baseline).
+    verified_facts = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -63,6 +111,151 @@ class Engine(models.Model):
         """True when this engine's persistent tier ignores cache_salt (one namespace only)."""
         return self.kv_connector in self.SALT_BLIND_CONNECTORS
 
+    @property
+    def in_service(self) -> bool:
+        """Ready and verified against its model version's identity: requests may be routed to it."""
+        return self.status == self.Status.READY and self.verification == self.Verification.VERIFIED
+
+    @property
+    def effective_metrics_url(self) -> str:
+        """Where the engine's Prometheus metrics are read."""
+        return self.metrics_url or f"{self.base_url.rstrip('/')}/metrics"
+
     def serves(self, namespace_pk: int) -> bool:
         """Whether requests of this namespace may run on this engine."""
         return namespace_pk == self.namespace_id or self.attached_namespaces.filter(pk=namespace_pk).exists()
+
+
+class EngineVerification(models.Model):
+    """One check of what an engine reports against its model version's identity.
+
+    ``checks`` is a list of ``{"field", "source", "expected", "observed", "ok"}``
+    in a fixed order (see :mod:`inference.engines.verify`); ``outcome`` is
+    ``verified`` when every check passed.
+    """
+
+    engine = models.ForeignKey(Engine, on_delete=models.CASCADE, related_name="verifications")
+    outcome = models.CharField(max_length=16, choices=Engine.Verification.choices)
+    trigger = models.CharField(max_length=32, help_text="start, adopt, manual, schedule")
+    identity = models.CharField(max_length=64, help_text="the model version's identity it was checked against")
+    checks = models.JSONField(default=list)
+    error = models.TextField(blank=True, default="")
+    actor = models.CharField(max_length=200)
+    checked_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-checked_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"verification of engine {self.engine_id}: {self.outcome}"
+
+    @property
+    def failed_checks(self) -> list[dict]:
+        """The checks that did not pass."""
+        return [c for c in self.checks if not c.get("ok")]
+
+
+class EngineAlarm(models.Model):
+    """Something about an engine an operator must look at, open until resolved.
+
+    One open row per (engine, kind, key): a repeat raises ``count`` and
+    ``last_seen_at``. ``key`` separates occurrences of one kind (a digest of
+    an unknown salt, never the salt itself).
+    """
+
+    class Kind(models.TextChoices):
+        #: Blocks stored under a cache_salt that belongs to no namespace.
+        UNKNOWN_SALT = "isolation_unknown_salt"
+        #: Blocks stored without a salt on an engine serving several namespaces.
+        NO_SALT = "isolation_no_salt"
+        #: Blocks stored under the salt of a namespace this engine does not serve.
+        FOREIGN_NAMESPACE = "isolation_foreign_namespace"
+        #: A re-verification found the engine changed.
+        DRIFT = "verification_drift"
+        #: The process died or the health endpoint went silent.
+        HEALTH = "health"
+        #: Sequence numbers skipped and replay could not fill the gap.
+        KV_EVENTS_GAP = "kv_events_gap"
+        #: Frames that are not vLLM KV-event batches.
+        KV_EVENTS_GARBAGE = "kv_events_garbage"
+
+    ISOLATION_KINDS = frozenset({Kind.UNKNOWN_SALT, Kind.NO_SALT, Kind.FOREIGN_NAMESPACE})
+
+    engine = models.ForeignKey(Engine, on_delete=models.CASCADE, related_name="alarms")
+    kind = models.CharField(max_length=40, choices=Kind.choices)
+    key = models.CharField(max_length=64, blank=True, default="")
+    detail = models.TextField(blank=True, default="")
+    count = models.PositiveIntegerField(default=1)
+    first_seen_at = models.DateTimeField(auto_now_add=True)
+    last_seen_at = models.DateTimeField(auto_now_add=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    resolved_by = models.CharField(max_length=200, blank=True, default="")
+
+    class Meta:
+        ordering = ["-last_seen_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["engine", "kind", "key"], condition=models.Q(resolved_at__isnull=True), name="engine_alarm_one_open"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} on engine {self.engine_id}"
+
+    @property
+    def isolation(self) -> bool:
+        """An isolation alarm (pages): another namespace's or nobody's KV in this engine."""
+        return self.kind in self.ISOLATION_KINDS
+
+
+class KvEventStream(models.Model):
+    """The KV-event consumer's view of one engine's stream, saved every few seconds.
+
+    ``state`` is the consumer's checkpoint (msgpack, :mod:`inference.kv_events`):
+    resident blocks by hash with their namespace, so a restarted consumer
+    resumes from ``last_seq`` and replays the rest from the engine.
+    """
+
+    engine = models.OneToOneField(Engine, on_delete=models.CASCADE, related_name="kv_stream")
+    generation = models.PositiveIntegerField(default=0, help_text="the engine incarnation this state belongs to")
+    last_seq = models.BigIntegerField(null=True, blank=True)
+    events = models.BigIntegerField(default=0, help_text="events applied since this incarnation started")
+    gaps = models.PositiveIntegerField(default=0)
+    garbage = models.PositiveIntegerField(default=0, help_text="frames that did not decode")
+    replays = models.PositiveIntegerField(default=0)
+    restarts_seen = models.PositiveIntegerField(default=0, help_text="sequence resets seen (engine restarts)")
+    #: False after a gap no replay could fill: counts are a lower bound until
+    #: the engine clears its cache.
+    complete = models.BooleanField(default=True)
+    cleared_at = models.DateTimeField(null=True, blank=True, help_text="last AllBlocksCleared seen")
+    last_event_at = models.DateTimeField(null=True, blank=True)
+    consumer = models.CharField(max_length=200, blank=True, default="", help_text="host:pid of the consumer")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    state = models.BinaryField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"KV events of engine {self.engine_id}"
+
+
+class ResidentSample(models.Model):
+    """Resident KV blocks and tokens of one namespace in one engine's memory, at one time.
+
+    ``namespace`` null: blocks the consumer could not attribute (their chain's
+    first block was never seen, e.g. stored before a gap).
+    """
+
+    engine = models.ForeignKey(Engine, on_delete=models.CASCADE, related_name="resident_samples")
+    namespace = models.ForeignKey(
+        "cacheadmin.CacheNamespace", null=True, blank=True, on_delete=models.CASCADE, related_name="resident_samples"
+    )
+    medium = models.CharField(max_length=16, default="GPU", help_text="vLLM's medium: GPU (engine memory), CPU, STORAGE")
+    sampled_at = models.DateTimeField(db_index=True)
+    blocks = models.BigIntegerField()
+    tokens = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["-sampled_at", "-id"]
+        indexes = [models.Index(fields=["engine", "-sampled_at"], name="resident_engine_time")]
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens of namespace {self.namespace_id} on engine {self.engine_id}"

@@ -45,6 +45,10 @@ class ModelVersion(NameKeysMixin, models.Model):
     total_bytes = models.BigIntegerField(default=0)
     fingerprint_seconds = models.FloatField(default=0.0)
     created_at = models.DateTimeField(auto_now_add=True)
+    #: Greedy answer to :data:`inference.engines.verify.OUTPUT_PROBE_PROMPT`
+    #: from the first local engine (started here from this checkpoint) that
+    #: verified: adopted engines must give the same answer. Empty until then.
+    probe_output = models.TextField(blank=True, default="")
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
+from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.engine_verification import VerificationRefused, engine_verify
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
-from inference.errors import EngineError, Refused
+from inference.errors import EngineError, InvalidField, Refused
 
 #: Engines this process launched, by Engine pk (handles to their subprocesses).
 _LAUNCHED: dict[int, LocalEngine] = {}
@@ -25,27 +30,251 @@ class EngineRefused(Refused):
     code = "engine_refused"
 
 
-def _spec_for(
-    *, model_version: ModelVersion, name: str, port: int, prefix_caching: bool, kv_storage_path: Path | None
-) -> EngineSpec:
-    """The launch spec carrying every identity layout field.
+#: Statuses of an engine that runs or is about to.
+LIVE_STATUSES = (Engine.Status.STARTING, Engine.Status.READY)
+
+
+def _kv_events_config(engine: Engine) -> dict[str, Any] | None:
+    """vLLM's ``--kv-events-config`` for a local engine: it connects to the
+    consumer's bound endpoint (vLLM binds only ``*``/ipc endpoints, connects to
+    the rest) and binds its replay endpoint (always bound). The topic carries the
+    incarnation, so a consumer drops frames of an earlier process of the engine."""
+    if not engine.kv_events_endpoint:
+        return None
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": engine.kv_events_endpoint,
+        "replay_endpoint": engine.kv_events_replay_endpoint or None,
+        "topic": engine.kv_events_topic,
+    }
+
+
+def kv_events_topic(engine: Engine) -> str:
+    """The topic a local engine's current incarnation publishes under."""
+    return f"kvcp.engine-{engine.pk}.{engine.generation}"
+
+
+def _spec_for(engine: Engine) -> EngineSpec:
+    """The launch spec of a local engine row, carrying every identity layout field.
 
     Raises:
         EngineRefused: a layout field this launcher cannot honour here (the reason).
     """
+    port = int(engine.base_url.rsplit(":", 1)[1])
     try:
         return EngineSpec.from_layout(
-            model_version.inputs["layout"],
-            model_path=Path(model_version.path),
-            served_name=model_version.served_name,
-            prefix_caching=prefix_caching,
-            kv_storage_path=kv_storage_path,
+            engine.model_version.inputs["layout"],
+            model_path=Path(engine.model_version.path),
+            served_name=engine.model_version.served_name,
+            prefix_caching=engine.prefix_caching,
+            kv_storage_path=Path(engine.kv_storage_path) if engine.kv_storage_path else None,
             kv_cache_gib=settings.ENGINE_KV_CACHE_GIB,
-            log_path=settings.ENGINE_LOG_DIR / f"{name}.log",
+            log_path=Path(engine.log_path),
             port=port,
+            kv_events=_kv_events_config(engine),
         )
     except EngineError as exc:
         raise EngineRefused(str(exc)) from exc
+
+
+def engine_name_check(name: str) -> str:
+    """A new engine's name, stripped.
+
+    Raises:
+        InvalidField: blank, not ``[A-Za-z0-9][A-Za-z0-9_.-]*`` up to 100, or taken.
+    """
+    name = name.strip()
+    if not name:
+        raise InvalidField("name", "must not be blank")
+    if len(name) > 100 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise InvalidField("name", "letters, digits, '.', '_' and '-' only, at most 100, starting with a letter or digit")
+    if Engine.objects.filter(name=name).exists():
+        raise InvalidField("name", f"an engine named {name} exists")
+    return name
+
+
+def engine_create(
+    *,
+    name: str,
+    model_version: ModelVersion,
+    namespace: CacheNamespace | None,
+    actor: str,
+    tier: str = "disk",
+    identity_override_reason: str = "",
+    restart_policy: str = Engine.RestartPolicy.NEVER,
+    detached: bool = True,
+) -> Engine:
+    """Record the intent to start a local vLLM engine (status ``starting``),
+    before any process exists: a caller killed before :func:`engine_boot`
+    leaves a row the health check finishes or fails, never an unknown server.
+
+    With a ``namespace``, the engine serves it: prefix caching on, KV events
+    on, and (``tier="disk"``) the ExampleConnector disk tier under the
+    namespace's storage prefix when the version's layout names that connector.
+    Without one it is a *reference* engine: no prefix caching, no connector,
+    no events. Serving another identity's namespace is the unsafe upgrade this
+    product exists to prevent; it is refused unless ``identity_override_reason``
+    says why (recorded on the row and in the audit trail).
+
+    Raises:
+        InvalidField: a blank, malformed or taken name; ``tier`` not disk/none;
+            an unknown restart policy.
+        EngineRefused: identity mismatch without an override reason, a layout
+            field this launcher cannot honour here, or a salt-blind tier that a
+            live engine of another namespace already uses.
+        NamespaceConflict: a superseded shared-group namespace.
+    """
+    if tier not in ("disk", "none"):
+        raise InvalidField("tier", "disk or none")
+    if restart_policy not in Engine.RestartPolicy.values:
+        raise InvalidField("restart_policy", f"one of {', '.join(Engine.RestartPolicy.values)}")
+    name = engine_name_check(name)
+    if namespace is not None:
+        namespace_check_current(namespace)
+        if namespace.model_version.identity != model_version.identity and not identity_override_reason.strip():
+            raise EngineRefused(
+                f"namespace {namespace.namespace_key[:12]}… belongs to {namespace.model_version.label} "
+                f"(identity {namespace.model_version.identity[:12]}…), not {model_version.label} "
+                f"(identity {model_version.identity[:12]}…): its cached KV state was computed by other weights"
+            )
+    connector = model_version.inputs["layout"].get("kv_connector") if namespace is not None and tier == "disk" else None
+    storage = namespace_storage_path(namespace) if (namespace is not None and connector) else None
+    if storage is not None:
+        # ExampleConnector keys KV by token hash alone (no salt): the tier may
+        # back one namespace only. Two engines of the same namespace are fine.
+        clash = Engine.objects.filter(kv_storage_path=str(storage), status__in=LIVE_STATUSES).exclude(namespace=namespace).first()
+        if clash is not None:
+            raise EngineRefused(f"the salt-blind disk tier {storage} already backs engine {clash.name} of another namespace")
+    port = free_port()
+    with transaction.atomic():
+        engine = Engine.objects.create(
+            name=name,
+            role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE,
+            origin=Engine.Origin.LOCAL,
+            model_version=model_version,
+            namespace=namespace,
+            base_url=f"http://127.0.0.1:{port}",
+            prefix_caching=namespace is not None,
+            kv_connector=connector or "",
+            kv_storage_path=str(storage) if storage else "",
+            log_path=str(settings.ENGINE_LOG_DIR / f"{name}.log"),
+            identity_override=identity_override_reason.strip(),
+            restart_policy=restart_policy,
+            detached=detached,
+            generation=1,
+        )
+        if namespace is not None:
+            # Events only where prefix caching stores blocks.
+            engine.kv_events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+            engine.kv_events_replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+            engine.kv_events_bind = True
+            engine.kv_events_topic = kv_events_topic(engine)
+            engine.save(update_fields=["kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind", "kv_events_topic"])
+        _spec_for(engine)  # refuses an unlaunchable layout inside the transaction: nothing is recorded
+        audit_record(
+            actor=actor,
+            action="engine.start",
+            obj=engine,
+            after={
+                "model_version": model_version.label,
+                "namespace": namespace.namespace_key if namespace else None,
+                "tier": connector or "none",
+                "restart_policy": restart_policy,
+            },
+            reason=identity_override_reason.strip(),
+        )
+    return engine
+
+
+def engine_boot(engine: Engine, *, actor: str, trigger: str = "start") -> Engine:
+    """Start the process of a ``starting`` engine row (if none runs), wait until
+    it answers, verify it, and mark it ``ready``. Idempotent: a redelivered task
+    or a second call finds the process by pid and only waits.
+
+    Returns:
+        The row, ``ready`` (verified) or unchanged if it is not ``starting``.
+
+    Raises:
+        EngineError: the server did not come up; the row is ``failed`` with the
+            reason and log tail.
+        VerificationRefused: it came up computing something else than its
+            identity; the row is ``failed`` and the process stopped.
+    """
+    engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
+    if engine.status != Engine.Status.STARTING or engine.origin != Engine.Origin.LOCAL:
+        return engine
+    started = time.monotonic()
+    local: LocalEngine | None = None
+    try:
+        if not (engine.pid and pid_alive(engine.pid)):
+            local = LocalEngine(_spec_for(engine))
+            local.start(detach=engine.detached)
+            Engine.objects.filter(pk=engine.pk).update(pid=local.pid)
+            local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
+        else:
+            _wait_healthy(engine, settings.ENGINE_START_TIMEOUT_S)
+    except EngineError as exc:
+        if local is not None:
+            local.stop()
+        _mark_failed(engine, f"{exc}", actor=actor)
+        raise
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) while starting: never leave a server, or a
+        # row that claims one is starting.
+        if local is not None:
+            local.stop()
+        Engine.objects.filter(pk=engine.pk).update(
+            status=Engine.Status.STOPPED, error="interrupted while starting", stopped_at=timezone.now()
+        )
+        raise
+    if local is not None and not engine.detached:
+        _LAUNCHED[engine.pk] = local
+    Engine.objects.filter(pk=engine.pk).update(
+        status=Engine.Status.READY, start_seconds=time.monotonic() - started, error="", health_failures=0,
+        health_checked_at=timezone.now(),
+    )  # fmt: skip
+    engine.refresh_from_db()
+    try:
+        engine_verify(engine=engine, actor=actor, trigger=trigger)
+    except VerificationRefused:
+        _stop_process(engine)
+        _mark_failed(engine, "verification refused: the engine does not compute what its identity says", actor=actor)
+        raise
+    except EngineError as exc:
+        _stop_process(engine)
+        _mark_failed(engine, f"verification could not reach the engine: {exc}", actor=actor)
+        raise
+    engine.refresh_from_db()
+    return engine
+
+
+def _wait_healthy(engine: Engine, timeout_s: float) -> None:
+    """Wait for ``/health`` of a process this one did not spawn (found by pid)."""
+    deadline = time.monotonic() + timeout_s
+    with engine_client(engine) as client:
+        while not client.healthy():
+            if not (engine.pid and pid_alive(engine.pid)):
+                raise EngineError(f"vLLM server {engine.name} exited before it was ready:\n{log_tail(engine)}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"vLLM server {engine.name} not ready after {timeout_s:.0f} s:\n{log_tail(engine)}")
+            time.sleep(0.5)
+
+
+def log_tail(engine: Engine, lines: int = 20) -> str:
+    """The last ``lines`` lines of a local engine's log ("" if none)."""
+    if not engine.log_path:
+        return ""
+    try:
+        return "\n".join(Path(engine.log_path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _mark_failed(engine: Engine, error: str, *, actor: str) -> None:
+    with transaction.atomic():
+        Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.FAILED, error=error, stopped_at=timezone.now())
+        audit_record(actor=actor, action="engine.failed", obj=engine, after={"error": error[:500]})
 
 
 def engine_launch(
@@ -55,108 +284,80 @@ def engine_launch(
     namespace: CacheNamespace | None,
     actor: str,
     identity_override_reason: str = "",
+    detached: bool = False,
 ) -> Engine:
-    """Start a local vLLM server and record it.
-
-    With a ``namespace``, the engine serves that namespace: prefix caching on,
-    and the ExampleConnector disk tier under the namespace's storage prefix
-    when the model version's layout names that connector. Without one, it is a
-    *reference* engine: no prefix caching, no connector.
-
-    The namespace must belong to ``model_version``'s identity. Serving another
-    identity's namespace is exactly the unsafe upgrade this product exists to
-    prevent; it is refused unless ``identity_override_reason`` says why, and
-    the override is recorded on the engine and in the audit trail.
+    """:func:`engine_create` then :func:`engine_boot`, in this process: the
+    engine is stopped when this process dies unless ``detached``.
 
     Returns:
-        The Engine row, status ``ready``.
+        The Engine row, status ``ready`` and verified.
 
     Raises:
-        EngineRefused: identity mismatch without an override reason, a
-            layout field the local launcher cannot honour here, or a
-            salt-blind tier that another running engine of a different
-            namespace already uses.
-        EngineError: the server did not come up; the row is left ``failed``
-            with the reason and log tail.
+        The errors of :func:`engine_create` and :func:`engine_boot`.
     """
-    if namespace is not None and namespace.model_version.identity != model_version.identity:
-        if not identity_override_reason.strip():
-            raise EngineRefused(
-                f"namespace {namespace.namespace_key[:12]}… belongs to {namespace.model_version.label} "
-                f"(identity {namespace.model_version.identity[:12]}…), not {model_version.label} "
-                f"(identity {model_version.identity[:12]}…): its cached KV state was computed by other weights"
-            )
-    connector = model_version.inputs["layout"].get("kv_connector") if namespace is not None else None
-    storage = namespace_storage_path(namespace) if (namespace is not None and connector) else None
-    if storage is not None:
-        # ExampleConnector keys KV by token hash alone (no salt): the tier may
-        # back one namespace only. Two engines of the same namespace are fine.
-        clash = (
-            Engine.objects.filter(kv_storage_path=str(storage), status__in=[Engine.Status.STARTING, Engine.Status.READY])
-            .exclude(namespace=namespace)
-            .first()
-        )
-        if clash is not None:
-            raise EngineRefused(f"the salt-blind disk tier {storage} already backs engine {clash.name} of another namespace")
-    port = free_port()
-    spec = _spec_for(
-        model_version=model_version, name=name, port=port, prefix_caching=namespace is not None, kv_storage_path=storage
+    engine = engine_create(
+        name=name,
+        model_version=model_version,
+        namespace=namespace,
+        actor=actor,
+        identity_override_reason=identity_override_reason,
+        detached=detached,
     )
-    with transaction.atomic():
-        engine = Engine.objects.create(
-            name=name,
-            role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE,
-            model_version=model_version,
-            namespace=namespace,
-            base_url=f"http://127.0.0.1:{port}",
-            prefix_caching=spec.prefix_caching,
-            kv_connector=connector or "",
-            kv_storage_path=str(storage) if storage else "",
-            log_path=str(spec.log_path),
-            identity_override=identity_override_reason.strip(),
-        )
-        audit_record(
-            actor=actor,
-            action="engine.launch",
-            obj=engine,
-            after={"model_version": model_version.label, "namespace": namespace.namespace_key if namespace else None},
-            reason=identity_override_reason.strip(),
-        )
-    local = LocalEngine(spec)
-    try:
-        local.start()
-        Engine.objects.filter(pk=engine.pk).update(pid=local.pid)
-        seconds = local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
-    except EngineError as exc:
-        local.stop()
-        Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.FAILED, error=str(exc), stopped_at=timezone.now())
-        raise
-    except BaseException:
-        # Interrupted (Ctrl-C, SIGTERM) while starting: never leave a server, or a
-        # row that claims one is starting.
-        local.stop()
-        Engine.objects.filter(pk=engine.pk).update(
-            status=Engine.Status.STOPPED, error="interrupted while starting", stopped_at=timezone.now()
-        )
-        raise
-    _LAUNCHED[engine.pk] = local
-    Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.READY, start_seconds=seconds)
-    engine.refresh_from_db()
-    return engine
+    return engine_boot(engine, actor=actor)
 
 
-def engine_stop(*, engine: Engine, actor: str) -> Engine:
-    """Stop a local engine (by handle if this process launched it, else by pid)."""
+def _stop_process(engine: Engine) -> None:
     local = _LAUNCHED.pop(engine.pk, None)
     if local is not None:
         local.stop()
-    elif engine.pid:
+    elif engine.pid and engine.origin == Engine.Origin.LOCAL:
         stop_process_group(engine.pid)
+
+
+def engine_stop(*, engine: Engine, actor: str) -> Engine:
+    """Stop an engine: a local one's process group is ended (by handle if this
+    process launched it, else by pid); an adopted one is only taken out of
+    service (its process is not ours). Stopping a stopped engine changes nothing.
+    """
+    engine = Engine.objects.get(pk=engine.pk)
+    if engine.status == Engine.Status.STOPPED:
+        return engine
+    _stop_process(engine)
     with transaction.atomic():
-        Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.STOPPED, stopped_at=timezone.now())
-        audit_record(actor=actor, action="engine.stop", obj=engine)
+        Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None)
+        audit_record(actor=actor, action="engine.stop", obj=engine, before={"status": engine.status})
     engine.refresh_from_db()
     return engine
+
+
+def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool = True) -> Engine:
+    """Stop a local engine's process (if any) and start a new incarnation on the
+    same ports (``generation`` + 1, a new KV-event topic: the consumer drops the
+    old process's state).
+
+    Args:
+        boot: start and wait here; False leaves the row ``starting`` for a task.
+
+    Raises:
+        EngineRefused: an adopted engine (its process is not ours to start).
+        The errors of :func:`engine_boot`.
+    """
+    engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
+    if engine.origin != Engine.Origin.LOCAL:
+        raise EngineRefused(f"engine {engine.name} was adopted: restart it where it runs, then `engine verify {engine.pk}`")
+    _stop_process(engine)
+    with transaction.atomic():
+        engine.generation += 1
+        fields: dict[str, Any] = {
+            "status": Engine.Status.STARTING, "generation": engine.generation, "pid": None, "error": "",
+            "stopped_at": None, "next_restart_at": None, "verification": Engine.Verification.UNVERIFIED,
+        }  # fmt: skip
+        if engine.kv_events_endpoint:
+            fields["kv_events_topic"] = kv_events_topic(engine)
+        Engine.objects.filter(pk=engine.pk).update(**fields)
+        audit_record(actor=actor, action="engine.restart", obj=engine, after={"generation": engine.generation}, reason=reason)
+    engine.refresh_from_db()
+    return engine_boot(engine, actor=actor, trigger="restart") if boot else engine
 
 
 def engine_client(engine: Engine) -> VllmHttpClient:
@@ -211,3 +412,15 @@ def engine_attach_namespace(*, engine: Engine, namespace: CacheNamespace, actor:
         engine.attached_namespaces.add(namespace)
         audit_record(actor=actor, action="engine.attach_namespace", obj=engine, after={"namespace": namespace.namespace_key})
     return engine
+
+
+#: Celery task names of the fleet (declared in cacheadmin.tasks; sent by name
+#: because services never import tasks).
+ENGINE_BOOT_TASK = "cacheadmin.engine_boot"
+ENGINE_RESTART_DUE_TASK = "cacheadmin.engines_restart_due"
+
+
+def engine_boot_enqueue(engine: Engine) -> None:
+    """Boot the engine in a worker once the current transaction commits (API starts and restarts)."""
+    pk = engine.pk
+    transaction.on_commit(lambda: current_app.send_task(ENGINE_BOOT_TASK, args=(pk,)))

@@ -77,6 +77,9 @@ class EngineSpec:
     hf_overrides: dict[str, Any] | None = None
     model_impl: str = "auto"
     disable_sliding_window: bool = False
+    #: vLLM ``--kv-events-config`` (``enable_kv_cache_events``, ``publisher``,
+    #: ``endpoint``, ``replay_endpoint``, ``topic``), or None for no events.
+    kv_events: dict[str, Any] | None = None
 
     @classmethod
     def from_layout(
@@ -91,6 +94,7 @@ class EngineSpec:
         kv_storage_path: Path | None,
         kv_cache_gib: int = 1,
         max_model_len: int = 8192,
+        kv_events: dict[str, Any] | None = None,
     ) -> EngineSpec:
         """The spec of an engine that computes exactly what a model version's
         identity says: every identity ``layout`` field becomes a flag or an
@@ -128,6 +132,7 @@ class EngineSpec:
             hf_overrides=layout.get("hf_overrides") or None,
             model_impl=layout.get("model_impl", "auto"),
             disable_sliding_window=bool(layout.get("disable_sliding_window", False)),
+            kv_events=kv_events,
         )
 
     def command(self) -> list[str]:
@@ -172,6 +177,8 @@ class EngineSpec:
             argv += ["--hf-overrides", json.dumps(self.hf_overrides, sort_keys=True)]
         if self.disable_sliding_window:
             argv.append("--disable-sliding-window")
+        if self.kv_events is not None:
+            argv += ["--kv-events-config", json.dumps(self.kv_events, sort_keys=True)]
         if self.kv_storage_path is not None:
             argv += [
                 "--kv-transfer-config",
@@ -255,6 +262,10 @@ def die_with_parent() -> None:
 
 def _engine_preexec() -> None:
     die_with_parent()
+    _detached_preexec()
+
+
+def _detached_preexec() -> None:
     # Its own process group, so stop() can signal the server and the engine
     # core and worker processes it spawns, all at once.
     os.setsid()
@@ -277,8 +288,13 @@ class LocalEngine:
         """OS process id of the server, once started."""
         return self._proc.pid if self._proc else None
 
-    def start(self) -> None:
+    def start(self, *, detach: bool = False) -> None:
         """Spawn the server; returns at once.
+
+        Args:
+            detach: let the server outlive this process (a CLI command or an
+                API worker starts it for the fleet); otherwise it is stopped
+                when this process dies.
 
         Raises:
             EngineError: the interpreter could not be spawned.
@@ -294,7 +310,7 @@ class LocalEngine:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.spec.environment(),
-                preexec_fn=_engine_preexec,
+                preexec_fn=_detached_preexec if detach else _engine_preexec,
             )
         except OSError as exc:
             raise EngineError(f"could not spawn the vLLM server: {exc}") from exc

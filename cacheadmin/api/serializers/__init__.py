@@ -4,9 +4,13 @@ things release tooling creates. Writes go through services, never ``save()``."""
 from __future__ import annotations
 
 from cacheadmin.api.serializers.engines import (
+    EngineAdoptSerializer,
+    EngineAlarmSerializer,
     EngineAttachSerializer,
     EngineMetricsSampleSerializer,
     EngineSerializer,
+    EngineStartSerializer,
+    EngineVerificationSerializer,
 )
 from cacheadmin.api.serializers.eviction import (
     AccountingScanSerializer,
@@ -89,9 +93,13 @@ __all__ = [
     "ComparisonJobCreateSerializer",
     "ComparisonJobSerializer",
     "ComparisonResultSerializer",
+    "EngineAdoptSerializer",
+    "EngineAlarmSerializer",
     "EngineAttachSerializer",
     "EngineMetricsSampleSerializer",
     "EngineSerializer",
+    "EngineStartSerializer",
+    "EngineVerificationSerializer",
     "EvictionActionSerializer",
     "EvictionPlanSerializer",
     "EvictionRunSerializer",

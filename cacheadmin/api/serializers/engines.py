@@ -9,7 +9,10 @@ from cacheadmin.api.serializers.scope import namespace_of_tenant
 from cacheadmin.models import (
     CacheNamespace,
     Engine,
+    EngineAlarm,
     EngineMetricsSample,
+    EngineVerification,
+    ModelVersion,
 )
 
 
@@ -20,13 +23,61 @@ class EngineSerializer(serializers.ModelSerializer):
     salt_blind_tier = serializers.BooleanField(
         read_only=True, help_text="its persistent tier ignores cache_salt: one namespace only"
     )
+    in_service = serializers.BooleanField(read_only=True, help_text="ready and verified: requests may be routed to it")
 
     class Meta:
         model = Engine
         fields = (
-            "id", "name", "role", "model_version", "model_version_label", "namespace", "attached_namespaces", "base_url",
-            "status", "prefix_caching", "kv_connector", "salt_blind_tier", "identity_override", "error", "start_seconds",
+            "id", "name", "origin", "role", "model_version", "model_version_label", "namespace", "attached_namespaces",
+            "base_url", "status", "in_service", "verification", "verified_at", "prefix_caching", "kv_connector",
+            "salt_blind_tier", "kv_events_endpoint", "generation", "detached", "restart_policy", "restart_max_attempts",
+            "restart_attempts", "next_restart_at", "health_checked_at", "identity_override", "error", "start_seconds",
             "created_at", "stopped_at",
+        )  # fmt: skip
+
+
+class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A local engine to start: a namespace it serves, or none for a reference engine."""
+
+    model_version = IdField(queryset=ModelVersion.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
+    tier = serializers.ChoiceField(choices=["disk", "none"], default="disk")
+    name = serializers.CharField(max_length=100, required=False, default="")
+    restart_policy = serializers.ChoiceField(choices=Engine.RestartPolicy.choices, default=Engine.RestartPolicy.NEVER)
+    restart_max_attempts = serializers.IntegerField(min_value=0, max_value=100, default=3)
+
+
+class EngineAdoptSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A running vLLM server to register after verification."""
+
+    url = serializers.CharField(max_length=200)
+    model_version = IdField(queryset=ModelVersion.objects.all())
+    namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
+    name = serializers.CharField(max_length=100, required=False, default="")
+    metrics_url = serializers.CharField(max_length=200, required=False, default="")
+    kv_events = serializers.CharField(max_length=200, required=False, default="")
+    kv_events_replay = serializers.CharField(max_length=200, required=False, default="")
+    kv_events_topic = serializers.CharField(max_length=100, required=False, default="", allow_blank=True)
+
+
+class EngineVerificationSerializer(serializers.ModelSerializer):
+    """One verification of an engine against its identity, check by check."""
+
+    class Meta:
+        model = EngineVerification
+        fields = ("id", "engine", "outcome", "trigger", "identity", "checks", "error", "actor", "checked_at")
+
+
+class EngineAlarmSerializer(serializers.ModelSerializer):
+    """An alarm on an engine (isolation, drift, health, KV-event gaps)."""
+
+    isolation = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = EngineAlarm
+        fields = (
+            "id", "engine", "kind", "isolation", "key", "detail", "count", "first_seen_at", "last_seen_at",
+            "resolved_at", "resolved_by",
         )  # fmt: skip
 
 

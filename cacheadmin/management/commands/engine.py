@@ -1,18 +1,39 @@
-"""``python manage.py engine attach ENGINE_ID NAMESPACE_ID`` and ``engine list``.
+"""``python manage.py engine start|stop|restart|adopt|verify|attach|list|spec``: the fleet.
 
-Twin of ``POST /api/engines/{id}/attach/``. Exit codes: 0 done; 2 bad input;
-4 refused (salt-blind persistent tier, other identity, reference engine).
+Twins of ``/api/engines/``. ``start`` launches a local vLLM engine whose
+command line carries every identity field, waits until it answers and is
+verified, and prints it as JSON; it keeps running after this command exits.
+``adopt`` registers a running server by URL after verifying it.
+Exit codes: 0 done; 2 bad input; 4 refused (verification failed, with each
+field that differs; salt-blind tier; other identity; adopted engines cannot
+be restarted); 1 the engine did not come up.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
-from cacheadmin.models import CacheNamespace, Engine
-from cacheadmin.services.engines import engine_attach_namespace
+from cacheadmin.api.serializers import EngineSerializer
+from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, int_within, positive_int
+from cacheadmin.models import CacheNamespace, Engine, ModelVersion
+from cacheadmin.services.engine_verification import engine_verify
+from cacheadmin.services.engines import engine_attach_namespace, engine_boot, engine_create, engine_restart, engine_stop
+from cacheadmin.services.fleet import engine_adopt
+from cacheadmin.services.gpu_specs import engine_gpu_spec
+from inference.engines.gpu_spec import CONNECTORS
+from inference.errors import EngineError
+
+ACTOR = "cli"
+
+
+def _target(sub: CommandParser) -> None:
+    sub.add_argument("--model-version", type=positive_int, required=True, help="model version id")
+    group = sub.add_mutually_exclusive_group(required=True)
+    group.add_argument("--namespace", type=positive_int, help="namespace id the engine serves")
+    group.add_argument("--reference", action="store_true", help="a reference engine: no prefix caching, no tier")
 
 
 class Command(ControlPlaneCommand):
@@ -20,18 +41,93 @@ class Command(ControlPlaneCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="verb", required=True)
+        start = sub.add_parser("start", help="start a local vLLM engine and wait until it is verified")
+        _target(start)
+        start.add_argument("--tier", choices=["disk", "none"], default="disk", help="persistent tier (when the layout names one)")
+        start.add_argument("--name", default="", help="engine name (default: <version label>-<n>)")
+        start.add_argument("--restart-policy", choices=list(Engine.RestartPolicy.values), default="never")
+        start.add_argument("--restart-attempts", type=int_within(0, 100), default=3)
+        start.add_argument("--json", action="store_true", help="print the engine as JSON (the default prints it too)")
+        for verb in ("stop", "restart", "verify"):
+            one = sub.add_parser(verb, help=f"{verb} an engine")
+            one.add_argument("engine", type=positive_int)
+            one.add_argument("--json", action="store_true")
+        adopt = sub.add_parser("adopt", help="register a running vLLM server after verifying it")
+        adopt.add_argument("url", help="the server's base URL, e.g. http://gpu-7:8000")
+        _target(adopt)
+        adopt.add_argument("--name", default="")
+        adopt.add_argument("--metrics-url", default="", help="its /metrics if not under the URL")
+        adopt.add_argument("--kv-events", default="", help="tcp://HOST:PORT its KV-event publisher binds")
+        adopt.add_argument("--kv-events-replay", default="", help="tcp://HOST:PORT of its replay endpoint")
+        adopt.add_argument("--kv-events-topic", default="")
+        adopt.add_argument("--json", action="store_true")
+        spec = sub.add_parser("spec", help="print the vLLM arguments and connector files to serve a namespace on a GPU host")
+        spec.add_argument("--model-version", type=positive_int, required=True)
+        spec.add_argument("--namespace", type=positive_int, required=True)
+        spec.add_argument("--connector", choices=list(CONNECTORS), required=True)
+        spec.add_argument("--json", action="store_true", help="JSON instead of a shell script")
         attach = sub.add_parser("attach", help="serve another namespace from the engine's memory")
         attach.add_argument("engine", type=positive_int)
         attach.add_argument("namespace", type=positive_int)
         sub.add_parser("list", help="list engines")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        if opts["verb"] == "list":
+        verb = opts["verb"]
+        if verb == "list":
             for e in Engine.objects.select_related("model_version").order_by("id"):
                 tier = e.kv_connector or "memory"
-                self.stdout.write(f"{e.pk}  {e.name:32} {e.role:9} {e.status:8} {e.model_version.label:20} {tier}")
+                state = f"{e.origin:8} {e.role:9} {e.status:8} {e.verification:11}"
+                self.stdout.write(f"{e.pk}  {e.name:32} {state} {e.model_version.label:20} {tier}")
+            return
+        if verb == "attach":
+            engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
+            namespace = get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
+            engine_attach_namespace(engine=engine, namespace=namespace, actor=ACTOR)
+            self.stdout.write(f"engine {engine.name} now serves namespace {namespace.namespace_key}")
+            return
+        if verb == "spec":
+            version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
+            namespace = get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
+            spec = engine_gpu_spec(model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR)
+            self.stdout.write(json.dumps(spec.to_json(), indent=2) if opts["json"] else spec.to_shell())
+            return
+        if verb in ("start", "adopt"):
+            version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
+            namespace = None if opts["reference"] else get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
+            if verb == "adopt":
+                engine = engine_adopt(
+                    url=opts["url"], model_version=version, namespace=namespace, actor=ACTOR, name=opts["name"],
+                    metrics_url=opts["metrics_url"], kv_events=opts["kv_events"],
+                    kv_events_replay=opts["kv_events_replay"], kv_events_topic=opts["kv_events_topic"],
+                )  # fmt: skip
+            else:
+                name = opts["name"] or f"{version.label}-{Engine.objects.count() + 1}"
+                engine = engine_create(
+                    name=name, model_version=version, namespace=namespace, actor=ACTOR, tier=opts["tier"],
+                    restart_policy=opts["restart_policy"],
+                )  # fmt: skip
+                Engine.objects.filter(pk=engine.pk).update(restart_max_attempts=opts["restart_attempts"])
+                self.stderr.write(f"engine {engine.name} (#{engine.pk}) starting at {engine.base_url}, log {engine.log_path}")
+                engine = self._boot(engine)
+            self._print(engine)
             return
         engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
-        namespace = get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
-        engine_attach_namespace(engine=engine, namespace=namespace, actor="cli")
-        self.stdout.write(f"engine {engine.name} now serves namespace {namespace.namespace_key}")
+        if verb == "stop":
+            engine = engine_stop(engine=engine, actor=ACTOR)
+        elif verb == "restart":
+            engine = engine_restart(engine=engine, actor=ACTOR, boot=False)
+            engine = self._boot(engine)
+        else:
+            engine_verify(engine=engine, actor=ACTOR, trigger="manual")
+            engine.refresh_from_db()
+        self._print(engine)
+
+    def _boot(self, engine: Engine) -> Engine:
+        try:
+            return engine_boot(engine, actor=ACTOR)
+        except EngineError as exc:
+            raise self.failed(f"engine {engine.name} did not come up: {exc}", 1) from exc
+
+    def _print(self, engine: Engine) -> None:
+        engine = Engine.objects.select_related("model_version").prefetch_related("attached_namespaces").get(pk=engine.pk)
+        self.stdout.write(json.dumps(EngineSerializer(engine).data, indent=2, default=str))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.utils import timezone
+
 from cacheadmin.models import (
     CacheNamespace,
     Engine,
@@ -13,13 +15,17 @@ from cacheadmin.models import (
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.eviction.common import EvictionNotConfirmed
 from cacheadmin.services.heat import corpus_load
+from cacheadmin.services.kv_events import consumer_running, reset_observed
 from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.tiers import Tiers
 
 
 def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, Any]:
     """Reset the engine's prefix cache, then ask for a prompt warmed before under
-    the namespace's salt: it must come back with zero cached tokens.
+    the namespace's salt: it must come back with zero cached tokens, and an
+    engine that publishes KV events must show the reset in its stream
+    (``AllBlocksCleared``, which vLLM publishes with the probe's scheduler
+    step, or the namespace's blocks removed).
 
     The probe computes that prompt, so the engine caches it again, and an
     engine with a connector writes it to its persistent tier (measured with
@@ -27,7 +33,8 @@ def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, 
     probe's writes are removed and the engine reset once more.
 
     Raises:
-        EvictionNotConfirmed: the probe found cached tokens.
+        EvictionNotConfirmed: the probe found cached tokens, or the engine's
+            KV-event stream did not show the reset (or no consumer reads it).
         EngineError: the engine did not answer.
     """
     job = PrewarmJob.objects.filter(namespace=ns, status=JobStatus.SUCCEEDED).order_by("-id").first()
@@ -41,6 +48,7 @@ def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, 
     # The namespace's own salt even when superseded: this probe never leaves the control plane.
     salt = namespace_salt_read(ns, actor="eviction", purpose=f"eviction probe of engine {engine.name}", superseded_ok=True)
     removed = 0
+    reset_at = timezone.now()
     with engine_client(engine) as client:
         client.reset_prefix_cache()
         result = client.chat(conversation.messages, cache_salt=salt, max_tokens=1, tools=conversation.tools)
@@ -51,7 +59,13 @@ def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, 
         raise EvictionNotConfirmed(
             f"engine {engine.name} still served {result.cached_tokens} cached tokens of {conversation.id} after the reset"
         )
+    stream = reset_observed(engine, ns, since=reset_at)
+    if stream is None:
+        why = "no KV-event consumer is running for it (start `manage.py kv_events`)" if not consumer_running(engine) else (
+            "its KV-event stream showed no AllBlocksCleared and no removal of the namespace's blocks"
+        )  # fmt: skip
+        raise EvictionNotConfirmed(f"engine {engine.name}: the reset is not confirmed: {why}")
     return {
         "probe": conversation.id, "corpus": corpus_name, "prompt_tokens": result.prompt_tokens,
-        "cached_tokens": result.cached_tokens, "probe_bytes_removed": removed,
+        "cached_tokens": result.cached_tokens, "probe_bytes_removed": removed, **stream,
     }  # fmt: skip

@@ -1,0 +1,142 @@
+"""Verifying engines against their model version's identity, from what the
+engines report (:mod:`inference.engines.verify`), and recording the outcome."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from cacheadmin.models import Engine, EngineAlarm, EngineVerification, ModelVersion
+from cacheadmin.services.alarms import alarm_raise
+from cacheadmin.services.audit import audit_record
+from inference.corpus import load_corpus
+from inference.engines.verify import Check, ExpectedEngine, compare_drift, compare_identity, drift_baseline, observe
+from inference.errors import EngineError, Refused
+from inference.tokenization import load_chat_tokenizer
+
+#: The prompts whose token ids the engine's tokenizer must reproduce.
+PROBE_CORPUS = "diagnostic"
+
+
+class VerificationRefused(Refused):
+    """What the engine reports differs from its model version's identity (409
+    ``verification_refused``, exit 4); ``error.fields`` names each field that
+    differs with what was expected and what the engine reported."""
+
+    code = "verification_refused"
+
+    def __init__(self, message: str, checks: list[Check]) -> None:
+        super().__init__(message)
+        self.checks = checks
+
+    def fields(self) -> dict[str, list[str]]:
+        """``{field: ["expected X, engine reports Y (source)"]}`` for each failed check."""
+        return {c.field: [f"expected {c.expected}, engine reports {c.observed} ({c.source})"] for c in self.checks if not c.ok}
+
+
+def identity_checks(
+    *, base_url: str, metrics_url: str, model_version: ModelVersion, prefix_caching: bool, reference: bool = True
+) -> tuple[list[Check], dict[str, Any]]:
+    """Observe the engine and check it against ``model_version``'s identity.
+
+    Args:
+        reference: compare the greedy probe output with the version's
+            recorded one (False for the local engine that records it).
+
+    Returns:
+        ``(checks, facts)``.
+
+    Raises:
+        EngineError: the engine is unreachable or is not a vLLM OpenAI server.
+    """
+    probes = load_corpus(PROBE_CORPUS)
+    facts = observe(base_url, metrics_url=metrics_url, served_name=model_version.served_name, probes=probes)
+    expected = ExpectedEngine.from_layout(
+        model_version.inputs["layout"], served_name=model_version.served_name, prefix_caching=prefix_caching
+    )
+    tokenizer = load_chat_tokenizer(Path(model_version.path))
+    reference_output = model_version.probe_output if (reference and model_version.probe_output) else None
+    checks = compare_identity(expected, facts, tokenizer=tokenizer, probes=probes, reference_output=reference_output)
+    return checks, facts
+
+
+def refusal_message(engine_name: str, checks: list[Check]) -> str:
+    """One line per failed check: field, expected, observed, source."""
+    failed = [c for c in checks if not c.ok]
+    lines = [f"  {c.field}: expected {c.expected}, engine reports {c.observed} ({c.source})" for c in failed]
+    return f"{engine_name} does not compute what its identity says ({len(failed)} of {len(checks)} checks failed):\n" + "\n".join(
+        lines
+    )
+
+
+def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> EngineVerification:
+    """Check a running engine against its identity and, once it has been
+    verified, against the facts it reported then (drift). Records an
+    :class:`EngineVerification` either way.
+
+    Outcomes: ``verified``; ``refused`` (never verified, differs); ``drifted``
+    (verified before, differs now: out of service, alarm ``verification_drift``);
+    ``unreachable``.
+
+    Raises:
+        VerificationRefused: refused or drifted (after recording it).
+        EngineError: unreachable (after recording it).
+    """
+    engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
+    version = engine.model_version
+    baseline = (
+        engine.verified_facts if engine.verification in (Engine.Verification.VERIFIED, Engine.Verification.DRIFTED) else None
+    )
+    try:
+        checks, facts = identity_checks(
+            base_url=engine.base_url,
+            metrics_url=engine.effective_metrics_url,
+            model_version=version,
+            prefix_caching=engine.prefix_caching,
+            # A local engine computes from the checkpoint itself: its answer is
+            # the reference when none is recorded yet.
+            reference=not (engine.origin == Engine.Origin.LOCAL and not version.probe_output),
+        )
+    except EngineError as exc:
+        with transaction.atomic():
+            row = EngineVerification.objects.create(
+                engine=engine, outcome=Engine.Verification.UNREACHABLE, trigger=trigger, identity=version.identity,
+                error=str(exc), actor=actor,
+            )  # fmt: skip
+            Engine.objects.filter(pk=engine.pk).update(verification=Engine.Verification.UNREACHABLE)
+        raise
+    if baseline is not None:
+        checks += compare_drift(baseline, facts)
+    ok = all(c.ok for c in checks)
+    if ok:
+        outcome = Engine.Verification.VERIFIED
+    elif baseline is not None:
+        outcome = Engine.Verification.DRIFTED
+    else:
+        outcome = Engine.Verification.REFUSED
+    now = timezone.now()
+    with transaction.atomic():
+        row = EngineVerification.objects.create(
+            engine=engine, outcome=outcome, trigger=trigger, identity=version.identity,
+            checks=[c.as_dict() for c in checks], actor=actor,
+        )  # fmt: skip
+        update: dict[str, Any] = {"verification": outcome}
+        if ok:
+            update["verified_at"] = now
+            if baseline is None:
+                update["verified_facts"] = drift_baseline(facts)
+        Engine.objects.filter(pk=engine.pk).update(**update)
+        if ok and engine.origin == Engine.Origin.LOCAL and not version.probe_output and facts.get("output") is not None:
+            ModelVersion.objects.filter(pk=version.pk, probe_output="").update(probe_output=facts["output"])
+        audit_record(actor=actor, action="engine.verify", obj=engine, after={"outcome": outcome, "trigger": trigger})
+    if outcome == Engine.Verification.DRIFTED:
+        alarm_raise(
+            engine=engine, kind=EngineAlarm.Kind.DRIFT, actor=actor,
+            detail=refusal_message(engine.name, checks) + "\nOut of service until it verifies again.",
+        )  # fmt: skip
+    if not ok:
+        raise VerificationRefused(refusal_message(engine.name, checks), checks)
+    return row

@@ -1,0 +1,514 @@
+"""The KV-event consumer: every engine's stream → resident blocks and tokens per
+namespace, saved as a time series, with isolation alarms.
+
+One :class:`KvEventConsumer` per fleet partition subscribes to the streams of
+the engines it owns (``engine pk % partitions == partition``): it binds the
+endpoint a local engine connects to, and connects to an adopted engine's bound
+endpoint. Each stream is checked by sequence number: a gap is filled from the
+engine's replay endpoint, or recorded (the counts are then a lower bound until
+the engine clears its cache); a sequence that starts over is a new engine
+process (its state is dropped); frames of another topic (an earlier
+incarnation of the engine) and frames that do not decode are counted, never
+applied. The state is checkpointed, so a consumer killed mid-stream resumes
+where its checkpoint ends and replays the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+from django.conf import settings
+from django.db import close_old_connections, transaction
+from django.utils import timezone
+
+from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, KvEventStream, ResidentSample
+from cacheadmin.services.alarms import alarm_raise
+from inference.identity import cache_salt
+from inference.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    Residency,
+    SequenceVerdict,
+    decode_batch,
+    seq_bytes,
+    seq_of,
+    sequence_verdict,
+)
+
+log = logging.getLogger(__name__)
+ACTOR = "kv-events"
+
+#: Seconds between reloads of the engine list from the database.
+REFRESH_S = 2.0
+#: Seconds between checkpoints, samples and heartbeats.
+FLUSH_S = 2.0
+#: A sample is written at least this often (seconds) even when nothing changed,
+#: so a chart shows a flat line instead of a hole.
+SAMPLE_HEARTBEAT_S = 60.0
+#: How long a replay may take before the gap is recorded instead (seconds).
+REPLAY_TIMEOUT_S = 3.0
+#: The consumer is "running" for an engine while its heartbeat is this recent.
+CONSUMER_STALE_S = 15.0
+
+
+@dataclass
+class Stream:
+    """One engine's event stream as this consumer holds it."""
+
+    engine_id: int
+    engine_name: str
+    generation: int
+    endpoint: str
+    bind: bool
+    replay_endpoint: str
+    topic: bytes
+    residency: Residency
+    sub: Any = None
+    last_seq: int | None = None
+    complete: bool = True
+    gaps: int = 0
+    garbage: int = 0
+    foreign: int = 0
+    replays: int = 0
+    restarts_seen: int = 0
+    cleared_at: Any = None
+    last_event_at: Any = None
+    dirty: bool = True
+    urgent: bool = False
+    sampled: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    sampled_at: float = 0.0
+    base_events: int = 0
+
+
+#: Tracker incident → (alarm kind, message template).
+_INCIDENTS = {
+    "unknown_salt": (
+        EngineAlarm.Kind.UNKNOWN_SALT,
+        "{blocks} blocks stored under a cache_salt that belongs to no namespace (salt digest {key})",
+    ),
+    "no_salt": (
+        EngineAlarm.Kind.NO_SALT,
+        "{blocks} blocks stored without a cache_salt on an engine that serves several namespaces",
+    ),
+    "foreign_namespace": (
+        EngineAlarm.Kind.FOREIGN_NAMESPACE,
+        "{blocks} blocks stored under the salt of namespace #{key}, which this engine does not serve",
+    ),
+}
+
+
+class SaltIndex:
+    """cache_salt → namespace id over every namespace, reloaded when a salt is
+    unknown (at most once a second: a namespace created a moment ago).
+
+    The salts never leave this process; they are compared, not handed out, so
+    building the index is not a salt read in the audit trail's sense.
+    """
+
+    def __init__(self) -> None:
+        self._by_salt: dict[str, int] = {}
+        self._loaded = 0.0
+        self.reload()
+
+    def reload(self) -> None:
+        """Recompute every namespace's salt."""
+        secret = settings.CACHE_SALT_SECRET
+        self._by_salt = {cache_salt(secret, key): pk for pk, key in CacheNamespace.objects.values_list("pk", "namespace_key")}
+        self._loaded = time.monotonic()
+
+    def __call__(self, salt: str) -> int | None:
+        found = self._by_salt.get(salt)
+        if found is None and time.monotonic() - self._loaded > 1.0:
+            self.reload()
+            found = self._by_salt.get(salt)
+        return found
+
+
+class KvEventConsumer:
+    """Subscribes to the KV-event streams of one fleet partition.
+
+    Args:
+        partition, partitions: this consumer owns engines with
+            ``pk % partitions == partition``.
+        metrics: optional prometheus-client metrics (see :func:`consumer_metrics`).
+    """
+
+    def __init__(self, *, partition: int = 0, partitions: int = 1, metrics: dict[str, Any] | None = None) -> None:
+        if partitions < 1 or not 0 <= partition < partitions:
+            raise ValueError(f"partition {partition} of {partitions}: need 0 <= partition < partitions")
+        self.partition, self.partitions = partition, partitions
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self.streams: dict[int, Stream] = {}
+        self.by_socket: dict[Any, Stream] = {}
+        self.salts = SaltIndex()
+        self.metrics = metrics or {}
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._refreshed = 0.0
+        self._flushed = 0.0
+
+    # -- engines -----------------------------------------------------------
+    def refresh(self) -> None:
+        """Open streams of new engines, close those of engines no longer running,
+        start over for a new incarnation, and update what each engine serves."""
+        rows = {
+            e.pk: e
+            for e in Engine.objects.filter(status__in=[Engine.Status.STARTING, Engine.Status.READY])
+            .exclude(kv_events_endpoint="")
+            .prefetch_related("attached_namespaces")
+            if e.pk % self.partitions == self.partition
+        }
+        for pk in list(self.streams):
+            row = rows.get(pk)
+            if row is None or row.kv_events_endpoint != self.streams[pk].endpoint:
+                self._close(self.streams.pop(pk))
+        for pk, row in rows.items():
+            served = frozenset(([row.namespace_id] if row.namespace_id else []) + [n.pk for n in row.attached_namespaces.all()])
+            stream = self.streams.get(pk)
+            if stream is None:
+                stream = self._open(row)
+                if stream is None:
+                    continue
+            elif stream.generation != row.generation:
+                # A new process of the engine: nothing it held survives; its
+                # stream carries the new incarnation's topic from now on.
+                stream.residency.clear()
+                stream.generation, stream.topic = row.generation, row.kv_events_topic.encode()
+                stream.last_seq, stream.complete, stream.dirty, stream.base_events = None, True, True, 0
+                stream.residency.events = 0
+            stream.residency.served = served
+        self._refreshed = time.monotonic()
+
+    def _open(self, row: Engine) -> Stream | None:
+        stream = Stream(
+            engine_id=row.pk,
+            engine_name=row.name,
+            generation=row.generation,
+            endpoint=row.kv_events_endpoint,
+            bind=row.kv_events_bind,
+            replay_endpoint=row.kv_events_replay_endpoint,
+            topic=row.kv_events_topic.encode(),
+            residency=Residency(namespace_of_salt=self.salts),
+        )
+        saved = KvEventStream.objects.filter(engine_id=row.pk).first()
+        if saved is not None and saved.generation == row.generation and saved.state is not None:
+            try:
+                stream.residency.restore(bytes(saved.state))
+                stream.last_seq, stream.complete = saved.last_seq, saved.complete
+                stream.gaps, stream.garbage, stream.replays = saved.gaps, saved.garbage, saved.replays
+                stream.restarts_seen, stream.cleared_at = saved.restarts_seen, saved.cleared_at
+                stream.base_events = saved.events
+            except (msgspec.DecodeError, ValueError, TypeError):
+                log.warning("checkpoint of engine %s unreadable; starting from the engine's replay", row.name)
+                stream.residency.clear()
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            if stream.bind:
+                sub.bind(stream.endpoint)
+            else:
+                sub.connect(stream.endpoint)
+        except zmq.ZMQError as exc:
+            sub.close()
+            log.warning("engine %s: cannot %s %s: %s", row.name, "bind" if stream.bind else "connect", stream.endpoint, exc)
+            return None
+        stream.sub = sub
+        self.poller.register(sub, zmq.POLLIN)
+        self.by_socket[sub] = stream
+        self.streams[row.pk] = stream
+        log.info("engine %s: %s %s", row.name, "bound" if stream.bind else "connected to", stream.endpoint)
+        return stream
+
+    def _close(self, stream: Stream) -> None:
+        self._flush_stream(stream)
+        self.poller.unregister(stream.sub)
+        self.by_socket.pop(stream.sub, None)
+        stream.sub.close(linger=0)
+
+    # -- frames ------------------------------------------------------------
+    def handle(self, stream: Stream, frames: list[bytes], *, replaying: bool = False) -> None:
+        """Apply one ``(topic, seq, payload)`` message to its stream."""
+        if len(frames) != 3:
+            self._garbage(stream, f"a message of {len(frames)} frames, not 3")
+            return
+        topic, seq_frame, payload = frames
+        if stream.topic and topic != stream.topic:
+            stream.foreign += 1  # an earlier incarnation of the engine, or another publisher
+            return
+        try:
+            seq = seq_of(seq_frame)
+            batch = decode_batch(payload)
+        except (ValueError, msgspec.DecodeError) as exc:
+            self._garbage(stream, f"undecodable frame: {exc}")
+            return
+        verdict = sequence_verdict(stream.last_seq, seq, replaying=replaying)
+        if verdict == SequenceVerdict.DUPLICATE:
+            return
+        if verdict == SequenceVerdict.RESTART:
+            stream.residency.clear()
+            stream.restarts_seen += 1
+            stream.last_seq, stream.complete, stream.base_events = None, True, 0
+            stream.residency.events = 0
+            verdict = sequence_verdict(None, seq)
+        if verdict == SequenceVerdict.GAP and not replaying:
+            self.fill_gap(stream, upto=seq)
+        elif verdict == SequenceVerdict.GAP:
+            return
+        if stream.last_seq is not None and seq <= stream.last_seq:
+            return  # the replay covered it
+        stream.residency.apply(batch)
+        stream.last_seq = seq
+        stream.last_event_at = timezone.now()
+        stream.dirty = True
+        if any(type(e) is AllBlocksCleared for e in batch.events):
+            stream.cleared_at = timezone.now()
+            stream.urgent = True  # a purge waits for this: save it now
+        if stream.residency.incidents:
+            stream.urgent = True
+
+    def _garbage(self, stream: Stream, why: str) -> None:
+        stream.garbage += 1
+        stream.dirty = True
+        if stream.garbage == 1 or stream.garbage % 1000 == 0:
+            alarm_raise(
+                engine=stream.engine_id, kind=EngineAlarm.Kind.KV_EVENTS_GARBAGE, actor=ACTOR,
+                detail=f"{stream.garbage} frames that are not vLLM KV-event batches on {stream.endpoint}; last: {why[:300]}",
+            )  # fmt: skip
+
+    def fill_gap(self, stream: Stream, *, upto: int) -> None:
+        """Replay ``last_seq + 1 .. upto - 1`` from the engine; record what cannot be."""
+        start = 0 if stream.last_seq is None else stream.last_seq + 1
+        got_from: int | None = None
+        if stream.replay_endpoint:
+            stream.replays += 1
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            try:
+                dealer.connect(stream.replay_endpoint)
+                dealer.send_multipart([b"", seq_bytes(start)])
+                deadline = time.monotonic() + REPLAY_TIMEOUT_S
+                while time.monotonic() < deadline:
+                    if not dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                        break
+                    reply = dealer.recv_multipart()
+                    if len(reply) != 4:
+                        continue
+                    _, topic, seq_frame, payload = reply
+                    try:
+                        seq = seq_of(seq_frame)
+                    except ValueError:
+                        continue
+                    if seq == END_SEQ:
+                        break
+                    if seq >= upto:
+                        continue
+                    if got_from is None:
+                        got_from = seq
+                        if seq > start:
+                            break  # the buffer no longer holds the start of the gap
+                    self.handle(stream, [topic, seq_frame, payload], replaying=True)
+            finally:
+                dealer.close(linger=0)
+        if stream.last_seq is None or stream.last_seq < upto - 1:
+            missing_from = start if stream.last_seq is None else stream.last_seq + 1
+            self._record_gap(stream, missing_from, upto - 1)
+            # Continue from here: later blocks whose chain began in the gap are unattributed.
+            stream.last_seq = upto - 1
+
+    def _record_gap(self, stream: Stream, first: int, last: int) -> None:
+        stream.gaps += 1
+        stream.complete = False
+        stream.dirty = stream.urgent = True
+        why = "no replay endpoint" if not stream.replay_endpoint else "the engine's replay buffer no longer holds them"
+        alarm_raise(
+            engine=stream.engine_id, kind=EngineAlarm.Kind.KV_EVENTS_GAP, actor=ACTOR,
+            detail=f"batches {first}..{last} missed ({why}); resident counts are a lower bound until the cache is cleared",
+        )  # fmt: skip
+        if "gaps" in self.metrics:
+            self.metrics["gaps"].labels(engine=stream.engine_name).inc()
+
+    # -- saving ------------------------------------------------------------
+    def flush(self, *, force: bool = False) -> None:
+        """Checkpoint dirty streams, write samples that changed (or are due),
+        raise alarms for incidents, and beat the heartbeat."""
+        for stream in list(self.streams.values()):
+            self._flush_stream(stream, force=force)
+        self._flushed = time.monotonic()
+
+    def _flush_stream(self, stream: Stream, *, force: bool = False) -> None:
+        now = timezone.now()
+        incidents = stream.residency.take_incidents()
+        for incident in incidents:
+            kind, detail = _INCIDENTS[incident.kind]
+            detail = detail.format(blocks=incident.blocks, key=incident.key)
+            alarm_raise(engine=stream.engine_id, kind=kind, key=incident.key, detail=detail, count=incident.blocks, actor=ACTOR)
+            if "alarms" in self.metrics:
+                self.metrics["alarms"].labels(engine=stream.engine_name, kind=kind).inc()
+        totals = stream.residency.totals()
+        heartbeat_due = time.monotonic() - stream.sampled_at > SAMPLE_HEARTBEAT_S
+        with transaction.atomic():
+            fields = {
+                "generation": stream.generation,
+                "last_seq": stream.last_seq,
+                "events": stream.base_events + stream.residency.events,
+                "gaps": stream.gaps,
+                "garbage": stream.garbage,
+                "replays": stream.replays,
+                "restarts_seen": stream.restarts_seen,
+                "complete": stream.complete,
+                "cleared_at": stream.cleared_at,
+                "last_event_at": stream.last_event_at,
+                "consumer": self.name,
+                "heartbeat_at": now,
+            }
+            if stream.dirty or force:
+                fields["state"] = stream.residency.snapshot()
+            KvEventStream.objects.update_or_create(engine_id=stream.engine_id, defaults=fields)
+            if totals != stream.sampled or heartbeat_due:
+                # A namespace whose blocks all went is written once with zero.
+                keys = set(totals) | set(stream.sampled)
+                ResidentSample.objects.bulk_create(
+                    ResidentSample(
+                        engine_id=stream.engine_id,
+                        namespace_id=namespace or None,
+                        medium=medium,
+                        sampled_at=now,
+                        blocks=totals.get((medium, namespace), (0, 0))[0],
+                        tokens=totals.get((medium, namespace), (0, 0))[1],
+                    )  # fmt: skip
+                    for medium, namespace in sorted(keys)
+                    if (medium, namespace) in totals or stream.sampled.get((medium, namespace), (0, 0))[0]
+                )
+                stream.sampled, stream.sampled_at = totals, time.monotonic()
+        if "resident" in self.metrics:
+            for (medium, namespace), (_, tokens) in totals.items():
+                self.metrics["resident"].labels(engine=stream.engine_name, namespace=str(namespace), medium=medium).set(tokens)
+        stream.dirty = stream.urgent = False
+
+    # -- loop --------------------------------------------------------------
+    def run(self, *, should_stop: Callable[[], bool], poll_ms: int = 200) -> None:
+        """Consume until ``should_stop()``; saves everything before returning."""
+        self.refresh()
+        try:
+            while not should_stop():
+                if time.monotonic() - self._refreshed > REFRESH_S:
+                    close_old_connections()
+                    self.refresh()
+                for sock, _ in self.poller.poll(poll_ms):
+                    stream = self.by_socket.get(sock)
+                    if stream is None:
+                        continue
+                    for _ in range(10_000):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.handle(stream, frames)
+                        if "events" in self.metrics:
+                            self.metrics["events"].labels(engine=stream.engine_name).inc()
+                    if stream.urgent:
+                        self._flush_stream(stream)
+                if time.monotonic() - self._flushed > FLUSH_S:
+                    self.flush()
+        finally:
+            self.flush(force=True)
+            for stream in list(self.streams.values()):
+                self.poller.unregister(stream.sub)
+                stream.sub.close(linger=0)
+            self.streams.clear()
+            self.ctx.term()
+
+
+def consumer_metrics() -> dict[str, Any]:
+    """The consumer's Prometheus metrics (prometheus-client), by short name."""
+    from prometheus_client import Counter, Gauge
+
+    return {
+        "events": Counter("kvcp_kv_event_batches", "KV-event batches received", ["engine"]),
+        "gaps": Counter("kvcp_kv_event_gaps", "sequence gaps no replay could fill", ["engine"]),
+        "alarms": Counter("kvcp_isolation_alarm_blocks", "blocks stored outside their namespace's isolation", ["engine", "kind"]),
+        "resident": Gauge("kvcp_resident_tokens", "tokens resident in engine KV cache", ["engine", "namespace", "medium"]),
+    }
+
+
+def residency_now(engine: Engine) -> dict[str, Any]:
+    """What the consumer last saved for ``engine``: per namespace and medium,
+    blocks and tokens, with the stream's health.
+
+    Returns:
+        ``{"consumer_running", "complete", "last_seq", "events", "gaps",
+        "heartbeat_at", "cleared_at", "namespaces": [{"namespace",
+        "namespace_key", "medium", "blocks", "tokens", "sampled_at"}]}``.
+    """
+    stream = KvEventStream.objects.filter(engine=engine).first()
+    latest: dict[tuple[int | None, str], ResidentSample] = {}
+    for sample in ResidentSample.objects.filter(engine=engine).select_related("namespace").order_by("-sampled_at", "-id")[:500]:
+        latest.setdefault((sample.namespace_id, sample.medium), sample)
+    cutoff = timezone.now().timestamp() - CONSUMER_STALE_S
+    return {
+        "consumer_running": bool(stream and stream.heartbeat_at and stream.heartbeat_at.timestamp() > cutoff),
+        "complete": stream.complete if stream else None,
+        "last_seq": stream.last_seq if stream else None,
+        "events": stream.events if stream else 0,
+        "gaps": stream.gaps if stream else 0,
+        "heartbeat_at": stream.heartbeat_at if stream else None,
+        "cleared_at": stream.cleared_at if stream else None,
+        "namespaces": [
+            {
+                "namespace": s.namespace_id,
+                "namespace_key": s.namespace.namespace_key if s.namespace else None,
+                "medium": s.medium,
+                "blocks": s.blocks,
+                "tokens": s.tokens,
+                "sampled_at": s.sampled_at,
+            }
+            for (_, _), s in sorted(latest.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
+            if s.blocks
+        ],
+    }
+
+
+def reset_observed(engine: Engine, namespace: CacheNamespace, *, since: Any, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """Wait for the KV-event stream to show that ``engine`` dropped ``namespace``'s
+    blocks after ``since``: an ``AllBlocksCleared`` (vLLM publishes it with the
+    scheduler step after the reset, i.e. with the next request), or a sample of
+    the namespace at zero blocks.
+
+    Returns:
+        ``{"kv_events": "AllBlocksCleared" | "blocks removed", "at": iso}``;
+        ``{"kv_events": "not published"}`` for an engine without a stream;
+        None when the stream did not show it in ``timeout_s`` (or no consumer
+        runs for the engine).
+    """
+    if not engine.kv_events_endpoint:
+        return {"kv_events": "not published by this engine; the probe alone confirms"}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stream = KvEventStream.objects.filter(engine=engine).first()
+        if stream is not None and stream.cleared_at is not None and stream.cleared_at >= since:
+            return {"kv_events": "AllBlocksCleared", "at": stream.cleared_at.isoformat()}
+        zero = (
+            ResidentSample.objects.filter(engine=engine, namespace=namespace, sampled_at__gte=since, blocks=0)
+            .order_by("sampled_at")
+            .first()
+        )
+        if zero is not None:
+            return {"kv_events": "blocks removed", "at": zero.sampled_at.isoformat()}
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.25)
+
+
+def consumer_running(engine: Engine) -> bool:
+    """Whether a consumer saved this engine's stream in the last :data:`CONSUMER_STALE_S` seconds."""
+    cutoff = timezone.now() - timezone.timedelta(seconds=CONSUMER_STALE_S)
+    return KvEventStream.objects.filter(engine=engine, heartbeat_at__gte=cutoff).exists()

