@@ -7,6 +7,10 @@ from typing import Any
 from django import forms
 from django.core.exceptions import ValidationError
 
+#: Largest id a database row can have (signed 64-bit). Kept here, not in the
+#: API, so management commands read it without importing Django REST framework
+#: (~0.15 s of every CLI process start, measured 120-200 ms).
+MAX_ID = 2**63 - 1
 #: The message for an integer written with other scripts' digits.
 ASCII_DIGITS_ONLY = "write the number with ASCII digits 0-9"
 

@@ -33,21 +33,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from mistral_common.exceptions import MistralCommonException
-from mistral_common.protocol.instruct.request import ChatCompletionRequest
-from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
-from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-from mistral_common.tokens.tokenizers.sentencepiece import is_sentencepiece
-from mistral_common.tokens.tokenizers.tekken import Tekkenizer, is_tekken
-from mistral_common.tokens.tokenizers.utils import get_one_valid_tokenizer_file
-
 from inference.comparison import first_divergence
 from inference.corpus import Conversation
 from inference.errors import CheckpointError
 from inference.identity import digest_frames
 from inference.paths import is_mistral_tokenizer_file
 
+# mistral_common (with pydantic, numpy, jsonschema, PIL, requests behind it) and
+# transformers are imported where a tokenizer is loaded or used, not here: this
+# module is reached at app load (cacheadmin.tasks -> services.releases), and
+# mistral_common alone cost ~0.5 s (measured 470-770 ms) of every manage.py
+# process (CLI command, worker) that never touches a tokenizer.
 if TYPE_CHECKING:
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
     from transformers import PreTrainedTokenizerFast
 
 #: Digest format version of :func:`serialized_inputs_digest`; bump when its encoding changes.
@@ -114,8 +112,12 @@ class MistralChatTokenizer:
         Raises:
             CheckpointError: the file cannot be parsed as a mistral_common tokenizer.
         """
+        # Lazy: start-up cost of every CLI/worker process (see the note on the imports above).
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
         try:
-            self._mistral = MistralTokenizer.from_file(str(path))
+            self._mistral: MistralTokenizer = MistralTokenizer.from_file(str(path))
         # The parsers behind from_file (sentencepiece's C++ loader, json,
         # tiktoken, mistral_common's own checks) raise unrelated exception types.
         except Exception as exc:
@@ -134,6 +136,10 @@ class MistralChatTokenizer:
             ChatEncodingError: mistral_common refuses the conversation (its
                 message names why, e.g. ``Tools not implemented for tokenizer V1``).
         """
+        # Loaded already by __init__; local for the start-up cost of every CLI/worker process.
+        from mistral_common.exceptions import MistralCommonException
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
         messages = _truncate_tool_call_ids(copy.deepcopy(conversation.messages))
         try:
             request = ChatCompletionRequest.from_openai(messages, tools=copy.deepcopy(conversation.tools))
@@ -149,6 +155,9 @@ class MistralChatTokenizer:
         pieces (``▁`` marks a space, ``<0xE6>`` a byte), which is how
         mistral_common writes text when it keeps control tokens; it also
         keeps a leading space visible, which plain decoding drops."""
+        # Loaded already by __init__; local for the start-up cost of every CLI/worker process.
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
         if not ids:
             return ""
         return self._mistral.instruct_tokenizer.tokenizer.decode(list(ids), special_token_policy=SpecialTokenPolicy.KEEP)
@@ -245,6 +254,11 @@ def load_chat_tokenizer(path: Path) -> ChatTokenizer:
             file that is not a tokenizer, a file that cannot be parsed, or an
             HF tokenizer without a chat template.
     """
+    # Lazy: start-up cost of every CLI/worker process (see the note on the imports above).
+    from mistral_common.tokens.tokenizers.sentencepiece import is_sentencepiece
+    from mistral_common.tokens.tokenizers.tekken import is_tekken
+    from mistral_common.tokens.tokenizers.utils import get_one_valid_tokenizer_file
+
     path = Path(path)
     if path.is_dir():
         names = sorted(p.name for p in path.iterdir() if p.is_file())

@@ -14,11 +14,9 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.filters import OrderingFilter
 from rest_framework.request import Request
 
+from cacheadmin.forms import MAX_ID as MAX_ID  # re-exported: the API's serializers read it here
 from cacheadmin.forms import AsciiIntegerField
 from cacheadmin.models import CacheNamespace, TierUsageSample
-
-#: Largest id a database row can have (signed 64-bit).
-MAX_ID = 2**63 - 1
 
 
 class AsciiNumberFilter(django_filters.NumberFilter):

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from cacheadmin.api.filters import MAX_ID
+from cacheadmin.forms import MAX_ID
 from inference.errors import EXIT_BAD_INPUT, ControlPlaneError
 from inference.identity import LayoutOptions
 from inference.strict_json import loads_unique

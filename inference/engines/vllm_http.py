@@ -18,13 +18,17 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
-from httpx_sse import EventSource
-from prometheus_client.parser import text_string_to_metric_families
+from typing import TYPE_CHECKING, Any
 
 from inference.errors import EngineError
+
+# httpx, httpx_sse and prometheus_client are imported in the methods that use
+# them: this module is reached at app load (services.engines -> launcher), and
+# they cost ~0.1 s (measured 65-120 ms) of every manage.py process (CLI
+# command, worker) that never talks to an engine. After the client's
+# constructor has run, the methods' imports are dictionary look-ups.
+if TYPE_CHECKING:
+    import httpx
 
 #: The /metrics counters the control plane reads, by vLLM metric name.
 PREFIX_CACHE_METRICS = (
@@ -76,6 +80,8 @@ class VllmHttpClient:
     def __init__(self, base_url: str, model: str, *, timeout_s: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        import httpx  # lazy: start-up cost of every CLI/worker process (see above)
+
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
     def close(self) -> None:
@@ -89,6 +95,8 @@ class VllmHttpClient:
         self.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        import httpx  # lazy: start-up cost of every CLI/worker process (see above)
+
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -99,6 +107,8 @@ class VllmHttpClient:
 
     def healthy(self) -> bool:
         """True when ``GET /health`` answers 200; never raises."""
+        import httpx  # lazy: start-up cost of every CLI/worker process (see above)
+
         try:
             return self._http.get("/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
@@ -122,6 +132,9 @@ class VllmHttpClient:
             ``{metric name: value}`` for :data:`PREFIX_CACHE_METRICS` (counters
             without the ``_total`` suffix), summed over engines/labels.
         """
+        # Lazy: start-up cost of every CLI/worker process (see above).
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = self._request("GET", "/metrics").text
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
@@ -180,6 +193,10 @@ class VllmHttpClient:
             EngineError: unreachable, error status, malformed stream, or a
                 stream that ended without usage.
         """
+        # Lazy: start-up cost of every CLI/worker process (see above).
+        import httpx
+        from httpx_sse import EventSource
+
         body = self.chat_body(messages, cache_salt=cache_salt, max_tokens=max_tokens, tools=tools)
         result = ChatResult()
         started = time.perf_counter()

@@ -30,9 +30,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import islice, repeat
-from typing import Any, NamedTuple
-
-import redis
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from inference.tiers.base import (
     TierEntry,
@@ -43,6 +41,13 @@ from inference.tiers.base import (
     is_stray_prefix,
     stray_prefix,
 )
+
+# redis-py is imported where it is used, not here: this module is reached at app
+# load (services.tiers), and redis (redis.asyncio, opentelemetry behind it)
+# costs ~0.1 s (measured 105-165 ms) of every manage.py process (CLI command,
+# worker); a RedisTier is built around a client, so redis is loaded by then.
+if TYPE_CHECKING:
+    import redis
 
 __all__ = ["DumpedEntry", "RedisTier", "escape_glob", "escape_glob_bytes"]
 
@@ -704,6 +709,8 @@ class RedisTier:
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
         """Turn redis-py errors into tier errors naming the server and the operation."""
+        import redis  # loaded with the client; lazy for the start-up cost of every CLI/worker process
+
         try:
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
