@@ -34,7 +34,7 @@ class VerificationRefused(Refused):
 
     def fields(self) -> dict[str, list[str]]:
         """``{field: ["expected X, engine reports Y (source)"]}`` for each failed check."""
-        return {c.field: [f"expected {c.expected}, engine reports {c.observed} ({c.source})"] for c in self.checks if not c.ok}
+        return {c.field: [f"expected {c.expected!r}, engine reports {c.observed!r} ({c.source})"] for c in self.checks if not c.ok}
 
 
 def identity_checks(
@@ -66,7 +66,7 @@ def identity_checks(
 def refusal_message(engine_name: str, checks: list[Check]) -> str:
     """One line per failed check: field, expected, observed, source."""
     failed = [c for c in checks if not c.ok]
-    lines = [f"  {c.field}: expected {c.expected}, engine reports {c.observed} ({c.source})" for c in failed]
+    lines = [f"  {c.field}: expected {c.expected!r}, engine reports {c.observed!r} ({c.source})" for c in failed]
     return f"{engine_name} does not compute what its identity says ({len(failed)} of {len(checks)} checks failed):\n" + "\n".join(
         lines
     )

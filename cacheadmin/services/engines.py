@@ -76,6 +76,8 @@ def _spec_for(engine: Engine) -> EngineSpec:
         )
     except EngineError as exc:
         raise EngineRefused(str(exc)) from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineRefused(f"model version {engine.model_version.label} has no complete resolved layout ({exc!r})") from exc
 
 
 def engine_name_check(name: str) -> str:

@@ -366,14 +366,21 @@ class LocalEngine:
 
 
 def pid_alive(pid: int) -> bool:
-    """True if a process with this pid exists (it may belong to another user)."""
+    """True if a process with this pid exists and is not a zombie (it may
+    belong to another user). A detached engine's parent may be an init that
+    never reaps it: its zombie must not count as a running engine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        # /proc/PID/stat: "pid (comm) state ..."; comm may hold spaces and parentheses.
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def stop_process_group(pid: int, *, timeout_s: float = 20.0) -> bool:
