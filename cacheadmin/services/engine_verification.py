@@ -14,7 +14,7 @@ from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from inference.corpus import load_corpus
 from inference.engines.verify import Check, ExpectedEngine, compare_drift, compare_identity, drift_baseline, observe
-from inference.errors import EngineError, Refused
+from inference.errors import EXIT_CONFLICT, ControlPlaneError, EngineError, Refused
 from inference.tokenization import load_chat_tokenizer
 
 #: The prompts whose token ids the engine's tokenizer must reproduce.
@@ -34,7 +34,17 @@ class VerificationRefused(Refused):
 
     def fields(self) -> dict[str, list[str]]:
         """``{field: ["expected X, engine reports Y (source)"]}`` for each failed check."""
-        return {c.field: [f"expected {c.expected!r}, engine reports {c.observed!r} ({c.source})"] for c in self.checks if not c.ok}
+        return {
+            c.field: [f"expected {c.expected!r}, engine reports {c.observed!r} ({c.source})"] for c in self.checks if not c.ok
+        }
+
+
+class EngineUnreachable(ControlPlaneError):
+    """The engine did not answer the verification (503 ``engine_unreachable``, exit 3)."""
+
+    code = "engine_unreachable"
+    http_status = 503
+    exit_code = EXIT_CONFLICT
 
 
 def identity_checks(
@@ -51,13 +61,18 @@ def identity_checks(
 
     Raises:
         EngineError: the engine is unreachable or is not a vLLM OpenAI server.
+        Refused: the version has no complete resolved layout, or its
+            tokenizer cannot be read here (nothing to compare with).
     """
+    try:
+        expected = ExpectedEngine.from_layout(
+            model_version.inputs["layout"], served_name=model_version.served_name, prefix_caching=prefix_caching
+        )
+        tokenizer = load_chat_tokenizer(Path(model_version.path))
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        raise Refused(f"model version {model_version.label} cannot be verified against: {exc}") from exc
     probes = load_corpus(PROBE_CORPUS)
     facts = observe(base_url, metrics_url=metrics_url, served_name=model_version.served_name, probes=probes)
-    expected = ExpectedEngine.from_layout(
-        model_version.inputs["layout"], served_name=model_version.served_name, prefix_caching=prefix_caching
-    )
-    tokenizer = load_chat_tokenizer(Path(model_version.path))
     reference_output = model_version.probe_output if (reference and model_version.probe_output) else None
     checks = compare_identity(expected, facts, tokenizer=tokenizer, probes=probes, reference_output=reference_output)
     return checks, facts
@@ -83,7 +98,9 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
 
     Raises:
         VerificationRefused: refused or drifted (after recording it).
-        EngineError: unreachable (after recording it).
+        EngineUnreachable: unreachable (after recording it).
+        Refused: the version cannot be verified against (no resolved layout,
+            tokenizer unreadable).
     """
     engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
     version = engine.model_version
@@ -107,7 +124,7 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
                 error=str(exc), actor=actor,
             )  # fmt: skip
             Engine.objects.filter(pk=engine.pk).update(verification=Engine.Verification.UNREACHABLE)
-        raise
+        raise EngineUnreachable(f"engine {engine.name} did not answer the verification: {exc}") from exc
     if baseline is not None:
         checks += compare_drift(baseline, facts)
     ok = all(c.ok for c in checks)

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
 from cacheadmin.services.audit import audit_record
-from cacheadmin.services.engine_verification import VerificationRefused, engine_verify
+from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
@@ -243,9 +243,9 @@ def engine_boot(engine: Engine, *, actor: str, trigger: str = "start") -> Engine
         _stop_process(engine)
         _mark_failed(engine, "verification refused: the engine does not compute what its identity says", actor=actor)
         raise
-    except EngineError as exc:
+    except (EngineUnreachable, Refused) as exc:
         _stop_process(engine)
-        _mark_failed(engine, f"verification could not reach the engine: {exc}", actor=actor)
+        _mark_failed(engine, f"verification failed: {exc}", actor=actor)
         raise
     engine.refresh_from_db()
     return engine

@@ -14,6 +14,7 @@ from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerific
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import (
+    EngineUnreachable,
     VerificationRefused,
     engine_verify,
     identity_checks,
@@ -30,7 +31,7 @@ from cacheadmin.services.engines import (
 from cacheadmin.services.namespaces import namespace_check_current
 from inference.engines.launcher import pid_alive
 from inference.engines.verify import drift_baseline
-from inference.errors import EngineError, InvalidField
+from inference.errors import EngineError, InvalidField, Refused
 
 #: Consecutive silent health checks before a running engine is failed (with the
 #: schedule every 20 s, a silent engine is failed within a minute).
@@ -248,6 +249,8 @@ def engines_verify_all(*, actor: str = "schedule") -> dict[str, str]:
             outcomes[engine.name] = engine_verify(engine=engine, actor=actor, trigger="schedule").outcome
         except VerificationRefused:
             outcomes[engine.name] = Engine.objects.get(pk=engine.pk).verification
-        except EngineError:
+        except EngineUnreachable:
             outcomes[engine.name] = Engine.Verification.UNREACHABLE
+        except Refused as exc:
+            outcomes[engine.name] = f"not verifiable: {exc}"
     return outcomes

@@ -535,6 +535,7 @@ def test_the_api_root_lists_every_route(world) -> None:
     assert set(root) == {
         "model-versions", "tenants", "shared-groups", "adapters", "retention-owners", "namespaces", "engines", "prewarm-jobs",
         "comparison-jobs", "registration-jobs", "eviction-runs", "accounting-scans", "tier-usage", "engine-metrics", "releases",
+        "engine-alarms",
         "audit-events", "identity-diff", "orphans", "schema", "docs",
     }  # fmt: skip
     assert (root["orphans"], root["identity-diff"], root["schema"]) == (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from django.core.management.base import CommandError
 
+import cacheadmin.services.engine_verification
 import cacheadmin.services.engines
 import cacheadmin.services.eviction
 import cacheadmin.services.model_versions
@@ -24,6 +25,8 @@ EXPECTED = {
     "TierUnavailable": (503, "tier_unavailable", 3),
     "RegistrationConflict": (409, "registration_conflict", 3),
     "EngineRefused": (409, "engine_refused", 4),
+    "VerificationRefused": (409, "verification_refused", 4),
+    "EngineUnreachable": (503, "engine_unreachable", 3),
     "NamespaceConflict": (409, "namespace_conflict", 4),
     "GroupError": (409, "group_conflict", 4),
     "JobRefused": (409, "job_refused", 4),
@@ -42,7 +45,11 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def _instance(cls: type[ControlPlaneError]) -> ControlPlaneError:
-    return cls("field", "is wrong") if cls.__name__ == "InvalidField" else cls("the reason")
+    if cls.__name__ == "InvalidField":
+        return cls("field", "is wrong")
+    if cls.__name__ == "VerificationRefused":
+        return cls("the reason", [])
+    return cls("the reason")
 
 
 def test_every_error_class_declares_what_the_readme_documents() -> None:

@@ -98,7 +98,12 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
     shown = json.loads(started.stdout)
     engine = Engine.objects.get(name="acme-1")
     try:
-        assert (shown["status"], shown["verification"], shown["in_service"], shown["origin"]) == ("ready", "verified", True, "local")
+        assert (shown["status"], shown["verification"], shown["in_service"], shown["origin"]) == (
+            "ready",
+            "verified",
+            True,
+            "local",
+        )
         assert engine.detached and engine.generation == 1 and engine.kv_connector == ""
         assert engine.kv_events_topic == f"kvcp.engine-{engine.pk}.1"
         command = Path(f"/proc/{engine.pid}/cmdline").read_bytes().split(b"\0")
@@ -158,8 +163,10 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
             time.sleep(REFRESH_S + 1)  # the consumer reloads what each engine serves this often
             _chat(engine, _text(301), None)
             wait_for(
-                lambda: set(EngineAlarm.objects.filter(engine=engine).values_list("kind", flat=True))
-                == {"isolation_unknown_salt", "isolation_no_salt"},
+                lambda: (
+                    set(EngineAlarm.objects.filter(engine=engine).values_list("kind", flat=True))
+                    == {"isolation_unknown_salt", "isolation_no_salt"}
+                ),
                 timeout=30,
                 what="two isolation alarms",
             )
@@ -184,7 +191,13 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
 
             # Crash: noticed by the health round, failed with its log tail, restarted by policy.
             os.killpg(engine.pid, signal.SIGKILL)
-            wait_for(lambda: not Path(f"/proc/{engine.pid}").exists() or b"Z" in Path(f"/proc/{engine.pid}/stat").read_bytes().split()[2], timeout=30, what="process gone")
+            wait_for(
+                lambda: (
+                    not Path(f"/proc/{engine.pid}").exists() or b"Z" in Path(f"/proc/{engine.pid}/stat").read_bytes().split()[2]
+                ),
+                timeout=30,
+                what="process gone",
+            )
             Engine.objects.filter(pk=engine.pk).update(restart_backoff_s=0)
             report = engines_health()
             assert report["failed"] == ["acme-1"] and report["restart_due"] == ["acme-1"]
@@ -192,7 +205,12 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
             assert engine.status == "failed" and engine.error.startswith("process gone (noticed by the health check")
             assert EngineAlarm.objects.filter(engine=engine, kind="health", resolved_at=None).count() == 1
             [revived] = engines_restart_due()
-            assert (revived.status, revived.generation, revived.restart_attempts, revived.verification) == ("ready", 3, 1, "verified")
+            assert (revived.status, revived.generation, revived.restart_attempts, revived.verification) == (
+                "ready",
+                3,
+                1,
+                "verified",
+            )
         finally:
             consumer.send_signal(signal.SIGTERM)
             consumer.wait(timeout=30)
@@ -227,7 +245,9 @@ def test_adoption_verifies_what_the_engine_reports(demo_checkpoints, outside_eng
     assert set(refused.value.fields()) == {"output"}
     assert Engine.objects.count() == 0
 
-    engine = engine_adopt(url=outside_engine.base_url, model_version=v2, namespace=_namespace(v2, "acme"), actor="alice", name="gpu-7")
+    engine = engine_adopt(
+        url=outside_engine.base_url, model_version=v2, namespace=_namespace(v2, "acme"), actor="alice", name="gpu-7"
+    )
     assert (engine.origin, engine.status, engine.verification, engine.in_service) == ("adopted", "ready", "verified", True)
     assert engine.verified_facts["models"] == {"id": "tiny", "root": str(demo_checkpoints["tiny-v2"]), "max_model_len": 8192}
     assert engine.verified_facts["cache_config"]["block_size"] == "32"
@@ -244,7 +264,9 @@ def test_adoption_verifies_what_the_engine_reports(demo_checkpoints, outside_eng
     assert verified.returncode == 4 and "(1 of 27 checks failed): output: expected ' before', engine reports '" in verified.stderr
     engine.refresh_from_db()
     assert engine.verification == "drifted" and not engine.in_service
-    assert EngineAlarm.objects.get(engine=engine, kind="verification_drift").detail.endswith("Out of service until it verifies again.")
+    assert EngineAlarm.objects.get(engine=engine, kind="verification_drift").detail.endswith(
+        "Out of service until it verifies again."
+    )
 
     # A stopped adopted engine is only taken out of service: the process is not ours.
     engine_stop(engine=engine, actor="alice")

@@ -62,7 +62,12 @@ def test_vllm_classes_and_ours_read_each_others_bytes() -> None:
     assert ours.ts == 12.5 and ours.data_parallel_rank == 0
     assert [type(e).__name__ for e in ours.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     first = ours.events[0]
-    assert (first.block_hashes, first.parent_block_hash, first.block_size, first.extra_keys) == ([1, 2], None, 32, [("salt-a",), None])
+    assert (first.block_hashes, first.parent_block_hash, first.block_size, first.extra_keys) == (
+        [1, 2],
+        None,
+        32,
+        [("salt-a",), None],
+    )
     assert first.kv_cache_spec_kind == "full_attention" and len(first.token_ids) == 64
     back = msgspec.msgpack.Decoder(type=v.KVEventBatch).decode(encode_batch(ours))
     assert back == theirs
