@@ -16,6 +16,7 @@ urlpatterns = [
     path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
     path("engines/<int:pk>/", views.engine_detail, name="engine-detail"),
+    path("engines/<int:pk>/<str:verb>/", views.engine_action, name="engine-action"),
     path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
     path("namespaces/<int:pk>/", views.namespace_detail, name="namespace-detail"),
     path("eviction-runs/<int:pk>/", views.eviction_run_detail, name="eviction-run-detail"),

@@ -74,11 +74,11 @@ def _rows(n: int) -> None:
 def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert_num_queries) -> None:
     _rows(1)
     # session, user, versions, namespaces, shared groups, their members, eviction runs,
-    # latest usage (2), releases, engines, prewarm jobs, comparison jobs
-    with django_assert_num_queries(13):
+    # latest usage (2), releases, engines, open alarms, prewarm jobs, comparison jobs
+    with django_assert_num_queries(14):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(13):
+    with django_assert_num_queries(14):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 
@@ -210,3 +210,34 @@ def test_admin_add_forms_go_through_the_services(admin_client) -> None:
         )
     assert RetentionOwner.objects.count() == 1
     assert AuditEvent.objects.filter(action="retention_owner.create").count() == 1
+
+
+def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin_client, client) -> None:
+    from django.contrib.auth.models import User
+
+    from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerification
+
+    ns = CacheNamespace.objects.first() or _rows(1) or CacheNamespace.objects.first()
+    engine = Engine.objects.create(
+        name="gpu-7", origin="adopted", model_version=ns.model_version, namespace=ns, base_url="http://127.0.0.1:1",
+        status="ready", verification="drifted",
+    )  # fmt: skip
+    EngineVerification.objects.create(
+        engine=engine, outcome="drifted", trigger="schedule", identity="f" * 64, actor="schedule",
+        checks=[{"field": "output", "source": "baseline", "expected": " Paris", "observed": " Lyon", "ok": False}],
+    )  # fmt: skip
+    EngineAlarm.objects.create(engine=engine, kind="isolation_unknown_salt", key="ab", detail="3 blocks stored under a forged salt")
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    assert "(out of service: nothing is routed to it)" in page
+    assert '<tr class="unsafe"><td>output</td><td><code>baseline</code></td><td> Paris</td><td> Lyon</td><td>✗</td></tr>' in page
+    assert "isolation_unknown_salt" in page and "3 blocks stored under a forged salt" in page
+    assert "Restart" not in page  # adopted: not ours to restart
+    # Restarting an adopted engine is refused with the reason, and nothing changes.
+    refused = admin_client.post(f"/engines/{engine.pk}/restart/")
+    assert refused.status_code == 409 and "was adopted" in refused.content.decode()
+    assert admin_client.post(f"/engines/{engine.pk}/explode/").status_code == 400
+    client.force_login(User.objects.create_user("viewer"))
+    assert client.post(f"/engines/{engine.pk}/stop/").status_code == 403
+    engine.refresh_from_db()
+    assert (engine.status, engine.generation) == ("ready", 0)
+    assert "isolation_unknown_salt" in admin_client.get("/").content.decode()  # the dashboard's alarms
