@@ -116,6 +116,18 @@ class Engine(models.Model):
         """Ready and verified against its model version's identity: requests may be routed to it."""
         return self.status == self.Status.READY and self.verification == self.Verification.VERIFIED
 
+    def unusable_reason(self) -> str | None:
+        """Why no job may send requests to this engine now, or None: it must be
+        ready, and not known to compute something other than its identity."""
+        if self.status != self.Status.READY:
+            return f"engine {self.name} is {self.status}, not ready"
+        if self.verification in (self.Verification.REFUSED, self.Verification.DRIFTED):
+            return (
+                f"engine {self.name} is {self.verification}: it does not compute what its identity says "
+                f"(see its verification; `engine verify {self.pk}` after fixing it)"
+            )
+        return None
+
     @property
     def effective_metrics_url(self) -> str:
         """Where the engine's Prometheus metrics are read."""

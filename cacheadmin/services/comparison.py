@@ -37,8 +37,8 @@ def comparison_job_create(
     if reference_engine.model_version.served_name != engine.model_version.served_name:
         raise JobRefused("the reference engine serves another model name")
     for candidate in (engine, reference_engine):
-        if candidate.status != Engine.Status.READY:
-            raise JobRefused(f"engine {candidate.name} is {candidate.status}, not ready")
+        if (why := candidate.unusable_reason()) is not None:
+            raise JobRefused(why)
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise InvalidField("max_tokens", f"must be within 1..{MAX_TOKENS}, got {max_tokens}")
     try:

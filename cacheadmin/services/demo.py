@@ -101,12 +101,16 @@ def demo_run(
     corpus: str = "diagnostic",
     max_tokens: int = 16,
     job_timeout_s: float = 600.0,
+    keep_serving: bool = False,
 ) -> dict[str, Any]:
     """Run the main job and return its summary.
 
     Args:
         log: receives one line per step.
         watchdog: called while waiting on jobs (the caller checks its worker).
+        keep_serving: leave the v2 engine of v2's namespace running (the served
+            demo: an operator goes on working with it); it still stops with
+            this process. The summary then has ``serving`` (id, name, base_url).
 
     Returns:
         ``{"unsafe": {...}, "safe": {...}, "caught": bool, "clean": bool,
@@ -176,13 +180,19 @@ def demo_run(
         v1.refresh_from_db()
         if v1.status == ModelVersion.Status.ACTIVE:
             model_version_transition(version=v1, to=ModelVersion.Status.DRAINING, actor=ACTOR, reason="demo: replaced by v2")
+        kept = safe_engine if keep_serving else None
+    except BaseException:
+        kept = None
+        raise
     finally:
         for engine in started:
             engine.refresh_from_db()
-            if engine.status == Engine.Status.READY:
+            if engine.status == Engine.Status.READY and (kept is None or engine.pk != kept.pk):
                 engine_stop(engine=engine, actor=ACTOR)
     assert isinstance(unsafe, ComparisonJob) and isinstance(safe, ComparisonJob)
-    result = {"unsafe": _summary(unsafe), "safe": _summary(safe)}
+    result: dict[str, Any] = {"unsafe": _summary(unsafe), "safe": _summary(safe)}
+    if kept is not None:
+        result["serving"] = {"id": kept.pk, "name": kept.name, "base_url": kept.base_url}
     result["caught"] = result["unsafe"]["deceptive_hits"] > 0
     result["clean"] = result["safe"]["deceptive_hits"] == 0 and result["safe"]["cached_tokens"] > 0
     result["warm_faster"] = (result["safe"]["ttft_warm_ms"] or 0) < (result["safe"]["ttft_cold_ms"] or 0)

@@ -32,8 +32,8 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     namespace_check_current(namespace)
     if not engine.serves(namespace.pk):
         raise JobRefused(f"engine {engine.name} does not serve namespace {namespace.namespace_key[:12]}…")
-    if engine.status != Engine.Status.READY:
-        raise JobRefused(f"engine {engine.name} is {engine.status}, not ready")
+    if (why := engine.unusable_reason()) is not None:
+        raise JobRefused(why)
     try:
         total = len(corpus_load(corpus, for_namespace=namespace))
     except ValueError as exc:

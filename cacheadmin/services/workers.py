@@ -1,4 +1,4 @@
-"""A real Celery worker as a child process (demo and tests).
+"""A real Celery worker and the KV-event consumer as child processes (demo and tests).
 
 The embedded default has no service manager, so the demo starts its own worker
 on the configured broker (kombu's filesystem transport by default) and stops
@@ -36,8 +36,20 @@ class WorkerProcess:
         self.beat = beat
         self.proc: subprocess.Popen[bytes] | None = None
 
+    #: What the process logs once it is ready.
+    ready_marker = b" ready."
+    what = "celery worker"
+
+    def command(self) -> list[str]:
+        """The child's argv."""
+        return [
+            sys.executable, "-m", "celery", "-A", "cacheadmin", "worker", "--pool=solo", "--loglevel=INFO",
+            "--without-gossip", "--without-mingle", "-n", f"{self.name}-{os.getpid()}-{time.monotonic_ns()}@%h",
+            *(["-B"] if self.beat else []),
+        ]  # fmt: skip
+
     def start(self, *, ready_timeout_s: float = 60.0) -> None:
-        """Start the worker and wait until it logs that it is ready.
+        """Start the process and wait until it logs that it is ready.
 
         Raises:
             RuntimeError: it exited or did not become ready in time (log tail included).
@@ -46,21 +58,7 @@ class WorkerProcess:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "cacheadmin",
-                    "worker",
-                    "--pool=solo",
-                    "--loglevel=INFO",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "-n",
-                    f"{self.name}-{os.getpid()}-{time.monotonic_ns()}@%h",
-                    *(["-B"] if self.beat else []),
-                ],
+                self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -70,17 +68,17 @@ class WorkerProcess:
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"celery worker exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}:\n{self.tail()}")
             with self.log_path.open("rb") as fh:
                 fh.seek(offset)
-                if b" ready." in fh.read():
+                if self.ready_marker in fh.read():
                     return
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"celery worker not ready after {ready_timeout_s:.0f} s:\n{self.tail()}")
+        raise RuntimeError(f"{self.what} not ready after {ready_timeout_s:.0f} s:\n{self.tail()}")
 
     def alive(self) -> bool:
-        """True while the worker process runs."""
+        """True while the process runs."""
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
@@ -107,3 +105,14 @@ class WorkerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+class KvEventsProcess(WorkerProcess):
+    """``manage.py kv_events`` in a subprocess: the KV-event consumer beside the worker."""
+
+    ready_marker = b"kv_events consumer "
+    what = "kv_events consumer"
+
+    def command(self) -> list[str]:
+        """The consumer's argv (one partition: the embedded default's whole fleet)."""
+        return [sys.executable, str(Path(__file__).resolve().parents[2] / "manage.py"), "kv_events"]

@@ -14,7 +14,17 @@ import json
 
 import pytest
 
-from cacheadmin.models import AuditEvent, CacheNamespace, ComparisonJob, Engine, JobStatus, ModelVersion, PrewarmJob
+from cacheadmin.models import (
+    AuditEvent,
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EngineAlarm,
+    JobStatus,
+    KvEventStream,
+    ModelVersion,
+    PrewarmJob,
+)
 from cacheadmin.services.demo import UNSAFE_REASON
 from inference.corpus import load_corpus
 from tests.helpers import manage, subprocess_env
@@ -67,7 +77,14 @@ def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_
     assert (v1.status, v2.status) == ("draining", "active")
     assert Engine.objects.count() == 4
     assert set(Engine.objects.values_list("status", flat=True)) == {Engine.Status.STOPPED}
-    assert AuditEvent.objects.filter(action="engine.launch", reason=UNSAFE_REASON).count() == 1
+    assert AuditEvent.objects.filter(action="engine.start", reason=UNSAFE_REASON).count() == 1
+    # Every engine was verified before use; the KV-event consumer watched the three serving ones,
+    # and every block they stored belonged to the namespace each served: no isolation alarm.
+    assert set(Engine.objects.values_list("verification", flat=True)) == {"verified"}
+    streams = KvEventStream.objects.select_related("engine")
+    assert sorted(s.engine.name.rsplit("-", 1)[0] for s in streams) == ["tiny-v1", "tiny-v2-safe", "tiny-v2-unsafe"]
+    assert all(s.events > 0 and s.gaps == 0 and s.complete for s in streams)
+    assert not EngineAlarm.objects.exists()
 
     # The dashboard shows it all; the detail page lists every prompt's verdict.
     client.force_login(django_user_model.objects.create_user("viewer", password="x"))

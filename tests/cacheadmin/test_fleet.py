@@ -33,6 +33,7 @@ from cacheadmin.services.namespaces import (
     namespace_salt_read,
     retention_owner_get_or_create,
 )
+from cacheadmin.services.prewarm import JobRefused, prewarm_job_create
 from inference.corpus import load_corpus
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
@@ -267,6 +268,10 @@ def test_adoption_verifies_what_the_engine_reports(demo_checkpoints, outside_eng
     assert EngineAlarm.objects.get(engine=engine, kind="verification_drift").detail.endswith(
         "Out of service until it verifies again."
     )
+
+    # Nothing is sent to a drifted engine.
+    with pytest.raises(JobRefused, match="is drifted: it does not compute what its identity says"):
+        prewarm_job_create(namespace=engine.namespace, engine=engine, corpus="diagnostic", actor="alice")
 
     # A stopped adopted engine is only taken out of service: the process is not ours.
     engine_stop(engine=engine, actor="alice")

@@ -226,7 +226,9 @@ def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin
         engine=engine, outcome="drifted", trigger="schedule", identity="f" * 64, actor="schedule",
         checks=[{"field": "output", "source": "baseline", "expected": " Paris", "observed": " Lyon", "ok": False}],
     )  # fmt: skip
-    EngineAlarm.objects.create(engine=engine, kind="isolation_unknown_salt", key="ab", detail="3 blocks stored under a forged salt")
+    EngineAlarm.objects.create(
+        engine=engine, kind="isolation_unknown_salt", key="ab", detail="3 blocks stored under a forged salt"
+    )
     page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
     assert "(out of service: nothing is routed to it)" in page
     assert '<tr class="unsafe"><td>output</td><td><code>baseline</code></td><td> Paris</td><td> Lyon</td><td>✗</td></tr>' in page

@@ -26,7 +26,7 @@ from cacheadmin.management.base import ControlPlaneCommand, int_within
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
 from cacheadmin.services.demo import DemoError, demo_run
-from cacheadmin.services.workers import WorkerProcess
+from cacheadmin.services.workers import KvEventsProcess, WorkerProcess
 from inference.engines.launcher import die_with_parent
 from inference.errors import CheckpointError, EngineError
 
@@ -328,7 +328,10 @@ class Command(ControlPlaneCommand):
         summary: dict[str, Any] | None = None
         worker.start()
         log(f"celery worker ready (broker {settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}")
+        consumer = KvEventsProcess(settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo")
         try:
+            consumer.start()
+            log(f"KV-event consumer ready (resident tokens per namespace, isolation alarms), log {consumer.log_path}")
             if server is not None:
                 self._serve(server, log)
 
@@ -336,9 +339,12 @@ class Command(ControlPlaneCommand):
                 if not worker.alive():
                     log("celery worker died; restarting it (it recovers the lost job)")
                     worker.start()
+                if not consumer.alive():
+                    log("KV-event consumer died; restarting it (it resumes from its checkpoint)")
+                    consumer.start()
 
             try:
-                summary = demo_run(log=log, watchdog=watchdog, max_tokens=opts["max_tokens"])
+                summary = demo_run(log=log, watchdog=watchdog, max_tokens=opts["max_tokens"], keep_serving=serve)
             except (DemoError, EngineError, CheckpointError) as exc:
                 raise self.bad_input(f"demo failed: {exc}") from exc
             ok = summary["caught"] and summary["clean"]
@@ -354,6 +360,12 @@ class Command(ControlPlaneCommand):
                 scan = accounting_scan_scheduled()  # so the namespace pages show storage at once
                 if scan is not None:
                     log(f"accounting scan #{scan.pk}: {scan.prefixes_seen} prefixes, {scan.bytes_total} bytes")
+                serving = summary.get("serving")
+                if serving:
+                    log(
+                        f"engine {serving['name']} (#{serving['id']}) keeps serving v2's namespace at {serving['base_url']}: "
+                        "prewarm, compare or release against it; it stops with the demo"
+                    )
                 log(f"dashboard: {server.base_url}/  (Ctrl-C to stop)")
                 status = server.wait()
                 if status != 0:
@@ -368,6 +380,7 @@ class Command(ControlPlaneCommand):
                 sys.exit(EXIT_INTERRUPTED)
         finally:
             worker.stop()
+            consumer.stop()
             if server is not None:
                 server.stop()
 
