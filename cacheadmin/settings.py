@@ -233,6 +233,9 @@ SPECTACULAR_SETTINGS = {
         "JobStatusEnum": "cacheadmin.models.jobs.JobStatus",
         "ModelVersionStatusEnum": "cacheadmin.models.model_versions.ModelVersion.Status",
         "EngineStatusEnum": "cacheadmin.models.engines.Engine.Status",
+        "EngineVerificationEnum": "cacheadmin.models.engines.Engine.Verification",
+        "EngineStartTierEnum": "cacheadmin.models.engines.Engine.START_TIERS",
+        "TierEnum": "cacheadmin.models.eviction.Tier",
     },
 }
 #: Largest request body accepted (bytes); the API's bodies are small JSON.

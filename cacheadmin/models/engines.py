@@ -42,6 +42,10 @@ class Engine(models.Model):
         DRIFTED = "drifted"
         UNREACHABLE = "unreachable"
 
+    #: Persistent tiers an engine can be started with: the namespace's disk
+    #: tier (when the layout names a connector) or none (engine memory only).
+    START_TIERS = (("disk", "disk"), ("none", "none"))
+
     class RestartPolicy(models.TextChoices):
         NEVER = "never"
         ON_FAILURE = "on_failure"

@@ -41,7 +41,7 @@ class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
 
     model_version = IdField(queryset=ModelVersion.objects.all())
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
-    tier = serializers.ChoiceField(choices=["disk", "none"], default="disk")
+    tier = serializers.ChoiceField(choices=Engine.START_TIERS, default="disk")
     name = serializers.CharField(max_length=100, required=False, default="")
     restart_policy = serializers.ChoiceField(choices=Engine.RestartPolicy.choices, default=Engine.RestartPolicy.NEVER)
     restart_max_attempts = serializers.IntegerField(min_value=0, max_value=100, default=3)
