@@ -1,4 +1,5 @@
-"""The fleet on real vLLM: an engine started by the CLI, verified, watched
+"""The fleet on real vLLM: an engine started by the CLI, restarted over the API
+by a real worker, verified, watched
 through its KV events by a real consumer process (killed mid-stream, resumed,
 converging to what the engine stored), reset, restarted, crashed and brought
 back by its restart policy; an engine the control plane did not start adopted
@@ -19,9 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 from django.conf import settings
+from django.contrib.auth.models import User
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from cacheadmin.models import Engine, EngineAlarm, EngineVerification, KvEventStream, ModelVersion, Tenant
+from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.engine_verification import VerificationRefused
 from cacheadmin.services.engines import engine_attach_namespace, engine_stop
 from cacheadmin.services.fleet import engine_adopt, engines_health, engines_restart_due
@@ -34,11 +38,12 @@ from cacheadmin.services.namespaces import (
     retention_owner_get_or_create,
 )
 from cacheadmin.services.prewarm import JobRefused, prewarm_job_create
+from cacheadmin.services.workers import WorkerProcess
 from inference.corpus import load_corpus
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
 from inference.kv_events import salt_digest
-from tests.helpers import PROJECT, manage, subprocess_env, wait_for
+from tests.helpers import PROJECT, manage, subprocess_env, wait_for, worker_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 LAYOUT = LayoutOptions(dtype="float32", kv_connector="ExampleConnector")
@@ -77,6 +82,11 @@ def _resident(engine: Engine) -> dict[int | None, int]:
     return {row["namespace"]: row["tokens"] for row in residency_now(engine)["namespaces"] if row["medium"] == "GPU"}
 
 
+def _operator_key() -> str:
+    user = User.objects.create_user("operator")
+    return api_token_issue(user=user, name="fleet", scope="operate", tenant=None, actor="setup")[1]
+
+
 def _text(n: int) -> str:
     return " ".join(f"word{n}-{i}" for i in range(40 + n))
 
@@ -85,6 +95,8 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
     v1 = _version(demo_checkpoints, "tiny-v1")
     acme, globex = _namespace(v1, "acme"), _namespace(v1, "globex")
     env = subprocess_env()
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {_operator_key()}")
 
     # Bad input changes nothing.
     refused = manage("engine", "start", "--model-version", str(v1.pk), "--namespace", str(acme.pk), "--tier", "tape", env=env)
@@ -182,9 +194,15 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
             assert reset_observed(engine, acme, since=since)["kv_events"] == "AllBlocksCleared"
             wait_for(lambda: _resident(engine) == {}, timeout=30, what="nothing resident after the reset")
 
-            # Restart: a new incarnation, its old state dropped.
-            restarted = manage("engine", "restart", str(engine.pk), "--json", env=env, timeout=400)
-            assert restarted.returncode == 0, restarted.stderr
+            # Restart over the API: 202, a real worker boots the new incarnation; its old state is dropped.
+            worker = WorkerProcess(worker_log("fleet-worker"), env=env, name="fleet")
+            worker.start()
+            try:
+                answer = api.post(f"/api/engines/{engine.pk}/restart/", format="json")
+                assert answer.status_code == 202 and answer.json()["status"] == "starting", answer.json()
+                wait_for(lambda: Engine.objects.get(pk=engine.pk).status != "starting", timeout=400, what="worker boot")
+            finally:
+                worker.stop()
             engine.refresh_from_db()
             assert (engine.generation, engine.status, engine.verification) == (2, "ready", "verified")
             blocks = _chat(engine, _text(400), salt)
