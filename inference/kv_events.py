@@ -90,7 +90,28 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+class _StoredForResidency(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """``BlockStored`` without ``token_ids``: residency needs the hashes, the
+    chain and the salt, not the tokens, and skipping them makes decoding 2-2.5x
+    faster (measured in bench/kv_events.py)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class _BatchForResidency(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StoredForResidency | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
 _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+_residency_decoder = msgspec.msgpack.Decoder(type=_BatchForResidency)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -102,6 +123,16 @@ def decode_batch(payload: bytes) -> KVEventBatch:
             mirror does not know).
     """
     return _decoder.decode(payload)
+
+
+def decode_for_residency(payload: bytes) -> Any:
+    """Decode one payload for :meth:`Residency.apply`: like :func:`decode_batch`
+    (``ts``, ``events``) but ``BlockStored`` events carry no ``token_ids``.
+
+    Raises:
+        msgspec.DecodeError: not a KV-event batch.
+    """
+    return _residency_decoder.decode(payload)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -162,31 +193,29 @@ class Residency:
     namespace_of_salt: Callable[[str], int | None]
     served: frozenset[int] = frozenset()
     blocks: dict[tuple[str, int], dict[int, tuple[int, int]]] = field(default_factory=dict)
-    tokens_by_namespace: dict[tuple[str, int], int] = field(default_factory=dict)
-    blocks_by_namespace: dict[tuple[str, int], int] = field(default_factory=dict)
     incidents: list[Incident] = field(default_factory=list)
     cleared: int = 0
     events: int = 0
 
-    def apply(self, batch: KVEventBatch) -> None:
-        """Apply one batch's events in order."""
+    def apply(self, batch: Any) -> None:
+        """Apply one batch's events in order (a :class:`KVEventBatch`, or what
+        :func:`decode_for_residency` returns)."""
         for event in batch.events:
             self.events += 1
-            if type(event) is BlockStored:
-                self._stored(event)
-            elif type(event) is BlockRemoved:
+            kind = type(event)
+            if kind is BlockRemoved:
                 self._removed(event)
-            else:
+            elif kind is AllBlocksCleared:
                 self.clear()
+            else:
+                self._stored(event)
 
     def clear(self) -> None:
         """Everything dropped (``AllBlocksCleared``, or a new engine process)."""
         self.blocks.clear()
-        self.tokens_by_namespace.clear()
-        self.blocks_by_namespace.clear()
         self.cleared += 1
 
-    def _namespace_of_chain(self, event: BlockStored, table: dict[int, tuple[int, int]]) -> int:
+    def _namespace_of_chain(self, event: Any, table: dict[int, tuple[int, int]]) -> int:
         if event.parent_block_hash is not None:
             parent = table.get(event.parent_block_hash)
             return parent[0] if parent is not None else UNATTRIBUTED
@@ -211,38 +240,39 @@ class Residency:
         self.incidents.append(Incident("no_salt", "", n))
         return UNATTRIBUTED
 
-    def _stored(self, event: BlockStored) -> None:
+    def _stored(self, event: Any) -> None:
         tier = (event.medium or MEDIUM_ENGINE, event.group_idx or 0)
         table = self.blocks.get(tier)
         if table is None:
             table = self.blocks[tier] = {}
-        namespace = self._namespace_of_chain(event, table)
-        size = event.block_size
-        key = (tier[0], namespace)
-        added = 0
+        entry = (self._namespace_of_chain(event, table), event.block_size)
         for block_hash in event.block_hashes:
-            if block_hash not in table:
-                table[block_hash] = (namespace, size)
-                added += 1
-        if added:
-            self.tokens_by_namespace[key] = self.tokens_by_namespace.get(key, 0) + added * size
-            self.blocks_by_namespace[key] = self.blocks_by_namespace.get(key, 0) + added
+            # setdefault: a block stored twice keeps its first attribution and counts once.
+            table.setdefault(block_hash, entry)
 
     def _removed(self, event: BlockRemoved) -> None:
-        tier = (event.medium or MEDIUM_ENGINE, event.group_idx or 0)
-        table = self.blocks.get(tier)
-        if not table:
-            return
-        for block_hash in event.block_hashes:
-            entry = table.pop(block_hash, None)
-            if entry is not None:
-                key = (tier[0], entry[0])
-                self.tokens_by_namespace[key] -= entry[1]
-                self.blocks_by_namespace[key] -= 1
+        table = self.blocks.get((event.medium or MEDIUM_ENGINE, event.group_idx or 0))
+        if table:
+            pop = table.pop
+            for block_hash in event.block_hashes:
+                pop(block_hash, None)
 
     def totals(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """``(medium, namespace id)`` → ``(blocks, tokens)``; namespace 0 is unattributed."""
-        return {k: (self.blocks_by_namespace[k], t) for k, t in self.tokens_by_namespace.items() if self.blocks_by_namespace[k]}
+        """``(medium, namespace id)`` → ``(blocks, tokens)``; namespace 0 is unattributed.
+
+        Counted here, not per event: a consumer asks every few seconds, events
+        arrive by the hundred thousand (measured: 3-4 ms at 16k resident blocks).
+        """
+        out: dict[tuple[str, int], list[int]] = {}
+        for (medium, _), table in self.blocks.items():
+            for namespace, size in table.values():
+                row = out.get((medium, namespace))
+                if row is None:
+                    out[(medium, namespace)] = [1, size]
+                else:
+                    row[0] += 1
+                    row[1] += size
+        return {k: (v[0], v[1]) for k, v in out.items()}
 
     def take_incidents(self) -> list[Incident]:
         """The incidents since the last call, merged by (kind, key)."""
@@ -272,15 +302,8 @@ class Residency:
             msgspec.DecodeError, ValueError: not a snapshot.
         """
         self.blocks.clear()
-        self.tokens_by_namespace.clear()
-        self.blocks_by_namespace.clear()
         for medium, group, rows in msgspec.msgpack.decode(data):
-            table = self.blocks[(medium, group)] = {}
-            for block_hash, namespace, size in rows:
-                table[block_hash] = (namespace, size)
-                key = (medium, namespace)
-                self.tokens_by_namespace[key] = self.tokens_by_namespace.get(key, 0) + size
-                self.blocks_by_namespace[key] = self.blocks_by_namespace.get(key, 0) + 1
+            self.blocks[(medium, group)] = {block_hash: (namespace, size) for block_hash, namespace, size in rows}
 
 
 class SequenceVerdict:

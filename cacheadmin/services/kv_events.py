@@ -34,10 +34,9 @@ from cacheadmin.services.alarms import alarm_raise
 from inference.identity import cache_salt
 from inference.kv_events import (
     END_SEQ,
-    AllBlocksCleared,
     Residency,
     SequenceVerdict,
-    decode_batch,
+    decode_for_residency,
     seq_bytes,
     seq_of,
     sequence_verdict,
@@ -246,7 +245,7 @@ class KvEventConsumer:
             return
         try:
             seq = seq_of(seq_frame)
-            batch = decode_batch(payload)
+            batch = decode_for_residency(payload)
         except (ValueError, msgspec.DecodeError) as exc:
             self._garbage(stream, f"undecodable frame: {exc}")
             return
@@ -265,12 +264,13 @@ class KvEventConsumer:
             return
         if stream.last_seq is not None and seq <= stream.last_seq:
             return  # the replay covered it
+        cleared = stream.residency.cleared
         stream.residency.apply(batch)
         stream.last_seq = seq
-        stream.last_event_at = timezone.now()
+        stream.last_event_at = now = timezone.now()
         stream.dirty = True
-        if any(type(e) is AllBlocksCleared for e in batch.events):
-            stream.cleared_at = timezone.now()
+        if stream.residency.cleared != cleared:
+            stream.cleared_at = now
             stream.urgent = True  # a purge waits for this: save it now
         if stream.residency.incidents:
             stream.urgent = True

@@ -13,6 +13,7 @@ from inference.kv_events import (
     Residency,
     SequenceVerdict,
     decode_batch,
+    decode_for_residency,
     encode_batch,
     salt_digest,
     seq_bytes,
@@ -71,6 +72,15 @@ def test_vllm_classes_and_ours_read_each_others_bytes() -> None:
     assert first.kv_cache_spec_kind == "full_attention" and len(first.token_ids) == 64
     back = msgspec.msgpack.Decoder(type=v.KVEventBatch).decode(encode_batch(ours))
     assert back == theirs
+    # The consumer's decoder skips token ids and tracks the same blocks.
+    lite = decode_for_residency(payload)
+    assert [type(e).__name__ for e in lite.events] == ["_StoredForResidency", "BlockRemoved", "AllBlocksCleared"]
+    assert not hasattr(lite.events[0], "token_ids") and lite.events[0].extra_keys == [("salt-a",), None]
+    full, fast = residency(), residency()
+    cut = KVEventBatch(ts=0, events=ours.events[:2])
+    full.apply(cut)
+    fast.apply(decode_for_residency(encode_batch(cut)))
+    assert full.totals() == fast.totals() == {("GPU", 1): (1, 32)}
 
 
 def test_a_chain_is_attributed_by_its_first_blocks_salt_and_followed_by_parent() -> None:
