@@ -153,6 +153,8 @@ class KvEventConsumer:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._refreshed = 0.0
         self._flushed = 0.0
+        #: When the burst of frames being drained arrived (None outside run()).
+        self.burst_at: Any = None
 
     # -- engines -----------------------------------------------------------
     def refresh(self) -> None:
@@ -267,7 +269,8 @@ class KvEventConsumer:
         cleared = stream.residency.cleared
         stream.residency.apply(batch)
         stream.last_seq = seq
-        stream.last_event_at = now = timezone.now()
+        # One clock reading per drained burst (run() sets it): per batch it cost 3 % of the consumer's time.
+        stream.last_event_at = now = self.burst_at or timezone.now()
         stream.dirty = True
         if stream.residency.cleared != cleared:
             stream.cleared_at = now
@@ -407,6 +410,7 @@ class KvEventConsumer:
                     stream = self.by_socket.get(sock)
                     if stream is None:
                         continue
+                    self.burst_at = timezone.now()
                     for _ in range(10_000):
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -415,6 +419,7 @@ class KvEventConsumer:
                         self.handle(stream, frames)
                         if "events" in self.metrics:
                             self.metrics["events"].labels(engine=stream.engine_name).inc()
+                    self.burst_at = None
                     if stream.urgent:
                         self._flush_stream(stream)
                 if time.monotonic() - self._flushed > FLUSH_S:
