@@ -40,7 +40,7 @@ POLL_ACTIVE_S = 2
 POLL_IDLE_S = 15
 
 
-def _live_context() -> dict[str, object]:
+def _live_context(request: HttpRequest) -> dict[str, object]:
     engines = list(selectors.engine_list())
     prewarm = list(selectors.prewarm_job_list())
     comparison = list(selectors.comparison_job_list())
@@ -51,6 +51,7 @@ def _live_context() -> dict[str, object]:
             EngineAlarm.objects.filter(resolved_at__isnull=True).select_related("engine").order_by("-last_seen_at")[:50]
         ),
         "any_serving": any(e.in_service for e in engines),
+        "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
         "prewarm_jobs": prewarm,
         "comparison_jobs": comparison,
         "poll_s": POLL_ACTIVE_S if active else POLL_IDLE_S,
@@ -67,14 +68,14 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "releases": selectors.release_list(),
         "usage": selectors.latest_usage_by_namespace(),
         "identity_fields": ModelVersion.IDENTITY_FIELDS,
-        **_live_context(),
+        **_live_context(request),
     }
     return render(request, "cacheadmin/dashboard.html", context)
 
 
 def live_fragment(request: HttpRequest) -> HttpResponse:
     """The engines and jobs tables alone, for polling."""
-    return render(request, "cacheadmin/_live.html", _live_context())
+    return render(request, "cacheadmin/_live.html", _live_context(request))
 
 
 def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:

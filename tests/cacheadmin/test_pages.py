@@ -242,4 +242,12 @@ def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin
     assert client.post(f"/engines/{engine.pk}/stop/").status_code == 403
     engine.refresh_from_db()
     assert (engine.status, engine.generation) == ("ready", 0)
-    assert "isolation_unknown_salt" in admin_client.get("/").content.decode()  # the dashboard's alarms
+    dashboard = admin_client.get("/").content.decode()
+    assert "isolation_unknown_salt" in dashboard  # the dashboard's alarms
+    local = Engine.objects.create(
+        name="local-1", model_version=ns.model_version, namespace=ns, base_url="http://127.0.0.1:2", status="stopped"
+    )
+    dashboard = admin_client.get("/").content.decode()
+    assert f'action="/engines/{local.pk}/restart/"' in dashboard and f'action="/engines/{local.pk}/stop/"' not in dashboard
+    assert f'action="/engines/{engine.pk}/stop/"' in dashboard and f'action="/engines/{engine.pk}/restart/"' not in dashboard
+    assert 'action="/engines/' not in client.get("/").content.decode()  # read-only: no buttons

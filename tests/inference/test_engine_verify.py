@@ -1,0 +1,94 @@
+"""Checks of what an engine reports against an identity (the comparison alone;
+tests/cacheadmin/test_fleet.py runs it against real engines)."""
+
+from __future__ import annotations
+
+from inference.corpus import load_corpus
+from inference.engines.verify import (
+    ExpectedEngine,
+    cache_config_labels,
+    compare_drift,
+    compare_identity,
+    drift_baseline,
+)
+
+PROBES = load_corpus("diagnostic")[:2]
+LAYOUT = {
+    "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "block_size": 16, "engine_version": "vllm 0.32.0",
+    "tensor_parallel_size": 2, "pipeline_parallel_size": 1, "quantization": None, "kv_cache_layout": "auto",
+}  # fmt: skip
+EXPECTED = ExpectedEngine.from_layout(LAYOUT, served_name="llama", prefix_caching=True)
+
+
+class Ids:
+    """A tokenizer whose ids are the message lengths (enough to compare)."""
+
+    def encode_chat(self, conversation) -> list[int]:
+        return [len(m["content"]) for m in conversation.messages if isinstance(m.get("content"), str)]
+
+
+def facts(**change) -> dict:
+    base = {
+        "served_names": ["llama"],
+        "models": {"id": "llama", "root": "/models/llama", "max_model_len": 8192},
+        "cache_config": {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "kv_cache_layout": "None",
+                         "prefix_caching_hash_algo": "sha256"},
+        "version": "0.32.0",
+        "server_info": {"dtype": "bfloat16", "tensor_parallel_size": 2, "pipeline_parallel_size": 1, "quantization": None},
+        "tokens": {c.id: Ids().encode_chat(c) for c in PROBES},
+        "output": " Paris",
+    }  # fmt: skip
+    base.update(change)
+    return base
+
+
+def failed(**change) -> dict[str, tuple]:
+    checks = compare_identity(EXPECTED, facts(**change), tokenizer=Ids(), probes=PROBES, reference_output=" Paris")
+    return {c.field: (c.expected, c.observed) for c in checks if not c.ok}
+
+
+def test_an_engine_that_reports_the_identity_passes_every_check() -> None:
+    checks = compare_identity(EXPECTED, facts(), tokenizer=Ids(), probes=PROBES, reference_output=" Paris")
+    assert [c.field for c in checks] == [
+        "served_name", "block_size", "kv_cache_dtype", "prefix_caching", "engine_version", "dtype",
+        "tensor_parallel_size", "pipeline_parallel_size", "quantization", *[f"tokenizer:{c.id}" for c in PROBES], "output",
+    ]  # fmt: skip
+    assert all(c.ok for c in checks)
+
+
+def test_each_difference_is_named_with_what_was_expected_and_seen() -> None:
+    assert failed(served_names=["other"], models=None) == {"served_name": ("llama", ["other"])}
+    assert failed(cache_config=None) == {"cache_config_info": ("present", None)}
+    assert failed(cache_config={**facts()["cache_config"], "block_size": "32", "cache_dtype": "fp8"}) == {
+        "block_size": ("16", "32"), "kv_cache_dtype": ("bfloat16", "fp8"),
+    }  # fmt: skip
+    assert failed(server_info={"dtype": "float16", "tensor_parallel_size": 1}) == {
+        "dtype": ("bfloat16", "float16"), "tensor_parallel_size": (2, 1),
+    }  # fmt: skip
+    assert failed(version="0.31.1") == {"engine_version": ("0.32.0", "0.31.1")}
+    assert failed(output=" Lyon") == {"output": (" Paris", " Lyon")}
+    first = PROBES[0]
+    want = Ids().encode_chat(first)
+    other = failed(tokens={**facts()["tokens"], first.id: [*want[:1], 999, *want[2:]]})
+    assert other == {f"tokenizer:{first.id}": (f"{len(want)} tokens", f"{len(want)} tokens, first difference at token 1")}
+    missing = failed(tokens={**facts()["tokens"], first.id: "error: engine at x answered 404"})
+    assert missing == {f"tokenizer:{first.id}": (f"{len(want)} tokens", "error: engine at x answered 404")}
+
+
+def test_drift_is_any_change_from_the_verified_reading() -> None:
+    baseline = drift_baseline(facts())
+    assert all(c.ok for c in compare_drift(baseline, facts()))
+    moved = facts(models={"id": "llama", "root": "/models/llama-v2", "max_model_len": 8192})
+    assert [c.field for c in compare_drift(baseline, moved) if not c.ok] == ["models"]
+    regrown = facts(cache_config={**facts()["cache_config"], "kv_cache_memory_bytes": "1"})  # not an identity label
+    assert all(c.ok for c in compare_drift(baseline, regrown))
+
+
+def test_cache_config_labels_are_read_from_the_exposition() -> None:
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",enable_prefix_caching="True"} 1.0\n'
+    )
+    assert cache_config_labels(text) == {"block_size": "32", "cache_dtype": "auto", "enable_prefix_caching": "True"}
+    assert cache_config_labels("# nothing here\n") is None
