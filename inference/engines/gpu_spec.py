@@ -267,7 +267,7 @@ def gpu_engine_spec(
         # The identity names the connector whose storage format it vouches for.
         raise ValueError(
             f"the identity's layout records kv_connector {recorded}, not {vllm_name}: "
-            f"a {connector} engine would write KV in a format this identity does not describe"
+            f"an engine with the {connector} connector would write KV in a format this identity does not describe"
         )
     layout_argv, layout_env = layout_arguments(layout)
     storage_path = posixpath.join(posixpath.normpath(storage_root), namespace_key)

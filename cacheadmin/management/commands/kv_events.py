@@ -13,6 +13,7 @@ import signal
 import time
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand, int_within
@@ -43,15 +44,21 @@ class Command(ControlPlaneCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         metrics = None
         if opts["metrics_addr"]:
+            addr = opts["metrics_addr"]
             try:
-                bind_address(opts["metrics_addr"], name="--metrics-addr")
-            except Exception as exc:
+                bind_address(addr, name="--metrics-addr")
+            except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
+            if addr.startswith("unix:"):
+                raise self.bad_input("--metrics-addr takes HOST:PORT (Prometheus scrapes over TCP)")
             from prometheus_client import start_http_server
 
-            host, port = opts["metrics_addr"].rsplit(":", 1)
+            host, port = addr.rsplit(":", 1)
             metrics = consumer_metrics()
-            start_http_server(int(port), addr=host.strip("[]"))
+            try:
+                start_http_server(int(port), addr=host.strip("[]"))
+            except OSError as exc:
+                raise self.bad_input(f"--metrics-addr {addr}: cannot listen: {exc.strerror or exc}") from exc
         stopping = {"now": False}
 
         def stop(signum: int, frame: object) -> None:
