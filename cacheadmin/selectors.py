@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.db.models import Max, QuerySet
+from django.utils import timezone
 
 from cacheadmin.models import (
     CacheNamespace,
@@ -12,6 +15,7 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     Release,
+    ResidentSample,
     SharedGroup,
     TierUsageSample,
 )
@@ -94,3 +98,40 @@ def usage_series(namespace: CacheNamespace, limit: int = 500) -> dict[str, objec
         "labels": [t.isoformat() for t in times],
         "datasets": [{"label": tier, "data": [values.get(t) for t in times]} for tier, values in sorted(by_tier.items())],
     }
+
+
+def resident_by_engine(engines: list[Engine], *, window_s: int = 180) -> list[dict[str, object]]:
+    """Latest resident blocks and tokens per (engine, namespace, medium) of the
+    given running engines, from the KV-event consumer's samples of the last
+    ``window_s`` seconds (one query; rows at zero are left out). The consumer
+    writes a sample at least every 60 s, so 180 s always holds the latest.
+
+    Returns:
+        ``[{"engine", "namespace_key", "boundary", "medium", "blocks", "tokens", "sampled_at"}]``
+        by engine name, then most tokens first.
+    """
+    live = [e.pk for e in engines if e.status in (Engine.Status.STARTING, Engine.Status.READY) and e.kv_events_endpoint]
+    if not live:
+        return []
+    since = timezone.now() - timedelta(seconds=window_s)
+    latest: dict[tuple[int, int | None, str], ResidentSample] = {}
+    for sample in (
+        ResidentSample.objects.filter(engine_id__in=live, sampled_at__gte=since)
+        .select_related("engine", "namespace__tenant", "namespace__group")
+        .order_by("-sampled_at", "-id")
+    ):
+        latest.setdefault((sample.engine_id, sample.namespace_id, sample.medium), sample)
+    rows = [
+        {
+            "engine": s.engine,
+            "namespace_key": s.namespace.namespace_key if s.namespace else None,
+            "boundary": s.namespace.boundary_label if s.namespace else "unattributed",
+            "medium": s.medium,
+            "blocks": s.blocks,
+            "tokens": s.tokens,
+            "sampled_at": s.sampled_at,
+        }
+        for s in latest.values()
+        if s.blocks
+    ]
+    return sorted(rows, key=lambda r: (r["engine"].name, -r["tokens"]))

@@ -51,6 +51,7 @@ def _live_context(request: HttpRequest) -> dict[str, object]:
             EngineAlarm.objects.filter(resolved_at__isnull=True).select_related("engine").order_by("-last_seen_at")[:50]
         ),
         "any_serving": any(e.in_service for e in engines),
+        "resident": selectors.resident_by_engine(engines),
         "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
         "prewarm_jobs": prewarm,
         "comparison_jobs": comparison,

@@ -251,3 +251,15 @@ def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin
     assert f'action="/engines/{local.pk}/restart/"' in dashboard and f'action="/engines/{local.pk}/stop/"' not in dashboard
     assert f'action="/engines/{engine.pk}/stop/"' in dashboard and f'action="/engines/{engine.pk}/restart/"' not in dashboard
     assert 'action="/engines/' not in client.get("/").content.decode()  # read-only: no buttons
+    # Resident tokens per engine and namespace, from the consumer's latest sample.
+    from django.utils import timezone
+
+    from cacheadmin.models import ResidentSample
+
+    Engine.objects.filter(pk=engine.pk).update(kv_events_endpoint="tcp://gpu-7:5557")
+    now = timezone.now()
+    ResidentSample.objects.create(engine=engine, namespace=ns, sampled_at=now - timezone.timedelta(seconds=30), blocks=1, tokens=32)
+    ResidentSample.objects.create(engine=engine, namespace=ns, sampled_at=now, blocks=5, tokens=160)
+    dashboard = admin_client.get("/").content.decode()
+    assert "<h1>Resident in engine memory</h1>" in dashboard
+    assert f"<td>{ns.boundary_label}</td><td>GPU</td><td>5</td><td>160</td>" in dashboard
