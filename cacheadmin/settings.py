@@ -167,6 +167,8 @@ DIGEST_CACHE_PATH = VAR_DIR / "digest-cache.sqlite3"
 ENGINE_KV_CACHE_GIB = env_int("ENGINE_KV_CACHE_GIB", 1, minimum=1)
 #: Seconds a local engine may take to report healthy.
 ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
+#: Prompts a prewarm job keeps in flight at once (hottest first; 1 = one at a time).
+PREWARM_CONCURRENCY = env_int("PREWARM_CONCURRENCY", 4, minimum=1)
 #: A running job whose heartbeat is older than this is considered lost.
 JOB_STALE_AFTER_S = env_int("JOB_STALE_AFTER_S", 300, minimum=5)
 #: Attempts before a lost job is failed instead of retried.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import transaction
 
 from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
@@ -86,8 +87,9 @@ def prewarm_job_run(*, job_id: int) -> None:
         try:
             filled = set(job.results.values_list("index", flat=True))
             prewarm_fill(
-                client, conversations, cache_salt=salt, block_size=int(layout["block_size"]), skip=filled, on_fill=on_fill
-            )
+                client, conversations, cache_salt=salt, block_size=int(layout["block_size"]), skip=filled, on_fill=on_fill,
+                concurrency=settings.PREWARM_CONCURRENCY,
+            )  # fmt: skip
             job_log(job, "fill pass done")
             expected = dict(job.results.values_list("index", "expected_cached_tokens"))
             verified = set(job.results.exclude(verify_cached_tokens=None).values_list("index", flat=True))
@@ -100,6 +102,7 @@ def prewarm_job_run(*, job_id: int) -> None:
                 reset_memory=has_tier and len(verified) < len(conversations),
                 skip=verified,
                 on_verify=on_verify,
+                concurrency=settings.PREWARM_CONCURRENCY,
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}")
