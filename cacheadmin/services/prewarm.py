@@ -83,12 +83,19 @@ def prewarm_job_run(*, job_id: int) -> None:
         )
         job_progress(job, len(conversations) + job.results.exclude(verify_cached_tokens=None).count())
 
+    # One at a time through a connector tier: on vLLM 0.32 (CPU) concurrent
+    # requests that load KV from ExampleConnector crash the engine core
+    # (measured here: "shape mismatch: value tensor of shape [352, 2, 128]
+    # cannot be broadcast to indexing result of shape [1504, 2, 128]" in
+    # example_connector.inject_kv_into_layer), and a resumed fill or the
+    # verify pass loads from it. Engine memory alone takes several at once.
+    concurrency = 1 if engine.kv_connector else settings.PREWARM_CONCURRENCY
     with engine_client(engine) as client:
         try:
             filled = set(job.results.values_list("index", flat=True))
             prewarm_fill(
                 client, conversations, cache_salt=salt, block_size=int(layout["block_size"]), skip=filled, on_fill=on_fill,
-                concurrency=settings.PREWARM_CONCURRENCY,
+                concurrency=concurrency,
             )  # fmt: skip
             job_log(job, "fill pass done")
             expected = dict(job.results.values_list("index", "expected_cached_tokens"))
@@ -102,7 +109,7 @@ def prewarm_job_run(*, job_id: int) -> None:
                 reset_memory=has_tier and len(verified) < len(conversations),
                 skip=verified,
                 on_verify=on_verify,
-                concurrency=settings.PREWARM_CONCURRENCY,
+                concurrency=concurrency,
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}")
