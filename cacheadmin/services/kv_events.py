@@ -507,6 +507,12 @@ def reset_observed(engine: Engine, namespace: CacheNamespace, *, since: Any, tim
             .first()
         )
         if zero is not None:
+            # The consumer saves the stream and its samples in one transaction:
+            # a zero sample read after the stream may come from the same flush
+            # as an AllBlocksCleared the first read missed. Read it again.
+            stream = KvEventStream.objects.filter(engine=engine).first()
+            if stream is not None and stream.cleared_at is not None and stream.cleared_at >= since:
+                return {"kv_events": "AllBlocksCleared", "at": stream.cleared_at.isoformat()}
             return {"kv_events": "blocks removed", "at": zero.sampled_at.isoformat()}
         if time.monotonic() > deadline:
             return None
