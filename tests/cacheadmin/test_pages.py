@@ -12,10 +12,13 @@ from cacheadmin.models import (
     CacheNamespace,
     ComparisonJob,
     Engine,
+    EngineAlarm,
+    EngineVerification,
     EvictionAction,
     EvictionRun,
     ModelVersion,
     PrewarmJob,
+    ResidentSample,
     RetentionOwner,
     SharedGroup,
     SharedGroupMembership,
@@ -215,8 +218,6 @@ def test_admin_add_forms_go_through_the_services(admin_client) -> None:
 def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin_client, client) -> None:
     from django.contrib.auth.models import User
 
-    from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerification
-
     ns = CacheNamespace.objects.first() or _rows(1) or CacheNamespace.objects.first()
     engine = Engine.objects.create(
         name="gpu-7", origin="adopted", model_version=ns.model_version, namespace=ns, base_url="http://127.0.0.1:1",
@@ -253,8 +254,6 @@ def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin
     assert 'action="/engines/' not in client.get("/").content.decode()  # read-only: no buttons
     # Resident tokens per engine and namespace, from the consumer's latest sample.
     from django.utils import timezone
-
-    from cacheadmin.models import ResidentSample
 
     Engine.objects.filter(pk=engine.pk).update(kv_events_endpoint="tcp://gpu-7:5557")
     now = timezone.now()
