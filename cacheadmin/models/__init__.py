@@ -11,6 +11,16 @@ from cacheadmin.models.eviction import (
     Tier,
     TierUsageSample,
 )
+from cacheadmin.models.gateway import (
+    CacheLayer,
+    CacheLayerSwitch,
+    GatewayKey,
+    GatewayStat,
+    NamespaceRouting,
+    RoutingEpoch,
+    ShadowCheck,
+    TenantGatewayPolicy,
+)
 from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult, RegistrationJob
 from cacheadmin.models.model_versions import Adapter, ModelVersion
 from cacheadmin.models.releases import IdempotencyKey, PrefixHeat, Release, ReleaseEvent
@@ -25,6 +35,14 @@ from cacheadmin.models.tenancy import (
 )
 
 __all__ = [
+    "CacheLayer",
+    "CacheLayerSwitch",
+    "GatewayKey",
+    "GatewayStat",
+    "NamespaceRouting",
+    "RoutingEpoch",
+    "ShadowCheck",
+    "TenantGatewayPolicy",
     "AccountingScan",
     "EngineMetricsSample",
     "EvictionAction",

@@ -194,6 +194,9 @@ class EngineAlarm(models.Model):
         KV_EVENTS_GAP = "kv_events_gap"
         #: Frames that are not vLLM KV-event batches.
         KV_EVENTS_GARBAGE = "kv_events_garbage"
+        #: Shadow verification of live traffic: a reported cache hit whose
+        #: answer diverged from a reference engine's beyond the control's noise.
+        DECEPTIVE_HIT = "deceptive_hit"
 
     ISOLATION_KINDS = frozenset({Kind.UNKNOWN_SALT, Kind.NO_SALT, Kind.FOREIGN_NAMESPACE})
 

@@ -19,6 +19,8 @@ class Tier(models.TextChoices):
     ENGINE = "engine", "engine memory (vLLM prefix cache)"
     DISK = "disk", "hot disk tier (vLLM ExampleConnector)"
     REDIS = "redis", "hot Redis tier"
+    RESPONSE = "response", "gateway response cache"
+    SEMANTIC = "semantic", "gateway semantic cache"
     COLD = "cold", "cold tier (archived; engines cannot read it)"
 
 

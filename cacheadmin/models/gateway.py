@@ -1,0 +1,189 @@
+"""The data plane's state in the control plane: gateway keys, the routing
+epoch gateways watch, the cache layers' switches and policies, what the
+gateways record (per namespace and layer) and live shadow verification."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class GatewayKey(models.Model):
+    """A caller's key for the gateway, ``kvgw_<prefix>_<secret>``, bound to one
+    tenant; only a SHA-256 of the secret is stored, the key is shown once.
+
+    ``rate_per_s``/``burst`` size the key's token bucket (None: the gateway's
+    defaults, ``GATEWAY_RATE_PER_S`` and ``GATEWAY_BURST``).
+    """
+
+    tenant = models.ForeignKey("cacheadmin.Tenant", on_delete=models.CASCADE, related_name="gateway_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True)
+    key_hash = models.CharField(max_length=64, unique=True)
+    rate_per_s = models.FloatField(null=True, blank=True)
+    burst = models.PositiveIntegerField(null=True, blank=True)
+    created_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.tenant.slug}, {self.prefix})"
+
+
+class RoutingEpoch(models.Model):
+    """One row (pk 1) whose ``value`` grows with every change that can alter a
+    routing decision; each gateway process polls it and rebuilds its in-memory
+    snapshot when it moved, so the hot path never queries the database."""
+
+    value = models.BigIntegerField(default=0)
+    changed_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"routing epoch {self.value}"
+
+
+class CacheLayer(models.TextChoices):
+    """The cache layers in front of the engines, as gateways record them."""
+
+    RESPONSE = "response", "response cache (request level)"
+    SEMANTIC = "semantic", "semantic cache"
+    PREFIX = "prefix", "engine prefix cache"
+
+
+class CacheLayerSwitch(models.Model):
+    """The kill switch of one gateway cache layer, for every tenant: off means
+    every request bypasses the layer (reason ``kill_switch``), at once."""
+
+    layer = models.CharField(max_length=16, choices=CacheLayer.choices, unique=True)
+    enabled = models.BooleanField(default=True)
+    reason = models.TextField(blank=True, default="")
+    changed_by = models.CharField(max_length=200, blank=True, default="")
+    changed_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.layer}: {'on' if self.enabled else 'off'}"
+
+
+class TenantGatewayPolicy(models.Model):
+    """How a tenant's traffic uses the gateway's cache layers (defaults apply
+    to a tenant without a row; see :data:`DEFAULTS`)."""
+
+    tenant = models.OneToOneField("cacheadmin.Tenant", on_delete=models.CASCADE, related_name="gateway_policy")
+    response_cache = models.BooleanField(default=True)
+    #: Seeded sampling is reused only where the tenant's engines guarantee it
+    #: (vLLM does not promise batch invariance by default).
+    allow_seeded = models.BooleanField(default=False)
+    #: Any sampled answer may be reused (one sample stands for all).
+    allow_sampling = models.BooleanField(default=False)
+    semantic_cache = models.BooleanField(default=True)
+    #: Similarity a semantic hit needs, on the scale of ``gateway.semantic.matching`` (0..1).
+    semantic_threshold = models.FloatField(null=True, blank=True, help_text="empty: the shipped threshold")
+    #: Share of requests that reported cached tokens replayed by shadow verification (0..1).
+    shadow_sample_rate = models.FloatField(default=0.05)
+    #: A deceptive hit on live traffic stops routing the namespace until an operator decides.
+    suspend_on_deceptive_hit = models.BooleanField(default=True)
+    updated_by = models.CharField(max_length=200, blank=True, default="")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(shadow_sample_rate__gte=0) & models.Q(shadow_sample_rate__lte=1),
+                name="gateway_policy_shadow_rate_0_1",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(semantic_threshold__isnull=True)
+                | (models.Q(semantic_threshold__gte=0) & models.Q(semantic_threshold__lte=1)),
+                name="gateway_policy_threshold_0_1",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"gateway policy of {self.tenant.slug}"
+
+
+class NamespaceRouting(models.Model):
+    """A namespace's routing hold: while ``suspended_at`` is set, gateways
+    refuse its requests (503) instead of serving them; set by a deceptive
+    hit on live traffic (by the tenant's policy) and lifted by an operator."""
+
+    namespace = models.OneToOneField("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="routing")
+    suspended_at = models.DateTimeField(null=True, blank=True)
+    suspended_reason = models.TextField(blank=True, default="")
+    resumed_by = models.CharField(max_length=200, blank=True, default="")
+    resumed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"routing of namespace {self.namespace_id}: {'suspended' if self.suspended_at else 'on'}"
+
+
+class GatewayStat(models.Model):
+    """What the gateways saw for one namespace and layer in one minute (UTC).
+
+    Every count adds up across gateway processes (each flushes its own
+    increments). Times are milliseconds summed, with their counts, so means
+    come out exact. ``bypass`` maps a bounded reason to its count.
+    """
+
+    namespace = models.ForeignKey("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="gateway_stats")
+    layer = models.CharField(max_length=16, choices=CacheLayer.choices)
+    minute = models.DateTimeField()
+    requests = models.BigIntegerField(default=0)
+    hits = models.BigIntegerField(default=0)
+    misses = models.BigIntegerField(default=0)
+    bypasses = models.BigIntegerField(default=0)
+    bypass = models.JSONField(default=dict)
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_prompt_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    #: TTFT of answers served from this layer (hits), and of those that went past it (misses).
+    ttft_hit_ms_sum = models.FloatField(default=0)
+    ttft_hit_count = models.BigIntegerField(default=0)
+    ttft_miss_ms_sum = models.FloatField(default=0)
+    ttft_miss_count = models.BigIntegerField(default=0)
+    #: Time spent looking the layer up (its cost), hits and misses alike.
+    lookup_ms_sum = models.FloatField(default=0)
+    lookup_count = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-minute", "namespace_id", "layer"]
+        constraints = [models.UniqueConstraint(fields=["namespace", "layer", "minute"], name="gateway_stat_once_per_minute")]
+        indexes = [models.Index(fields=["minute"], name="gateway_stat_minute")]
+
+    def __str__(self) -> str:
+        return f"{self.layer} of {self.namespace_id} at {self.minute:%H:%M}"
+
+
+class ShadowCheck(models.Model):
+    """A live request that reported cached prompt tokens, replayed off the hot
+    path greedily on its serving engine and on a reference engine without
+    cache; ``deceptive`` when the two diverge beyond the control's noise."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        MATCHED = "matched"
+        DECEPTIVE = "deceptive"
+        FAILED = "failed"
+
+    namespace = models.ForeignKey("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="shadow_checks")
+    engine = models.ForeignKey("cacheadmin.Engine", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    reference_engine = models.ForeignKey("cacheadmin.Engine", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    #: The request replayed (no personal data: requests carrying any are never sampled).
+    request = models.JSONField()
+    endpoint = models.CharField(max_length=16, default="chat")
+    cached_tokens = models.PositiveIntegerField(default=0, help_text="as the engine reported for the live request")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
+    first_divergence = models.IntegerField(null=True, blank=True, help_text="token index, None when equal")
+    noise_divergence = models.IntegerField(null=True, blank=True, help_text="the control's (cold vs cold) first divergence")
+    detail = models.JSONField(default=dict)
+    error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    checked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"shadow check #{self.pk} ({self.status})"
