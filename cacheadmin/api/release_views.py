@@ -52,7 +52,9 @@ class ReleaseViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnl
     @extend_schema(request=s.ReleaseCreateSerializer, responses={201: s.ReleaseSerializer})
     @idempotent
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        """Create a release: its classification is the plan (identical ones are ready at once)."""
+        """Create a release: its classification is the plan (identical ones are ready at once). Without
+        `from_version` it is a first deployment: ready at once with 100 % on the tenant's existing namespace of
+        `to_version` (409 `release_refused` when the tenant has none, or the pair already has a release or is served)."""
         data = validated(request, s.ReleaseCreateSerializer)
         release = release_create(actor=actor_of(request), **data)
         return Response(s.ReleaseSerializer(release).data, status=status.HTTP_201_CREATED)
@@ -89,7 +91,7 @@ class ReleaseViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnl
     @action(detail=True, methods=["post"])
     @idempotent
     def traffic(self, request: Request, pk: str | None = None) -> Response:
-        """Gray release: the share of traffic on the new version (0–100)."""
+        """Gray release: the share of traffic on the new version (0–100); refused for a first deployment (always 100)."""
         release = self.get_object()
         percent = validated(request, s.TrafficSerializer)["percent"]
         return Response(s.ReleaseSerializer(release_set_traffic(release=release, percent=percent, actor=actor_of(request))).data)
@@ -98,7 +100,8 @@ class ReleaseViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnl
     @action(detail=True, methods=["post"])
     @idempotent
     def rollback(self, request: Request, pk: str | None = None) -> Response:
-        """Route back to the old version's namespace (restored from the cold tier if demoted; refused if dropped)."""
+        """Route back to the old version's namespace (restored from the cold tier if demoted; refused if dropped,
+        and for a first deployment: there is no old version)."""
         release = self.get_object()
         reason = validated(request, s.ReasonSerializer)["reason"]
         return Response(s.ReleaseSerializer(release_rollback(release=release, actor=actor_of(request), reason=reason)).data)

@@ -1,5 +1,6 @@
-"""Releases: moving a served model from one version to another, with the
-invalidation decision taken before traffic moves, its evidence, and a timeline."""
+"""Releases: moving a served model from one version to another (or to its
+first version), with the invalidation decision taken before traffic moves, its
+evidence, and a timeline."""
 
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ class Release(models.Model):
     Status: ``decision_required`` → ``decided`` (then ``preparing`` while the
     new namespace is prewarmed or the old one purged) → ``ready``; ``failed``
     when preparing failed; ``rolled_back`` after a rollback.
+
+    A *first deployment* leaves no version (``from_version`` and
+    ``from_namespace`` are None, classification ``first_deployment``): it routes
+    the pair's traffic to its first version on the tenant's existing namespace.
+    It is ready at once with ``traffic_percent`` 100 and no decision (decision
+    ``""``, decided by ``policy``): there is no cached state of an earlier
+    version to invalidate, nothing to roll back to and no traffic to share.
     """
 
     class Classification(models.TextChoices):
         IDENTICAL = "identical", "identical: reuse is automatic"
         COMPATIBLE = "compatible", "compatible candidate: only fields without effect on KV state changed"
         INCOMPATIBLE = "incompatible", "incompatible: weights, tokenizer, config, layout or adapters changed"
+        FIRST_DEPLOYMENT = "first_deployment", "first deployment: no earlier version, no cached state to invalidate"
 
     class Decision(models.TextChoices):
         REUSE = "reuse", "reuse (identical)"
@@ -36,7 +45,10 @@ class Release(models.Model):
 
     served_name = models.CharField(max_length=200)
     tenant = models.ForeignKey("cacheadmin.Tenant", on_delete=models.PROTECT, related_name="releases")
-    from_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="releases_left")
+    #: None for a first deployment (see the class docstring).
+    from_version = models.ForeignKey(
+        "cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="releases_left", null=True, blank=True
+    )
     to_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="releases_brought")
     classification = models.CharField(max_length=16, choices=Classification.choices)
     #: ``inference.identity.identity_diff`` of (from, to), plus the fields without KV effect that differ.
@@ -77,10 +89,28 @@ class Release(models.Model):
         constraints = [
             models.CheckConstraint(condition=models.Q(traffic_percent__lte=100), name="release_traffic_percent_at_most_100"),
             models.CheckConstraint(condition=~models.Q(from_version=models.F("to_version")), name="release_changes_version"),
+            # A release without a version it leaves is a first deployment, and only that.
+            models.CheckConstraint(
+                condition=(models.Q(from_version__isnull=True) & models.Q(classification="first_deployment"))
+                | (models.Q(from_version__isnull=False) & ~models.Q(classification="first_deployment")),
+                name="release_first_deployment_has_no_from_version",
+            ),
+            # The service refuses a second one under a lock; this holds even if a caller skips the service.
+            models.UniqueConstraint(
+                fields=["tenant", "served_name"],
+                condition=models.Q(from_version__isnull=True),
+                name="release_one_first_deployment_per_pair",
+            ),
         ]
 
     def __str__(self) -> str:
-        return f"release #{self.pk} {self.served_name} {self.from_version_id}→{self.to_version_id} ({self.status})"
+        leaves = "first deployment " if self.from_version_id is None else f"{self.from_version_id}"
+        return f"release #{self.pk} {self.served_name} {leaves}→{self.to_version_id} ({self.status})"
+
+    @property
+    def is_first_deployment(self) -> bool:
+        """True for a release that leaves no version (the pair's first)."""
+        return self.from_version_id is None
 
     @property
     def classification_summary(self) -> str:

@@ -10,6 +10,10 @@ Invalidation is decided before traffic moves:
   the old namespace's cache shows no deceptive hit; or ``purge``;
 - incompatible (weights, tokenizer, config, layout or adapters changed):
   ``new_namespace`` (prewarmed and verified before it is reported ready) or ``purge``.
+
+A first deployment (no version it leaves) has nothing to invalidate: it routes
+the pair's traffic to its first version on the tenant's existing namespace,
+ready at once with 100 % (:func:`release_create_first_deployment`).
 """
 
 from __future__ import annotations
@@ -40,11 +44,18 @@ from cacheadmin.services.jobs import job_cancel, job_finished
 from cacheadmin.services.model_versions import model_versions_status_sync
 from cacheadmin.services.namespaces import RetentionPolicySpec, namespace_get_or_create, namespace_salt_read
 from cacheadmin.services.prewarm import prewarm_job_create
-from cacheadmin.services.serving import ROUTED, current_releases, dropped_routes, release_routes
+from cacheadmin.services.serving import (
+    ROUTED,
+    current_releases,
+    dropped_routes,
+    namespaces_serving_without_release,
+    release_routes,
+)
 from cacheadmin.services.tiers import tiers_configured
 from inference.corpus import load_corpus
 from inference.errors import InvalidField, Refused
 from inference.identity import identity_diff, namespace_id
+from inference.tiers.base import TierError, TierUnavailable
 from inference.tokenization import load_chat_tokenizer, serialized_inputs_digest, summary, tokenization_diff
 
 Decision = Release.Decision
@@ -56,7 +67,16 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     Classification.IDENTICAL: (Decision.REUSE,),
     Classification.COMPATIBLE: (Decision.VERIFIED_REUSE, Decision.PURGE),
     Classification.INCOMPATIBLE: (Decision.NEW_NAMESPACE, Decision.PURGE),
+    # Nothing cached under an earlier version: nothing to decide.
+    Classification.FIRST_DEPLOYMENT: (),
 }
+
+#: The diff a first deployment records: the shape of :func:`release_classify`'s,
+#: with nothing compared (there is no earlier version), so never "identical".
+FIRST_DEPLOYMENT_DIFF: dict[str, Any] = {"identical": False, "differing": [], "fields": {}, "non_kv": {}}
+
+#: Why a first deployment needs no decision (its ``decision_reason``).
+FIRST_DEPLOYMENT_REASON = "first deployment: no cached state of an earlier version to invalidate"
 
 
 class ReleaseRefused(Refused):
@@ -98,15 +118,19 @@ def release_classify(from_version: ModelVersion, to_version: ModelVersion) -> tu
 
 
 def release_create(
-    *, served_name: str, tenant: Tenant, from_version: ModelVersion, to_version: ModelVersion, actor: str
+    *, served_name: str, tenant: Tenant, from_version: ModelVersion | None, to_version: ModelVersion, actor: str
 ) -> Release:
     """Record a release and its classification. An identical one is decided
-    (``reuse``) and ready at once; the others wait for a decision.
+    (``reuse``) and ready at once; the others wait for a decision. Without
+    ``from_version`` it is a first deployment (:func:`release_create_first_deployment`).
 
     Raises:
         ReleaseRefused: the versions are the same, ``from_version`` does not
-            serve ``served_name``, or another release of it for this tenant is open.
+            serve ``served_name``, or another release of it for this tenant is
+            open; for a first deployment, see :func:`release_create_first_deployment`.
     """
+    if from_version is None:
+        return release_create_first_deployment(served_name=served_name, tenant=tenant, to_version=to_version, actor=actor)
     if from_version.pk == to_version.pk:
         raise ReleaseRefused("a release must change the version")
     if from_version.served_name != served_name:
@@ -147,6 +171,161 @@ def release_create(
     return release
 
 
+def release_create_first_deployment(*, served_name: str, tenant: Tenant, to_version: ModelVersion, actor: str) -> Release:
+    """Plan a first deployment: route all of ``tenant``'s traffic for
+    ``served_name`` to ``to_version`` on the tenant's existing namespace for it.
+
+    Ready at once (classification ``first_deployment``, ``traffic_percent``
+    100, decision ``""`` decided by ``policy`` with
+    :data:`FIRST_DEPLOYMENT_REASON`), audited (``release.create``), with the
+    timeline ``created`` → ``ready``; ``to_version`` becomes active. A cold
+    namespace is restored from the cold tier first, as a rollback does.
+
+    When ``to_version`` itself already serves the pair without a release
+    (active, the tenant's namespace for it), the release records that: the
+    routes stay what they were.
+
+    Raises:
+        ReleaseRefused (409, exit 4; nothing changes): ``to_version`` is served
+            under another name or is retired; the pair already has a release,
+            or another version serves it without one ("use --from"); the tenant
+            has no namespace for ``to_version`` (the message names the
+            ``namespace create`` command), or it was dropped, or its identity no
+            longer derives from the version's; a cold namespace cannot be restored.
+        TierUnavailable: a cold namespace's tiers cannot be reached (503, exit 3).
+    """
+    if to_version.served_name != served_name:
+        raise ReleaseRefused(f"{to_version.label} is served as {to_version.served_name!r}, not {served_name!r}")
+    if to_version.status == ModelVersion.Status.RETIRED:
+        raise ReleaseRefused(f"{to_version.label} is retired: a retired version is never deployed again")
+    _refuse_not_first(served_name=served_name, tenant=tenant, to_version=to_version)
+    namespace = _first_deployment_namespace(to_version, tenant)
+    restored = _reactivate(namespace, actor=actor, why=f"first deployment of {to_version.label} for {tenant.slug}")
+    with transaction.atomic():
+        # Serializes release plans of one tenant (IMMEDIATE on SQLite, a row lock
+        # elsewhere): two first deployments of a pair cannot both pass the check.
+        Tenant.objects.select_for_update().get(pk=tenant.pk)
+        _refuse_not_first(served_name=served_name, tenant=tenant, to_version=to_version)
+        release = Release.objects.create(
+            served_name=served_name, tenant=tenant, from_version=None, to_version=to_version,
+            classification=Classification.FIRST_DEPLOYMENT, diff=FIRST_DEPLOYMENT_DIFF, status=Status.READY, decision="",
+            decided_by="policy", decided_at=timezone.now(), decision_reason=FIRST_DEPLOYMENT_REASON, from_namespace=None,
+            to_namespace=namespace, traffic_percent=100, created_by=actor,
+        )  # fmt: skip
+        _event(
+            release, actor, "created", classification=Classification.FIRST_DEPLOYMENT, differing=[], non_kv=[],
+            namespace=namespace.pk, **restored,
+        )  # fmt: skip
+        audit_record(
+            actor=actor, action="release.create", obj=release,
+            after={
+                "classification": Classification.FIRST_DEPLOYMENT, "namespace": namespace.namespace_key, "traffic_percent": 100
+            },
+        )  # fmt: skip
+        _event(release, "policy", "ready")
+        _sync_versions(release, "policy", f"release #{release.pk} ready (first deployment)")
+    release.refresh_from_db()
+    return release
+
+
+def _refuse_not_first(*, served_name: str, tenant: Tenant, to_version: ModelVersion) -> None:
+    """Refuse a first deployment of a pair that has a release, or that another
+    version already serves without one (a release must then leave that version).
+
+    Raises:
+        ReleaseRefused: with the ``--from`` to use when one version carries all the traffic.
+    """
+    latest = Release.objects.filter(tenant=tenant, served_name=served_name).order_by("-pk").first()
+    if latest is not None:
+        current = current_releases(tenant_ids=[tenant.pk], served_names=[served_name])[(tenant.pk, served_name)]
+        carrying = [r.model_version_id for r in release_routes(current) if r.percent == 100]
+        if carrying:
+            version = ModelVersion.objects.get(pk=carrying[0])
+            hint = f"use --from {version.pk} ({version.label}; from_version in the API)"
+        else:
+            hint = "use --from once one version carries all of its traffic"
+        raise ReleaseRefused(
+            f"{served_name} for {tenant.slug} already has release #{latest.pk} ({latest.status}): a first deployment "
+            f"must be the first; {hint}"
+        )
+    serving = namespaces_serving_without_release(tenant_id=tenant.pk, served_name=served_name).exclude(model_version=to_version)
+    other = serving.first()
+    if other is not None:
+        version = other.model_version
+        raise ReleaseRefused(
+            f"{served_name} for {tenant.slug} is already served without a release by {version.label} (namespace "
+            f"{other.namespace_key[:12]}… of {other.boundary_label}): a first deployment must be the first; use --from "
+            f"{version.pk} ({version.label}; from_version in the API)"
+        )
+
+
+def _first_deployment_namespace(version: ModelVersion, tenant: Tenant) -> CacheNamespace:
+    """The tenant's own live namespace for ``version``: a first deployment routes to it.
+
+    A shared group's namespace does not do: a release routes a tenant's traffic
+    under the tenant's own boundary (:func:`_check_identity`).
+
+    Raises:
+        ReleaseRefused: none exists (naming the command that creates it), it
+            was dropped, or its identity no longer derives from the version's.
+    """
+    namespace = CacheNamespace.objects.filter(model_version=version, tenant=tenant).first()
+    if namespace is None:
+        shared = (
+            CacheNamespace.objects.filter(model_version=version, group__memberships__tenant=tenant)
+            .exclude(residency=Residency.DROPPED)
+            .select_related("group")
+            .order_by("id")
+            .first()
+        )
+        also = f" (group {shared.group.slug}'s namespace is shared, not {tenant.slug}'s own)" if shared is not None else ""
+        raise ReleaseRefused(
+            f"{tenant.slug} has no namespace for {version.label}{also}: create it first with `manage.py namespace create "
+            f"--model-version {version.pk} --tenant {tenant.slug} --owner OWNER --max-age-s SECONDS --max-bytes BYTES "
+            f"--versions-kept N` (API: POST /api/namespaces/), then plan the first deployment"
+        )
+    if namespace.residency == Residency.DROPPED:
+        raise ReleaseRefused(
+            f"{tenant.slug}'s namespace {namespace.namespace_key[:12]}… for {version.label} was dropped: its salt is no "
+            "longer served and its id is never handed out again, so nothing can be routed to it"
+        )
+    _check_identity(namespace, version, tenant)
+    return namespace
+
+
+def _reactivate(namespace: CacheNamespace, *, actor: str, why: str) -> dict[str, Any]:
+    """Bring a cold namespace back before traffic is routed to it: restore its
+    archive into the hot tiers, then mark it hot. A hot one is left as it is.
+
+    Returns:
+        ``{"how": "still hot"}`` or ``{"how": "restored from the cold tier", "entries_restored": n}``.
+
+    Raises:
+        ReleaseRefused: the archive cannot be restored (missing, corrupt, a hot
+            tier already holds entries of the prefix); the namespace stays cold.
+        TierUnavailable: a tier cannot be reached (Redis down).
+    """
+    if namespace.residency != Residency.COLD:
+        return {"how": "still hot"}
+    tiers = tiers_configured()
+    try:
+        restored = tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis)
+    except TierUnavailable:
+        raise
+    except TierError as exc:
+        raise ReleaseRefused(f"namespace {namespace.namespace_key[:12]}… is cold and cannot be restored: {exc}") from exc
+    with transaction.atomic():
+        CacheNamespace.objects.filter(pk=namespace.pk, residency=Residency.COLD).update(
+            residency=Residency.HOT, residency_changed_at=timezone.now()
+        )
+        audit_record(
+            actor=actor, action="namespace.restore", obj=namespace, before={"residency": Residency.COLD},
+            after={"residency": Residency.HOT, "entries_restored": restored}, reason=why,
+        )  # fmt: skip
+    namespace.refresh_from_db()
+    return {"how": "restored from the cold tier", "entries_restored": restored}
+
+
 def release_collect_tokenization_evidence(*, release: Release, actor: str, corpus: str = "diagnostic") -> dict[str, Any]:
     """Evidence (a): serialize the corpus (chat template applied, token ids)
     with each version's tokenizer and compare, conversation by conversation.
@@ -157,7 +336,12 @@ def release_collect_tokenization_evidence(*, release: Release, actor: str, corpu
 
     Raises:
         inference.errors.CheckpointError: a tokenizer cannot be loaded.
+        ReleaseRefused: a first deployment (there is no earlier version to compare with).
     """
+    if release.from_version_id is None:
+        raise ReleaseRefused(
+            f"release #{release.pk} is a first deployment: there is no earlier version to compare tokenization with"
+        )
     conversations = load_corpus(corpus)
     a = load_chat_tokenizer(release.from_version.path)
     b = load_chat_tokenizer(release.to_version.path)
@@ -236,6 +420,8 @@ def release_decide(
             concurrent decision won).
     """
     reason_check(reason, required_for="a decision")
+    if release.from_version_id is None:
+        raise ReleaseRefused(f"release #{release.pk} is a first deployment: there is no earlier cached state to decide on")
     if decision not in ALLOWED[release.classification]:
         allowed = ", ".join(ALLOWED[release.classification])
         article = "an" if release.classification[0] in "aeiou" else "a"
@@ -351,8 +537,10 @@ def releases_sync_pending() -> int:
 
 
 def _sync_versions(release: Release, actor: str, reason: str) -> None:
-    """Derive both versions' status from routing after ``release`` changed what serves."""
-    model_versions_status_sync(versions=[release.from_version, release.to_version], actor=actor, reason=reason)
+    """Derive both versions' status (the one version's, for a first deployment)
+    from routing after ``release`` changed what serves."""
+    versions = [v for v in (release.from_version, release.to_version) if v is not None]
+    model_versions_status_sync(versions=versions, actor=actor, reason=reason)
 
 
 def _refuse_superseded(release: Release, what: str) -> None:
@@ -414,10 +602,15 @@ def release_set_traffic(*, release: Release, percent: int, actor: str) -> Releas
 
     Raises:
         InvalidField: ``percent`` is outside 0..100 (400, exit 2).
-        ReleaseRefused: the release is not ready.
+        ReleaseRefused: the release is not ready, or is a first deployment (always 100 %).
     """
     if not 0 <= percent <= 100:
         raise InvalidField("percent", f"must be within 0..100, got {percent}")
+    if release.from_version_id is None:
+        raise ReleaseRefused(
+            f"release #{release.pk} is a first deployment: all of {release.tenant.slug}'s traffic for {release.served_name} "
+            f"is on {release.to_version.label} (100%), there is no other version to share it with"
+        )
     release = release_sync(release)
     if release.status != Status.READY:
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: traffic moves only once it is ready")
@@ -509,9 +702,15 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
     Raises:
         ValidationError: no reason (400, exit 2).
         ReleaseRefused: the release was not routed or already rolled
-            back; the old namespace was dropped; its identity does not match.
+            back; it is a first deployment (no earlier version); the old
+            namespace was dropped; its identity does not match.
     """
     reason_check(reason, required_for="a rollback")
+    if release.from_version_id is None:
+        raise ReleaseRefused(
+            f"release #{release.pk} is a first deployment: there is no earlier version to roll back to "
+            f"(plan a release --from {release.to_version_id} to move {release.served_name} to another version)"
+        )
     if release.status not in (Status.READY, Status.PREPARING, Status.FAILED):
         raise ReleaseRefused(f"release #{release.pk} is {release.status}: nothing to roll back")
     namespace = release.from_namespace

@@ -9,7 +9,9 @@ Its routes are:
 - ``ready``: the old version ``100 - traffic_percent`` on the old namespace,
   the new version ``traffic_percent`` on the new one;
 - ``rolled_back``: the old version 100 on the old namespace;
-- not routed yet (decision required, preparing, failed): the old version 100.
+- not routed yet (decision required, preparing, failed): the old version 100;
+- a first deployment (no old version, always ``ready``): its version 100 on
+  the tenant's namespace, and nothing else.
 
 A (tenant, served name) without any release is served as operators set it up
 (the version they activated, on the tenant's namespace for it): releases say
@@ -21,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from django.db.models import Q
+from django.db.models import F, Q, QuerySet
 
 from cacheadmin.models import CacheNamespace, ModelVersion, Residency
 from cacheadmin.models.releases import Release
+from cacheadmin.services.namespaces import namespaces_visible_to
 
 #: Release statuses whose routes carry traffic.
 ROUTED = (Release.Status.READY, Release.Status.ROLLED_BACK)
@@ -52,9 +55,20 @@ class Route:
 
 
 def release_routes(release: Release) -> list[Route]:
-    """The routes ``release`` gives when it is its pair's current release (old version first)."""
-    share = release.traffic_percent if release.status == Release.Status.READY else 0
+    """The routes ``release`` gives when it is its pair's current release (old version first).
+
+    Returns:
+        Two routes (old, new) for a routed release, one (old, 100) before it is
+        routed; a first deployment has no old version: one route (new, 100)
+        once routed, none otherwise.
+    """
     pair = (release.tenant_id, release.served_name)
+    if release.from_version_id is None:
+        # Nothing served the pair before it, so nothing can carry the traffic but its one version.
+        if release.status not in ROUTED:
+            return []
+        return [Route(*pair, release.to_version_id, 100, release.to_namespace_id, release.pk)]
+    share = release.traffic_percent if release.status == Release.Status.READY else 0
     routes = [Route(*pair, release.from_version_id, 100 - share, release.from_namespace_id, release.pk)]
     if release.status in ROUTED:
         routes.append(Route(*pair, release.to_version_id, share, release.to_namespace_id, release.pk))
@@ -112,6 +126,24 @@ def version_serves_without_release(version: ModelVersion) -> bool:
         .exclude(residency=Residency.DROPPED)
         .exclude(tenant_id__in=released)
         .exists()
+    )
+
+
+def namespaces_serving_without_release(*, tenant_id: int, served_name: str) -> QuerySet[CacheNamespace]:
+    """The namespaces through which a pair without releases is served as
+    operators set it up: the tenant's own, or those of the current generation of
+    a shared group it is a member of, not dropped, of an *active* version
+    served as ``served_name`` (oldest first, version loaded).
+
+    Meaningful only while the pair has no release (a release decides its routes).
+    """
+    return (
+        CacheNamespace.objects.filter(namespaces_visible_to(tenant_id))
+        .filter(Q(group__isnull=True) | Q(group_generation=F("group__generation")))
+        .filter(model_version__served_name=served_name, model_version__status=ModelVersion.Status.ACTIVE)
+        .exclude(residency=Residency.DROPPED)
+        .select_related("model_version")
+        .order_by("id")
     )
 
 

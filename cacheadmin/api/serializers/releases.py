@@ -15,10 +15,24 @@ from cacheadmin.services.namespaces import namespaces_visible_to
 
 class ReleaseSerializer(serializers.ModelSerializer):
     """A release of a served model for a tenant: its classification and diff, the
-    invalidation decision and its evidence, preparation, traffic and status."""
+    invalidation decision and its evidence, preparation, traffic and status.
+
+    A first deployment (classification ``first_deployment``) has ``from_version``
+    and ``from_namespace`` null, decision ``""`` (none needed, decided by
+    ``policy``), status ``ready`` and ``traffic_percent`` 100 from the start."""
 
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    diff = ReleaseDiffField(read_only=True)
+    from_version = serializers.PrimaryKeyRelatedField(
+        read_only=True, allow_null=True, help_text="the version it leaves; null for a first deployment"
+    )
+    from_namespace = serializers.PrimaryKeyRelatedField(
+        read_only=True, allow_null=True, help_text="the old version's namespace; null for a first deployment or when it had none"
+    )
+    diff = ReleaseDiffField(
+        read_only=True,
+        help_text="the identity diff of the two versions; a first deployment compares nothing: "
+        "identical false, differing [], fields {}, non_kv {}",
+    )
     tokenization_evidence = TokenizationEvidenceField(
         read_only=True, allow_null=True, help_text="null until collected (POST …/evidence/)"
     )
@@ -37,7 +51,8 @@ class ReleaseEventSerializer(serializers.ModelSerializer):
 
     detail = FreeFormObjectField(
         read_only=True,
-        help_text="keys by kind: `created` {classification, differing, non_kv}; `decided` {decision, reason, "
+        help_text="keys by kind: `created` {classification, differing, non_kv; a first deployment also namespace, how "
+        "(`still hot` or `restored from the cold tier`) and entries_restored when restored}; `decided` {decision, reason, "
         "comparison_job, prewarm_corpus}; `evidence.tokenization` {identical, summary}; `ready`/`failed` "
         "{the prewarm job or eviction run, its outcome, error} or {}; `marked_ready` {}; `traffic` {before, after}; "
         "`rolled_back` {namespace, how, entries_restored, reason}",
@@ -49,11 +64,16 @@ class ReleaseEventSerializer(serializers.ModelSerializer):
 
 
 class ReleaseCreateSerializer(StrictFieldsMixin, serializers.Serializer):
-    """A release to plan: the served model, the tenant, the version it leaves and the one it brings."""
+    """A release to plan: the served model, the tenant, the version it leaves and
+    the one it brings; without the version it leaves (omitted or null), a first deployment."""
 
     served_name = StrictCharField(max_length=200)
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
-    from_version = IdField(queryset=ModelVersion.objects.all())
+    from_version = IdField(
+        queryset=ModelVersion.objects.all(), required=False, allow_null=True, default=None,
+        help_text="the version it leaves; omitted or null: a first deployment (ready at once, 100 % on the tenant's "
+        "existing namespace of to_version)",
+    )  # fmt: skip
     to_version = IdField(queryset=ModelVersion.objects.all())
 
 

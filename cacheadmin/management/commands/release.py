@@ -2,7 +2,9 @@
 
 Twins of ``POST /api/releases/`` (plan), ``…/evidence/``, ``…/decide/``,
 ``GET /api/releases/{id}/`` (status), ``…/ready/``, ``…/traffic/`` and ``…/rollback/``.
-Every verb prints one JSON object (``--json`` is accepted for symmetry).
+``plan`` without ``--from`` is a first deployment (ready at once, 100 % on the
+tenant's existing namespace of ``--to``). Every verb prints one JSON object
+(``--json`` is accepted for symmetry; ``from_version`` is null for a first deployment).
 Exit codes: 0 ready (or rolled back); 2 bad input; 3 a decision is required;
 4 refused (not allowed for the classification, missing evidence, nothing to
 roll back to, a concurrent decision won); 5 preparing (prewarm or purge still
@@ -48,7 +50,10 @@ class Command(ControlPlaneCommand):
         plan = sub.add_parser("plan", help="create a release and print its classification")
         plan.add_argument("--served-name", required=True)
         plan.add_argument("--tenant", required=True, help="tenant slug")
-        plan.add_argument("--from", dest="from_version", type=positive_int, required=True, help="model version id it leaves")
+        plan.add_argument(
+            "--from", dest="from_version", type=positive_int, default=None,
+            help="model version id it leaves; omitted: a first deployment (the pair's first version)",
+        )  # fmt: skip
         plan.add_argument("--to", dest="to_version", type=positive_int, required=True, help="model version id it brings")
         evidence = sub.add_parser("evidence", help="collect the tokenization evidence (corpus token ids under both versions)")
         evidence.add_argument("id", type=positive_int)
@@ -80,7 +85,7 @@ class Command(ControlPlaneCommand):
             for f in ("id", "served_name", "classification", "status", "decision", "decided_by", "traffic_percent", "error")
         }
         out.update(
-            from_version=release.from_version.label, to_version=release.to_version.label,
+            from_version=release.from_version.label if release.from_version_id else None, to_version=release.to_version.label,
             differing=release.diff.get("differing", []), non_kv=sorted(release.diff.get("non_kv", {})),
             timeline=[{"kind": e.kind, "actor": e.actor, "detail": e.detail} for e in release.events.order_by("at", "id")],
         )  # fmt: skip
@@ -96,7 +101,9 @@ class Command(ControlPlaneCommand):
         return release_create(
             served_name=opts["served_name"],
             tenant=get_or_bad_input(self, Tenant, opts["tenant"], "tenant", slug=opts["tenant"]),
-            from_version=get_or_bad_input(self, ModelVersion, opts["from_version"], "model version"),
+            from_version=(
+                get_or_bad_input(self, ModelVersion, opts["from_version"], "model version") if opts["from_version"] else None
+            ),
             to_version=get_or_bad_input(self, ModelVersion, opts["to_version"], "model version"),
             actor=ACTOR,
         )
