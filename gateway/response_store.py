@@ -1,0 +1,1240 @@
+"""Storage of the gateway's request-level response cache, accounted as a hot tier.
+
+An entry is one full response (the bytes of a JSON document the gateway can
+serve streamed or not) under a cache namespace's storage prefix, keyed by an
+HMAC hex string computed elsewhere. Every gateway process of a machine (the
+embedded default, :class:`SqliteResponseStore`) or of the fleet (scale-out,
+:class:`RedisResponseStore`) shares one store, so a response filled by one
+process is served by all, and a fill lease (:meth:`ResponseStore.lease`) lets
+them agree on who fills a missing entry.
+
+Each namespace's retention policy gives the TTL and byte budget that
+:meth:`ResponseStore.put` enforces; the control plane accounts for and evicts
+entries through the :class:`inference.tiers.base.HotTier` methods, as it does
+for the engines' KV tiers.
+
+Errors: bad names and arguments raise :class:`inference.errors.InvalidField`
+(a ``ValueError`` whose message starts with the field's name); a backend that
+cannot answer in time raises :class:`StoreUnavailable`, on which the gateway
+serves the request without the cache layer (reason ``store_unavailable``).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from inference.errors import InvalidField
+from inference.tiers.base import TierEntry, TierError, TierUnavailable, TierUsage, is_stray_prefix, stray_prefix
+
+# redis-py is imported where a Redis store is built: the embedded default
+# never needs it.
+if TYPE_CHECKING:
+    import redis
+
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "KEY_PATTERN",
+    "PREFIX_PATTERN",
+    "RedisResponseStore",
+    "ResponseStore",
+    "SqliteResponseStore",
+    "StoreUnavailable",
+    "check_key",
+    "check_store_prefix",
+]
+
+#: Storage prefix of a namespace in this store: a plain name (the control
+#: plane's ``ns-<hex>``), at most 200 characters as every tier allows; no
+#: ``:`` (it ends the prefix in a Redis key) and no ``.`` (the tiers' hidden names).
+PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,200}")
+#: Entry key: the request's HMAC-SHA256 as ``hexdigest()`` writes it.
+KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
+#: Head of every Redis key a :class:`RedisResponseStore` writes, by default.
+DEFAULT_KEY_PREFIX = "kvcp:rc"
+_KEY_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+#: Longest socket and connect timeout accepted for a Redis client, seconds:
+#: a slow store must cost a request little more than a miss.
+MAX_SOCKET_TIMEOUT_S = 1.0
+#: Members handled per Lua call or pipeline: bounds how long one call holds Redis.
+BATCH = 1_000
+#: Keys examined per SCAN round trip.
+SCAN_COUNT = 10_000
+
+
+class StoreUnavailable(TierUnavailable):
+    """The store cannot answer: Redis down or too slow (connection refused,
+    socket timeout), SQLite locked past its busy timeout, or its file
+    unreadable. The message names the backend and the operation. The gateway
+    bypasses the response cache for the request (reason ``store_unavailable``)
+    and still serves it; to the control plane it is a :class:`TierUnavailable`
+    (503, retry later)."""
+
+    code = "store_unavailable"
+
+
+def check_store_prefix(prefix: str) -> str:
+    """Validate a namespace's storage prefix for this store.
+
+    Returns:
+        ``prefix`` unchanged.
+
+    Raises:
+        InvalidField: (field ``prefix``) not a string of 1-200 characters out of ``[A-Za-z0-9_-]``.
+    """
+    if not isinstance(prefix, str) or PREFIX_PATTERN.fullmatch(prefix) is None:
+        raise InvalidField("prefix", f"must be 1-200 characters out of [A-Za-z0-9_-], got {_show(prefix)}")
+    return prefix
+
+
+def check_key(key: str) -> str:
+    """Validate an entry key: 64 lowercase hex digits (an HMAC-SHA256 ``hexdigest()``).
+
+    Returns:
+        ``key`` unchanged.
+
+    Raises:
+        InvalidField: (field ``key``) anything else.
+    """
+    if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
+        raise InvalidField("key", f"must be 64 lowercase hex digits, got {_show(key)}")
+    return key
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_value(value: bytes) -> bytes:
+    if not isinstance(value, bytes):
+        raise InvalidField("value", f"must be bytes, got {type(value).__name__}")
+    return value
+
+
+def _check_seconds(value: float, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise InvalidField(field, f"must be a finite number of seconds > 0, got {_show(value)}")
+    return float(value)
+
+
+def _check_ttl(ttl_s: float | None) -> float | None:
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not math.isfinite(ttl_s) or ttl_s <= 0:
+        raise InvalidField("ttl_s", f"must be a finite number of seconds > 0 (or None for no expiry), got {_show(ttl_s)}")
+    return float(ttl_s)
+
+
+def _check_max_bytes(max_bytes: int | None) -> int | None:
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise InvalidField("max_bytes", f"must be an integer >= 0 (or None for no budget), got {_show(max_bytes)}")
+    return max_bytes
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    # Redis' PX takes whole milliseconds; a positive TTL never rounds to "no expiry".
+    return max(1, round(ttl_s * 1000))
+
+
+def _usage_from(prefix: str, entries: Sequence[TierEntry]) -> TierUsage:
+    if not entries:
+        return TierUsage.empty(prefix)
+    created = [e.created_at for e in entries if e.created_at is not None]
+    accessed = [e.last_access_at for e in entries if e.last_access_at is not None]
+    total = sum(e.bytes for e in entries)
+    return TierUsage(
+        prefix=prefix,
+        bytes=total,
+        allocated_bytes=total,
+        entries=len(entries),
+        oldest_entry_at=min(created) if created else None,
+        newest_entry_at=max(created) if created else None,
+        last_access_at=max(accessed) if accessed else None,
+    )
+
+
+class ResponseStore(abc.ABC):
+    """A shared response cache whose entries are accounted and evicted per
+    namespace like a KV tier (it implements :class:`inference.tiers.base.HotTier`).
+
+    Semantics shared by the implementations:
+
+    - an entry lives until its TTL passes, :meth:`put`'s byte budget evicts it,
+      or the control plane deletes it (:meth:`delete_entries`, :meth:`delete_prefix`);
+    - expired entries are invisible at once (``get`` returns None, the
+      HotTier methods leave them out) and their storage is reclaimed by the
+      next ``put`` of their prefix or by :meth:`purge_expired`;
+    - the LRU order is the order of last ``get`` hit or ``put``;
+    - sizes are the values' lengths in bytes (``allocated_bytes`` equals
+      ``bytes``: neither backend's per-entry overhead is measured).
+
+    Every method raises :class:`inference.errors.InvalidField` (a
+    ``ValueError``) for a bad argument, before touching the backend, and
+    :class:`StoreUnavailable` when the backend cannot answer in time.
+
+    Attributes:
+        keeps_access_history: False: only the last access is kept.
+        access_time_source: what counts as an access (set by each backend).
+    """
+
+    keeps_access_history: ClassVar[bool] = False
+    access_time_source: ClassVar[str] = "response-cache get hits and puts"
+
+    # -- the gateway's side ----------------------------------------------------
+
+    @abc.abstractmethod
+    def get(self, prefix: str, key: str) -> bytes | None:
+        """The value stored under ``(prefix, key)``, or None when absent or
+        expired. A hit records the access time (LRU order and the entry's
+        ``last_access_at``); a miss changes nothing."""
+
+    @abc.abstractmethod
+    def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
+        """Store ``value`` (replacing any entry under the same key), then evict
+        the least recently used entries of ``prefix`` until the prefix's bytes
+        are at most ``max_bytes``; the entry just stored is never evicted.
+
+        Args:
+            ttl_s: seconds the entry lives (> 0), None for no expiry.
+            max_bytes: the prefix's byte budget (>= 0), None for none.
+
+        Returns:
+            The number of other entries evicted. A value longer than
+            ``max_bytes`` on its own is not stored (it could never fit) and 0
+            is returned; an entry already under that key is then left as it was.
+        """
+
+    @abc.abstractmethod
+    def lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """Try to take the fill lease of ``(prefix, key)``, shared by every
+        process using the store: True for the first caller, False while the
+        lease is held (by anyone, this store included) and not yet expired.
+        The lease ends at :meth:`release_lease` by the same store object or
+        ``ttl_s`` seconds after it was taken, whichever comes first."""
+
+    @abc.abstractmethod
+    def release_lease(self, prefix: str, key: str) -> None:
+        """Give back a lease this store object holds; nothing happens when it
+        holds none or the lease expired (a lease taken since by another
+        process is left alone)."""
+
+    @abc.abstractmethod
+    def purge_expired(self, prefix: str | None = None) -> int:
+        """Reclaim the storage of expired entries (of ``prefix``, or of every
+        prefix when None) and of expired leases; returns the entries removed."""
+
+    def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
+        """Release connections held by the store (the store must not be used afterwards)."""
+
+    # -- the control plane's side (HotTier) -----------------------------------
+
+    @abc.abstractmethod
+    def prefixes(self) -> list[str]:
+        """Storage prefixes holding live entries, sorted (strays left out)."""
+
+    @abc.abstractmethod
+    def exists(self, prefix: str) -> bool:
+        """Whether ``prefix`` (or the stray pseudo-prefix) holds a live entry."""
+
+    @abc.abstractmethod
+    def entries(self, prefix: str) -> list[TierEntry]:
+        """Live entries of ``prefix`` sorted by key; ``access_history`` is empty."""
+
+    @abc.abstractmethod
+    def usage_all(self) -> dict[str, TierUsage]:
+        """Usage of every prefix and stray, keyed by (pseudo-)prefix."""
+
+    @abc.abstractmethod
+    def delete_entries(self, prefix: str, keys: Iterable[str]) -> int:
+        """Delete these entries of ``prefix`` (missing ones are skipped); returns the bytes freed."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every entry of ``prefix`` (or what a stray pseudo-prefix stands for); returns the bytes freed."""
+
+    def usage(self, prefix: str) -> TierUsage:
+        """What ``prefix`` holds, from :meth:`entries` (a stray pseudo-prefix: see the backend)."""
+        return _usage_from(check_store_prefix(prefix), self.entries(prefix))
+
+
+# -- SQLite --------------------------------------------------------------------
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS response_entries (
+    prefix TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value BLOB NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    last_access_at REAL NOT NULL,
+    expires_at REAL,
+    PRIMARY KEY (prefix, key)
+);
+CREATE INDEX IF NOT EXISTS response_entries_lru ON response_entries (prefix, last_access_at);
+CREATE INDEX IF NOT EXISTS response_entries_expiry ON response_entries (expires_at) WHERE expires_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS response_totals (
+    prefix TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL,
+    entries INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS response_entries_ins AFTER INSERT ON response_entries BEGIN
+    INSERT INTO response_totals (prefix, bytes, entries) VALUES (new.prefix, new.bytes, 1)
+    ON CONFLICT (prefix) DO UPDATE SET bytes = bytes + new.bytes, entries = entries + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS response_entries_del AFTER DELETE ON response_entries BEGIN
+    UPDATE response_totals SET bytes = bytes - old.bytes, entries = entries - 1 WHERE prefix = old.prefix;
+    DELETE FROM response_totals WHERE prefix = old.prefix AND entries <= 0;
+END;
+CREATE TRIGGER IF NOT EXISTS response_entries_upd AFTER UPDATE OF bytes ON response_entries BEGIN
+    UPDATE response_totals SET bytes = bytes - old.bytes + new.bytes WHERE prefix = new.prefix;
+END;
+CREATE TABLE IF NOT EXISTS response_leases (
+    prefix TEXT NOT NULL,
+    key TEXT NOT NULL,
+    token TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (prefix, key)
+) WITHOUT ROWID;
+"""
+
+_LIVE = "(expires_at IS NULL OR expires_at > ?)"
+
+
+class SqliteResponseStore(ResponseStore):
+    """The embedded default: one SQLite file shared by every gateway process
+    of the machine (stdlib ``sqlite3``, WAL journal so readers never wait for
+    the writer, ``synchronous=NORMAL``).
+
+    Times are this host's wall clock (``time.time()``, seconds since the
+    epoch): every process of the machine reads the same one, and they survive
+    a restart, which a monotonic clock does not. A clock step changes TTLs by
+    as much. Byte totals per prefix are kept by triggers in the same
+    transaction as the rows, so ``put`` reads its prefix's total in O(1).
+
+    Thread-safe: each thread (and each process after a fork) opens its own
+    connection. A write waits at most ``busy_timeout_s`` for another
+    process's write (SQLite's busy handler), then raises :class:`StoreUnavailable`.
+
+    Args:
+        path: the database file (created with its tables when missing; its
+            folder must exist).
+        busy_timeout_s: how long a statement waits for a lock, seconds (> 0).
+
+    Raises:
+        InvalidField: ``path`` not a path, ``busy_timeout_s`` not > 0.
+        StoreUnavailable: the file cannot be opened or its tables created.
+    """
+
+    access_time_source: ClassVar[str] = (
+        "response-cache get hits and puts by any gateway process of the machine (the host's wall clock)"
+    )
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = 1.0) -> None:
+        if not isinstance(path, str | os.PathLike):
+            raise InvalidField("path", f"must be a file path, got {_show(path)}")
+        self.path = Path(path)
+        self.busy_timeout_s = _check_seconds(busy_timeout_s, "busy_timeout_s")
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: list[sqlite3.Connection] = []
+        self._held: dict[tuple[str, str], str] = {}
+        with self._errors("open"):
+            conn = self._conn()
+            # The journal mode is a property of the file: set once, every later connection reads it.
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+
+    def __repr__(self) -> str:
+        return f"SqliteResponseStore({str(self.path)!r})"
+
+    # -- connections -------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        local = self._local
+        pid = os.getpid()
+        # A connection inherited through fork must not be used by the child (SQLite's "how to corrupt" guide, 2.6).
+        if getattr(local, "pid", None) != pid:
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA synchronous=NORMAL")
+            local.conn, local.pid = conn, pid
+            with self._lock:
+                self._connections.append(conn)
+        return local.conn
+
+    def close(self) -> None:
+        """Close every connection this store opened in this process."""
+        with self._lock:
+            conns, self._connections = self._connections, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
+
+    @contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as exc:  # locked past the busy timeout, I/O error, disk full, unreadable
+            raise StoreUnavailable(f"SQLite response store {self.path}: {doing} failed: {exc}") from exc
+        except sqlite3.DatabaseError as exc:
+            if type(exc) is not sqlite3.DatabaseError:
+                raise  # IntegrityError, ProgrammingError...: a bug, not an outage
+            raise StoreUnavailable(f"SQLite response store {self.path}: {doing} failed: {exc}") from exc
+
+    @contextmanager
+    def _write(self, doing: str) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction: the write lock is taken first, so the
+        busy handler applies (a deferred read-then-write can fail at once)."""
+        with self._errors(doing):
+            conn = self._conn()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.execute("COMMIT")
+
+    # -- the gateway's side ------------------------------------------------------
+
+    def get(self, prefix: str, key: str) -> bytes | None:
+        """See :meth:`ResponseStore.get`: one ``UPDATE ... RETURNING`` statement
+        (the lookup and the access record in one write transaction)."""
+        check_store_prefix(prefix)
+        check_key(key)
+        now = time.time()
+        with self._errors(f"get {prefix}/{key}"):
+            rows = (
+                self._conn()
+                .execute(
+                    f"UPDATE response_entries SET last_access_at = ? WHERE prefix = ? AND key = ? AND {_LIVE} RETURNING value",
+                    (now, prefix, key, now),
+                )
+                .fetchall()
+            )
+        return bytes(rows[0][0]) if rows else None
+
+    def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
+        """See :meth:`ResponseStore.put`: one transaction purges the prefix's
+        expired entries, upserts the entry, reads the prefix's total and
+        deletes the least recently used others (ties by insertion order)
+        until it fits."""
+        check_store_prefix(prefix)
+        check_key(key)
+        _check_value(value)
+        ttl = _check_ttl(ttl_s)
+        budget = _check_max_bytes(max_bytes)
+        size = len(value)
+        now = time.time()
+        with self._write(f"put {prefix}/{key}") as conn:
+            conn.execute("DELETE FROM response_entries WHERE expires_at <= ? AND prefix = ?", (now, prefix))
+            if budget is not None and size > budget:
+                return 0
+            conn.execute(
+                "INSERT INTO response_entries (prefix, key, value, bytes, created_at, last_access_at, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (prefix, key) DO UPDATE SET value = excluded.value,"
+                " bytes = excluded.bytes, created_at = excluded.created_at, last_access_at = excluded.last_access_at,"
+                " expires_at = excluded.expires_at",
+                (prefix, key, value, size, now, now, None if ttl is None else now + ttl),
+            )
+            if budget is None:
+                return 0
+            (total,) = conn.execute("SELECT bytes FROM response_totals WHERE prefix = ?", (prefix,)).fetchone()
+            if total <= budget:
+                return 0
+            victims: list[tuple[str, str]] = []
+            cursor = conn.execute(
+                "SELECT key, bytes FROM response_entries WHERE prefix = ? AND key != ? ORDER BY last_access_at, rowid",
+                (prefix, key),
+            )
+            for victim, victim_bytes in cursor:
+                victims.append((prefix, victim))
+                total -= victim_bytes
+                if total <= budget:
+                    break
+            cursor.close()
+            conn.executemany("DELETE FROM response_entries WHERE prefix = ? AND key = ?", victims)
+            return len(victims)
+
+    def lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """See :meth:`ResponseStore.lease`: one upsert that takes the row when
+        it is absent or expired (SQLite serialises writers, so one wins)."""
+        check_store_prefix(prefix)
+        check_key(key)
+        ttl = _check_seconds(ttl_s, "ttl_s")
+        token = secrets.token_hex(16)
+        now = time.time()
+        with self._errors(f"lease {prefix}/{key}"):
+            cursor = self._conn().execute(
+                "INSERT INTO response_leases (prefix, key, token, expires_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (prefix, key) DO UPDATE SET token = excluded.token, expires_at = excluded.expires_at"
+                " WHERE response_leases.expires_at <= ?",
+                (prefix, key, token, now + ttl, now),
+            )
+            taken = cursor.rowcount == 1
+        if taken:
+            with self._lock:
+                self._held[(prefix, key)] = token
+        return taken
+
+    def release_lease(self, prefix: str, key: str) -> None:
+        """See :meth:`ResponseStore.release_lease`: deletes the row only if it still carries this store's token."""
+        check_store_prefix(prefix)
+        check_key(key)
+        with self._lock:
+            token = self._held.pop((prefix, key), None)
+        if token is None:
+            return
+        with self._errors(f"release lease {prefix}/{key}"):
+            self._conn().execute(
+                "DELETE FROM response_leases WHERE prefix = ? AND key = ? AND token = ?",
+                (prefix, key, token),
+            )
+
+    def purge_expired(self, prefix: str | None = None) -> int:
+        """See :meth:`ResponseStore.purge_expired`.
+
+        Raises:
+            InvalidField: invalid ``prefix``. StoreUnavailable: see the class.
+        """
+        if prefix is not None:
+            check_store_prefix(prefix)
+        now = time.time()
+        with self._write("purge expired") as conn:
+            if prefix is None:
+                removed = conn.execute("DELETE FROM response_entries WHERE expires_at <= ?", (now,)).rowcount
+            else:
+                removed = conn.execute(
+                    "DELETE FROM response_entries WHERE expires_at <= ? AND prefix = ?", (now, prefix)
+                ).rowcount
+            conn.execute("DELETE FROM response_leases WHERE expires_at <= ?", (now,))
+        return removed
+
+    # -- the control plane's side -----------------------------------------------
+
+    def _read(self, doing: str, sql: str, params: Sequence[object]) -> list[tuple]:
+        with self._errors(doing):
+            return self._conn().execute(sql, params).fetchall()
+
+    def _stray_names(self, pseudo: str) -> list[str]:
+        """Prefix column values that are no valid prefix and that ``pseudo`` stands for.
+
+        Only :meth:`put` writes rows here, and it validates names; another
+        program writing this file could leave others, seen as strays."""
+        names = self._read("list prefixes", "SELECT DISTINCT prefix FROM response_entries", ())
+        return [n for (n,) in names if _sqlite_stray(n) == pseudo]
+
+    def prefixes(self) -> list[str]:
+        """See :meth:`ResponseStore.prefixes`.
+
+        Raises:
+            StoreUnavailable: see the class.
+        """
+        rows = self._read("list prefixes", f"SELECT DISTINCT prefix FROM response_entries WHERE {_LIVE}", (time.time(),))
+        return sorted(n for (n,) in rows if _sqlite_stray(n) is None)
+
+    def exists(self, prefix: str) -> bool:
+        """See :meth:`ResponseStore.exists`.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: see the class.
+        """
+        if is_stray_prefix(prefix):
+            return bool(self._stray_names(prefix))
+        check_store_prefix(prefix)
+        rows = self._read(
+            f"exists {prefix}", f"SELECT 1 FROM response_entries WHERE prefix = ? AND {_LIVE} LIMIT 1", (prefix, time.time())
+        )
+        return bool(rows)
+
+    def entries(self, prefix: str) -> list[TierEntry]:
+        """See :meth:`ResponseStore.entries`: ``created_at`` is the last put,
+        ``last_access_at`` the last get hit or put.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: see the class.
+        """
+        check_store_prefix(prefix)
+        rows = self._read(
+            f"entries {prefix}",
+            f"SELECT key, bytes, created_at, last_access_at FROM response_entries WHERE prefix = ? AND {_LIVE} ORDER BY key",
+            (prefix, time.time()),
+        )
+        return [TierEntry(key=k, bytes=b, created_at=c, last_access_at=a) for k, b, c, a in rows]
+
+    def usage(self, prefix: str) -> TierUsage:
+        """See :meth:`ResponseStore.usage`: one aggregate query over the live
+        entries; a stray pseudo-prefix sums the rows it stands for.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: see the class.
+        """
+        if is_stray_prefix(prefix):
+            names = self._stray_names(prefix)
+            return _usage_from(prefix, [e for n in names for e in self._raw_entries(n)])
+        check_store_prefix(prefix)
+        return _usage_from(prefix, self._raw_entries(prefix))
+
+    def _raw_entries(self, name: str) -> list[TierEntry]:
+        rows = self._read(
+            f"entries {name!r}",
+            f"SELECT key, bytes, created_at, last_access_at FROM response_entries WHERE prefix = ? AND {_LIVE}",
+            (name, time.time()),
+        )
+        return [TierEntry(key=k, bytes=b, created_at=c, last_access_at=a) for k, b, c, a in rows]
+
+    def usage_all(self) -> dict[str, TierUsage]:
+        """See :meth:`ResponseStore.usage_all`: expired entries are purged
+        first (their bytes are the file's until then), then one ``GROUP BY``
+        query; a prefix column value that is no valid prefix is reported under
+        its stray pseudo-prefix.
+
+        Raises:
+            StoreUnavailable: see the class.
+        """
+        self.purge_expired()
+        rows = self._read(
+            "usage_all",
+            "SELECT prefix, SUM(bytes), COUNT(*), MIN(created_at), MAX(created_at), MAX(last_access_at)"
+            f" FROM response_entries WHERE {_LIVE} GROUP BY prefix",
+            (time.time(),),
+        )
+        merged: dict[str, list[TierUsage]] = defaultdict(list)
+        for name, total, count, oldest, newest, last in rows:
+            label = _sqlite_stray(name) or name
+            merged[label].append(TierUsage(label, total, total, count, oldest, newest, last))
+        return {label: _merge_usage(label, parts) for label, parts in sorted(merged.items())}
+
+    def delete_entries(self, prefix: str, keys: Iterable[str]) -> int:
+        """See :meth:`ResponseStore.delete_entries`: one transaction; expired
+        entries still on disk count their bytes as freed too.
+
+        Raises:
+            InvalidField: invalid prefix or key (checked before anything is deleted).
+            StoreUnavailable: see the class.
+        """
+        check_store_prefix(prefix)
+        wanted = sorted({check_key(k) for k in keys})
+        freed = 0
+        with self._write(f"delete entries of {prefix}") as conn:
+            for start in range(0, len(wanted), BATCH):
+                batch = wanted[start : start + BATCH]
+                marks = ",".join("?" * len(batch))
+                rows = conn.execute(
+                    f"DELETE FROM response_entries WHERE prefix = ? AND key IN ({marks}) RETURNING bytes", (prefix, *batch)
+                ).fetchall()
+                freed += sum(b for (b,) in rows)
+        return freed
+
+    def delete_prefix(self, prefix: str) -> int:
+        """See :meth:`ResponseStore.delete_prefix`: one transaction (expired
+        rows included); a stray pseudo-prefix deletes the rows it stands for.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: see the class.
+        """
+        names = self._stray_names(prefix) if is_stray_prefix(prefix) else [check_store_prefix(prefix)]
+        freed = 0
+        with self._write(f"delete prefix {prefix}") as conn:
+            for name in names:
+                rows = conn.execute("DELETE FROM response_entries WHERE prefix = ? RETURNING bytes", (name,)).fetchall()
+                freed += sum(b for (b,) in rows)
+        return freed
+
+
+def _sqlite_stray(name: str) -> str | None:
+    """The stray pseudo-prefix of a prefix column value that is no valid prefix, else None."""
+    if isinstance(name, str) and PREFIX_PATTERN.fullmatch(name):
+        return None
+    raw = name.encode("utf-8", "surrogateescape") if isinstance(name, str) else bytes(name)
+    return stray_prefix(raw)
+
+
+def _merge_usage(label: str, parts: Sequence[TierUsage]) -> TierUsage:
+    if len(parts) == 1:
+        return parts[0]
+
+    def pick(values: Iterable[float | None], best: Callable[[list[float]], float]) -> float | None:
+        known = [v for v in values if v is not None]
+        return best(known) if known else None
+
+    total = sum(p.bytes for p in parts)
+    return TierUsage(
+        prefix=label,
+        bytes=total,
+        allocated_bytes=total,
+        entries=sum(p.entries for p in parts),
+        oldest_entry_at=pick((p.oldest_entry_at for p in parts), min),
+        newest_entry_at=pick((p.newest_entry_at for p in parts), max),
+        last_access_at=pick((p.last_access_at for p in parts), max),
+    )
+
+
+# -- Redis -----------------------------------------------------------------------
+
+# Shared head of the per-prefix scripts. KEYS: 1 lru (zset key -> last access,
+# microseconds), 2 exp (zset key -> expiry, microseconds; entries with a TTL),
+# 3 size (hash key -> bytes), 4 ctime (hash key -> created, microseconds),
+# 5 bytes (string: the prefix's total), 6 the set of prefixes. ARGV[1]: the
+# head of the prefix's value keys. Value keys are built inside the scripts
+# (not declared in KEYS): the store needs a single Redis, not a Cluster.
+_LUA_HEAD = """
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function stamp(now)
+  -- LRU scores strictly increase, so two accesses in one microsecond keep their order
+  local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if top[2] and tonumber(top[2]) >= now then return tonumber(top[2]) + 1 end
+  return now
+end
+local function forget(m)
+  local s = tonumber(redis.call('HGET', KEYS[3], m) or '0')
+  if s ~= 0 then redis.call('DECRBY', KEYS[5], s) end
+  redis.call('HDEL', KEYS[3], m)
+  redis.call('HDEL', KEYS[4], m)
+  redis.call('ZREM', KEYS[1], m)
+  redis.call('ZREM', KEYS[2], m)
+  return s
+end
+local function purge(now)
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+  for _, m in ipairs(dead) do
+    forget(m)
+    redis.call('DEL', ARGV[1] .. m)
+  end
+  return #dead
+end
+"""
+
+# ARGV: 1 value-key head, 2 prefix, 3 key, 4 value, 5 ttl ms (0: none), 6 max bytes (-1: none).
+# KEYS[7]: the value key. Returns the number of other entries evicted.
+_PUT = (
+    _LUA_HEAD
+    + """
+local now = now_us()
+purge(now)
+local len = string.len(ARGV[4])
+local budget = tonumber(ARGV[6])
+if budget >= 0 and len > budget then return 0 end
+forget(ARGV[3])
+local ttl = tonumber(ARGV[5])
+if ttl > 0 then
+  redis.call('SET', KEYS[7], ARGV[4], 'PX', ttl)
+  redis.call('ZADD', KEYS[2], now + ttl * 1000, ARGV[3])
+else
+  redis.call('SET', KEYS[7], ARGV[4])
+end
+redis.call('ZADD', KEYS[1], stamp(now), ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[3], len)
+redis.call('HSET', KEYS[4], ARGV[3], now)
+local total = redis.call('INCRBY', KEYS[5], len)
+redis.call('SADD', KEYS[6], ARGV[2])
+local evicted = 0
+if budget >= 0 then
+  while total > budget do
+    local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+    if not victim or victim == ARGV[3] then break end
+    total = total - forget(victim)
+    redis.call('DEL', ARGV[1] .. victim)
+    evicted = evicted + 1
+  end
+end
+return evicted
+"""
+)
+
+# ARGV: 1 value-key head, 2 key. KEYS[7]: the value key. Returns the value or nil.
+# ZADD XX: a value key without metadata (written by someone else) stays untracked.
+_GET = (
+    _LUA_HEAD
+    + """
+local v = redis.call('GET', KEYS[7])
+if v then redis.call('ZADD', KEYS[1], 'XX', stamp(now_us()), ARGV[2]) end
+return v
+"""
+)
+
+# ARGV: 1 value-key head. Returns the number of expired entries removed.
+_PURGE = _LUA_HEAD + "\nreturn purge(now_us())\n"
+
+# ARGV: 1 value-key head, 2.. keys. Returns the bytes of the value keys removed.
+_DELETE = (
+    _LUA_HEAD
+    + """
+local freed = 0
+for i = 2, #ARGV do
+  local m = ARGV[i]
+  forget(m)
+  local vk = ARGV[1] .. m
+  freed = freed + redis.call('STRLEN', vk)
+  redis.call('DEL', vk)
+end
+return freed
+"""
+)
+
+# ARGV: 1 value-key head, 2 prefix, 3 batch size. Deletes up to a batch of the
+# prefix's entries; once none is left, its metadata too (atomically, so no put
+# lands in between). Returns {entries deleted, bytes of value keys removed}.
+_DELETE_BATCH = (
+    _LUA_HEAD
+    + """
+local members = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+if #members == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  redis.call('SREM', KEYS[6], ARGV[2])
+  return {0, 0}
+end
+local freed = 0
+for _, m in ipairs(members) do
+  forget(m)
+  local vk = ARGV[1] .. m
+  freed = freed + redis.call('STRLEN', vk)
+  redis.call('DEL', vk)
+end
+return {#members, freed}
+"""
+)
+
+# ARGV: 1 value-key head, 2.. keys. Forgets the members whose value key is gone
+# (evicted by Redis' maxmemory policy); returns them.
+_FORGET_GHOSTS = (
+    _LUA_HEAD
+    + """
+local gone = {}
+for i = 2, #ARGV do
+  if redis.call('EXISTS', ARGV[1] .. ARGV[i]) == 0 and redis.call('HEXISTS', KEYS[3], ARGV[i]) == 1 then
+    forget(ARGV[i])
+    gone[#gone + 1] = ARGV[i]
+  end
+end
+return gone
+"""
+)
+
+# KEYS[1] lease key; ARGV[1] token. Deletes the lease only if it is still ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# Sizes of stray keys: STRLEN of a string, MEMORY USAGE of anything else; -1 if gone.
+_STRAY_SIZES = """
+local out = {}
+for i, k in ipairs(KEYS) do
+  local t = redis.call('TYPE', k)['ok']
+  if t == 'none' then out[i] = -1
+  elseif t == 'string' then out[i] = redis.call('STRLEN', k)
+  else out[i] = redis.call('MEMORY', 'USAGE', k) or 0 end
+end
+return out
+"""
+
+_META_KINDS = frozenset({b"lru", b"exp", b"size", b"ctime", b"bytes"})
+
+
+class RedisResponseStore(ResponseStore):
+    """Scale-out: one Redis shared by every gateway process of the fleet.
+
+    Keys, all under ``key_prefix`` (``kp``; default ``kvcp:rc``):
+
+    - ``{kp}:v:{prefix}:{key}``: the value, a string with the entry's TTL (``PX``);
+    - ``{kp}:lru:{prefix}``: sorted set, key → last access (µs, strictly increasing);
+    - ``{kp}:exp:{prefix}``: sorted set, key → expiry (µs) of entries with a TTL;
+    - ``{kp}:size:{prefix}`` and ``{kp}:ctime:{prefix}``: hashes, key → bytes, creation (µs);
+    - ``{kp}:bytes:{prefix}``: the prefix's total bytes; ``{kp}:prefixes``: set of prefixes;
+    - ``{kp}:lease:{prefix}:{key}``: a fill lease (``SET NX PX``, a random token).
+
+    ``get``, ``put``, deletes and purges are Lua scripts, so a value and its
+    accounting change together; all times come from the Redis server's
+    ``TIME``, one clock for the fleet. A value that Redis drops on its own
+    (TTL, or a ``volatile-*``/``allkeys-*`` maxmemory policy) leaves metadata
+    behind until a purge (expiry) or :meth:`entries` (eviction) notices;
+    between, ``put`` counts its bytes towards the budget. Run the store's
+    Redis with ``maxmemory-policy noeviction``: an ``allkeys`` policy can
+    drop the metadata itself.
+
+    Give the store a Redis database of its own: :class:`inference.tiers.redis_tier.RedisTier`
+    reports every key of its database that is not one of its entries as a
+    stray, and this store counts the keys under ``{kp}:`` that are not its
+    own as strays (keys outside ``{kp}:`` are ignored). Scripts build value
+    keys from arguments, so Redis Cluster is not supported.
+
+    Args:
+        client: a ``redis.Redis`` with ``decode_responses=False``, socket and
+            connect timeouts of at most :data:`MAX_SOCKET_TIMEOUT_S` and no
+            retries (the gateway's answer to a slow store is to bypass it,
+            not to wait): see :meth:`from_url`.
+        key_prefix: head of every key, 1-64 characters out of ``[A-Za-z0-9_.:-]``.
+
+    Raises:
+        InvalidField: a client or key prefix that does not meet the above.
+    """
+
+    access_time_source: ClassVar[str] = "response-cache get hits and puts by any gateway process (the Redis server's TIME)"
+
+    def __init__(self, client: redis.Redis, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        if not isinstance(key_prefix, str) or _KEY_PREFIX_PATTERN.fullmatch(key_prefix) is None:
+            raise InvalidField("key_prefix", f"must be 1-64 characters out of [A-Za-z0-9_.:-], got {_show(key_prefix)}")
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        if not isinstance(kwargs, dict):
+            raise InvalidField("client", f"must be a redis.Redis, got {_show(client)}")
+        if kwargs.get("decode_responses"):
+            raise InvalidField("client", "must not decode responses (values are bytes): decode_responses=False")
+        for field in ("socket_timeout", "socket_connect_timeout"):
+            value = kwargs.get(field)
+            if value is None or not 0 < value <= MAX_SOCKET_TIMEOUT_S:
+                raise InvalidField(f"client.{field}", f"must be set and at most {MAX_SOCKET_TIMEOUT_S} s, got {value!r}")
+        retry = client.get_retry()
+        if retry is not None and retry.get_retries() > 0:
+            raise InvalidField("client.retry", f"must make no retries (a slow store is bypassed), got {retry.get_retries()}")
+        self.client = client
+        self.key_prefix = key_prefix
+        self._kp = key_prefix.encode()
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], str] = {}
+        self._put = client.register_script(_PUT)
+        self._get = client.register_script(_GET)
+        self._purge = client.register_script(_PURGE)
+        self._delete = client.register_script(_DELETE)
+        self._delete_batch = client.register_script(_DELETE_BATCH)
+        self._forget_ghosts = client.register_script(_FORGET_GHOSTS)
+        self._release = client.register_script(_RELEASE)
+        self._stray_sizes = client.register_script(_STRAY_SIZES)
+
+    @classmethod
+    def from_url(cls, url: str, *, key_prefix: str = DEFAULT_KEY_PREFIX, timeout_s: float = 0.25) -> RedisResponseStore:
+        """A store on a new client for ``url`` (``redis://host:port/db``) with
+        ``timeout_s`` socket and connect timeouts and no retries.
+
+        Raises:
+            InvalidField: bad ``timeout_s`` (> 0, at most :data:`MAX_SOCKET_TIMEOUT_S`) or ``key_prefix``.
+            ValueError: a URL redis-py cannot parse.
+        """
+        import redis
+
+        if _check_seconds(timeout_s, "timeout_s") > MAX_SOCKET_TIMEOUT_S:
+            raise InvalidField("timeout_s", f"must be > 0 and at most {MAX_SOCKET_TIMEOUT_S} s, got {_show(timeout_s)}")
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
+        return cls(client, key_prefix)
+
+    def __repr__(self) -> str:
+        return f"RedisResponseStore({self._address()}, key_prefix={self.key_prefix!r})"
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self.client.close()
+
+    # -- naming --------------------------------------------------------------------
+
+    def _k(self, *parts: str) -> bytes:
+        return b":".join([self._kp, *(p.encode() for p in parts)])
+
+    def _value_head(self, prefix: str) -> bytes:
+        return self._k("v", prefix, "")
+
+    def _prefix_keys(self, prefix: str) -> list[bytes]:
+        """KEYS[1..6] of the per-prefix scripts (see ``_LUA_HEAD``)."""
+        return [*(self._k(kind, prefix) for kind in ("lru", "exp", "size", "ctime", "bytes")), self._k("prefixes")]
+
+    def _address(self) -> str:
+        kw = self.client.connection_pool.connection_kwargs
+        if "path" in kw:
+            return f"unix:{kw['path']}/{kw.get('db', 0)}"
+        return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+    @contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        import redis
+
+        try:
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis response store at {self._address()}: {doing}: {type(exc).__name__}: {exc}") from exc
+        except redis.exceptions.RedisError as exc:
+            raise TierError(f"Redis response store at {self._address()}: {doing} failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- the gateway's side ------------------------------------------------------
+
+    def get(self, prefix: str, key: str) -> bytes | None:
+        """See :meth:`ResponseStore.get`: one Lua call (``GET``, and on a hit ``ZADD XX`` of the access).
+
+        Raises:
+            InvalidField: bad prefix or key. StoreUnavailable: Redis down or slow.
+            TierError: Redis refused the script.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        head = self._value_head(prefix)
+        with self._errors(f"get {prefix}/{key}"):
+            return self._get(keys=[*self._prefix_keys(prefix), head + key.encode()], args=[head, key])
+
+    def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
+        """See :meth:`ResponseStore.put`: one Lua call purges the prefix's
+        expired entries, writes the value (``PX`` of ``ttl_s`` rounded to
+        whole milliseconds, at least 1) and its accounting, and evicts.
+
+        Raises:
+            InvalidField: bad argument. StoreUnavailable: Redis down or slow.
+            TierError: Redis refused the script (e.g. out of memory under ``noeviction``).
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        _check_value(value)
+        ttl = _check_ttl(ttl_s)
+        budget = _check_max_bytes(max_bytes)
+        head = self._value_head(prefix)
+        args = [head, prefix, key, value, 0 if ttl is None else _ttl_ms(ttl), -1 if budget is None else budget]
+        with self._errors(f"put {prefix}/{key}"):
+            return int(self._put(keys=[*self._prefix_keys(prefix), head + key.encode()], args=args))
+
+    def lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """See :meth:`ResponseStore.lease`: ``SET {kp}:lease:{prefix}:{key} <token> NX PX``.
+
+        Raises:
+            InvalidField: bad argument. StoreUnavailable: Redis down or slow.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        ttl = _check_seconds(ttl_s, "ttl_s")
+        token = secrets.token_hex(16)
+        with self._errors(f"lease {prefix}/{key}"):
+            taken = bool(self.client.set(self._k("lease", prefix, key), token, nx=True, px=_ttl_ms(ttl)))
+        if taken:
+            with self._lock:
+                self._held[(prefix, key)] = token
+        return taken
+
+    def release_lease(self, prefix: str, key: str) -> None:
+        """See :meth:`ResponseStore.release_lease`: a compare-and-delete Lua call.
+
+        Raises:
+            InvalidField: bad argument. StoreUnavailable: Redis down or slow (the lease then ends at its TTL).
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        with self._lock:
+            token = self._held.pop((prefix, key), None)
+        if token is None:
+            return
+        with self._errors(f"release lease {prefix}/{key}"):
+            self._release(keys=[self._k("lease", prefix, key)], args=[token])
+
+    def purge_expired(self, prefix: str | None = None) -> int:
+        """See :meth:`ResponseStore.purge_expired`: one Lua call per prefix
+        (leases expire in Redis on their own).
+
+        Raises:
+            InvalidField: invalid ``prefix``. StoreUnavailable: Redis down or slow.
+        """
+        if prefix is not None:
+            check_store_prefix(prefix)
+        with self._errors("purge expired"):
+            names = [prefix] if prefix is not None else self._known_prefixes()
+            return sum(int(self._purge(keys=self._prefix_keys(p), args=[self._value_head(p)])) for p in names)
+
+    # -- the control plane's side -----------------------------------------------
+
+    def _known_prefixes(self) -> list[str]:
+        names = (raw.decode("utf-8", "replace") for raw in self.client.smembers(self._k("prefixes")))
+        return sorted(n for n in names if PREFIX_PATTERN.fullmatch(n))
+
+    def prefixes(self) -> list[str]:
+        """See :meth:`ResponseStore.prefixes`: the set of prefixes, each purged of expired entries.
+
+        Raises:
+            StoreUnavailable: Redis down or slow.
+        """
+        with self._errors("prefixes"):
+            return [p for p in self._known_prefixes() if self._live_count(p)]
+
+    def _live_count(self, prefix: str) -> int:
+        self._purge(keys=self._prefix_keys(prefix), args=[self._value_head(prefix)])
+        return int(self.client.zcard(self._k("lru", prefix)))
+
+    def exists(self, prefix: str) -> bool:
+        """See :meth:`ResponseStore.exists`; for a stray pseudo-prefix, a SCAN of ``{kp}:*``.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: Redis down or slow.
+        """
+        if is_stray_prefix(prefix):
+            with self._errors(f"exists {prefix}"):
+                return bool(self._strays().get(prefix))
+        check_store_prefix(prefix)
+        with self._errors(f"exists {prefix}"):
+            return self._live_count(prefix) > 0
+
+    def entries(self, prefix: str) -> list[TierEntry]:
+        """See :meth:`ResponseStore.entries`: purges expired entries, reads the
+        metadata in one ``MULTI`` (a consistent snapshot), then checks in
+        batches that each value key still exists, forgetting those Redis
+        dropped on its own. Times are the server's, in seconds.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: Redis down or slow.
+        """
+        check_store_prefix(prefix)
+        keys = self._prefix_keys(prefix)
+        head = self._value_head(prefix)
+        with self._errors(f"entries {prefix}"):
+            self._purge(keys=keys, args=[head])
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zrange(keys[0], 0, -1, withscores=True)
+            pipe.hgetall(keys[2])
+            pipe.hgetall(keys[3])
+            lru, sizes, ctimes = pipe.execute()
+            members = [m for m, _ in lru]
+            gone: set[bytes] = set()
+            for start in range(0, len(members), BATCH):
+                batch = members[start : start + BATCH]
+                gone.update(self._forget_ghosts(keys=keys, args=[head, *batch]))
+        result = []
+        for member, last in lru:
+            if member in gone or member not in sizes:
+                continue
+            created = ctimes.get(member)
+            result.append(
+                TierEntry(
+                    key=member.decode(),
+                    bytes=int(sizes[member]),
+                    created_at=int(created) / 1e6 if created is not None else None,
+                    last_access_at=last / 1e6,
+                )
+            )
+        return sorted(result, key=lambda e: e.key)
+
+    def usage(self, prefix: str) -> TierUsage:
+        """See :meth:`ResponseStore.usage`; a stray pseudo-prefix: the keys it stands for (a SCAN of ``{kp}:*``).
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: Redis down or slow.
+        """
+        if is_stray_prefix(prefix):
+            with self._errors(f"usage {prefix}"):
+                return self._stray_usage(prefix, self._strays().get(prefix, []))
+        return super().usage(prefix)
+
+    def usage_all(self) -> dict[str, TierUsage]:
+        """See :meth:`ResponseStore.usage_all`: every known prefix from
+        :meth:`entries`, plus strays from one SCAN of ``{kp}:*``: keys whose
+        shape is none of the store's, and value keys without metadata (each
+        its own pseudo-prefix; a string counts its length, another type its
+        ``MEMORY USAGE``). Lease keys are not counted (they expire on their own).
+
+        Raises:
+            StoreUnavailable: Redis down or slow.
+        """
+        with self._errors("usage_all"):
+            names = self._known_prefixes()
+        result = {p: self.usage(p) for p in names}
+        result = {p: u for p, u in result.items() if u.entries}
+        with self._errors("usage_all"):
+            for pseudo, raws in sorted(self._strays().items()):
+                usage = self._stray_usage(pseudo, raws)
+                if usage.entries:
+                    result[pseudo] = usage
+        return dict(sorted(result.items()))
+
+    def delete_entries(self, prefix: str, keys: Iterable[str]) -> int:
+        """See :meth:`ResponseStore.delete_entries`: Lua calls of :data:`BATCH`
+        keys; the bytes are those of the value keys removed.
+
+        Raises:
+            InvalidField: invalid prefix or key (checked before anything is deleted).
+            StoreUnavailable: Redis down or slow.
+        """
+        check_store_prefix(prefix)
+        wanted = sorted({check_key(k) for k in keys})
+        pkeys = self._prefix_keys(prefix)
+        head = self._value_head(prefix)
+        freed = 0
+        with self._errors(f"delete entries of {prefix}"):
+            for start in range(0, len(wanted), BATCH):
+                freed += int(self._delete(keys=pkeys, args=[head, *wanted[start : start + BATCH]]))
+        return freed
+
+    def delete_prefix(self, prefix: str) -> int:
+        """See :meth:`ResponseStore.delete_prefix`: Lua calls of :data:`BATCH`
+        entries until none is left, the metadata removed by the last one;
+        then a SCAN removes whatever else is under ``{kp}:v:{prefix}:``
+        (values without accounting, reported by :meth:`usage_all` as strays),
+        its bytes counted as there. A stray pseudo-prefix deletes the keys it
+        stands for.
+
+        Raises:
+            InvalidField: invalid prefix. StoreUnavailable: Redis down or slow.
+        """
+        if is_stray_prefix(prefix):
+            with self._errors(f"delete {prefix}"):
+                raws = self._strays().get(prefix, [])
+                usage = self._stray_usage(prefix, raws)
+                if raws:
+                    self.client.unlink(*raws)
+                return usage.bytes
+        check_store_prefix(prefix)
+        pkeys = self._prefix_keys(prefix)
+        head = self._value_head(prefix)
+        freed = 0
+        with self._errors(f"delete prefix {prefix}"):
+            while True:
+                count, batch_freed = self._delete_batch(keys=pkeys, args=[head, prefix, BATCH])
+                freed += int(batch_freed)
+                if int(count) == 0:
+                    break
+            leftovers = list(self.client.scan_iter(match=head + b"*", count=SCAN_COUNT))
+            for start in range(0, len(leftovers), BATCH):
+                batch = leftovers[start : start + BATCH]
+                freed += sum(max(0, s) for s in self._stray_sizes(keys=batch))
+                self.client.unlink(*batch)
+        return freed
+
+    # -- strays ----------------------------------------------------------------
+
+    def _strays(self) -> dict[str, list[bytes]]:
+        """Keys under ``{kp}:`` that are none of the store's, by pseudo-prefix (one SCAN)."""
+        head = self._kp + b":"
+        strays: defaultdict[str, list[bytes]] = defaultdict(list)
+        values: defaultdict[str, list[bytes]] = defaultdict(list)
+        for raw in self.client.scan_iter(match=head + b"*", count=SCAN_COUNT):
+            rest = raw[len(head) :]
+            kind, _, tail = rest.partition(b":")
+            name, _, member = tail.partition(b":")
+            text = name.decode("utf-8", "replace")
+            valid_prefix = PREFIX_PATTERN.fullmatch(text) is not None
+            if rest == b"prefixes" or (kind in _META_KINDS and valid_prefix and not member):
+                continue
+            if kind in (b"v", b"lease") and valid_prefix and KEY_PATTERN.fullmatch(member.decode("utf-8", "replace")):
+                if kind == b"v":
+                    values[text].append(raw)
+                continue
+            strays[stray_prefix(raw)].append(raw)
+        for prefix, raws in values.items():
+            members = [raw[len(self._value_head(prefix)) :] for raw in raws]
+            tracked = self.client.hmget(self._k("size", prefix), members)
+            for raw, size in zip(raws, tracked, strict=True):
+                if size is None:
+                    strays[stray_prefix(raw)].append(raw)
+        return dict(strays)
+
+    def _stray_usage(self, pseudo: str, raws: Sequence[bytes]) -> TierUsage:
+        sizes = [s for start in range(0, len(raws), BATCH) for s in self._stray_sizes(keys=list(raws[start : start + BATCH]))]
+        sizes = [s for s in sizes if s >= 0]
+        if not sizes:
+            return TierUsage.empty(pseudo)
+        return TierUsage(pseudo, sum(sizes), sum(sizes), len(sizes), None, None, None)
