@@ -7,6 +7,7 @@ import copy
 import hashlib
 import hmac
 import importlib.util
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -618,3 +619,22 @@ def test_defaults_match_the_installed_vllm_source(endpoint: str, relative: str, 
             mismatched[name] = (vllm_default, default)
     assert mismatched == {}
     assert set(sampling) == set(ENGINE_DEFAULTED_PARAMETERS[endpoint]) - {"max_tokens"}  # type: ignore[index]
+
+
+def test_the_readme_fragment_lists_every_parameter_with_its_default() -> None:
+    text = (Path(__file__).parents[2] / "gateway" / "CANONICAL.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[1] != "chat":
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+
+    def shown(endpoint: str, name: str) -> str:
+        defaults = OUTPUT_DEFAULTS[endpoint]  # type: ignore[index]
+        return f"`{json.dumps(defaults[name])}`" if name in defaults else "—"
+
+    names = set(OUTPUT_DEFAULTS["chat"]) | set(OUTPUT_DEFAULTS["completions"])
+    assert set(rows) == names
+    assert {n: rows[n] for n in names} == {n: (shown("chat", n), shown("completions", n)) for n in names}
+    assert [n for n in IGNORED_PARAMETERS if f"`{n}`" not in text] == []
+    assert [r for r in ADMISSION_REASONS if f"| `{r}` |" not in text] == []
