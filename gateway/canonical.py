@@ -569,8 +569,10 @@ _SPECS: Final[Mapping[Endpoint, Mapping[str, _Spec]]] = {
         "prompt_embeds": _Spec(_json_value),
     },
 }
-# Every defaulted parameter has a spec and vice versa (messages/prompt have no default).
+# Every defaulted parameter has a spec and vice versa (messages/prompt have no default),
+# and no body parameter we know shares a name with a reserved key.
 assert all(set(OUTPUT_DEFAULTS[e]) == set(_SPECS[e]) - {"messages", "prompt"} for e in ENDPOINTS)
+assert not RESERVED_KEYS & (set(_SPECS["chat"]) | set(_SPECS["completions"]) | IGNORED_PARAMETERS | {"model"})
 # The chat alias: max_completion_tokens is OpenAI's current name of max_tokens.
 _ALIAS_MAX_COMPLETION_TOKENS: Final = "max_completion_tokens"
 # vLLM's neutral sampling defaults (both protocol.py files): all that an engine may override.

@@ -366,8 +366,15 @@ def find_personal_data(text: str, *, phone_regions: Sequence[str] = DEFAULT_PHON
     """
     if not isinstance(text, str):
         raise InvalidInput("text", f"must be a string, got {type(text).__name__}")
-    regions = _check_regions(phone_regions)
-    candidates = list(_emails(text))
+    return _find(text, _check_regions(phone_regions))
+
+
+def _find(text: str, regions: tuple[str, ...]) -> list[Finding]:
+    # Every rule needs 6 characters at least ("a@b.cd", six digits): keys, roles
+    # and other short strings of a JSON value cost nothing.
+    if len(text) < 6:
+        return []
+    candidates = list(_emails(text)) if "@" in text else []
     scan = _ASCII_DIGIT_RUN if text.isascii() else _DIGIT_RUN
     runs = [(m.start(), m.end(), sum(map(str.isdigit, m.group()))) for m in scan.finditer(text)]
     if runs:
@@ -455,7 +462,13 @@ def redact(text: str, *, phone_regions: Sequence[str] = DEFAULT_PHONE_REGIONS) -
     Raises:
         InvalidInput: as :func:`find_personal_data`.
     """
-    findings = find_personal_data(text, phone_regions=phone_regions)
+    if not isinstance(text, str):
+        raise InvalidInput("text", f"must be a string, got {type(text).__name__}")
+    return _redact_text(text, _check_regions(phone_regions))
+
+
+def _redact_text(text: str, regions: tuple[str, ...]) -> str:
+    findings = _find(text, regions)
     if not findings:
         return text
     parts: list[str] = []
@@ -495,37 +508,40 @@ def redact_json(value: Any, *, phone_regions: Sequence[str] = DEFAULT_PHONE_REGI
         InvalidInput: a non-string key or a value that is not JSON (``field`` is its
             path, e.g. ``"value.messages[0]"``), or an unknown region.
     """
-    regions = _check_regions(phone_regions)
-    return _redact_value(value, "value", regions)
+    return _redact_value(value, (), _check_regions(phone_regions))
 
 
-def _redact_value(value: Any, path: str, regions: tuple[str, ...]) -> Any:
+def _path(parts: tuple[str | int, ...]) -> str:
+    return "value" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
+def _redact_value(value: Any, path: tuple[str | int, ...], regions: tuple[str, ...]) -> Any:
     if value is None or isinstance(value, bool | float):
         return value
     if isinstance(value, str):
-        return redact(value, phone_regions=regions)
+        return _redact_text(value, regions)
     if isinstance(value, int):
         text = _integer_text(value)
         if text is None:
             return value
-        redacted = redact(text, phone_regions=regions)
+        redacted = _redact_text(text, regions)
         return value if redacted == text else redacted
-    if isinstance(value, Mapping):
+    if isinstance(value, dict | Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                raise InvalidInput(path, f"object keys must be strings, got {type(key).__name__}")
-            name = redact(key, phone_regions=regions)
+                raise InvalidInput(_path(path), f"object keys must be strings, got {type(key).__name__}")
+            name = _redact_text(key, regions)
             if name in out:
                 suffix = 2
                 while f"{name}#{suffix}" in out:
                     suffix += 1
                 name = f"{name}#{suffix}"
-            out[name] = _redact_value(item, f"{path}.{key}", regions)
+            out[name] = _redact_value(item, (*path, key), regions)
         return out
     if isinstance(value, list | tuple):
-        return [_redact_value(item, f"{path}[{i}]", regions) for i, item in enumerate(value)]
-    raise InvalidInput(path, f"must be JSON, got {type(value).__name__}")
+        return [_redact_value(item, (*path, i), regions) for i, item in enumerate(value)]
+    raise InvalidInput(_path(path), f"must be JSON, got {type(value).__name__}")
 
 
 def personal_data_kinds(value: Any, *, phone_regions: Sequence[str] = DEFAULT_PHONE_REGIONS) -> frozenset[str]:
@@ -535,29 +551,28 @@ def personal_data_kinds(value: Any, *, phone_regions: Sequence[str] = DEFAULT_PH
     Raises:
         InvalidInput: as :func:`redact_json`.
     """
-    regions = _check_regions(phone_regions)
     found: set[str] = set()
-    _collect_kinds(value, "value", regions, found)
+    _collect_kinds(value, (), _check_regions(phone_regions), found)
     return frozenset(found)
 
 
-def _collect_kinds(value: Any, path: str, regions: tuple[str, ...], found: set[str]) -> None:
+def _collect_kinds(value: Any, path: tuple[str | int, ...], regions: tuple[str, ...], found: set[str]) -> None:
     if value is None or isinstance(value, bool | float):
         return
     if isinstance(value, str):
-        found.update(f.kind for f in find_personal_data(value, phone_regions=regions))
+        found.update(f.kind for f in _find(value, regions))
     elif isinstance(value, int):
         text = _integer_text(value)
         if text is not None:
-            found.update(f.kind for f in find_personal_data(text, phone_regions=regions))
-    elif isinstance(value, Mapping):
+            found.update(f.kind for f in _find(text, regions))
+    elif isinstance(value, dict | Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise InvalidInput(path, f"object keys must be strings, got {type(key).__name__}")
-            found.update(f.kind for f in find_personal_data(key, phone_regions=regions))
-            _collect_kinds(item, f"{path}.{key}", regions, found)
+                raise InvalidInput(_path(path), f"object keys must be strings, got {type(key).__name__}")
+            found.update(f.kind for f in _find(key, regions))
+            _collect_kinds(item, (*path, key), regions, found)
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            _collect_kinds(item, f"{path}[{i}]", regions, found)
+            _collect_kinds(item, (*path, i), regions, found)
     else:
-        raise InvalidInput(path, f"must be JSON, got {type(value).__name__}")
+        raise InvalidInput(_path(path), f"must be JSON, got {type(value).__name__}")
