@@ -11,6 +11,7 @@ import multiprocessing
 import secrets
 import socket
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -387,7 +388,7 @@ def clustered(n: int, dim: int, seed: int) -> np.ndarray:
 def test_replica_switches_to_hnsw_finds_near_duplicates_and_rebuilds_past_the_dead_share(
     make_store: Callable[..., SemanticStore],
 ) -> None:
-    store = make_store(hnsw_threshold=64)
+    store = make_store(hnsw_threshold=64, background_builds=False)
     vectors = clustered(200, 32, seed=1)
     for i in range(100):
         store.add(entry(f"v{i:03d}", vectors[i], created_at=float(i)))
@@ -421,6 +422,80 @@ def test_replica_switches_to_hnsw_finds_near_duplicates_and_rebuilds_past_the_de
     assert ids(store.search("ns-one", PART_A, MODEL, vectors[160], k=1)) == ["v160"]
     info = store.replica_info("ns-one", PART_A, MODEL)
     assert info is not None and (info.kind, info.vectors, info.alive, info.rebuilds) == ("flat", 50, 50, 3)
+
+
+@pytest.fixture
+def gated_builds(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Background index builds wait for the event (set it to let them finish)."""
+    gate = threading.Event()
+    real = store_module._new_index
+
+    def gated(dim: int, count: int, threshold: int) -> Any:
+        if threading.current_thread().name == "semantic-index-build":
+            assert gate.wait(30)
+        return real(dim, count, threshold)
+
+    monkeypatch.setattr(store_module, "_new_index", gated)
+    yield gate
+    gate.set()
+
+
+def replica_state(store: SemanticStore) -> tuple[str, int, int, int, bool]:
+    info = store.replica_info("ns-one", PART_A, MODEL)
+    assert info is not None
+    return info.kind, info.vectors, info.alive, info.rebuilds, info.building
+
+
+@both
+def test_hnsw_is_built_in_the_background_while_the_current_index_answers(
+    make_store: Callable[..., SemanticStore], gated_builds: threading.Event
+) -> None:
+    store = make_store(hnsw_threshold=64)
+    vectors = clustered(120, 32, seed=4)
+    for i in range(100):
+        store.add(entry(f"w{i:03d}", vectors[i]))
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[3], k=1)) == ["w003"]
+    assert replica_state(store) == ("flat", 100, 100, 0, True)
+    # While the build runs: removals and adds are seen by the exact index.
+    store.delete_entries("ns-one", [f"w{i:03d}" for i in range(10)])
+    for i in range(100, 120):
+        store.add(entry(f"w{i:03d}", vectors[i]))
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[110], k=1)) == ["w110"]
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[5], k=1)) != ["w005"]
+    assert replica_state(store) == ("flat", 120, 110, 0, True)
+
+    gated_builds.set()
+    assert store.wait_for_index_builds(30)
+    # Installed with the 20 added meanwhile appended and the 10 removed meanwhile still dead.
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[115], k=1)) == ["w115"]
+    assert replica_state(store) == ("hnsw", 120, 110, 1, False)
+    assert all(int(x[1:]) >= 10 for x in ids(store.search("ns-one", PART_A, MODEL, vectors[5], k=8)))
+
+    # Past the dead share, an HNSW replica is rebuilt in the background too, the old one filtering meanwhile.
+    store.delete_entries("ns-one", [f"w{i:03d}" for i in range(10, 40)])
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[50], k=1)) == ["w050"]
+    assert store.wait_for_index_builds(30)
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[60], k=1)) == ["w060"]
+    assert replica_state(store) == ("hnsw", 80, 80, 2, False)
+
+
+@both
+def test_a_background_build_of_a_state_the_replica_left_is_thrown_away(
+    make_store: Callable[..., SemanticStore], gated_builds: threading.Event
+) -> None:
+    store = make_store(hnsw_threshold=64)
+    vectors = clustered(100, 32, seed=5)
+    for i in range(100):
+        store.add(entry(f"w{i:03d}", vectors[i]))
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[3], k=1)) == ["w003"]
+    assert store.delete_prefix("ns-one") == 100 * (5 + 4 + 128)
+    store.add(entry("fresh", vectors[0]))
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[0], k=4)) == ["fresh"]
+    gated_builds.set()
+    assert store.wait_for_index_builds(30)
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[0], k=4)) == ["fresh"]
+    kind, count, alive, _, building = replica_state(store)
+    assert (kind, count, alive, building) == ("flat", 1, 1, False)
 
 
 @both
