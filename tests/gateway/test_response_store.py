@@ -23,7 +23,8 @@ from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierUnavailable, TierUsage
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
-SPAWN = multiprocessing.get_context("spawn")
+# fork: children start in milliseconds, and each opens the SQLite file on its own as a gateway worker does.
+PROCS = multiprocessing.get_context("fork")
 
 
 def k(n: int) -> str:
@@ -470,7 +471,7 @@ def test_sqlite_store_is_shared_by_threads(tmp_path: Path) -> None:
     assert store.usage("ns-a").entries == 40
 
 
-# Functions run in spawned processes (importable from this module).
+# Functions run in forked child processes; each opens the store itself.
 
 
 def _proc_put_and_get(path: str, put: int, get: int, out: multiprocessing.Queue) -> None:
@@ -495,8 +496,8 @@ def _proc_fill_budget(path: str, first: int, start: multiprocessing.synchronize.
 
 
 def _run(target: Callable[..., None], args_list: list[tuple]) -> list[object]:
-    out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=target, args=(*args, out)) for args in args_list]
+    out = PROCS.Queue()
+    procs = [PROCS.Process(target=target, args=(*args, out)) for args in args_list]
     for p in procs:
         p.start()
     results = [out.get(timeout=30) for _ in procs]
@@ -518,14 +519,14 @@ def test_two_processes_share_entries_through_one_sqlite_file(tmp_path: Path) -> 
 def test_one_of_several_processes_gets_the_lease(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
     SqliteResponseStore(path).close()
-    start = SPAWN.Barrier(4)
+    start = PROCS.Barrier(4)
     assert sorted(_run(_proc_lease, [(str(path), start)] * 4)) == [False, False, False, True]
 
 
 def test_processes_filling_one_prefix_keep_its_budget_exactly(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
     SqliteResponseStore(path).close()
-    start = SPAWN.Barrier(2)
+    start = PROCS.Barrier(2)
     assert sum(_run(_proc_fill_budget, [(str(path), 0, start), (str(path), 50, start)])) == 90
     usage = SqliteResponseStore(path).usage("ns-a")
     assert (usage.entries, usage.bytes) == (10, 1000)
