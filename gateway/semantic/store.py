@@ -88,6 +88,7 @@ __all__ = [
     "HNSW_EF_CONSTRUCTION",
     "HNSW_EF_SEARCH",
     "HNSW_M",
+    "HNSW_MAX_INLINE_ADDS",
     "HNSW_THRESHOLD",
     "Candidate",
     "RedisSemanticStore",
@@ -132,6 +133,10 @@ HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 80
 #: Candidate list while searching (faiss ``efSearch``), at least ``k``.
 HNSW_EF_SEARCH = 128
+#: Most vectors a catch-up inserts into an HNSW graph inline (~0.4 ms each on one
+#: thread at 10,000 x 384, so at most ~0.4 s of one search); a larger delta turns the
+#: replica back into an exact index and the graph is rebuilt in the background.
+HNSW_MAX_INLINE_ADDS = 1_000
 #: A replica whose dead vectors (removed or expired) pass this share of all it holds is rebuilt without them.
 DEAD_SHARE_REBUILD = 0.25
 #: Replicas kept per store object (per process) before the least recently searched is dropped.
@@ -442,6 +447,26 @@ def _empty_delta(generation: int | None, reset: bool, dim: int | None, last_rseq
     )
 
 
+@contextmanager
+def _one_omp_thread() -> Iterator[None]:
+    """Run faiss with one OpenMP thread inside the block, then give the calling thread's setting back.
+
+    Why: a search has one query and faiss parallelizes over queries, so more
+    threads only spin at the barrier, which on a busy host costs more than the
+    work (measured on this 2-core host under load, 10,000 x 384: flat p50
+    0.87 ms with 2 threads, 0.23 ms with 1). The setting is the calling
+    thread's own (an OpenMP ICV): other threads are not affected.
+    """
+    threads = faiss.omp_get_max_threads()
+    if threads != 1:
+        faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            faiss.omp_set_num_threads(threads)
+
+
 def _new_index(dim: int, count: int, threshold: int) -> tuple[faiss.Index, str]:
     if count > threshold:
         index = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
@@ -526,7 +551,14 @@ class _Replica:
         if self.index is None:
             self.dim = int(vectors.shape[1])
             self.index, self.kind = _new_index(self.dim, 0, self.threshold)
-        self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        elif self.kind == "hnsw" and self.background and len(seqs) > HNSW_MAX_INLINE_ADDS:
+            # Exact meanwhile (a copy of the vectors, no graph work); maintain() starts the build.
+            flat = faiss.IndexFlatIP(self.dim)
+            flat.add(self.index.reconstruct_n(0, self.size))
+            self.index, self.kind = flat, "flat"
+            self.epoch += 1
+        with _one_omp_thread():
+            self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
         start = self.size
         self.seqs = np.concatenate([self.seqs, seqs.astype(np.int64)])
         self.expires = np.concatenate([self.expires, expires.astype(np.float64)])
@@ -644,9 +676,10 @@ class _Replica:
         self.builder.start()
 
     def _install(self) -> None:
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
+        self._pending = None  # the builder writes once, when done: nothing can come in between
         epoch, index, keep, size = pending
         if epoch != self.epoch:
             return  # built from a state this replica has left
@@ -654,7 +687,8 @@ class _Replica:
             self.background = False
             return
         if self.size > size:  # added while it was built
-            index.add(self.index.reconstruct_n(size, self.size - size))  # type: ignore[union-attr]
+            with _one_omp_thread():
+                index.add(self.index.reconstruct_n(size, self.size - size))  # type: ignore[union-attr]
         self._adopt(index, "hnsw", np.concatenate([keep, np.arange(size, self.size)]))
 
     def _adopt(self, index: faiss.Index, kind: str, positions: np.ndarray) -> None:
@@ -694,18 +728,8 @@ class _Replica:
             params = faiss.SearchParameters()
         if selector is not None:
             params.sel = selector
-        # One query: faiss parallelizes over queries, so more OpenMP threads only spin at the
-        # barrier, which on a busy host costs far more than the search (measured on this 2-core
-        # host under load, 10,000 x 384: flat p50 0.87 ms with 2 threads, 0.23 ms with 1). The
-        # setting is the calling thread's own (an OpenMP ICV) and is given back after.
-        threads = faiss.omp_get_max_threads()
-        if threads != 1:
-            faiss.omp_set_num_threads(1)
-        try:
+        with _one_omp_thread():
             _, labels = self.index.search(query.reshape(1, -1), kk, params=params)
-        finally:
-            if threads != 1:
-                faiss.omp_set_num_threads(threads)
         found = labels[0][labels[0] >= 0]
         return self.seqs[found].tolist()
 

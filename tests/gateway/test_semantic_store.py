@@ -480,6 +480,36 @@ def test_hnsw_is_built_in_the_background_while_the_current_index_answers(
 
 
 @both
+def test_a_large_delta_turns_an_hnsw_replica_exact_until_its_graph_is_rebuilt(
+    make_store: Callable[..., SemanticStore], gated_builds: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "HNSW_MAX_INLINE_ADDS", 10)
+    store = make_store(hnsw_threshold=64)
+    vectors = clustered(130, 32, seed=6)
+    for i in range(100):
+        store.add(entry(f"w{i:03d}", vectors[i]))
+    gated_builds.set()
+    store.search("ns-one", PART_A, MODEL, vectors[0])
+    assert store.wait_for_index_builds(30)
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[1], k=1)) == ["w001"]
+    assert replica_state(store) == ("hnsw", 100, 100, 1, False)
+
+    gated_builds.clear()
+    for i in range(100, 110):  # up to the limit: inserted into the graph inline
+        store.add(entry(f"w{i:03d}", vectors[i]))
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[105], k=1)) == ["w105"]
+    assert replica_state(store) == ("hnsw", 110, 110, 1, False)
+    for i in range(110, 130):  # past it: exact until the graph is rebuilt in the background
+        store.add(entry(f"w{i:03d}", vectors[i]))
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[125], k=1)) == ["w125"]
+    assert replica_state(store) == ("flat", 130, 130, 1, True)
+    gated_builds.set()
+    assert store.wait_for_index_builds(30)
+    assert ids(store.search("ns-one", PART_A, MODEL, vectors[126], k=1)) == ["w126"]
+    assert replica_state(store) == ("hnsw", 130, 130, 2, False)
+
+
+@both
 def test_a_background_build_of_a_state_the_replica_left_is_thrown_away(
     make_store: Callable[..., SemanticStore], gated_builds: threading.Event
 ) -> None:
