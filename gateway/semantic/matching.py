@@ -111,7 +111,9 @@ def similarities(query: np.ndarray, matrix: np.ndarray) -> np.ndarray:
     m_norms = np.linalg.norm(m, axis=1)
     if m.shape[0] and float(m_norms.min()) == 0.0:
         raise MatchInputError(f"matrix row {int(np.argmin(m_norms))} is the zero vector (no direction, no cosine)")
-    cosines = (m @ q) / (m_norms * q_norm)
+    # Row by row, not a BLAS matrix-vector product: its summation order depends on the number of rows, and one pair
+    # must get the very same value from similarity() and from a lookup over many candidates.
+    cosines = (m * q).sum(axis=1) / (m_norms * q_norm)
     return np.clip(cosines, 0.0, 1.0)
 
 
