@@ -456,7 +456,11 @@ def body_bytes(model: str, i: int, *, stream: bool, greedy: bool, extra: dict[st
 async def run_requests(
     client: httpx.AsyncClient, target: Target, bodies: list[bytes], clients: int, *, stream: bool
 ) -> list[Sample]:
-    """Send ``bodies`` with ``clients`` in flight; each response is read to its end."""
+    """Send ``bodies`` with ``clients`` in flight; each response is read to its end.
+
+    A transport error becomes a sample with status 0 and the error as its body
+    (:func:`check` counts it), so one failed request does not end the run.
+    """
     url = target.url + "/v1/chat/completions"
     headers = {"content-type": "application/json", **target.headers}
     samples: list[Sample | None] = [None] * len(bodies)
@@ -468,12 +472,16 @@ async def run_requests(
             ttft: float | None = None
             parts: list[bytes] = []
             tail = b""
-            async with client.stream("POST", url, content=bodies[i], headers=headers) as response:
-                async for chunk in response.aiter_raw():
-                    if stream and ttft is None and CONTENT_RE.search(tail + chunk):
-                        ttft = time.perf_counter() - started
-                    tail = chunk[-32:]
-                    parts.append(chunk)
+            try:
+                async with client.stream("POST", url, content=bodies[i], headers=headers) as response:
+                    async for chunk in response.aiter_raw():
+                        if stream and ttft is None and CONTENT_RE.search(tail + chunk):
+                            ttft = time.perf_counter() - started
+                        tail = chunk[-32:]
+                        parts.append(chunk)
+            except httpx.TransportError as exc:
+                samples[i] = Sample(time.perf_counter() - started, None, 0, repr(exc).encode(), None)
+                continue
             samples[i] = Sample(
                 time.perf_counter() - started,
                 ttft,
@@ -493,7 +501,7 @@ def answer_text(sample: Sample, *, stream: bool) -> str:
         ValueError: not a complete answer (an error body, no ``[DONE]``, bad JSON).
     """
     if sample.status != 200:
-        raise ValueError(f"HTTP {sample.status}: {sample.body[:300]!r}")
+        raise ValueError(f"HTTP {sample.status}: {sample.body[:300]!r}" if sample.status else sample.body.decode())
     if not stream:
         return json.loads(sample.body)["choices"][0]["message"]["content"]
     text, done = [], False
@@ -573,16 +581,21 @@ def redis_get_arm(client: Any, key: bytes, clients: int) -> Arm:
 
 
 def http_client(clients: int) -> httpx.AsyncClient:
-    """The benchmark's client: one keep-alive connection per concurrent client."""
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=clients, max_keepalive_connections=clients),
-        timeout=httpx.Timeout(300.0, connect=10.0),
-    )
+    """The benchmark's client: one keep-alive connection per concurrent client.
+
+    A connection idle for 4 s is not reused: every server here runs uvicorn,
+    which closes a connection idle for 5 s (``timeout_keep_alive``), and a
+    request sent on a connection the server is closing fails with ``ReadError``.
+    """
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients, keepalive_expiry=4.0)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300.0, connect=10.0))
 
 
-async def measure(arms: list[Arm], mode: str, *, requests: int, warmup: int, rounds: int) -> dict[str, Result]:
-    """Warm every arm up (untimed), then ``rounds`` rounds of ``requests / rounds``
-    per arm, the arms' order rotating each round; server CPU and wall time summed over the timed runs."""
+async def measure(arms: list[Arm], mode: str, *, requests: int, warmup: int, rounds: int, rewarm: int) -> dict[str, Result]:
+    """Warm every arm up (``warmup`` requests, untimed), then ``rounds`` rounds of
+    ``requests / rounds`` per arm, the arms' order rotating each round, each
+    timed run after ``rewarm`` untimed requests (its connections are then open
+    again after the other arms' turns); server CPU and wall time summed over the timed runs."""
     results = {a.name: Result(a.name, mode) for a in arms}
     for arm in arms:
         await arm.run(-warmup, warmup)
@@ -590,6 +603,7 @@ async def measure(arms: list[Arm], mode: str, *, requests: int, warmup: int, rou
     first = 0
     for r in range(rounds):
         for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+            await arm.run(-warmup - rewarm * (r + 1), rewarm)
             cpu = arm.server.cpu_s() if arm.server else 0.0
             started, client_cpu = time.perf_counter(), time.process_time()
             samples = await arm.run(first, per_round[r])
@@ -631,13 +645,13 @@ def part_proxies(targets: list[Target], stub: Server | None, model: str, *, requ
             async with http_client(clients) as client:
                 before = await stub_count(client, stub) if stub else 0
                 arms = [http_arm(client, t, make, clients, stream=stream) for t in targets]
-                results = await measure(arms, mode, requests=requests, warmup=warmup, rounds=rounds)
+                results = await measure(arms, mode, requests=requests, warmup=warmup, rounds=rounds, rewarm=clients)
                 return results, (await stub_count(client, stub) if stub else 0) - before
 
         results, reached = run_async(phase())
         for result in results.values():
             check(result, stream=stream, expect=expect)
-        sent = len(targets) * (requests + warmup)
+        sent = len(targets) * (requests + warmup + rounds * clients)
         if stub is not None and reached != sent:
             results[targets[0].name].errors.append(f"the stub answered {reached} requests, {sent} were sent")
         out.extend(results.values())
@@ -686,7 +700,7 @@ def part_hits(gateway: Target, litellm: Target | None, stub: Server, *, requests
                 arms = [http_arm(client, gateway, make, clients, stream=False), redis_get_arm(rclient, keys[0], clients)]
                 if litellm is not None:
                     arms.append(http_arm(client, litellm, make, clients, stream=False))
-                results = await measure(arms, "hit", requests=requests, warmup=warmup, rounds=rounds)
+                results = await measure(arms, "hit", requests=requests, warmup=warmup, rounds=rounds, rewarm=clients)
             finally:
                 await rclient.aclose()
             return results, await stub_count(client, stub) - filled, fills
