@@ -10,6 +10,7 @@ import secrets
 import socket
 import sqlite3
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -376,6 +377,49 @@ def test_redis_down_is_store_unavailable_within_a_second() -> None:
         assert isinstance(info.value, TierUnavailable)
 
 
+@pytest.mark.slow
+@pytest.mark.redis
+def test_a_full_redis_is_store_unavailable_and_still_serves_reads(tmp_path: Path) -> None:
+    # A private server: the shared one's maxmemory is not this test's to change.
+    port = closed_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", "3mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        store = RedisResponseStore.from_url(f"redis://127.0.0.1:{port}/0", key_prefix="rc", timeout_s=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                store.client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "the private redis-server did not start"
+                time.sleep(0.02)
+        value = b"v" * 65536
+        stored = 0
+        with pytest.raises(StoreUnavailable, match="OutOfMemoryError"):
+            for n in range(1000):
+                store.put("ns-a", k(n), value, ttl_s=None, max_bytes=None)
+                stored += 1
+        assert 0 < stored < 1000
+        usage = store.usage("ns-a")
+        assert (usage.entries, usage.bytes) == (stored, stored * 65536)  # the refused put left nothing behind
+        assert store.get("ns-a", k(0)) == value  # reads go on (the access is not recorded)
+        with pytest.raises(StoreUnavailable, match="OutOfMemoryError"):
+            store.put("ns-a", k(1), value, ttl_s=None, max_bytes=None)  # a rewrite too
+        assert store.get("ns-a", k(1)) == value
+        assert store.delete_entries("ns-a", [k(n) for n in range(stored // 2)]) == (stored // 2) * 65536  # evictions work
+        assert store.put("ns-a", k(999), value, ttl_s=None, max_bytes=None) == 0
+        usage = store.usage("ns-a")
+        assert (usage.entries, usage.bytes) == (stored - stored // 2 + 1, (stored - stored // 2 + 1) * 65536)
+        store.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def test_a_redis_client_that_could_hang_is_refused() -> None:
     with pytest.raises(InvalidField, match="^client.socket_timeout: "):
         RedisResponseStore(redis.Redis())
@@ -422,6 +466,20 @@ def test_sqlite_file_that_cannot_be_opened_is_store_unavailable(tmp_path: Path) 
         SqliteResponseStore(tmp_path / "missing-folder" / "r.sqlite3")
     with pytest.raises(InvalidField, match="^busy_timeout_s: "):
         SqliteResponseStore(tmp_path / "r.sqlite3", busy_timeout_s=0)
+
+
+def test_sqlite_on_a_full_disk_is_store_unavailable_and_still_serves_reads(small_tmpfs: Callable[[str], Path]) -> None:
+    store = SqliteResponseStore(small_tmpfs("512k") / "r.sqlite3")
+    value = b"v" * 16384
+    stored = 0
+    with pytest.raises(StoreUnavailable, match="database or disk is full"):
+        for n in range(1000):
+            store.put("ns-a", k(n), value, ttl_s=None, max_bytes=None)
+            stored += 1
+    assert 0 < stored < 1000
+    assert store.get("ns-a", k(0)) == value
+    usage = store.usage("ns-a")
+    assert (usage.entries, usage.bytes) == (stored, stored * 16384)  # the refused put was rolled back
 
 
 def test_sqlite_reports_rows_of_an_invalid_prefix_as_strays(tmp_path: Path) -> None:
