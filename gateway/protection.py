@@ -346,11 +346,11 @@ class Overloaded(Exception):
         retry_after_s: seconds after which a retry may pass (the Retry-After).
     """
 
-    def __init__(self, scope: str, reason: Literal["in_flight", "open"], retry_after_s: float) -> None:
-        super().__init__(f"fills of {scope} refused ({reason}); retry after {retry_after_s:.3f} s")
-        self.scope = scope
+    def __init__(self, reason: Literal["in_flight", "open"], retry_after_s: float, *, scope: str = "") -> None:
+        super().__init__(f"fills of {scope or 'this scope'} refused ({reason}); retry after {retry_after_s:.3f} s")
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.scope = scope
 
 
 @dataclass
@@ -441,12 +441,12 @@ class FillBreaker:
             state = self._state(s, now)
             if state == "open":
                 assert s.opened_at is not None
-                raise Overloaded(scope, "open", self.cooldown_s - (now - s.opened_at))
+                raise Overloaded("open", self.cooldown_s - (now - s.opened_at), scope=scope)
             if s.in_flight >= self.max_in_flight:
-                raise Overloaded(scope, "in_flight", self.busy_retry_after_s)
+                raise Overloaded("in_flight", self.busy_retry_after_s, scope=scope)
             if state == "half_open":
                 if s.probing:
-                    raise Overloaded(scope, "open", self.cooldown_s)
+                    raise Overloaded("open", self.cooldown_s, scope=scope)
                 s.probing = True
             s.in_flight += 1
 

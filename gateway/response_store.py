@@ -425,10 +425,12 @@ class SqliteResponseStore(ResponseStore):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                conn.rollback()
+                # Also after a failed COMMIT: the connection must not stay inside the transaction.
+                if conn.in_transaction:
+                    conn.rollback()
                 raise
-            conn.execute("COMMIT")
 
     # -- the gateway's side ------------------------------------------------------
 
