@@ -17,6 +17,10 @@ class CacheAdminConfig(AppConfig):
         # receivers, in every process: web, worker, commands.
         import cacheadmin.tasks  # noqa: F401
         from cacheadmin.schedules import schedules_sync
+        from cacheadmin.services.gateway import routing_signals_connect
+
+        # Gateways rebuild their routing snapshot when the epoch moves.
+        routing_signals_connect()
 
         def sync_after_migrate(sender: AppConfig, **kwargs: object) -> None:
             # Once per migrate, after django_celery_beat's tables exist.

@@ -199,6 +199,30 @@ EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "kv-cache-control-plane@localhost")
 
+# --- Gateway (the data plane) -------------------------------------------------
+#: Where `manage.py gateway` listens.
+GATEWAY_ADDR = env_str("GATEWAY_ADDR", "127.0.0.1:8300")
+#: Gateway processes (uvicorn workers); they share the caches' stores.
+GATEWAY_WORKERS = env_int("GATEWAY_WORKERS", 2, minimum=1)
+#: Scale-out store of the response and semantic caches (its own Redis database:
+#: the KV Redis tier treats foreign keys in its database as strays). Empty: SQLite files under GATEWAY_DIR.
+GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", "")
+#: The embedded stores' folder.
+GATEWAY_DIR = Path(env_str("GATEWAY_DIR", str(VAR_DIR / "gateway"))).resolve()
+#: The semantic cache layer in this deployment (it loads an embedding model, ~90 MB, in each gateway process).
+GATEWAY_SEMANTIC = env_bool("GATEWAY_SEMANTIC", True)
+#: A gateway key's token bucket when the key sets none: requests per second, and burst.
+GATEWAY_RATE_PER_S = env_int("GATEWAY_RATE_PER_S", 50, minimum=1)
+GATEWAY_BURST = env_int("GATEWAY_BURST", 100, minimum=1)
+#: Requests one gateway process keeps in flight per engine; past it, requests are shed with 503.
+GATEWAY_ENGINE_MAX_IN_FLIGHT = env_int("GATEWAY_ENGINE_MAX_IN_FLIGHT", 64, minimum=1)
+#: How often (milliseconds) each gateway process reads the routing epoch.
+GATEWAY_EPOCH_POLL_MS = env_int("GATEWAY_EPOCH_POLL_MS", 250, minimum=10)
+#: A snapshot is rebuilt at least this often (seconds), whatever the epoch says.
+GATEWAY_SNAPSHOT_MAX_AGE_S = env_int("GATEWAY_SNAPSHOT_MAX_AGE_S", 10, minimum=1)
+#: How often (seconds) a gateway process writes its figures and prefix heat.
+GATEWAY_FLUSH_S = env_int("GATEWAY_FLUSH_S", 2, minimum=1)
+
 # --- REST API ----------------------------------------------------------------
 # Decided once for every endpoint: who may call, how lists page, one error envelope.
 REST_FRAMEWORK = {

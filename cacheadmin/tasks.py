@@ -25,6 +25,7 @@ from cacheadmin.services.jobs import jobs_recover_lost
 from cacheadmin.services.prewarm import PrewarmRunner
 from cacheadmin.services.registration import RegistrationRunner
 from cacheadmin.services.releases import releases_sync_pending
+from cacheadmin.services.shadow import SHADOW_CHECK_TASK, shadow_check_run, shadow_checks_recover
 
 prewarm_job_task = PrewarmRunner.task
 comparison_job_task = ComparisonRunner.task
@@ -57,6 +58,13 @@ def jobs_recover_lost_task() -> None:
     move the releases whose prewarm or purge ended without its event reaching them."""
     jobs_recover_lost()
     releases_sync_pending()
+    shadow_checks_recover()
+
+
+@shared_task(name=SHADOW_CHECK_TASK)
+def shadow_check_task(check_id: int) -> None:
+    """Replay one sampled live request on its engine and a reference engine, and judge it."""
+    shadow_check_run(check_id)
 
 
 @shared_task(name=ENGINE_BOOT_TASK)

@@ -3,7 +3,7 @@
 from django.urls import include, path, re_path
 from rest_framework.routers import DefaultRouter
 
-from cacheadmin.api import engine_views, release_views, views
+from cacheadmin.api import engine_views, gateway_views, release_views, views
 
 
 class IdRouter(DefaultRouter):
@@ -21,7 +21,11 @@ class IdRouter(DefaultRouter):
 
 
 #: Routes of ``urlpatterns`` below that ``GET /api/`` lists beside the viewsets: name in the listing → URL name.
-ROOT_EXTRAS = {"identity-diff": "identity-diff", "orphans": "orphans", "schema": "api-schema", "docs": "api-docs"}
+ROOT_EXTRAS = {
+    "identity-diff": "identity-diff", "orphans": "orphans", "schema": "api-schema", "docs": "api-docs",
+    "gateway-layers": "gateway-layers", "gateway-explain": "gateway-explain", "gateway-figures": "gateway-figures",
+    "semantic-cache-invalidate": "semantic-cache-invalidate",
+}  # fmt: skip
 
 
 # A missing trailing slash is not worth a 301 (which many HTTP clients turn
@@ -45,11 +49,17 @@ router.register("tier-usage", views.TierUsageViewSet, basename="tier-usage")
 router.register("engine-metrics", views.EngineMetricsViewSet, basename="engine-metrics")
 router.register("releases", release_views.ReleaseViewSet, basename="release")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
+router.register("gateway-keys", gateway_views.GatewayKeyViewSet, basename="gateway-key")
+router.register("shadow-checks", gateway_views.ShadowCheckViewSet, basename="shadow-check")
 
 urlpatterns = [
     re_path(r"^identity-diff/?$", views.IdentityDiffView.as_view(), name="identity-diff"),
     re_path(r"^orphans/?$", views.OrphansView.as_view(), name="orphans"),
     re_path(r"^schema/?$", views.ApiSchemaView.as_view(), name="api-schema"),
+    re_path(r"^gateway/layers/?$", gateway_views.GatewayLayersView.as_view(), name="gateway-layers"),
+    re_path(r"^gateway/explain/?$", gateway_views.GatewayExplainView.as_view(), name="gateway-explain"),
+    re_path(r"^gateway/figures/?$", gateway_views.GatewayFiguresView.as_view(), name="gateway-figures"),
+    re_path(r"^semantic-cache/invalidate/?$", gateway_views.SemanticInvalidateView.as_view(), name="semantic-cache-invalidate"),
     re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api:api-schema"), name="api-docs"),
     path("", include(router.urls)),
 ]

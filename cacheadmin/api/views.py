@@ -48,6 +48,12 @@ from cacheadmin.models import (
 from cacheadmin.services.accounting import accounting_scan_create, orphans_report
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
+from cacheadmin.services.gateway import (
+    POLICY_FIELDS,
+    namespace_routing_resume,
+    tenant_gateway_policy,
+    tenant_gateway_policy_update,
+)
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
@@ -104,6 +110,21 @@ class TenantViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateMode
     def tenant_filter(self, tenant_id: int) -> Q:
         """Its own tenant."""
         return Q(pk=tenant_id)
+
+    @extend_schema(methods=["GET"], responses={200: s.GatewayPolicySerializer})
+    @extend_schema(methods=["PATCH"], request=s.GatewayPolicySerializer, responses={200: s.GatewayPolicySerializer})
+    @action(detail=True, methods=["get", "patch"], url_path="gateway-policy")
+    def gateway_policy(self, request: Request, pk: str | None = None) -> Response:
+        """The tenant's use of the gateway's cache layers; PATCH changes the fields given (admin)."""
+        tenant = self.get_object()
+        if request.method == "PATCH":
+            changes = validated(request, s.GatewayPolicySerializer)
+            if not changes:
+                raise ValidationError({"non_field_errors": [f"name at least one of {', '.join(POLICY_FIELDS)}"]})
+            policy = tenant_gateway_policy_update(tenant=tenant, actor=actor_of(request), changes=changes)
+        else:
+            policy = tenant_gateway_policy(tenant)
+        return Response({name: getattr(policy, name) for name in POLICY_FIELDS})
 
     def perform_create(self, serializer: s.TenantSerializer) -> None:
         serializer.instance = tenant_create(**serializer.validated_data, actor=actor_of(self.request))
@@ -282,6 +303,15 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
                 "storage_prefix": namespace.storage_prefix,
             }
         )
+
+    @extend_schema(request=s.ReasonSerializer, responses={200: s.CacheNamespaceSerializer})
+    @action(detail=True, methods=["post"], url_path="resume-routing")
+    def resume_routing(self, request: Request, pk: str | None = None) -> Response:
+        """Route a namespace that a deceptive hit on live traffic suspended again (with a reason; audited)."""
+        namespace = self.get_object()
+        reason = validated(request, s.ReasonSerializer)["reason"]
+        namespace_routing_resume(namespace=namespace, actor=actor_of(request), reason=reason)
+        return Response(self.serializer_class(namespace).data)
 
 
 class _JobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):

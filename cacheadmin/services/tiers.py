@@ -74,6 +74,27 @@ def _redis_tier() -> RedisTier | None:
     return RedisTier(client, history_k=REDIS_HISTORY_K)
 
 
+@register_hot_tier(Tier.RESPONSE)
+def _response_tier() -> HotTier:
+    """The gateway's response cache: its entries live and are evicted per namespace like KV state."""
+    from cacheadmin.services.gateway_stores import response_store
+
+    return response_store()
+
+
+@register_hot_tier(Tier.SEMANTIC)
+def _semantic_tier() -> HotTier:
+    """The gateway's semantic cache entries, per namespace."""
+    from cacheadmin.services.gateway_stores import semantic_store
+
+    return semantic_store()
+
+
+#: Hot tiers whose state a demotion archives into the cold tier (the gateway's
+#: cached answers are dropped, not archived: a restored namespace refills them).
+ARCHIVED_TIERS = (Tier.DISK, Tier.REDIS)
+
+
 @dataclass(frozen=True)
 class Tiers:
     """The configured hot tiers by kind, and the cold tier.

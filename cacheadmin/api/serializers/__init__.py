@@ -35,6 +35,19 @@ from cacheadmin.api.serializers.fields import (
     StrictSlugRelatedField,
     TenantSlugField,
 )
+from cacheadmin.api.serializers.gateway import (
+    ExplainAnswerSerializer,
+    ExplainSerializer,
+    GatewayKeyIssuedSerializer,
+    GatewayKeyIssueSerializer,
+    GatewayKeySerializer,
+    GatewayPolicySerializer,
+    LayerStateSerializer,
+    LayerSwitchSerializer,
+    SemanticInvalidatedSerializer,
+    SemanticInvalidateSerializer,
+    ShadowCheckSerializer,
+)
 from cacheadmin.api.serializers.jobs import (
     JOB_FIELDS,
     ComparisonJobCreateSerializer,
@@ -83,6 +96,17 @@ from cacheadmin.api.serializers.tenancy import (
 )
 
 __all__ = [
+    "ExplainAnswerSerializer",
+    "ExplainSerializer",
+    "GatewayKeyIssuedSerializer",
+    "GatewayKeyIssueSerializer",
+    "GatewayKeySerializer",
+    "GatewayPolicySerializer",
+    "LayerStateSerializer",
+    "LayerSwitchSerializer",
+    "SemanticInvalidatedSerializer",
+    "SemanticInvalidateSerializer",
+    "ShadowCheckSerializer",
     "AccountingScanSerializer",
     "AdapterSerializer",
     "AuditEventSerializer",

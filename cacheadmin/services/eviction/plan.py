@@ -25,7 +25,7 @@ from cacheadmin.services.accounting import orphan_old_enough
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.eviction.common import EvictionRefused
 from cacheadmin.services.eviction.notify import eviction_digest_send
-from cacheadmin.services.tiers import Tiers, tiers_configured
+from cacheadmin.services.tiers import ARCHIVED_TIERS, Tiers, tiers_configured
 from inference.tiers.base import TierUsage
 from inference.tiers.policy import VersionFacts, select_victims
 from inference.tiers.policy import version_ranks as policy_version_ranks
@@ -120,7 +120,7 @@ def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers, sizes: _Size
     hot_bytes = {kind: sizes(kind, prefix).bytes for kind, _ in tiers.hot()}
     actions: list[_Planned] = []
     if to == Residency.COLD:
-        detail = {"logical_bytes": sum(hot_bytes.values())}
+        detail = {"logical_bytes": sum(b for kind, b in hot_bytes.items() if kind in ARCHIVED_TIERS)}
         actions.append(_Planned(Kind.ARCHIVE, Tier.COLD, ns, prefix, f"demote: {why}", detail=detail))
     for kind, held in hot_bytes.items():
         actions.append(_Planned(Kind.DELETE_PREFIX, kind, ns, prefix, why, held))

@@ -1,0 +1,124 @@
+"""Gateway keys, cache layer switches, tenant gateway policies, explain,
+semantic-cache invalidation, routing holds, shadow checks and figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from cacheadmin.api.serializers.fields import (
+    StrictBooleanField,
+    StrictCharField,
+    StrictFieldsMixin,
+    TenantSlugField,
+)
+from cacheadmin.models import GatewayKey, ShadowCheck, Tenant
+
+
+class GatewayKeySerializer(serializers.ModelSerializer):
+    """A gateway key as listed: never the key, only its prefix."""
+
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = GatewayKey
+        fields = ("id", "tenant", "name", "prefix", "rate_per_s", "burst", "created_by", "created_at", "revoked_at")
+        read_only_fields = fields
+
+
+class GatewayKeyIssuedSerializer(GatewayKeySerializer):
+    """A key just issued: ``key`` is shown this once."""
+
+    key = serializers.CharField(read_only=True)
+
+    class Meta(GatewayKeySerializer.Meta):
+        fields = (*GatewayKeySerializer.Meta.fields, "key")
+        read_only_fields = fields
+
+
+class GatewayKeyIssueSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Issue a key for a tenant."""
+
+    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
+    name = StrictCharField(max_length=100)
+    rate_per_s = serializers.FloatField(required=False, allow_null=True, min_value=0.001)
+    burst = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
+
+
+class LayerSwitchSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Turn a cache layer on or off (a reason is required to turn it off)."""
+
+    layer = serializers.ChoiceField(choices=["response", "semantic"])
+    enabled = StrictBooleanField()
+    reason = StrictCharField(required=False, allow_blank=True, default="", max_length=2000)
+
+
+class LayerStateSerializer(serializers.Serializer):
+    """A cache layer's kill switch."""
+
+    enabled = serializers.BooleanField()
+    reason = serializers.CharField()
+    changed_by = serializers.CharField()
+    changed_at = serializers.DateTimeField(allow_null=True)
+
+
+class GatewayPolicySerializer(StrictFieldsMixin, serializers.Serializer):
+    """A tenant's use of the gateway's cache layers (PATCH: any subset)."""
+
+    response_cache = StrictBooleanField(required=False)
+    allow_seeded = StrictBooleanField(required=False)
+    allow_sampling = StrictBooleanField(required=False)
+    semantic_cache = StrictBooleanField(required=False)
+    semantic_threshold = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    shadow_sample_rate = serializers.FloatField(required=False, min_value=0.0, max_value=1.0)
+    suspend_on_deceptive_hit = StrictBooleanField(required=False)
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        # Numbers as JSON numbers: "0.9" or true is a type error in the caller's pipeline.
+        if isinstance(data, dict):
+            for name in ("semantic_threshold", "shadow_sample_rate"):
+                value = data.get(name)
+                if name in data and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                    raise serializers.ValidationError({name: ["must be a JSON number"]})
+        return super().to_internal_value(data)
+
+
+class ExplainSerializer(StrictFieldsMixin, serializers.Serializer):
+    """One request body to explain for a tenant."""
+
+    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
+    endpoint = serializers.ChoiceField(choices=["chat", "completions"], default="chat")
+    request = serializers.DictField()
+
+
+class ExplainAnswerSerializer(serializers.Serializer):
+    """How the gateway would serve the request (see ``manage.py gateway explain --json``)."""
+
+    route = serializers.DictField()
+    canonical_request = serializers.DictField()
+    response_cache = serializers.DictField()
+    semantic_cache = serializers.DictField()
+
+
+class SemanticInvalidateSerializer(StrictFieldsMixin, serializers.Serializer):
+    """Tags whose semantic-cache entries go now (entity or slot values given when they were stored)."""
+
+    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
+    tags = serializers.ListField(child=StrictCharField(max_length=200), min_length=1, max_length=1000)
+
+
+class SemanticInvalidatedSerializer(serializers.Serializer):
+    """How many entries an invalidation removed."""
+
+    removed = serializers.IntegerField()
+
+
+class ShadowCheckSerializer(serializers.ModelSerializer):
+    """A live request replayed against a reference engine (the request itself is not listed)."""
+
+    class Meta:
+        model = ShadowCheck
+        fields = ("id", "namespace", "engine", "reference_engine", "endpoint", "cached_tokens", "status", "first_divergence",
+                  "noise_divergence", "error", "created_at", "checked_at")  # fmt: skip
+        read_only_fields = fields

@@ -1,0 +1,157 @@
+"""``python manage.py gateway [--addr HOST:PORT] [--workers N]`` serves the
+OpenAI-compatible gateway; ``gateway explain|layer|policy|resume|status`` are
+the operator's tools around it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import CommandParser
+
+from cacheadmin.management.base import ControlPlaneCommand, positive_int
+from cacheadmin.models import CacheNamespace, Tenant
+from cacheadmin.services.gateway import (
+    POLICY_FIELDS,
+    SWITCHED_LAYERS,
+    gateway_explain,
+    layer_states,
+    layer_switch_set,
+    namespace_routing_resume,
+    tenant_gateway_policy,
+    tenant_gateway_policy_update,
+)
+
+ACTOR = "cli"
+
+
+def _addr(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--addr must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+class Command(ControlPlaneCommand):
+    help = (
+        "Serve the gateway (/v1/chat/completions, /v1/completions, /v1/models) under uvicorn, or: explain how a request "
+        "would be served, switch a cache layer, set a tenant's gateway policy, resume a suspended namespace, show status. "
+        "Exit codes: 0 done; 2 bad input; 4 refused."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--addr", default=None, help=f"HOST:PORT to listen on (default {settings.GATEWAY_ADDR})")
+        parser.add_argument("--workers", type=positive_int, default=None, help=f"processes (default {settings.GATEWAY_WORKERS})")
+        sub = parser.add_subparsers(dest="verb")
+        explain = sub.add_parser("explain", help="route, canonical request, cache key and admission of one request body")
+        explain.add_argument("--tenant", required=True, help="tenant slug")
+        explain.add_argument("--request", required=True, help="file with the JSON request body ('-': stdin)")
+        explain.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+        explain.add_argument("--json", action="store_true")
+        layer = sub.add_parser("layer", help="turn a cache layer on or off for all traffic (kill switch)")
+        layer.add_argument("layer", choices=list(SWITCHED_LAYERS))
+        layer.add_argument("state", choices=["on", "off"])
+        layer.add_argument("--reason", default="")
+        policy = sub.add_parser("policy", help="show or change a tenant's gateway policy")
+        policy.add_argument("--tenant", required=True)
+        policy.add_argument(
+            "--set", action="append", default=[], metavar="FIELD=JSON", help=f"fields: {', '.join(POLICY_FIELDS)}"
+        )
+        resume = sub.add_parser("resume", help="route a namespace suspended after a deceptive hit again")
+        resume.add_argument("namespace", type=positive_int, help="namespace id")
+        resume.add_argument("--reason", required=True)
+        sub.add_parser("status", help="cache layers' switches")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        verb = opts["verb"]
+        if verb is None:
+            self._serve(opts)
+        elif verb == "explain":
+            self._explain(opts)
+        elif verb == "layer":
+            switch = layer_switch_set(layer=opts["layer"], enabled=opts["state"] == "on", actor=ACTOR, reason=opts["reason"])
+            self.stdout.write(f"{switch.layer} cache {'on' if switch.enabled else 'off'}")
+        elif verb == "policy":
+            self._policy(opts)
+        elif verb == "resume":
+            namespace = CacheNamespace.objects.filter(pk=opts["namespace"]).first()
+            if namespace is None:
+                raise self.bad_input(f"no namespace {opts['namespace']}")
+            namespace_routing_resume(namespace=namespace, actor=ACTOR, reason=opts["reason"])
+            self.stdout.write(f"namespace {namespace.pk} routed again")
+        else:
+            self.stdout.write(json.dumps(layer_states(), default=str))
+
+    def _serve(self, opts: dict[str, Any]) -> None:
+        import uvicorn
+
+        try:
+            host, port = _addr(opts["addr"] or settings.GATEWAY_ADDR)
+        except ValueError as exc:
+            raise self.bad_input(str(exc)) from exc
+        workers = opts["workers"] or settings.GATEWAY_WORKERS
+        self.stdout.write(f"gateway on http://{host}:{port}/v1 ({workers} processes)")
+        self.stdout.flush()
+        # access_log off: request lines carry no prompt, but the figures are what operators read.
+        uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
+                    access_log=False, timeout_graceful_shutdown=10)  # fmt: skip
+
+    def _explain(self, opts: dict[str, Any]) -> None:
+        tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
+        if tenant is None:
+            raise self.bad_input(f"no tenant {opts['tenant'][:63]!r}")
+        try:
+            text = self.stdin_text() if opts["request"] == "-" else Path(opts["request"]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise self.bad_input(f"--request {opts['request'][:200]}: {exc}") from exc
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
+            raise self.bad_input(f"--request is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise self.bad_input("--request must hold a JSON object (the request body)")
+        out = gateway_explain(tenant=tenant, endpoint=opts["endpoint"], body=body)
+        if opts["json"]:
+            self.stdout.write(json.dumps(out, ensure_ascii=False, default=str))
+            return
+        route = out["route"]
+        if "error" in route:
+            self.stdout.write(f"route: none ({route['error']}: {route['message']})")
+        else:
+            engine = route["engine"]["name"] if route["engine"] else f"none ({route['engine_reason']})"
+            self.stdout.write(
+                f"route: {route['served_name']} → {route['label']} ({route['percent']} %, bucket {route['bucket']}), "
+                f"namespace {route['namespace']}, engine {engine}"
+            )
+        rc, sc = out["response_cache"], out["semantic_cache"]
+        self.stdout.write(f"response cache: {'admitted' if rc['admitted'] else 'bypassed'} ({rc['reason']}), key {rc['key']}")
+        self.stdout.write(f"semantic cache: {'admitted' if sc['admitted'] else 'bypassed'} ({sc['reason']})")
+        self.stdout.write("canonical request: " + json.dumps(out["canonical_request"], ensure_ascii=False, sort_keys=True))
+
+    def stdin_text(self) -> str:
+        """The request body from standard input."""
+        import sys
+
+        return sys.stdin.read()
+
+    def _policy(self, opts: dict[str, Any]) -> None:
+        tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
+        if tenant is None:
+            raise self.bad_input(f"no tenant {opts['tenant'][:63]!r}")
+        changes: dict[str, Any] = {}
+        for item in opts["set"]:
+            name, sep, raw = item.partition("=")
+            if not sep:
+                raise self.bad_input(f"--set {item[:80]!r}: use FIELD=JSON, e.g. allow_seeded=true")
+            try:
+                changes[name] = json.loads(raw)
+            except ValueError as exc:
+                raise self.bad_input(f"--set {name}: not JSON: {exc}") from exc
+        policy = (
+            tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes=changes)
+            if changes
+            else tenant_gateway_policy(tenant)
+        )
+        self.stdout.write(json.dumps({name: getattr(policy, name) for name in POLICY_FIELDS}))

@@ -1,0 +1,580 @@
+"""The control plane's side of the gateway: keys, the routing epoch and the
+snapshot gateways route from, cache layer switches and policies, routing
+holds, and the figures gateways flush.
+
+Gateways never query the database on a request's path: each process holds a
+:class:`gateway.routing.RoutingSnapshot` built by :func:`routing_snapshot_build`
+and rebuilds it when :func:`routing_epoch` moves. Every change that can alter a
+routing decision bumps the epoch when its transaction commits
+(:func:`routing_changed`): the models' save and delete signals cover the
+changes made through the ORM's instances, and the services that change rows
+with bulk updates call it themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.db.models.signals import m2m_changed, post_delete, post_save
+from django.utils import timezone
+
+from cacheadmin.models import (
+    CacheLayer,
+    CacheLayerSwitch,
+    CacheNamespace,
+    Engine,
+    GatewayKey,
+    GatewayStat,
+    ModelVersion,
+    NamespaceRouting,
+    Release,
+    Residency,
+    RetentionPolicy,
+    RoutingEpoch,
+    SharedGroup,
+    SharedGroupMembership,
+    Tenant,
+    TenantGatewayPolicy,
+)
+from cacheadmin.models.naming import validate_display_name
+from cacheadmin.services.audit import audit_record, reason_check
+from cacheadmin.services.serving import serving_routes
+from gateway.routing import (
+    EngineTarget,
+    KeyTarget,
+    NamespaceTarget,
+    RouteTarget,
+    RoutingSnapshot,
+    TenantPolicy,
+    TenantTarget,
+    key_hash,
+)
+from inference.errors import InvalidField, Refused
+from inference.identity import cache_salt
+
+#: Head of every gateway key: ``kvgw_<prefix>_<secret>``.
+KEY_HEAD = "kvgw"
+#: Layers a kill switch governs (the engine's own prefix cache has none here).
+SWITCHED_LAYERS = (CacheLayer.RESPONSE, CacheLayer.SEMANTIC)
+
+
+class GatewayRefused(Refused):
+    """A gateway decision refused (409, exit 4)."""
+
+
+# --- routing epoch ----------------------------------------------------------
+
+
+def routing_epoch() -> int:
+    """The current routing epoch (0 before any change)."""
+    return RoutingEpoch.objects.filter(pk=1).values_list("value", flat=True).first() or 0
+
+
+def _bump() -> None:
+    if not RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1):
+        try:
+            with transaction.atomic():
+                RoutingEpoch.objects.create(pk=1, value=1)
+        except IntegrityError:  # created concurrently: count this change on it
+            RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1)
+
+
+def routing_changed() -> None:
+    """Tell every gateway that routing may have changed: the epoch moves when
+    the current transaction commits (at once outside one), so a gateway never
+    rebuilds from a state that is rolled back."""
+    transaction.on_commit(_bump)
+
+
+#: Models whose rows feed the snapshot: any saved or deleted instance moves the epoch.
+_ROUTING_MODELS = (
+    CacheLayerSwitch,
+    CacheNamespace,
+    Engine,
+    GatewayKey,
+    ModelVersion,
+    NamespaceRouting,
+    Release,
+    RetentionPolicy,
+    SharedGroup,
+    SharedGroupMembership,
+    Tenant,
+    TenantGatewayPolicy,
+)
+
+
+def _on_routing_row(sender: type, **_kwargs: object) -> None:
+    routing_changed()
+
+
+def routing_signals_connect() -> None:
+    """Connect the save/delete signals of :data:`_ROUTING_MODELS` (and the engines'
+    attached namespaces) to :func:`routing_changed`; called once at app load."""
+    for model in _ROUTING_MODELS:
+        post_save.connect(_on_routing_row, sender=model, dispatch_uid=f"routing-save-{model.__name__}")
+        post_delete.connect(_on_routing_row, sender=model, dispatch_uid=f"routing-delete-{model.__name__}")
+    m2m_changed.connect(_on_routing_row, sender=Engine.attached_namespaces.through, dispatch_uid="routing-engine-attach")
+
+
+# --- keys --------------------------------------------------------------------
+
+
+def gateway_key_issue(
+    *, tenant: Tenant, name: str, actor: str, rate_per_s: float | None = None, burst: int | None = None
+) -> tuple[GatewayKey, str]:
+    """Issue a gateway key for ``tenant``; the key is returned once, only its hash is kept.
+
+    Args:
+        rate_per_s, burst: the key's token bucket (requests per second, and
+            how many may come at once); None: the gateway's defaults.
+
+    Returns:
+        (row, ``"kvgw_<prefix>_<secret>"``).
+
+    Raises:
+        InvalidField: a blank, too long or invisible-character name; a rate
+            that is not a positive finite number; a burst below 1 (400, exit 2).
+    """
+    name_max = GatewayKey._meta.get_field("name").max_length
+    if not name.strip() or len(name) > name_max:
+        raise InvalidField("name", f"1..{name_max} characters")
+    try:
+        validate_display_name(name)
+    except ValidationError as exc:
+        raise InvalidField("name", exc.messages[0]) from exc
+    if rate_per_s is not None and (isinstance(rate_per_s, bool) or not 0 < float(rate_per_s) < float("inf")):
+        raise InvalidField("rate_per_s", "must be a positive number of requests per second")
+    if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1):
+        raise InvalidField("burst", "must be an integer of at least 1")
+    prefix = secrets.token_hex(6)
+    plain = f"{KEY_HEAD}_{prefix}_{secrets.token_urlsafe(32)}"
+    with transaction.atomic():
+        key = GatewayKey.objects.create(
+            tenant=tenant, name=name, prefix=prefix, key_hash=key_hash(plain), rate_per_s=rate_per_s, burst=burst,
+            created_by=actor,
+        )  # fmt: skip
+        audit_record(
+            actor=actor, action="gateway_key.issue", obj=key,
+            after={"name": name, "tenant": tenant.slug, "rate_per_s": rate_per_s, "burst": burst},
+        )  # fmt: skip
+    return key, plain
+
+
+def gateway_key_revoke(*, key: GatewayKey, actor: str) -> GatewayKey:
+    """Revoke a key: gateways refuse it within a second (idempotent).
+
+    Raises:
+        GatewayRefused: never; a revoked key is answered as it is.
+    """
+    if key.revoked_at is None:
+        with transaction.atomic():
+            key.revoked_at = timezone.now()
+            key.save(update_fields=["revoked_at"])
+            audit_record(actor=actor, action="gateway_key.revoke", obj=key, after={"tenant": key.tenant.slug})
+    return key
+
+
+# --- switches, policies, routing holds ---------------------------------------
+
+
+def layer_switch_set(*, layer: str, enabled: bool, actor: str, reason: str) -> CacheLayerSwitch:
+    """Turn a gateway cache layer on or off for all traffic (the kill switch).
+
+    Raises:
+        InvalidField: an unknown layer, or no reason for turning one off (400, exit 2).
+    """
+    if layer not in SWITCHED_LAYERS:
+        raise InvalidField("layer", f"must be one of {', '.join(SWITCHED_LAYERS)}")
+    reason_check(reason, required_for=None if enabled else "turning a cache layer off")
+    with transaction.atomic():
+        switch, _ = CacheLayerSwitch.objects.select_for_update().get_or_create(layer=layer)
+        before = switch.enabled
+        switch.enabled, switch.reason, switch.changed_by = enabled, reason, actor
+        switch.save()
+        audit_record(
+            actor=actor, action="gateway.layer_switch", obj=switch, before={"enabled": before},
+            after={"enabled": enabled, "reason": reason},
+        )  # fmt: skip
+    return switch
+
+
+def layer_states() -> dict[str, dict[str, Any]]:
+    """Each switched layer → ``{"enabled", "reason", "changed_by", "changed_at"}`` (on until switched)."""
+    rows = {s.layer: s for s in CacheLayerSwitch.objects.all()}
+    out: dict[str, dict[str, Any]] = {}
+    for layer in SWITCHED_LAYERS:
+        row = rows.get(layer)
+        out[layer] = {
+            "enabled": row.enabled if row else True,
+            "reason": row.reason if row else "",
+            "changed_by": row.changed_by if row else "",
+            "changed_at": row.changed_at if row else None,
+        }
+    return out
+
+
+#: Fields of :class:`TenantGatewayPolicy` operators set, with their checks.
+POLICY_FIELDS = ("response_cache", "allow_seeded", "allow_sampling", "semantic_cache", "semantic_threshold", "shadow_sample_rate",
+                 "suspend_on_deceptive_hit")  # fmt: skip
+
+
+def tenant_gateway_policy(tenant: Tenant) -> TenantGatewayPolicy:
+    """The tenant's policy row (an unsaved one with the defaults when it has none)."""
+    try:
+        return tenant.gateway_policy
+    except TenantGatewayPolicy.DoesNotExist:
+        return TenantGatewayPolicy(tenant=tenant)
+
+
+def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping[str, Any]) -> TenantGatewayPolicy:
+    """Change a tenant's gateway policy (only the fields given).
+
+    Raises:
+        InvalidField: an unknown field, a flag that is not a boolean, a
+            threshold or sample rate outside 0..1 (400, exit 2).
+    """
+    for name, value in changes.items():
+        if name not in POLICY_FIELDS:
+            raise InvalidField(name, f"unknown policy field; known: {', '.join(POLICY_FIELDS)}")
+        if name in ("semantic_threshold", "shadow_sample_rate"):
+            if value is None and name == "semantic_threshold":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+                raise InvalidField(name, "must be a number within 0..1")
+        elif not isinstance(value, bool):
+            raise InvalidField(name, "must be true or false")
+    with transaction.atomic():
+        policy = tenant_gateway_policy(tenant)
+        before = {name: getattr(policy, name) for name in changes}
+        for name, value in changes.items():
+            setattr(
+                policy,
+                name,
+                float(value) if name in ("semantic_threshold", "shadow_sample_rate") and value is not None else value,
+            )
+        policy.updated_by = actor
+        policy.save()
+        audit_record(actor=actor, action="gateway.policy_update", obj=tenant, before=before, after=dict(changes))
+    return policy
+
+
+def namespace_routing_suspend(*, namespace: CacheNamespace, reason: str, actor: str) -> NamespaceRouting:
+    """Stop routing a namespace's requests (gateways answer 503) until resumed; idempotent."""
+    with transaction.atomic():
+        hold, _ = NamespaceRouting.objects.select_for_update().get_or_create(namespace=namespace)
+        if hold.suspended_at is None:
+            hold.suspended_at, hold.suspended_reason = timezone.now(), reason
+            hold.save()
+            audit_record(actor=actor, action="namespace.routing_suspend", obj=namespace, after={"reason": reason})
+    return hold
+
+
+def namespace_routing_resume(*, namespace: CacheNamespace, actor: str, reason: str) -> NamespaceRouting:
+    """Route a suspended namespace again: the operator's decision after a deceptive hit.
+
+    Raises:
+        InvalidField: no reason (400, exit 2).
+        GatewayRefused: the namespace is not suspended (409, exit 4).
+    """
+    reason_check(reason, required_for="resuming a suspended namespace")
+    with transaction.atomic():
+        hold = NamespaceRouting.objects.select_for_update().filter(namespace=namespace).first()
+        if hold is None or hold.suspended_at is None:
+            raise GatewayRefused(f"namespace {namespace.namespace_key[:12]}… is not suspended")
+        before = hold.suspended_reason
+        hold.suspended_at, hold.suspended_reason = None, ""
+        hold.resumed_by, hold.resumed_at = actor, timezone.now()
+        hold.save()
+        audit_record(
+            actor=actor, action="namespace.routing_resume", obj=namespace, before={"suspended_reason": before},
+            after={"reason": reason},
+        )  # fmt: skip
+    return hold
+
+
+# --- the snapshot ------------------------------------------------------------
+
+
+def tenant_secret(tenant_key: str) -> bytes:
+    """The secret that keys a tenant's response-cache entries and sticky buckets:
+    HMAC-SHA256 of the tenant's boundary key under ``CACHE_SALT_SECRET``, so no
+    tenant can compute another's keys or probe its entries."""
+    return hmac.new(
+        settings.CACHE_SALT_SECRET.encode("utf-8"), b"gateway-tenant\0" + tenant_key.encode("ascii"), hashlib.sha256
+    ).digest()
+
+
+def _policy_target(row: TenantGatewayPolicy | None) -> TenantPolicy:
+    if row is None:
+        return TenantPolicy()
+    return TenantPolicy(
+        response_cache=row.response_cache, allow_seeded=row.allow_seeded, allow_sampling=row.allow_sampling,
+        semantic_cache=row.semantic_cache, semantic_threshold=row.semantic_threshold,
+        shadow_sample_rate=row.shadow_sample_rate,
+    )  # fmt: skip
+
+
+def _operator_routes(released: set[tuple[int, str]]) -> dict[tuple[int, str], tuple[RouteTarget, ...]]:
+    """Pairs without a release, served as operators set them up: the tenant's
+    live namespace of an active version of that served name (the newest
+    version when several are active)."""
+    out: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}
+    namespaces = (
+        CacheNamespace.objects.filter(tenant__isnull=False, model_version__status=ModelVersion.Status.ACTIVE)
+        .exclude(residency=Residency.DROPPED)
+        .select_related("model_version")
+        .order_by("model_version_id", "id")
+    )
+    for ns in namespaces:
+        pair = (ns.tenant_id, ns.model_version.served_name)
+        if pair in released:
+            continue
+        out[pair] = (RouteTarget(ns.model_version_id, ns.model_version.label, 100, ns.pk, None),)
+    return out
+
+
+def routing_snapshot_build() -> RoutingSnapshot:
+    """Everything gateways route from, read in one pass (a handful of queries).
+
+    The epoch is read first: a change committed while the rest is read moves it
+    again, and the gateway rebuilds at its next poll.
+    """
+    epoch = routing_epoch()
+    tenants = {
+        t.pk: TenantTarget(t.pk, t.slug, tenant_secret(t.key), _policy_target(getattr(t, "gateway_policy", None)))
+        for t in Tenant.objects.select_related("gateway_policy")
+    }
+    keys = {
+        k.key_hash: KeyTarget(k.pk, k.tenant_id, k.name, k.rate_per_s, k.burst)
+        for k in GatewayKey.objects.filter(revoked_at__isnull=True)
+    }
+    engines_of: dict[int, list[EngineTarget]] = {}
+    references: dict[int, list[EngineTarget]] = {}
+    live_engines = (
+        Engine.objects.filter(status=Engine.Status.READY, verification=Engine.Verification.VERIFIED)
+        .select_related("model_version")
+        .prefetch_related("attached_namespaces")
+        .order_by("id")
+    )
+    for engine in live_engines:
+        target = EngineTarget(
+            engine.pk, engine.name, engine.base_url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE
+        )
+        if target.reference:
+            references.setdefault(engine.model_version_id, []).append(target)
+            continue
+        for pk in {engine.namespace_id, *(ns.pk for ns in engine.attached_namespaces.all())} - {None}:
+            engines_of.setdefault(pk, []).append(target)
+    namespaces: dict[int, NamespaceTarget] = {}
+    rows = (
+        CacheNamespace.objects.exclude(residency=Residency.DROPPED)
+        .select_related("model_version", "policy", "group", "routing")
+        .order_by("id")
+    )
+    for ns in rows:
+        if ns.superseded:
+            continue  # a member left its group since: its salt is not served again
+        policy = getattr(ns, "policy", None)
+        hold = getattr(ns, "routing", None)
+        namespaces[ns.pk] = NamespaceTarget(
+            pk=ns.pk,
+            key=ns.namespace_key,
+            storage_prefix=ns.storage_prefix,
+            cache_salt=cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_key),
+            version_id=ns.model_version_id,
+            version_label=ns.model_version.label,
+            engines=tuple(engines_of.get(ns.pk, ())),
+            ttl_s=float(policy.max_age_since_last_hit_s) if policy and policy.max_age_since_last_hit_s else None,
+            max_bytes=policy.max_bytes if policy else None,
+            suspended=(hold.suspended_reason or "suspended") if hold is not None and hold.suspended_at else None,
+        )
+    labels = dict(ModelVersion.objects.values_list("pk", "label"))
+    routes: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}
+    for route in serving_routes():
+        pair = (route.tenant_id, route.served_name)
+        target = RouteTarget(route.model_version_id, labels.get(route.model_version_id, ""), route.percent, route.namespace_pk,
+                             route.release_id)  # fmt: skip
+        routes[pair] = (*routes.get(pair, ()), target)
+    routes.update(_operator_routes(set(routes)))
+    layers = {layer: state["enabled"] for layer, state in layer_states().items()}
+    return RoutingSnapshot(
+        epoch=epoch,
+        keys=keys,
+        tenants=tenants,
+        routes=routes,
+        namespaces=namespaces,
+        references={k: tuple(v) for k, v in references.items()},
+        layers=layers,
+    )
+
+
+# --- figures -----------------------------------------------------------------
+
+#: Counters of :class:`GatewayStat` a flush adds (all but the bypass map).
+STAT_COUNTERS = (
+    "requests", "hits", "misses", "bypasses", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
+    "ttft_hit_ms_sum", "ttft_hit_count", "ttft_miss_ms_sum", "ttft_miss_count", "lookup_ms_sum", "lookup_count",
+)  # fmt: skip
+
+
+def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, float], Mapping[str, int]]]) -> int:
+    """Add one gateway process's increments to the per-minute figures.
+
+    Args:
+        rows: (namespace pk, layer, minute, counter increments by
+            :data:`STAT_COUNTERS` name, bypass reason → count). Namespaces
+            dropped since are skipped.
+
+    Returns:
+        Rows written.
+    """
+    written = 0
+    live = set(CacheNamespace.objects.values_list("pk", flat=True))
+    for namespace_pk, layer, minute, counters, bypass in rows:
+        if namespace_pk not in live:
+            continue
+        increments = {name: F(name) + value for name, value in counters.items() if name in STAT_COUNTERS and value}
+        with transaction.atomic():
+            where = {"namespace_id": namespace_pk, "layer": layer, "minute": minute}
+            try:
+                with transaction.atomic():
+                    stat, _ = GatewayStat.objects.get_or_create(**where)
+            except IntegrityError:  # another gateway process created this minute's row first
+                stat = GatewayStat.objects.get(**where)
+            if increments:
+                GatewayStat.objects.filter(pk=stat.pk).update(**increments)
+            if bypass:
+                # Locked: two processes merging their maps must not lose a count.
+                merged = dict(GatewayStat.objects.select_for_update().filter(pk=stat.pk).values_list("bypass", flat=True).get())
+                for reason, count in bypass.items():
+                    merged[reason] = merged.get(reason, 0) + count
+                GatewayStat.objects.filter(pk=stat.pk).update(bypass=merged)
+        written += 1
+    return written
+
+
+def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, int]]) -> None:
+    """Write what one gateway process drained: its figures (:func:`gateway_stats_flush`)
+    and the prefix heat of its traffic (the source prewarm uses for a successor
+    namespace). Heat of a namespace dropped since, or a prompt the heat record
+    refuses, is skipped."""
+    from cacheadmin.services.heat import prefix_heat_record
+
+    gateway_stats_flush(rows)
+    namespaces = CacheNamespace.objects.in_bulk({ns for ns, *_ in heat})
+    for namespace_pk, _digest, messages, tools, hits in heat:
+        namespace = namespaces.get(namespace_pk)
+        if namespace is None:
+            continue
+        try:
+            prefix_heat_record(namespace=namespace, messages=messages, tools=tools, hits=hits)
+        except InvalidField:
+            continue
+
+
+def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """How the gateway would serve ``body`` for ``tenant`` now (see :func:`gateway.server.explain`).
+
+    Raises:
+        InvalidField: an unknown endpoint or a malformed body, naming the parameter (400, exit 2).
+    """
+    from gateway.canonical import InvalidRequest
+
+    from gateway.semantic.layer import SemanticLayer
+    from gateway.server import explain
+
+    if endpoint not in ("chat", "completions"):
+        raise InvalidField("endpoint", "must be chat or completions")
+    # Admission needs the rules only: no store is opened and no model loaded.
+    semantic = SemanticLayer(None, None) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
+    try:
+        return explain(routing_snapshot_build(), tenant.pk, endpoint, body, semantic=semantic)
+    except InvalidRequest as exc:
+        raise InvalidField(exc.param or "body", exc.message) from exc
+
+
+def semantic_invalidate(*, tenant: Tenant, tags: Iterable[str], actor: str) -> int:
+    """Remove, at once, every semantic-cache entry of ``tenant`` stored with any of ``tags``.
+
+    Returns:
+        Entries removed.
+
+    Raises:
+        InvalidField: no tags, or a tag that is blank, longer than 200 characters or not printable (400, exit 2).
+        TierUnavailable: the store is down (503, exit 3).
+    """
+    from gateway.semantic.store import StoreUnavailable
+
+    from cacheadmin.services.gateway_stores import semantic_store
+    from inference.tiers.base import TierUnavailable
+
+    tags = list(tags)
+    if not tags or any(not isinstance(t, str) or not t.strip() or len(t) > 200 or not t.isprintable() for t in tags):
+        raise InvalidField("tags", "a non-empty list of printable tags of 1..200 characters")
+    try:
+        removed = semantic_store().invalidate_tags(str(tenant.pk), [t.strip() for t in tags])
+    except StoreUnavailable as exc:
+        raise TierUnavailable(f"semantic cache store unavailable: {exc}") from exc
+    audit_record(actor=actor, action="semantic_cache.invalidate", obj=tenant, after={"tags": tags, "removed": removed})
+    return removed
+
+
+def gateway_caches_retire(*, namespace: CacheNamespace, actor: str, reason: str) -> dict[str, int]:
+    """Drop the gateway's cached answers of a namespace that no longer serves
+    (a release moved all its traffic to another model state).
+
+    Returns:
+        ``{"response": entries removed, "semantic": entries removed}``.
+    """
+    from gateway.semantic.store import StoreUnavailable as SemanticUnavailable
+
+    from cacheadmin.services.gateway_stores import response_store, semantic_store
+    from gateway.response_store import StoreUnavailable as ResponseUnavailable
+
+    removed = {"response": 0, "semantic": 0}
+    for layer, store, unavailable in (
+        ("response", response_store, ResponseUnavailable),
+        ("semantic", semantic_store, SemanticUnavailable),
+    ):
+        try:
+            removed[layer] = store().delete_prefix(namespace.storage_prefix)
+        except unavailable:
+            continue  # the namespace's next eviction sweep drops them (they are tiers of it)
+    audit_record(actor=actor, action="gateway.caches_retire", obj=namespace, after={**removed, "reason": reason})
+    return removed
+
+
+def gateway_figures(*, since: datetime, namespace_pks: Iterable[int] | None = None) -> dict[int, dict[str, dict[str, Any]]]:
+    """Summed per-minute figures since ``since``, per namespace and layer, with
+    hit ratio, cost savings rate and benefit ratio (:func:`gateway.records.layer_figures`).
+
+    Returns:
+        namespace pk → layer → summed counters, ``bypass`` map and the derived figures.
+    """
+    from gateway.records import layer_figures
+
+    rows = GatewayStat.objects.filter(minute__gte=since)
+    if namespace_pks is not None:
+        rows = rows.filter(namespace_id__in=list(namespace_pks))
+    sums: dict[int, dict[str, dict[str, Any]]] = {}
+    for stat in rows:
+        layer = sums.setdefault(stat.namespace_id, {}).setdefault(
+            stat.layer, {name: 0 for name in STAT_COUNTERS} | {"bypass": {}}
+        )
+        for name in STAT_COUNTERS:
+            layer[name] += getattr(stat, name)
+        for reason, count in stat.bypass.items():
+            layer["bypass"][reason] = layer["bypass"].get(reason, 0) + count
+    for layers in sums.values():
+        for layer, derived in layer_figures(layers).items():
+            layers[layer].update(derived)
+    return sums

@@ -1,0 +1,28 @@
+"""The gateway caches' stores of this deployment, from settings: Redis at
+``GATEWAY_REDIS_URL`` in scale-out, SQLite files under ``GATEWAY_DIR`` in the
+embedded default. The same stores are the ``response`` and ``semantic`` hot
+tiers of accounting and eviction (:mod:`cacheadmin.services.tiers`)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from gateway.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore
+from gateway.semantic.store import RedisSemanticStore, SemanticStore, SqliteSemanticStore
+
+
+def response_store() -> ResponseStore:
+    """The response cache's store (Redis in scale-out, SQLite in the embedded default)."""
+    if settings.GATEWAY_REDIS_URL:
+        # Short timeouts and no retries: a dead Redis makes the layer bypass at once, never hang a request.
+        return RedisResponseStore.from_url(settings.GATEWAY_REDIS_URL)
+    settings.GATEWAY_DIR.mkdir(parents=True, exist_ok=True)
+    return SqliteResponseStore(settings.GATEWAY_DIR / "response-cache.sqlite3")
+
+
+def semantic_store() -> SemanticStore:
+    """The semantic cache's entry store (Redis in scale-out, SQLite in the embedded default)."""
+    if settings.GATEWAY_REDIS_URL:
+        return RedisSemanticStore.from_url(settings.GATEWAY_REDIS_URL)
+    settings.GATEWAY_DIR.mkdir(parents=True, exist_ok=True)
+    return SqliteSemanticStore(settings.GATEWAY_DIR / "semantic-cache.sqlite3")

@@ -1,0 +1,143 @@
+"""What a gateway process saw, accumulated in memory on the hot path and
+drained in batches off it (the control plane writes them per minute).
+
+Per namespace and layer (``response``, ``semantic``, ``prefix``): requests,
+hits, misses, bypasses by reason, tokens and times. How the figures are read:
+
+- response and semantic rows: ``prompt_tokens`` and ``output_tokens`` are the
+  tokens their *hits* avoided computing (the usage the cached answer recorded);
+- the prefix row (requests that reached an engine): the usage the engine
+  reported, ``cached_prompt_tokens`` from ``usage.prompt_tokens_details``;
+- cost savings rate of a layer = tokens it avoided / tokens asked for, where
+  tokens asked for = every request's prompt and output tokens (served from a
+  cache or not); the prefix layer avoids its cached prompt tokens;
+- benefit ratio of a layer = (mean TTFT of misses − mean TTFT of hits) / mean
+  lookup time: what a hit saves per unit of what looking up costs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+@dataclass
+class _Cell:
+    counters: Counter[str] = field(default_factory=Counter)
+    bypass: Counter[str] = field(default_factory=Counter)
+
+
+#: One drained row: (namespace pk, layer, minute, counters, bypass reason → count).
+Row = tuple[int, str, datetime, dict[str, float], dict[str, int]]
+
+
+class Recorder:
+    """Thread-safe accumulator of per-(namespace, layer, minute) increments,
+    prefix heat and nothing else: no prompt text besides the heat's (which
+    holds only requests without personal data)."""
+
+    def __init__(self, *, max_heat: int = 500) -> None:
+        self._lock = threading.Lock()
+        self._cells: dict[tuple[int, str, datetime], _Cell] = defaultdict(_Cell)
+        self._heat: dict[tuple[int, str], list[Any]] = {}
+        self._max_heat = max_heat
+
+    @staticmethod
+    def _minute(now: float | None) -> datetime:
+        moment = datetime.now(UTC) if now is None else datetime.fromtimestamp(now, UTC)
+        return moment.replace(second=0, microsecond=0)
+
+    def add(self, namespace_pk: int, layer: str, *, now: float | None = None, **counters: float) -> None:
+        """Add counter increments (names of ``GatewayStat`` counters) to this minute's cell."""
+        with self._lock:
+            cell = self._cells[(namespace_pk, layer, self._minute(now))]
+            for name, value in counters.items():
+                cell.counters[name] += value
+
+    def bypass(self, namespace_pk: int, layer: str, reason: str, *, now: float | None = None) -> None:
+        """Count a request that went past ``layer`` without looking, for ``reason``
+        (a bounded constant: it is a metric label)."""
+        with self._lock:
+            cell = self._cells[(namespace_pk, layer, self._minute(now))]
+            cell.counters["requests"] += 1
+            cell.counters["bypasses"] += 1
+            cell.bypass[reason] += 1
+
+    def heat(self, namespace_pk: int, digest: str, messages: Any, tools: Any) -> None:
+        """Count one request of a conversation prefix (by digest) as heat; at
+        most ``max_heat`` distinct prefixes wait for a drain (the rest are
+        dropped: heat is a ranking, not an account)."""
+        with self._lock:
+            held = self._heat.get((namespace_pk, digest))
+            if held is not None:
+                held[2] += 1
+            elif len(self._heat) < self._max_heat:
+                self._heat[(namespace_pk, digest)] = [messages, tools, 1]
+
+    def drain(self) -> tuple[list[Row], list[tuple[int, str, Any, Any, int]]]:
+        """Take every increment and heat count gathered so far.
+
+        Returns:
+            (stat rows, heat as (namespace pk, digest, messages, tools, hits)).
+        """
+        with self._lock:
+            cells, self._cells = self._cells, defaultdict(_Cell)
+            heat, self._heat = self._heat, {}
+        rows = [(ns, layer, minute, dict(c.counters), dict(c.bypass)) for (ns, layer, minute), c in cells.items()]
+        return rows, [(ns, digest, m, t, n) for (ns, digest), (m, t, n) in heat.items()]
+
+    def restore(self, rows: list[Row], heat: list[tuple[int, str, Any, Any, int]]) -> None:
+        """Put back what a failed flush drained, so a database outage loses nothing."""
+        with self._lock:
+            for ns, layer, minute, counters, bypass in rows:
+                cell = self._cells[(ns, layer, minute)]
+                cell.counters.update(counters)
+                cell.bypass.update(bypass)
+            for ns, digest, messages, tools, hits in heat:
+                key = (ns, digest)
+                held = self._heat.get(key)
+                if held is None:
+                    self._heat[key] = [messages, tools, hits]
+                else:
+                    held[2] += hits
+
+
+def layer_figures(rows: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float | None]]:
+    """Hit ratio, cost savings rate and benefit ratio per layer from summed figures.
+
+    Args:
+        rows: layer → summed ``GatewayStat`` counters (any subset of layers).
+
+    Returns:
+        layer → ``{"hit_ratio", "cost_savings_rate", "benefit_ratio", "ttft_hit_ms", "ttft_miss_ms", "lookup_ms"}``
+        (None where there is nothing to divide by). See the module docstring.
+    """
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+
+    prefix = rows.get("prefix", {})
+    asked = prefix.get("prompt_tokens", 0) + prefix.get("output_tokens", 0)
+    for layer in ("response", "semantic"):
+        asked += rows.get(layer, {}).get("prompt_tokens", 0) + rows.get(layer, {}).get("output_tokens", 0)
+    out: dict[str, dict[str, float | None]] = {}
+    for layer, r in rows.items():
+        looked = r.get("hits", 0) + r.get("misses", 0)
+        avoided = r.get("cached_prompt_tokens", 0) if layer == "prefix" else r.get("prompt_tokens", 0) + r.get("output_tokens", 0)
+        hit_ms = ratio(r.get("ttft_hit_ms_sum", 0), r.get("ttft_hit_count", 0))
+        miss_ms = ratio(r.get("ttft_miss_ms_sum", 0), r.get("ttft_miss_count", 0))
+        lookup_ms = ratio(r.get("lookup_ms_sum", 0), r.get("lookup_count", 0))
+        benefit = (miss_ms - hit_ms) / lookup_ms if hit_ms is not None and miss_ms is not None and lookup_ms else None
+        out[layer] = {
+            "hit_ratio": ratio(r.get("hits", 0), looked),
+            "cost_savings_rate": ratio(avoided, asked),
+            "benefit_ratio": benefit,
+            "ttft_hit_ms": hit_ms,
+            "ttft_miss_ms": miss_ms,
+            "lookup_ms": lookup_ms,
+        }
+    return out

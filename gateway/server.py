@@ -1,0 +1,952 @@
+"""The OpenAI-compatible ASGI gateway: authenticate, route, salt, look up the
+response and semantic caches, pick an engine by prefix affinity, proxy (and
+stream), record.
+
+Django-free: everything it needs comes through a :class:`Runtime` (the
+routing snapshot, the stores, the recorder and the sinks the control plane
+drains off the hot path). ``gateway.asgi`` builds the runtime of a real
+deployment.
+
+Errors follow the OpenAI error format::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import random
+import time
+import unicodedata
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from gateway.canonical import (
+    InvalidRequest,
+    canonical_bytes,
+    canonical_request,
+    normalized_body,
+    response_admission,
+    response_cache_key,
+)
+from gateway.pii import personal_data_kinds
+from gateway.protection import FillBreaker, Overloaded, TokenBucket
+from gateway.records import Recorder
+from gateway.response_store import ResponseStore
+from gateway.response_store import StoreUnavailable as ResponseStoreUnavailable
+from gateway.routing import (
+    EngineTarget,
+    NamespaceTarget,
+    RouteTarget,
+    RoutingSnapshot,
+    TenantTarget,
+    choose_engine,
+    choose_route,
+    key_hash,
+    prompt_affinity_text,
+    sticky_bucket,
+    sticky_id,
+)
+
+log = logging.getLogger("gateway")
+
+#: Largest request body accepted, bytes.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Header callers tag an answer with (entity or slot values), for semantic-cache invalidation.
+TAGS_HEADER = "x-cache-tags"
+#: Header the gateway answers with: which layer served (``response``, ``semantic``, ``engine``).
+SERVED_BY_HEADER = "x-kvcp-served-by"
+#: Most tags one request may carry, and the longest tag.
+MAX_TAGS, MAX_TAG_CHARS = 32, 200
+
+
+class GatewayError(Exception):
+    """An error answered in the OpenAI error format."""
+
+    def __init__(self, status: int, message: str, *, type_: str, code: str, param: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        """The error as an HTTP response."""
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _invalid(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, type_="invalid_request_error", code=code, param=param)
+
+
+@dataclass
+class Limits:
+    """Protection settings (see the README's gateway section).
+
+    Attributes:
+        rate_per_s, burst: a key's token bucket when the key sets none.
+        engine_max_in_flight: fills one process sends to one engine at once;
+            past it requests are shed (503) before the engine overloads.
+        breaker_failures, breaker_cooldown_s: consecutive failed fills that
+            open an engine's breaker, and how long it stays open.
+        upstream_timeout_s: an engine's whole answer, seconds.
+        fill_wait_s: how long a request waits for an identical one in flight
+            (single flight) before calling the engine itself.
+    """
+
+    rate_per_s: float = 50.0
+    burst: int = 100
+    engine_max_in_flight: int = 64
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 10.0
+    upstream_timeout_s: float = 300.0
+    fill_wait_s: float = 120.0
+
+
+@dataclass
+class ShadowSample:
+    """A live request picked for shadow verification (it reported cached tokens)."""
+
+    namespace_pk: int
+    engine_id: int
+    endpoint: str
+    body: dict[str, Any]
+    cached_tokens: int
+
+
+@dataclass
+class Runtime:
+    """What one gateway process serves with.
+
+    Attributes:
+        snapshot: the current routing snapshot (swapped whole by the owner).
+        response_store: the response cache's store, or None (layer off here).
+        semantic: the semantic layer, or None (layer off here).
+        recorder: figures and heat, drained off the hot path.
+        shadow: called (off the hot path, in a thread) with each sampled request.
+        limits: protection settings.
+        transport: httpx transport for engines (tests and benchmarks), or None.
+    """
+
+    snapshot: Callable[[], RoutingSnapshot]
+    response_store: ResponseStore | None
+    semantic: Any | None
+    recorder: Recorder
+    shadow: Callable[[ShadowSample], None] | None = None
+    limits: Limits = field(default_factory=Limits)
+    transport: httpx.AsyncBaseTransport | None = None
+    #: Engine choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
+    engine_choice: str = "affinity"
+
+
+# --- cached answers ----------------------------------------------------------
+
+
+def _record_of(response: Mapping[str, Any]) -> dict[str, Any]:
+    """What a cache keeps of a non-streamed engine answer: its choices and usage
+    (ids and times are made fresh for each caller)."""
+    return {"object": response.get("object"), "choices": response.get("choices", []), "usage": response.get("usage") or {}}
+
+
+class _StreamAssembler:
+    """Rebuilds a complete answer from streamed chunks (content, tool calls,
+    finish reasons, logprobs, usage) so a streamed miss fills the cache like a
+    non-streamed one."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] = {}
+        self.first_token_at: float | None = None
+
+    def feed(self, chunk: Mapping[str, Any]) -> None:
+        """Fold one ``chat.completion.chunk`` / ``text_completion`` chunk in."""
+        if chunk.get("usage"):
+            self.usage = dict(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            index = int(choice.get("index", 0))
+            held = self.choices.setdefault(index, {"index": index, "finish_reason": None})
+            if choice.get("finish_reason") is not None:
+                held["finish_reason"] = choice["finish_reason"]
+            if self.endpoint == "completions":
+                if choice.get("text"):
+                    self._first()
+                held["text"] = held.get("text", "") + (choice.get("text") or "")
+                if choice.get("logprobs"):
+                    lp = held.setdefault("logprobs", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+                    for name in lp:
+                        lp[name].extend(choice["logprobs"].get(name) or [])
+                continue
+            delta = choice.get("delta") or {}
+            message = held.setdefault("message", {"role": "assistant", "content": None})
+            if delta.get("content"):
+                self._first()
+                message["content"] = (message["content"] or "") + delta["content"]
+            for call in delta.get("tool_calls") or []:
+                self._first()
+                calls = message.setdefault("tool_calls", [])
+                at = int(call.get("index", 0))
+                while len(calls) <= at:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                if call.get("id"):
+                    calls[at]["id"] = call["id"]
+                function = call.get("function") or {}
+                calls[at]["function"]["name"] += function.get("name") or ""
+                calls[at]["function"]["arguments"] += function.get("arguments") or ""
+            if choice.get("logprobs") and choice["logprobs"].get("content"):
+                held.setdefault("logprobs", {"content": []})["content"].extend(choice["logprobs"]["content"])
+
+    def _first(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def record(self) -> dict[str, Any]:
+        """The answer as a cache record (see :func:`_record_of`)."""
+        obj = "text_completion" if self.endpoint == "completions" else "chat.completion"
+        return {"object": obj, "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage}
+
+
+def _completion_id(endpoint: str) -> str:
+    return ("cmpl-" if endpoint == "completions" else "chatcmpl-") + hashlib.blake2b(
+        random.randbytes(16), digest_size=12
+    ).hexdigest()
+
+
+def _answer_from_record(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+    return {
+        "id": _completion_id(endpoint),
+        "object": "text_completion" if endpoint == "completions" else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": record.get("choices", []),
+        "usage": record.get("usage") or {},
+    }
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data, ensure_ascii=False).encode("utf-8")) + b"\n\n"
+
+
+def _stream_record(record: Mapping[str, Any], endpoint: str, model: str, include_usage: bool) -> list[bytes]:
+    """A cached answer as SSE events, in the shape the engine streams them."""
+    cid, created = _completion_id(endpoint), int(time.time())
+    events: list[bytes] = []
+    if endpoint == "completions":
+        for choice in record.get("choices", []):
+            chunk = {"index": choice.get("index", 0), "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
+                     "finish_reason": choice.get("finish_reason")}  # fmt: skip
+            events.append(_sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [chunk]}))
+    else:
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        for choice in record.get("choices", []):
+            message = choice.get("message") or {}
+            index = choice.get("index", 0)
+            events.append(
+                _sse(
+                    {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+                )
+            )
+            delta: dict[str, Any] = {}
+            if message.get("content"):
+                delta["content"] = message["content"]
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            body: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": choice.get("finish_reason")}
+            if choice.get("logprobs"):
+                body["logprobs"] = choice["logprobs"]
+            events.append(_sse({**head, "choices": [body]}))
+    if include_usage:
+        obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+        usage_chunk = {
+            "id": cid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": record.get("usage") or {},
+        }
+        events.append(_sse(usage_chunk))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+class _ProxyStream(Response):
+    """A streamed answer that stops its source when the client goes away: the
+    body comes from an async generator pumped in its own task while another
+    task waits for ``http.disconnect``; the first to finish cancels the other,
+    and closing the generator closes the engine's connection (vLLM then aborts
+    the request)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, source: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
+        super().__init__(
+            content=None, status_code=200, headers={**headers, "cache-control": "no-cache"}, media_type=self.media_type
+        )
+        self.source = source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.source:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        pumping, watching = asyncio.create_task(pump()), asyncio.create_task(gone())
+        try:
+            await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pumping, watching):
+                task.cancel()
+            await asyncio.gather(pumping, watching, return_exceptions=True)
+            await self.source.aclose()  # type: ignore[attr-defined]
+
+
+# --- the request -------------------------------------------------------------
+
+
+@dataclass
+class Routed:
+    """Where a request goes: its tenant, route and namespace (engines may be empty)."""
+
+    tenant: TenantTarget
+    route: RouteTarget
+    namespace: NamespaceTarget
+
+
+def route_request(snap: RoutingSnapshot, tenant: TenantTarget, body: Mapping[str, Any]) -> Routed:
+    """Served name → the tenant's routes → the conversation's route → its namespace.
+
+    Raises:
+        GatewayError: unknown model (404 ``model_not_found``), no namespace for
+            the route (503 ``no_namespace``), namespace suspended (503
+            ``namespace_suspended``).
+    """
+    model = body.get("model")
+    routes = snap.routes.get((tenant.id, model)) if isinstance(model, str) else None
+    if not routes:
+        raise GatewayError(404, f"The model `{model}` does not exist or tenant {tenant.slug} has no routing for it.",
+                           type_="invalid_request_error", code="model_not_found", param="model")  # fmt: skip
+    try:
+        route = choose_route(routes, sticky_bucket(tenant.secret, sticky_id(body)))
+    except ValueError:
+        raise GatewayError(503, f"no version of {model} carries traffic for tenant {tenant.slug}", type_="server_error",
+                           code="no_route") from None  # fmt: skip
+    namespace = snap.namespaces.get(route.namespace_pk) if route.namespace_pk is not None else None
+    if namespace is None:
+        raise GatewayError(503, f"{model} ({route.version_label}) has no live cache namespace for tenant {tenant.slug}",
+                           type_="server_error", code="no_namespace")  # fmt: skip
+    if namespace.suspended:
+        raise GatewayError(503, f"routing of {model} ({route.version_label}) is suspended for tenant {tenant.slug}: "
+                           f"{namespace.suspended}", type_="server_error", code="namespace_suspended")  # fmt: skip
+    return Routed(tenant, route, namespace)
+
+
+def last_user_text(body: Mapping[str, Any]) -> str | None:
+    """The text of a chat request's last message when it is the user's (what
+    the semantic layer compares), else None."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], Mapping):
+        return None
+    last = messages[-1]
+    if last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, Mapping)]
+        if not all(isinstance(t, str) for t in texts) or any(p.get("type") != "text" for p in content if isinstance(p, Mapping)):
+            return None
+        content = "\n".join(texts)  # type: ignore[arg-type]
+    return unicodedata.normalize("NFC", content) if isinstance(content, str) and content.strip() else None
+
+
+def semantic_partition(tenant: TenantTarget, namespace: NamespaceTarget, endpoint: str, canonical: Mapping[str, Any]) -> str:
+    """The partition a semantic lookup is confined to, before any similarity:
+    the tenant, the namespace, and everything of the request but its last
+    message's text (parameters, system prompt, earlier turns), keyed with the
+    tenant's secret."""
+    context = dict(canonical)
+    context["messages"] = list(canonical.get("messages", []))[:-1]
+    payload = b"\0".join([namespace.key.encode("ascii"), endpoint.encode("ascii"), canonical_bytes(context)])
+    return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
+
+
+def request_tags(raw: str | None) -> tuple[str, ...]:
+    """Tags from the ``X-Cache-Tags`` header (comma separated).
+
+    Raises:
+        GatewayError: too many, too long or non-printable tags (400).
+    """
+    if not raw:
+        return ()
+    tags = tuple(sorted({t.strip() for t in raw.split(",") if t.strip()}))
+    if len(tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS or not t.isprintable() for t in tags):
+        raise _invalid(f"{TAGS_HEADER}: at most {MAX_TAGS} printable tags of at most {MAX_TAG_CHARS} characters", TAGS_HEADER)
+    return tags
+
+
+class Gateway:
+    """The gateway of one process. Build it with a :class:`Runtime`; ``app`` is the ASGI application."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.client = httpx.AsyncClient(
+            transport=runtime.transport,
+            timeout=httpx.Timeout(runtime.limits.upstream_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.buckets: dict[tuple[float, int], TokenBucket] = {}
+        self.breaker = FillBreaker(
+            runtime.limits.engine_max_in_flight, runtime.limits.breaker_failures, runtime.limits.breaker_cooldown_s
+        )
+        self.in_flight: dict[int, int] = {}
+        self.fills: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
+        self._round_robin = 0
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+            lifespan=self._lifespan,
+        )
+        #: Called when the server starts and stops (the owner's threads, flushes).
+        self.on_start: list[Callable[[], None]] = []
+        self.on_stop: list[Callable[[], None]] = []
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        for hook in self.on_start:
+            hook()
+        try:
+            yield
+        finally:
+            for hook in self.on_stop:
+                hook()
+            await self.client.aclose()
+
+    # --- plumbing ---
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return GatewayError(404, f"no route {request.url.path}", type_="invalid_request_error", code="not_found").response()
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return GatewayError(405, f"{request.method} is not allowed on {request.url.path}", type_="invalid_request_error",
+                            code="method_not_allowed").response()  # fmt: skip
+
+    def _tenant(self, request: Request, snap: RoutingSnapshot) -> tuple[TenantTarget, Any]:
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        target = snap.keys.get(key_hash(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
+        if target is None or target.tenant_id not in snap.tenants:
+            raise GatewayError(401, "Incorrect or missing gateway key (Authorization: Bearer kvgw_…).",
+                               type_="invalid_request_error", code="invalid_api_key")  # fmt: skip
+        return snap.tenants[target.tenant_id], target
+
+    def _rate(self, key: Any) -> None:
+        rate = key.rate_per_s or self.rt.limits.rate_per_s
+        burst = key.burst or self.rt.limits.burst
+        bucket = self.buckets.get((rate, burst))
+        if bucket is None:
+            bucket = self.buckets[(rate, burst)] = TokenBucket(rate, burst)
+        wait = bucket.take(str(key.id))
+        if wait > 0:
+            raise GatewayError(429, f"Rate limit of gateway key {key.name}: {rate:g} requests/s, burst {burst}.",
+                               type_="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"retry-after": str(max(1, round(wait + 0.5)))})  # fmt: skip
+
+    async def health(self, request: Request) -> Response:
+        """Liveness, with the snapshot's epoch and the layers' switches."""
+        snap = self.rt.snapshot()
+        return JSONResponse(
+            {"status": "ok", "epoch": snap.epoch, "layers": dict(snap.layers), "breakers": self.breaker.snapshot()}
+        )
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the served names the caller's tenant has routes for."""
+        try:
+            tenant, _ = self._tenant(request, self.rt.snapshot())
+        except GatewayError as exc:
+            return exc.response()
+        snap = self.rt.snapshot()
+        data = [{"id": name, "object": "model", "owned_by": tenant.slug, "created": 0} for name in snap.served_names(tenant.id)]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._serve(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._serve(request, "completions")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw.extend(chunk)
+            if len(raw) > MAX_BODY_BYTES:
+                raise GatewayError(
+                    413, f"request body over {MAX_BODY_BYTES} bytes", type_="invalid_request_error", code="body_too_large"
+                )
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _invalid(f"body is not JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise _invalid("body must be a JSON object", code="invalid_json")
+        return body
+
+    # --- the request path ---
+
+    async def _serve(self, request: Request, endpoint: str) -> Response:
+        started = time.perf_counter()
+        try:
+            snap = self.rt.snapshot()
+            tenant, key = self._tenant(request, snap)
+            self._rate(key)
+            body = await self._body(request)
+            if "cache_salt" in body:
+                raise _invalid("cache_salt is set by the gateway from the tenant's cache namespace; do not send it", "cache_salt")
+            try:
+                canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
+                upstream = normalized_body(endpoint, body)  # type: ignore[arg-type]
+            except InvalidRequest as exc:
+                raise _invalid(exc.message, exc.param) from None
+            tags = request_tags(request.headers.get(TAGS_HEADER))
+            routed = route_request(snap, tenant, body)
+            return await self._through_layers(snap, routed, endpoint, body, canonical, upstream, tags, started)
+        except GatewayError as exc:
+            return exc.response()
+
+    async def _through_layers(
+        self, snap: RoutingSnapshot, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any],
+        upstream: dict[str, Any], tags: tuple[str, ...], started: float,
+    ) -> Response:  # fmt: skip
+        ns, tenant, rec = routed.namespace, routed.tenant, self.rt.recorder
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
+        model = str(body["model"])
+        personal = bool(personal_data_kinds(canonical))
+        # Layer 1: the response cache.
+        rkey: str | None = None
+        reason = self._response_bypass(snap, tenant)
+        admission = None
+        if reason is None:
+            admission = response_admission(
+                canonical, allow_seeded=tenant.policy.allow_seeded, allow_sampling=tenant.policy.allow_sampling
+            )
+            reason = None if admission.admitted else admission.reason
+        if reason is not None:
+            rec.bypass(ns.pk, "response", reason)
+        else:
+            rkey = response_cache_key(canonical, namespace_key=ns.key, tenant_secret=tenant.secret)
+            looked = time.perf_counter()
+            try:
+                hit = await asyncio.to_thread(self.rt.response_store.get, ns.storage_prefix, rkey)  # type: ignore[union-attr]
+            except ResponseStoreUnavailable:
+                rec.bypass(ns.pk, "response", "store_unavailable")
+                rkey = None
+            else:
+                lookup_ms = (time.perf_counter() - looked) * 1000
+                if hit is not None:
+                    record = json.loads(hit)
+                    return self._from_cache(ns, "response", record, endpoint, model, stream, include_usage, started, lookup_ms)
+                if rkey in self.fills:  # an identical request is being filled in this process: wait for it
+                    record = await self._await_fill(rkey)
+                    if record is not None:
+                        return self._from_cache(
+                            ns, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
+                        )
+                rec.add(ns.pk, "response", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
+        # Layer 2: the semantic cache.
+        semantic = await self._semantic_lookup(
+            snap, routed, endpoint, body, canonical, personal, stream, include_usage, model, started
+        )
+        if isinstance(semantic, Response):
+            return semantic
+        # The engine.
+        return await self._fill(routed, endpoint, body, canonical, upstream, rkey, semantic, tags, personal, stream,
+                                include_usage, model, started)  # fmt: skip
+
+    def _response_bypass(self, snap: RoutingSnapshot, tenant: TenantTarget) -> str | None:
+        if not snap.layers.get("response", True):
+            return "kill_switch"
+        if not tenant.policy.response_cache:
+            return "tenant_policy"
+        if self.rt.response_store is None:
+            return "not_configured"
+        return None
+
+    async def _semantic_lookup(
+        self, snap: RoutingSnapshot, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any],
+        personal: bool, stream: bool, include_usage: bool, model: str, started: float,
+    ) -> Response | tuple[str, Any, str] | None:  # fmt: skip
+        """A semantic hit as a response; else what a fill needs to store the answer
+        (partition, vector, text), or None when the layer was bypassed."""
+        ns, tenant, rec, layer = routed.namespace, routed.tenant, self.rt.recorder, self.rt.semantic
+        text = last_user_text(body) if endpoint == "chat" else None
+        reason = None
+        if not snap.layers.get("semantic", True):
+            reason = "kill_switch"
+        elif not tenant.policy.semantic_cache:
+            reason = "tenant_policy"
+        elif layer is None:
+            reason = "not_configured"
+        elif text is None:
+            reason = "not_a_user_question"
+        elif int(canonical.get("n", 1)) != 1:
+            reason = "n_choices"
+        else:
+            admitted, why = layer.admission(text, personal_data=personal)
+            reason = None if admitted else why
+        if reason is not None:
+            rec.bypass(ns.pk, "semantic", reason)
+            return None
+        partition = semantic_partition(tenant, ns, endpoint, canonical)
+        looked = time.perf_counter()
+        try:
+            found = await asyncio.to_thread(layer.lookup, ns.storage_prefix, partition, text, tenant.policy.semantic_threshold)  # type: ignore[union-attr]
+        except layer.Unavailable:  # type: ignore[union-attr]
+            rec.bypass(ns.pk, "semantic", "store_unavailable")
+            return None
+        lookup_ms = (time.perf_counter() - looked) * 1000
+        vector, record = found
+        if record is not None:
+            return self._from_cache(ns, "semantic", record, endpoint, model, stream, include_usage, started, lookup_ms)
+        rec.add(ns.pk, "semantic", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
+        return partition, vector, text  # type: ignore[return-value]
+
+    def _from_cache(
+        self, ns: NamespaceTarget, layer: str, record: Mapping[str, Any], endpoint: str, model: str, stream: bool,
+        include_usage: bool, started: float, lookup_ms: float,
+    ) -> Response:  # fmt: skip
+        usage = record.get("usage") or {}
+        ttft_ms = (time.perf_counter() - started) * 1000
+        self.rt.recorder.add(
+            ns.pk, layer, requests=1, hits=1, lookup_ms_sum=lookup_ms, lookup_count=1, ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0),
+        )  # fmt: skip
+        headers = {SERVED_BY_HEADER: layer}
+        if not stream:
+            return JSONResponse(_answer_from_record(record, endpoint, model), headers=headers)
+        events = _stream_record(record, endpoint, model, include_usage)
+
+        async def replay() -> AsyncIterator[bytes]:
+            for event in events:
+                yield event
+
+        return _ProxyStream(replay(), headers)
+
+    async def _await_fill(self, rkey: str) -> dict[str, Any] | None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.fills[rkey]), self.rt.limits.fill_wait_s)
+        except (TimeoutError, KeyError, Exception):
+            return None
+
+    def _engine(self, ns: NamespaceTarget, body: Mapping[str, Any], avoid: set[int]) -> EngineTarget:
+        engines = [e for e in ns.engines if e.id not in avoid]
+        if not engines:
+            why = (
+                "every engine serving it failed this request"
+                if ns.engines
+                else "no engine in service (ready and verified) serves it"
+            )
+            raise GatewayError(503, f"namespace of {ns.version_label}: {why}", type_="server_error", code="no_engine")
+        if self.rt.engine_choice == "round_robin":
+            self._round_robin += 1
+            return engines[self._round_robin % len(engines)]
+        return choose_engine(engines, prompt_affinity_text(body), self.in_flight)
+
+    async def _fill(
+        self, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any], upstream: dict[str, Any],
+        rkey: str | None, semantic: tuple[str, Any, str] | None, tags: tuple[str, ...], personal: bool, stream: bool,
+        include_usage: bool, model: str, started: float,
+    ) -> Response:  # fmt: skip
+        ns = routed.namespace
+        store = self.rt.response_store
+        future: asyncio.Future[dict[str, Any] | None] | None = None
+        if rkey is not None:
+            # Single flight across processes: the lease holder fills; others wait for its entry.
+            leased = await self._lease(ns, rkey)
+            if not leased:
+                record = await self._wait_entry(ns, rkey)
+                if record is not None:
+                    return self._from_cache(ns, "response", record, endpoint, model, stream, include_usage, started, 0.0)
+            future = asyncio.get_running_loop().create_future()
+            self.fills[rkey] = future
+        payload = {**upstream, "cache_salt": ns.cache_salt, "stream": True, "stream_options": {"include_usage": True}}
+        tried: set[int] = set()
+
+        async def finish(record: dict[str, Any] | None, engine: EngineTarget | None) -> None:
+            """Store a complete answer in both layers, record, release the flight."""
+            try:
+                if record is not None and engine is not None:
+                    await self._after_answer(
+                        routed, endpoint, canonical, upstream, record, engine, rkey, semantic, tags, personal
+                    )
+            finally:
+                if rkey is not None:
+                    self.fills.pop(rkey, None)
+                    if future is not None and not future.done():
+                        future.set_result(record)
+                    if store is not None:
+                        try:
+                            await asyncio.to_thread(store.release_lease, ns.storage_prefix, rkey)
+                        except ResponseStoreUnavailable:
+                            pass
+
+        while True:
+            try:
+                engine = self._engine(ns, body, tried)
+            except GatewayError as exc:
+                await finish(None, None)
+                return exc.response()
+            tried.add(engine.id)
+            try:
+                self.breaker.acquire(str(engine.id))
+            except Overloaded as exc:
+                if len(tried) < len(ns.engines):
+                    continue
+                await finish(None, None)
+                return GatewayError(503, f"engines of {ns.version_label} are at capacity ({exc.reason}); retry later",
+                                    type_="server_error", code="overloaded",
+                                    headers={"retry-after": str(max(1, round(exc.retry_after_s + 0.5)))}).response()  # fmt: skip
+            self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
+            try:
+                opened = await self._open(engine, endpoint, payload)
+            except (httpx.HTTPError, OSError) as exc:
+                self._done(engine, ok=False)
+                log.warning("engine %s unreachable: %r", engine.name, exc)
+                continue  # another engine, if any
+            if isinstance(opened, Response):  # the engine refused the request: its answer, as is
+                self._done(engine, ok=opened.status_code < 500)
+                await finish(None, None)
+                return opened
+            break
+        assembler = _StreamAssembler(endpoint)
+        upstream_response = opened
+
+        async def relay() -> AsyncIterator[bytes]:
+            complete = False
+            try:
+                async for line in upstream_response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        complete = True
+                        if stream:
+                            yield b"data: [DONE]\n\n"
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        continue
+                    if "error" in chunk and "choices" not in chunk:
+                        if stream:
+                            yield _sse(chunk)
+                        break
+                    assembler.feed(chunk)
+                    if stream and (chunk.get("choices") or include_usage):
+                        yield _sse(chunk)
+            except (httpx.HTTPError, OSError) as exc:
+                # The engine died mid-stream: the client gets an error event, nothing is cached.
+                log.warning("engine %s failed mid-stream: %r", engine.name, exc)
+                if stream:
+                    yield _sse({"error": {"message": f"engine {engine.name} failed mid-stream", "type": "server_error",
+                                          "param": None, "code": "engine_failed"}})  # fmt: skip
+            finally:
+                await upstream_response.aclose()
+                self._done(engine, ok=complete)
+                record = assembler.record() if complete else None
+                if record is not None:
+                    first = assembler.first_token_at or time.perf_counter()
+                    usage = record.get("usage") or {}
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    ttft = (first - started) * 1000
+                    side = "hit" if cached else "miss"
+                    self.rt.recorder.add(
+                        ns.pk, "prefix", requests=1, hits=1 if cached else 0, misses=0 if cached else 1,
+                        prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_prompt_tokens=cached,
+                        output_tokens=int(usage.get("completion_tokens") or 0),
+                        **{f"ttft_{side}_ms_sum": ttft, f"ttft_{side}_count": 1},
+                    )  # fmt: skip
+                await asyncio.shield(finish(record, engine))
+
+        if stream:
+            return _ProxyStream(relay(), {SERVED_BY_HEADER: "engine", "x-kvcp-engine": engine.name})
+        async for _ in relay():
+            pass
+        if not assembler.choices:
+            return GatewayError(
+                502, f"engine {engine.name} failed before answering", type_="server_error", code="engine_failed"
+            ).response()
+        answer = _answer_from_record(assembler.record(), endpoint, model)
+        return JSONResponse(answer, headers={SERVED_BY_HEADER: "engine", "x-kvcp-engine": engine.name})
+
+    async def _open(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response | Response:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        request = self.client.build_request(
+            "POST", engine.base_url.rstrip("/") + path, json={**payload, "model": engine.served_model}
+        )
+        response = await self.client.send(request, stream=True)
+        if response.status_code >= 400:
+            content = await response.aread()
+            await response.aclose()
+            try:
+                body = json.loads(content)
+                error = body.get("error") if isinstance(body, dict) else None
+            except ValueError:
+                error = None
+            if not isinstance(error, dict):
+                error = {"message": content.decode("utf-8", "replace")[:500], "type": "upstream_error", "param": None,
+                         "code": f"engine_{response.status_code}"}  # fmt: skip
+            status = response.status_code if response.status_code < 500 else 502
+            return JSONResponse({"error": error}, status_code=status)
+        return response
+
+    def _done(self, engine: EngineTarget, *, ok: bool) -> None:
+        self.in_flight[engine.id] = max(0, self.in_flight.get(engine.id, 1) - 1)
+        self.breaker.release(str(engine.id), ok)
+
+    async def _lease(self, ns: NamespaceTarget, rkey: str) -> bool:
+        try:
+            return await asyncio.to_thread(self.rt.response_store.lease, ns.storage_prefix, rkey, self.rt.limits.fill_wait_s)  # type: ignore[union-attr]
+        except ResponseStoreUnavailable:
+            return True  # no shared store: fill without the cross-process flight
+
+    async def _wait_entry(self, ns: NamespaceTarget, rkey: str) -> dict[str, Any] | None:
+        """Poll the store while another process fills the same key (up to ``fill_wait_s``)."""
+        deadline = time.monotonic() + self.rt.limits.fill_wait_s
+        store = self.rt.response_store
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            try:
+                value = await asyncio.to_thread(store.get, ns.storage_prefix, rkey)  # type: ignore[union-attr]
+                if value is not None:
+                    return json.loads(value)
+                if await asyncio.to_thread(store.lease, ns.storage_prefix, rkey, self.rt.limits.fill_wait_s):  # type: ignore[union-attr]
+                    await asyncio.to_thread(store.release_lease, ns.storage_prefix, rkey)  # type: ignore[union-attr]
+                    return None  # the leader gave up without an entry: fill here
+            except ResponseStoreUnavailable:
+                return None
+        return None
+
+    async def _after_answer(
+        self, routed: Routed, endpoint: str, canonical: dict[str, Any], upstream: dict[str, Any], record: dict[str, Any],
+        engine: EngineTarget, rkey: str | None, semantic: tuple[str, Any, str] | None, tags: tuple[str, ...], personal: bool,
+    ) -> None:  # fmt: skip
+        ns, tenant = routed.namespace, routed.tenant
+        value = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        if rkey is not None and self.rt.response_store is not None:
+            try:
+                await asyncio.to_thread(
+                    self.rt.response_store.put, ns.storage_prefix, rkey, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes
+                )
+            except ResponseStoreUnavailable:
+                pass
+        if semantic is not None and self.rt.semantic is not None:
+            partition, vector, text = semantic
+            try:
+                await asyncio.to_thread(self.rt.semantic.store, ns, tenant, partition, vector, text, value, tags)
+            except self.rt.semantic.Unavailable:
+                pass
+        if not personal and endpoint == "chat":
+            messages = canonical.get("messages")
+            digest = hashlib.blake2b(canonical_bytes({"m": messages, "t": canonical.get("tools")}), digest_size=16).hexdigest()
+            self.rt.recorder.heat(ns.pk, digest, upstream.get("messages"), upstream.get("tools"))
+        usage = record.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        rate = tenant.policy.shadow_sample_rate
+        if cached and not personal and self.rt.shadow is not None and rate > 0 and random.random() < rate:
+            sample = ShadowSample(
+                ns.pk, engine.id, endpoint, {k: v for k, v in upstream.items() if k not in ("stream", "stream_options")}, cached
+            )
+            await asyncio.to_thread(self.rt.shadow, sample)
+
+
+def explain(
+    snap: RoutingSnapshot, tenant_id: int, endpoint: str, body: Mapping[str, Any], *, semantic: Any | None = None
+) -> dict[str, Any]:
+    """Why a request would be served the way it is, without sending it.
+
+    Returns:
+        ``{"route": {...} | {"error": ...}, "canonical_request": {...},
+        "response_cache": {"admitted", "reason", "key"}, "semantic_cache": {"admitted", "reason"}}``;
+        the key is computed even when no engine is up.
+
+    Raises:
+        InvalidRequest: a malformed body (the caller answers 400 / exit 2).
+        KeyError: an unknown tenant id.
+    """
+    tenant = snap.tenants[tenant_id]
+    if "cache_salt" in body:
+        raise InvalidRequest("cache_salt is set by the gateway; do not send it", param="cache_salt")  # type: ignore[call-arg]
+    canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
+    out: dict[str, Any] = {"canonical_request": canonical}
+    try:
+        routed = route_request(snap, tenant, body)
+    except GatewayError as exc:
+        out["route"] = {"error": exc.code, "message": exc.message}
+        routed = None
+    if routed is not None:
+        ns = routed.namespace
+        engines = list(ns.engines)
+        engine = choose_engine(engines, prompt_affinity_text(body), {}) if engines else None
+        out["route"] = {
+            "served_name": body.get("model"), "model_version": routed.route.version_id, "label": routed.route.version_label,
+            "percent": routed.route.percent, "release": routed.route.release_id, "namespace": ns.pk, "namespace_key": ns.key,
+            "bucket": sticky_bucket(tenant.secret, sticky_id(body)),
+            "engine": {"id": engine.id, "name": engine.name} if engine else None,
+            "engine_reason": None if engine else "no engine in service (ready and verified) serves this namespace",
+        }  # fmt: skip
+    personal = bool(personal_data_kinds(canonical))
+    response: dict[str, Any] = {"admitted": False, "reason": None, "key": None}
+    if not snap.layers.get("response", True):
+        response["reason"] = "kill_switch"
+    elif not tenant.policy.response_cache:
+        response["reason"] = "tenant_policy"
+    else:
+        verdict = response_admission(
+            canonical, allow_seeded=tenant.policy.allow_seeded, allow_sampling=tenant.policy.allow_sampling
+        )
+        response.update(admitted=verdict.admitted, reason=verdict.reason)
+    if routed is not None:
+        response["key"] = response_cache_key(canonical, namespace_key=routed.namespace.key, tenant_secret=tenant.secret)
+    out["response_cache"] = response
+    text = last_user_text(body) if endpoint == "chat" else None
+    sem: dict[str, Any] = {"admitted": False, "reason": None}
+    if not snap.layers.get("semantic", True):
+        sem["reason"] = "kill_switch"
+    elif not tenant.policy.semantic_cache:
+        sem["reason"] = "tenant_policy"
+    elif text is None:
+        sem["reason"] = "not_a_user_question"
+    elif int(canonical.get("n", 1)) != 1:
+        sem["reason"] = "n_choices"
+    elif semantic is None:
+        sem["reason"] = "not_configured"
+    else:
+        admitted, why = semantic.admission(text, personal_data=personal)
+        sem.update(admitted=admitted, reason=why)
+    out["semantic_cache"] = sem
+    return out

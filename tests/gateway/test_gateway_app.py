@@ -1,0 +1,290 @@
+"""The gateway's request path against the real database (routing snapshot,
+keys, policies) and a real SQLite response store, with an engine emulated at
+the HTTP level (the real vLLM path is tests/gateway/test_gateway_vllm.py):
+what the engine receives, what the caller gets, what is cached and recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.conf import settings
+
+from cacheadmin.models import CacheNamespace, Engine, GatewayKey, Release, RetentionOwner, Tenant
+from cacheadmin.services.gateway import (
+    gateway_key_issue,
+    gateway_key_revoke,
+    layer_switch_set,
+    routing_snapshot_build,
+    tenant_gateway_policy_update,
+    tenant_secret,
+)
+from gateway.records import Recorder
+from gateway.response_store import SqliteResponseStore
+from gateway.routing import sticky_bucket
+from gateway.server import Gateway, Limits, Runtime
+from inference.identity import cache_salt
+from tests.cacheadmin.conftest import make_version
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class FakeEngine:
+    """An OpenAI-compatible engine at the HTTP level: streams a fixed answer,
+    reports cached tokens from the second identical prompt on, records what it got."""
+
+    def __init__(self, answer: str = "Paris is the capital.") -> None:
+        self.answer = answer
+        self.received: list[dict[str, Any]] = []
+        self.seen_prompts: set[str] = set()
+        self.fail_mid_stream = False
+        self.down = False
+        self.delay_s = 0.0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        body = json.loads(request.content)
+        self.received.append(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        prompt = json.dumps(body.get("messages"), sort_keys=True)
+        cached = 32 if prompt in self.seen_prompts else 0
+        self.seen_prompts.add(prompt)
+        words = self.answer.split(" ")
+        chunks = [{"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]  # fmt: skip
+        for i, word in enumerate(words):
+            text = word if i == 0 else " " + word
+            chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
+                           "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})  # fmt: skip
+        chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
+                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})  # fmt: skip
+        usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words),
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"], "choices": [], "usage": usage})
+        fail = self.fail_mid_stream
+
+        async def stream():  # type: ignore[no-untyped-def]
+            for n, chunk in enumerate(chunks):
+                if fail and n == 2:
+                    raise httpx.ReadError("engine died")
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> dict[str, Any]:
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    globex = Tenant.objects.create(slug="globex", name="Globex")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    v1 = make_version("v1", "1" * 64)
+    v1.status = "active"
+    v1.save()
+    ns = CacheNamespace.objects.create(
+        namespace_key="a" * 64, model_version=v1, tenant=acme, retention_owner=owner, storage_prefix="ns-acme"
+    )
+    engine = Engine.objects.create(
+        name="e1", model_version=v1, namespace=ns, base_url="http://engine-1", status="ready", verification="verified"
+    )
+    _, key = gateway_key_issue(tenant=acme, name="app", actor="test")
+    _, globex_key = gateway_key_issue(tenant=globex, name="other", actor="test")
+    fake = FakeEngine()
+    store = SqliteResponseStore(tmp_path / "rc.sqlite3")
+    holder = {"snap": routing_snapshot_build()}
+    runtime = Runtime(
+        snapshot=lambda: holder["snap"], response_store=store, semantic=None, recorder=Recorder(),
+        transport=httpx.MockTransport(fake), limits=Limits(rate_per_s=1000, burst=1000),
+    )  # fmt: skip
+    gateway = Gateway(runtime)
+    return {"acme": acme, "ns": ns, "engine": engine, "key": key, "globex_key": globex_key, "fake": fake, "store": store,
+            "holder": holder, "gateway": gateway, "runtime": runtime, "v1": v1}  # fmt: skip
+
+
+def call(setup: dict[str, Any], body: Any, *, key: str | None = None, path: str = "/v1/chat/completions",
+         headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            h = {"authorization": f"Bearer {key or setup['key']}", **(headers or {})}
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return await client.post(path, content=content, headers=h)
+
+    return asyncio.run(go())
+
+
+def chat(content: str = "What is the capital of France?", **params: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **params}
+
+
+def refresh(setup: dict[str, Any]) -> None:
+    setup["holder"]["snap"] = routing_snapshot_build()
+
+
+def test_a_greedy_request_is_salted_served_and_then_answered_from_the_response_cache(setup) -> None:
+    first = call(setup, chat(temperature=0))
+    assert first.status_code == 200, first.text
+    assert first.headers["x-kvcp-served-by"] == "engine"
+    assert first.json()["choices"][0]["message"]["content"] == "Paris is the capital."
+    sent = setup["fake"].received[0]
+    assert sent["cache_salt"] == cache_salt(settings.CACHE_SALT_SECRET, "a" * 64)
+    assert sent["model"] == "tiny" and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    second = call(setup, chat(temperature=0))
+    assert second.status_code == 200
+    assert second.headers["x-kvcp-served-by"] == "response"
+    assert second.json()["choices"] == first.json()["choices"]
+    assert len(setup["fake"].received) == 1  # the engine was asked once
+    rows, heat = setup["runtime"].recorder.drain()
+    by_layer = {(layer): c for _, layer, _, c, _ in rows}
+    assert by_layer["response"]["hits"] == 1 and by_layer["response"]["misses"] == 1
+    assert by_layer["prefix"]["requests"] == 1 and by_layer["prefix"]["prompt_tokens"] == 40
+    assert by_layer["response"]["prompt_tokens"] == 40  # the hit avoided the whole prompt
+    assert len(heat) == 1 and heat[0][0] == setup["ns"].pk
+
+
+def test_an_omitted_temperature_is_sampling_and_bypasses_the_response_cache(setup) -> None:
+    for _ in range(2):
+        assert call(setup, chat()).headers["x-kvcp-served-by"] == "engine"
+    assert len(setup["fake"].received) == 2
+    rows, _ = setup["runtime"].recorder.drain()
+    bypass = {layer: b for _, layer, _, _, b in rows}
+    assert bypass["response"] == {"sampling": 2}
+
+
+def test_a_streamed_miss_is_relayed_and_the_next_stream_comes_from_the_cache(setup) -> None:
+    first = call(setup, chat(temperature=0, stream=True))
+    assert first.status_code == 200
+    text = "".join(
+        (json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+        for line in first.text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:])["choices"]
+    )
+    assert text == "Paris is the capital."
+    assert '"usage"' not in first.text  # the caller did not ask for usage
+    assert first.text.rstrip().endswith("data: [DONE]")
+    again = call(setup, chat(temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert again.headers["x-kvcp-served-by"] == "response"
+    assert '"usage"' in again.text and len(setup["fake"].received) == 1
+
+
+def test_concurrent_identical_misses_make_one_engine_call(setup) -> None:
+    setup["fake"].delay_s = 0.3
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            h = {"authorization": f"Bearer {setup['key']}"}
+            return await asyncio.gather(
+                *[client.post("/v1/chat/completions", json=chat(temperature=0), headers=h) for _ in range(10)]
+            )
+
+    answers = asyncio.run(go())
+    assert [a.status_code for a in answers] == [200] * 10
+    assert len(setup["fake"].received) == 1
+    assert {a.json()["choices"][0]["message"]["content"] for a in answers} == {"Paris is the capital."}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b"{not json", 400, "invalid_json", None),
+        (b"[1]", 400, "invalid_json", None),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "x"},
+            400,
+            "invalid_request",
+            "cache_salt",
+        ),
+        ({"model": "tiny", "messages": []}, 400, "invalid_request", "messages"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            400,
+            "invalid_request",
+            "temperature",
+        ),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found", "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_reach_no_engine(setup, body, status, code, param) -> None:
+    answer = call(setup, body)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert error["code"] == code and error["param"] == param and error["message"]
+    assert setup["fake"].received == []
+
+
+def test_keys_authenticate_per_tenant_and_a_revoked_key_is_refused_after_the_snapshot_moves(setup) -> None:
+    assert call(setup, chat(), key="kvgw_nope").status_code == 401
+    other = call(setup, chat(), key=setup["globex_key"])
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"  # globex has no routing
+    gateway_key_revoke(key=GatewayKey.objects.get(tenant=setup["acme"]), actor="test")
+    assert call(setup, chat()).status_code == 200  # the old snapshot still holds it
+    refresh(setup)
+    assert call(setup, chat()).status_code == 401
+
+
+def test_the_kill_switch_and_the_tenant_policy_bypass_the_layer_with_their_reasons(setup) -> None:
+    layer_switch_set(layer="response", enabled=False, actor="test", reason="incident 42")
+    refresh(setup)
+    call(setup, chat(temperature=0))
+    layer_switch_set(layer="response", enabled=True, actor="test", reason="")
+    tenant_gateway_policy_update(tenant=setup["acme"], actor="test", changes={"response_cache": False})
+    refresh(setup)
+    call(setup, chat(temperature=0))
+    assert len(setup["fake"].received) == 2
+    rows, _ = setup["runtime"].recorder.drain()
+    merged: dict[str, int] = {}
+    for _, layer, _, _, bypass in rows:
+        if layer == "response":
+            for k, v in bypass.items():
+                merged[k] = merged.get(k, 0) + v
+    assert merged == {"kill_switch": 1, "tenant_policy": 1}
+
+
+def test_an_engine_that_is_down_answers_503_and_one_that_dies_mid_stream_caches_nothing(setup) -> None:
+    setup["fake"].down = True
+    down = call(setup, chat(temperature=0))
+    assert down.status_code == 503 and down.json()["error"]["code"] == "no_engine"
+    setup["fake"].down = False
+    setup["fake"].fail_mid_stream = True
+    broken = call(setup, chat(temperature=0, stream=True))
+    assert broken.status_code == 200
+    assert '"code": "engine_failed"' in broken.text
+    assert setup["store"].usage("ns-acme").entries == 0
+    setup["fake"].fail_mid_stream = False
+    assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
+
+
+def test_a_gray_release_splits_conversations_stickily(setup) -> None:
+    v2 = make_version("v2", "2" * 64, weights="9" * 64)
+    ns2 = CacheNamespace.objects.create(
+        namespace_key="b" * 64, model_version=v2, tenant=setup["acme"], retention_owner=setup["ns"].retention_owner,
+        storage_prefix="ns-acme-v2",
+    )  # fmt: skip
+    Engine.objects.create(
+        name="e2", model_version=v2, namespace=ns2, base_url="http://engine-2", status="ready", verification="verified"
+    )
+    Release.objects.create(
+        served_name="tiny", tenant=setup["acme"], from_version=setup["v1"], to_version=v2, classification="incompatible",
+        status="ready", decision="new_namespace", from_namespace=setup["ns"], to_namespace=ns2, traffic_percent=30,
+        created_by="t",
+    )  # fmt: skip
+    refresh(setup)
+    salts = {}
+    for user in range(60):
+        body = chat(f"question {user}", temperature=0, user=f"user-{user}")
+        call(setup, body)
+        salts[user] = setup["fake"].received[-1]["cache_salt"]
+        call(setup, chat(f"another question {user}", temperature=0, user=f"user-{user}"))
+        assert setup["fake"].received[-1]["cache_salt"] == salts[user]  # sticky per user
+    secret = tenant_secret(setup["acme"].key)
+    for user, salt in salts.items():
+        on_new = sticky_bucket(secret, f"user:user-{user}") < 30  # the newest version takes the first 30 buckets
+        assert salt == cache_salt(settings.CACHE_SALT_SECRET, ("b" if on_new else "a") * 64)
+    assert 0 < sum(1 for s in salts.values() if s == cache_salt(settings.CACHE_SALT_SECRET, "b" * 64)) < 60

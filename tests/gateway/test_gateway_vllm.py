@@ -1,0 +1,150 @@
+"""The gateway as operators run it (``manage.py gateway``, several uvicorn
+processes) in front of a real vLLM engine: salted requests, the engine's
+prefix cache reused across a tenant's requests, the response cache, a client
+that goes away mid-stream cancelling the engine's work, and the figures
+written to the database."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+
+from cacheadmin.models import Engine, GatewayStat, Tenant
+from cacheadmin.services.gateway import gateway_key_issue
+from cacheadmin.services.model_versions import model_version_register
+from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
+from inference.engines.launcher import EngineSpec, LocalEngine, free_port
+from inference.identity import LayoutOptions
+from tests.helpers import PROJECT, subprocess_env, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
+
+SYSTEM = "You are a careful assistant for the Acme travel desk. " * 30
+
+
+@pytest.fixture(scope="module")
+def engine(demo_checkpoints) -> Iterator[LocalEngine]:
+    spec = EngineSpec(
+        model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(), prefix_caching=True,
+        kv_storage_path=None, log_path=settings.ENGINE_LOG_DIR / "test-gateway.log",
+    )  # fmt: skip
+    local = LocalEngine(spec)
+    local.start()
+    local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
+    yield local
+    local.stop()
+
+
+@pytest.fixture
+def served(engine: LocalEngine, demo_checkpoints, tmp_path: Path) -> Iterator[dict]:
+    version, _ = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="tiny-v1", served_name="tiny", layout=LayoutOptions(dtype="float32"), actor="t"
+    )
+    version.status = "active"
+    version.save()
+    tenant = Tenant.objects.create(slug="acme", name="Acme")
+    owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="t")
+    namespace = namespace_get_or_create(
+        model_version=version, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor="t"
+    )[0]
+    Engine.objects.create(
+        name="gw-engine", model_version=version, namespace=namespace, base_url=engine.base_url, pid=engine.pid,
+        status=Engine.Status.READY, verification=Engine.Verification.VERIFIED,
+    )  # fmt: skip
+    _, key = gateway_key_issue(tenant=tenant, name="app", actor="t")
+    port = free_port()
+    log = (tmp_path / "gateway.log").open("w")
+    env = subprocess_env(GATEWAY_SEMANTIC="0", GATEWAY_FLUSH_S="1", GATEWAY_DIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "gateway", "--addr", f"127.0.0.1:{port}", "--workers", "2"],
+        cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, timeout=60, what="the gateway to listen")
+        yield {"base": base, "key": key, "namespace": namespace, "engine": engine, "log": tmp_path / "gateway.log"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _post(served: dict, body: dict, **kw) -> httpx.Response:
+    return httpx.post(f"{served['base']}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {served['key']}"},
+                      timeout=120, **kw)  # fmt: skip
+
+
+def _metric(engine: LocalEngine, name: str, **labels: str) -> float:
+    text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_the_gateway_serves_salted_requests_caches_greedy_answers_and_records_figures(served: dict) -> None:
+    models = httpx.get(f"{served['base']}/v1/models", headers={"authorization": f"Bearer {served['key']}"}, timeout=10)
+    assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    greedy = {"model": "tiny", "messages": [{"role": "user", "content": "Name a colour."}], "temperature": 0, "max_tokens": 8}
+    first = _post(served, greedy)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-kvcp-served-by"] == "engine"
+    second = _post(served, greedy)
+    assert second.headers["x-kvcp-served-by"] == "response"
+    assert second.json()["choices"] == first.json()["choices"]
+    # The tenant's long system prompt is reused by the engine's prefix cache (under the namespace's salt).
+    usages = []
+    for question in ("Where is Paris?", "Where is Rome?"):
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}  # fmt: skip
+        answer = _post(served, body)
+        assert answer.status_code == 200 and answer.headers["x-kvcp-served-by"] == "engine"
+        chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+        usages.append(next(c["usage"] for c in chunks if c.get("usage")))
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 320  # the shared system prompt's whole blocks
+    wait_for(
+        lambda: GatewayStat.objects.filter(namespace=served["namespace"], layer="prefix").exists(), timeout=15, what="figures"
+    )
+    prefix = GatewayStat.objects.filter(namespace=served["namespace"], layer="prefix")
+    wait_for(lambda: sum(prefix.values_list("requests", flat=True)) == 3, timeout=15, what="three engine requests recorded")
+    response = GatewayStat.objects.filter(namespace=served["namespace"], layer="response")
+    assert sum(r.hits for r in response) == 1 and sum(r.misses for r in response) == 1
+    assert sum(r.bypass.get("sampling", 0) for r in response) == 2
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: dict) -> None:
+    engine = served["engine"]
+    aborted = _metric(engine, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "max_tokens": 3000, "ignore_eos": True, "temperature": 0.5, "stream": True,
+            "messages": [{"role": "user", "content": "Count."}]}  # fmt: skip
+    with httpx.stream("POST", f"{served['base']}/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {served['key']}"}, timeout=60) as answer:  # fmt: skip
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                break  # the first tokens arrived: hang up
+    wait_for(
+        lambda: _metric(engine, "vllm:request_success_total", finished_reason="abort") == aborted + 1,
+        timeout=10, what="the engine to abort the request",
+    )  # fmt: skip
+    assert _metric(engine, "vllm:num_requests_running") == 0
