@@ -200,6 +200,9 @@ def release_create_first_deployment(*, served_name: str, tenant: Tenant, to_vers
         raise ReleaseRefused(f"{to_version.label} is retired: a retired version is never deployed again")
     _refuse_not_first(served_name=served_name, tenant=tenant, to_version=to_version)
     namespace = _first_deployment_namespace(to_version, tenant)
+    # Restored before the lock below: tier I/O must not hold the database's write
+    # lock. A plan the re-check then refuses (a concurrent one won) leaves the
+    # namespace hot, which eviction demotes again by its policy.
     restored = _reactivate(namespace, actor=actor, why=f"first deployment of {to_version.label} for {tenant.slug}")
     with transaction.atomic():
         # Serializes release plans of one tenant (IMMEDIATE on SQLite, a row lock
