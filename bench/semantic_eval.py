@@ -21,9 +21,9 @@ reported on the held-out half (the honest number) and on the whole set.
 
 Printed: the split's make-up; precision, recall, false hits and misses at
 ``SHIPPED_THRESHOLD`` with the default guards for held-out / tuning / all;
-accuracy per kind; how often each verdict reason was given; every wrongly
-decided pair; a sweep of thresholds 0.70..0.98 (step 0.02) with and without
-guards; then one JSON line ``{"semantic_eval": {...}}``.
+accuracy per kind; how often each verdict reason was given, overall and per
+kind; every wrongly decided pair; a sweep of thresholds 0.70..0.98 (step
+0.02) with and without guards; then one JSON line ``{"semantic_eval": {...}}``.
 
 ``--timing`` adds the embedder's measurements: the load (import of torch and
 sentence-transformers included, in this fresh process), latency of one
@@ -215,6 +215,10 @@ def evaluate(pairs: Sequence[Pair], sims: Sequence[float], embed: Callable[[Sequ
             "kinds": kinds,
         }
     result["reasons"] = dict(Counter(v.reason for v in shipped).most_common())
+    result["reasons_by_kind"] = {
+        kind: dict(Counter(v.reason for p, v in zip(pairs, shipped, strict=True) if p.kind == kind).most_common())
+        for kind in KINDS
+    }
     result["wrong"] = [
         {
             "line": p.line,
@@ -267,6 +271,8 @@ def _print_report(pairs: Sequence[Pair], result: dict[str, Any], model_id: str) 
         print(f"{kind:<26}{h['correct']:>6}/{h['pairs']:<5}{a['correct']:>6}/{a['pairs']:<5}")
     print()
     print("verdict reasons (all pairs): " + ", ".join(f"{k} {v}" for k, v in result["reasons"].items()))
+    for kind in KINDS:
+        print(f"  {kind:<26}" + ", ".join(f"{k} {v}" for k, v in result["reasons_by_kind"][kind].items()))
     by_line = {p.line: p for p in pairs}
     print(f"wrongly decided pairs ({len(result['wrong'])}):")
     for w in result["wrong"]:
