@@ -395,12 +395,26 @@ POLARITY_PAIRS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 
-def _compile_side(patterns: tuple[str, ...]) -> re.Pattern[str]:
-    # A word boundary that also stops at an apostrophe: "won" must not match inside "won't".
-    return re.compile(r"(?<![\w'’])(?:" + "|".join(patterns) + r")(?![\w'’])")
+# A word boundary that also stops at an apostrophe: "won" must not match inside "won't".
+_WORD_BEFORE, _WORD_AFTER = r"(?<![\w'’])", r"(?![\w'’])"
+# One pass finds every lexicon word or phrase in a text; each found span is then matched against each side on its own,
+# since one word can belong to several pairs ("lose": gain/loss and win/lose) and an alternation reports only one.
+_POLARITY_ANY = re.compile(
+    _WORD_BEFORE + "(?:" + "|".join(p for pair in POLARITY_PAIRS for side in pair for p in side) + ")" + _WORD_AFTER
+)
+_POLARITY_SIDES = tuple(
+    (index, side, re.compile("(?:" + "|".join(patterns) + ")"))
+    for index, pair in enumerate(POLARITY_PAIRS)
+    for side, patterns in enumerate(pair)
+)
 
 
-_POLARITY = tuple((_compile_side(x), _compile_side(y)) for x, y in POLARITY_PAIRS)
+def _polarity_sides(normalized: str) -> frozenset[tuple[int, int]]:
+    """(pair index, side 0 or 1) of every :data:`POLARITY_PAIRS` side a normalized text uses."""
+    spans = {m.group() for m in _POLARITY_ANY.finditer(normalized)}
+    return frozenset((index, side) for index, side, pattern in _POLARITY_SIDES for span in spans if pattern.fullmatch(span))
+
+
 _ARTICLES = frozenset({"the", "a", "an", "my", "our", "your", "their", "his", "her", "its", "some"})
 _TO_WORDS = frozenset({"to", "into", "->", "→"})
 #: Words after which the next word is a source whose target follows the next "to" ("convert a Word file to PDF").
@@ -449,8 +463,9 @@ def guard_negation(a: str, b: str) -> str | None:
     if negation_count(a) % 2 != negation_count(b) % 2:
         return REASON_GUARD_NEGATION
     na, nb = normalize_text(a), normalize_text(b)
-    for first, second in _POLARITY:
-        a1, a2, b1, b2 = bool(first.search(na)), bool(second.search(na)), bool(first.search(nb)), bool(second.search(nb))
+    sides_a, sides_b = _polarity_sides(na), _polarity_sides(nb)
+    for index in {i for i, _ in sides_a} & {i for i, _ in sides_b}:
+        a1, a2, b1, b2 = (index, 0) in sides_a, (index, 1) in sides_a, (index, 0) in sides_b, (index, 1) in sides_b
         if (a1 and not a2 and b2 and not b1) or (a2 and not a1 and b1 and not b2):
             return REASON_GUARD_NEGATION
     da, db = _directions(a), _directions(b)
@@ -497,9 +512,12 @@ def extract_entities(text: str) -> frozenset[str]:
     starts = {0} | {m.end() for m in _SENTENCE_BREAK.finditer(text)}
     for m in _TOKEN.finditer(text):
         word = re.sub(r"['’]s$", "", m.group()).rstrip(".")
-        if not word or not word[0].isupper() and not any(c.isupper() for c in word[1:]):
+        if not word or word.islower() or not any(c.isupper() for c in word):
             continue
-        at_start = m.start() in starts or text[: m.start()].strip() == "" or text[: m.start()].rstrip().endswith(("(", '"', "“"))
+        before = m.start()
+        while before > 0 and text[before - 1] in " \t":
+            before -= 1
+        at_start = m.start() in starts or before == 0 or text[before - 1] in '("“\n'
         mixed = any(c.isupper() for c in word[1:])
         if (at_start and not mixed) or normalize_text(word) in _NOT_ENTITIES:
             continue
