@@ -255,6 +255,8 @@ def test_guard_numbers(a: str, b: str, reason: str | None) -> None:
         ("How do I turn on dark mode?", "How do I turn off dark mode?", "guard_negation"),
         ("How do I upload files?", "How do I download files?", "guard_negation"),
         ("We won the match", "We lost the match", "guard_negation"),
+        ("Why do I always win at chess?", "Why do I always lose at chess?", "guard_negation"),  # "lose" is in two pairs
+        ("How can I gain muscle?", "How can I lose muscle?", "guard_negation"),
         ("How do I turn off notifications?", "How do I disable notifications?", None),
         ("How do I update my address?", "How do I remove my address?", None),  # "address" is not "add"
         ("Why won't the app start?", "Why doesn't the app start?", None),  # "won" is not inside "won't"
