@@ -10,7 +10,7 @@ import math
 import sys
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -424,7 +424,17 @@ def test_rule_and_admission_refuse_bad_input() -> None:
 
 
 @pytest.fixture(scope="module")
-def embedder() -> Embedder:
+def torch_threads_restored() -> Iterator[None]:
+    """Loading an :class:`Embedder` sets torch's thread count for the process: give other tests theirs back."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def embedder(torch_threads_restored: None) -> Embedder:
     return Embedder()
 
 
@@ -456,7 +466,9 @@ def test_embedder_puts_paraphrases_above_the_threshold(embedder: Embedder) -> No
     assert similarity(v[0], v[2]) == pytest.approx(0.0816, abs=2e-3)
 
 
-def test_embedder_from_threads_loads_once(tmp_path: Path) -> None:
+def test_embedder_from_threads_loads_once(torch_threads_restored: None) -> None:
+    import torch
+
     fresh = Embedder()
     assert not fresh.loaded
     assert fresh.embed([]).shape == (0, 384)
@@ -478,6 +490,7 @@ def test_embedder_from_threads_loads_once(tmp_path: Path) -> None:
     assert errors == []
     assert len(results) == 4
     assert all(np.array_equal(r, results[0]) for r in results)
+    assert torch.get_num_threads() == 1  # the embedder's setting for a shared host (see the embedder's docstring)
 
 
 def test_embedder_refuses_bad_input(embedder: Embedder, tmp_path: Path) -> None:
