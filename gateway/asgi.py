@@ -13,6 +13,7 @@ the next flush.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import queue
@@ -25,12 +26,20 @@ from starlette.applications import Starlette
 log = logging.getLogger("gateway")
 
 
+def in_thread(fn: Any) -> Any:
+    """Run ``fn()`` on a thread of its own and wait for it: uvicorn builds the
+    app and runs its lifespan inside the event loop, where Django refuses
+    database calls (``SynchronousOnlyOperation``)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
 class SnapshotHolder:
     """The current snapshot and the thread that renews it."""
 
     def __init__(self, build: Any, epoch: Any, *, poll_s: float, max_age_s: float) -> None:
         self._build, self._epoch, self.poll_s, self.max_age_s = build, epoch, poll_s, max_age_s
-        self.snapshot = build()
+        self.snapshot = in_thread(build)
         self.built_at = time.monotonic()
         self._stop = threading.Event()
 
@@ -148,7 +157,7 @@ def create_app() -> Starlette:
     def shutdown() -> None:
         holder.stop()
         stop.set()
-        flush_once()
+        in_thread(flush_once)
 
     gateway.on_start.append(start)
     gateway.on_stop.append(shutdown)

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -283,18 +283,16 @@ def _stream_record(record: Mapping[str, Any], endpoint: str, model: str, include
     return events
 
 
-class _ProxyStream(Response):
+class _ProxyStream(StreamingResponse):
     """A streamed answer that stops its source when the client goes away: the
     body comes from an async generator pumped in its own task while another
     task waits for ``http.disconnect``; the first to finish cancels the other,
     and closing the generator closes the engine's connection (vLLM then aborts
     the request)."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, source: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
         super().__init__(
-            content=None, status_code=200, headers={**headers, "cache-control": "no-cache"}, media_type=self.media_type
+            source, status_code=200, headers={**headers, "cache-control": "no-cache"}, media_type="text/event-stream"
         )
         self.source = source
 
@@ -315,7 +313,9 @@ class _ProxyStream(Response):
         finally:
             for task in (pumping, watching):
                 task.cancel()
-            await asyncio.gather(pumping, watching, return_exceptions=True)
+            for outcome in await asyncio.gather(pumping, watching, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.error("stream ended by an error: %r", outcome, exc_info=outcome)
             await self.source.aclose()  # type: ignore[attr-defined]
 
 

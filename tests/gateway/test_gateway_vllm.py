@@ -119,7 +119,8 @@ def test_the_gateway_serves_salted_requests_caches_greedy_answers_and_records_fi
         answer = _post(served, body)
         assert answer.status_code == 200 and answer.headers["x-kvcp-served-by"] == "engine"
         chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
-        usages.append(next(c["usage"] for c in chunks if c.get("usage")))
+        usages.append(next((c["usage"] for c in chunks if c.get("usage")), answer.text[-800:]))
+    assert isinstance(usages[0], dict) and isinstance(usages[1], dict), usages
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens_details"]["cached_tokens"]
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 320  # the shared system prompt's whole blocks
     wait_for(
@@ -134,8 +135,10 @@ def test_the_gateway_serves_salted_requests_caches_greedy_answers_and_records_fi
 
 def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: dict) -> None:
     engine = served["engine"]
-    aborted = _metric(engine, "vllm:request_success_total", finished_reason="abort")
-    body = {"model": "tiny", "max_tokens": 3000, "ignore_eos": True, "temperature": 0.5, "stream": True,
+    max_len = httpx.get(f"{engine.base_url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    wanted = max_len - 64  # ignore_eos: left alone, the engine generates exactly this many tokens
+    generated = _metric(engine, "vllm:generation_tokens_total")
+    body = {"model": "tiny", "max_tokens": wanted, "ignore_eos": True, "temperature": 0.5, "stream": True,
             "messages": [{"role": "user", "content": "Count."}]}  # fmt: skip
     with httpx.stream("POST", f"{served['base']}/v1/chat/completions", json=body,
                       headers={"authorization": f"Bearer {served['key']}"}, timeout=60) as answer:  # fmt: skip
@@ -143,8 +146,6 @@ def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: d
         for line in answer.iter_lines():
             if line.startswith("data: {") and '"content"' in line:
                 break  # the first tokens arrived: hang up
-    wait_for(
-        lambda: _metric(engine, "vllm:request_success_total", finished_reason="abort") == aborted + 1,
-        timeout=10, what="the engine to abort the request",
-    )  # fmt: skip
-    assert _metric(engine, "vllm:num_requests_running") == 0
+    wait_for(lambda: _metric(engine, "vllm:num_requests_running") == 0, timeout=10, what="the engine to drop the request")
+    spent = _metric(engine, "vllm:generation_tokens_total") - generated
+    assert 0 < spent < wanted / 2, (spent, wanted)
