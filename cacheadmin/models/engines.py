@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from cacheadmin.models.gateway import RoutingQuerySet
+
 
 class Engine(models.Model):
     """One vLLM server: which model version it computes with, which namespace
@@ -49,6 +51,13 @@ class Engine(models.Model):
     class RestartPolicy(models.TextChoices):
         NEVER = "never"
         ON_FAILURE = "on_failure"
+
+    objects = RoutingQuerySet.as_manager()
+    #: Writes of these alone change no routing decision (health clocks, logs, facts).
+    ROUTING_IGNORED_FIELDS = frozenset({
+        "health_checked_at", "health_failures", "error", "pid", "next_restart_at", "restart_attempts", "start_seconds",
+        "log_path", "verified_at", "verified_facts",
+    })  # fmt: skip
 
     name = models.CharField(max_length=100, unique=True)
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.SERVING)

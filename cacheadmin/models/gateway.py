@@ -4,7 +4,71 @@ gateways record (per namespace and layer) and live shadow verification."""
 
 from __future__ import annotations
 
-from django.db import models
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import IntegrityError, models, transaction
+from django.db.models import F
+
+
+def _bump_routing_epoch() -> None:
+    if not RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1):
+        try:
+            with transaction.atomic():
+                RoutingEpoch.objects.create(pk=1, value=1)
+        except IntegrityError:  # created concurrently: count this change on it
+            RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1)
+
+
+def routing_changed() -> None:
+    """Tell every gateway that routing may have changed: the epoch moves when
+    the current transaction commits (at once outside one), so a gateway never
+    rebuilds from a state that is rolled back."""
+    transaction.on_commit(_bump_routing_epoch)
+
+
+def routing_relevant(model: type[models.Model], fields: Iterable[str] | None) -> bool:
+    """Whether writing ``fields`` of ``model`` (None: every field) can change a routing decision.
+
+    A model lists the fields that cannot in ``ROUTING_IGNORED_FIELDS``
+    (an engine's health-check clock, say): writes of those alone do not make
+    every gateway rebuild its snapshot.
+    """
+    if fields is None:
+        return True
+    ignored = getattr(model, "ROUTING_IGNORED_FIELDS", frozenset())
+    return not set(fields) <= ignored
+
+
+class RoutingQuerySet(models.QuerySet):
+    """The queryset of every model a routing snapshot is built from: bulk
+    updates and deletes (which send no save/delete signals) move the routing
+    epoch too, so no service can change routing without the gateways hearing."""
+
+    def update(self, **kwargs: Any) -> int:
+        changed = super().update(**kwargs)
+        if changed and routing_relevant(self.model, kwargs):
+            routing_changed()
+        return changed
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        deleted = super().delete()
+        if deleted[0]:
+            routing_changed()
+        return deleted
+
+    def bulk_create(self, objs: Iterable[models.Model], *args: Any, **kwargs: Any) -> list[models.Model]:
+        created = super().bulk_create(objs, *args, **kwargs)
+        if created:
+            routing_changed()
+        return created
+
+    def bulk_update(self, objs: Iterable[models.Model], fields: Iterable[str], *args: Any, **kwargs: Any) -> int:
+        fields = list(fields)
+        changed = super().bulk_update(objs, fields, *args, **kwargs)
+        if changed and routing_relevant(self.model, fields):
+            routing_changed()
+        return changed
 
 
 class GatewayKey(models.Model):
@@ -14,6 +78,8 @@ class GatewayKey(models.Model):
     ``rate_per_s``/``burst`` size the key's token bucket (None: the gateway's
     defaults, ``GATEWAY_RATE_PER_S`` and ``GATEWAY_BURST``).
     """
+
+    objects = RoutingQuerySet.as_manager()
 
     tenant = models.ForeignKey("cacheadmin.Tenant", on_delete=models.CASCADE, related_name="gateway_keys")
     name = models.CharField(max_length=100)
@@ -56,6 +122,8 @@ class CacheLayerSwitch(models.Model):
     """The kill switch of one gateway cache layer, for every tenant: off means
     every request bypasses the layer (reason ``kill_switch``), at once."""
 
+    objects = RoutingQuerySet.as_manager()
+
     layer = models.CharField(max_length=16, choices=CacheLayer.choices, unique=True)
     enabled = models.BooleanField(default=True)
     reason = models.TextField(blank=True, default="")
@@ -69,6 +137,8 @@ class CacheLayerSwitch(models.Model):
 class TenantGatewayPolicy(models.Model):
     """How a tenant's traffic uses the gateway's cache layers (defaults apply
     to a tenant without a row; see :data:`DEFAULTS`)."""
+
+    objects = RoutingQuerySet.as_manager()
 
     tenant = models.OneToOneField("cacheadmin.Tenant", on_delete=models.CASCADE, related_name="gateway_policy")
     response_cache = models.BooleanField(default=True)
@@ -108,6 +178,8 @@ class NamespaceRouting(models.Model):
     """A namespace's routing hold: while ``suspended_at`` is set, gateways
     refuse its requests (503) instead of serving them; set by a deceptive
     hit on live traffic (by the tenant's policy) and lifted by an operator."""
+
+    objects = RoutingQuerySet.as_manager()
 
     namespace = models.OneToOneField("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="routing")
     suspended_at = models.DateTimeField(null=True, blank=True)

@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db import models
 
+from cacheadmin.models.gateway import RoutingQuerySet
 from cacheadmin.models.naming import NameKeysMixin, validate_display_name
 
 
@@ -22,6 +23,10 @@ class ModelVersion(NameKeysMixin, models.Model):
         ACTIVE = "active"
         DRAINING = "draining"
         RETIRED = "retired"
+
+    objects = RoutingQuerySet.as_manager()
+    #: Writes of these alone change no routing decision.
+    ROUTING_IGNORED_FIELDS = frozenset({"probe_output"})
 
     label = models.CharField(
         max_length=100, unique=True, validators=[validate_display_name], help_text="Unique label, e.g. tiny-v2."

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from cacheadmin.models.gateway import RoutingQuerySet
+
 
 class Release(models.Model):
     """One release of a served model for one tenant: the version it leaves,
@@ -42,6 +44,8 @@ class Release(models.Model):
         READY = "ready"
         FAILED = "failed"
         ROLLED_BACK = "rolled_back"
+
+    objects = RoutingQuerySet.as_manager()
 
     served_name = models.CharField(max_length=200)
     tenant = models.ForeignKey("cacheadmin.Tenant", on_delete=models.PROTECT, related_name="releases")

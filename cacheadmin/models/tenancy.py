@@ -7,6 +7,7 @@ import secrets
 from django.core.validators import RegexValidator
 from django.db import models
 
+from cacheadmin.models.gateway import RoutingQuerySet
 from cacheadmin.models.naming import NameKeysMixin, validate_display_name
 
 slug_validator = RegexValidator(r"\A[a-z0-9][a-z0-9-]{0,62}\Z", "lowercase letters, digits and '-', 1 to 63 characters")
@@ -31,6 +32,8 @@ class Tenant(NameKeysMixin, models.Model):
     "acme-l", or "Acme" beside "Аcme" with a Cyrillic "А", would let a person
     act on the wrong tenant.
     """
+
+    objects = RoutingQuerySet.as_manager()
 
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     key = models.CharField(max_length=32, default=new_boundary_key, editable=False, blank=True)
@@ -76,6 +79,8 @@ class SharedGroup(NameKeysMixin, models.Model):
     Slugs and names may not look alike, as for tenants.
     """
 
+    objects = RoutingQuerySet.as_manager()
+
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     key = models.CharField(max_length=32, default=new_boundary_key, editable=False, blank=True)
     name = models.CharField(max_length=200, validators=[validate_display_name])
@@ -110,6 +115,8 @@ class SharedGroup(NameKeysMixin, models.Model):
 
 class SharedGroupMembership(models.Model):
     """One tenant's membership of a shared group: who added it and when."""
+
+    objects = RoutingQuerySet.as_manager()
 
     group = models.ForeignKey(SharedGroup, on_delete=models.CASCADE, related_name="memberships")
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="group_memberships")
@@ -172,6 +179,8 @@ class CacheNamespace(models.Model):
     (``services.namespaces.namespace_salt_read``).
     """
 
+    objects = RoutingQuerySet.as_manager()
+
     namespace_key = models.CharField(max_length=64, unique=True)
     model_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="namespaces")
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="namespaces", null=True, blank=True)
@@ -227,6 +236,8 @@ class RetentionPolicy(models.Model):
     ``None`` limits mean "no limit". A pinned (legal hold) namespace is never
     evicted while held; who placed the hold and why are required.
     """
+
+    objects = RoutingQuerySet.as_manager()
 
     namespace = models.OneToOneField(CacheNamespace, on_delete=models.CASCADE, related_name="policy")
     max_age_since_last_hit_s = models.PositiveBigIntegerField(null=True, blank=True)

@@ -45,6 +45,7 @@ from cacheadmin.models import (
     Tenant,
     TenantGatewayPolicy,
 )
+from cacheadmin.models.gateway import routing_changed, routing_relevant
 from cacheadmin.models.naming import validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.serving import serving_routes
@@ -79,22 +80,6 @@ def routing_epoch() -> int:
     return RoutingEpoch.objects.filter(pk=1).values_list("value", flat=True).first() or 0
 
 
-def _bump() -> None:
-    if not RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1):
-        try:
-            with transaction.atomic():
-                RoutingEpoch.objects.create(pk=1, value=1)
-        except IntegrityError:  # created concurrently: count this change on it
-            RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1)
-
-
-def routing_changed() -> None:
-    """Tell every gateway that routing may have changed: the epoch moves when
-    the current transaction commits (at once outside one), so a gateway never
-    rebuilds from a state that is rolled back."""
-    transaction.on_commit(_bump)
-
-
 #: Models whose rows feed the snapshot: any saved or deleted instance moves the epoch.
 _ROUTING_MODELS = (
     CacheLayerSwitch,
@@ -112,8 +97,9 @@ _ROUTING_MODELS = (
 )
 
 
-def _on_routing_row(sender: type, **_kwargs: object) -> None:
-    routing_changed()
+def _on_routing_row(sender: type, update_fields: Iterable[str] | None = None, **_kwargs: object) -> None:
+    if routing_relevant(sender, update_fields):
+        routing_changed()
 
 
 def routing_signals_connect() -> None:
@@ -488,7 +474,6 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any]) -
         InvalidField: an unknown endpoint or a malformed body, naming the parameter (400, exit 2).
     """
     from gateway.canonical import InvalidRequest
-
     from gateway.semantic.layer import SemanticLayer
     from gateway.server import explain
 
@@ -512,9 +497,8 @@ def semantic_invalidate(*, tenant: Tenant, tags: Iterable[str], actor: str) -> i
         InvalidField: no tags, or a tag that is blank, longer than 200 characters or not printable (400, exit 2).
         TierUnavailable: the store is down (503, exit 3).
     """
-    from gateway.semantic.store import StoreUnavailable
-
     from cacheadmin.services.gateway_stores import semantic_store
+    from gateway.semantic.store import StoreUnavailable
     from inference.tiers.base import TierUnavailable
 
     tags = list(tags)
@@ -535,10 +519,9 @@ def gateway_caches_retire(*, namespace: CacheNamespace, actor: str, reason: str)
     Returns:
         ``{"response": entries removed, "semantic": entries removed}``.
     """
-    from gateway.semantic.store import StoreUnavailable as SemanticUnavailable
-
     from cacheadmin.services.gateway_stores import response_store, semantic_store
     from gateway.response_store import StoreUnavailable as ResponseUnavailable
+    from gateway.semantic.store import StoreUnavailable as SemanticUnavailable
 
     removed = {"response": 0, "semantic": 0}
     for layer, store, unavailable in (
@@ -546,7 +529,9 @@ def gateway_caches_retire(*, namespace: CacheNamespace, actor: str, reason: str)
         ("semantic", semantic_store, SemanticUnavailable),
     ):
         try:
-            removed[layer] = store().delete_prefix(namespace.storage_prefix)
+            held = store()
+            removed[layer] = held.usage(namespace.storage_prefix).entries
+            held.delete_prefix(namespace.storage_prefix)
         except unavailable:
             continue  # the namespace's next eviction sweep drops them (they are tiers of it)
     audit_record(actor=actor, action="gateway.caches_retire", obj=namespace, after={**removed, "reason": reason})
