@@ -39,6 +39,7 @@ from cacheadmin.models.jobs import Job
 from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
+from cacheadmin.services.gateway import gateway_caches_retire
 from cacheadmin.services.heat import prewarm_corpus_for
 from cacheadmin.services.jobs import job_cancel, job_finished
 from cacheadmin.services.model_versions import model_versions_status_sync
@@ -631,7 +632,19 @@ def release_set_traffic(*, release: Release, percent: int, actor: str) -> Releas
         _sync_versions(release, actor, f"release #{release.pk}")
         _event(release, actor, "traffic", before=before, after=percent)
         audit_record(actor=actor, action="release.traffic", obj=release, before={"percent": before}, after={"percent": percent})
+        if percent == 100:
+            why = f"release #{release.pk} moved all traffic to {release.to_version.label}"
+            _retire_answers_of(release.from_namespace, release.to_namespace_id, actor, why)
     return release
+
+
+def _retire_answers_of(namespace: CacheNamespace | None, serving_pk: int | None, actor: str, reason: str) -> None:
+    """Once committed, drop the gateway's cached answers of a namespace a release
+    took all traffic from (they could only be served to requests routed there);
+    nothing when it is the namespace that keeps serving (verified reuse)."""
+    if namespace is None or namespace.pk == serving_pk:
+        return
+    transaction.on_commit(lambda: gateway_caches_retire(namespace=namespace, actor=actor, reason=reason))
 
 
 def release_routing(release: Release, *, actor: str) -> list[dict[str, Any]]:
@@ -749,5 +762,7 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
             after={"namespace": namespace.namespace_key, "how": how},
             reason=reason,
         )
+        if release.to_namespace is not None:
+            _retire_answers_of(release.to_namespace, namespace.pk, actor, f"rollback of release #{release.pk}")
     release.refresh_from_db()
     return release

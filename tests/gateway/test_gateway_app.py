@@ -288,3 +288,62 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
         on_new = sticky_bucket(secret, f"user:user-{user}") < 30  # the newest version takes the first 30 buckets
         assert salt == cache_salt(settings.CACHE_SALT_SECRET, ("b" if on_new else "a") * 64)
     assert 0 < sum(1 for s in salts.values() if s == cache_salt(settings.CACHE_SALT_SECRET, "b" * 64)) < 60
+
+
+@pytest.fixture
+def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """The same gateway with the semantic layer: the real embedding model and a real SQLite entry store."""
+    from gateway.semantic.embedder import default_embedder
+    from gateway.semantic.layer import SemanticLayer
+    from gateway.semantic.store import SqliteSemanticStore
+
+    store = SqliteSemanticStore(tmp_path / "semantic.sqlite3")
+    setup["runtime"].semantic = SemanticLayer(store, default_embedder())
+    setup["semantic_store"] = store
+    return setup
+
+
+def _sampled(content: str) -> dict[str, Any]:
+    # Sampling keeps the response cache out of the way: only the semantic layer can answer.
+    return chat(content, temperature=0.7, max_tokens=16)
+
+
+def test_a_paraphrase_is_answered_by_the_semantic_cache_within_the_tenant_only(semantic_setup) -> None:
+    s = semantic_setup
+    first = call(s, _sampled("How do I reset my password?"), headers={"x-cache-tags": "topic:password, product:portal"})
+    assert first.headers["x-kvcp-served-by"] == "engine"
+    paraphrase = call(s, _sampled("How can I reset my password?"))
+    assert paraphrase.headers["x-kvcp-served-by"] == "semantic", paraphrase.text
+    assert paraphrase.json()["choices"][0]["message"]["content"] == "Paris is the capital."
+    assert len(s["fake"].received) == 1
+    # Another number, another entity: never the cached answer.
+    assert call(s, _sampled("How do I reset my password on Windows?")).headers["x-kvcp-served-by"] == "engine"
+    # Another tenant asking the same thing shares nothing: it has no routing here, and no entry would be in its partition.
+    assert call(s, _sampled("How can I reset my password?"), key=s["globex_key"]).status_code == 404
+    # An invalidation by tag removes the entry at once.
+    assert s["semantic_store"].invalidate_tags(str(s["acme"].pk), ["product:portal"]) == 1
+    assert call(s, _sampled("How can I reset my password?")).headers["x-kvcp-served-by"] == "engine"
+
+
+def test_time_dependent_and_personal_questions_bypass_the_semantic_layer_with_their_reasons(semantic_setup) -> None:
+    s = semantic_setup
+    call(s, _sampled("What is the weather in Paris today?"))
+    call(s, _sampled("Please email my invoice to jane.doe@example.com"))
+    rows, _ = s["runtime"].recorder.drain()
+    bypass: dict[str, int] = {}
+    for _, layer, _, _, reasons in rows:
+        if layer == "semantic":
+            for k, v in reasons.items():
+                bypass[k] = bypass.get(k, 0) + v
+    assert bypass == {"time_dependent": 1, "personal_data": 1}
+    assert s["semantic_store"].usage("ns-acme").entries == 0
+
+
+def test_a_response_store_that_is_down_is_bypassed_and_the_request_still_served(setup) -> None:
+    from gateway.response_store import RedisResponseStore
+
+    setup["runtime"].response_store = RedisResponseStore.from_url("redis://127.0.0.1:1/0")
+    answer = call(setup, chat(temperature=0))
+    assert answer.status_code == 200 and answer.headers["x-kvcp-served-by"] == "engine"
+    rows, _ = setup["runtime"].recorder.drain()
+    assert {layer: b for _, layer, _, _, b in rows}["response"] == {"store_unavailable": 1}
