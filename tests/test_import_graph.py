@@ -1,13 +1,15 @@
 """The module import graph, built statically by grimp (the library behind
 import-linter), counting imports inside functions too: no cycle, and the layers
-hold (``inference`` imports no Django and nothing of ``cacheadmin``; models and
-services import no page, API or command)."""
+hold (``inference`` imports no Django and nothing of ``cacheadmin``; the gateway's
+modules import neither, except ``gateway.asgi``, which builds a deployment's
+gateway from Django settings; models and services import no page, API or
+command)."""
 
 from __future__ import annotations
 
 import grimp
 
-PACKAGES = ("cacheadmin", "inference")
+PACKAGES = ("cacheadmin", "inference", "gateway")
 
 
 def _graph() -> grimp.ImportGraph:
@@ -81,3 +83,11 @@ def test_the_layers_hold() -> None:
     lower = {m for m in graph.modules if m.startswith(("cacheadmin.models", "cacheadmin.services"))}
     upper = ("cacheadmin.api", "cacheadmin.views", "cacheadmin.management", "cacheadmin.admin", "cacheadmin.tasks")
     assert sorted((m, i) for m in lower for i in graph.find_modules_directly_imported_by(m) if i.startswith(upper)) == []
+
+
+def test_the_gateway_is_django_free_but_for_its_deployment_factory() -> None:
+    graph = _graph()
+    modules = {m for m in graph.modules if m.split(".")[0] == "gateway" and m != "gateway.asgi"}
+    imported = {i.split(".")[0] for m in modules for i in graph.find_modules_directly_imported_by(m)}
+    assert "cacheadmin" not in imported and "django" not in imported
+    assert {"faiss", "httpx", "starlette"} <= imported  # the graph does see the gateway's external packages

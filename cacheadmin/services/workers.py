@@ -116,3 +116,14 @@ class KvEventsProcess(WorkerProcess):
     def command(self) -> list[str]:
         """The consumer's argv (one partition: the embedded default's whole fleet)."""
         return [sys.executable, str(Path(__file__).resolve().parents[2] / "manage.py"), "kv_events"]
+
+
+class GatewayProcess(WorkerProcess):
+    """``manage.py gateway`` in a subprocess: the data plane beside the dashboard."""
+
+    ready_marker = b"gateway on "
+    what = "gateway"
+
+    def command(self) -> list[str]:
+        """The gateway's argv (address and processes from settings)."""
+        return [sys.executable, str(Path(__file__).resolve().parents[2] / "manage.py"), "gateway"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,10 +24,12 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.env import env_int, env_str
 from cacheadmin.management.base import ControlPlaneCommand, int_within
+from cacheadmin.models import Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
 from cacheadmin.services.demo import DemoError, demo_run
-from cacheadmin.services.workers import KvEventsProcess, WorkerProcess
+from cacheadmin.services.gateway import gateway_key_issue
+from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
 from inference.engines.launcher import die_with_parent
 from inference.errors import CheckpointError, EngineError
 
@@ -329,6 +332,7 @@ class Command(ControlPlaneCommand):
         worker.start()
         log(f"celery worker ready (broker {settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}")
         consumer = KvEventsProcess(settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo")
+        stack = contextlib.ExitStack()
         try:
             consumer.start()
             log(f"KV-event consumer ready (resident tokens per namespace, isolation alarms), log {consumer.log_path}")
@@ -366,6 +370,14 @@ class Command(ControlPlaneCommand):
                         f"engine {serving['name']} (#{serving['id']}) keeps serving v2's namespace at {serving['base_url']}: "
                         "prewarm, compare or release against it; it stops with the demo"
                     )
+                gateway = GatewayProcess(settings.VAR_DIR / "logs" / "demo-gateway.log", name="demo")
+                gateway.start()
+                stack.callback(gateway.stop)
+                key = self._gateway_key()
+                log(
+                    f"gateway: http://{settings.GATEWAY_ADDR}/v1 (OpenAI-compatible; tenant acme's key {key}); "
+                    f"log {gateway.log_path}"
+                )
                 log(f"dashboard: {server.base_url}/  (Ctrl-C to stop)")
                 status = server.wait()
                 if status != 0:
@@ -379,6 +391,7 @@ class Command(ControlPlaneCommand):
                 log("interrupted; engines, worker and server stopped")
                 sys.exit(EXIT_INTERRUPTED)
         finally:
+            stack.close()
             worker.stop()
             consumer.stop()
             if server is not None:
@@ -398,6 +411,17 @@ class Command(ControlPlaneCommand):
             f"gunicorn on {server.bind}: {o.workers} workers x {o.threads} threads, static files by WhiteNoise; "
             f"log {server.log_path}"
         )
+
+    def _gateway_key(self) -> str:
+        """A gateway key of tenant acme for trying the gateway (one per demo run; the last one is kept in var/)."""
+        tenant = Tenant.objects.filter(slug="acme").first()
+        if tenant is None:
+            return "(no tenant acme)"
+        _, key = gateway_key_issue(tenant=tenant, name="demo", actor="demo")
+        path = settings.VAR_DIR / "gateway-key"
+        path.touch(mode=0o600)
+        path.write_text(key)
+        return key
 
     def _ensure_admin(self) -> str:
         path = settings.VAR_DIR / "admin-password"

@@ -123,6 +123,8 @@ def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers, sizes: _Size
         detail = {"logical_bytes": sum(b for kind, b in hot_bytes.items() if kind in ARCHIVED_TIERS)}
         actions.append(_Planned(Kind.ARCHIVE, Tier.COLD, ns, prefix, f"demote: {why}", detail=detail))
     for kind, held in hot_bytes.items():
+        if kind not in ARCHIVED_TIERS and not sizes(kind, prefix).entries:
+            continue  # the gateway's answer caches: planned only where the namespace has answers cached
         actions.append(_Planned(Kind.DELETE_PREFIX, kind, ns, prefix, why, held))
     # After the hot tiers: a connector would reload the state from them on the probe.
     for engine in _engines_of(ns):
