@@ -72,8 +72,8 @@ _MONTHS = (
     r"|nov(?:ember)?|dec(?:ember)?)"
 )
 
-#: The rules applied when none are configured. Why each word is there is in gateway/semantic/SEMANTIC.md; each rule
-#: errs towards bypassing (a bypass costs a possible hit, a stale hit serves a wrong answer).
+#: The rules applied when none are configured (the README lists them under "Semantic matching, guards and admission");
+#: each rule errs towards bypassing (a bypass costs a possible hit, a stale hit serves a wrong answer).
 DEFAULT_RULES: tuple[Rule, ...] = (
     Rule(
         name="time_dependent",
@@ -99,8 +99,8 @@ DEFAULT_RULES: tuple[Rule, ...] = (
             r"\b(?:compar(?:e|ed|es|ing|ison|isons)|versus|vs\.?|pros and cons"
             r"|differences? between|(?:better|worse|faster|slower|cheaper|safer|easier|harder|stronger|bigger|smaller"
             r"|more \w+|less \w+) than"
-            r"|which (?:\w+ ){0,3}(?:is|are|was|should|would)\b.{0,40}\b(?:better|best|faster|fastest|cheaper|cheapest|safer|safest|easier"
-            r"|worse|worst|more|less|preferred|recommended))\b"
+            r"|which (?:\w+ ){0,3}(?:is|are|was|should|would)\b.{0,40}\b(?:better|best|faster|fastest|cheaper|cheapest"
+            r"|safer|safest|easier|worse|worst|more|less|preferred|recommended))\b"
         ),
     ),
     Rule(
