@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,20 @@ def engine(demo_checkpoints) -> Iterator[LocalEngine]:
     spec = EngineSpec(
         model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(), prefix_caching=True,
         kv_storage_path=None, log_path=settings.ENGINE_LOG_DIR / "test-gateway.log",
+    )  # fmt: skip
+    local = LocalEngine(spec)
+    local.start()
+    local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_checkpoints) -> Iterator[LocalEngine]:
+    """The same checkpoint without prefix caching: what shadow verification compares against."""
+    spec = EngineSpec(
+        model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(), prefix_caching=False,
+        kv_storage_path=None, log_path=settings.ENGINE_LOG_DIR / "test-gateway-reference.log",
     )  # fmt: skip
     local = LocalEngine(spec)
     local.start()
@@ -77,7 +92,8 @@ def served(engine: LocalEngine, demo_checkpoints, tmp_path: Path) -> Iterator[di
 
     try:
         wait_for(up, timeout=60, what="the gateway to listen")
-        yield {"base": base, "key": key, "namespace": namespace, "engine": engine, "log": tmp_path / "gateway.log"}
+        yield {"base": base, "key": key, "namespace": namespace, "engine": engine, "log": tmp_path / "gateway.log",
+               "tenant": tenant, "version": version}  # fmt: skip
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -149,3 +165,40 @@ def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: d
     wait_for(lambda: _metric(engine, "vllm:num_requests_running") == 0, timeout=10, what="the engine to drop the request")
     spent = _metric(engine, "vllm:generation_tokens_total") - generated
     assert 0 < spent < wanted / 2, (spent, wanted)
+
+
+def test_a_revoked_key_is_refused_within_a_second(served: dict) -> None:
+    from cacheadmin.models import GatewayKey
+    from cacheadmin.services.gateway import gateway_key_revoke
+
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 2}
+    assert _post(served, ok).status_code == 200
+    gateway_key_revoke(key=GatewayKey.objects.get(tenant=served["tenant"]), actor="t")
+    revoked_at = time.monotonic()
+    wait_for(lambda: _post(served, ok).status_code == 401, timeout=5, interval=0.05, what="the key to be refused")
+    assert time.monotonic() - revoked_at < 1.0
+
+
+def test_shadow_verification_replays_a_live_cached_request_against_a_reference(served: dict, reference: LocalEngine) -> None:
+    from cacheadmin.models import ShadowCheck
+    from cacheadmin.services.gateway import tenant_gateway_policy_update
+    from cacheadmin.services.shadow import shadow_check_run
+
+    Engine.objects.create(
+        name="gw-reference", model_version=served["version"], base_url=reference.base_url, pid=reference.pid,
+        prefix_caching=False, status=Engine.Status.READY, verification=Engine.Verification.VERIFIED, role=Engine.Role.REFERENCE,
+    )  # fmt: skip
+    tenant_gateway_policy_update(tenant=served["tenant"], actor="t", changes={"shadow_sample_rate": 1.0})
+    time.sleep(1.0)  # the gateways' snapshot picks the policy up
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0.9,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which desk?"}]}  # fmt: skip
+    for _ in range(2):  # the second reports the first's prefix as cached
+        assert _post(served, body).status_code == 200
+    wait_for(lambda: ShadowCheck.objects.exists(), timeout=15, what="a shadow check recorded by the gateway")
+    check = ShadowCheck.objects.get()
+    assert check.cached_tokens > 0 and check.status == "pending" and check.request["messages"] == body["messages"]
+    assert shadow_check_run(check.pk) == "matched"
+    check.refresh_from_db()
+    assert check.detail["tokens_equal"] is True and check.detail["reference_engine"] == "gw-reference"
+    assert check.detail["replay_cached_tokens"] > 0
+    assert shadow_check_run(check.pk) is None  # idempotent: judged once
