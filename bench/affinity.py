@@ -395,17 +395,33 @@ def cold_start_ok(phase: Phase) -> bool:
 
 
 @dataclass(frozen=True)
-class CappedSpec(EngineSpec):
-    """An :class:`EngineSpec` whose KV cache holds at most ``num_blocks`` blocks
-    (vLLM ``--num-gpu-blocks-override``, honoured by the CPU backend too:
-    ``vllm/v1/core/kv_cache_utils.py`` ``may_override_num_blocks``)."""
+class BenchEngineSpec(EngineSpec):
+    """An :class:`EngineSpec` with two knobs the launcher does not expose.
+
+    Attributes:
+        num_blocks: cap the KV cache at this many blocks (vLLM ``--num-gpu-blocks-override``,
+            honoured by the CPU backend too: ``vllm/v1/core/kv_cache_utils.py``
+            ``may_override_num_blocks``), or None for the launcher's ``VLLM_CPU_KVCACHE_SPACE``.
+        omp_bind: ``VLLM_CPU_OMP_THREADS_BIND`` (CPU ids for the engine's compute
+            threads, e.g. ``"1"``), or None for vLLM's ``auto``. Seen in the engine
+            log here: ``auto`` on 2 cores binds every engine's threads to core 0
+            and reserves core 1 for the rest, so two engines would share one core.
+    """
 
     num_blocks: int | None = None
+    omp_bind: str | None = None
 
     def command(self) -> list[str]:
         """The launcher's argv, plus the block cap when set."""
         argv = super().command()
         return argv + ["--num-gpu-blocks-override", str(self.num_blocks)] if self.num_blocks else argv
+
+    def environment(self) -> dict[str, str]:
+        """The launcher's environment, plus the thread binding when set."""
+        env = super().environment()
+        if self.omp_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_bind
+        return env
 
 
 def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
@@ -436,8 +452,14 @@ def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
     }
 
 
-def start_engines(workdir: Path, kv_blocks: int | None) -> list[LocalEngine]:
+def start_engines(workdir: Path, kv_blocks: int | None, *, separate_cores: bool) -> list[LocalEngine]:
     """Build ``tiny-v1`` under ``workdir`` and start two engines on it (both boot at once).
+
+    Args:
+        kv_blocks: each engine's KV cache in blocks, or None (1 GiB).
+        separate_cores: bind engine ``i``'s compute threads to CPU ``i`` (modulo the
+            CPU count), as two hosts would each compute on their own; False leaves
+            vLLM's ``auto`` binding (on 2 cores: both engines on core 0).
 
     Raises:
         EngineError: an engine did not start (both are stopped first).
@@ -447,12 +469,13 @@ def start_engines(workdir: Path, kv_blocks: int | None) -> list[LocalEngine]:
     max_len = min(8192, (kv_blocks - 8) * BLOCK_SIZE) if kv_blocks else 8192
     engines = [
         LocalEngine(
-            CappedSpec(
+            BenchEngineSpec(
                 model_path=path, served_name=MODEL, dtype="float32", port=free_port(), log_path=workdir / f"{name}.log",
                 block_size=BLOCK_SIZE, max_model_len=max_len, prefix_caching=True, kv_storage_path=None, num_blocks=kv_blocks,
+                omp_bind=str(i % (os.cpu_count() or 1)) if separate_cores else None,
             )
         )
-        for name in ENGINE_NAMES
+        for i, name in enumerate(ENGINE_NAMES)
     ]  # fmt: skip
     timeout = float(os.environ.get("ENGINE_START_TIMEOUT_S", "600"))
     try:
@@ -481,6 +504,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--seed", type=int, default=7, help="traffic seed")
     parser.add_argument("--kv-blocks", type=int, default=None, help="cap each engine's KV cache at this many 32-token blocks")
+    parser.add_argument(
+        "--shared-core", action="store_true", help="leave vLLM's auto thread binding (2 cores: both engines compute on core 0)"
+    )
     parser.add_argument("--quick", action="store_true", help="80 requests, 1 round")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (checkpoint, engine logs)")
     args = parser.parse_args()
@@ -501,7 +527,7 @@ def main() -> int:
     os.environ["MODEL_ROOTS"] = str(workdir / "models")
     started = time.perf_counter()
     try:
-        engines = start_engines(workdir, args.kv_blocks)
+        engines = start_engines(workdir, args.kv_blocks, separate_cores=not args.shared_core)
     except EngineError as exc:
         print(f"an engine did not start: {exc} (logs under {workdir})", file=sys.stderr)
         return 2
@@ -515,7 +541,8 @@ def main() -> int:
     print(
         f"{args.requests} requests per phase, {args.templates} templates (system prompts {tokens:,.0f} characters on average), "
         f"Zipf s={args.zipf_s} (top template {weights[0]:.0%}), {args.concurrency} in flight, "
-        f"KV cache {f'{args.kv_blocks} blocks' if args.kv_blocks else '1 GiB'} per engine"
+        f"KV cache {f'{args.kv_blocks} blocks' if args.kv_blocks else '1 GiB'} per engine, "
+        f"{'both engines on one core (auto binding)' if args.shared_core else 'each engine on its own core'}"
     )
     header = f"{'round':<6}{'mode':<13}{'s':>7}{'ok':>5}{'hit ratio':>11}{'computed tok':>14}{'TTFT p50':>10}"
     header += f"{'lat p50':>9}{'lat p95':>9}"
@@ -588,7 +615,8 @@ def main() -> int:
     cold = all(cold_start_ok(p) for p in phases)
     result = {
         "requests_per_phase": args.requests, "rounds": args.rounds, "templates": args.templates, "zipf_s": args.zipf_s,
-        "concurrency": args.concurrency, "kv_blocks": args.kv_blocks, "seed": args.seed, "affinity": aff, "round_robin": rr,
+        "concurrency": args.concurrency, "kv_blocks": args.kv_blocks, "shared_core": args.shared_core,
+        "seed": args.seed, "affinity": aff, "round_robin": rr,
         "ratios_affinity_over_round_robin": ratios, "cold_start_ok": cold,
         "phases": [{"mode": p.mode, "round": p.round, "seconds": round(p.seconds, 2), **summarize([p])} for p in phases],
     }  # fmt: skip
