@@ -97,13 +97,13 @@ class GatewayLayersView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView)
         responses={200: inline_serializer("GatewayLayers", {layer: s.LayerStateSerializer() for layer in SWITCHED_LAYERS})}
     )
     def get(self, request: Request) -> Response:
-        return Response(layer_states())
+        return Response({layer: s.LayerStateSerializer(state).data for layer, state in layer_states().items()})
 
     @extend_schema(request=s.LayerSwitchSerializer, responses={200: s.LayerStateSerializer})
     def post(self, request: Request) -> Response:
         data = validated(request, s.LayerSwitchSerializer)
         layer_switch_set(layer=data["layer"], enabled=data["enabled"], actor=actor_of(request), reason=data["reason"])
-        return Response(layer_states()[data["layer"]])
+        return Response(s.LayerStateSerializer(layer_states()[data["layer"]]).data)
 
 
 class GatewayExplainView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView):

@@ -71,6 +71,8 @@ SWITCHED_LAYERS = (CacheLayer.RESPONSE, CacheLayer.SEMANTIC)
 class GatewayRefused(Refused):
     """A gateway decision refused (409, exit 4)."""
 
+    code = "gateway_refused"
+
 
 # --- routing epoch ----------------------------------------------------------
 

@@ -102,7 +102,9 @@ def test_scans_time_series_and_orphans(world, kv, clients, django_capture_on_com
     assert (scan["orphan_prefixes"], scan["prefixes_seen"]) == (1, 5)
     v3 = world["ns"]["v3"]
     series = clients["bound"].get(f"/api/tier-usage/?namespace={v3.pk}&ordering=tier").json()["results"]
-    assert [(r["tier"], r["bytes"], r["entries"]) for r in series] == [("disk", 6000, 3), ("redis", 1500, 3), ("response", 0, 0), ("semantic", 0, 0)]
+    assert [(r["tier"], r["bytes"], r["entries"]) for r in series] == [
+        ("disk", 6000, 3), ("redis", 1500, 3), ("response", 0, 0), ("semantic", 0, 0),
+    ]  # fmt: skip
     # A tenant-bound token sees its own namespaces' rows only (never orphans).
     assert all(r["namespace"] is not None for r in clients["bound"].get("/api/tier-usage/?limit=1000").json()["results"])
     assert TierUsageSample.objects.filter(namespace__isnull=True).count() == 1

@@ -5,13 +5,17 @@ from __future__ import annotations
 import pytest
 from django.core.management.base import CommandError
 
-import cacheadmin.services.engine_verification
-import cacheadmin.services.engines
-import cacheadmin.services.eviction
-import cacheadmin.services.model_versions
-import cacheadmin.services.namespaces
-import cacheadmin.services.prewarm
-import cacheadmin.services.releases  # noqa: F401  (each module defines error classes)
+# Each module below defines error classes.
+import cacheadmin.services.engine_verification  # noqa: F401
+import cacheadmin.services.engines  # noqa: F401
+import cacheadmin.services.eviction  # noqa: F401
+import cacheadmin.services.gateway  # noqa: F401
+import cacheadmin.services.model_versions  # noqa: F401
+import cacheadmin.services.namespaces  # noqa: F401
+import cacheadmin.services.prewarm  # noqa: F401
+import cacheadmin.services.releases  # noqa: F401
+import gateway.response_store  # noqa: F401
+import gateway.semantic.store  # noqa: F401
 from cacheadmin.api.exceptions import api_exception_handler
 from cacheadmin.management.base import ControlPlaneCommand
 from inference.errors import ControlPlaneError, Refused
@@ -34,6 +38,9 @@ EXPECTED = {
     "ReleaseRefused": (409, "release_refused", 4),
     "ReleaseConflict": (409, "release_conflict", 4),
     "LifecycleError": (409, "lifecycle_conflict", 4),
+    "GatewayRefused": (409, "gateway_refused", 4),
+    # The response and semantic caches' stores (one name, two classes: both answered alike).
+    "StoreUnavailable": (503, "store_unavailable", 3),
 }
 
 
