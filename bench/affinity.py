@@ -1,22 +1,25 @@
 """Prefix-affinity engine choice against round robin, through the gateway, on two real vLLM engines.
 
 Starts two vLLM engines on CPU from the same demo checkpoint (``tiny-v1``,
-built into a temporary folder; prefix caching on, no KV connector, each with
-its own 1 GiB KV cache unless ``--kv-blocks`` caps it) and builds a
-:class:`gateway.routing.RoutingSnapshot` by hand: one tenant, one key, one
-namespace (a random 64-hex-character ``cache_salt``) served by both engines.
-The same traffic then goes through an in-process :class:`gateway.server.Gateway`
-(``httpx.ASGITransport``; response cache and semantic layer off:
-``response_store=None``, ``semantic=None``) in phases that alternate
-``Runtime.engine_choice`` between ``"affinity"`` (rendezvous hashing of the
-prompt's leading 512 characters, load-aware fallback: ``gateway.routing.choose_engine``)
-and ``"round_robin"``. Before every phase both engines' prefix caches are
+built into a temporary folder, with ``VAR_DIR`` and ``MODEL_ROOTS`` pointed
+there too; prefix caching on, no KV connector, each with its own 1 GiB KV cache
+unless ``--kv-blocks`` caps it, each computing on its own CPU core unless
+``--shared-core``) and builds a :class:`gateway.routing.RoutingSnapshot` by
+hand: one tenant, one key, one namespace (a random 64-hex-character
+``cache_salt``) served by both engines. The same traffic then goes through an
+in-process :class:`gateway.server.Gateway` (``httpx.ASGITransport``; response
+cache and semantic layer off: ``response_store=None``, ``semantic=None``) in
+phases that alternate ``Runtime.engine_choice`` between ``"affinity"``
+(rendezvous hashing of the prompt's leading 512 characters, load-aware
+fallback: ``gateway.routing.choose_engine``) and ``"round_robin"``, the order
+swapped every round. Before every phase both engines' prefix caches are
 dropped with ``POST /reset_prefix_cache`` (the launcher starts engines with
 ``VLLM_SERVER_DEV_MODE=1``, which exposes it), so no phase inherits another's
-blocks; the namespace's salt stays the same, as it does in production.
+blocks; the namespace's salt stays the same, as it does in production. An
+untimed warm-up pass (16 requests) comes first.
 
 Traffic (the same list, in the same order, in every phase): ``--templates``
-(8) prompt templates, each a long system prompt of its own (1,500-2,000
+(8) prompt templates, each a long system prompt of its own (1,800-1,860
 characters, different from the first sentence) followed by a short user
 question (a random combination of stems, subjects and a number: nearly every
 question is unique), template popularity Zipf-distributed (weight ``1/k^s``,
@@ -30,17 +33,17 @@ from each answer), prompt tokens the engines computed (not cached), time to
 first token as the gateway measured it (from the request's arrival to the
 first content token of the engine's stream; the gateway's ``Recorder``
 receives it with each answer's figures, so the benchmark collects it there),
-client latency (the whole non-streamed answer), answers/s, how requests were
-split over the engines (the ``x-kvcp-engine`` header) overall and per
-template, and the engines' own ``vllm:prefix_cache_hits``/``queries`` deltas
-as a cross-check. Then the ratios affinity / round robin and one JSON line
-``{"affinity_bench": {...}}``.
+overall and for hits and misses apart, client latency (the whole non-streamed
+answer), answers/s, how requests were split over the engines (the
+``x-kvcp-engine`` header) overall and per template, and the engines' own
+``vllm:prefix_cache_hits``/``queries`` deltas as a cross-check. Then the
+ratios affinity / round robin and one JSON line ``{"affinity_bench": {...}}``.
 
 Usage::
 
-    .venv/bin/python bench/affinity.py                  # 300 requests x 2 rounds (~6 min on 2 cores)
-    .venv/bin/python bench/affinity.py --quick          # 80 requests x 1 round (~3 min)
-    .venv/bin/python bench/affinity.py --kv-blocks 96   # cache pressure: 96 blocks of 32 tokens per engine
+    .venv/bin/python bench/affinity.py                  # 300 requests x 4 rounds (~5 min on 2 cores)
+    .venv/bin/python bench/affinity.py --quick          # 80 requests x 1 round (~2 min)
+    .venv/bin/python bench/affinity.py --kv-blocks 80   # cache pressure: 80 blocks of 32 tokens per engine
 
 Exit status 0 when every request was answered and every reset was seen to
 work (whatever the ratios); 1 when a request failed or a phase found a warm
@@ -285,12 +288,14 @@ class TtftRecorder(Recorder):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ttft_ms: list[float] = []
+        #: (TTFT in ms, whether the engine reported cached prompt tokens), one per engine answer.
+        self.ttft_ms: list[tuple[float, bool]] = []
 
     def add(self, namespace_pk: int, layer: str, *, now: float | None = None, **counters: float) -> None:
         """Record as :meth:`Recorder.add`; a ``prefix`` row's TTFT is kept too."""
         if layer == "prefix":
-            self.ttft_ms.append(counters.get("ttft_hit_ms_sum", counters.get("ttft_miss_ms_sum", float("nan"))))
+            hit = "ttft_hit_ms_sum" in counters
+            self.ttft_ms.append((counters["ttft_hit_ms_sum" if hit else "ttft_miss_ms_sum"], hit))
         super().add(namespace_pk, layer, now=now, **counters)
 
 
@@ -315,7 +320,8 @@ class Phase:
     round: int
     seconds: float
     answers: list[Answer]
-    ttft_ms: list[float]
+    #: (TTFT in ms, cache hit) per engine answer, as the gateway measured it.
+    ttft_ms: list[tuple[float, bool]]
     #: engine name → (prefix_cache_queries, prefix_cache_hits) deltas from its /metrics (tokens).
     engine_counters: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -429,7 +435,9 @@ def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
     ok = [a for p in phases for a in p.ok]
     prompt = sum(a.prompt_tokens for a in ok)
     cached = sum(a.cached_tokens for a in ok)
-    ttft = [t for p in phases for t in p.ttft_ms]
+    ttft = [t for p in phases for t, _ in p.ttft_ms]
+    ttft_hit = [t for p in phases for t, hit in p.ttft_ms if hit]
+    ttft_miss = [t for p in phases for t, hit in p.ttft_ms if not hit]
     latency = [a.latency_ms for a in ok]
     split = Counter(a.engine for a in ok)
     queries = sum(q for p in phases for q, _ in p.engine_counters.values())
@@ -445,6 +453,8 @@ def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
         "engine_hit_ratio": hits / queries if queries else float("nan"),
         "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
         "ttft_p95_ms": percentile(ttft, 95),
+        "ttft_hit_p50_ms": statistics.median(ttft_hit) if ttft_hit else float("nan"),
+        "ttft_miss_p50_ms": statistics.median(ttft_miss) if ttft_miss else float("nan"),
         "latency_p50_ms": statistics.median(latency) if latency else float("nan"),
         "latency_p95_ms": percentile(latency, 95),
         "answers_per_s": len(ok) / sum(p.seconds for p in phases),
@@ -498,7 +508,7 @@ def fmt(value: float, spec: str = ".1f") -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="requests per phase")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of (affinity, round robin), order alternating")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of (affinity, round robin), order alternating")
     parser.add_argument("--templates", type=int, default=8, help=f"prompt templates (1-{len(PRODUCTS)})")
     parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of template popularity")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
@@ -593,6 +603,8 @@ def main() -> int:
         ("prompt tokens computed", "computed_prompt_tokens", ",d"),
         ("TTFT p50 (ms, gateway)", "ttft_p50_ms", ".1f"),
         ("TTFT p95 (ms, gateway)", "ttft_p95_ms", ".1f"),
+        ("TTFT p50 of hits (ms)", "ttft_hit_p50_ms", ".1f"),
+        ("TTFT p50 of misses (ms)", "ttft_miss_p50_ms", ".1f"),
         ("latency p50 (ms, client)", "latency_p50_ms", ".1f"),
         ("latency p95 (ms, client)", "latency_p95_ms", ".1f"),
         ("answers/s", "answers_per_s", ".2f"),
