@@ -213,51 +213,7 @@ def gateway_app(config: dict[str, Any]) -> Any:
         recorder=Recorder(),
         limits=Limits(rate_per_s=1e9, burst=1_000_000_000, engine_max_in_flight=1024),
     )
-    app = Gateway(runtime).app
-    return drop_stream_length(app) if stream_length_bug() else app
-
-
-def stream_length_bug() -> bool:
-    """Whether the gateway's streamed answers declare ``content-length: 0``.
-
-    ``gateway.server._ProxyStream`` (as of this benchmark's writing) calls
-    ``Response.__init__(content=None)``, and Starlette then sets
-    ``content-length: 0`` (``Response.init_headers``); behind a real HTTP server
-    the client reads an empty body (uvicorn: "ASGI callable returned without
-    completing response"). ``httpx.ASGITransport`` ignores the header, so the
-    in-process tests do not see it. The benchmark measures streams through
-    :func:`drop_stream_length` while this holds, and says so.
-    """
-    from gateway.server import _ProxyStream
-
-    async def nothing() -> Any:
-        yield b""
-
-    source = nothing()
-    try:
-        return any(name == b"content-length" for name, _ in _ProxyStream(source, {}).raw_headers)
-    finally:
-        asyncio.run(source.aclose())
-
-
-def drop_stream_length(app: Any) -> Any:
-    """An ASGI wrapper that removes ``content-length`` from ``text/event-stream`` answers (see :func:`stream_length_bug`)."""
-
-    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-
-        async def send_fixed(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                headers = message.get("headers") or []
-                if any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
-                    message = {**message, "headers": [(k, v) for k, v in headers if k != b"content-length"]}
-            await send(message)
-
-        await app(scope, receive, send_fixed)
-
-    return wrapped
+    return Gateway(runtime).app
 
 
 def serve(kind: str, port: int, args: argparse.Namespace) -> None:
@@ -892,12 +848,6 @@ def main() -> int:
                               "stub": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "tokens": len(ANSWER_WORDS)}}  # fmt: skip
     errors = 0
     goal_pass: bool | None = None
-    report["gateway_stream_content_length_workaround"] = stream_length_bug()
-    if report["gateway_stream_content_length_workaround"]:
-        print(
-            "note: the gateway's streamed answers declare content-length: 0 (gateway.server._ProxyStream); streams are "
-            "measured through a wrapper that drops that header (drop_stream_length)"
-        )
     try:
         stub_port, gateway_port, litellm_port, engine_port = (free_port() for _ in range(4))
         stub_url, engine_url = f"http://127.0.0.1:{stub_port}", f"http://127.0.0.1:{engine_port}"
