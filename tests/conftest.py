@@ -15,6 +15,8 @@ from inference.checkpoints import ensure_demo_checkpoints
 #: Fixtures that start processes (a generated client's build, a server, a Celery worker): their tests are ``slow``.
 SLOW_FIXTURES = frozenset({"api", "server", "worker"})
 #: Fixtures that talk to the Redis server as a KV tier: their tests are ``redis``.
+#: tests/gateway files that run on the scale-out suite too (they use the deployment's stores).
+GATEWAY_SCALE_OUT_FILES = frozenset({"test_gateway_app.py", "test_gateway_vllm.py"})
 REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"})
 
 
@@ -25,14 +27,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     On the scale-out run (``KVCP_SCALE_OUT_RUN=1``, set by ``scripts/test`` for
     PostgreSQL + Redis) what cannot differ by database or broker is deselected:
-    ``tests/inference`` (that package imports no Django) and tests marked
+    ``tests/inference`` (that package imports no Django), the tests of the
+    gateway's Django-free modules (they test both stores themselves) and tests marked
     ``embedded_default`` (the demo, the embedded default's main job by definition).
     """
     if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
         inference = Path(__file__).parent / "inference"
+        gateway = Path(__file__).parent / "gateway"
         kept, dropped = [], []
         for item in items:
-            independent = inference in Path(item.path).parents or item.get_closest_marker("embedded_default") is not None
+            path = Path(item.path)
+            independent = (
+                inference in path.parents
+                # The gateway's Django-free modules test both stores themselves; its app and its
+                # real-engine tests run again on the scale-out stores (Redis, PostgreSQL).
+                or (gateway in path.parents and path.name not in GATEWAY_SCALE_OUT_FILES)
+                or item.get_closest_marker("embedded_default") is not None
+            )
             (dropped if independent else kept).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)

@@ -1,5 +1,5 @@
 """The gateway's request path against the real database (routing snapshot,
-keys, policies) and a real SQLite response store, with an engine emulated at
+keys, policies) and the deployment's response store (a SQLite file, Redis in scale-out), with an engine emulated at
 the HTTP level (the real vLLM path is tests/gateway/test_gateway_vllm.py):
 what the engine receives, what the caller gets, what is cached and recorded."""
 
@@ -23,8 +23,9 @@ from cacheadmin.services.gateway import (
     tenant_gateway_policy_update,
     tenant_secret,
 )
+from cacheadmin.services.gateway_stores import response_store as deployment_response_store
+from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
 from gateway.records import Recorder
-from gateway.response_store import SqliteResponseStore
 from gateway.routing import sticky_bucket
 from gateway.server import Gateway, Limits, Runtime
 from inference.identity import cache_salt
@@ -96,7 +97,9 @@ def setup(tmp_path: Path) -> dict[str, Any]:
     _, key = gateway_key_issue(tenant=acme, name="app", actor="test")
     _, globex_key = gateway_key_issue(tenant=globex, name="other", actor="test")
     fake = FakeEngine()
-    store = SqliteResponseStore(tmp_path / "rc.sqlite3")
+    store = deployment_response_store()
+    for prefix in ("ns-acme", "ns-acme-v2"):  # the scale-out store is shared by the run's tests
+        store.delete_prefix(prefix)
     holder = {"snap": routing_snapshot_build()}
     runtime = Runtime(
         snapshot=lambda: holder["snap"], response_store=store, semantic=None, recorder=Recorder(),
@@ -292,12 +295,13 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
 
 @pytest.fixture
 def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    """The same gateway with the semantic layer: the real embedding model and a real SQLite entry store."""
+    """The same gateway with the semantic layer: the real embedding model and the deployment's entry store
+    (SQLite in the embedded default, Redis in scale-out)."""
     from gateway.semantic.embedder import default_embedder
     from gateway.semantic.layer import SemanticLayer
-    from gateway.semantic.store import SqliteSemanticStore
 
-    store = SqliteSemanticStore(tmp_path / "semantic.sqlite3")
+    store = deployment_semantic_store()
+    store.delete_prefix("ns-acme")
     setup["runtime"].semantic = SemanticLayer(store, default_embedder())
     setup["semantic_store"] = store
     return setup
