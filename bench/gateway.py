@@ -230,7 +230,7 @@ def serve(kind: str, port: int, args: argparse.Namespace) -> None:
 
 @dataclass
 class Server:
-    """A server process this run started (its own process group)."""
+    """A server process, the leader of its own process group (started by this run, or the vLLM engine)."""
 
     name: str
     pid: int
