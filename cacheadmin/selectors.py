@@ -135,3 +135,34 @@ def resident_by_engine(engines: list[Engine], *, window_s: int = 180) -> list[di
         if s.blocks
     ]
     return sorted(rows, key=lambda r: (r["engine"].name, -r["tokens"]))
+
+
+def gateway_overview(*, minutes: int = 60) -> dict[str, object]:
+    """What the dashboard shows of the gateway: the layers' kill switches, per
+    namespace and layer the last ``minutes`` of figures (hit ratio, cost savings
+    rate, benefit ratio, bypass reasons), suspended namespaces and shadow checks.
+
+    Returns:
+        ``{"layers": {layer: state}, "rows": [{"namespace", "layer", ...figures}],
+        "suspended": [NamespaceRouting], "shadow": {status: count}}``.
+    """
+    from django.db.models import Count
+
+    from cacheadmin.models import NamespaceRouting, ShadowCheck
+    from cacheadmin.services.gateway import gateway_figures, layer_states
+
+    since = timezone.now() - timedelta(minutes=minutes)
+    figures = gateway_figures(since=since)
+    namespaces = CacheNamespace.objects.select_related("model_version", "tenant", "group").in_bulk(list(figures))
+    rows = []
+    for pk, layers in sorted(figures.items()):
+        for layer in ("response", "semantic", "prefix"):
+            if layer in layers and pk in namespaces:
+                rows.append({"namespace": namespaces[pk], "layer": layer, **layers[layer]})
+    return {
+        "layers": layer_states(),
+        "rows": rows,
+        "suspended": list(NamespaceRouting.objects.filter(suspended_at__isnull=False).select_related("namespace")),
+        "shadow": dict(ShadowCheck.objects.filter(created_at__gte=since).values_list("status").annotate(n=Count("id"))),
+        "minutes": minutes,
+    }

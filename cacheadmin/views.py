@@ -55,6 +55,7 @@ def _live_context(request: HttpRequest) -> dict[str, object]:
         "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
         "prewarm_jobs": prewarm,
         "comparison_jobs": comparison,
+        "gateway": selectors.gateway_overview(),
         "poll_s": POLL_ACTIVE_S if active else POLL_IDLE_S,
     }
 

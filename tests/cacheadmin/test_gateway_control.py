@@ -258,3 +258,24 @@ def test_gateway_key_cli_issues_lists_and_revokes(served) -> None:
     assert manage("gateway_key", "revoke", out["prefix"], env=subprocess_env()).returncode == 2
     _, key = gateway_key_issue(tenant=served["acme"], name="after", actor="t")
     assert key_hash(key) in routing_snapshot_build().keys
+
+
+def test_the_dashboard_shows_the_gateway_layers_figures_and_holds(served, client) -> None:
+    from django.contrib.auth.models import User
+
+    ns = served["ns"]["acme"]
+    minute = timezone.now().replace(second=0, microsecond=0)
+    counters = {"requests": 4, "hits": 1, "misses": 1, "bypasses": 2, "prompt_tokens": 100, "output_tokens": 10,
+                "ttft_hit_ms_sum": 2.0, "ttft_hit_count": 1, "lookup_ms_sum": 1.0, "lookup_count": 2}  # fmt: skip
+    gateway_flush([(ns.pk, "response", minute, counters, {"sampling": 2})], [])
+    served["clients"]["alice"].post(
+        "/api/gateway/layers/", {"layer": "semantic", "enabled": False, "reason": "incident 7"}, format="json"
+    )
+    namespace_routing_suspend(namespace=ns, reason="deceptive hit on live traffic", actor="t")
+    client.force_login(User.objects.create_user("viewer"))
+    page = client.get("/").content.decode()
+    assert "<h1>Gateway</h1>" in page
+    assert "semantic cache off (incident 7, alice (token alice-ci))" in page
+    assert "Routing suspended" in page and "deceptive hit on live traffic" in page
+    row = page[page.index("acme/v1</a></td><td>response</td>") :].split("</tr>")[0]
+    assert "<td>4</td>" in row and "50 %" in row and "sampling 2" in row and "2.0 ms" in row

@@ -77,11 +77,12 @@ def _rows(n: int) -> None:
 def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert_num_queries) -> None:
     _rows(1)
     # session, user, versions, namespaces, shared groups, their members, eviction runs,
-    # latest usage (2), releases, engines, open alarms, prewarm jobs, comparison jobs
-    with django_assert_num_queries(14):
+    # latest usage (2), releases, engines, open alarms, prewarm jobs, comparison jobs,
+    # gateway figures, layer switches, routing holds, shadow checks
+    with django_assert_num_queries(18):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(14):
+    with django_assert_num_queries(18):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 
