@@ -18,7 +18,7 @@ before it is timed:
    - through **our gateway** (``gateway.server.Gateway`` under uvicorn, one
      process, access log off, as ``manage.py gateway`` serves it), built from a
      hand-made ``RoutingSnapshot`` (no database) with the Redis response store
-     on (``RedisResponseStore``, db 15): sampled requests are not admitted to
+     on (``RedisResponseStore``, db 10): sampled requests are not admitted to
      the response cache, so every one reaches the stub; semantic layer off;
    - through **LiteLLM's proxy** (``litellm --config``, one worker, from the
      separate venv ``bench/.venv-litellm``, master key set, Redis cache on db 11
@@ -95,8 +95,9 @@ ANSWER_WORDS = ("The", " capital", " of", " France", " is", " Paris,", " as", " 
 ANSWER = "".join(ANSWER_WORDS)
 #: A short system prompt shared by every request.
 SYSTEM = "You are a geography assistant. Answer in one sentence."
-#: Redis databases and key heads of this benchmark (the project's tests use 12-14, the demo 0 and 2).
-GATEWAY_REDIS_URL = "redis://127.0.0.1:6379/15"
+#: Redis databases and key heads of this benchmark, apart from the project's (0 and 2, 3 in the README's
+#: gateway example, tests 12-14; the scale-out suite flushes 14 and 15 as it starts).
+GATEWAY_REDIS_URL = "redis://127.0.0.1:6379/10"
 GATEWAY_KEY_PREFIX = "kvcp:bench:gw"
 LITELLM_REDIS_DB = 11
 LITELLM_NAMESPACE = "kvcp-bench-litellm"
@@ -702,7 +703,7 @@ def part_hits(gateway: Target, litellm: Target | None, stub: Server, *, requests
 
 
 def clear_redis() -> int:
-    """Delete this benchmark's keys: the gateway's under its key prefix in db 15,
+    """Delete this benchmark's keys: the gateway's under its key prefix in db 10,
     LiteLLM's cache namespace and counters in db 11 (its own); returns how many."""
     import redis
 
