@@ -506,6 +506,7 @@ def fmt(value: float, spec: str = ".1f") -> str:
 
 
 def main() -> int:
+    """Run the benchmark (see the module docstring); returns the exit status (0, 1 or 2)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="requests per phase")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of (affinity, round robin), order alternating")
