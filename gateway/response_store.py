@@ -31,10 +31,11 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from gateway.sqlite_file import SqliteFile
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierError, TierUnavailable, TierUsage, is_stray_prefix, stray_prefix
 
@@ -370,9 +371,10 @@ class SqliteResponseStore(ResponseStore):
             raise InvalidField("path", f"must be a file path, got {_show(path)}")
         self.path = Path(path)
         self.busy_timeout_s = _check_seconds(busy_timeout_s, "busy_timeout_s")
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._connections: list[sqlite3.Connection] = []
+        self._db = SqliteFile(
+            self.path, busy_timeout_s=self.busy_timeout_s, what="SQLite response store", unavailable=StoreUnavailable
+        )
+        self._lock = threading.Lock()  # guards the leases this store holds
         self._held: dict[tuple[str, str], str] = {}
         with self._errors("open"):
             conn = self._conn()
@@ -386,51 +388,17 @@ class SqliteResponseStore(ResponseStore):
     # -- connections -------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        local = self._local
-        pid = os.getpid()
-        # A connection inherited through fork must not be used by the child (SQLite's "how to corrupt" guide, 2.6).
-        if getattr(local, "pid", None) != pid:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA synchronous=NORMAL")
-            local.conn, local.pid = conn, pid
-            with self._lock:
-                self._connections.append(conn)
-        return local.conn
+        return self._db.conn()
 
     def close(self) -> None:
         """Close every connection this store opened in this process."""
-        with self._lock:
-            conns, self._connections = self._connections, []
-        for conn in conns:
-            conn.close()
-        self._local = threading.local()
+        self._db.close()
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except sqlite3.OperationalError as exc:  # locked past the busy timeout, I/O error, disk full, unreadable
-            raise StoreUnavailable(f"SQLite response store {self.path}: {doing} failed: {exc}") from exc
-        except sqlite3.DatabaseError as exc:
-            if type(exc) is not sqlite3.DatabaseError:
-                raise  # IntegrityError, ProgrammingError...: a bug, not an outage
-            raise StoreUnavailable(f"SQLite response store {self.path}: {doing} failed: {exc}") from exc
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return self._db.errors(doing)
 
-    @contextmanager
-    def _write(self, doing: str) -> Iterator[sqlite3.Connection]:
-        """One IMMEDIATE transaction: the write lock is taken first, so the
-        busy handler applies (a deferred read-then-write can fail at once)."""
-        with self._errors(doing):
-            conn = self._conn()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                # Also after a failed COMMIT: the connection must not stay inside the transaction.
-                if conn.in_transaction:
-                    conn.rollback()
-                raise
+    def _write(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:
+        return self._db.write(doing)
 
     # -- the gateway's side ------------------------------------------------------
 

@@ -756,7 +756,9 @@ class Gateway:
                         complete = True
                         if stream:
                             yield b"data: [DONE]\n\n"
-                        break
+                        # Read on to the end of the body: a response closed early loses its
+                        # keep-alive connection, and a new one per request runs out of ports.
+                        continue
                     try:
                         chunk = json.loads(data)
                     except ValueError:

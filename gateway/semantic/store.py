@@ -71,7 +71,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import faiss
 import numpy as np
 
+from gateway.sqlite_file import SqliteFile
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierUnavailable, TierUsage, is_stray_prefix
 
@@ -1257,9 +1258,9 @@ class SqliteSemanticStore(SemanticStore):
             raise InvalidField("busy_timeout_s", f"must be a finite number of seconds > 0, got {_show(busy_timeout_s)}")
         self.path = Path(path)
         self.busy_timeout_s = float(busy_timeout_s)
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._connections: list[sqlite3.Connection] = []
+        self._db = SqliteFile(
+            self.path, busy_timeout_s=self.busy_timeout_s, what="SQLite semantic store", unavailable=StoreUnavailable
+        )
         with self._errors("open"):
             conn = self._conn()
             # The journal mode is a property of the file: set once, every later connection reads it.
@@ -1285,50 +1286,18 @@ class SqliteSemanticStore(SemanticStore):
     # -- connections ------------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        local = self._local
-        pid = os.getpid()
-        # A connection inherited through fork must not be used by the child (SQLite's "how to corrupt" guide, 2.6).
-        if getattr(local, "pid", None) != pid:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA synchronous=NORMAL")
-            local.conn, local.pid = conn, pid
-            with self._lock:
-                self._connections.append(conn)
-        return local.conn
+        return self._db.conn()
 
     def close(self) -> None:
         """Drop the replicas and close every connection this store opened in this process."""
         super().close()
-        with self._lock:
-            conns, self._connections = self._connections, []
-        for conn in conns:
-            conn.close()
-        self._local = threading.local()
+        self._db.close()
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except sqlite3.OperationalError as exc:  # locked past the busy timeout, I/O error, disk full, unreadable
-            raise StoreUnavailable(f"SQLite semantic store {self.path}: {doing} failed: {exc}") from exc
-        except sqlite3.DatabaseError as exc:
-            if type(exc) is not sqlite3.DatabaseError:
-                raise  # IntegrityError, ProgrammingError...: a bug, not an outage
-            raise StoreUnavailable(f"SQLite semantic store {self.path}: {doing} failed: {exc}") from exc
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return self._db.errors(doing)
 
-    @contextmanager
-    def _write(self, doing: str) -> Iterator[sqlite3.Connection]:
-        """One IMMEDIATE transaction: the write lock is taken first, so the
-        busy handler applies (a deferred read-then-write can fail at once)."""
-        with self._errors(doing):
-            conn = self._conn()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.rollback()
-                raise
-            conn.execute("COMMIT")
+    def _write(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:
+        return self._db.write(doing)
 
     @contextmanager
     def _snapshot(self, doing: str) -> Iterator[sqlite3.Connection]:
