@@ -151,23 +151,6 @@ def _ttl_ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-def _usage_from(prefix: str, entries: Sequence[TierEntry]) -> TierUsage:
-    if not entries:
-        return TierUsage.empty(prefix)
-    created = [e.created_at for e in entries if e.created_at is not None]
-    accessed = [e.last_access_at for e in entries if e.last_access_at is not None]
-    total = sum(e.bytes for e in entries)
-    return TierUsage(
-        prefix=prefix,
-        bytes=total,
-        allocated_bytes=total,
-        entries=len(entries),
-        oldest_entry_at=min(created) if created else None,
-        newest_entry_at=max(created) if created else None,
-        last_access_at=max(accessed) if accessed else None,
-    )
-
-
 class ResponseStore(abc.ABC):
     """A shared response cache whose entries are accounted and evicted per
     namespace like a KV tier (it implements :class:`inference.tiers.base.HotTier`).
@@ -291,7 +274,7 @@ class ResponseStore(abc.ABC):
 
     def usage(self, prefix: str) -> TierUsage:
         """What ``prefix`` holds, from :meth:`entries` (a stray pseudo-prefix: see the backend)."""
-        return _usage_from(check_store_prefix(prefix), self.entries(prefix))
+        return TierUsage.of_entries(check_store_prefix(prefix), self.entries(prefix))
 
 
 # -- SQLite --------------------------------------------------------------------
@@ -576,9 +559,9 @@ class SqliteResponseStore(ResponseStore):
         """
         if is_stray_prefix(prefix):
             names = self._stray_names(prefix)
-            return _usage_from(prefix, [e for n in names for e in self._raw_entries(n)])
+            return TierUsage.of_entries(prefix, [e for n in names for e in self._raw_entries(n)])
         check_store_prefix(prefix)
-        return _usage_from(prefix, self._raw_entries(prefix))
+        return TierUsage.of_entries(prefix, self._raw_entries(prefix))
 
     def _raw_entries(self, name: str) -> list[TierEntry]:
         rows = self._read(

@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import faiss
 import numpy as np
 
+from gateway.semantic.matching import similarity
 from gateway.sqlite_file import SqliteFile
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierUnavailable, TierUsage, is_stray_prefix
@@ -176,12 +177,6 @@ class StoreUnavailable(TierUnavailable):
 def new_entry_id() -> str:
     """A fresh entry id: 32 random lowercase hex digits (128 bits, ``secrets``)."""
     return secrets.token_hex(16)
-
-
-def similarity(a: np.ndarray, b: np.ndarray) -> float:
-    """The semantic cache's similarity of two L2-normalized float32 vectors of
-    shape ``(dim,)``: their dot product (the cosine) in float32, clipped to [0, 1]."""
-    return min(1.0, max(0.0, float(np.dot(a, b))))
 
 
 # -- validation -------------------------------------------------------------------
@@ -1016,7 +1011,7 @@ class SemanticStore(abc.ABC):
         """
         if is_stray_prefix(prefix):
             return TierUsage.empty(prefix)
-        return _usage_from(_check_prefix(prefix), self.entries(prefix))
+        return TierUsage.of_entries(_check_prefix(prefix), self.entries(prefix))
 
     def usage_all(self) -> dict[str, TierUsage]:
         """Usage of every prefix with live entries, keyed by prefix (the store writes no strays).
@@ -1070,23 +1065,6 @@ class SemanticStore(abc.ABC):
                 replica.rebuilds += 1
         replica.maintain()
         return delta.dim
-
-
-def _usage_from(prefix: str, entries: Sequence[TierEntry]) -> TierUsage:
-    if not entries:
-        return TierUsage.empty(prefix)
-    created = [e.created_at for e in entries if e.created_at is not None]
-    accessed = [e.last_access_at for e in entries if e.last_access_at is not None]
-    total = sum(e.bytes for e in entries)
-    return TierUsage(
-        prefix=prefix,
-        bytes=total,
-        allocated_bytes=total,
-        entries=len(entries),
-        oldest_entry_at=min(created) if created else None,
-        newest_entry_at=max(created) if created else None,
-        last_access_at=max(accessed) if accessed else None,
-    )
 
 
 def _vector_bytes(vector: np.ndarray) -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -97,6 +97,25 @@ class TierUsage:
     oldest_entry_at: float | None
     newest_entry_at: float | None
     last_access_at: float | None
+
+    @classmethod
+    def of_entries(cls, prefix: str, entries: Sequence[TierEntry]) -> TierUsage:
+        """What ``entries`` (all of ``prefix``) add up to, for a tier whose
+        logical size is what it allocates (Redis values, cache rows)."""
+        if not entries:
+            return cls.empty(prefix)
+        created = [e.created_at for e in entries if e.created_at is not None]
+        accessed = [e.last_access_at for e in entries if e.last_access_at is not None]
+        total = sum(e.bytes for e in entries)
+        return cls(
+            prefix=prefix,
+            bytes=total,
+            allocated_bytes=total,
+            entries=len(entries),
+            oldest_entry_at=min(created) if created else None,
+            newest_entry_at=max(created) if created else None,
+            last_access_at=max(accessed) if accessed else None,
+        )
 
     @classmethod
     def empty(cls, prefix: str) -> TierUsage:

@@ -429,7 +429,7 @@ class RedisTier:
         if is_stray_prefix(prefix):
             with self._errors(f"usage {prefix}"):
                 return self._stray_usage(prefix, sorted(set(self._stray_keys(prefix))))
-        return _usage_from(prefix, self.entries(prefix))
+        return TierUsage.of_entries(prefix, self.entries(prefix))
 
     def usage_all(self) -> dict[str, TierUsage]:
         """Usage of every prefix and of every stray key: one SCAN of the whole
@@ -462,7 +462,7 @@ class RedisTier:
                     strays[prefix].append(raw)
             result: dict[str, TierUsage] = {}
             for prefix in sorted(groups):
-                result[prefix] = _usage_from(prefix, self._describe(prefix, sorted(set(groups[prefix]))))
+                result[prefix] = TierUsage.of_entries(prefix, self._describe(prefix, sorted(set(groups[prefix]))))
             for prefix in sorted(with_meta - set(result)):
                 result[prefix] = TierUsage.empty(prefix)
             for pseudo in sorted(strays):
@@ -717,20 +717,3 @@ class RedisTier:
             raise TierUnavailable(f"Redis at {self._address()} unavailable ({doing}): {type(exc).__name__}: {exc}") from exc
         except redis.exceptions.RedisError as exc:
             raise TierError(f"Redis at {self._address()}: {doing} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _usage_from(prefix: str, entries: list[TierEntry]) -> TierUsage:
-    if not entries:
-        return TierUsage.empty(prefix)
-    created = [e.created_at for e in entries if e.created_at is not None]
-    accessed = [e.last_access_at for e in entries if e.last_access_at is not None]
-    total = sum(e.bytes for e in entries)
-    return TierUsage(
-        prefix=prefix,
-        bytes=total,
-        allocated_bytes=total,
-        entries=len(entries),
-        oldest_entry_at=min(created) if created else None,
-        newest_entry_at=max(created) if created else None,
-        last_access_at=max(accessed) if accessed else None,
-    )

@@ -40,8 +40,8 @@ REDIS_URL = "redis://127.0.0.1:6379/13"
 PART_A = "aa01"
 PART_B = "bb02"
 MODEL = "minilm-l6"
-#: float32(1/sqrt(2)): the similarity of e1 and (e1 + e2)/sqrt(2).
-HALF_ANGLE = 0.7071067690849304
+#: 1/sqrt(2): the similarity of e1 and (e1 + e2)/sqrt(2), as ``matching.similarity`` computes it (float64 sums).
+HALF_ANGLE = 0.7071067811865475
 
 
 def unit(*values: float) -> np.ndarray:
@@ -567,7 +567,7 @@ def test_hits_are_read_back_so_a_lagging_replica_never_serves_a_removed_entry(
 
     monkeypatch.setattr(reader, "_delta", stale_delta)
     found = reader.search("ns-one", PART_A, MODEL, e(0), k=2)
-    assert [(c.entry.entry_id, c.similarity) for c in found] == [("second", HALF_ANGLE), ("third", 0.5773502588272095)]
+    assert [(c.entry.entry_id, c.similarity) for c in found] == [("second", HALF_ANGLE), ("third", 0.5773502691896257)]
     info = reader.replica_info("ns-one", PART_A, MODEL)
     assert info is not None and (info.vectors, info.alive) == (3, 2)
 
