@@ -351,3 +351,26 @@ def test_a_response_store_that_is_down_is_bypassed_and_the_request_still_served(
     assert answer.status_code == 200 and answer.headers["x-kvcp-served-by"] == "engine"
     rows, _ = setup["runtime"].recorder.drain()
     assert {layer: b for _, layer, _, _, b in rows}["response"] == {"store_unavailable": 1}
+
+
+def test_personal_data_reaches_no_heat_and_no_shadow_sample_and_keys_stay_apart(setup) -> None:
+    from cacheadmin.services.gateway import tenant_gateway_policy_update
+
+    samples: list[Any] = []
+    setup["runtime"].shadow = samples.append
+    tenant_gateway_policy_update(tenant=setup["acme"], actor="t", changes={"shadow_sample_rate": 1.0})
+    refresh(setup)
+    for address in ("jane.doe@example.com", "john.roe@example.com"):
+        assert call(setup, chat(f"Send the invoice to {address}", temperature=0)).status_code == 200
+        sampled = chat(f"Send the invoice to {address}", temperature=0.5)
+        for _ in range(2):  # the second reports cached tokens: it would be sampled but for the address
+            assert call(setup, sampled).headers["x-kvcp-served-by"] == "engine"
+    # Two addresses, two entries: redaction never made the two requests share a key.
+    assert setup["store"].usage("ns-acme").entries == 2
+    _, heat = setup["runtime"].recorder.drain()
+    assert heat == [] and samples == []
+    plain = chat("Send the invoice to the billing team", temperature=0.5)
+    call(setup, plain)
+    call(setup, plain)
+    _, heat = setup["runtime"].recorder.drain()
+    assert [h[0] for h in heat] == [setup["ns"].pk] and len(samples) == 1 and samples[0].cached_tokens == 32
