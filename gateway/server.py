@@ -71,6 +71,39 @@ TAGS_HEADER = "x-cache-tags"
 SERVED_BY_HEADER = "x-kvcp-served-by"
 #: Most tags one request may carry, and the longest tag.
 MAX_TAGS, MAX_TAG_CHARS = 32, 200
+#: Deepest nesting of a request body (OpenAI bodies need a handful of levels; deeper is an attack on the parser).
+MAX_JSON_DEPTH = 64
+
+
+def check_body(body: Mapping[str, Any]) -> None:
+    """Refuse what no engine should see, before the canonical form is computed:
+    nesting deeper than :data:`MAX_JSON_DEPTH`, strings with lone surrogates
+    (not Unicode text: they cannot be encoded, hashed or tokenized), a
+    ``stream`` that is not a boolean, ``stream_options`` that is not an object.
+
+    Raises:
+        InvalidRequest: naming the parameter (a path such as ``messages[0].content``).
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"nested deeper than {MAX_JSON_DEPTH} levels", path or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("holds a lone surrogate: not Unicode text", path or None) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path, depth + 1))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidRequest("must be true or false", "stream")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise InvalidRequest("must be an object", "stream_options")
 
 
 class GatewayError(Exception):
@@ -388,15 +421,21 @@ def semantic_partition(tenant: TenantTarget, namespace: NamespaceTarget, endpoin
     return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
 
 
-def request_tags(raw: str | None) -> tuple[str, ...]:
-    """Tags from the ``X-Cache-Tags`` header (comma separated).
+def request_tags(values: list[str]) -> tuple[str, ...]:
+    """Tags from every ``X-Cache-Tags`` header of a request (comma separated;
+    repeated headers add up, as HTTP lists do), read as UTF-8.
 
     Raises:
-        GatewayError: too many, too long or non-printable tags (400).
+        GatewayError: tags that are not UTF-8, too many, too long or not printable (400).
     """
-    if not raw:
-        return ()
-    tags = tuple(sorted({t.strip() for t in raw.split(",") if t.strip()}))
+    raw: list[str] = []
+    for value in values:
+        try:
+            # ASGI servers hand header values over as Latin-1; callers send UTF-8.
+            raw.append(value.encode("latin-1").decode("utf-8"))
+        except UnicodeError:
+            raise _invalid(f"{TAGS_HEADER}: not UTF-8 text", TAGS_HEADER) from None
+    tags = tuple(sorted({t.strip() for value in raw for t in value.split(",") if t.strip()}))
     if len(tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS or not t.isprintable() for t in tags):
         raise _invalid(f"{TAGS_HEADER}: at most {MAX_TAGS} printable tags of at most {MAX_TAG_CHARS} characters", TAGS_HEADER)
     return tags
@@ -511,6 +550,8 @@ class Gateway:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
             raise _invalid(f"body is not JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise _invalid(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
         if not isinstance(body, dict):
             raise _invalid("body must be a JSON object", code="invalid_json")
         return body
@@ -527,11 +568,12 @@ class Gateway:
             if "cache_salt" in body:
                 raise _invalid("cache_salt is set by the gateway from the tenant's cache namespace; do not send it", "cache_salt")
             try:
+                check_body(body)
                 canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
                 upstream = normalized_body(endpoint, body)  # type: ignore[arg-type]
             except InvalidRequest as exc:
                 raise _invalid(exc.message, exc.param) from None
-            tags = request_tags(request.headers.get(TAGS_HEADER))
+            tags = request_tags(request.headers.getlist(TAGS_HEADER))
             routed = route_request(snap, tenant, body)
             return await self._through_layers(snap, routed, endpoint, body, canonical, upstream, tags, started)
         except GatewayError as exc:
@@ -548,7 +590,7 @@ class Gateway:
         personal = bool(personal_data_kinds(canonical))
         # Layer 1: the response cache.
         rkey: str | None = None
-        reason = self._response_bypass(snap, tenant)
+        reason = self._response_bypass(snap, tenant, tags)
         admission = None
         if reason is None:
             admission = response_admission(
@@ -587,9 +629,13 @@ class Gateway:
         return await self._fill(routed, endpoint, body, canonical, upstream, rkey, semantic, tags, personal, stream,
                                 include_usage, model, started)  # fmt: skip
 
-    def _response_bypass(self, snap: RoutingSnapshot, tenant: TenantTarget) -> str | None:
+    def _response_bypass(self, snap: RoutingSnapshot, tenant: TenantTarget, tags: tuple[str, ...] = ()) -> str | None:
         if not snap.layers.get("response", True):
             return "kill_switch"
+        if tags:
+            # A tagged answer depends on data that can change: it is kept where a tag can
+            # invalidate it (the semantic layer), never as an exact answer.
+            return "tagged"
         if not tenant.policy.response_cache:
             return "tenant_policy"
         if self.rt.response_store is None:
@@ -903,6 +949,7 @@ def explain(
     tenant = snap.tenants[tenant_id]
     if "cache_salt" in body:
         raise InvalidRequest("cache_salt is set by the gateway; do not send it", param="cache_salt")  # type: ignore[call-arg]
+    check_body(body)
     canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
     out: dict[str, Any] = {"canonical_request": canonical}
     try:

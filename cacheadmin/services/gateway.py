@@ -64,6 +64,8 @@ from inference.identity import cache_salt
 
 #: Head of every gateway key: ``kvgw_<prefix>_<secret>``.
 KEY_HEAD = "kvgw"
+#: A key's token bucket: requests per second, and burst (one request per 1,000 s at the slowest).
+MIN_RATE, MAX_RATE, MAX_BURST = 0.001, 1_000_000.0, 1_000_000
 #: Layers a kill switch governs (the engine's own prefix cache has none here).
 SWITCHED_LAYERS = (CacheLayer.RESPONSE, CacheLayer.SEMANTIC)
 
@@ -139,10 +141,12 @@ def gateway_key_issue(
         validate_display_name(name)
     except ValidationError as exc:
         raise InvalidField("name", exc.messages[0]) from exc
-    if rate_per_s is not None and (isinstance(rate_per_s, bool) or not 0 < float(rate_per_s) < float("inf")):
-        raise InvalidField("rate_per_s", "must be a positive number of requests per second")
-    if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1):
-        raise InvalidField("burst", "must be an integer of at least 1")
+    if rate_per_s is not None and (
+        isinstance(rate_per_s, bool) or not isinstance(rate_per_s, int | float) or not MIN_RATE <= rate_per_s <= MAX_RATE
+    ):
+        raise InvalidField("rate_per_s", f"must be a number of requests per second within {MIN_RATE}..{MAX_RATE:g}")
+    if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_BURST):
+        raise InvalidField("burst", f"must be an integer within 1..{MAX_BURST}")
     prefix = secrets.token_hex(6)
     plain = f"{KEY_HEAD}_{prefix}_{secrets.token_urlsafe(32)}"
     with transaction.atomic():

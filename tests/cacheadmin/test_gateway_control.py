@@ -253,9 +253,13 @@ def test_gateway_key_cli_issues_lists_and_revokes(served) -> None:
     assert [(k["name"], k["rate_per_s"], k["revoked"]) for k in listed] == [("cli-bot", 2.5, False)]
     assert manage("gateway_key", "issue", "--tenant", "acme", "--name", "x", "--rate", "-1", env=subprocess_env()).returncode == 2
     assert manage("gateway_key", "issue", "--tenant", "nope", "--name", "x", env=subprocess_env()).returncode == 2
-    assert manage("gateway_key", "revoke", out["prefix"], env=subprocess_env()).returncode == 0
+    assert (
+        manage("gateway_key", "revoke", out["key"], env=subprocess_env()).stdout == f"revoked {out['prefix']}\n"
+    )  # the whole key
     assert GatewayKey.objects.get().revoked_at is not None
-    assert manage("gateway_key", "revoke", out["prefix"], env=subprocess_env()).returncode == 2
+    again = manage("gateway_key", "revoke", out["prefix"], env=subprocess_env())  # idempotent, like the API
+    assert again.returncode == 0 and again.stdout == f"already revoked {out['prefix']}\n"
+    assert manage("gateway_key", "revoke", "000000000000", env=subprocess_env()).returncode == 2
     _, key = gateway_key_issue(tenant=served["acme"], name="after", actor="t")
     assert key_hash(key) in routing_snapshot_build().keys
 
@@ -279,3 +283,29 @@ def test_the_dashboard_shows_the_gateway_layers_figures_and_holds(served, client
     assert "Routing suspended" in page and "deceptive hit on live traffic" in page
     row = page[page.index("acme/v1</a></td><td>response</td>") :].split("</tr>")[0]
     assert "<td>4</td>" in row and "50 %" in row and "sampling 2" in row and "2.0 ms" in row
+
+
+def test_key_limits_are_the_same_through_the_api_and_the_cli(served) -> None:
+    alice = served["clients"]["alice"]
+    for body in ({"rate_per_s": 0.0001}, {"rate_per_s": True}, {"rate_per_s": 1e308}, {"burst": 2_000_000}, {"burst": "5"}):
+        answer = alice.post("/api/gateway-keys/", {"tenant": "acme", "name": "k", **body}, format="json")
+        assert answer.status_code == 400, (body, answer.json())
+    for args in (["--rate", "0.0001"], ["--burst", "2000000"]):
+        assert manage("gateway_key", "issue", "--tenant", "acme", "--name", "k", *args, env=subprocess_env()).returncode == 2
+    assert GatewayKey.objects.count() == 0
+
+
+def test_the_gateway_cli_refuses_a_taken_address_and_deep_json_in_one_line(served, tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = manage("gateway", "--addr", f"127.0.0.1:{port}", env=subprocess_env())
+    assert result.returncode == 3 and "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    result = manage("gateway", "explain", "--tenant", "acme", "--request", str(deep), env=subprocess_env())
+    assert result.returncode == 2 and "nested deeper" in result.stderr and "Traceback" not in result.stderr
+    deep_setting = "semantic_threshold=" + "[" * 5000 + "]" * 5000
+    result = manage("gateway", "policy", "--tenant", "acme", "--set", deep_setting, env=subprocess_env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr

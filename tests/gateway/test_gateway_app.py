@@ -374,3 +374,54 @@ def test_personal_data_reaches_no_heat_and_no_shadow_sample_and_keys_stay_apart(
     call(setup, plain)
     _, heat = setup["runtime"].recorder.drain()
     assert [h[0] for h in heat] == [setup["ns"].pk] and len(samples) == 1 and samples[0].cached_tokens == 32
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}",
+            None,
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi", "x": json.loads("[" * 80 + "]" * 80)}]},
+            "messages[0].x",
+        ),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "no"}, "stream"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": "x"},
+            "stream_options",
+        ),
+    ],
+)
+def test_bodies_a_parser_or_a_tokenizer_would_choke_on_are_400(setup, body, param) -> None:
+    answer = call(setup, body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    if param is None:
+        assert error["code"] == "invalid_json" and "nested deeper than 64 levels" in error["message"]
+    elif param == "messages[0].x":  # the path down to the level past the limit
+        assert error["param"] == "messages[0].x" + "[0]" * 62 and "nested deeper than 64 levels" in error["message"]
+    else:
+        assert error["param"] == param
+    assert setup["fake"].received == []
+
+
+def test_cache_tags_are_utf8_repeated_headers_add_up_and_tagged_answers_skip_the_response_cache(setup) -> None:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            headers = [("authorization", f"Bearer {setup['key']}"), ("x-cache-tags", "city:café".encode()),
+                       ("x-cache-tags", "product:41, product:42")]  # fmt: skip
+            return await client.post("/v1/chat/completions", json=chat(temperature=0), headers=headers)
+
+    for _ in range(2):
+        assert asyncio.run(go()).headers["x-kvcp-served-by"] == "engine"  # tagged: never an exact answer
+    rows, _ = setup["runtime"].recorder.drain()
+    assert {layer: b for _, layer, _, _, b in rows}["response"] == {"tagged": 2}
+    from gateway.server import request_tags
+
+    assert request_tags(["city:caf\u00c3\u00a9", "product:41, product:42"]) == ("city:café", "product:41", "product:42")
+    with pytest.raises(Exception, match="not UTF-8"):
+        request_tags(["caf\u00e9"])  # a Latin-1 byte alone is not UTF-8

@@ -42,8 +42,9 @@ class GatewayKeyIssueSerializer(StrictFieldsMixin, serializers.Serializer):
 
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
     name = StrictCharField(max_length=100)
-    rate_per_s = serializers.FloatField(required=False, allow_null=True, min_value=0.001)
-    burst = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
+    # Checked by the service (one set of limits for the API and the CLI): a JSON number, not a boolean.
+    rate_per_s = serializers.JSONField(required=False, allow_null=True)
+    burst = serializers.JSONField(required=False, allow_null=True)
 
 
 class LayerSwitchSerializer(StrictFieldsMixin, serializers.Serializer):

@@ -5,6 +5,7 @@ the operator's tools around it."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from cacheadmin.services.gateway import (
     tenant_gateway_policy,
     tenant_gateway_policy_update,
 )
+from gateway.server import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from inference.errors import EXIT_CONFLICT
 
 ACTOR = "cli"
 
@@ -38,7 +41,7 @@ class Command(ControlPlaneCommand):
     help = (
         "Serve the gateway (/v1/chat/completions, /v1/completions, /v1/models) under uvicorn, or: explain how a request "
         "would be served, switch a cache layer, set a tenant's gateway policy, resume a suspended namespace, show status. "
-        "Exit codes: 0 done; 2 bad input; 4 refused."
+        "Exit codes: 0 done; 2 bad input; 3 the address is taken; 4 refused."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -51,7 +54,7 @@ class Command(ControlPlaneCommand):
         explain.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
         explain.add_argument("--json", action="store_true")
         layer = sub.add_parser("layer", help="turn a cache layer on or off for all traffic (kill switch)")
-        layer.add_argument("layer", choices=list(SWITCHED_LAYERS))
+        layer.add_argument("layer", choices=[str(layer.value) for layer in SWITCHED_LAYERS])
         layer.add_argument("state", choices=["on", "off"])
         layer.add_argument("--reason", default="")
         policy = sub.add_parser("policy", help="show or change a tenant's gateway policy")
@@ -92,7 +95,13 @@ class Command(ControlPlaneCommand):
         except ValueError as exc:
             raise self.bad_input(str(exc)) from exc
         workers = opts["workers"] or settings.GATEWAY_WORKERS
-        self.stdout.write(f"gateway on http://{host}:{port}/v1 ({workers} processes)")
+        try:
+            # Refused here, in one line, rather than by uvicorn after it printed its own start.
+            with socket.create_server((host, port)):
+                pass
+        except OSError as exc:
+            raise self.failed(f"cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_CONFLICT) from exc
+        self.stdout.write(f"gateway on http://{host}:{port}/v1 ({workers} process{'es' if workers > 1 else ''})")
         self.stdout.flush()
         # access_log off: request lines carry no prompt, but the figures are what operators read.
         uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
@@ -106,10 +115,14 @@ class Command(ControlPlaneCommand):
             text = self.stdin_text() if opts["request"] == "-" else Path(opts["request"]).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise self.bad_input(f"--request {opts['request'][:200]}: {exc}") from exc
+        if len(text.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES:
+            raise self.bad_input(f"--request: over {MAX_BODY_BYTES} bytes (the gateway answers 413)")
         try:
             body = json.loads(text)
         except ValueError as exc:
             raise self.bad_input(f"--request is not JSON: {exc}") from exc
+        except RecursionError:
+            raise self.bad_input(f"--request is nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(body, dict):
             raise self.bad_input("--request must hold a JSON object (the request body)")
         out = gateway_explain(tenant=tenant, endpoint=opts["endpoint"], body=body)
@@ -126,8 +139,9 @@ class Command(ControlPlaneCommand):
                 f"namespace {route['namespace']}, engine {engine}"
             )
         rc, sc = out["response_cache"], out["semantic_cache"]
-        self.stdout.write(f"response cache: {'admitted' if rc['admitted'] else 'bypassed'} ({rc['reason']}), key {rc['key']}")
-        self.stdout.write(f"semantic cache: {'admitted' if sc['admitted'] else 'bypassed'} ({sc['reason']})")
+        key = rc["key"] or "— (no route: computed per namespace)"
+        self.stdout.write(f"response cache: {'admitted' if rc['admitted'] else 'bypassed'} ({rc['reason']}), key {key}")
+        self.stdout.write(f"semantic cache: {'admitted' if sc['admitted'] else 'bypassed: ' + str(sc['reason'])}")
         self.stdout.write("canonical request: " + json.dumps(out["canonical_request"], ensure_ascii=False, sort_keys=True))
 
     def stdin_text(self) -> str:
@@ -148,7 +162,9 @@ class Command(ControlPlaneCommand):
             try:
                 changes[name] = json.loads(raw)
             except ValueError as exc:
-                raise self.bad_input(f"--set {name}: not JSON: {exc}") from exc
+                raise self.bad_input(f"--set {name[:60]}: not JSON: {exc}") from exc
+            except RecursionError:
+                raise self.bad_input(f"--set {name[:60]}: nested too deeply") from None
         policy = (
             tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes=changes)
             if changes

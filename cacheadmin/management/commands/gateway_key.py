@@ -10,7 +10,7 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand, positive_int
 from cacheadmin.models import GatewayKey, Tenant
-from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke
+from cacheadmin.services.gateway import KEY_HEAD, gateway_key_issue, gateway_key_revoke
 
 ACTOR = "cli"
 
@@ -41,7 +41,7 @@ class Command(ControlPlaneCommand):
         issue.add_argument("--burst", type=positive_int, default=None, help="requests at once (default: GATEWAY_BURST)")
         issue.add_argument("--json", action="store_true")
         revoke = sub.add_parser("revoke", help="revoke a key by its prefix (gateways refuse it within a second)")
-        revoke.add_argument("prefix")
+        revoke.add_argument("prefix", help="the key's prefix (or the whole key)")
         listing = sub.add_parser("list", help="list keys (never the keys themselves)")
         listing.add_argument("--tenant", default=None)
         listing.add_argument("--json", action="store_true")
@@ -58,11 +58,16 @@ class Command(ControlPlaneCommand):
             out = {"id": key.pk, "prefix": key.prefix, "tenant": tenant.slug, "name": key.name, "key": plain}
             self.stdout.write(json.dumps(out) if opts["json"] else plain)
         elif verb == "revoke":
-            key = GatewayKey.objects.filter(prefix=opts["prefix"], revoked_at=None).select_related("tenant").first()
+            prefix = opts["prefix"]
+            if prefix.startswith(f"{KEY_HEAD}_"):  # the whole key, as issue printed it: its prefix is the second part
+                prefix = prefix.split("_")[1] if prefix.count("_") >= 2 else ""
+            key = GatewayKey.objects.filter(prefix=prefix).select_related("tenant").first()
             if key is None:
-                raise self.bad_input(f"no live gateway key with prefix {opts['prefix'][:16]!r}")
+                raise self.bad_input(f"no gateway key with prefix {prefix[:16]!r} (the 12 characters after {KEY_HEAD}_)")
+            # Idempotent, like the API: revoking a revoked key changes nothing and says so.
+            already = key.revoked_at is not None
             gateway_key_revoke(key=key, actor=ACTOR)
-            self.stdout.write(f"revoked {key.prefix}")
+            self.stdout.write(f"{'already revoked' if already else 'revoked'} {key.prefix}")
         else:
             keys = GatewayKey.objects.select_related("tenant").order_by("id")
             if opts["tenant"] is not None:
