@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -578,6 +578,9 @@ class Gateway:
             return await self._through_layers(snap, routed, endpoint, body, canonical, upstream, tags, started)
         except GatewayError as exc:
             return exc.response()
+        except ClientDisconnect:
+            # The caller left while sending its body: nobody reads an answer, nothing was started.
+            return Response(status_code=400)
 
     async def _through_layers(
         self, snap: RoutingSnapshot, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any],
