@@ -211,6 +211,10 @@ GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", "")
 GATEWAY_DIR = Path(env_str("GATEWAY_DIR", str(VAR_DIR / "gateway"))).resolve()
 #: The semantic cache layer in this deployment (it loads an embedding model, ~90 MB, in each gateway process).
 GATEWAY_SEMANTIC = env_bool("GATEWAY_SEMANTIC", True)
+#: The semantic layer's admission rules, as JSON: a list of {"name", "pattern"} (a
+#: case-insensitive regular expression); empty: the shipped rules (time_dependent,
+#: comparison, prediction). Checked when a gateway starts.
+GATEWAY_SEMANTIC_RULES = env_str("GATEWAY_SEMANTIC_RULES", "")
 #: A gateway key's token bucket when the key sets none: requests per second, and burst.
 GATEWAY_RATE_PER_S = env_int("GATEWAY_RATE_PER_S", 50, minimum=1)
 GATEWAY_BURST = env_int("GATEWAY_BURST", 100, minimum=1)

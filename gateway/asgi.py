@@ -82,7 +82,7 @@ def create_app() -> Starlette:
     from django.db import close_old_connections
 
     from cacheadmin.services.gateway import gateway_flush, routing_epoch, routing_snapshot_build
-    from cacheadmin.services.gateway_stores import response_store, semantic_store
+    from cacheadmin.services.gateway_stores import response_store, semantic_rules, semantic_store
     from cacheadmin.services.shadow import shadow_check_enqueue
     from gateway.records import Recorder
     from gateway.server import Gateway, Limits, Runtime, ShadowSample
@@ -107,7 +107,7 @@ def create_app() -> Starlette:
         from gateway.semantic.embedder import default_embedder
         from gateway.semantic.layer import SemanticLayer
 
-        semantic = SemanticLayer(semantic_store(), default_embedder())
+        semantic = SemanticLayer(semantic_store(), default_embedder(), rules=semantic_rules())
     runtime = Runtime(
         snapshot=holder.current,
         response_store=response_store(),

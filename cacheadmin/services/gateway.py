@@ -486,7 +486,9 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any]) -
     if endpoint not in ("chat", "completions"):
         raise InvalidField("endpoint", "must be chat or completions")
     # Admission needs the rules only: no store is opened and no model loaded.
-    semantic = SemanticLayer(None, None) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
+    from cacheadmin.services.gateway_stores import semantic_rules
+
+    semantic = SemanticLayer(None, None, rules=semantic_rules()) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
     try:
         return explain(routing_snapshot_build(), tenant.pk, endpoint, body, semantic=semantic)
     except InvalidRequest as exc:

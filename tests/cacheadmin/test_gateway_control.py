@@ -309,3 +309,21 @@ def test_the_gateway_cli_refuses_a_taken_address_and_deep_json_in_one_line(serve
     deep_setting = "semantic_threshold=" + "[" * 5000 + "]" * 5000
     result = manage("gateway", "policy", "--tenant", "acme", "--set", deep_setting, env=subprocess_env())
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_semantic_admission_rules_come_from_configuration(served, settings) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from cacheadmin.services.gateway import gateway_explain
+    from cacheadmin.services.gateway_stores import semantic_rules
+
+    question = {"model": "tiny", "messages": [{"role": "user", "content": "What is the price of the pro plan?"}]}
+    assert gateway_explain(tenant=served["acme"], endpoint="chat", body=question)["semantic_cache"]["reason"] == "admitted"
+    settings.GATEWAY_SEMANTIC_RULES = '[{"name": "pricing", "pattern": "\\\\bprice"}]'
+    assert [r.name for r in semantic_rules()] == ["pricing"]
+    assert gateway_explain(tenant=served["acme"], endpoint="chat", body=question)["semantic_cache"] == {
+        "admitted": False, "reason": "pricing"
+    }  # fmt: skip
+    settings.GATEWAY_SEMANTIC_RULES = '[{"name": "pricing", "pattern": "(unclosed"}]'
+    with pytest.raises(ImproperlyConfigured, match=r"GATEWAY_SEMANTIC_RULES: rules\[0\]\.pattern"):
+        semantic_rules()
