@@ -706,9 +706,14 @@ class Gateway:
         return _ProxyStream(replay(), headers)
 
     async def _await_fill(self, rkey: str) -> dict[str, Any] | None:
+        """The answer an identical request in flight in this process stores, or
+        None when it ends without one or takes over ``fill_wait_s`` (this one then fills itself)."""
+        flight = self.fills.get(rkey)
+        if flight is None:
+            return None
         try:
-            return await asyncio.wait_for(asyncio.shield(self.fills[rkey]), self.rt.limits.fill_wait_s)
-        except (TimeoutError, KeyError, Exception):
+            return await asyncio.wait_for(asyncio.shield(flight), self.rt.limits.fill_wait_s)
+        except TimeoutError:
             return None
 
     def _engine(self, ns: NamespaceTarget, body: Mapping[str, Any], avoid: set[int]) -> EngineTarget:
@@ -951,7 +956,7 @@ def explain(
     """
     tenant = snap.tenants[tenant_id]
     if "cache_salt" in body:
-        raise InvalidRequest("cache_salt is set by the gateway; do not send it", param="cache_salt")  # type: ignore[call-arg]
+        raise InvalidRequest("cache_salt is set by the gateway; do not send it", param="cache_salt")
     check_body(body)
     canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
     out: dict[str, Any] = {"canonical_request": canonical}
