@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,19 @@ def small_tmpfs(tmp_path: Path):
     for target in mounted:
         if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture(autouse=True)
+def gateway_stores_of_their_own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each test starts with empty gateway cache stores: its own SQLite folder
+    (``GATEWAY_DIR``), and on the scale-out run an emptied gateway Redis
+    database (a test database of its own, see scripts/test). Entries left by
+    an earlier test would be another test's orphans in every accounting scan."""
+    before = settings.GATEWAY_DIR
+    settings.GATEWAY_DIR = tmp_path_factory.mktemp("gateway")
+    if settings.GATEWAY_REDIS_URL:
+        import redis
+
+        redis.Redis.from_url(settings.GATEWAY_REDIS_URL, socket_timeout=5).flushdb()
+    yield
+    settings.GATEWAY_DIR = before
