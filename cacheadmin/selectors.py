@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db.models import Max, QuerySet
+from django.db.models import Count, Max, QuerySet
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -13,12 +13,15 @@ from cacheadmin.models import (
     Engine,
     EvictionRun,
     ModelVersion,
+    NamespaceRouting,
     PrewarmJob,
     Release,
     ResidentSample,
+    ShadowCheck,
     SharedGroup,
     TierUsageSample,
 )
+from cacheadmin.services.gateway import gateway_figures, layer_states
 
 
 def model_version_list() -> QuerySet[ModelVersion]:
@@ -146,11 +149,6 @@ def gateway_overview(*, minutes: int = 60) -> dict[str, object]:
         ``{"layers": {layer: state}, "rows": [{"namespace", "layer", ...figures}],
         "suspended": [NamespaceRouting], "shadow": {status: count}}``.
     """
-    from django.db.models import Count
-
-    from cacheadmin.models import NamespaceRouting, ShadowCheck
-    from cacheadmin.services.gateway import gateway_figures, layer_states
-
     since = timezone.now() - timedelta(minutes=minutes)
     figures = gateway_figures(since=since)
     namespaces = CacheNamespace.objects.select_related("model_version", "tenant", "group").in_bulk(list(figures))

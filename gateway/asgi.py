@@ -23,6 +23,9 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from gateway.records import Recorder
+from gateway.server import Gateway, Limits, Runtime, ShadowSample
+
 log = logging.getLogger("gateway")
 
 
@@ -78,14 +81,13 @@ def create_app() -> Starlette:
     import django
 
     django.setup()
+    # Below django.setup(): the control plane's modules need the app registry loaded.
     from django.conf import settings
     from django.db import close_old_connections
 
-    from cacheadmin.services.gateway import gateway_flush, routing_epoch, routing_snapshot_build
-    from cacheadmin.services.gateway_stores import response_store, semantic_rules, semantic_store
+    from cacheadmin.services.gateway import gateway_flush, routing_epoch, routing_snapshot_build, semantic_rules
+    from cacheadmin.services.gateway_stores import response_store, semantic_store
     from cacheadmin.services.shadow import shadow_check_enqueue
-    from gateway.records import Recorder
-    from gateway.server import Gateway, Limits, Runtime, ShadowSample
 
     holder = SnapshotHolder(
         routing_snapshot_build,
@@ -104,6 +106,7 @@ def create_app() -> Starlette:
 
     semantic = None
     if settings.GATEWAY_SEMANTIC:
+        # Lazy: torch and sentence-transformers load only where the semantic layer is on.
         from gateway.semantic.embedder import default_embedder
         from gateway.semantic.layer import SemanticLayer
 

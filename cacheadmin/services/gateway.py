@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import ValidationError
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.db.models.signals import m2m_changed, post_delete, post_save
@@ -44,11 +45,16 @@ from cacheadmin.models import (
     SharedGroupMembership,
     Tenant,
     TenantGatewayPolicy,
+    Tier,
 )
 from cacheadmin.models.gateway import routing_changed, routing_relevant
 from cacheadmin.models.naming import validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
+from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.serving import serving_routes
+from cacheadmin.services.tiers import tiers_configured
+from gateway.canonical import InvalidRequest
+from gateway.records import layer_figures
 from gateway.routing import (
     EngineTarget,
     KeyTarget,
@@ -59,8 +65,10 @@ from gateway.routing import (
     TenantTarget,
     key_hash,
 )
+from gateway.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from inference.errors import InvalidField, Refused
 from inference.identity import cache_salt
+from inference.tiers.base import TierUnavailable
 
 #: Head of every gateway key: ``kvgw_<prefix>_<secret>``.
 KEY_HEAD = "kvgw"
@@ -459,8 +467,6 @@ def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, 
     and the prefix heat of its traffic (the source prewarm uses for a successor
     namespace). Heat of a namespace dropped since, or a prompt the heat record
     refuses, is skipped."""
-    from cacheadmin.services.heat import prefix_heat_record
-
     gateway_stats_flush(rows)
     namespaces = CacheNamespace.objects.in_bulk({ns for ns, *_ in heat})
     for namespace_pk, _digest, messages, tools, hits in heat:
@@ -473,21 +479,34 @@ def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, 
             continue
 
 
+def semantic_rules() -> tuple[Rule, ...]:
+    """The semantic layer's admission rules of this deployment (``GATEWAY_SEMANTIC_RULES``, else the shipped ones).
+
+    Raises:
+        ImproperlyConfigured: the setting is not JSON or not a valid rule list (the message names the entry).
+    """
+    if not settings.GATEWAY_SEMANTIC_RULES.strip():
+        return DEFAULT_RULES
+    try:
+        return rules_from_config(json.loads(settings.GATEWAY_SEMANTIC_RULES))
+    except (ValueError, RecursionError) as exc:
+        raise ImproperlyConfigured(f"GATEWAY_SEMANTIC_RULES: {exc}") from exc
+
+
 def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """How the gateway would serve ``body`` for ``tenant`` now (see :func:`gateway.server.explain`).
 
     Raises:
         InvalidField: an unknown endpoint or a malformed body, naming the parameter (400, exit 2).
     """
-    from gateway.canonical import InvalidRequest
+    # Lazy: the gateway's request path (starlette, httpx, libphonenumber: ~190 ms) is
+    # not loaded by every process that imports the services, only by explain.
     from gateway.semantic.layer import SemanticLayer
     from gateway.server import explain
 
     if endpoint not in ("chat", "completions"):
         raise InvalidField("endpoint", "must be chat or completions")
     # Admission needs the rules only: no store is opened and no model loaded.
-    from cacheadmin.services.gateway_stores import semantic_rules
-
     semantic = SemanticLayer(None, None, rules=semantic_rules()) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
     try:
         return explain(routing_snapshot_build(), tenant.pk, endpoint, body, semantic=semantic)
@@ -503,19 +522,13 @@ def semantic_invalidate(*, tenant: Tenant, tags: Iterable[str], actor: str) -> i
 
     Raises:
         InvalidField: no tags, or a tag that is blank, longer than 200 characters or not printable (400, exit 2).
-        TierUnavailable: the store is down (503, exit 3).
+        TierUnavailable: the store is down (``store_unavailable``, 503, exit 3).
     """
-    from cacheadmin.services.gateway_stores import semantic_store
-    from gateway.semantic.store import StoreUnavailable
-    from inference.tiers.base import TierUnavailable
-
     tags = list(tags)
     if not tags or any(not isinstance(t, str) or not t.strip() or len(t) > 200 or not t.isprintable() for t in tags):
         raise InvalidField("tags", "a non-empty list of printable tags of 1..200 characters")
-    try:
-        removed = semantic_store().invalidate_tags(str(tenant.pk), [t.strip() for t in tags])
-    except StoreUnavailable as exc:
-        raise TierUnavailable(f"semantic cache store unavailable: {exc}") from exc
+    store = tiers_configured().hot_tiers[Tier.SEMANTIC]
+    removed = store.invalidate_tags(str(tenant.pk), [t.strip() for t in tags])  # type: ignore[attr-defined]
     audit_record(actor=actor, action="semantic_cache.invalidate", obj=tenant, after={"tags": tags, "removed": removed})
     return removed
 
@@ -527,20 +540,14 @@ def gateway_caches_retire(*, namespace: CacheNamespace, actor: str, reason: str)
     Returns:
         ``{"response": entries removed, "semantic": entries removed}``.
     """
-    from cacheadmin.services.gateway_stores import response_store, semantic_store
-    from gateway.response_store import StoreUnavailable as ResponseUnavailable
-    from gateway.semantic.store import StoreUnavailable as SemanticUnavailable
-
+    tiers = tiers_configured()
     removed = {"response": 0, "semantic": 0}
-    for layer, store, unavailable in (
-        ("response", response_store, ResponseUnavailable),
-        ("semantic", semantic_store, SemanticUnavailable),
-    ):
+    for layer in removed:
+        store = tiers.hot_tiers[layer]
         try:
-            held = store()
-            removed[layer] = held.usage(namespace.storage_prefix).entries
-            held.delete_prefix(namespace.storage_prefix)
-        except unavailable:
+            removed[layer] = store.usage(namespace.storage_prefix).entries
+            store.delete_prefix(namespace.storage_prefix)
+        except TierUnavailable:
             continue  # the namespace's next eviction sweep drops them (they are tiers of it)
     audit_record(actor=actor, action="gateway.caches_retire", obj=namespace, after={**removed, "reason": reason})
     return removed
@@ -553,8 +560,6 @@ def gateway_figures(*, since: datetime, namespace_pks: Iterable[int] | None = No
     Returns:
         namespace pk → layer → summed counters, ``bypass`` map and the derived figures.
     """
-    from gateway.records import layer_figures
-
     rows = GatewayStat.objects.filter(minute__gte=since)
     if namespace_pks is not None:
         rows = rows.filter(namespace_id__in=list(namespace_pks))

@@ -5,13 +5,9 @@ tiers of accounting and eviction (:mod:`cacheadmin.services.tiers`)."""
 
 from __future__ import annotations
 
-import json
-
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 
 from gateway.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore
-from gateway.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from gateway.semantic.store import RedisSemanticStore, SemanticStore, SqliteSemanticStore
 
 
@@ -30,17 +26,3 @@ def semantic_store() -> SemanticStore:
         return RedisSemanticStore.from_url(settings.GATEWAY_REDIS_URL)
     settings.GATEWAY_DIR.mkdir(parents=True, exist_ok=True)
     return SqliteSemanticStore(settings.GATEWAY_DIR / "semantic-cache.sqlite3")
-
-
-def semantic_rules() -> tuple[Rule, ...]:
-    """The semantic layer's admission rules of this deployment (``GATEWAY_SEMANTIC_RULES``, else the shipped ones).
-
-    Raises:
-        ImproperlyConfigured: the setting is not JSON or not a valid rule list (the message names the entry).
-    """
-    if not settings.GATEWAY_SEMANTIC_RULES.strip():
-        return DEFAULT_RULES
-    try:
-        return rules_from_config(json.loads(settings.GATEWAY_SEMANTIC_RULES))
-    except (ValueError, RecursionError) as exc:
-        raise ImproperlyConfigured(f"GATEWAY_SEMANTIC_RULES: {exc}") from exc

@@ -77,6 +77,8 @@ def _redis_tier() -> RedisTier | None:
 @register_hot_tier(Tier.RESPONSE)
 def _response_tier() -> HotTier:
     """The gateway's response cache: its entries live and are evicted per namespace like KV state."""
+    # Lazy, like redis above: the stores' module loads faiss and numpy (~200 ms), which
+    # every CLI and worker process that reaches this module would pay otherwise.
     from cacheadmin.services.gateway_stores import response_store
 
     return response_store()
@@ -85,7 +87,7 @@ def _response_tier() -> HotTier:
 @register_hot_tier(Tier.SEMANTIC)
 def _semantic_tier() -> HotTier:
     """The gateway's semantic cache entries, per namespace."""
-    from cacheadmin.services.gateway_stores import semantic_store
+    from cacheadmin.services.gateway_stores import semantic_store  # lazy: see above
 
     return semantic_store()
 

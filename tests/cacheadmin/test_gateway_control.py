@@ -6,10 +6,13 @@ holds and the deceptive-hit path of shadow verification."""
 from __future__ import annotations
 
 import json
+import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.contrib.auth.models import User
+from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -24,11 +27,13 @@ from cacheadmin.models import (
     ShadowCheck,
 )
 from cacheadmin.services.gateway import (
+    gateway_explain,
     gateway_flush,
     gateway_key_issue,
     namespace_routing_suspend,
     routing_epoch,
     routing_snapshot_build,
+    semantic_rules,
 )
 from cacheadmin.services.shadow import _deceptive
 from gateway.routing import key_hash
@@ -265,7 +270,6 @@ def test_gateway_key_cli_issues_lists_and_revokes(served) -> None:
 
 
 def test_the_dashboard_shows_the_gateway_layers_figures_and_holds(served, client) -> None:
-    from django.contrib.auth.models import User
 
     ns = served["ns"]["acme"]
     minute = timezone.now().replace(second=0, microsecond=0)
@@ -296,7 +300,6 @@ def test_key_limits_are_the_same_through_the_api_and_the_cli(served) -> None:
 
 
 def test_the_gateway_cli_refuses_a_taken_address_and_deep_json_in_one_line(served, tmp_path: Path) -> None:
-    import socket
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -312,10 +315,6 @@ def test_the_gateway_cli_refuses_a_taken_address_and_deep_json_in_one_line(serve
 
 
 def test_semantic_admission_rules_come_from_configuration(served, settings) -> None:
-    from django.core.exceptions import ImproperlyConfigured
-
-    from cacheadmin.services.gateway import gateway_explain
-    from cacheadmin.services.gateway_stores import semantic_rules
 
     question = {"model": "tiny", "messages": [{"role": "user", "content": "What is the price of the pro plan?"}]}
     assert gateway_explain(tenant=served["acme"], endpoint="chat", body=question)["semantic_cache"]["reason"] == "admitted"

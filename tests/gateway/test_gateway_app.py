@@ -26,8 +26,11 @@ from cacheadmin.services.gateway import (
 from cacheadmin.services.gateway_stores import response_store as deployment_response_store
 from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
 from gateway.records import Recorder
+from gateway.response_store import RedisResponseStore
 from gateway.routing import sticky_bucket
-from gateway.server import Gateway, Limits, Runtime
+from gateway.semantic.embedder import default_embedder
+from gateway.semantic.layer import SemanticLayer
+from gateway.server import Gateway, Limits, Runtime, request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version
 
@@ -297,8 +300,6 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
 def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     """The same gateway with the semantic layer: the real embedding model and the deployment's entry store
     (SQLite in the embedded default, Redis in scale-out)."""
-    from gateway.semantic.embedder import default_embedder
-    from gateway.semantic.layer import SemanticLayer
 
     store = deployment_semantic_store()
     store.delete_prefix("ns-acme")
@@ -344,7 +345,6 @@ def test_time_dependent_and_personal_questions_bypass_the_semantic_layer_with_th
 
 
 def test_a_response_store_that_is_down_is_bypassed_and_the_request_still_served(setup) -> None:
-    from gateway.response_store import RedisResponseStore
 
     setup["runtime"].response_store = RedisResponseStore.from_url("redis://127.0.0.1:1/0")
     answer = call(setup, chat(temperature=0))
@@ -354,7 +354,6 @@ def test_a_response_store_that_is_down_is_bypassed_and_the_request_still_served(
 
 
 def test_personal_data_reaches_no_heat_and_no_shadow_sample_and_keys_stay_apart(setup) -> None:
-    from cacheadmin.services.gateway import tenant_gateway_policy_update
 
     samples: list[Any] = []
     setup["runtime"].shadow = samples.append
@@ -420,7 +419,6 @@ def test_cache_tags_are_utf8_repeated_headers_add_up_and_tagged_answers_skip_the
         assert asyncio.run(go()).headers["x-kvcp-served-by"] == "engine"  # tagged: never an exact answer
     rows, _ = setup["runtime"].recorder.drain()
     assert {layer: b for _, layer, _, _, b in rows}["response"] == {"tagged": 2}
-    from gateway.server import request_tags
 
     assert request_tags(["city:caf\u00c3\u00a9", "product:41, product:42"]) == ("city:café", "product:41", "product:42")
     with pytest.raises(Exception, match="not UTF-8"):

@@ -18,10 +18,11 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cacheadmin.models import Engine, GatewayStat, Tenant
-from cacheadmin.services.gateway import gateway_key_issue
+from cacheadmin.models import Engine, GatewayKey, GatewayStat, ShadowCheck, Tenant
+from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke, tenant_gateway_policy_update
 from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
+from cacheadmin.services.shadow import shadow_check_run
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
 from tests.helpers import PROJECT, subprocess_env, wait_for
@@ -168,8 +169,6 @@ def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: d
 
 
 def test_a_revoked_key_is_refused_within_a_second(served: dict) -> None:
-    from cacheadmin.models import GatewayKey
-    from cacheadmin.services.gateway import gateway_key_revoke
 
     ok = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 2}
     assert _post(served, ok).status_code == 200
@@ -180,10 +179,6 @@ def test_a_revoked_key_is_refused_within_a_second(served: dict) -> None:
 
 
 def test_shadow_verification_replays_a_live_cached_request_against_a_reference(served: dict, reference: LocalEngine) -> None:
-    from cacheadmin.models import ShadowCheck
-    from cacheadmin.services.gateway import tenant_gateway_policy_update
-    from cacheadmin.services.shadow import shadow_check_run
-
     Engine.objects.create(
         name="gw-reference", model_version=served["version"], base_url=reference.base_url, pid=reference.pid,
         prefix_caching=False, status=Engine.Status.READY, verification=Engine.Verification.VERIFIED, role=Engine.Role.REFERENCE,
