@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, ClassVar
 from gateway.sqlite_file import SqliteFile
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierError, TierUnavailable, TierUsage, is_stray_prefix, stray_prefix
+from inference.tiers.redis_tier import redis_address
 
 # redis-py is imported where a Redis store is built: the embedded default
 # never needs it.
@@ -945,10 +946,7 @@ class RedisResponseStore(ResponseStore):
         return [*(self._k(kind, prefix) for kind in ("lru", "exp", "size", "ctime", "bytes")), self._k("prefixes")]
 
     def _address(self) -> str:
-        kw = self.client.connection_pool.connection_kwargs
-        if "path" in kw:
-            return f"unix:{kw['path']}/{kw.get('db', 0)}"
-        return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+        return redis_address(self.client)
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:

@@ -83,6 +83,7 @@ from gateway.semantic.matching import similarity
 from gateway.sqlite_file import SqliteFile
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierUnavailable, TierUsage, is_stray_prefix
+from inference.tiers.redis_tier import redis_address
 
 # redis-py is imported where a Redis store is built: the embedded default never needs it.
 if TYPE_CHECKING:
@@ -1855,10 +1856,7 @@ class RedisSemanticStore(SemanticStore):
         return f"RedisSemanticStore({self._address()}, {self.key_prefix!r})"
 
     def _address(self) -> str:
-        kw = self.client.connection_pool.connection_kwargs
-        if "path" in kw:
-            return f"unix:{kw['path']}/{kw.get('db', 0)}"
-        return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+        return redis_address(self.client)
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:

@@ -701,10 +701,7 @@ class RedisTier:
         return self._no_touch
 
     def _address(self) -> str:
-        kw = self.client.connection_pool.connection_kwargs
-        if "path" in kw:
-            return f"unix:{kw['path']}/{kw.get('db', 0)}"
-        return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+        return redis_address(self.client)
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
@@ -717,3 +714,11 @@ class RedisTier:
             raise TierUnavailable(f"Redis at {self._address()} unavailable ({doing}): {type(exc).__name__}: {exc}") from exc
         except redis.exceptions.RedisError as exc:
             raise TierError(f"Redis at {self._address()}: {doing} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def redis_address(client: redis.Redis) -> str:
+    """Where a client talks to, for messages: ``host:port/db`` or ``unix:path/db``."""
+    kw = client.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix:{kw['path']}/{kw.get('db', 0)}"
+    return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"

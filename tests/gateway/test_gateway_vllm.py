@@ -32,31 +32,29 @@ pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 SYSTEM = "You are a careful assistant for the Acme travel desk. " * 30
 
 
-@pytest.fixture(scope="module")
-def engine(demo_checkpoints) -> Iterator[LocalEngine]:
+def _tiny_v1(checkpoints: dict[str, Path], name: str, *, prefix_caching: bool) -> Iterator[LocalEngine]:
+    """tiny-v1 served as ``tiny`` (no connector), stopped when the module's tests end."""
     spec = EngineSpec(
-        model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(), prefix_caching=True,
-        kv_storage_path=None, log_path=settings.ENGINE_LOG_DIR / "test-gateway.log",
+        model_path=checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(), prefix_caching=prefix_caching,
+        kv_storage_path=None, log_path=settings.ENGINE_LOG_DIR / f"test-{name}.log",
     )  # fmt: skip
     local = LocalEngine(spec)
     local.start()
     local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
     yield local
     local.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(demo_checkpoints) -> Iterator[LocalEngine]:
+    """The engine the gateway routes to (prefix caching on)."""
+    yield from _tiny_v1(demo_checkpoints, "gateway", prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
 def reference(demo_checkpoints) -> Iterator[LocalEngine]:
     """The same checkpoint without prefix caching: what shadow verification compares against."""
-    spec = EngineSpec(
-        model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(), prefix_caching=False,
-        kv_storage_path=None, log_path=settings.ENGINE_LOG_DIR / "test-gateway-reference.log",
-    )  # fmt: skip
-    local = LocalEngine(spec)
-    local.start()
-    local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
-    yield local
-    local.stop()
+    yield from _tiny_v1(demo_checkpoints, "gateway-reference", prefix_caching=False)
 
 
 @pytest.fixture
