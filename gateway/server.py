@@ -590,7 +590,6 @@ class Gateway:
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
         model = str(body["model"])
-        personal = bool(personal_data_kinds(canonical))
         # Layer 1: the response cache.
         rkey: str | None = None
         reason = self._response_bypass(snap, tenant, tags)
@@ -622,6 +621,8 @@ class Gateway:
                             ns, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
                         )
                 rec.add(ns.pk, "response", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
+        # Past the exact layer only: a response-cache hit never needs the personal-data scan.
+        personal = bool(personal_data_kinds(canonical))
         # Layer 2: the semantic cache.
         semantic = await self._semantic_lookup(
             snap, routed, endpoint, body, canonical, personal, stream, include_usage, model, started

@@ -438,7 +438,8 @@ def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, fl
         Rows written.
     """
     written = 0
-    live = set(CacheNamespace.objects.values_list("pk", flat=True))
+    rows = list(rows)
+    live = set(CacheNamespace.objects.filter(pk__in={row[0] for row in rows}).values_list("pk", flat=True))
     for namespace_pk, layer, minute, counters, bypass in rows:
         if namespace_pk not in live:
             continue

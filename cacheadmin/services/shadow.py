@@ -22,7 +22,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.gateway import namespace_routing_suspend, tenant_gateway_policy
 from cacheadmin.services.namespaces import namespace_salt_read
-from inference.comparison import compare_prompt
+from inference.comparison import compare_prompt, first_divergence
 from inference.corpus import Conversation
 from inference.errors import EngineError
 
@@ -102,7 +102,7 @@ def shadow_check_run(check_id: int) -> str | None:
     # A replay that found nothing cached cannot judge the cache; the live request's report stands.
     deceptive = outcome.deceptive
     status = ShadowCheck.Status.DECEPTIVE if deceptive else ShadowCheck.Status.MATCHED
-    control_divergence = None if outcome.control_tokens_equal else 0
+    control_divergence = first_divergence(cold.token_ids, control.token_ids)
     detail = {
         "reference_engine": reference.name, "replay_cached_tokens": outcome.cached_tokens, "tokens_equal": outcome.tokens_equal,
         "max_logprob_delta": outcome.max_logprob_delta, "control_max_logprob_delta": outcome.control_max_logprob_delta,
