@@ -117,12 +117,28 @@ def test_static_asset_is_served_hashed_compressed_and_cached_for_good(server: Da
     assert missing.status_code == 404
 
 
+def _workers_of(master: int, *, timeout_s: float = 30.0) -> list[int]:
+    """The pids of gunicorn ``master``'s workers, once all ``OPTIONS.workers`` are forked.
+
+    Ready (one worker answering ``/healthz``) does not mean every worker is
+    forked yet: the master forks them one by one, and on 2 loaded cores the
+    second may come a moment after the first answers. Returns what is there
+    at ``timeout_s`` so the caller's assertion shows the count.
+    """
+    children = Path(f"/proc/{master}/task/{master}/children")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = [int(pid) for pid in children.read_text().split()]
+        if len(workers) >= OPTIONS.workers or time.monotonic() > deadline:
+            return workers
+        time.sleep(0.1)
+
+
 def test_server_stops_on_sigterm_within_seconds(server: DashboardServer) -> None:
     stopping = _server("test-gunicorn-sigterm")
     stopping.start(collect_static=False)  # the module's server collected them into the same STATIC_ROOT
     assert stopping.proc is not None
-    master = stopping.proc.pid
-    workers = [int(pid) for pid in Path(f"/proc/{master}/task/{master}/children").read_text().split()]
+    workers = _workers_of(stopping.proc.pid)
     assert len(workers) == OPTIONS.workers
     with stopping.client() as client:
         assert client.get("/healthz").status_code == 200
