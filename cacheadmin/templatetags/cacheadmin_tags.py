@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 
 import humanize
 from django import template
+from django.utils import timezone
 
 from cacheadmin.models.api_tokens import session_allows
 
@@ -96,3 +98,78 @@ def detail_items(detail: dict | None) -> list[tuple[str, str]]:
         (str(k), v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False))
         for k, v in sorted(detail.items(), key=lambda item: str(item[0]))
     ]
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float, ``None`` when missing or not a number (templates pass strings and Decimals too)."""
+    if value is None or value == "" or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if number == number else None  # NaN is missing, not "nan ms"
+
+
+def _compact(number: float) -> str:
+    """One decimal below 10, none from 10 up (``1.4``, ``12``), without a trailing ``.0``."""
+    text = f"{number:.1f}" if abs(number) < 10 else f"{number:.0f}"
+    return text[:-2] if text.endswith(".0") else text
+
+
+@register.filter
+def duration_ms(value: object, unit: str = "ms") -> str:
+    """A duration in the largest unit that keeps it readable: ``12 ms``, ``1.4 s``, ``3 min``, ``2.5 h``, ``4 d``.
+
+    ``value`` is in milliseconds, or in seconds with ``{{ x|duration_ms:"s" }}``; ``—`` when missing.
+    Below 1 ms it keeps two decimals (``0.25 ms``): cache lookups take fractions of a millisecond.
+    """
+    number = _number(value)
+    if number is None:
+        return MISSING
+    ms = number * 1000.0 if unit == "s" else number
+    sign, ms = ("-" if ms < 0 else ""), abs(ms)
+    if ms < 1:
+        text = f"{ms:.2f} ms".replace(".00 ms", " ms")
+    elif ms < 1000:
+        text = f"{_compact(ms)} ms"
+    elif ms < 60_000:
+        text = f"{_compact(ms / 1000)} s"
+    elif ms < 3_600_000:
+        text = f"{_compact(ms / 60_000)} min"
+    elif ms < 86_400_000:
+        text = f"{_compact(ms / 3_600_000)} h"
+    else:
+        text = f"{_compact(ms / 86_400_000)} d"
+    return sign + text
+
+
+@register.filter
+def percent(value: object, decimals: int = 1) -> str:
+    """A ratio 0..1 as a percentage (``0.125`` -> ``12.5 %``), ``—`` when missing (no traffic is not 0 %)."""
+    number = _number(value)
+    if number is None:
+        return MISSING
+    return f"{number * 100:.{int(decimals)}f} %"
+
+
+@register.filter
+def age(value: object, now: object = None) -> str:
+    """Time since a datetime, in words (``4 min ago``, ``just now``, ``in 2 min`` for the future), ``—`` when missing.
+
+    ``now`` (an aware datetime) is for tests and for pages that render many ages against one instant.
+    """
+    if not isinstance(value, _dt.datetime):
+        return MISSING
+    reference = now if isinstance(now, _dt.datetime) else timezone.now()
+    if timezone.is_naive(value) and timezone.is_aware(reference):
+        value = timezone.make_aware(value, _dt.UTC)
+    seconds = (reference - value).total_seconds()
+    if abs(seconds) < 1:
+        return "just now"
+    text = duration_ms(abs(seconds), "s")
+    if abs(seconds) >= 60:  # whole units read better for ages ("4 min", not "4.3 min")
+        text = text.split(" ")[0].split(".")[0] + " " + text.split(" ")[1]
+    elif abs(seconds) >= 1:
+        text = f"{int(abs(seconds))} s"
+    return f"{text} ago" if seconds > 0 else f"in {text}"
