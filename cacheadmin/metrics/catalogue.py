@@ -98,6 +98,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvcp_kv_event_batches", "counter", ("engine",), "KV-event batches received", "kv_events"),
     MetricSpec("kvcp_kv_event_gaps", "counter", ("engine",), "sequence gaps no replay could fill", "kv_events"),
     MetricSpec("kvcp_isolation_alarm_blocks", "counter", ("engine", "kind"), "blocks stored outside their namespace's isolation", "kv_events"),
+    MetricSpec("kvcp_kv_event_resident_tokens", "gauge", ("engine", "namespace", "medium"),
+               "tokens resident in an engine's KV cache per namespace, live in the consumer", "kv_events"),
 )  # fmt: skip
 
 #: Family name → spec.
