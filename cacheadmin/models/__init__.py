@@ -24,6 +24,7 @@ from cacheadmin.models.gateway import (
 from cacheadmin.models.jobs import ComparisonJob, ComparisonResult, JobStatus, PrewarmJob, PrewarmResult, RegistrationJob
 from cacheadmin.models.model_versions import Adapter, ModelVersion
 from cacheadmin.models.releases import IdempotencyKey, PrefixHeat, Release, ReleaseEvent
+from cacheadmin.models.templates import PromptTemplate, TemplateStat
 from cacheadmin.models.tenancy import (
     CacheNamespace,
     Residency,
@@ -66,6 +67,7 @@ __all__ = [
     "PrefixHeat",
     "PrewarmJob",
     "PrewarmResult",
+    "PromptTemplate",
     "RegistrationJob",
     "Release",
     "ReleaseEvent",
@@ -74,5 +76,6 @@ __all__ = [
     "RetentionPolicy",
     "SharedGroup",
     "SharedGroupMembership",
+    "TemplateStat",
     "Tenant",
 ]
