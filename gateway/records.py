@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.templates import TemplateCounts
+
 
 @dataclass
 class _Cell:
@@ -45,6 +47,8 @@ class Recorder:
         self._cells: dict[tuple[int, str, datetime], _Cell] = defaultdict(_Cell)
         self._heat: dict[tuple[int, str], list[Any]] = {}
         self._max_heat = max_heat
+        #: Requests per prompt template, warm or cold (drained by the same flush).
+        self.templates = TemplateCounts()
 
     @staticmethod
     def _minute(now: float | None) -> datetime:

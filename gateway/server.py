@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway import templates
 from gateway.canonical import (
     InvalidRequest,
     canonical_bytes,
@@ -575,6 +576,7 @@ class Gateway:
                 raise _invalid(exc.message, exc.param) from None
             tags = request_tags(request.headers.getlist(TAGS_HEADER))
             routed = route_request(snap, tenant, body)
+            templates.classify(snap.templates, tenant.id, routed.namespace.pk, routed.namespace.key, body)
             return await self._through_layers(snap, routed, endpoint, body, canonical, upstream, tags, started)
         except GatewayError as exc:
             return exc.response()
@@ -691,6 +693,7 @@ class Gateway:
     ) -> Response:  # fmt: skip
         usage = record.get("usage") or {}
         ttft_ms = (time.perf_counter() - started) * 1000
+        templates.count(self.rt.recorder.templates, warm=True)
         self.rt.recorder.add(
             ns.pk, layer, requests=1, hits=1, lookup_ms_sum=lookup_ms, lookup_count=1, ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1,
             prompt_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0),
@@ -841,6 +844,7 @@ class Gateway:
                     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                     ttft = (first - started) * 1000
                     side = "hit" if cached else "miss"
+                    templates.count(self.rt.recorder.templates, warm=bool(cached))
                     self.rt.recorder.add(
                         ns.pk, "prefix", requests=1, hits=1 if cached else 0, misses=0 if cached else 1,
                         prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_prompt_tokens=cached,
