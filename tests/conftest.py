@@ -30,11 +30,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     PostgreSQL + Redis) what cannot differ by database or broker is deselected:
     ``tests/inference`` (that package imports no Django), the tests of the
     gateway's Django-free modules (they test both stores themselves) and tests marked
-    ``embedded_default`` (the demo, the embedded default's main job by definition).
+    ``embedded_default`` (the demo, the embedded default's main job by definition),
+    ``tests/deploy`` (promtool on the rule and dashboard files) and
+    ``tests/browser`` (what the pages show does not depend on the database;
+    their queries run on PostgreSQL in the page tests).
     """
     if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
         inference = Path(__file__).parent / "inference"
         gateway = Path(__file__).parent / "gateway"
+        elsewhere = (Path(__file__).parent / "deploy", Path(__file__).parent / "browser")
         kept, dropped = [], []
         for item in items:
             path = Path(item.path)
@@ -44,6 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 # real-engine tests run again on the scale-out stores (Redis, PostgreSQL).
                 or (gateway in path.parents and path.name not in GATEWAY_SCALE_OUT_FILES)
                 or item.get_closest_marker("embedded_default") is not None
+                or any(folder in path.parents for folder in elsewhere)
             )
             (dropped if independent else kept).append(item)
         if dropped:
