@@ -5,10 +5,12 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from cacheadmin import views
+from cacheadmin.metrics import views as metrics_views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
     path("healthz", views.health, name="health"),
+    path("metrics", metrics_views.metrics, name="metrics"),
     # Every active account signs in here (the admin site's login takes staff only).
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
