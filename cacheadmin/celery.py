@@ -9,13 +9,27 @@ from __future__ import annotations
 import os
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import celeryd_init, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cacheadmin.settings")
 
 app = Celery("cacheadmin")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@celeryd_init.connect
+def _metrics_setup(**_kwargs: object) -> None:
+    """A worker writes its metrics where the control plane's ``/metrics`` reads
+    them: set before any task imports prometheus-client (multiprocess mode is
+    decided at its first import), and count every task run."""
+    from django.conf import settings
+
+    from cacheadmin.metrics.multiproc import multiproc_use
+    from cacheadmin.metrics.worker import signals_connect
+
+    multiproc_use(settings.METRICS_MULTIPROC_DIR)
+    signals_connect()
 
 
 @worker_ready.connect

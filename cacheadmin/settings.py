@@ -227,6 +227,16 @@ GATEWAY_SNAPSHOT_MAX_AGE_S = env_int("GATEWAY_SNAPSHOT_MAX_AGE_S", 10, minimum=1
 #: How often (seconds) a gateway process writes its figures and prefix heat.
 GATEWAY_FLUSH_S = env_int("GATEWAY_FLUSH_S", 2, minimum=1)
 
+# --- Prometheus metrics (README "Metrics") ------------------------------------
+#: Bearer token every ``/metrics`` endpoint asks for (``manage.py metrics_token`` prints it).
+METRICS_TOKEN = persistent_secret("metrics-token", "METRICS_TOKEN", VAR_DIR)
+#: prometheus-client's multiprocess folder of the control plane's processes (web and Celery workers).
+METRICS_MULTIPROC_DIR = Path(env_str("METRICS_MULTIPROC_DIR", str(VAR_DIR / "metrics" / "control"))).resolve()
+#: prometheus-client's multiprocess folder of the gateway's processes.
+GATEWAY_METRICS_DIR = Path(env_str("GATEWAY_METRICS_DIR", str(VAR_DIR / "metrics" / "gateway"))).resolve()
+#: ``HOST:PORT`` where ``manage.py metrics_serve`` serves the control plane's metrics without a token (empty: off).
+METRICS_ADDR = env_str("METRICS_ADDR", "")
+
 # --- REST API ----------------------------------------------------------------
 # Decided once for every endpoint: who may call, how lists page, one error envelope.
 REST_FRAMEWORK = {

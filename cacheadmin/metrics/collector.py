@@ -1,0 +1,314 @@
+"""The control plane's ``control`` families (:mod:`cacheadmin.metrics.catalogue`),
+computed from the database when Prometheus scrapes.
+
+A fixed number of aggregate queries whatever the number of namespaces,
+engines or rows of history (:data:`QUERIES` of them, pinned by a test); the
+Python work is building one sample per row the queries return. Counters are
+counts of rows the control plane keeps (confirmed eviction actions, checked
+prompts, finished jobs): monotonic while those rows are kept.
+
+Labels: ``namespace`` is the namespace's ``namespace_key`` (64 hex, never a
+salt), ``engine`` the engine's name, ``model_version`` the version's label,
+``boundary`` the tenant slug or ``group:<slug>`` (``#<generation>`` once
+superseded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from functools import reduce
+from operator import or_
+from typing import Any
+
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Max, OuterRef, Q, Subquery, Sum
+from django.utils import timezone
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cacheadmin.metrics.catalogue import BY_NAME
+from cacheadmin.models import (
+    AccountingScan,
+    CacheNamespace,
+    ComparisonJob,
+    ComparisonResult,
+    Engine,
+    EngineAlarm,
+    EvictionAction,
+    EvictionRun,
+    GatewayStat,
+    NamespaceRouting,
+    PrewarmJob,
+    RegistrationJob,
+    Residency,
+    ResidentSample,
+    ShadowCheck,
+    Tier,
+    TierUsageSample,
+)
+from cacheadmin.models.jobs import JobStatus
+
+#: Job kinds (label ``kind``) and their tables.
+JOB_KINDS: dict[str, Any] = {
+    "prewarm": PrewarmJob,
+    "comparison": ComparisonJob,
+    "registration": RegistrationJob,
+    "accounting": AccountingScan,
+    "eviction": EvictionRun,
+}
+#: Final statuses counted by ``kvcp_jobs_total``.
+FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+#: ``kvcp_job_duration_seconds`` bucket bounds (seconds): a scan takes
+#: seconds, a prewarm or a comparison minutes, a registration of a large
+#: checkpoint up to hours.
+JOB_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
+#: Queries one collection runs (whatever the row counts); a test pins it.
+QUERIES = 18
+
+
+def _help(name: str) -> str:
+    return BY_NAME[name].help
+
+
+def _labels(name: str) -> list[str]:
+    return list(BY_NAME[name].labels)
+
+
+def serving_namespace_pks() -> set[int]:
+    """Primary keys of the namespaces routing sends traffic to now (a route
+    with a share above 0): the same routes the gateways' snapshot is built
+    from (:func:`cacheadmin.services.gateway.routing_snapshot_build`). The
+    caller leaves out dropped and superseded namespaces, as the snapshot does.
+
+    Two queries (releases; namespaces served without a release).
+    """
+    # The snapshot's own functions: "serving" here never disagrees with routing.
+    from cacheadmin.services.gateway import _operator_routes
+    from cacheadmin.services.serving import serving_routes
+
+    routes = serving_routes()
+    pks = {r.namespace_pk for r in routes if r.percent > 0 and r.namespace_pk is not None}
+    released = {(r.tenant_id, r.served_name) for r in routes}
+    for targets in _operator_routes(released).values():
+        pks.update(t.namespace_pk for t in targets if t.percent > 0 and t.namespace_pk is not None)
+    return pks
+
+
+class ControlPlaneCollector(Collector):
+    """prometheus-client collector of every ``control`` family (see the module docstring).
+
+    Raises:
+        django.db.Error: the database cannot be read (the view answers 503).
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        """The families, read now (:data:`QUERIES` queries)."""
+        now = timezone.now()
+        serving = serving_namespace_pks()
+        keys: dict[int, str] = {}
+        stale: set[int] = set()
+        info = GaugeMetricFamily("kvcp_namespace_info", _help("kvcp_namespace_info"), labels=_labels("kvcp_namespace_info"))
+        rows = CacheNamespace.objects.values_list(
+            "pk", "namespace_key", "tenant__slug", "group__slug", "group_generation", "group__generation",
+            "model_version__label", "residency",
+        )  # fmt: skip
+        for pk, key, tenant, group, generation, current_generation, label, residency in rows:
+            keys[pk] = key
+            superseded = group is not None and generation != current_generation
+            if tenant is not None:
+                boundary = tenant
+            else:
+                boundary = f"group:{group}" + (f"#{generation}" if superseded else "")
+            is_serving = pk in serving and residency != Residency.DROPPED and not superseded
+            if not is_serving:
+                stale.add(pk)
+            info.add_metric([key, boundary, label, residency, "true" if is_serving else "false"], 1)
+        yield info
+        yield from self._tiers(keys, stale, now)
+        yield from self._evictions()
+        yield from self._checks()
+        yield from self._jobs()
+        yield from self._engines()
+        yield from self._gateway(keys)
+
+    # --- tiers, staleness, last hit ----------------------------------------
+    def _tiers(self, keys: dict[int, str], stale: set[int], now: Any) -> Iterator[Metric]:
+        # The newest scan that sampled each tier: a scan that could not read a
+        # tier (Redis down) leaves that tier's previous figures standing.
+        newest = [
+            Q(tier=tier, scan_id=Subquery(TierUsageSample.objects.filter(tier=tier).order_by("-scan_id").values("scan_id")[:1]))
+            for tier in Tier.values
+        ]
+        samples = TierUsageSample.objects.filter(reduce(or_, newest), namespace__isnull=False).values_list(
+            "namespace_id", "tier", "bytes", "entries", "last_access_at"
+        )
+        tier_bytes = GaugeMetricFamily("kvcp_tier_bytes", _help("kvcp_tier_bytes"), labels=_labels("kvcp_tier_bytes"))
+        entries = GaugeMetricFamily("kvcp_tier_entries", _help("kvcp_tier_entries"), labels=_labels("kvcp_tier_entries"))
+        totals: dict[str, list[int]] = {tier: [0, 0] for tier in Tier.values}
+        last_hit: dict[int, Any] = {}
+        for namespace_pk, tier, size, count, accessed in samples:
+            key = keys.get(namespace_pk)
+            if key is None:
+                continue
+            tier_bytes.add_metric([key, tier], size)
+            entries.add_metric([key, tier], count)
+            totals[tier][0] += size
+            if namespace_pk in stale:
+                totals[tier][1] += size
+            if accessed is not None and (namespace_pk not in last_hit or accessed > last_hit[namespace_pk]):
+                last_hit[namespace_pk] = accessed
+        yield tier_bytes
+        yield entries
+        ratio = GaugeMetricFamily("kvcp_stale_bytes_ratio", _help("kvcp_stale_bytes_ratio"), labels=["tier"])
+        for tier, (total, stale_bytes) in totals.items():
+            ratio.add_metric([tier], stale_bytes / total if total else 0.0)
+        yield ratio
+        # The gateways' last minute with a hit (any layer), beside the tiers' own last access.
+        hits = GatewayStat.objects.filter(hits__gt=0).values("namespace_id").annotate(minute=Max("minute"))
+        for row in hits.values_list("namespace_id", "minute"):
+            namespace_pk, minute = row
+            if namespace_pk not in last_hit or minute > last_hit[namespace_pk]:
+                last_hit[namespace_pk] = minute
+        age = GaugeMetricFamily(
+            "kvcp_namespace_last_hit_age_seconds", _help("kvcp_namespace_last_hit_age_seconds"), labels=["namespace"]
+        )
+        for namespace_pk, when in last_hit.items():
+            if namespace_pk in keys:
+                age.add_metric([keys[namespace_pk]], max(0.0, (now - when).total_seconds()))
+        yield age
+
+    # --- evictions ----------------------------------------------------------
+    def _evictions(self) -> Iterator[Metric]:
+        done = (
+            EvictionAction.objects.filter(status=EvictionAction.Status.DONE)
+            .values("namespace__namespace_key", "tier", "kind")
+            .annotate(n=Count("id"), freed=Sum("bytes_freed"))
+            .values_list("namespace__namespace_key", "tier", "kind", "n", "freed")
+        )
+        evictions = CounterMetricFamily("kvcp_evictions", _help("kvcp_evictions"), labels=_labels("kvcp_evictions"))
+        freed = CounterMetricFamily(
+            "kvcp_eviction_freed_bytes", _help("kvcp_eviction_freed_bytes"), labels=_labels("kvcp_eviction_freed_bytes")
+        )
+        freed_by: dict[tuple[str, str], int] = {}
+        for key, tier, kind, n, freed_bytes in done:
+            # An orphan (no namespace) is counted under namespace "".
+            evictions.add_metric([key or "", tier, kind], n)
+            freed_by[(key or "", tier)] = freed_by.get((key or "", tier), 0) + (freed_bytes or 0)
+        for (key, tier), value in freed_by.items():
+            freed.add_metric([key, tier], value)
+        yield evictions
+        yield freed
+
+    # --- deceptive hits -------------------------------------------------------
+    def _checks(self) -> Iterator[Metric]:
+        deceptive = CounterMetricFamily("kvcp_deceptive_hits", _help("kvcp_deceptive_hits"), labels=["namespace", "source"])
+        checks = CounterMetricFamily("kvcp_cache_checks", _help("kvcp_cache_checks"), labels=["namespace", "source"])
+        compared = (
+            ComparisonResult.objects.values("job__namespace__namespace_key")
+            .annotate(n=Count("id"), bad=Count("id", filter=Q(deceptive=True)))
+            .values_list("job__namespace__namespace_key", "n", "bad")
+        )
+        for key, n, bad in compared:
+            checks.add_metric([key, "comparison"], n)
+            deceptive.add_metric([key, "comparison"], bad)
+        shadowed = (
+            ShadowCheck.objects.filter(status__in=[ShadowCheck.Status.MATCHED, ShadowCheck.Status.DECEPTIVE])
+            .values("namespace__namespace_key")
+            .annotate(n=Count("id"), bad=Count("id", filter=Q(status=ShadowCheck.Status.DECEPTIVE)))
+            .values_list("namespace__namespace_key", "n", "bad")
+        )
+        for key, n, bad in shadowed:
+            checks.add_metric([key, "shadow"], n)
+            deceptive.add_metric([key, "shadow"], bad)
+        yield deceptive
+        yield checks
+
+    # --- jobs -------------------------------------------------------------------
+    def _jobs(self) -> Iterator[Metric]:
+        jobs = CounterMetricFamily("kvcp_jobs", _help("kvcp_jobs"), labels=["kind", "status"])
+        durations = HistogramMetricFamily("kvcp_job_duration_seconds", _help("kvcp_job_duration_seconds"), labels=["kind"])
+        duration = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
+        timed = Q(started_at__isnull=False, finished_at__isnull=False)
+        for kind, model in JOB_KINDS.items():
+            # One query per kind: counts per final status, and the timed jobs' bucket counts and sum.
+            buckets = {
+                f"le{i}": Count("id", filter=timed & Q(run__lte=timedelta(seconds=bound)))
+                for i, bound in enumerate(JOB_BUCKETS_S)
+            }
+            rows = (
+                model.objects.filter(status__in=FINISHED)
+                .alias(run=duration)
+                .values("status")
+                .annotate(n=Count("id"), timed=Count("id", filter=timed), total=Sum("run", filter=timed), **buckets)
+                .order_by()
+            )
+            counts = [0] * len(JOB_BUCKETS_S)
+            timed_n, total_s = 0, 0.0
+            for row in rows:
+                jobs.add_metric([kind, row["status"]], row["n"])
+                timed_n += row["timed"]
+                total_s += row["total"].total_seconds() if row["total"] is not None else 0.0
+                for i in range(len(JOB_BUCKETS_S)):
+                    counts[i] += row[f"le{i}"]
+            durations.add_metric(
+                [kind], [(str(bound), counts[i]) for i, bound in enumerate(JOB_BUCKETS_S)] + [("+Inf", timed_n)], total_s
+            )
+        yield jobs
+        yield durations
+
+    # --- engines ------------------------------------------------------------------
+    def _engines(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("kvcp_engine_info", _help("kvcp_engine_info"), labels=_labels("kvcp_engine_info"))
+        verified = GaugeMetricFamily("kvcp_engine_verified", _help("kvcp_engine_verified"), labels=["engine"])
+        running: dict[int, str] = {}
+        newest = ResidentSample.objects.filter(engine=OuterRef("pk")).order_by("-sampled_at").values("sampled_at")[:1]
+        engines = Engine.objects.annotate(resident_at=Subquery(newest)).values_list(
+            "pk", "name", "model_version__label", "origin", "status", "verification", "resident_at"
+        )
+        sampled: list[Q] = []
+        for pk, name, label, origin, status, verification, resident_at in engines:
+            info.add_metric([name, label, origin, status], 1)
+            verified.add_metric([name], 1 if verification == Engine.Verification.VERIFIED else 0)
+            if status in (Engine.Status.STARTING, Engine.Status.READY):
+                running[pk] = name
+                if resident_at is not None:
+                    sampled.append(Q(engine_id=pk, sampled_at=resident_at))
+        yield info
+        yield verified
+        alarms = GaugeMetricFamily("kvcp_engine_alarms_open", _help("kvcp_engine_alarms_open"), labels=["engine", "kind"])
+        open_alarms = (
+            EngineAlarm.objects.filter(resolved_at__isnull=True)
+            .values("engine__name", "kind")
+            .annotate(n=Count("id"))
+            .values_list("engine__name", "kind", "n")
+        )
+        for name, kind, n in open_alarms:
+            alarms.add_metric([name, kind], n)
+        yield alarms
+        resident = GaugeMetricFamily(
+            "kvcp_resident_tokens", _help("kvcp_resident_tokens"), labels=_labels("kvcp_resident_tokens")
+        )
+        # The consumer writes every key of an engine at one time: its newest
+        # time is the whole picture (blocks of no known namespace under "").
+        # Seeded with a condition no row meets: the query runs (and counts) with no engine too.
+        rows = ResidentSample.objects.filter(reduce(or_, sampled, Q(pk__isnull=True))).values_list(
+            "engine_id", "namespace__namespace_key", "medium", "tokens"
+        )
+        for engine_id, key, medium, tokens in rows:
+            if engine_id in running:
+                resident.add_metric([running[engine_id], key or "", medium], tokens)
+        yield resident
+
+    # --- gateway switches and holds -------------------------------------------------
+    def _gateway(self, keys: dict[int, str]) -> Iterator[Metric]:
+        from cacheadmin.services.gateway import layer_states
+
+        layers = GaugeMetricFamily("kvcp_gateway_layer_enabled", _help("kvcp_gateway_layer_enabled"), labels=["layer"])
+        for layer, state in layer_states().items():
+            layers.add_metric([str(layer)], 1 if state["enabled"] else 0)
+        yield layers
+        suspended = GaugeMetricFamily("kvcp_routing_suspended", _help("kvcp_routing_suspended"), labels=["namespace"])
+        for namespace_pk, at in NamespaceRouting.objects.values_list("namespace_id", "suspended_at"):
+            if namespace_pk in keys:
+                suspended.add_metric([keys[namespace_pk]], 0 if at is None else 1)
+        yield suspended

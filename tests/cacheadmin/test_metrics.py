@@ -1,0 +1,296 @@
+"""The control plane's ``/metrics``: every ``control`` family computed from
+rows made here, with exact values; a fixed number of queries whatever the
+number of namespaces; the token; worker families observed in this process;
+the README's table against the catalogue."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from cacheadmin.metrics import collector
+from cacheadmin.metrics.catalogue import METRICS
+from cacheadmin.metrics.worker import tier_load
+from cacheadmin.models import (
+    AccountingScan,
+    CacheLayerSwitch,
+    CacheNamespace,
+    ComparisonJob,
+    ComparisonResult,
+    Engine,
+    EngineAlarm,
+    EvictionAction,
+    EvictionRun,
+    GatewayStat,
+    NamespaceRouting,
+    PrewarmJob,
+    ResidentSample,
+    RetentionOwner,
+    ShadowCheck,
+    Tenant,
+    TierUsageSample,
+)
+from tests.cacheadmin.conftest import make_version
+
+pytestmark = pytest.mark.django_db
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(client: Client | None = None, token: str | None = None) -> Samples:
+    """GET /metrics with the token; every sample by (name, labels)."""
+    response = (client or Client()).get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token or settings.METRICS_TOKEN}")
+    assert response.status_code == 200, response.content[:500]
+    assert response["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    out: Samples = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def names(samples: Samples, name: str) -> list[dict[str, str]]:
+    found = [dict(labels) for n, labels in samples if n == name]
+    return sorted(found, key=lambda d: (d.get("namespace", ""), d.get("engine", ""), sorted(d.items())))
+
+
+@pytest.fixture
+def rows() -> dict:
+    """Two tenants on v1 (active, served without a release), acme's namespace
+    of v2 (registered: not served), and one row of every kind the metrics read."""
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    globex = Tenant.objects.create(slug="globex", name="Globex")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    v1, v2 = make_version("v1", "1" * 64), make_version("v2", "2" * 64, weights="f" * 64)
+    v1.status = "active"
+    v1.save()
+    ns_acme = CacheNamespace.objects.create(
+        namespace_key="a" * 64, model_version=v1, tenant=acme, retention_owner=owner, storage_prefix="ns-acme"
+    )
+    ns_globex = CacheNamespace.objects.create(
+        namespace_key="b" * 64, model_version=v1, tenant=globex, retention_owner=owner, storage_prefix="ns-globex"
+    )
+    ns_old = CacheNamespace.objects.create(
+        namespace_key="c" * 64, model_version=v2, tenant=acme, retention_owner=owner, storage_prefix="ns-acme-v2",
+        residency="cold",
+    )  # fmt: skip
+    now = timezone.now()
+    # Two scans: only the newest counts.
+    old_scan = AccountingScan.objects.create(status="succeeded")
+    new_scan = AccountingScan.objects.create(status="succeeded")
+    for scan, acme_bytes in ((old_scan, 999_999), (new_scan, 1000)):
+        TierUsageSample.objects.create(
+            scan=scan, namespace=ns_acme, storage_prefix="ns-acme", tier="disk", bytes=acme_bytes, allocated_bytes=4096,
+            entries=10, sampled_at=now, last_access_at=now - timedelta(seconds=300),
+        )  # fmt: skip
+    TierUsageSample.objects.create(scan=new_scan, namespace=ns_old, storage_prefix="ns-acme-v2", tier="disk", bytes=3000,
+                                   allocated_bytes=4096, entries=5, sampled_at=now)  # fmt: skip
+    TierUsageSample.objects.create(scan=new_scan, namespace=None, storage_prefix="(stray)/x", tier="disk", bytes=77,
+                                   allocated_bytes=4096, entries=1, sampled_at=now)  # fmt: skip
+    TierUsageSample.objects.create(scan=new_scan, namespace=ns_old, storage_prefix="ns-acme-v2", tier="cold", bytes=500,
+                                   allocated_bytes=512, entries=1, sampled_at=now)  # fmt: skip
+    # The gateway saw acme hit two minutes ago (newer than the disk tier's access).
+    minute = (now - timedelta(seconds=120)).replace(second=0, microsecond=0)
+    GatewayStat.objects.create(namespace=ns_acme, layer="prefix", minute=minute, requests=3, hits=2)
+    GatewayStat.objects.create(namespace=ns_globex, layer="prefix", minute=minute, requests=3, hits=0)
+    run = EvictionRun.objects.create(status="succeeded")
+    for seq, (kind, status, freed, ns) in enumerate([
+        ("delete_prefix", "done", 100, ns_old), ("delete_entries", "done", 200, ns_old), ("delete_entries", "done", 50, ns_old),
+        ("delete_prefix", "failed", 0, ns_old), ("delete_prefix", "done", 77, None),
+    ]):  # fmt: skip
+        EvictionAction.objects.create(run=run, seq=seq, kind=kind, tier="disk", namespace=ns, storage_prefix="p",
+                                      reason="r", status=status, bytes_freed=freed)  # fmt: skip
+    engine = Engine.objects.create(name="e-acme", model_version=v1, namespace=ns_acme, base_url="http://127.0.0.1:1",
+                                   status="ready", verification="verified")  # fmt: skip
+    Engine.objects.create(name="e-ref", model_version=v1, base_url="http://127.0.0.1:2", status="stopped", role="reference",
+                          origin="adopted")  # fmt: skip
+    job = ComparisonJob.objects.create(engine=engine, reference_engine=engine, namespace=ns_acme, status="succeeded",
+                                       started_at=now - timedelta(seconds=100), finished_at=now)  # fmt: skip
+    for i, deceptive in enumerate([False, True, False]):
+        ComparisonResult.objects.create(
+            job=job, index=i, conversation_id=str(i), prompt_tokens=10, cached_tokens=5, tokens_equal=not deceptive,
+            max_logprob_delta=0, control_tokens_equal=True, control_max_logprob_delta=0, tolerance=0, ttft_cold_ms=1,
+            ttft_warm_ms=1, deceptive=deceptive,
+        )  # fmt: skip
+    for status in ("matched", "deceptive", "pending", "failed"):
+        ShadowCheck.objects.create(namespace=ns_globex, engine=engine, request={}, status=status)
+    PrewarmJob.objects.create(namespace=ns_acme, engine=engine, status="succeeded", started_at=now - timedelta(seconds=10),
+                              finished_at=now)  # fmt: skip
+    PrewarmJob.objects.create(namespace=ns_acme, engine=engine, status="failed", started_at=now - timedelta(seconds=3),
+                              finished_at=now)  # fmt: skip
+    PrewarmJob.objects.create(namespace=ns_acme, engine=engine, status="cancelled")  # never started: counted, not timed
+    PrewarmJob.objects.create(namespace=ns_acme, engine=engine, status="running", started_at=now)
+    for key in ("k1", "k2"):
+        EngineAlarm.objects.create(engine=engine, kind="isolation_unknown_salt", key=key)
+    EngineAlarm.objects.create(engine=engine, kind="health", resolved_at=now)
+    ResidentSample.objects.create(engine=engine, namespace=ns_acme, sampled_at=now - timedelta(seconds=60), blocks=9, tokens=288)
+    ResidentSample.objects.create(engine=engine, namespace=ns_acme, sampled_at=now, blocks=4, tokens=128)
+    ResidentSample.objects.create(engine=engine, namespace=None, sampled_at=now, blocks=1, tokens=32)
+    CacheLayerSwitch.objects.create(layer="semantic", enabled=False, reason="test")
+    NamespaceRouting.objects.create(namespace=ns_globex, suspended_at=now, suspended_reason="deceptive hit")
+    NamespaceRouting.objects.create(namespace=ns_acme)
+    return {"acme": ns_acme, "globex": ns_globex, "old": ns_old, "engine": engine}
+
+
+def test_every_control_family_from_the_rows(rows: dict) -> None:
+    s = scrape()
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    assert names(s, "kvcp_namespace_info") == [
+        {"namespace": a, "boundary": "acme", "model_version": "v1", "residency": "hot", "serving": "true"},
+        {"namespace": b, "boundary": "globex", "model_version": "v1", "residency": "hot", "serving": "true"},
+        {"namespace": c, "boundary": "acme", "model_version": "v2", "residency": "cold", "serving": "false"},
+    ]
+    assert value(s, "kvcp_tier_bytes", namespace=a, tier="disk") == 1000
+    assert value(s, "kvcp_tier_entries", namespace=a, tier="disk") == 10
+    assert value(s, "kvcp_tier_bytes", namespace=c, tier="disk") == 3000
+    assert value(s, "kvcp_tier_bytes", namespace=c, tier="cold") == 500
+    assert len(names(s, "kvcp_tier_bytes")) == 3  # the orphan is no namespace's
+    assert value(s, "kvcp_stale_bytes_ratio", tier="disk") == 0.75
+    assert value(s, "kvcp_stale_bytes_ratio", tier="cold") == 1.0
+    assert value(s, "kvcp_stale_bytes_ratio", tier="redis") == 0.0
+    age = value(s, "kvcp_namespace_last_hit_age_seconds", namespace=a)
+    expected = (timezone.now() - (timezone.now() - timedelta(seconds=120)).replace(second=0, microsecond=0)).total_seconds()
+    assert expected - 5 <= age <= expected
+    assert names(s, "kvcp_namespace_last_hit_age_seconds") == [{"namespace": a}]  # globex never hit
+    assert value(s, "kvcp_evictions_total", namespace=c, tier="disk", action="delete_prefix") == 1
+    assert value(s, "kvcp_evictions_total", namespace=c, tier="disk", action="delete_entries") == 2
+    assert value(s, "kvcp_evictions_total", namespace="", tier="disk", action="delete_prefix") == 1
+    assert value(s, "kvcp_eviction_freed_bytes_total", namespace=c, tier="disk") == 350
+    assert value(s, "kvcp_eviction_freed_bytes_total", namespace="", tier="disk") == 77
+    assert value(s, "kvcp_cache_checks_total", namespace=a, source="comparison") == 3
+    assert value(s, "kvcp_deceptive_hits_total", namespace=a, source="comparison") == 1
+    assert value(s, "kvcp_cache_checks_total", namespace=b, source="shadow") == 2
+    assert value(s, "kvcp_deceptive_hits_total", namespace=b, source="shadow") == 1
+    assert value(s, "kvcp_jobs_total", kind="prewarm", status="succeeded") == 1
+    assert value(s, "kvcp_jobs_total", kind="prewarm", status="failed") == 1
+    assert value(s, "kvcp_jobs_total", kind="prewarm", status="cancelled") == 1
+    assert value(s, "kvcp_jobs_total", kind="comparison", status="succeeded") == 1
+    assert ("kvcp_jobs_total", frozenset({("kind", "prewarm"), ("status", "running")})) not in s
+    assert value(s, "kvcp_job_duration_seconds_bucket", kind="prewarm", le="1.0") == 0
+    assert value(s, "kvcp_job_duration_seconds_bucket", kind="prewarm", le="5.0") == 1
+    assert value(s, "kvcp_job_duration_seconds_bucket", kind="prewarm", le="15.0") == 2
+    assert value(s, "kvcp_job_duration_seconds_bucket", kind="prewarm", le="+Inf") == 2
+    assert value(s, "kvcp_job_duration_seconds_count", kind="prewarm") == 2
+    assert value(s, "kvcp_job_duration_seconds_sum", kind="prewarm") == 13.0
+    assert value(s, "kvcp_job_duration_seconds_bucket", kind="comparison", le="60.0") == 0
+    assert value(s, "kvcp_job_duration_seconds_bucket", kind="comparison", le="120.0") == 1
+    assert value(s, "kvcp_job_duration_seconds_count", kind="eviction") == 0
+    assert names(s, "kvcp_engine_info") == [
+        {"engine": "e-acme", "model_version": "v1", "origin": "local", "status": "ready"},
+        {"engine": "e-ref", "model_version": "v1", "origin": "adopted", "status": "stopped"},
+    ]
+    assert value(s, "kvcp_engine_verified", engine="e-acme") == 1
+    assert value(s, "kvcp_engine_verified", engine="e-ref") == 0
+    assert value(s, "kvcp_engine_alarms_open", engine="e-acme", kind="isolation_unknown_salt") == 2
+    assert names(s, "kvcp_engine_alarms_open") == [{"engine": "e-acme", "kind": "isolation_unknown_salt"}]
+    assert value(s, "kvcp_resident_tokens", engine="e-acme", namespace=a, medium="GPU") == 128
+    assert value(s, "kvcp_resident_tokens", engine="e-acme", namespace="", medium="GPU") == 32
+    assert len(names(s, "kvcp_resident_tokens")) == 2
+    assert value(s, "kvcp_gateway_layer_enabled", layer="response") == 1
+    assert value(s, "kvcp_gateway_layer_enabled", layer="semantic") == 0
+    assert value(s, "kvcp_routing_suspended", namespace=b) == 1
+    assert value(s, "kvcp_routing_suspended", namespace=a) == 0
+    # Every family the collector exports is in the catalogue, and every control family is exported.
+    control = {m.name for m in METRICS if m.source == "control"}
+    body = Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {settings.METRICS_TOKEN}").content.decode()
+    seen = {m.name for m in text_string_to_metric_families(body) if m.name.startswith("kvcp_")}
+    assert control <= seen
+
+
+def test_serving_follows_a_release_and_a_dropped_namespace(rows: dict) -> None:
+    """A release moving all of acme's traffic to v2 makes v2's namespace serve and v1's not."""
+    from cacheadmin.models import Release
+
+    Release.objects.create(
+        tenant=rows["acme"].tenant, served_name="tiny", from_version=rows["acme"].model_version,
+        to_version=rows["old"].model_version, from_namespace=rows["acme"], to_namespace=rows["old"],
+        classification="weights", status="ready", traffic_percent=100,
+    )  # fmt: skip
+    CacheNamespace.objects.filter(pk=rows["globex"].pk).update(residency="dropped")
+    s = scrape()
+    serving = {d["namespace"][0]: d["serving"] for d in names(s, "kvcp_namespace_info")}
+    assert serving == {"a": "false", "b": "false", "c": "true"}
+
+
+def _namespaces(n: int) -> None:
+    owner = RetentionOwner.objects.first()
+    version = make_version(f"bulk{n}", "9" * 64)
+    version.status = "active"
+    version.save()
+    for i in range(n):
+        tenant = Tenant.objects.create(slug=f"t{n}-{i}", name=f"T {n} {i}")
+        ns = CacheNamespace.objects.create(namespace_key=f"{n:02d}{i:062d}", model_version=version, tenant=tenant,
+                                           retention_owner=owner, storage_prefix=f"bulk-{n}-{i}")  # fmt: skip
+        Engine.objects.create(name=f"bulk-{n}-{i}", model_version=version, namespace=ns, base_url="http://x", status="ready")
+
+
+def test_a_fixed_number_of_queries_with_1_and_with_30_more_namespaces(rows: dict) -> None:
+    def count() -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            list(collector.ControlPlaneCollector().collect())
+        return len(ctx.captured_queries)
+
+    assert count() == collector.QUERIES
+    _namespaces(30)
+    assert count() == collector.QUERIES
+    assert len(names(scrape(), "kvcp_namespace_info")) == 33
+
+
+def test_the_token_is_required_and_never_shown(rows: dict) -> None:
+    client = Client()
+    missing = client.get("/metrics")
+    assert missing.status_code == 401
+    assert missing["WWW-Authenticate"] == 'Bearer realm="metrics"'
+    assert missing.json()["error"]["code"] == "not_authenticated"
+    wrong = client.get("/metrics", HTTP_AUTHORIZATION="Bearer " + "x" * 64)
+    assert wrong.status_code == 403
+    assert wrong.json() == {"error": {"status": 403, "code": "permission_denied", "message": "wrong metrics token"}}
+    basic = client.get("/metrics", HTTP_AUTHORIZATION="Basic " + settings.METRICS_TOKEN)
+    assert basic.status_code == 401
+    for response in (missing, wrong, basic):
+        assert settings.METRICS_TOKEN not in response.content.decode()
+    assert client.post("/metrics", HTTP_AUTHORIZATION=f"Bearer {settings.METRICS_TOKEN}").status_code == 405
+    # A signed-in operator without the token is still refused: metrics are for Prometheus.
+    from django.contrib.auth.models import User
+
+    client.force_login(User.objects.create_user("olga"))
+    assert client.get("/metrics").status_code == 401
+    assert len(settings.METRICS_TOKEN) >= 32
+
+
+def test_worker_families_of_this_process_are_served(rows: dict) -> None:
+    """Outside multiprocess mode (this test process) tier loads counted here show in /metrics."""
+    before = scrape()
+    tier_load(namespace_key="c" * 64, tier="cold", ok=True)
+    tier_load(namespace_key="c" * 64, tier="cold", ok=False)
+    after = scrape()
+    key = ("kvcp_tier_loads_total", frozenset({("namespace", "c" * 64), ("tier", "cold")}))
+    fail = ("kvcp_tier_load_failures_total", frozenset({("namespace", "c" * 64), ("tier", "cold")}))
+    assert after[key] - before.get(key, 0) == 2
+    assert after[fail] - before.get(fail, 0) == 1
+
+
+def test_the_readme_lists_every_family_with_its_labels() -> None:
+    text = (Path(settings.BASE_DIR) / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`(kvcp_[a-z_]+)`\s*\|\s*(\w+)\s*\|([^|]*)\|", line)
+        if m:
+            labels = tuple(re.findall(r"`([a-z_]+)`", m.group(3)))
+            table[m.group(1)] = (m.group(2), labels)
+    expected = {m.name: (m.kind, m.labels) for m in METRICS}
+    assert table == expected
