@@ -325,6 +325,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 width=24,
             ),
             Panel(
+                "Resident tokens, live from the KV-event consumer",
+                "Tokens resident per engine and namespace as the consumer holds them between database writes.",
+                "short",
+                (q(f"sum by (engine, namespace) (kvcp_kv_event_resident_tokens{{{ENG}, {NS}}})", "{{engine}} {{namespace}}"),),
+                width=24,
+            ),
+            Panel(
                 "KV-event batches and gaps",
                 "Batches per second received from each engine, and sequence gaps no replay could fill.",
                 "short",

@@ -1,0 +1,185 @@
+"""deploy/prometheus: the scrape config, recording and alert rules checked and
+unit-tested by the real promtool, and every query checked against the metric
+catalogue."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cacheadmin.metrics.catalogue import exported_series_names
+from tests.deploy.files import ALERTS, PROMETHEUS, RECORDING, known_names, load_yaml, recorded_names, rules, run_promtool
+from tests.deploy.promql import PromQLNameError, metric_names
+
+#: The alerts operators asked for, with their severity.
+REQUIRED_ALERTS = {
+    "KvcpDeceptiveHit": "page",
+    "KvcpEvictionChurn": "warn",
+    "KvcpGatewayCacheLoadFailures": "warn",
+    "KvcpTierLoadFailures": "warn",
+    "KvcpLowBenefitRatio": "warn",
+    "KvcpIsolationAlarm": "page",
+    "KvcpEngineUnverified": "warn",
+}
+UNIT_TESTS = sorted((PROMETHEUS / "tests").glob("*.test.yml"))
+
+
+# --- the PromQL name extractor ---------------------------------------------
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        (
+            'sum by (namespace, layer) (rate(kvcp_gateway_requests_total{result="hit", namespace=~"$namespace"}[5m]))',
+            {"kvcp_gateway_requests_total"},
+        ),
+        # offset, unless, a set operator followed by a parenthesis, numbers in exponent form
+        (
+            "sum by (namespace) (kvcp_deceptive_hits_total unless kvcp_deceptive_hits_total offset 15m) > 1e0",
+            {"kvcp_deceptive_hits_total"},
+        ),
+        # on/ignoring/group_left label lists, recording-rule names with colons
+        (
+            "(a:b:rate5m{cache=\"cold\"} - ignoring (cache) a:b:rate5m{cache='warm'}) / ignoring(cache) group_left () c_d",
+            {"a:b:rate5m", "c_d"},
+        ),
+        # a grouping clause after the aggregation, a subquery, Grafana's interval variable
+        (
+            "histogram_quantile(0.95, sum(rate(x_bucket[$__rate_interval])) by (le)) + max_over_time(y[1h:5m])",
+            {"x_bucket", "y"},
+        ),
+        (
+            "count(kvcp_engine_info unless on (engine) (kvcp_engine_verified == 1)) or vector(0)",
+            {"kvcp_engine_info", "kvcp_engine_verified"},
+        ),
+        # braces inside a string do not end the matcher early
+        ('kvcp_jobs_total{kind="a}b"} and bool_metric', {"kvcp_jobs_total", "bool_metric"}),
+    ],
+)
+def test_metric_names_extracts_exactly_the_selected_names(expr: str, names: set[str]) -> None:
+    assert metric_names(expr) == names
+
+
+def test_an_unknown_metric_is_rejected() -> None:
+    """A misspelt metric (``requests`` for ``requests_total``) is not in the catalogue."""
+    expr = 'sum(rate(kvcp_gateway_requests{result="hit"}[5m])) / sum(rate(kvcp_gateway_requests_total[5m]))'
+    assert metric_names(expr) - known_names() == {"kvcp_gateway_requests"}
+
+
+def test_a_misspelt_function_is_rejected() -> None:
+    with pytest.raises(PromQLNameError, match=r"rat\(\.\.\.\) is not a PromQL function"):
+        metric_names("rat(kvcp_jobs_total[5m])")
+
+
+# --- promtool on the files ------------------------------------------------------
+def test_check_config_passes_with_the_token_file(promtool: str, tmp_path: Path) -> None:
+    """The example config is valid once the scrape token is written beside it,
+    and refuses to pass without it (promtool checks credentials files)."""
+    config_dir = tmp_path / "prometheus"
+    shutil.copytree(PROMETHEUS, config_dir)
+    missing = run_promtool(promtool, "check", "config", config_dir / "prometheus.yml")
+    assert missing.returncode == 1, missing.stdout
+    assert "kvcp-metrics-token" in missing.stdout
+    (config_dir / "kvcp-metrics-token").write_text("token-from-manage.py-metrics_token\n")
+    done = run_promtool(promtool, "check", "config", config_dir / "prometheus.yml")
+    assert done.returncode == 0, done.stdout
+    assert "SUCCESS: 2 rule files found" in done.stdout
+    assert f"SUCCESS: {len(rules(RECORDING))} rules found" in done.stdout
+    assert f"SUCCESS: {len(REQUIRED_ALERTS)} rules found" in done.stdout
+
+
+def test_config_scrapes_three_endpoints_with_the_token() -> None:
+    config = load_yaml(PROMETHEUS / "prometheus.yml")
+    assert config["rule_files"] == ["rules/kvcp-recording.yml", "rules/kvcp-alerts.yml"]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"kvcp-control-plane", "kvcp-gateway", "kvcp-kv-events"}
+    for job in jobs.values():
+        assert job["metrics_path"] == "/metrics"
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": "kvcp-metrics-token"}
+    assert jobs["kvcp-gateway"]["static_configs"] == [{"targets": ["127.0.0.1:8300"]}]
+    assert (PROMETHEUS / ".gitignore").read_text().split() == ["kvcp-metrics-token"]
+
+
+def test_check_rules_counts_every_rule(promtool: str) -> None:
+    done = run_promtool(promtool, "check", "rules", RECORDING, ALERTS)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.count("SUCCESS") == 2
+    assert "SUCCESS: 14 rules found" in done.stdout
+    assert "SUCCESS: 7 rules found" in done.stdout
+    assert len(rules(RECORDING)) == 14
+
+
+def test_rule_unit_tests_pass(promtool: str) -> None:
+    assert [path.name for path in UNIT_TESTS] == ["kvcp-alerts.test.yml", "kvcp-recording.test.yml"]
+    done = run_promtool(promtool, "test", "rules", *UNIT_TESTS)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.count("SUCCESS") == 2
+    assert "FAILED" not in done.stdout
+
+
+def test_rule_unit_tests_fail_on_a_wrong_expectation(promtool: str, tmp_path: Path) -> None:
+    """The fixtures really check: one changed number in an expected annotation fails."""
+    text = (PROMETHEUS / "tests" / "kvcp-alerts.test.yml").read_text()
+    assert text.count("ns-a: 120 evictions") == 1
+    broken = text.replace("ns-a: 120 evictions", "ns-a: 121 evictions").replace("../rules/", f"{PROMETHEUS}/rules/")
+    (tmp_path / "broken.test.yml").write_text(broken)
+    done = run_promtool(promtool, "test", "rules", tmp_path / "broken.test.yml")
+    assert done.returncode == 1, done.stdout
+    assert "FAILED" in done.stdout
+    assert 'summary="Namespace ns-a: 120 evictions in the last hour"' in done.stdout
+
+
+def test_each_alert_has_a_firing_and_a_quiet_case() -> None:
+    cases: dict[str, list[bool]] = {}
+    for test in load_yaml(PROMETHEUS / "tests" / "kvcp-alerts.test.yml")["tests"]:
+        for case in test["alert_rule_test"]:
+            cases.setdefault(case["alertname"], []).append(bool(case["exp_alerts"]))
+    assert set(cases) == set(REQUIRED_ALERTS)
+    for name, fired in cases.items():
+        assert True in fired and False in fired, name
+
+
+def test_each_recording_rule_has_an_exact_expectation() -> None:
+    tested = {
+        expectation["expr"]
+        for test in load_yaml(PROMETHEUS / "tests" / "kvcp-recording.test.yml")["tests"]
+        for expectation in test["promql_expr_test"]
+    }
+    assert {re.sub(r"\{.*\}$", "", expr) for expr in tested} == set(recorded_names())
+
+
+# --- what the rules say ------------------------------------------------------------
+def test_required_alerts_exist_with_their_severity() -> None:
+    alerts = rules(ALERTS)
+    assert {rule["alert"]: rule["labels"]["severity"] for rule in alerts} == REQUIRED_ALERTS
+
+
+def test_every_alert_has_a_severity_and_annotations_naming_what_it_is_about() -> None:
+    for rule in rules(ALERTS):
+        assert rule["labels"]["severity"] in {"page", "warn"}, rule["alert"]
+        annotations = rule["annotations"]
+        assert set(annotations) == {"summary", "description"}, rule["alert"]
+        about = "$labels.engine" if "Isolation" in rule["alert"] or "Engine" in rule["alert"] else "$labels.namespace"
+        assert about in annotations["summary"] and about in annotations["description"], rule["alert"]
+
+
+def test_recording_rule_names_follow_the_convention() -> None:
+    names = [rule["record"] for rule in rules(RECORDING)]
+    assert len(names) == len(set(names))
+    for name in names:
+        assert re.fullmatch(r"kvcp:[a-z0-9_]+:[a-z0-9_]+", name), name
+
+
+def test_rule_expressions_name_only_exported_metrics_or_recorded_series() -> None:
+    known = known_names()
+    read: set[str] = set()
+    for rule in rules(RECORDING) + rules(ALERTS):
+        names = metric_names(rule["expr"])
+        assert names, rule
+        assert names <= known, (rule.get("record") or rule.get("alert"), sorted(names - known))
+        read |= names
+    # Recording rules read raw series only through the catalogue's names.
+    raw = {name for name in read if ":" not in name}
+    assert raw <= exported_series_names()
