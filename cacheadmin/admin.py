@@ -40,6 +40,7 @@ from cacheadmin.models import (
     ModelVersion,
     PrewarmJob,
     PrewarmResult,
+    PromptTemplate,
     Release,
     ReleaseEvent,
     RetentionOwner,
@@ -60,6 +61,7 @@ from cacheadmin.services.namespaces import (
     shared_group_leave,
     tenant_create,
 )
+from cacheadmin.services.prompt_templates import prompt_template_create, prompt_template_delete
 from inference.errors import ControlPlaneError
 
 #: What the services raise to refuse a change; shown as form errors.
@@ -720,3 +722,20 @@ class ApiTokenAdmin(ServiceAdmin):
         """Revoke through the token service when asked."""
         if form.cleaned_data.get("revoke"):
             api_token_revoke(token=obj, actor=admin_actor(request))
+
+
+@admin.register(PromptTemplate)
+class PromptTemplateAdmin(ServiceAdmin):
+    """Created through the template service (the same checks as the page and
+    the API: name, fixed leading text, samples); deleted through it too, so
+    the gateways stop classifying by it."""
+
+    list_display = ("name", "tenant", "fixed_chars", "created_by", "created_at")
+    list_filter = ("tenant",)
+    audited_deletes = True
+    create_service = staticmethod(prompt_template_create)
+    create_fields = ("name", "tenant", "text", "samples")
+
+    def delete_model(self, request: HttpRequest, obj: models.Model) -> None:
+        assert isinstance(obj, PromptTemplate)
+        prompt_template_delete(template=obj, actor=admin_actor(request))

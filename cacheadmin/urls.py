@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from cacheadmin import views
+from cacheadmin import views, views_engine, views_templates
 from cacheadmin.metrics import views as metrics_views
 
 urlpatterns = [
@@ -17,8 +17,13 @@ urlpatterns = [
     path("fragments/live", views.live_fragment, name="live-fragment"),
     path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
-    path("engines/<int:pk>/", views.engine_detail, name="engine-detail"),
-    path("engines/<int:pk>/<str:verb>/", views.engine_action, name="engine-action"),
+    path("engines/<int:pk>/", views_engine.engine_detail, name="engine-detail"),
+    path("engines/<int:pk>/live", views_engine.engine_live, name="engine-live"),
+    path("engines/<int:pk>/<str:verb>/", views_engine.engine_action, name="engine-action"),
+    path("prompt-templates/", views_templates.prompt_template_list, name="prompt-template-list"),
+    path("prompt-templates/<int:pk>/", views_templates.prompt_template_detail, name="prompt-template-detail"),
+    path("prompt-templates/<int:pk>/live", views_templates.prompt_template_live, name="prompt-template-live"),
+    path("prompt-templates/<int:pk>/delete", views_templates.prompt_template_remove, name="prompt-template-delete"),
     path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
     path("namespaces/<int:pk>/", views.namespace_detail, name="namespace-detail"),
     path("eviction-runs/<int:pk>/", views.eviction_run_detail, name="eviction-run-detail"),

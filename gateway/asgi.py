@@ -132,6 +132,7 @@ def create_app() -> Starlette:
 
     def flush_once() -> None:
         rows, heat = recorder.drain()
+        template_rows = recorder.templates.drain()
         pending = []
         while True:
             try:
@@ -139,7 +140,7 @@ def create_app() -> Starlette:
             except queue.Empty:
                 break
         try:
-            gateway_flush(rows, heat)
+            gateway_flush(rows, heat, template_rows)
             for sample in pending:
                 shadow_check_enqueue(
                     namespace_pk=sample.namespace_pk, engine_id=sample.engine_id, endpoint=sample.endpoint, body=sample.body,
@@ -148,6 +149,7 @@ def create_app() -> Starlette:
         except Exception:  # noqa: BLE001 - a database outage must not lose the figures: they wait for the next flush
             log.exception("gateway figures not written; kept for the next flush")
             recorder.restore(rows, heat)
+            recorder.templates.restore(template_rows)
             close_old_connections()
 
     def start() -> None:

@@ -3,7 +3,7 @@
 from django.urls import include, path, re_path
 from rest_framework.routers import DefaultRouter
 
-from cacheadmin.api import engine_views, gateway_views, release_views, views
+from cacheadmin.api import engine_views, gateway_views, release_views, template_views, views
 
 
 class IdRouter(DefaultRouter):
@@ -51,6 +51,7 @@ router.register("releases", release_views.ReleaseViewSet, basename="release")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
 router.register("gateway-keys", gateway_views.GatewayKeyViewSet, basename="gateway-key")
 router.register("shadow-checks", gateway_views.ShadowCheckViewSet, basename="shadow-check")
+router.register("prompt-templates", template_views.PromptTemplateViewSet, basename="prompt-template")
 
 urlpatterns = [
     re_path(r"^identity-diff/?$", views.IdentityDiffView.as_view(), name="identity-diff"),

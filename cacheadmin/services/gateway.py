@@ -51,6 +51,7 @@ from cacheadmin.models.gateway import routing_changed, routing_relevant
 from cacheadmin.models.naming import validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.heat import prefix_heat_record
+from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.canonical import InvalidRequest
@@ -414,6 +415,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
         namespaces=namespaces,
         references={k: tuple(v) for k, v in references.items()},
         layers=layers,
+        templates=template_indexes(),
     )
 
 
@@ -463,12 +465,14 @@ def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, fl
     return written
 
 
-def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, int]]) -> None:
+def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, int]], templates: Iterable[Any] = ()) -> None:
     """Write what one gateway process drained: its figures (:func:`gateway_stats_flush`)
     and the prefix heat of its traffic (the source prewarm uses for a successor
-    namespace). Heat of a namespace dropped since, or a prompt the heat record
+    namespace), and its prompt-template counts (:func:`template_stats_flush`).
+    Heat of a namespace dropped since, or a prompt the heat record
     refuses, is skipped."""
     gateway_stats_flush(rows)
+    template_stats_flush(templates)
     namespaces = CacheNamespace.objects.in_bulk({ns for ns, *_ in heat})
     for namespace_pk, _digest, messages, tools, hits in heat:
         namespace = namespaces.get(namespace_pk)
