@@ -183,3 +183,11 @@ def test_rule_expressions_name_only_exported_metrics_or_recorded_series() -> Non
     # Recording rules read raw series only through the catalogue's names.
     raw = {name for name in read if ":" not in name}
     assert raw <= exported_series_names()
+
+
+def test_readme_lists_every_alert_with_its_severity() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Dashboards and alerts\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (page|warn) \|", section, flags=re.MULTILINE)
+    assert dict(rows) == REQUIRED_ALERTS
+    assert len(rows) == len(REQUIRED_ALERTS)
