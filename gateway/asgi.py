@@ -124,6 +124,7 @@ def create_app() -> Starlette:
         ),
     )
     gateway = Gateway(runtime)
+    gateway.metrics_token = settings.METRICS_TOKEN
     stop = threading.Event()
 
     def flush_loop() -> None:
@@ -163,6 +164,10 @@ def create_app() -> Starlette:
         holder.stop()
         stop.set()
         in_thread(flush_once)
+        # This process's live gauges (breakers) stop counting among the group's.
+        from cacheadmin.metrics.multiproc import mark_process_dead
+
+        mark_process_dead(os.getpid())
 
     gateway.on_start.append(start)
     gateway.on_stop.append(shutdown)

@@ -47,6 +47,8 @@ class Recorder:
         self._cells: dict[tuple[int, str, datetime], _Cell] = defaultdict(_Cell)
         self._heat: dict[tuple[int, str], list[Any]] = {}
         self._max_heat = max_heat
+        #: Receives every increment too (``gateway.metrics.GatewayMetrics``), outside the lock; None: nobody.
+        self.metrics: Any = None
         #: Requests per prompt template, warm or cold (drained by the same flush).
         self.templates = TemplateCounts()
 
@@ -61,6 +63,8 @@ class Recorder:
             cell = self._cells[(namespace_pk, layer, self._minute(now))]
             for name, value in counters.items():
                 cell.counters[name] += value
+        if self.metrics is not None:
+            self.metrics.added(namespace_pk, layer, counters)
 
     def bypass(self, namespace_pk: int, layer: str, reason: str, *, now: float | None = None) -> None:
         """Count a request that went past ``layer`` without looking, for ``reason``
@@ -70,6 +74,8 @@ class Recorder:
             cell.counters["requests"] += 1
             cell.counters["bypasses"] += 1
             cell.bypass[reason] += 1
+        if self.metrics is not None:
+            self.metrics.bypassed(namespace_pk, layer, reason)
 
     def heat(self, namespace_pk: int, digest: str, messages: Any, tools: Any) -> None:
         """Count one request of a conversation prefix (by digest) as heat; at

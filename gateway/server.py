@@ -43,6 +43,9 @@ from gateway.canonical import (
     response_admission,
     response_cache_key,
 )
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import GatewayMetrics, token_refusal
+from gateway.metrics import exposition as metrics_exposition
 from gateway.pii import personal_data_kinds
 from gateway.protection import FillBreaker, Overloaded, TokenBucket
 from gateway.records import Recorder
@@ -465,6 +468,7 @@ class Gateway:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
             lifespan=self._lifespan,
@@ -472,6 +476,10 @@ class Gateway:
         #: Called when the server starts and stops (the owner's threads, flushes).
         self.on_start: list[Callable[[], None]] = []
         self.on_stop: list[Callable[[], None]] = []
+        #: Bearer token of ``GET /metrics`` (the deployment's ``METRICS_TOKEN``); None: no metrics endpoint.
+        self.metrics_token: str | None = None
+        if runtime.recorder.metrics is None:
+            runtime.recorder.metrics = GatewayMetrics(self._namespace_key)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -520,6 +528,23 @@ class Gateway:
         return JSONResponse(
             {"status": "ok", "epoch": snap.epoch, "layers": dict(snap.layers), "breakers": self.breaker.snapshot()}
         )
+
+    def _namespace_key(self, namespace_pk: int) -> str | None:
+        target = self.rt.snapshot().namespaces.get(namespace_pk)
+        return target.key if target is not None else None
+
+    async def metrics(self, request: Request) -> Response:
+        """``GET /metrics``: every process's figures in Prometheus' text format, for the metrics token."""
+        if self.metrics_token is None:
+            return await self._not_found(request, Exception())
+        refused = token_refusal(request.headers.get("authorization", ""), self.metrics_token)
+        if refused is not None:
+            status, message = refused
+            headers = {"www-authenticate": 'Bearer realm="metrics"'} if status == 401 else None
+            return GatewayError(status, message, type_="invalid_request_error", code="invalid_metrics_token",
+                                headers=headers).response()  # fmt: skip
+        body = await asyncio.to_thread(metrics_exposition)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``: the served names the caller's tenant has routes for."""
@@ -851,6 +876,10 @@ class Gateway:
                         output_tokens=int(usage.get("completion_tokens") or 0),
                         **{f"ttft_{side}_ms_sum": ttft, f"ttft_{side}_count": 1},
                     )  # fmt: skip
+                    if self.rt.recorder.metrics is not None:
+                        # The layers looked up and missed: this answer is their cold TTFT.
+                        missed = (("response",) if rkey is not None else ()) + (("semantic",) if semantic is not None else ())
+                        self.rt.recorder.metrics.went_past(ns.pk, missed, ttft / 1000)
                 await asyncio.shield(finish(record, engine))
 
         if stream:
@@ -888,6 +917,8 @@ class Gateway:
     def _done(self, engine: EngineTarget, *, ok: bool) -> None:
         self.in_flight[engine.id] = max(0, self.in_flight.get(engine.id, 1) - 1)
         self.breaker.release(str(engine.id), ok)
+        if self.rt.recorder.metrics is not None:
+            self.rt.recorder.metrics.breaker(engine.name, self.breaker.state(str(engine.id)) != "closed")
 
     async def _lease(self, ns: NamespaceTarget, rkey: str) -> bool:
         try:

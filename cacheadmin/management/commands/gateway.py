@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.base import ControlPlaneCommand, positive_int
+from cacheadmin.metrics.multiproc import multiproc_use
 from cacheadmin.models import CacheNamespace, Tenant
 from cacheadmin.services.gateway import (
     POLICY_FIELDS,
@@ -101,6 +102,8 @@ class Command(ControlPlaneCommand):
                 pass
         except OSError as exc:
             raise self.failed(f"cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_CONFLICT) from exc
+        # The processes about to start share one metrics folder; what an earlier run left there is not theirs.
+        multiproc_use(settings.GATEWAY_METRICS_DIR, clear=True)
         self.stdout.write(f"gateway on http://{host}:{port}/v1 ({workers} process{'es' if workers > 1 else ''})")
         self.stdout.flush()
         # access_log off: request lines carry no prompt, but the figures are what operators read.

@@ -1,0 +1,191 @@
+"""The gateway's Prometheus families (``source == "gateway"`` in
+``cacheadmin/metrics/catalogue.py``) and its ``/metrics`` exposition.
+
+The figures come from the increments the :class:`gateway.records.Recorder`
+already takes on the request path (the per-minute ``GatewayStat`` rows), so
+the two never disagree; a Recorder with a :class:`GatewayMetrics` forwards
+each increment here. Nothing here queries the database or holds a lock across
+I/O: a labelled counter's ``inc`` is a dictionary look-up and, in
+multiprocess mode, a write into a memory-mapped file.
+
+Processes of one gateway share ``GATEWAY_METRICS_DIR`` (prometheus-client's
+multiprocess mode, set by ``manage.py gateway`` before uvicorn starts its
+workers); a process outside it (a test) keeps the values in memory in
+prometheus-client's default registry. Families are created once per process.
+
+Label ``namespace`` is the namespace's ``namespace_key`` (never a salt, a
+prompt, a key or a user), ``engine`` the engine's name.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+#: TTFT bounds (seconds): a cached answer in a millisecond, a CPU engine's
+#: first token in tens of ms to tens of seconds.
+TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Lookup bounds (seconds): an in-memory or Redis get in well under a
+#: millisecond, a semantic lookup (an embedding, then a search) up to a second.
+LOOKUP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+#: Layers whose store reads count as cache loads (the prefix layer is the engine's own).
+STORE_LAYERS = ("response", "semantic")
+#: Prometheus' text exposition format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: short name → (family name, labels, help), as ``cacheadmin/metrics/catalogue.py``
+#: names them (the gateway imports nothing of the control plane; a test holds them equal).
+SPECS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "requests": ("kvcp_gateway_requests", ("namespace", "layer", "result"),
+                 "requests per cache layer; result is hit, miss or bypass"),
+    "bypasses": ("kvcp_gateway_bypasses", ("namespace", "layer", "reason"), "requests a cache layer did not serve, by reason"),
+    "prompt_tokens": ("kvcp_gateway_prompt_tokens", ("namespace",), "prompt tokens asked for"),
+    "cached_prompt_tokens": (
+        "kvcp_gateway_cached_prompt_tokens", ("namespace", "layer"),
+        "prompt tokens not computed thanks to a layer (whole prompt for response and semantic hits, engine-reported "
+        "cached tokens for prefix)",
+    ),
+    "ttft": ("kvcp_gateway_ttft_seconds", ("namespace", "layer", "cache"),
+             "time to first token; cache is warm when the layer served (or the engine reused a prefix), cold otherwise"),
+    "lookup": ("kvcp_gateway_lookup_seconds", ("namespace", "layer"), "time spent looking a cache layer up"),
+    "loads": ("kvcp_gateway_cache_loads", ("namespace", "layer"), "reads of a gateway cache store"),
+    "load_failures": ("kvcp_gateway_cache_load_failures", ("namespace", "layer"), "reads of a gateway cache store that failed"),
+    "breaker_open": ("kvcp_gateway_breaker_open", ("engine",), "1 while the gateway's fill breaker for an engine is open"),
+}  # fmt: skip
+
+_families: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def families() -> dict[str, Any]:
+    """The gateway's families, created on first use in this process.
+
+    Returns:
+        short name → prometheus-client metric: ``requests``, ``bypasses``,
+        ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``,
+        ``loads``, ``load_failures``, ``breaker_open``.
+    """
+    if not _families:
+        with _lock:
+            if not _families:
+                from prometheus_client import Counter, Gauge, Histogram
+
+                def spec(short: str) -> dict[str, Any]:
+                    name, labels, help_ = SPECS[short]
+                    return {"name": name, "documentation": help_, "labelnames": labels}
+
+                _families.update(
+                    requests=Counter(**spec("requests")),
+                    bypasses=Counter(**spec("bypasses")),
+                    prompt_tokens=Counter(**spec("prompt_tokens")),
+                    cached_prompt_tokens=Counter(**spec("cached_prompt_tokens")),
+                    ttft=Histogram(**spec("ttft"), buckets=TTFT_BUCKETS_S),
+                    lookup=Histogram(**spec("lookup"), buckets=LOOKUP_BUCKETS_S),
+                    loads=Counter(**spec("loads")),
+                    load_failures=Counter(**spec("load_failures")),
+                    # The largest value among live processes: any process that saw the breaker open says so.
+                    breaker_open=Gauge(**spec("breaker_open"), multiprocess_mode="livemax"),
+                )
+    return _families
+
+
+class GatewayMetrics:
+    """Turns the Recorder's increments into the Prometheus families.
+
+    Args:
+        namespace_key: namespace pk → its ``namespace_key`` (from the current
+            routing snapshot; None for a namespace the snapshot lost since).
+    """
+
+    def __init__(self, namespace_key: Callable[[int], str | None]) -> None:
+        self.namespace_key = namespace_key
+        self.f = families()
+
+    def added(self, namespace_pk: int, layer: str, counters: Mapping[str, float]) -> None:
+        """One ``Recorder.add`` call: requests (hit or miss), tokens, TTFT and lookup time.
+
+        How the Recorder's names map (see ``gateway.records``): response and
+        semantic hits carry the prompt tokens they avoided; the prefix row the
+        engine's prompt tokens and its cached ones; ``ttft_hit_*`` is a warm
+        TTFT, ``ttft_miss_*`` a cold one; ``lookup_*`` a read of the layer's store.
+        """
+        key = self.namespace_key(namespace_pk)
+        if key is None:
+            return
+        f = self.f
+        hits, misses = counters.get("hits", 0), counters.get("misses", 0)
+        if hits:
+            f["requests"].labels(key, layer, "hit").inc(hits)
+        if misses:
+            f["requests"].labels(key, layer, "miss").inc(misses)
+        prompt = counters.get("prompt_tokens", 0)
+        if prompt:
+            f["prompt_tokens"].labels(key).inc(prompt)
+        cached = counters.get("cached_prompt_tokens", 0) if layer == "prefix" else prompt
+        if cached:
+            f["cached_prompt_tokens"].labels(key, layer).inc(cached)
+        if counters.get("ttft_hit_count"):
+            f["ttft"].labels(key, layer, "warm").observe(counters.get("ttft_hit_ms_sum", 0) / 1000)
+        if counters.get("ttft_miss_count"):
+            f["ttft"].labels(key, layer, "cold").observe(counters.get("ttft_miss_ms_sum", 0) / 1000)
+        if counters.get("lookup_count"):
+            f["lookup"].labels(key, layer).observe(counters.get("lookup_ms_sum", 0) / 1000)
+            if layer in STORE_LAYERS:
+                f["loads"].labels(key, layer).inc(counters["lookup_count"])
+
+    def bypassed(self, namespace_pk: int, layer: str, reason: str) -> None:
+        """One ``Recorder.bypass`` call; a store that could not be read is also a failed cache load."""
+        key = self.namespace_key(namespace_pk)
+        if key is None:
+            return
+        self.f["requests"].labels(key, layer, "bypass").inc()
+        self.f["bypasses"].labels(key, layer, reason).inc()
+        if reason == "store_unavailable" and layer in STORE_LAYERS:
+            self.f["loads"].labels(key, layer).inc()
+            self.f["load_failures"].labels(key, layer).inc()
+
+    def went_past(self, namespace_pk: int, layers: tuple[str, ...], ttft_s: float) -> None:
+        """An engine's answer to a request the cache ``layers`` looked up and
+        missed: a cold TTFT for each of them (their benefit is what a hit saves against it)."""
+        key = self.namespace_key(namespace_pk)
+        if key is None:
+            return
+        for layer in layers:
+            self.f["ttft"].labels(key, layer, "cold").observe(ttft_s)
+
+    def breaker(self, engine: str, is_open: bool) -> None:
+        """The fill breaker of ``engine`` (its name) after a fill: 1 from when it
+        opens until a probe closes it."""
+        self.f["breaker_open"].labels(engine).set(1 if is_open else 0)
+
+
+def exposition() -> bytes:
+    """Every gateway process's families in Prometheus' text format 0.0.4: the
+    multiprocess folder's when this process has one, else this process's own."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry, path=folder)
+        return generate_latest(registry)
+    return generate_latest(REGISTRY)
+
+
+def token_refusal(header: str, token: str) -> tuple[int, str] | None:
+    """Check an ``Authorization`` header against the metrics token in constant time.
+
+    Returns:
+        None when it matches; ``(401, message)`` without a bearer token, ``(403, message)`` with a wrong one.
+    """
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return 401, "metrics need Authorization: Bearer <METRICS_TOKEN> (manage.py metrics_token)"
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"), token.encode("utf-8")):
+        return 403, "wrong metrics token"
+    return None
