@@ -4,17 +4,22 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from cacheadmin import views, views_engine, views_templates
+from cacheadmin import views, views_dashboard, views_engine, views_templates
 from cacheadmin.metrics import views as metrics_views
 
 urlpatterns = [
-    path("", views.dashboard, name="dashboard"),
+    path("", views_dashboard.dashboard, name="dashboard"),
     path("healthz", views.health, name="health"),
     path("metrics", metrics_views.metrics, name="metrics"),
     # Every active account signs in here (the admin site's login takes staff only).
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("fragments/live", views.live_fragment, name="live-fragment"),
+    path("fragments/live", views_dashboard.live_fragment, name="live-fragment"),
+    path("fragments/dashboard/<slug:name>", views_dashboard.section_fragment, name="dashboard-section"),
+    path("fragments/cleanup-preview", views_dashboard.cleanup_preview, name="dashboard-cleanup-preview"),
+    path("dashboard/charts.json", views_dashboard.charts_json, name="dashboard-charts"),
+    path("schedules/<slug:name>/", views_dashboard.schedule_edit, name="schedule-edit"),
+    path("namespaces/", views_dashboard.namespace_list, name="namespace-list"),
     path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
     path("engines/<int:pk>/", views_engine.engine_detail, name="engine-detail"),

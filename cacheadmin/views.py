@@ -40,46 +40,6 @@ POLL_ACTIVE_S = 2
 POLL_IDLE_S = 15
 
 
-def _live_context(request: HttpRequest) -> dict[str, object]:
-    engines = list(selectors.engine_list())
-    prewarm = list(selectors.prewarm_job_list())
-    comparison = list(selectors.comparison_job_list())
-    active = any(j.is_active for j in prewarm + comparison) or any(e.status in ("starting", "ready") for e in engines)
-    return {
-        "engines": engines,
-        "alarms": list(
-            EngineAlarm.objects.filter(resolved_at__isnull=True).select_related("engine").order_by("-last_seen_at")[:50]
-        ),
-        "any_serving": any(e.in_service for e in engines),
-        "resident": selectors.resident_by_engine(engines),
-        "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
-        "prewarm_jobs": prewarm,
-        "comparison_jobs": comparison,
-        "gateway": selectors.gateway_overview(),
-        "poll_s": POLL_ACTIVE_S if active else POLL_IDLE_S,
-    }
-
-
-def dashboard(request: HttpRequest) -> HttpResponse:
-    """Model versions with identity fields, namespaces, and the live engines and jobs."""
-    context = {
-        "model_versions": selectors.model_version_list(),
-        "namespaces": selectors.namespace_list(),
-        "shared_groups": selectors.shared_group_list(),
-        "eviction_runs": selectors.eviction_run_list(),
-        "releases": selectors.release_list(),
-        "usage": selectors.latest_usage_by_namespace(),
-        "identity_fields": ModelVersion.IDENTITY_FIELDS,
-        **_live_context(request),
-    }
-    return render(request, "cacheadmin/dashboard.html", context)
-
-
-def live_fragment(request: HttpRequest) -> HttpResponse:
-    """The engines and jobs tables alone, for polling."""
-    return render(request, "cacheadmin/_live.html", _live_context(request))
-
-
 def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """A model version's identity fields and the inputs behind each."""
     version = get_object_or_404(ModelVersion, pk=pk)

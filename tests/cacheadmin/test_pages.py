@@ -76,13 +76,14 @@ def _rows(n: int) -> None:
 
 def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert_num_queries) -> None:
     _rows(1)
-    # session, user, versions, namespaces, shared groups, their members, eviction runs,
-    # latest usage (2), releases, engines, open alarms, prewarm jobs, comparison jobs,
-    # gateway figures, layer switches, routing holds, shadow checks
-    with django_assert_num_queries(18):
+    # session, user, activity; serving now (the routing snapshot's queries and unverified engines);
+    # engines, alarms, prewarm and comparison jobs, releases, eviction runs; staleness (schedules,
+    # scan, count, page, ranks); cleanup (schedules, notices, scan, orphans 2); namespaces (scan,
+    # count, page, latest usage 2, shared groups 2); versions; gateway figures, switches, holds, shadow
+    with django_assert_num_queries(42):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(18):
+    with django_assert_num_queries(42):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 

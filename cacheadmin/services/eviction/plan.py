@@ -311,3 +311,29 @@ def eviction_plan(
     except IntegrityError as exc:
         raise EvictionRefused("another scheduled eviction run is still open") from exc
     return run
+
+
+def eviction_preview() -> dict[str, Any]:
+    """What a sweep planned now would do, without recording anything: the same
+    planning as :func:`eviction_plan` over every namespace and orphan prefix.
+
+    Returns:
+        ``{"kinds": {action kind: {"actions": n, "bytes": planned bytes}}, "actions": n,
+        "bytes": total planned bytes, "held": [lines naming held namespaces the policy would move]}``.
+
+    Raises:
+        inference.tiers.base.TierUnavailable: a tier needed for planning cannot be read.
+    """
+    held: list[str] = []
+    actions = _plan_actions(tiers=tiers_configured(), only=None, purge=[], include_orphans=True, log=held)
+    kinds: dict[str, dict[str, int]] = {}
+    for action in actions:
+        row = kinds.setdefault(action.kind, {"actions": 0, "bytes": 0})
+        row["actions"] += 1
+        row["bytes"] += action.bytes_planned
+    return {
+        "kinds": dict(sorted(kinds.items())),
+        "actions": len(actions),
+        "bytes": sum(a.bytes_planned for a in actions),
+        "held": held,
+    }

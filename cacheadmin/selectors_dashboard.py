@@ -1,0 +1,538 @@
+"""Read queries behind the operator's dashboard: serving now, staleness, cleanup
+and the charts' series. Each has a fixed query count whatever the number of
+namespaces, engines or samples; lists are limited (the dashboard shows the top
+rows and links to the full, paginated list).
+
+Nothing here returns a namespace's ``cache_salt``: the routing snapshot holds
+salts, and :func:`serving_now` copies only what people may see out of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import (
+    Count,
+    DateTimeField,
+    F,
+    Max,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
+from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
+from django_celery_beat.models import PeriodicTask
+
+from cacheadmin.models import (
+    AccountingScan,
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EvictionRun,
+    GatewayStat,
+    JobStatus,
+    Residency,
+    ResidentSample,
+    TierUsageSample,
+)
+from cacheadmin.models.eviction import EngineMetricsSample
+from cacheadmin.schedules import SCHEDULES
+from cacheadmin.services.eviction.plan import namespace_targets, version_ranks
+from cacheadmin.services.gateway import routing_snapshot_build
+from gateway.records import layer_figures
+
+#: How many namespaces the dashboard's namespace and staleness sections show.
+TOP_N = 50
+#: How many series a chart draws at most (the busiest ones).
+CHART_SERIES = 8
+#: Chart window: the last this many minutes of per-minute figures.
+CHART_MINUTES = 60
+#: Orders the namespace list offers: name → what it means.
+NAMESPACE_ORDERS = {"newest": "newest first", "biggest": "most bytes first", "stalest": "longest without a hit first"}
+
+
+# --- serving now ---------------------------------------------------------------
+
+
+def serving_now() -> list[dict[str, Any]]:
+    """Per tenant and served model, what serves it now, as the gateway routes it.
+
+    Read from :func:`cacheadmin.services.gateway.routing_snapshot_build`, the very
+    snapshot gateways route from (not a second computation), built afresh for each
+    render: routing epochs move only after commit, so a cache keyed on them could
+    show routing from before a change in the same transaction.
+
+    Returns:
+        ``[{"tenant_id", "tenant", "served_name", "routes": [{"version_id", "version_label",
+        "percent" (0-100), "namespace_pk", "namespace_key" (first 12 characters), "storage_prefix",
+        "release_id", "engines": [{"id", "name"}] (ready and verified), "unverified": [{"id", "name"}]
+        (ready, not verified), "verified": bool, "suspended": str | None}]}]``, by tenant then served name.
+        No salt.
+    """
+    snapshot = routing_snapshot_build()
+    wanted = {t.namespace_pk for targets in snapshot.routes.values() for t in targets if t.namespace_pk is not None}
+    unverified: dict[int, list[dict[str, Any]]] = {}
+    for engine in (
+        Engine.objects.filter(status=Engine.Status.READY, role=Engine.Role.SERVING)
+        .exclude(verification=Engine.Verification.VERIFIED)
+        .filter(Q(namespace_id__in=wanted) | Q(attached_namespaces__in=wanted))
+        .distinct()
+        .values("pk", "name", "namespace_id", "attached_namespaces")
+    ):
+        for pk in {engine["namespace_id"], engine["attached_namespaces"]} & wanted:
+            row = {"id": engine["pk"], "name": engine["name"]}
+            if row not in unverified.setdefault(pk, []):
+                unverified[pk].append(row)
+    out = []
+    for (tenant_id, served_name), targets in snapshot.routes.items():
+        tenant = snapshot.tenants.get(tenant_id)
+        routes = []
+        for t in targets:
+            ns = snapshot.namespaces.get(t.namespace_pk) if t.namespace_pk is not None else None
+            engines = [{"id": e.id, "name": e.name} for e in ns.engines] if ns else []
+            routes.append(
+                {
+                    "version_id": t.version_id,
+                    "version_label": t.version_label,
+                    "percent": t.percent,
+                    "namespace_pk": t.namespace_pk,
+                    "namespace_key": ns.key[:12] if ns else None,
+                    "storage_prefix": ns.storage_prefix if ns else None,
+                    "release_id": t.release_id,
+                    "engines": engines,
+                    "unverified": sorted(unverified.get(t.namespace_pk, []), key=lambda e: e["id"]),
+                    "verified": bool(engines),
+                    "suspended": ns.suspended if ns else None,
+                }
+            )
+        out.append({"tenant_id": tenant_id, "tenant": tenant.slug if tenant else str(tenant_id),
+                    "served_name": served_name, "routes": routes})  # fmt: skip
+    out.sort(key=lambda r: (r["tenant"], r["served_name"]))
+    return out
+
+
+# --- namespaces and staleness --------------------------------------------------
+
+
+def latest_scan() -> AccountingScan | None:
+    """The newest accounting scan that finished (its samples are the storage now)."""
+    return AccountingScan.objects.filter(status=JobStatus.SUCCEEDED).order_by("-id").first()
+
+
+def _with_storage(namespaces: QuerySet[CacheNamespace], scan_id: int | None) -> QuerySet[CacheNamespace]:
+    """Annotate ``scan_bytes`` (bytes in every tier at the last scan), ``scan_access``
+    (the newest last access any tier saw) and ``gateway_hit`` (the last minute the
+    gateway counted a hit), each a correlated subquery: one query for the list."""
+    samples = TierUsageSample.objects.filter(namespace=OuterRef("pk"), scan_id=scan_id).order_by().values("namespace")
+    hits = GatewayStat.objects.filter(namespace=OuterRef("pk"), hits__gt=0).order_by().values("namespace")
+    return namespaces.annotate(
+        scan_bytes=Coalesce(Subquery(samples.annotate(b=Sum("bytes")).values("b")), 0),
+        scan_access=Subquery(samples.annotate(a=Max("last_access_at")).values("a"), output_field=DateTimeField()),
+        gateway_hit=Subquery(hits.annotate(m=Max("minute")).values("m"), output_field=DateTimeField()),
+    )
+
+
+def namespace_page(*, order: str = "newest", limit: int = TOP_N, offset: int = 0) -> tuple[list[CacheNamespace], int]:
+    """A page of namespaces (not dropped) in ``order`` (a key of :data:`NAMESPACE_ORDERS`)
+    with ``scan_bytes``, ``last_hit`` (datetime or None) and their version, tenant,
+    group, owner and policy loaded; two queries (the scan, the page) plus the count.
+
+    Raises:
+        ValueError: an order not in :data:`NAMESPACE_ORDERS`.
+    """
+    if order not in NAMESPACE_ORDERS:
+        raise ValueError(f"order must be one of {', '.join(NAMESPACE_ORDERS)}, not {order!r}")
+    scan = latest_scan()
+    rows = _with_storage(
+        CacheNamespace.objects.exclude(residency=Residency.DROPPED).select_related(
+            "model_version", "tenant", "group", "retention_owner", "policy"
+        ),
+        scan.pk if scan else None,
+    )
+    if order == "biggest":
+        rows = rows.order_by(F("scan_bytes").desc(), "-id")
+    elif order == "stalest":
+        # A namespace never hit is the stalest of all; then the oldest last hit.
+        rows = rows.annotate(last=Greatest(Coalesce("scan_access", "created_at"), Coalesce("gateway_hit", "created_at")))
+        rows = rows.order_by(F("last").asc(), "id")
+    else:
+        rows = rows.order_by("-created_at", "-id")
+    total = CacheNamespace.objects.exclude(residency=Residency.DROPPED).count()
+    page = list(rows[offset : offset + limit])
+    for ns in page:
+        hits = [t for t in (ns.scan_access, ns.gateway_hit) if t is not None]
+        ns.last_hit = max(hits) if hits else None
+    return page, total
+
+
+@dataclass(frozen=True)
+class SweepTimes:
+    """When the periodic cleanup runs next (None: disabled or never run by beat yet)."""
+
+    next_sweep: datetime | None
+    next_scan: datetime | None
+
+
+def schedule_rows(now: datetime | None = None) -> list[dict[str, Any]]:
+    """The declared schedules as operators set them (one query).
+
+    Returns:
+        ``[{"name", "description", "every_s", "enabled", "last_run_at", "next_run_at", "task_id"}]``
+        in declaration order; ``next_run_at`` is ``last_run_at + every_s`` (None while
+        disabled; ``now`` when beat has not run it yet, since beat runs a new schedule at once).
+    """
+    now = now or timezone.now()
+    tasks = {t.name: t for t in PeriodicTask.objects.filter(name__in=[s.name for s in SCHEDULES]).select_related("interval")}
+    rows = []
+    for spec in SCHEDULES:
+        task = tasks.get(spec.name)
+        every = task.interval.every * _PERIOD_S[task.interval.period] if task and task.interval else spec.every_s
+        enabled = bool(task and task.enabled)
+        last = task.last_run_at if task else None
+        nxt = (max(last + timedelta(seconds=every), now) if last else now) if enabled else None
+        rows.append({"name": spec.name, "description": spec.description, "every_s": every, "enabled": enabled,
+                     "last_run_at": last, "next_run_at": nxt, "task_id": task.pk if task else None})  # fmt: skip
+    return rows
+
+
+_PERIOD_S = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1, "microseconds": 1e-6}
+
+
+def sweep_times(schedules: list[dict[str, Any]]) -> SweepTimes:
+    """Next eviction sweep and next accounting scan from :func:`schedule_rows`."""
+    by_name = {r["name"]: r["next_run_at"] for r in schedules}
+    return SweepTimes(next_sweep=by_name.get("eviction-sweep"), next_scan=by_name.get("accounting-scan"))
+
+
+def staleness_rows(namespaces: list[CacheNamespace], *, next_sweep: datetime | None, now: datetime | None = None) -> list[dict]:
+    """Per namespace: age since its last hit against the policy's TTL, its version's
+    rank against the versions kept, and what the policy will do at the next sweep.
+
+    The target residency comes from the planner itself
+    (:func:`cacheadmin.services.eviction.plan.namespace_targets`); one query for
+    the ranks.
+
+    Args:
+        namespaces: from :func:`namespace_page` (``last_hit`` set; version, policy and group loaded).
+        next_sweep: when the next sweep runs (None: sweeps are disabled).
+
+    Returns:
+        ``[{"ns", "last_hit", "age_s" (None: never hit), "ttl_s" (None: no limit), "age_ratio"
+        (age / TTL, None without both), "rank" (1 = newest kept), "kept_hot", "kept_cold",
+        "target", "why", "next" (words), "when" (datetime or None)}]`` in the order given.
+    """
+    now = now or timezone.now()
+    # A namespace without a policy row (made outside the services) has nothing to plan by.
+    planned = [ns for ns in namespaces if getattr(ns, "policy", None) is not None]
+    targets = namespace_targets(planned) if planned else {}
+    ranks = version_ranks({ns.model_version.served_name for ns in namespaces}) if namespaces else {}
+    rows = []
+    for ns in namespaces:
+        policy = getattr(ns, "policy", None)
+        if policy is None:
+            rows.append({
+                "ns": ns, "last_hit": ns.last_hit, "age_s": None, "ttl_s": None, "age_ratio": None,
+                "rank": ranks.get(ns.model_version_id, 0) + 1, "kept_hot": None, "kept_cold": None,
+                "target": ns.residency, "why": "no retention policy", "next": "nothing: no retention policy", "when": None,
+            })  # fmt: skip
+            continue
+        target, why = targets[ns.pk]
+        age_s = (now - ns.last_hit).total_seconds() if ns.last_hit else None
+        ttl = policy.max_age_since_last_hit_s
+        when = next_sweep
+        if policy.pinned:
+            nxt, when = f"nothing: held by {policy.hold_by}", None
+        elif target != ns.residency and not (ns.residency == Residency.COLD and target == Residency.HOT):
+            nxt = {"cold": "demote to the cold tier", "dropped": "drop from every tier"}.get(target, target)
+        elif ttl and age_s is not None and age_s >= ttl:
+            nxt = "evict entries idle beyond the TTL"
+        elif ttl:
+            idle_at = (ns.last_hit or ns.created_at) + timedelta(seconds=ttl)
+            nxt, when = "keep; entries expire once idle past the TTL", max(idle_at, now)
+        else:
+            nxt, when = "keep", None
+        rows.append({
+            "ns": ns, "last_hit": ns.last_hit, "age_s": age_s, "ttl_s": ttl,
+            "age_ratio": age_s / ttl if ttl and age_s is not None else None,
+            "rank": ranks.get(ns.model_version_id, 0) + 1, "kept_hot": policy.versions_kept,
+            "kept_cold": policy.cold_versions_kept, "target": target, "why": why, "next": nxt, "when": when,
+        })  # fmt: skip
+    return rows
+
+
+# --- cleanup ---------------------------------------------------------------------
+
+
+def notice_rows(limit: int = 20) -> list[EvictionRun]:
+    """Eviction runs owners were or will be told about, still waiting: planned
+    (awaiting approval) or queued with a notice deadline (``not_before``), soonest first (one query)."""
+    return list(
+        EvictionRun.objects.filter(status__in=[JobStatus.PLANNED, JobStatus.QUEUED]).order_by(
+            F("not_before").asc(nulls_last=True), "id"
+        )[:limit]
+    )
+
+
+def orphan_summary(scan: AccountingScan | None, limit: int = 20) -> dict[str, Any]:
+    """Storage prefixes no namespace owns at the last scan (two queries).
+
+    Returns:
+        ``{"scan": scan, "count": n, "bytes": total, "rows": [{"storage_prefix", "tier", "bytes", "newest_entry_at"}]}``
+        (rows: the biggest ``limit``).
+    """
+    if scan is None:
+        return {"scan": None, "count": 0, "bytes": 0, "rows": []}
+    orphans = TierUsageSample.objects.filter(scan=scan, namespace__isnull=True)
+    totals = orphans.aggregate(n=Count("id"), b=Coalesce(Sum("bytes"), 0))
+    rows = list(orphans.order_by("-bytes", "storage_prefix").values("storage_prefix", "tier", "bytes", "newest_entry_at")[:limit])
+    return {"scan": scan, "count": totals["n"], "bytes": totals["b"], "rows": rows}
+
+
+# --- charts ----------------------------------------------------------------------
+
+
+def _minutes(since: datetime, now: datetime) -> list[datetime]:
+    start = since.replace(second=0, microsecond=0)
+    return [start + timedelta(minutes=i) for i in range(int((now - start).total_seconds() // 60) + 1)]
+
+
+def chart_hit_ratio_namespaces(*, since: datetime, now: datetime) -> dict[str, Any]:
+    """Hit ratio per minute of the busiest namespaces and layers (gateway figures).
+
+    Returns:
+        ``{"labels": [ISO minute], "datasets": [{"label": "<boundary>/<version> <layer>", "data": [0..1 or null]}]}``;
+        two queries.
+    """
+    rows = list(
+        GatewayStat.objects.filter(minute__gte=since)
+        .values("namespace_id", "layer", "minute")
+        .annotate(h=Sum("hits"), m=Sum("misses"))
+        .order_by("minute")
+    )
+    volume: dict[tuple[int, str], int] = {}
+    for r in rows:
+        volume[(r["namespace_id"], r["layer"])] = volume.get((r["namespace_id"], r["layer"]), 0) + r["h"] + r["m"]
+    top = sorted(volume, key=lambda k: (-volume[k], k))[:CHART_SERIES]
+    names = {
+        ns.pk: f"{ns.boundary_label}/{ns.model_version.label}"
+        for ns in CacheNamespace.objects.filter(pk__in={k[0] for k in top}).select_related("model_version", "tenant", "group")
+    }
+    minutes = _minutes(since, now)
+    index = {m: i for i, m in enumerate(minutes)}
+    series: dict[tuple[int, str], list[float | None]] = {k: [None] * len(minutes) for k in top}
+    for r in rows:
+        k = (r["namespace_id"], r["layer"])
+        looked = r["h"] + r["m"]
+        if k in series and r["minute"] in index and looked:
+            series[k][index[r["minute"]]] = r["h"] / looked
+    return {
+        "labels": [m.isoformat() for m in minutes],
+        "datasets": [{"label": f"{names.get(k[0], k[0])} {k[1]}", "data": series[k]} for k in top],
+    }
+
+
+def chart_hit_ratio_engines(*, since: datetime) -> dict[str, Any]:
+    """Prefix-cache hit ratio of each engine between consecutive scrapes (vLLM's
+    cumulative ``prefix_cache_hits`` / ``prefix_cache_queries``, in tokens).
+
+    Returns:
+        ``{"labels": [ISO time], "datasets": [{"label": engine name, "data": [0..1 or null]}]}``;
+        one query. A counter that went down (an engine restart) starts over: no point for that step.
+    """
+    samples = list(
+        EngineMetricsSample.objects.filter(sampled_at__gte=since, ok=True, prefix_cache_queries__isnull=False)
+        .order_by("engine_id", "sampled_at", "id")
+        .values("engine_id", "engine__name", "sampled_at", "prefix_cache_queries", "prefix_cache_hits")
+    )
+    times = sorted({s["sampled_at"] for s in samples})
+    index = {t: i for i, t in enumerate(times)}
+    series: dict[str, list[float | None]] = {}
+    previous: dict[int, dict[str, Any]] = {}
+    for s in samples:
+        data = series.setdefault(s["engine__name"], [None] * len(times))
+        before = previous.get(s["engine_id"])
+        previous[s["engine_id"]] = s
+        if before is None:
+            continue
+        asked = s["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hit = (s["prefix_cache_hits"] or 0) - (before["prefix_cache_hits"] or 0)
+        if asked > 0 and hit >= 0:
+            data[index[s["sampled_at"]]] = hit / asked
+    names = sorted(series)[:CHART_SERIES]
+    return {"labels": [t.isoformat() for t in times], "datasets": [{"label": n, "data": series[n]} for n in names]}
+
+
+def chart_ttft_live(*, since: datetime, now: datetime) -> dict[str, Any]:
+    """Mean TTFT per minute of live traffic, warm (a hit) and cold (a miss), in ms,
+    across namespaces and layers (one query, summed in SQL).
+
+    Returns:
+        ``{"labels": [ISO minute], "datasets": [{"label": "warm", "data": [ms or null]}, {"label": "cold", ...}]}``.
+    """
+    rows = (
+        GatewayStat.objects.filter(minute__gte=since)
+        .values("minute")
+        .annotate(hs=Sum("ttft_hit_ms_sum"), hc=Sum("ttft_hit_count"), ms=Sum("ttft_miss_ms_sum"), mc=Sum("ttft_miss_count"))
+        .order_by("minute")
+    )
+    minutes = _minutes(since, now)
+    index = {m: i for i, m in enumerate(minutes)}
+    warm: list[float | None] = [None] * len(minutes)
+    cold: list[float | None] = [None] * len(minutes)
+    for r in rows:
+        i = index.get(r["minute"])
+        if i is None:
+            continue
+        warm[i] = r["hs"] / r["hc"] if r["hc"] else None
+        cold[i] = r["ms"] / r["mc"] if r["mc"] else None
+    return {"labels": [m.isoformat() for m in minutes],
+            "datasets": [{"label": "warm", "data": warm}, {"label": "cold", "data": cold}]}  # fmt: skip
+
+
+def chart_ttft_comparisons(limit: int = 20) -> dict[str, Any]:
+    """Median TTFT cold and warm of the last ``limit`` finished comparison jobs, oldest first, in ms (one query).
+
+    Returns:
+        ``{"labels": ["#<job id>"], "datasets": [{"label": "cold", "data": [ms]}, {"label": "warm", "data": [ms]}]}``.
+    """
+    jobs = list(
+        ComparisonJob.objects.filter(status=JobStatus.SUCCEEDED, ttft_cold_ms__isnull=False)
+        .order_by("-id")
+        .values("id", "ttft_cold_ms", "ttft_warm_ms")[:limit]
+    )[::-1]
+    return {
+        "labels": [f"#{j['id']}" for j in jobs],
+        "datasets": [
+            {"label": "cold", "data": [j["ttft_cold_ms"] for j in jobs]},
+            {"label": "warm", "data": [j["ttft_warm_ms"] for j in jobs]},
+        ],
+    }
+
+
+def chart_storage(scans: int = 30) -> dict[str, Any]:
+    """Bytes per tier summed across namespaces (orphans included) at each of the
+    last ``scans`` finished accounting scans (two queries, summed in SQL).
+
+    Returns:
+        ``{"labels": [ISO time of the scan], "datasets": [{"label": tier, "data": [bytes]}]}``.
+    """
+    ids = list(AccountingScan.objects.filter(status=JobStatus.SUCCEEDED).order_by("-id").values_list("id", flat=True)[:scans])
+    rows = list(
+        TierUsageSample.objects.filter(scan_id__in=ids)
+        .values("scan_id", "tier")
+        .annotate(b=Sum("bytes"), at=Max("sampled_at"))
+        .order_by("scan_id", "tier")
+    )
+    order = sorted(ids)
+    index = {scan_id: i for i, scan_id in enumerate(order)}
+    when: list[str | None] = [None] * len(order)
+    tiers: dict[str, list[int]] = {}
+    for r in rows:
+        i = index[r["scan_id"]]
+        tiers.setdefault(r["tier"], [0] * len(order))[i] = r["b"]
+        when[i] = r["at"].isoformat()
+    keep = [i for i, t in enumerate(when) if t is not None]
+    return {"labels": [when[i] for i in keep],
+            "datasets": [{"label": t, "data": [v[i] for i in keep]} for t, v in sorted(tiers.items())]}  # fmt: skip
+
+
+def chart_resident(*, window_s: int = 180) -> dict[str, Any]:
+    """Tokens each namespace holds in engine memory now, summed over engines and
+    media, from the KV-event consumer's latest sample per (engine, namespace,
+    medium) of the last ``window_s`` seconds (two queries).
+
+    Returns:
+        ``{"labels": ["<boundary>/<version>" or "unattributed"], "datasets": [{"label": "tokens", "data": [n]}]}``,
+        most tokens first, at most 20 namespaces.
+    """
+    since = timezone.now() - timedelta(seconds=window_s)
+    latest = (
+        ResidentSample.objects.filter(sampled_at__gte=since)
+        .values("engine_id", "namespace_id", "medium")
+        .annotate(last=Max("id"))
+        .values("last")
+    )
+    per_ns = list(
+        ResidentSample.objects.filter(id__in=Subquery(latest))
+        .values("namespace_id")
+        .annotate(tokens=Sum("tokens"))
+        .order_by("-tokens", "namespace_id")[:20]
+    )
+    names = {
+        ns.pk: f"{ns.boundary_label}/{ns.model_version.label}"
+        for ns in CacheNamespace.objects.filter(pk__in=[r["namespace_id"] for r in per_ns if r["namespace_id"]]).select_related(
+            "model_version", "tenant", "group"
+        )
+    }
+    rows = [r for r in per_ns if r["tokens"]]
+    return {
+        "labels": [names.get(r["namespace_id"], "unattributed") for r in rows],
+        "datasets": [{"label": "tokens", "data": [r["tokens"] for r in rows]}],
+    }
+
+
+def chart_cost_savings(*, since: datetime) -> dict[str, Any]:
+    """Cost savings rate per layer across namespaces since ``since``
+    (:func:`gateway.records.layer_figures` over counters summed in SQL; one query).
+
+    Returns:
+        ``{"labels": [layer], "datasets": [{"label": "cost savings rate", "data": [0..1 or null]}]}``.
+    """
+    sums = {
+        r["layer"]: r
+        for r in GatewayStat.objects.filter(minute__gte=since)
+        .values("layer")
+        .annotate(
+            hits=Sum("hits"),
+            misses=Sum("misses"),
+            prompt_tokens=Sum("prompt_tokens"),
+            output_tokens=Sum("output_tokens"),
+            cached_prompt_tokens=Sum("cached_prompt_tokens"),
+        )  # fmt: skip
+        .order_by("layer")
+    }
+    figures = layer_figures(sums)
+    layers = [layer for layer in ("prefix", "response", "semantic") if layer in figures]
+    rates = [figures[layer]["cost_savings_rate"] for layer in layers]
+    return {"labels": layers, "datasets": [{"label": "cost savings rate", "data": rates}]}
+
+
+def dashboard_charts(*, now: datetime | None = None, minutes: int = CHART_MINUTES) -> dict[str, Any]:
+    """Every chart of the dashboard, keyed by the canvas it draws on (a fixed number of queries).
+
+    Returns:
+        ``{"generated_at": ISO time, "minutes": n, "hit_ratio_namespaces", "hit_ratio_engines",
+        "ttft_live", "ttft_comparisons", "storage", "resident", "cost_savings"}`` (see each ``chart_*``).
+    """
+    now = now or timezone.now()
+    since = now - timedelta(minutes=minutes)
+    return {
+        "generated_at": now.isoformat(),
+        "minutes": minutes,
+        "hit_ratio_namespaces": chart_hit_ratio_namespaces(since=since, now=now),
+        "hit_ratio_engines": chart_hit_ratio_engines(since=since),
+        "ttft_live": chart_ttft_live(since=since, now=now),
+        "ttft_comparisons": chart_ttft_comparisons(),
+        "storage": chart_storage(),
+        "resident": chart_resident(),
+        "cost_savings": chart_cost_savings(since=since),
+    }
+
+
+__all__ = [
+    "NAMESPACE_ORDERS",
+    "TOP_N",
+    "dashboard_charts",
+    "namespace_page",
+    "notice_rows",
+    "orphan_summary",
+    "schedule_rows",
+    "serving_now",
+    "staleness_rows",
+    "sweep_times",
+]

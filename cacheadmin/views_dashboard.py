@@ -1,0 +1,288 @@
+"""The operator's dashboard: every section is a server-rendered fragment that
+polls on its own (fast while something runs, slowly when nothing does, not at
+all in a hidden tab), the charts read one JSON endpoint and update in place,
+and staff edit the cleanup schedules here.
+
+Sections (their element ids are the names below; see dashboard.html):
+serving-now, engines, jobs, releases, eviction-runs, namespaces,
+model-versions, staleness, cleanup, gateway, charts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.db import transaction
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+from cacheadmin import selectors, selectors_dashboard
+from cacheadmin.models import (
+    ApiToken,
+    ComparisonJob,
+    Engine,
+    EngineAlarm,
+    EvictionRun,
+    ModelVersion,
+    PrewarmJob,
+)
+from cacheadmin.models.api_tokens import session_allows
+from cacheadmin.models.jobs import ACTIVE_STATUSES, JobStatus
+from cacheadmin.schedules import SCHEDULES
+from cacheadmin.services.audit import audit_record
+from cacheadmin.services.eviction.plan import eviction_preview
+from inference.tiers.base import TierUnavailable
+
+#: Poll intervals (seconds) of live fragments: while a job or an engine runs,
+#: and when nothing does. Hidden tabs do not poll at all (hx-trigger filter).
+POLL_ACTIVE_S = 2
+POLL_IDLE_S = 15
+#: The cleanup preview walks every tier (as a plan does): refreshed at most this often.
+PREVIEW_POLL_S = 60
+#: Schedule intervals operators may set, in seconds (10 s to 7 days).
+SCHEDULE_MIN_S = 10
+SCHEDULE_MAX_S = 7 * 24 * 3600
+#: Namespaces per page of the full list.
+PAGE_SIZE = 100
+
+
+def _can_operate(request: HttpRequest) -> bool:
+    return session_allows(request.user, ApiToken.Scope.OPERATE)
+
+
+def _poll_s() -> int:
+    """Fast while a job or an eviction run runs or an engine starts or serves (one query)."""
+    # Ready engines count as activity: their residency, alarms and metrics move while they serve.
+    active = (
+        Engine.objects.filter(status__in=(Engine.Status.STARTING, Engine.Status.READY))
+        .order_by()
+        .values("pk")
+        .union(
+            PrewarmJob.objects.filter(status__in=ACTIVE_STATUSES).order_by().values("pk"),
+            ComparisonJob.objects.filter(status__in=ACTIVE_STATUSES).order_by().values("pk"),
+            EvictionRun.objects.filter(status=JobStatus.RUNNING).order_by().values("pk"),
+        )[:1]
+    )
+    return POLL_ACTIVE_S if list(active) else POLL_IDLE_S
+
+
+def _base(request: HttpRequest, poll_s: int | None = None) -> dict[str, Any]:
+    return {
+        "can_operate": _can_operate(request),
+        "poll_s": poll_s if poll_s is not None else _poll_s(),
+        "updated_at": timezone.now(),
+    }
+
+
+def _ctx_engines(request: HttpRequest) -> dict[str, Any]:
+    engines = list(selectors.engine_list())
+    return {
+        "engines": engines,
+        "alarms": list(
+            EngineAlarm.objects.filter(resolved_at__isnull=True).select_related("engine").order_by("-last_seen_at")[:50]
+        ),
+        "any_serving": any(e.in_service for e in engines),
+        "resident": selectors.resident_by_engine(engines),
+    }
+
+
+def _ctx_jobs(request: HttpRequest) -> dict[str, Any]:
+    return {"prewarm_jobs": list(selectors.prewarm_job_list()), "comparison_jobs": list(selectors.comparison_job_list())}
+
+
+def _ctx_gateway(request: HttpRequest) -> dict[str, Any]:
+    return {"gateway": selectors.gateway_overview()}
+
+
+def _ctx_serving(request: HttpRequest) -> dict[str, Any]:
+    return {"serving": selectors_dashboard.serving_now()}
+
+
+def _ctx_releases(request: HttpRequest) -> dict[str, Any]:
+    return {"releases": list(selectors.release_list())}
+
+
+def _ctx_eviction_runs(request: HttpRequest) -> dict[str, Any]:
+    return {"eviction_runs": list(selectors.eviction_run_list())}
+
+
+def _ctx_model_versions(request: HttpRequest) -> dict[str, Any]:
+    versions = list(selectors.model_version_list()[: selectors_dashboard.TOP_N])
+    return {"model_versions": versions, "identity_fields": ModelVersion.IDENTITY_FIELDS}
+
+
+def _order(request: HttpRequest) -> str:
+    order = request.GET.get("order", "newest")
+    return order if order in selectors_dashboard.NAMESPACE_ORDERS else "newest"
+
+
+def _ctx_namespaces(request: HttpRequest) -> dict[str, Any]:
+    order = _order(request)
+    page, total = selectors_dashboard.namespace_page(order=order)
+    return {
+        "namespaces": page,
+        "namespace_total": total,
+        "namespace_order": order,
+        "namespace_orders": selectors_dashboard.NAMESPACE_ORDERS,
+        "usage": selectors.latest_usage_by_namespace(page),
+        "shared_groups": selectors.shared_group_list(),
+    }
+
+
+def _ctx_staleness(request: HttpRequest) -> dict[str, Any]:
+    schedules = selectors_dashboard.schedule_rows()
+    times = selectors_dashboard.sweep_times(schedules)
+    page, total = selectors_dashboard.namespace_page(order="stalest")
+    return {
+        "staleness": selectors_dashboard.staleness_rows(page, next_sweep=times.next_sweep),
+        "namespace_total": total,
+        "next_sweep": times.next_sweep,
+    }
+
+
+def _ctx_cleanup(request: HttpRequest) -> dict[str, Any]:
+    schedules = selectors_dashboard.schedule_rows()
+    return {
+        "schedules": schedules,
+        "times": selectors_dashboard.sweep_times(schedules),
+        "notices": selectors_dashboard.notice_rows(),
+        "orphans": selectors_dashboard.orphan_summary(selectors_dashboard.latest_scan()),
+        "schedule_bounds": (SCHEDULE_MIN_S, SCHEDULE_MAX_S),
+    }
+
+
+def _ctx_charts(request: HttpRequest) -> dict[str, Any]:
+    return {"chart_minutes": selectors_dashboard.CHART_MINUTES}
+
+
+#: Section id → (its template, what it shows). The order is the page's.
+SECTIONS: dict[str, tuple[str, Callable[[HttpRequest], dict[str, Any]]]] = {
+    "serving-now": ("cacheadmin/_dash_serving_now.html", _ctx_serving),
+    "engines": ("cacheadmin/_dash_engines.html", _ctx_engines),
+    "jobs": ("cacheadmin/_dash_jobs.html", _ctx_jobs),
+    "releases": ("cacheadmin/_dash_releases.html", _ctx_releases),
+    "eviction-runs": ("cacheadmin/_dash_eviction_runs.html", _ctx_eviction_runs),
+    "staleness": ("cacheadmin/_dash_staleness.html", _ctx_staleness),
+    "cleanup": ("cacheadmin/_dash_cleanup.html", _ctx_cleanup),
+    "namespaces": ("cacheadmin/_dash_namespaces.html", _ctx_namespaces),
+    "model-versions": ("cacheadmin/_dash_model_versions.html", _ctx_model_versions),
+    "gateway": ("cacheadmin/_dash_gateway.html", _ctx_gateway),
+    "charts": ("cacheadmin/_dash_charts.html", _ctx_charts),
+}
+
+
+def dashboard(request: HttpRequest) -> HttpResponse:
+    """Every section once, each then refreshing itself (GET ``?order=`` picks the namespace order)."""
+    context = _base(request)
+    for _template, build in SECTIONS.values():
+        context.update(build(request))
+    context["sections"] = list(SECTIONS)
+    return render(request, "cacheadmin/dashboard.html", context)
+
+
+@require_GET
+def section_fragment(request: HttpRequest, name: str) -> HttpResponse:
+    """One section alone, for its poll. 404 for a name not in :data:`SECTIONS`."""
+    if name not in SECTIONS:
+        raise Http404(f"no dashboard section {name!r}")
+    template, build = SECTIONS[name]
+    return render(request, template, {**_base(request), **build(request)})
+
+
+@require_GET
+def live_fragment(request: HttpRequest) -> HttpResponse:
+    """Engines, gateway and jobs together (the earlier single live fragment; the load benchmark polls it)."""
+    context = _base(request)
+    for name in ("engines", "gateway", "jobs"):
+        context.update(SECTIONS[name][1](request))
+    return render(request, "cacheadmin/_live.html", context)
+
+
+@require_GET
+def charts_json(request: HttpRequest) -> JsonResponse:
+    """The charts' series as JSON (see :func:`cacheadmin.selectors_dashboard.dashboard_charts`),
+    exact numbers: ratios 0..1, milliseconds, bytes, tokens."""
+    return JsonResponse(selectors_dashboard.dashboard_charts())
+
+
+@require_GET
+def cleanup_preview(request: HttpRequest) -> HttpResponse:
+    """What the next sweep would do, planned now without recording a run (bytes per action kind)."""
+    context: dict[str, Any] = {**_base(request, PREVIEW_POLL_S), "preview": None, "preview_error": ""}
+    try:
+        context["preview"] = eviction_preview()
+    except TierUnavailable as exc:
+        context["preview_error"] = str(exc)
+    return render(request, "cacheadmin/_dash_cleanup_preview.html", context)
+
+
+def namespace_list(request: HttpRequest) -> HttpResponse:
+    """Every namespace not dropped, :data:`PAGE_SIZE` a page, in ``?order=`` (newest, biggest, stalest);
+    ``?page=`` from 1 (a page past the end shows the last)."""
+    order = _order(request)
+    raw = request.GET.get("page", "1")
+    number = int(raw) if raw.isascii() and raw.isdigit() and 0 < len(raw) <= 6 and int(raw) > 0 else 1
+    rows, total = selectors_dashboard.namespace_page(order=order, limit=PAGE_SIZE, offset=(number - 1) * PAGE_SIZE)
+    pages = max(1, -(-total // PAGE_SIZE))
+    if number > pages:
+        number = pages
+        rows, total = selectors_dashboard.namespace_page(order=order, limit=PAGE_SIZE, offset=(number - 1) * PAGE_SIZE)
+    return render(
+        request,
+        "cacheadmin/namespace_list.html",
+        {"namespaces": rows, "namespace_total": total, "page_number": number, "pages": pages,
+         "namespace_order": order, "namespace_orders": selectors_dashboard.NAMESPACE_ORDERS,
+         "usage": selectors.latest_usage_by_namespace(rows)},
+    )  # fmt: skip
+
+
+@require_POST
+def schedule_edit(request: HttpRequest, name: str) -> HttpResponse:
+    """Change a declared schedule's interval (``every_s``, whole seconds, 10 s to 7 days)
+    and whether it runs (``enabled``: ``on`` when checked), in django-celery-beat, audited.
+
+    403 without the operate permission; 404 for a name not declared in
+    :data:`cacheadmin.schedules.SCHEDULES`; 400 with the cleanup section and the error
+    for a bad value, and nothing changed.
+    """
+    if not _can_operate(request):
+        return HttpResponseForbidden("changing a schedule needs the operate permission")
+    if name not in {s.name for s in SCHEDULES}:
+        raise Http404(f"no schedule {name!r}")
+    raw = request.POST.get("every_s", "").strip()
+    enabled = request.POST.get("enabled") == "on"
+    error = ""
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        error = f"every_s must be a whole number of seconds, not {raw!r}"
+    elif not SCHEDULE_MIN_S <= int(raw) <= SCHEDULE_MAX_S:
+        error = f"every_s must be between {SCHEDULE_MIN_S} and {SCHEDULE_MAX_S} seconds, not {int(raw)}"
+    else:
+        task = PeriodicTask.objects.filter(name=name).select_related("interval").first()
+        if task is None:
+            error = f"schedule {name!r} is not installed yet (run manage.py migrate)"
+    if error:
+        context = {**_base(request), **_ctx_cleanup(request), "schedule_error": error, "schedule_name": name}
+        return render(request, "cacheadmin/schedule_error.html", context, status=400)
+    every = int(raw)
+    interval = task.interval
+    before = {
+        "every_s": interval.every if interval else None,
+        "period": interval.period if interval else None,
+        "enabled": task.enabled,
+    }
+    with transaction.atomic():
+        interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=IntervalSchedule.SECONDS)
+        task.interval, task.enabled = interval, enabled
+        task.save(update_fields=["interval", "enabled"])
+        audit_record(
+            actor=f"{request.user.get_username()} (page)",
+            action="schedule.update",
+            obj=task,
+            before=before,
+            after={"every_s": every, "period": IntervalSchedule.SECONDS, "enabled": enabled},
+        )
+    return redirect("/#cleanup")
