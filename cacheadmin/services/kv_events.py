@@ -120,8 +120,15 @@ class SaltIndex:
     def reload(self) -> None:
         """Recompute every namespace's salt."""
         secret = settings.CACHE_SALT_SECRET
-        self._by_salt = {cache_salt(secret, key): pk for pk, key in CacheNamespace.objects.values_list("pk", "namespace_key")}
+        rows = list(CacheNamespace.objects.values_list("pk", "namespace_key"))
+        self._by_salt = {cache_salt(secret, key): pk for pk, key in rows}
+        self._keys = dict(rows)
         self._loaded = time.monotonic()
+
+    def key_of(self, namespace_pk: int | None) -> str:
+        """The ``namespace_key`` of a namespace id (a metric label), ``""`` for
+        blocks of no known namespace."""
+        return self._keys.get(namespace_pk, "") if namespace_pk else ""
 
     def __call__(self, salt: str) -> int | None:
         found = self._by_salt.get(salt)
@@ -150,6 +157,8 @@ class KvEventConsumer:
         self.by_socket: dict[Any, Stream] = {}
         self.salts = SaltIndex()
         self.metrics = metrics or {}
+        #: engine id → the label sets of its resident-token gauge now shown.
+        self._resident_shown: dict[int, set[tuple[str, str, str]]] = {}
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._refreshed = 0.0
         self._flushed = 0.0
@@ -355,7 +364,7 @@ class KvEventConsumer:
             detail = detail.format(blocks=incident.blocks, key=incident.key)
             alarm_raise(engine=stream.engine_id, kind=kind, key=incident.key, detail=detail, count=incident.blocks, actor=ACTOR)
             if "alarms" in self.metrics:
-                self.metrics["alarms"].labels(engine=stream.engine_name, kind=kind).inc()
+                self.metrics["alarms"].labels(engine=stream.engine_name, kind=kind).inc(incident.blocks)
         totals = stream.residency.totals()
         heartbeat_due = time.monotonic() - stream.sampled_at > SAMPLE_HEARTBEAT_S
         with transaction.atomic():
@@ -393,8 +402,15 @@ class KvEventConsumer:
                 )
                 stream.sampled, stream.sampled_at = totals, time.monotonic()
         if "resident" in self.metrics:
-            for (medium, namespace), (_, tokens) in totals.items():
-                self.metrics["resident"].labels(engine=stream.engine_name, namespace=str(namespace), medium=medium).set(tokens)
+            gauge = self.metrics["resident"]
+            shown = {(stream.engine_name, self.salts.key_of(namespace), medium): tokens
+                     for (medium, namespace), (_, tokens) in totals.items()}  # fmt: skip
+            for labels, tokens in shown.items():
+                gauge.labels(*labels).set(tokens)
+            # A namespace whose blocks all went leaves the gauge, not a stale figure.
+            for labels in self._resident_shown.get(stream.engine_id, set()) - set(shown):
+                gauge.remove(*labels)
+            self._resident_shown[stream.engine_id] = set(shown)
         stream.dirty = stream.urgent = False
 
     # -- loop --------------------------------------------------------------
@@ -433,16 +449,32 @@ class KvEventConsumer:
             self.ctx.term()
 
 
-def consumer_metrics() -> dict[str, Any]:
-    """The consumer's Prometheus metrics (prometheus-client), by short name."""
-    from prometheus_client import Counter, Gauge
+_consumer_metrics: dict[str, Any] = {}
 
-    return {
-        "events": Counter("kvcp_kv_event_batches", "KV-event batches received", ["engine"]),
-        "gaps": Counter("kvcp_kv_event_gaps", "sequence gaps no replay could fill", ["engine"]),
-        "alarms": Counter("kvcp_isolation_alarm_blocks", "blocks stored outside their namespace's isolation", ["engine", "kind"]),
-        "resident": Gauge("kvcp_resident_tokens", "tokens resident in engine KV cache", ["engine", "namespace", "medium"]),
-    }
+
+def consumer_metrics() -> dict[str, Any]:
+    """The consumer's Prometheus families (prometheus-client's default
+    registry, created once per process), by short name, named and labelled as
+    ``cacheadmin/metrics/catalogue.py`` says (source ``kv_events``).
+
+    Labels: ``engine`` is the engine's name, ``namespace`` the namespace's
+    ``namespace_key`` (``""`` for blocks no namespace could be found for).
+    """
+    if not _consumer_metrics:
+        from prometheus_client import Counter, Gauge
+
+        from cacheadmin.metrics.catalogue import BY_NAME
+
+        def spec(name: str) -> dict[str, Any]:
+            return {"name": name, "documentation": BY_NAME[name].help, "labelnames": BY_NAME[name].labels}
+
+        _consumer_metrics.update(
+            events=Counter(**spec("kvcp_kv_event_batches")),
+            gaps=Counter(**spec("kvcp_kv_event_gaps")),
+            alarms=Counter(**spec("kvcp_isolation_alarm_blocks")),
+            resident=Gauge(**spec("kvcp_kv_event_resident_tokens")),
+        )
+    return _consumer_metrics
 
 
 def residency_now(engine: Engine) -> dict[str, Any]:
