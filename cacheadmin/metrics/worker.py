@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: ``kvcp_task_duration_seconds`` bounds (seconds): most tasks claim a row and
 #: return in milliseconds; jobs that run inline take minutes.
@@ -93,3 +96,15 @@ def signals_connect() -> None:
 
     task_prerun.connect(on_prerun, weak=False, dispatch_uid="kvcp-metrics-prerun")
     task_postrun.connect(on_postrun, weak=False, dispatch_uid="kvcp-metrics-postrun")
+
+
+def tier_load_counted(*, namespace_key: str, tier: str, read: Callable[[], T]) -> T:
+    """Run ``read()`` (a read of cached state back from ``tier``) and count it,
+    as a failure too when it raises (the exception propagates unchanged)."""
+    try:
+        result = read()
+    except Exception:
+        tier_load(namespace_key=namespace_key, tier=tier, ok=False)
+        raise
+    tier_load(namespace_key=namespace_key, tier=tier, ok=True)
+    return result

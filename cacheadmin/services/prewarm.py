@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import transaction
 
+from cacheadmin.metrics.worker import tier_load
 from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
@@ -81,6 +82,9 @@ def prewarm_job_run(*, job_id: int) -> None:
         PrewarmResult.objects.filter(job=job, index=outcome.index).update(
             verify_cached_tokens=outcome.verify_cached_tokens, verified=outcome.verified
         )
+        if engine.kv_connector and outcome.verified is not None:
+            # With a connector the verify pass reads each prompt back from the persistent tier.
+            tier_load(namespace_key=job.namespace.namespace_key, tier="disk", ok=outcome.verified)
         job_progress(job, len(conversations) + job.results.exclude(verify_cached_tokens=None).count())
 
     # One at a time through a connector tier: on vLLM 0.32 (CPU) concurrent

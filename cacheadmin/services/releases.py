@@ -24,6 +24,7 @@ from django.db import transaction
 from django.dispatch import receiver
 from django.utils import timezone
 
+from cacheadmin.metrics.worker import tier_load_counted
 from cacheadmin.models import (
     CacheNamespace,
     ComparisonJob,
@@ -313,7 +314,10 @@ def _reactivate(namespace: CacheNamespace, *, actor: str, why: str) -> dict[str,
         return {"how": "still hot"}
     tiers = tiers_configured()
     try:
-        restored = tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis)
+        restored = tier_load_counted(
+            namespace_key=namespace.namespace_key, tier="cold",
+            read=lambda: tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis),
+        )  # fmt: skip
     except TierUnavailable:
         raise
     except TierError as exc:
@@ -742,7 +746,10 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
     restored = 0
     if namespace.residency == Residency.COLD:
         tiers = tiers_configured()
-        restored = tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis)
+        restored = tier_load_counted(
+            namespace_key=namespace.namespace_key, tier="cold",
+            read=lambda: tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis),
+        )  # fmt: skip
     with transaction.atomic():
         moved = Release.objects.filter(pk=release.pk, status__in=[Status.READY, Status.PREPARING, Status.FAILED]).update(
             status=Status.ROLLED_BACK, traffic_percent=0

@@ -294,3 +294,20 @@ def test_the_readme_lists_every_family_with_its_labels() -> None:
             table[m.group(1)] = (m.group(2), labels)
     expected = {m.name: (m.kind, m.labels) for m in METRICS}
     assert table == expected
+
+
+def test_a_counted_tier_read_that_fails_counts_a_failure_and_raises(rows: dict) -> None:
+    from cacheadmin.metrics.worker import tier_load_counted
+    from inference.tiers.base import TierError
+
+    def broken() -> int:
+        raise TierError("archive corrupt")
+
+    before = scrape()
+    assert tier_load_counted(namespace_key="b" * 64, tier="cold", read=lambda: 7) == 7
+    with pytest.raises(TierError, match="archive corrupt"):
+        tier_load_counted(namespace_key="b" * 64, tier="cold", read=broken)
+    after = scrape()
+    labels = frozenset({("namespace", "b" * 64), ("tier", "cold")})
+    assert after[("kvcp_tier_loads_total", labels)] - before.get(("kvcp_tier_loads_total", labels), 0) == 2
+    assert after[("kvcp_tier_load_failures_total", labels)] - before.get(("kvcp_tier_load_failures_total", labels), 0) == 1
