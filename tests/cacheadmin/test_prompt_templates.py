@@ -1,0 +1,228 @@
+"""Prompt templates: the analysis of shared tokens and blocks on the real demo
+checkpoints' tokenizers (mistral_common v3, checked against mistral_common
+itself), validation, the pages and the API."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from cacheadmin.models import AuditEvent, ModelVersion, PromptTemplate, TemplateStat
+from cacheadmin.services.prompt_templates import (
+    prompt_template_analysis,
+    prompt_template_create,
+    template_hit_ratios,
+    template_parts,
+    template_render_moved,
+)
+from inference.errors import InvalidField
+from tests.cacheadmin.conftest import make_version
+
+pytestmark = pytest.mark.django_db
+
+#: The customer's name comes early: every block after it differs between customers.
+TEXT = (
+    "You are the Acme Corporation support assistant. The customer is {customer}. "
+    "Our assistants answer in plain English, cite the manual section that applies, never promise refunds or "
+    "discounts, and hand the conversation to a person when the customer asks for one or sounds upset. "
+    "Keep every answer under one hundred words and end it with a question that checks the customer is helped. "
+    "Question: {question}"
+)
+SAMPLES = [
+    {"customer": "Ada Lovelace", "question": "Where is my parcel?"},
+    {"customer": "Grace Hopper", "question": "Can I change the delivery address?"},
+    {"customer": "Ada Lovelace", "question": "Why was I charged twice?"},
+]
+
+
+def _versions(demo_checkpoints: dict[str, Path]) -> tuple[ModelVersion, ModelVersion]:
+    v1 = make_version("tiny-v1", "1" * 64)
+    v2 = make_version("tiny-v2", "2" * 64, weights="f" * 64)
+    ModelVersion.objects.filter(pk=v1.pk).update(path=str(demo_checkpoints["tiny-v1"]), status="active")
+    ModelVersion.objects.filter(pk=v2.pk).update(
+        path=str(demo_checkpoints["tiny-v2"]), inputs={"layout": {"block_size": 64}}, tokenizer="c" * 64
+    )
+    return ModelVersion.objects.get(pk=v1.pk), ModelVersion.objects.get(pk=v2.pk)
+
+
+def _mistral_shared(checkpoint: Path, texts: list[str]) -> int:
+    """The expected answer, from mistral_common directly (as vLLM's mistral tokenizer mode encodes)."""
+    from mistral_common.protocol.instruct.messages import UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    files = sorted(checkpoint.glob("tokenizer.model.v*")) + sorted(checkpoint.glob("tekken*.json"))
+    tok = MistralTokenizer.from_file(str(files[0]))
+    ids = [tok.encode_chat_completion(ChatCompletionRequest(messages=[UserMessage(content=t)])).tokens for t in texts]
+    n = 0
+    while all(len(i) > n for i in ids) and len({i[n] for i in ids}) == 1:
+        n += 1
+    return n
+
+
+def test_analysis_counts_shared_tokens_and_blocks_per_version(demo_checkpoints: dict[str, Path]) -> None:
+    v1, v2 = _versions(demo_checkpoints)
+    template = prompt_template_create(name="support", tenant=None, text=TEXT, samples=SAMPLES, actor="test")
+    assert template.fixed_chars == len("You are the Acme Corporation support assistant. The customer is ")
+    rows = prompt_template_analysis(template)
+    # The expected token counts, from mistral_common itself.
+    parts = template_parts(TEXT)
+    rendered = [TEXT.format(**s) for s in SAMPLES]
+    moved = [template_render_moved(parts, s, ["customer"]) for s in SAMPLES]
+    assert moved[0].endswith("Question: Where is my parcel?\n\ncustomer: Ada Lovelace")
+    assert (_mistral_shared(demo_checkpoints["tiny-v1"], rendered), _mistral_shared(demo_checkpoints["tiny-v1"], moved)) == (
+        14,
+        78,
+    )
+    common = {"tokenizer": "mistral_common 1.13.1 SentencePiece v3 (tokenizer.model.v3)", "shared_tokens": 14,
+              "shared_blocks": 0, "breaking_variable": "customer", "break_token": 14, "moved_variables": ["customer"],
+              "moved_shared_tokens": 78, "error": ""}  # fmt: skip
+    assert rows == [
+        {**common, "version": "tiny-v1", "version_id": v1.pk, "status": "active", "block_size": 32, "moved_shared_blocks": 2,
+         "extra_blocks": 2, "recommendation": "move {customer} to the end: 2 more shared blocks (64 tokens)"},
+        {**common, "version": "tiny-v2", "version_id": v2.pk, "status": "registered", "block_size": 64,
+         "moved_shared_blocks": 1, "extra_blocks": 1,
+         "recommendation": "move {customer} to the end: 1 more shared block (64 tokens)"},
+    ]  # fmt: skip
+
+
+def test_a_template_whose_variables_are_at_the_end_gets_no_recommendation(demo_checkpoints: dict[str, Path]) -> None:
+    _versions(demo_checkpoints)
+    ModelVersion.objects.create(
+        label="gone", served_name="tiny", path="/nowhere", weights="9" * 64, tokenizer="9" * 64, config="9" * 64,
+        layout="9" * 64, adapters="9" * 64, identity="9" * 64, inputs={"layout": {"block_size": 32}},
+    )  # fmt: skip
+    text = TEXT.replace("The customer is {customer}. ", "")
+    samples = [{"question": s["question"]} for s in SAMPLES]
+    template = prompt_template_create(name="tail", tenant=None, text=text, samples=samples, actor="test")
+    rows = {r["version"]: r for r in prompt_template_analysis(template)}
+    assert list(rows) == ["tiny-v1", "gone", "tiny-v2"]  # serving first, then the newest
+    v1 = rows["tiny-v1"]
+    assert (v1["breaking_variable"], v1["moved_variables"], v1["recommendation"], v1["extra_blocks"]) == ("question", [], "", 0)
+    assert (v1["shared_tokens"], v1["moved_shared_tokens"], v1["break_token"], v1["shared_blocks"]) == (74, 74, 74, 2)
+    assert _mistral_shared(demo_checkpoints["tiny-v1"], [text.format(**s) for s in samples]) == 74
+    assert rows["gone"]["error"] == "/nowhere does not exist" and rows["gone"]["shared_tokens"] is None
+    # Identical samples: nothing varies, nothing breaks.
+    same = prompt_template_create(name="same", tenant=None, text=text, samples=[samples[0], samples[0]], actor="test")
+    row = prompt_template_analysis(same)[0]
+    assert (row["breaking_variable"], row["break_token"], row["recommendation"]) == (None, None, "")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "problem"),
+    [
+        ({"name": "has space"}, "name", "letters, digits"),
+        ({"text": "Hi {customer}, welcome to Acme Corporation"}, "text", "3 characters here, at least 32 needed"),
+        ({"text": "You are the Acme Corporation support assistant {customer"}, "text", "expected '}' before end of string"),
+        ({"text": "You are the Acme Corporation support assistant {}"}, "text", "variable {} must be a name"),
+        ({"text": "You are the Acme Corporation support assistant {customer:>9}"}, "text", "takes no format spec"),
+        ({"samples": []}, "samples", "must be a non-empty JSON list"),
+        ({"samples": [{"customer": "Ada"}]}, "samples.0", "no value for question"),
+        ({"samples": [{"customer": "Ada", "question": "Why?", "x": "1"}]}, "samples.0", "x is not a variable"),
+        ({"samples": [{"customer": 7, "question": "Why?"}]}, "samples.0.customer", "must be a string, got int"),
+        ({"samples": [{"customer": "Ada", "question": "?"}] * 21}, "samples", "at most 20 samples, got 21"),
+    ],
+)
+def test_bad_templates_are_refused_with_the_field_and_nothing_is_stored(
+    changes: dict[str, Any], field: str, problem: str
+) -> None:
+    values = {"name": "support", "tenant": None, "text": TEXT, "samples": SAMPLES, **changes}
+    with pytest.raises(InvalidField) as refused:
+        prompt_template_create(**values, actor="test")
+    assert refused.value.field == field and problem in refused.value.problem
+    assert PromptTemplate.objects.count() == 0 and AuditEvent.objects.filter(action="prompt_template.create").count() == 0
+
+
+def test_names_are_unique_per_tenant_and_among_global_templates(world: dict[str, Any]) -> None:
+    prompt_template_create(name="support", tenant=None, text=TEXT, samples=SAMPLES, actor="test")
+    prompt_template_create(name="support", tenant=world["acme"], text=TEXT, samples=SAMPLES, actor="test")
+    for tenant in (None, world["acme"]):
+        with pytest.raises(InvalidField, match="a template named 'support' already exists"):
+            prompt_template_create(name="support", tenant=tenant, text=TEXT, samples=SAMPLES, actor="test")
+    assert PromptTemplate.objects.count() == 2
+
+
+def _stats(template: PromptTemplate, ns: Any) -> None:
+    now = timezone.now().replace(second=0, microsecond=0)
+    TemplateStat.objects.create(template=template, namespace=ns, minute=now, requests=8, warm=6)
+    TemplateStat.objects.create(template=template, namespace=ns, minute=now - timedelta(minutes=5), requests=2, warm=0)
+    TemplateStat.objects.create(template=template, namespace=ns, minute=now - timedelta(hours=2), requests=50, warm=50)
+
+
+def test_pages_list_create_and_analyse_for_staff_and_read_only_operators(
+    world: dict[str, Any], admin_client: Any, client: Any, demo_checkpoints: dict[str, Path]
+) -> None:
+    _versions(demo_checkpoints)
+    created = admin_client.post(
+        "/prompt-templates/", {"name": "support", "tenant": "acme", "text": TEXT, "samples": json.dumps(SAMPLES)}
+    )
+    template = PromptTemplate.objects.get()
+    assert created.status_code == 302 and created["Location"] == f"/prompt-templates/{template.pk}/"
+    assert (template.tenant, template.created_by) == (world["acme"], "admin (page)")
+    _stats(template, world["ns"]["acme"])
+    listing = admin_client.get("/prompt-templates/").content.decode()
+    assert f'<a href="/prompt-templates/{template.pk}/">support</a></td><td>acme</td>' in listing
+    assert "<td>10</td><td>6</td><td>60.0 %</td>" in listing  # the last hour only
+    page = admin_client.get(f"/prompt-templates/{template.pk}/").content.decode()
+    assert "<strong>60.0 %</strong>, 6 warm of 10 requests" in page
+    assert "<td>32 tokens</td><td>14</td><td>0</td>" in page and "<td>64 tokens</td><td>14</td><td>0</td>" in page
+    assert "<strong>move {customer} to the end: 2 more shared blocks (64 tokens)</strong>" in page
+    live = admin_client.get(f"/prompt-templates/{template.pk}/live").content.decode()
+    assert 'id="template-live"' in live and "6 warm of 10 requests" in live
+    # Bad input: the form again with the error, 400, nothing stored.
+    bad = admin_client.post("/prompt-templates/", {"name": "x", "tenant": "", "text": TEXT, "samples": "[{"})
+    assert bad.status_code == 400 and "samples: not JSON" in bad.content.decode() and 'value="x"' in bad.content.decode()
+    unknown = admin_client.post("/prompt-templates/", {"name": "x", "tenant": "nope", "text": TEXT, "samples": "[]"})
+    assert unknown.status_code == 400 and "tenant: no tenant &#x27;nope&#x27;" in unknown.content.decode()
+    assert PromptTemplate.objects.count() == 1
+    # A read-only operator sees everything, acts on nothing.
+    client.force_login(User.objects.create_user("viewer"))
+    assert "60.0 %" in client.get("/prompt-templates/").content.decode()
+    assert 'id="template-form"' not in client.get("/prompt-templates/").content.decode()
+    assert client.get(f"/prompt-templates/{template.pk}/").status_code == 200
+    refused = client.post("/prompt-templates/", {"name": "y", "tenant": "", "text": TEXT, "samples": json.dumps(SAMPLES)})
+    assert refused.status_code == 403
+    assert client.post(f"/prompt-templates/{template.pk}/delete").status_code == 403
+    assert PromptTemplate.objects.count() == 1
+    assert admin_client.post(f"/prompt-templates/{template.pk}/delete").status_code == 302
+    assert PromptTemplate.objects.count() == 0 and TemplateStat.objects.count() == 0
+
+
+def test_api_lists_creates_and_deletes_with_the_error_envelope(world: dict[str, Any]) -> None:
+    alice, bob, charlie = (world["clients"][n] for n in ("alice", "bob", "charlie"))
+    created = alice.post("/api/prompt-templates/", {"name": "support", "text": TEXT, "samples": SAMPLES}, format="json")
+    assert created.status_code == 201
+    body = created.json()
+    assert {k: body[k] for k in ("name", "tenant", "fixed_chars", "requests", "warm", "hit_ratio")} == {
+        "name": "support", "tenant": None, "fixed_chars": 64, "requests": 0, "warm": 0, "hit_ratio": None,
+    }  # fmt: skip
+    template = PromptTemplate.objects.get(pk=body["id"])
+    _stats(template, world["ns"]["acme"])
+    # bob's token is bound to acme: it creates for acme only.
+    own = bob.post("/api/prompt-templates/", {"name": "mine", "tenant": "acme", "text": TEXT, "samples": SAMPLES}, format="json")
+    assert own.status_code == 201 and own.json()["tenant"] == "acme"
+    other = bob.post("/api/prompt-templates/", {"name": "g", "text": TEXT, "samples": SAMPLES}, format="json")
+    assert other.status_code == 400
+    assert other.json()["error"]["fields"] == {"tenant": ["a token bound to a tenant creates templates for its own tenant only"]}
+    bad = alice.post("/api/prompt-templates/", {"name": "b", "text": TEXT, "samples": [{"customer": "Ada"}]}, format="json")
+    assert bad.status_code == 400 and bad.json()["error"]["fields"] == {"samples.0": ["no value for question"]}
+    unknown = alice.post("/api/prompt-templates/", {"name": "b", "text": TEXT, "samples": SAMPLES, "x": 1}, format="json")
+    assert unknown.status_code == 400
+    # charlie (read, globex) sees the global template and not acme's; cannot write.
+    listed = charlie.get("/api/prompt-templates/").json()
+    assert [(r["name"], r["requests"], r["warm"], r["hit_ratio"]) for r in listed["results"]] == [("support", 10, 6, 0.6)]
+    assert (
+        charlie.post("/api/prompt-templates/", {"name": "c", "text": TEXT, "samples": SAMPLES}, format="json").status_code == 403
+    )
+    assert charlie.get(f"/api/prompt-templates/{own.json()['id']}/").status_code == 404
+    assert bob.delete(f"/api/prompt-templates/{template.pk}/").status_code == 403  # a global one
+    assert PromptTemplate.objects.count() == 2
+    assert alice.delete(f"/api/prompt-templates/{template.pk}/").status_code == 204
+    assert list(PromptTemplate.objects.values_list("name", flat=True)) == ["mine"]
+    assert template_hit_ratios([]) == {}
