@@ -40,6 +40,16 @@ def multiproc_use(directory: Path, *, clear: bool = False) -> Path:
     return directory
 
 
+def multiproc_dir(directory: Path) -> Path:
+    """``directory``, created if missing (for a child process's ``PROMETHEUS_MULTIPROC_DIR``).
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return directory
+
+
 def multiproc_clear(directory: Path) -> None:
     """Remove every metrics file under ``directory`` (the folder stays).
 

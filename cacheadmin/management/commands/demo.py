@@ -24,6 +24,7 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.env import env_int, env_str
 from cacheadmin.management.base import ControlPlaneCommand, int_within
+from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
 from cacheadmin.models import Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
@@ -133,6 +134,8 @@ def gunicorn_command(bind: str, options: ServerOptions, *, access_log: bool = Fa
         # gunicorn 25.1+ opens a control socket at one fixed path per user by
         # default: two servers (demo, tests, bench) would take it from each other.
         "--no-control-socket",
+        # Metrics: the workers write under METRICS_MULTIPROC_DIR; a worker's exit is marked.
+        "--config", "python:cacheadmin.metrics.gunicorn_config",
     ]  # fmt: skip
     if Path("/dev/shm").is_dir():
         # Workers' heartbeat files on a memory file system: a slow disk then
@@ -194,6 +197,8 @@ class DashboardServer:
         self.bind = bind
         self.log_path = log_path
         self.env = {**os.environ, **(env or {}), "DJANGO_STATIC_MANIFEST": "1"}
+        # Its workers write their metrics where the control plane's /metrics reads them.
+        self.env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(multiproc_dir(settings.METRICS_MULTIPROC_DIR)))
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0  # where this server's own lines start in a shared log
 
@@ -327,6 +332,8 @@ class Command(ControlPlaneCommand):
             except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
         log = (lambda line: self.stderr.write(line)) if not serve else (lambda line: self.stdout.write(line))
+        # The demo starts the whole process group: metrics files of an earlier run are not this one's.
+        multiproc_clear(settings.METRICS_MULTIPROC_DIR)
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
         summary: dict[str, Any] | None = None
         worker.start()
