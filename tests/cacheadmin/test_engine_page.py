@@ -1,0 +1,195 @@
+"""The engine page: its live fragment (figures from the engine's scrapes, the
+gateway's per-namespace figures, alarms, residency), the hit-ratio series, and
+the staff actions with their refusals (read-only operators: 403 and nothing
+changed; bad input: the page again with the error, 4xx, nothing changed)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from cacheadmin.models import (
+    AuditEvent,
+    ComparisonJob,
+    Engine,
+    EngineAlarm,
+    EngineMetricsSample,
+    GatewayStat,
+    PrewarmJob,
+    ResidentSample,
+)
+from cacheadmin.services.heat import corpus_load
+from cacheadmin.views_engine import engine_hit_ratio_series
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def fleet(world: dict[str, Any]) -> dict[str, Any]:
+    """world's ready engine e-acme, a reference engine and a stopped local engine."""
+    v1 = world["v1"]
+    reference = Engine.objects.create(
+        name="ref", role="reference", model_version=v1, base_url="http://127.0.0.1:2", status="ready", prefix_caching=False
+    )
+    stopped = Engine.objects.create(
+        name="e-stopped", model_version=v1, namespace=world["ns"]["acme"], base_url="http://127.0.0.1:3", status="stopped"
+    )
+    return {**world, "reference": reference, "stopped": stopped}
+
+
+def _state() -> tuple[Any, ...]:
+    return (
+        PrewarmJob.objects.count(),
+        ComparisonJob.objects.count(),
+        sorted(Engine.objects.values_list("name", "status", "generation")),
+        AuditEvent.objects.count(),
+    )
+
+
+def test_live_fragment_shows_the_engines_figures_in_human_units(fleet: dict[str, Any], admin_client: Any) -> None:
+    engine, ns = fleet["engine"], fleet["ns"]["acme"]
+    now = timezone.now()
+    for ago, queries, hits in ((120, 100, 40), (60, 300, 190), (0, 50, 10)):  # restarted before the last scrape
+        EngineMetricsSample.objects.create(
+            engine=engine, sampled_at=now - timedelta(seconds=ago), prefix_cache_queries=queries, prefix_cache_hits=hits,
+            kv_cache_usage=0.125,
+        )  # fmt: skip
+    GatewayStat.objects.create(
+        namespace=ns, layer="prefix", minute=now.replace(second=0, microsecond=0), requests=10, hits=4, prompt_tokens=400,
+        cached_prompt_tokens=128, ttft_hit_ms_sum=100, ttft_hit_count=4, ttft_miss_ms_sum=360, ttft_miss_count=6,
+    )  # fmt: skip
+    GatewayStat.objects.create(namespace=ns, layer="prefix", minute=now - timedelta(hours=3), requests=99, hits=99)
+    EngineAlarm.objects.create(engine=engine, kind="isolation_unknown_salt", key="ab", detail="3 blocks under a forged salt")
+    Engine.objects.filter(pk=engine.pk).update(kv_events_endpoint="tcp://e-acme:5557")
+    ResidentSample.objects.create(engine=engine, namespace=ns, sampled_at=now, blocks=5, tokens=160)
+
+    live = admin_client.get(f"/engines/{engine.pk}/live")
+    html = live.content.decode()
+    assert live.status_code == 200 and html.startswith('<section id="engine-live" data-updated-at="')
+    assert "hx-trigger=\"every 3s [document.visibilityState === 'visible']\"" in html
+    assert "<td>20.0 %</td><td>10 / 50</td><td>—</td><td>12.5 %</td>" in html  # newest scrape, since the restart
+    assert "<td>10</td><td>40.0 %</td><td>128 of 400</td><td>25 ms</td><td>60 ms</td>" in html  # the last hour only
+    assert "isolation_unknown_salt" in html and "3 blocks under a forged salt" in html
+    assert "<td>GPU</td><td>5</td><td>160</td>" in html
+    assert "out of service: nothing is routed to it" in html  # ready but unverified
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    assert 'id="engine-live"' in page and 'id="engine-hit-chart"' in page and 'id="engine-hit-series"' in page
+    series = engine_hit_ratio_series(engine, since=now - timedelta(hours=1))
+    assert series["hit_ratio"] == [0.75, 0.2]  # 150 of 200 tokens, then 10 of 50 after the restart
+    assert series["labels"] == [(now - timedelta(seconds=60)).isoformat(), now.isoformat()]
+
+
+def test_read_only_operators_see_the_page_and_are_refused_every_action(fleet: dict[str, Any], client: Any) -> None:
+    client.force_login(User.objects.create_user("viewer"))
+    engine, ns = fleet["engine"], fleet["ns"]["acme"]
+    page = client.get(f"/engines/{engine.pk}/").content.decode()
+    assert 'id="engine-live"' in page and "<h2>Actions</h2>" not in page and 'id="compare-form"' not in page
+    before = _state()
+    for verb, data in (
+        ("start", {}), ("stop", {}), ("restart", {}), ("verify", {}), ("prewarm", {"namespace": ns.pk}),
+        ("compare", {"reference_engine": fleet["reference"].pk, "namespace": ns.pk, "max_tokens": 4}),
+    ):  # fmt: skip
+        target = fleet["stopped"] if verb == "start" else engine
+        assert client.post(f"/engines/{target.pk}/{verb}/", data).status_code == 403, verb
+    assert _state() == before
+
+
+def test_start_boots_a_stopped_local_engine_and_refuses_a_running_one(
+    fleet: dict[str, Any], admin_client: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    stopped, engine = fleet["stopped"], fleet["engine"]
+    page = admin_client.get(f"/engines/{stopped.pk}/").content.decode()
+    assert f'action="/engines/{stopped.pk}/start/"' in page
+    assert f'action="/engines/{engine.pk}/start/"' not in admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    with django_capture_on_commit_callbacks(execute=False) as boots:
+        started = admin_client.post(f"/engines/{stopped.pk}/start/")
+    assert started.status_code == 302 and started["Location"] == f"/engines/{stopped.pk}/"
+    stopped.refresh_from_db()
+    assert (stopped.status, stopped.generation, stopped.verification) == ("starting", 1, "unverified")
+    # The boot task, sent once the row is committed (beside the routing epoch's bump).
+    assert [c.__qualname__ for c in boots].count("engine_boot_enqueue.<locals>.<lambda>") == 1
+    assert AuditEvent.objects.filter(action="engine.restart", reason="started from its page").count() == 1
+    before = _state()
+    refused = admin_client.post(f"/engines/{engine.pk}/start/")
+    assert refused.status_code == 409
+    assert "engine e-acme is ready; only a stopped or failed engine starts" in refused.content.decode()
+    assert admin_client.post(f"/engines/{engine.pk}/explode/").status_code == 400
+    assert _state() == before
+
+
+def test_prewarm_enqueues_a_job_for_a_served_namespace_and_refuses_bad_input(
+    fleet: dict[str, Any], admin_client: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    engine, acme, globex = fleet["engine"], fleet["ns"]["acme"], fleet["ns"]["globex"]
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    assert f'<option value="{acme.pk}">{acme.namespace_key[:16]} (acme)</option>' in page
+    assert f"{globex.namespace_key[:16]} (globex)" not in page
+    before = _state()
+    for data, status, message in (
+        ({"namespace": "x1"}, 400, "namespace: must be a whole number, got &#x27;x1&#x27;"),
+        ({}, 400, "namespace: is required"),
+        ({"namespace": 999999}, 400, "namespace: no cache namespace with id 999999"),
+        ({"namespace": globex.pk}, 409, f"engine e-acme does not serve namespace {globex.namespace_key[:12]}"),
+        ({"namespace": acme.pk, "corpus": "nope"}, 400, "corpus: "),
+    ):
+        refused = admin_client.post(f"/engines/{engine.pk}/prewarm/", data)
+        assert refused.status_code == status and message in refused.content.decode(), data
+        assert 'role="alert"' in refused.content.decode()
+    assert _state() == before
+    with django_capture_on_commit_callbacks(execute=False) as queued:
+        created = admin_client.post(f"/engines/{engine.pk}/prewarm/", {"namespace": acme.pk, "corpus": "diagnostic"})
+    job = PrewarmJob.objects.latest("id")
+    assert created.status_code == 302 and created["Location"] == f"/prewarm-jobs/{job.pk}/"
+    prompts = len(corpus_load("diagnostic"))
+    assert (job.engine, job.namespace, job.corpus, job.prompts, job.progress_total, job.status, job.created_by) == (
+        engine, acme, "diagnostic", prompts, 2 * prompts, "queued", "admin (page)"
+    )  # fmt: skip
+    assert len(queued) == 1
+
+
+def test_compare_enqueues_a_job_against_an_eligible_reference_and_refuses_bad_input(
+    fleet: dict[str, Any], admin_client: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    engine, acme, reference = fleet["engine"], fleet["ns"]["acme"], fleet["reference"]
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    # Only engines without prefix caching or connector, of the same served name, are offered.
+    assert f'<option value="{reference.pk}">ref (ready)</option>' in page and "e-stopped (stopped)" not in page
+    before = _state()
+    good = {"reference_engine": reference.pk, "namespace": acme.pk, "corpus": "diagnostic", "max_tokens": "8"}
+    for changes, status, message in (
+        ({"max_tokens": "0"}, 400, "max_tokens: must be within 1..256, got 0"),
+        ({"max_tokens": "eight"}, 400, "max_tokens: must be a whole number"),
+        ({"reference_engine": engine.pk}, 409, "reference engine e-acme caches prefixes"),
+        ({"reference_engine": 999999}, 400, "reference_engine: no engine with id 999999"),
+        ({"namespace": fleet["ns"]["globex"].pk}, 409, "does not serve namespace"),
+    ):
+        refused = admin_client.post(f"/engines/{engine.pk}/compare/", {**good, **changes})
+        html = refused.content.decode()
+        assert refused.status_code == status and message in html, changes
+    # The form comes back with what was submitted.
+    assert 'name="max_tokens" type="number" min="1" max="256" value="8"' in html
+    assert _state() == before
+    with django_capture_on_commit_callbacks(execute=False) as queued:
+        created = admin_client.post(f"/engines/{engine.pk}/compare/", good)
+    job = ComparisonJob.objects.get()
+    assert created.status_code == 302 and created["Location"] == f"/comparison-jobs/{job.pk}/"
+    assert (job.engine, job.reference_engine, job.namespace, job.max_tokens, job.status, job.created_by) == (
+        engine, reference, acme, 8, "queued", "admin (page)"
+    )  # fmt: skip
+    assert len(queued) == 1
+
+
+def test_stop_and_verify_from_the_page(fleet: dict[str, Any], admin_client: Any) -> None:
+    engine = fleet["engine"]
+    Engine.objects.filter(pk=engine.pk).update(origin="adopted")
+    # Verifying an engine nobody answers at: the page says so, nothing is routed to it.
+    unreachable = admin_client.post(f"/engines/{engine.pk}/verify/")
+    assert unreachable.status_code in (409, 503) and 'role="alert"' in unreachable.content.decode()
+    stopped = admin_client.post(f"/engines/{engine.pk}/stop/")
+    assert stopped.status_code == 302
+    engine.refresh_from_db()
+    assert engine.in_service is False
