@@ -226,3 +226,18 @@ def test_api_lists_creates_and_deletes_with_the_error_envelope(world: dict[str, 
     assert alice.delete(f"/api/prompt-templates/{template.pk}/").status_code == 204
     assert list(PromptTemplate.objects.values_list("name", flat=True)) == ["mine"]
     assert template_hit_ratios([]) == {}
+
+
+@pytest.mark.parametrize("rows", [10, 200])
+def test_the_list_runs_a_constant_number_of_queries(world: dict[str, Any], django_assert_num_queries: Any, rows: int) -> None:
+    from cacheadmin.models import ApiToken
+
+    PromptTemplate.objects.bulk_create(
+        PromptTemplate(name=f"t{i}", tenant=world["acme"] if i % 2 else None, text=TEXT, samples=SAMPLES, fixed_chars=64)
+        for i in range(rows)
+    )
+    ApiToken.objects.update(last_used_at=timezone.now())  # not written again within a minute
+    # The token, the count, the page and every hit ratio of the page in one.
+    with django_assert_num_queries(4):
+        listed = world["clients"]["bob"].get("/api/prompt-templates/?limit=1000")
+    assert listed.status_code == 200 and listed.json()["count"] == rows
