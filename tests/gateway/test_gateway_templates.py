@@ -106,3 +106,13 @@ def test_requests_are_counted_warm_or_cold_per_template(setup: dict[str, Any]) -
     assert setup["runtime"].recorder.templates.drain() == []
     gateway_flush([], [], rows)
     assert TemplateStat.objects.count() == 1
+
+
+def test_the_template_counter_is_named_as_the_catalogue_names_it() -> None:
+    from cacheadmin.metrics.catalogue import METRICS
+    from gateway.templates import METRIC_NAME, template_counter
+
+    spec = next(m for m in METRICS if m.name == METRIC_NAME)
+    counter = template_counter()
+    assert (spec.kind, spec.labels, spec.source) == ("counter", ("namespace", "template", "result"), "gateway")
+    assert (counter._name, counter._labelnames, counter._documentation) == (METRIC_NAME, spec.labels, spec.help)
