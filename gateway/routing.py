@@ -129,7 +129,8 @@ class RoutingSnapshot:
         namespaces: namespace pk → target.
         references: model version id → reference engines of that version.
         layers: cache layer → enabled (kill switches).
-        templates: tenant id → its prompt templates' fingerprints (``gateway.templates.TemplateIndex``).
+        templates: prompt templates' fingerprints (``gateway.templates.TemplateIndex``): tenant id →
+            its own and the global ones, None → the global ones (tenants without templates of their own).
     """
 
     epoch: int
@@ -139,7 +140,7 @@ class RoutingSnapshot:
     namespaces: Mapping[int, NamespaceTarget] = field(default_factory=dict)
     references: Mapping[int, tuple[EngineTarget, ...]] = field(default_factory=dict)
     layers: Mapping[str, bool] = field(default_factory=dict)
-    templates: Mapping[int, Any] = field(default_factory=dict)
+    templates: Mapping[int | None, Any] = field(default_factory=dict)
 
     def served_names(self, tenant_id: int) -> list[str]:
         """The served model names a tenant has routes for, sorted."""

@@ -216,15 +216,16 @@ class Classified:
 current: contextvars.ContextVar[Classified | None] = contextvars.ContextVar("kvcp_template", default=None)
 
 
-def classify(indexes: Mapping[int, TemplateIndex], tenant_id: int, namespace_pk: int, namespace_key: str,
+def classify(indexes: Mapping[int | None, TemplateIndex], tenant_id: int, namespace_pk: int, namespace_key: str,
              body: Mapping[str, Any]) -> str | None:  # fmt: skip
     """Match the request against its tenant's templates and remember the
     result for :func:`count` (None when no template matches).
 
     Args:
-        indexes: the snapshot's templates, tenant id → index.
+        indexes: the snapshot's templates: tenant id → index for tenants with
+            templates of their own, None → the global templates' index for the others.
     """
-    index = indexes.get(tenant_id)
+    index = indexes.get(tenant_id) or indexes.get(None)
     name = index.match(leading_text(body)) if index is not None else None
     current.set(Classified(name, namespace_pk, namespace_key) if name is not None else None)
     return name

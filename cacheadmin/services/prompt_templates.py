@@ -185,15 +185,20 @@ def prompt_template_delete(*, template: PromptTemplate, actor: str) -> None:
 # --- the gateways' side ------------------------------------------------------------
 
 
-def template_indexes() -> dict[int, TemplateIndex]:
-    """Tenant id → the index its gateway requests are classified by: its own
-    templates first (they win over a global one with the same fixed text), then the global ones."""
+def template_indexes() -> dict[int | None, TemplateIndex]:
+    """The indexes gateway requests are classified by (one query): tenant id →
+    its own templates then the global ones (its own win over a global one with
+    the same fixed text), for tenants that have templates of their own; None →
+    the global ones alone, for every other tenant (absent when there are none)."""
     own: dict[int, list[Any]] = {}
     shared: list[Any] = []
-    for template in PromptTemplate.objects.order_by("name", "id"):
+    for template in PromptTemplate.objects.order_by("name", "id").only("name", "tenant_id", "text"):
         fp = fingerprint(template.name, fixed_leading_text(template_parts(template.text)))
         (own.setdefault(template.tenant_id, []) if template.tenant_id else shared).append(fp)
-    return {pk: TemplateIndex.of([*own.get(pk, []), *shared]) for pk in Tenant.objects.values_list("pk", flat=True)}
+    indexes: dict[int | None, TemplateIndex] = {pk: TemplateIndex.of([*fps, *shared]) for pk, fps in own.items()}
+    if shared:
+        indexes[None] = TemplateIndex.of(shared)
+    return indexes
 
 
 def template_stats_flush(rows: Iterable[tuple[str, int, datetime, int, int]]) -> int:

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from cacheadmin.models import TemplateStat
 from cacheadmin.services.gateway import gateway_flush
 from cacheadmin.services.prompt_templates import prompt_template_create, prompt_template_delete, template_hit_ratios
-from gateway.templates import CHUNK_CHARS, TemplateIndex, fingerprint, leading_text
+from gateway.templates import CHUNK_CHARS, Classified, TemplateIndex, classify, current, fingerprint, leading_text
 from tests.gateway.test_gateway_app import call, chat, refresh
 from tests.gateway.test_gateway_app import setup as setup  # noqa: F401 - the fixture, reused
 
@@ -43,6 +43,13 @@ def test_the_longest_fixed_text_a_prompt_starts_with_wins() -> None:
     assert index.match("You are the support assistant of ACME products") is None
     assert index.match("Hello") is None
     assert TemplateIndex().match(SUPPORT_FIXED) is None
+    # A tenant without templates of its own is classified by the global ones.
+    indexes = {7: index, None: TemplateIndex.of([other])}
+    assert classify(indexes, 8, 1, "k", {"prompt": BILLING_FIXED + "x"}) == "billing"
+    assert classify(indexes, 8, 1, "k", {"prompt": SUPPORT_FIXED + "x"}) is None
+    assert classify(indexes, 7, 1, "k", {"prompt": SUPPORT_FIXED + "x"}) == "long"
+    assert current.get() == Classified("long", 1, "k")
+    current.set(None)
     with pytest.raises(ValueError, match="has 5 characters; at least 32 are needed"):
         fingerprint("tiny", "Hello")
 
@@ -73,7 +80,8 @@ def test_requests_are_counted_warm_or_cold_per_template(setup: dict[str, Any]) -
     )
     prompt_template_create(name="billing", tenant=None, text=BILLING, samples=[{"question": "Why?"}], actor="test")
     refresh(setup)
-    assert setup["holder"]["snap"].templates[acme.pk].max_chunks == 3
+    indexes = setup["holder"]["snap"].templates
+    assert (set(indexes), indexes[acme.pk].max_chunks, indexes[None].max_chunks) == ({acme.pk, None}, 3, 3)
     key = ns.namespace_key
     before = {(t, r): _prom(t, r, key) for t in ("support", "billing") for r in ("warm", "cold")}
 
