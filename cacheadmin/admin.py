@@ -736,6 +736,10 @@ class PromptTemplateAdmin(ServiceAdmin):
     create_service = staticmethod(prompt_template_create)
     create_fields = ("name", "tenant", "text", "samples")
 
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # The add form takes what the service takes; the service computes the rest.
+        return list(self.create_fields) if obj is None else super().get_fields(request, obj)
+
     def delete_model(self, request: HttpRequest, obj: models.Model) -> None:
         assert isinstance(obj, PromptTemplate)
         prompt_template_delete(template=obj, actor=admin_actor(request))

@@ -27,6 +27,7 @@ from cacheadmin.models import (
     Engine,
     ModelVersion,
     PrewarmJob,
+    PromptTemplate,
     Release,
     RetentionOwner,
     RetentionPolicy,
@@ -121,10 +122,11 @@ def test_every_registered_model_is_covered_and_only_tenants_and_owners_delete(ad
     ours = {model for model in admin.site._registry if model._meta.app_label == "cacheadmin"}
     assert ours == {
         ModelVersion, Tenant, RetentionOwner, CacheNamespace, SharedGroup, Adapter, Release, Engine, PrewarmJob,
-        ComparisonJob, AuditEvent, ApiToken,
+        ComparisonJob, AuditEvent, ApiToken, PromptTemplate,
     }  # fmt: skip
     deletable = {model for model in ours if admin.site._registry[model].audited_deletes}
-    assert deletable == {Tenant, RetentionOwner}
+    # Prompt templates: tests/cacheadmin/test_prompt_templates.py (deleted through their service).
+    assert deletable == {Tenant, RetentionOwner, PromptTemplate}
     for model in ours:
         assert admin_client.get(f"/admin/cacheadmin/{model._meta.model_name}/").status_code == 200, model
 

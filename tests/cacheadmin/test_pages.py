@@ -80,10 +80,10 @@ def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert
     # engines, alarms, prewarm and comparison jobs, releases, eviction runs; staleness (schedules,
     # scan, count, page, ranks); cleanup (schedules, notices, scan, orphans 2); namespaces (scan,
     # count, page, latest usage 2, shared groups 2); versions; gateway figures, switches, holds, shadow
-    with django_assert_num_queries(42):
+    with django_assert_num_queries(41):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(42):
+    with django_assert_num_queries(41):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 

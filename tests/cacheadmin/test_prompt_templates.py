@@ -241,3 +241,19 @@ def test_the_list_runs_a_constant_number_of_queries(world: dict[str, Any], djang
     with django_assert_num_queries(4):
         listed = world["clients"]["bob"].get("/api/prompt-templates/?limit=1000")
     assert listed.status_code == 200 and listed.json()["count"] == rows
+
+
+def test_the_admin_creates_and_deletes_through_the_service(world: dict[str, Any], admin_client: Any) -> None:
+    add = "/admin/cacheadmin/prompttemplate/add/"
+    form = {"name": "support", "tenant": world["acme"].pk, "text": TEXT, "samples": json.dumps(SAMPLES)}
+    short = admin_client.post(add, {**form, "text": "Hi {customer}"})
+    assert short.status_code == 200 and "3 characters here, at least 32 needed" in short.content.decode()
+    assert PromptTemplate.objects.count() == 0
+    assert admin_client.post(add, form).status_code == 302
+    template = PromptTemplate.objects.get()
+    assert (template.tenant, template.fixed_chars, template.created_by) == (world["acme"], 64, "admin (admin)")
+    change = admin_client.get(f"/admin/cacheadmin/prompttemplate/{template.pk}/change/").content.decode()
+    assert 'name="text"' not in change and "Our assistants answer in plain English" in change  # read-only
+    deleted = admin_client.post(f"/admin/cacheadmin/prompttemplate/{template.pk}/delete/", {"post": "yes"})
+    assert deleted.status_code == 302 and PromptTemplate.objects.count() == 0
+    assert AuditEvent.objects.filter(action="prompt_template.delete").count() == 1
