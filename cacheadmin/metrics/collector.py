@@ -15,7 +15,9 @@ superseded).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import reduce
 from operator import or_
@@ -23,8 +25,6 @@ from typing import Any
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Max, OuterRef, Q, Subquery, Sum
 from django.utils import timezone
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from cacheadmin.metrics.catalogue import BY_NAME
 from cacheadmin.models import (
@@ -37,6 +37,7 @@ from cacheadmin.models import (
     EvictionAction,
     EvictionRun,
     GatewayStat,
+    ModelVersion,
     NamespaceRouting,
     PrewarmJob,
     RegistrationJob,
@@ -66,48 +67,143 @@ JOB_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0
 QUERIES = 18
 
 
-def _help(name: str) -> str:
-    return BY_NAME[name].help
+@dataclass
+class Family:
+    """One family's samples, built without prometheus-client's per-sample
+    validation (label names are the catalogue's, known good): at 10,000
+    namespaces its objects and formatter took more time than the queries.
+
+    ``samples``: (suffix, label values in ``labels`` order, value); a histogram's
+    ``_bucket`` samples carry the bound as a last value (label ``le``).
+    """
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    samples: list[tuple[str, tuple[str, ...], float]] = field(default_factory=list)
+
+    def add(self, values: list[str] | tuple[str, ...], value: float, suffix: str = "") -> None:
+        """Add one sample (a counter's ``_total`` is added when rendered)."""
+        self.samples.append((suffix, tuple(values), value))
+
+    def add_histogram(self, values: list[str], buckets: list[tuple[float, int]], count: int, total: float) -> None:
+        """Add a histogram's cumulative ``buckets`` (bound, count), ``+Inf`` (= ``count``) and ``total``."""
+        for bound, n in buckets:
+            self.samples.append(("_bucket", (*values, _number(bound)), n))
+        self.samples.append(("_bucket", (*values, "+Inf"), count))
+        self.samples.append(("_count", tuple(values), count))
+        self.samples.append(("_sum", tuple(values), total))
 
 
-def _labels(name: str) -> list[str]:
-    return list(BY_NAME[name].labels)
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value))
+
+
+def _escape(value: str) -> str:
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return value
+
+
+def render(families: list[Family]) -> bytes:
+    """The families in Prometheus' text format 0.0.4 (as prometheus-client
+    writes it: a counter's HELP and TYPE under its ``_total`` name)."""
+    lines: list[str] = []
+    for fam in families:
+        spec = BY_NAME[fam.name]
+        head = f"{fam.name}_total" if fam.kind == "counter" else fam.name
+        lines.append(f"# HELP {head} {spec.help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}")
+        lines.append(f"# TYPE {head} {fam.kind}")
+        formats: dict[str, str] = {}
+        for suffix, values, value in fam.samples:
+            fmt = formats.get(suffix)
+            if fmt is None:
+                # One str.format template per sample name: the labels are the catalogue's.
+                keys = (*fam.labels, "le") if suffix == "_bucket" else fam.labels
+                sample = head if fam.kind == "counter" else fam.name + suffix
+                inner = ",".join(f'{k}="{{}}"' for k in keys)
+                fmt = formats[suffix] = f"{sample}{{{{{inner}}}}} {{}}" if keys else f"{sample} {{}}"
+            joined = "".join(values)
+            if '"' in joined or "\\" in joined or "\n" in joined:
+                values = tuple(_escape(v) for v in values)
+            lines.append(fmt.format(*values, _number(value)))
+    lines.append("")
+    return "\n".join(lines).encode("utf-8")
+
+
+def _family(name: str) -> Family:
+    spec = BY_NAME[name]
+    return Family(name, spec.kind, spec.labels)
 
 
 def serving_namespace_pks() -> set[int]:
     """Primary keys of the namespaces routing sends traffic to now (a route
-    with a share above 0): the same routes the gateways' snapshot is built
-    from (:func:`cacheadmin.services.gateway.routing_snapshot_build`). The
-    caller leaves out dropped and superseded namespaces, as the snapshot does.
+    with a share above 0), decided as the gateways' routing snapshot decides
+    (:func:`cacheadmin.services.gateway.routing_snapshot_build`): the current
+    releases' routes (:func:`cacheadmin.services.serving.serving_routes`), and
+    for a (tenant, served name) without any, the tenant's live namespace of the
+    newest active version (``_operator_routes``, read here as plain values:
+    10,000 model instances cost more than the query). A test holds the two
+    equal. The caller leaves out dropped and superseded namespaces, as the
+    snapshot does.
 
-    Two queries (releases; namespaces served without a release).
+    Two queries.
     """
-    # The snapshot's own functions: "serving" here never disagrees with routing.
-    from cacheadmin.services.gateway import _operator_routes
     from cacheadmin.services.serving import serving_routes
 
     routes = serving_routes()
     pks = {r.namespace_pk for r in routes if r.percent > 0 and r.namespace_pk is not None}
     released = {(r.tenant_id, r.served_name) for r in routes}
-    for targets in _operator_routes(released).values():
-        pks.update(t.namespace_pk for t in targets if t.percent > 0 and t.namespace_pk is not None)
-    return pks
+    chosen: dict[tuple[int, str], int] = {}
+    rows = (
+        CacheNamespace.objects.filter(tenant__isnull=False, model_version__status=ModelVersion.Status.ACTIVE)
+        .exclude(residency=Residency.DROPPED)
+        .order_by("model_version_id", "id")
+        .values_list("tenant_id", "model_version__served_name", "pk")
+    )
+    for tenant_id, served_name, pk in rows:
+        if (tenant_id, served_name) not in released:
+            chosen[(tenant_id, served_name)] = pk  # ordered: the newest version's namespace wins, as in the snapshot
+    return pks | set(chosen.values())
 
 
-class ControlPlaneCollector(Collector):
-    """prometheus-client collector of every ``control`` family (see the module docstring).
+class ControlPlaneCollector:
+    """Every ``control`` family (see the module docstring): :meth:`families`
+    for :func:`render`, :meth:`collect` for a prometheus-client registry.
 
     Raises:
-        django.db.Error: the database cannot be read (the view answers 503).
+        django.db.Error: the database cannot be read.
     """
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Any]:
+        """prometheus-client's collector protocol: the families as its metric objects."""
+        from prometheus_client.core import Metric
+
+        for fam in self.families():
+            head = fam.name
+            metric = Metric(head, BY_NAME[fam.name].help, fam.kind)
+            for suffix, values, value in fam.samples:
+                keys = (*fam.labels, "le") if suffix == "_bucket" else fam.labels
+                name = f"{head}_total" if fam.kind == "counter" else head + suffix
+                metric.add_sample(name, dict(zip(keys, values, strict=True)), value)
+            yield metric
+
+    def families(self) -> list[Family]:
         """The families, read now (:data:`QUERIES` queries)."""
+        return list(self._families())
+
+    def _families(self) -> Iterator[Family]:
         now = timezone.now()
         serving = serving_namespace_pks()
         keys: dict[int, str] = {}
         stale: set[int] = set()
-        info = GaugeMetricFamily("kvcp_namespace_info", _help("kvcp_namespace_info"), labels=_labels("kvcp_namespace_info"))
+        info = _family("kvcp_namespace_info")
         rows = CacheNamespace.objects.values_list(
             "pk", "namespace_key", "tenant__slug", "group__slug", "group_generation", "group__generation",
             "model_version__label", "residency",
@@ -122,7 +218,7 @@ class ControlPlaneCollector(Collector):
             is_serving = pk in serving and residency != Residency.DROPPED and not superseded
             if not is_serving:
                 stale.add(pk)
-            info.add_metric([key, boundary, label, residency, "true" if is_serving else "false"], 1)
+            info.add([key, boundary, label, residency, "true" if is_serving else "false"], 1)
         yield info
         yield from self._tiers(keys, stale, now)
         yield from self._evictions()
@@ -132,7 +228,7 @@ class ControlPlaneCollector(Collector):
         yield from self._gateway(keys)
 
     # --- tiers, staleness, last hit ----------------------------------------
-    def _tiers(self, keys: dict[int, str], stale: set[int], now: Any) -> Iterator[Metric]:
+    def _tiers(self, keys: dict[int, str], stale: set[int], now: Any) -> Iterator[Family]:
         # The newest scan that sampled each tier: a scan that could not read a
         # tier (Redis down) leaves that tier's previous figures standing.
         newest = [
@@ -142,16 +238,16 @@ class ControlPlaneCollector(Collector):
         samples = TierUsageSample.objects.filter(reduce(or_, newest), namespace__isnull=False).values_list(
             "namespace_id", "tier", "bytes", "entries", "last_access_at"
         )
-        tier_bytes = GaugeMetricFamily("kvcp_tier_bytes", _help("kvcp_tier_bytes"), labels=_labels("kvcp_tier_bytes"))
-        entries = GaugeMetricFamily("kvcp_tier_entries", _help("kvcp_tier_entries"), labels=_labels("kvcp_tier_entries"))
+        tier_bytes = _family("kvcp_tier_bytes")
+        entries = _family("kvcp_tier_entries")
         totals: dict[str, list[int]] = {tier: [0, 0] for tier in Tier.values}
         last_hit: dict[int, Any] = {}
         for namespace_pk, tier, size, count, accessed in samples:
             key = keys.get(namespace_pk)
             if key is None:
                 continue
-            tier_bytes.add_metric([key, tier], size)
-            entries.add_metric([key, tier], count)
+            tier_bytes.add([key, tier], size)
+            entries.add([key, tier], count)
             totals[tier][0] += size
             if namespace_pk in stale:
                 totals[tier][1] += size
@@ -159,9 +255,9 @@ class ControlPlaneCollector(Collector):
                 last_hit[namespace_pk] = accessed
         yield tier_bytes
         yield entries
-        ratio = GaugeMetricFamily("kvcp_stale_bytes_ratio", _help("kvcp_stale_bytes_ratio"), labels=["tier"])
+        ratio = _family("kvcp_stale_bytes_ratio")
         for tier, (total, stale_bytes) in totals.items():
-            ratio.add_metric([tier], stale_bytes / total if total else 0.0)
+            ratio.add([tier], stale_bytes / total if total else 0.0)
         yield ratio
         # The gateways' last minute with a hit (any layer), beside the tiers' own last access.
         hits = GatewayStat.objects.filter(hits__gt=0).values("namespace_id").annotate(minute=Max("minute"))
@@ -169,48 +265,44 @@ class ControlPlaneCollector(Collector):
             namespace_pk, minute = row
             if namespace_pk not in last_hit or minute > last_hit[namespace_pk]:
                 last_hit[namespace_pk] = minute
-        age = GaugeMetricFamily(
-            "kvcp_namespace_last_hit_age_seconds", _help("kvcp_namespace_last_hit_age_seconds"), labels=["namespace"]
-        )
+        age = _family("kvcp_namespace_last_hit_age_seconds")
         for namespace_pk, when in last_hit.items():
             if namespace_pk in keys:
-                age.add_metric([keys[namespace_pk]], max(0.0, (now - when).total_seconds()))
+                age.add([keys[namespace_pk]], max(0.0, (now - when).total_seconds()))
         yield age
 
     # --- evictions ----------------------------------------------------------
-    def _evictions(self) -> Iterator[Metric]:
+    def _evictions(self) -> Iterator[Family]:
         done = (
             EvictionAction.objects.filter(status=EvictionAction.Status.DONE)
             .values("namespace__namespace_key", "tier", "kind")
             .annotate(n=Count("id"), freed=Sum("bytes_freed"))
             .values_list("namespace__namespace_key", "tier", "kind", "n", "freed")
         )
-        evictions = CounterMetricFamily("kvcp_evictions", _help("kvcp_evictions"), labels=_labels("kvcp_evictions"))
-        freed = CounterMetricFamily(
-            "kvcp_eviction_freed_bytes", _help("kvcp_eviction_freed_bytes"), labels=_labels("kvcp_eviction_freed_bytes")
-        )
+        evictions = _family("kvcp_evictions")
+        freed = _family("kvcp_eviction_freed_bytes")
         freed_by: dict[tuple[str, str], int] = {}
         for key, tier, kind, n, freed_bytes in done:
             # An orphan (no namespace) is counted under namespace "".
-            evictions.add_metric([key or "", tier, kind], n)
+            evictions.add([key or "", tier, kind], n)
             freed_by[(key or "", tier)] = freed_by.get((key or "", tier), 0) + (freed_bytes or 0)
         for (key, tier), value in freed_by.items():
-            freed.add_metric([key, tier], value)
+            freed.add([key, tier], value)
         yield evictions
         yield freed
 
     # --- deceptive hits -------------------------------------------------------
-    def _checks(self) -> Iterator[Metric]:
-        deceptive = CounterMetricFamily("kvcp_deceptive_hits", _help("kvcp_deceptive_hits"), labels=["namespace", "source"])
-        checks = CounterMetricFamily("kvcp_cache_checks", _help("kvcp_cache_checks"), labels=["namespace", "source"])
+    def _checks(self) -> Iterator[Family]:
+        deceptive = _family("kvcp_deceptive_hits")
+        checks = _family("kvcp_cache_checks")
         compared = (
             ComparisonResult.objects.values("job__namespace__namespace_key")
             .annotate(n=Count("id"), bad=Count("id", filter=Q(deceptive=True)))
             .values_list("job__namespace__namespace_key", "n", "bad")
         )
         for key, n, bad in compared:
-            checks.add_metric([key, "comparison"], n)
-            deceptive.add_metric([key, "comparison"], bad)
+            checks.add([key, "comparison"], n)
+            deceptive.add([key, "comparison"], bad)
         shadowed = (
             ShadowCheck.objects.filter(status__in=[ShadowCheck.Status.MATCHED, ShadowCheck.Status.DECEPTIVE])
             .values("namespace__namespace_key")
@@ -218,15 +310,15 @@ class ControlPlaneCollector(Collector):
             .values_list("namespace__namespace_key", "n", "bad")
         )
         for key, n, bad in shadowed:
-            checks.add_metric([key, "shadow"], n)
-            deceptive.add_metric([key, "shadow"], bad)
+            checks.add([key, "shadow"], n)
+            deceptive.add([key, "shadow"], bad)
         yield deceptive
         yield checks
 
     # --- jobs -------------------------------------------------------------------
-    def _jobs(self) -> Iterator[Metric]:
-        jobs = CounterMetricFamily("kvcp_jobs", _help("kvcp_jobs"), labels=["kind", "status"])
-        durations = HistogramMetricFamily("kvcp_job_duration_seconds", _help("kvcp_job_duration_seconds"), labels=["kind"])
+    def _jobs(self) -> Iterator[Family]:
+        jobs = _family("kvcp_jobs")
+        durations = _family("kvcp_job_duration_seconds")
         duration = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
         timed = Q(started_at__isnull=False, finished_at__isnull=False)
         for kind, model in JOB_KINDS.items():
@@ -245,21 +337,19 @@ class ControlPlaneCollector(Collector):
             counts = [0] * len(JOB_BUCKETS_S)
             timed_n, total_s = 0, 0.0
             for row in rows:
-                jobs.add_metric([kind, row["status"]], row["n"])
+                jobs.add([kind, row["status"]], row["n"])
                 timed_n += row["timed"]
                 total_s += row["total"].total_seconds() if row["total"] is not None else 0.0
                 for i in range(len(JOB_BUCKETS_S)):
                     counts[i] += row[f"le{i}"]
-            durations.add_metric(
-                [kind], [(str(bound), counts[i]) for i, bound in enumerate(JOB_BUCKETS_S)] + [("+Inf", timed_n)], total_s
-            )
+            durations.add_histogram([kind], list(zip(JOB_BUCKETS_S, counts, strict=True)), timed_n, total_s)
         yield jobs
         yield durations
 
     # --- engines ------------------------------------------------------------------
-    def _engines(self) -> Iterator[Metric]:
-        info = GaugeMetricFamily("kvcp_engine_info", _help("kvcp_engine_info"), labels=_labels("kvcp_engine_info"))
-        verified = GaugeMetricFamily("kvcp_engine_verified", _help("kvcp_engine_verified"), labels=["engine"])
+    def _engines(self) -> Iterator[Family]:
+        info = _family("kvcp_engine_info")
+        verified = _family("kvcp_engine_verified")
         running: dict[int, str] = {}
         newest = ResidentSample.objects.filter(engine=OuterRef("pk")).order_by("-sampled_at").values("sampled_at")[:1]
         engines = Engine.objects.annotate(resident_at=Subquery(newest)).values_list(
@@ -267,15 +357,15 @@ class ControlPlaneCollector(Collector):
         )
         sampled: list[Q] = []
         for pk, name, label, origin, status, verification, resident_at in engines:
-            info.add_metric([name, label, origin, status], 1)
-            verified.add_metric([name], 1 if verification == Engine.Verification.VERIFIED else 0)
+            info.add([name, label, origin, status], 1)
+            verified.add([name], 1 if verification == Engine.Verification.VERIFIED else 0)
             if status in (Engine.Status.STARTING, Engine.Status.READY):
                 running[pk] = name
                 if resident_at is not None:
                     sampled.append(Q(engine_id=pk, sampled_at=resident_at))
         yield info
         yield verified
-        alarms = GaugeMetricFamily("kvcp_engine_alarms_open", _help("kvcp_engine_alarms_open"), labels=["engine", "kind"])
+        alarms = _family("kvcp_engine_alarms_open")
         open_alarms = (
             EngineAlarm.objects.filter(resolved_at__isnull=True)
             .values("engine__name", "kind")
@@ -283,11 +373,9 @@ class ControlPlaneCollector(Collector):
             .values_list("engine__name", "kind", "n")
         )
         for name, kind, n in open_alarms:
-            alarms.add_metric([name, kind], n)
+            alarms.add([name, kind], n)
         yield alarms
-        resident = GaugeMetricFamily(
-            "kvcp_resident_tokens", _help("kvcp_resident_tokens"), labels=_labels("kvcp_resident_tokens")
-        )
+        resident = _family("kvcp_resident_tokens")
         # The consumer writes every key of an engine at one time: its newest
         # time is the whole picture (blocks of no known namespace under "").
         # Seeded with a condition no row meets: the query runs (and counts) with no engine too.
@@ -296,19 +384,19 @@ class ControlPlaneCollector(Collector):
         )
         for engine_id, key, medium, tokens in rows:
             if engine_id in running:
-                resident.add_metric([running[engine_id], key or "", medium], tokens)
+                resident.add([running[engine_id], key or "", medium], tokens)
         yield resident
 
     # --- gateway switches and holds -------------------------------------------------
-    def _gateway(self, keys: dict[int, str]) -> Iterator[Metric]:
+    def _gateway(self, keys: dict[int, str]) -> Iterator[Family]:
         from cacheadmin.services.gateway import layer_states
 
-        layers = GaugeMetricFamily("kvcp_gateway_layer_enabled", _help("kvcp_gateway_layer_enabled"), labels=["layer"])
+        layers = _family("kvcp_gateway_layer_enabled")
         for layer, state in layer_states().items():
-            layers.add_metric([str(layer)], 1 if state["enabled"] else 0)
+            layers.add([str(layer)], 1 if state["enabled"] else 0)
         yield layers
-        suspended = GaugeMetricFamily("kvcp_routing_suspended", _help("kvcp_routing_suspended"), labels=["namespace"])
+        suspended = _family("kvcp_routing_suspended")
         for namespace_pk, at in NamespaceRouting.objects.values_list("namespace_id", "suspended_at"):
             if namespace_pk in keys:
-                suspended.add_metric([keys[namespace_pk]], 0 if at is None else 1)
+                suspended.add([keys[namespace_pk]], 0 if at is None else 1)
         yield suspended

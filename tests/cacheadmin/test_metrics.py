@@ -31,6 +31,7 @@ from cacheadmin.models import (
     EvictionAction,
     EvictionRun,
     GatewayStat,
+    ModelVersion,
     NamespaceRouting,
     PrewarmJob,
     ResidentSample,
@@ -210,9 +211,28 @@ def test_every_control_family_from_the_rows(rows: dict) -> None:
     assert control <= seen
 
 
+def assert_serving_agrees_with_routing() -> set[int]:
+    """The namespaces the metrics call serving are those the gateways' snapshot routes traffic to."""
+    from cacheadmin.services.gateway import routing_snapshot_build
+
+    snap = routing_snapshot_build()
+    routed = {t.namespace_pk for targets in snap.routes.values() for t in targets if t.percent > 0}
+    routed &= set(snap.namespaces)
+    assert {pk for pk in collector.serving_namespace_pks() if pk in snap.namespaces} == routed
+    return routed
+
+
 def test_serving_follows_a_release_and_a_dropped_namespace(rows: dict) -> None:
     """A release moving all of acme's traffic to v2 makes v2's namespace serve and v1's not."""
-    from cacheadmin.models import Release
+    from cacheadmin.models import ModelVersion, Release
+
+    assert assert_serving_agrees_with_routing() == {rows["acme"].pk, rows["globex"].pk}
+    # Two active versions without a release: the newest one's namespace serves, as routing says.
+    ModelVersion.objects.filter(pk=rows["old"].model_version_id).update(status="active")
+    CacheNamespace.objects.filter(pk=rows["old"].pk).update(residency="hot")
+    assert assert_serving_agrees_with_routing() == {rows["old"].pk, rows["globex"].pk}
+    ModelVersion.objects.filter(pk=rows["old"].model_version_id).update(status="registered")
+    CacheNamespace.objects.filter(pk=rows["old"].pk).update(residency="cold")
 
     Release.objects.create(
         tenant=rows["acme"].tenant, served_name="tiny", from_version=rows["acme"].model_version,
@@ -223,6 +243,10 @@ def test_serving_follows_a_release_and_a_dropped_namespace(rows: dict) -> None:
     s = scrape()
     serving = {d["namespace"][0]: d["serving"] for d in names(s, "kvcp_namespace_info")}
     assert serving == {"a": "false", "b": "false", "c": "true"}
+    assert assert_serving_agrees_with_routing() == {rows["old"].pk}
+    # A gray release: both versions carry traffic.
+    Release.objects.filter(tenant=rows["acme"].tenant).update(traffic_percent=30)
+    assert assert_serving_agrees_with_routing() == {rows["acme"].pk, rows["old"].pk}
 
 
 def _namespaces(n: int) -> None:
@@ -244,6 +268,7 @@ def test_a_fixed_number_of_queries_with_1_and_with_30_more_namespaces(rows: dict
         return len(ctx.captured_queries)
 
     assert count() == collector.QUERIES
+    assert len(collector.render(collector.ControlPlaneCollector().families())) > 0
     _namespaces(30)
     assert count() == collector.QUERIES
     assert len(names(scrape(), "kvcp_namespace_info")) == 33
@@ -312,3 +337,31 @@ def test_a_counted_tier_read_that_fails_counts_a_failure_and_raises(rows: dict) 
     labels = frozenset({("namespace", "b" * 64), ("tier", "cold")})
     assert after[("kvcp_tier_loads_total", labels)] - before.get(("kvcp_tier_loads_total", labels), 0) == 2
     assert after[("kvcp_tier_load_failures_total", labels)] - before.get(("kvcp_tier_load_failures_total", labels), 0) == 1
+
+
+def test_the_project_s_writer_says_what_prometheus_client_s_says(rows: dict) -> None:
+    """The fast text writer against prometheus-client's own, on the same families
+    (a label value with a quote, a backslash and a newline included)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    make_version('odd "v\\3"\nlabel', "3" * 64, weights="3" * 64)
+    CacheNamespace.objects.create(namespace_key="d" * 64, model_version=ModelVersion.objects.get(identity="3" * 64),
+                                  tenant=rows["acme"].tenant, retention_owner=RetentionOwner.objects.first(),
+                                  storage_prefix="ns-odd")  # fmt: skip
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector.ControlPlaneCollector())
+    theirs = generate_latest(registry).decode()
+    ours = collector.render(collector.ControlPlaneCollector().families()).decode()
+
+    def parsed(text: str) -> dict:
+        return {
+            (f.name, f.type, s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if f.name != "kvcp_namespace_last_hit_age_seconds"  # read at two moments
+        }
+
+    assert parsed(ours) == parsed(theirs)
+    assert {'odd "v\\3"\nlabel'} == {
+        dict(labels)["model_version"] for name, labels in scrape() if name == "kvcp_namespace_info"
+    } - {"v1", "v2"}
