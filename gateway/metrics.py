@@ -103,6 +103,15 @@ class GatewayMetrics:
     def __init__(self, namespace_key: Callable[[int], str | None]) -> None:
         self.namespace_key = namespace_key
         self.f = families()
+        #: (family, label values) → its child: ``labels()`` validates and locks on every call,
+        #: a dictionary read does not (label sets are bounded, so is this).
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _c(self, family: str, *labels: str) -> Any:
+        child = self._children.get((family, *labels))
+        if child is None:
+            child = self._children[(family, *labels)] = self.f[family].labels(*labels)
+        return child
 
     def added(self, namespace_pk: int, layer: str, counters: Mapping[str, float]) -> None:
         """One ``Recorder.add`` call: requests (hit or miss), tokens, TTFT and lookup time.
@@ -115,37 +124,36 @@ class GatewayMetrics:
         key = self.namespace_key(namespace_pk)
         if key is None:
             return
-        f = self.f
         hits, misses = counters.get("hits", 0), counters.get("misses", 0)
         if hits:
-            f["requests"].labels(key, layer, "hit").inc(hits)
+            self._c("requests", key, layer, "hit").inc(hits)
         if misses:
-            f["requests"].labels(key, layer, "miss").inc(misses)
+            self._c("requests", key, layer, "miss").inc(misses)
         prompt = counters.get("prompt_tokens", 0)
         if prompt:
-            f["prompt_tokens"].labels(key).inc(prompt)
+            self._c("prompt_tokens", key).inc(prompt)
         cached = counters.get("cached_prompt_tokens", 0) if layer == "prefix" else prompt
         if cached:
-            f["cached_prompt_tokens"].labels(key, layer).inc(cached)
+            self._c("cached_prompt_tokens", key, layer).inc(cached)
         if counters.get("ttft_hit_count"):
-            f["ttft"].labels(key, layer, "warm").observe(counters.get("ttft_hit_ms_sum", 0) / 1000)
+            self._c("ttft", key, layer, "warm").observe(counters.get("ttft_hit_ms_sum", 0) / 1000)
         if counters.get("ttft_miss_count"):
-            f["ttft"].labels(key, layer, "cold").observe(counters.get("ttft_miss_ms_sum", 0) / 1000)
+            self._c("ttft", key, layer, "cold").observe(counters.get("ttft_miss_ms_sum", 0) / 1000)
         if counters.get("lookup_count"):
-            f["lookup"].labels(key, layer).observe(counters.get("lookup_ms_sum", 0) / 1000)
+            self._c("lookup", key, layer).observe(counters.get("lookup_ms_sum", 0) / 1000)
             if layer in STORE_LAYERS:
-                f["loads"].labels(key, layer).inc(counters["lookup_count"])
+                self._c("loads", key, layer).inc(counters["lookup_count"])
 
     def bypassed(self, namespace_pk: int, layer: str, reason: str) -> None:
         """One ``Recorder.bypass`` call; a store that could not be read is also a failed cache load."""
         key = self.namespace_key(namespace_pk)
         if key is None:
             return
-        self.f["requests"].labels(key, layer, "bypass").inc()
-        self.f["bypasses"].labels(key, layer, reason).inc()
+        self._c("requests", key, layer, "bypass").inc()
+        self._c("bypasses", key, layer, reason).inc()
         if reason == "store_unavailable" and layer in STORE_LAYERS:
-            self.f["loads"].labels(key, layer).inc()
-            self.f["load_failures"].labels(key, layer).inc()
+            self._c("loads", key, layer).inc()
+            self._c("load_failures", key, layer).inc()
 
     def went_past(self, namespace_pk: int, layers: tuple[str, ...], ttft_s: float) -> None:
         """An engine's answer to a request the cache ``layers`` looked up and
@@ -154,12 +162,12 @@ class GatewayMetrics:
         if key is None:
             return
         for layer in layers:
-            self.f["ttft"].labels(key, layer, "cold").observe(ttft_s)
+            self._c("ttft", key, layer, "cold").observe(ttft_s)
 
     def breaker(self, engine: str, is_open: bool) -> None:
         """The fill breaker of ``engine`` (its name) after a fill: 1 from when it
         opens until a probe closes it."""
-        self.f["breaker_open"].labels(engine).set(1 if is_open else 0)
+        self._c("breaker_open", engine).set(1 if is_open else 0)
 
 
 def exposition() -> bytes:
