@@ -143,14 +143,25 @@ async function rowsCells(page, selector) {
   return out;
 }
 
-/** Wait on the watched dashboard until `selector`'s text is `want`; what the release and serving rows show then. */
-async function dashboardShows(page, watch, selector, want, what) {
+/** When `#id` on `page` was rendered (its data-updated-at, ms since the epoch), or 0. */
+async function renderedAt(page, id) {
+  const stamp = await page.locator(`#${id}`).first().getAttribute('data-updated-at');
+  return stamp ? Date.parse(stamp) : 0;
+}
+
+/**
+ * Wait on the watched dashboard until `selector`'s text is `want` and the
+ * serving-now section was rendered after `since` (ms; each section polls on
+ * its own); what the release and serving rows show then.
+ */
+async function dashboardShows(page, watch, selector, want, what, since = 0) {
   const { value, values } = await until(
     what,
     async () => (await page.locator(selector).first().innerText()).trim(),
     (text) => text === want,
     JOB_WAIT_MS,
   );
+  await until('the serving-now section to render again', () => renderedAt(page, 'serving-now'), (t) => t > since, JOB_WAIT_MS);
   return {
     [selector]: value,
     texts_seen: values,
@@ -213,34 +224,17 @@ async function formWithButton(page, name) {
   return (await form.count()) > 0 ? form.first() : null;
 }
 
-/** Start a job from the engine page's form (button `buttonName`), else through the API with the same session. */
-async function startJob(page, buttonName, apiPath, apiBody, fill) {
+/** Submit the engine page's form `formId` (filled by `fill`); the page goes to the new job's page. */
+async function startJob(page, formId, buttonName, fill) {
   await page.goto(`${BASE}/engines/${ENGINE_ID}/`);
-  const form = await formWithButton(page, buttonName);
-  if (form !== null) {
-    await fill(form);
-    await form.getByRole('button', { name: buttonName }).click();
-    await page.waitForLoadState('load');
-    const error = page.locator('main [role=alert], main .error');
-    if ((await error.count()) > 0 && (await error.first().innerText()).trim()) {
-      throw new FlowError(`${buttonName} refused on the engine page: ${(await error.first().innerText()).trim()}`);
-    }
-    return { via: 'page', url: page.url().replace(BASE, '') };
-  }
-  // The page's form has not landed: the REST API, with this browser session and its CSRF cookie.
-  const answer = await page.evaluate(
-    async ({ apiPath, apiBody }) => {
-      const csrf = document.cookie.split('; ').find((c) => c.startsWith('csrftoken='))?.split('=')[1] ?? '';
-      const r = await fetch(apiPath, {
-        method: 'POST', credentials: 'same-origin', body: JSON.stringify(apiBody),
-        headers: { 'Content-Type': 'application/json', 'X-CSRFToken': csrf },
-      });
-      return { status: r.status, body: await r.text() };
-    },
-    { apiPath, apiBody },
-  );
-  if (answer.status !== 201) throw new FlowError(`POST ${apiPath} answered ${answer.status}: ${answer.body}`);
-  return { via: 'api', id: JSON.parse(answer.body).id };
+  const form = page.locator(`#${formId}`);
+  await textOf(form.getByRole('button', { name: buttonName }), `the ${buttonName} button of #${formId} on the engine page`);
+  await fill(form);
+  await form.getByRole('button', { name: buttonName }).click();
+  await page.waitForLoadState('load');
+  const error = (await page.locator('main [role=alert], main .error').allInnerTexts()).join(' ').trim();
+  if (error) throw new FlowError(`${buttonName} refused on the engine page: ${error}`);
+  return { via: 'page', url: page.url().replace(BASE, '') };
 }
 
 /** Wait on the never-reloaded dashboard for a new job row under `prefix` and for its status to end. */
@@ -354,8 +348,8 @@ async function main() {
     };
     await step('eviction-planned', evictionPage, async () => {
       await evictionPage.goto(`${BASE}/`);
-      const form = await formWithButton(evictionPage, 'Plan a run (dry run)');
-      if (form === null) throw new FlowError('missing on the dashboard: the "Plan a run (dry run)" form');
+      const form = evictionPage.locator('#eviction-plan-form');
+      await textOf(form.getByRole('button', { name: 'Plan a run (dry run)' }), 'the dashboard\'s #eviction-plan-form');
       await form.getByLabel('Reason').fill('browser flow: clear the orphan');
       await form.getByRole('button', { name: 'Plan a run (dry run)' }).click();
       await evictionPage.waitForURL(/\/eviction-runs\/\d+\/$/);
@@ -406,9 +400,9 @@ async function main() {
     // Prewarm from the engine page; the dashboard's prewarm row appears and finishes live.
     const prewarmBefore = await linkedIds(dashboard, '/prewarm-jobs/');
     await step('prewarm', enginePage, () =>
-      startJob(enginePage, /^Prewarm/, '/api/prewarm-jobs/', {
-        namespace: Number(NAMESPACE_ID), engine: Number(ENGINE_ID), corpus: 'diagnostic',
-      }, async () => {}),
+      startJob(enginePage, 'prewarm-form', 'Prewarm', async (form) => {
+        await form.getByLabel('Corpus').fill('diagnostic');
+      }),
     );
     await step('dashboard-prewarm-succeeded', dashboard, () =>
       watchJob(dashboard, watch, '/prewarm-jobs/', prewarmBefore, 'succeeded'),
@@ -417,15 +411,14 @@ async function main() {
     // Compare against the reference engine, from the engine page.
     const compareBefore = await linkedIds(dashboard, '/comparison-jobs/');
     await step('compare', enginePage, () =>
-      startJob(enginePage, /^Compare/, '/api/comparison-jobs/', {
-        engine: Number(ENGINE_ID), reference_engine: Number(REFERENCE_ID), namespace: Number(NAMESPACE_ID),
-        corpus: 'diagnostic', max_tokens: 8,
-      }, async (form) => {
-        const select = form.locator('select').filter({ has: enginePage.locator(`option[value="${REFERENCE_ID}"]`) });
-        if ((await select.count()) === 0) {
+      startJob(enginePage, 'compare-form', 'Compare', async (form) => {
+        const reference = form.getByLabel('Reference');
+        if ((await reference.locator(`option[value="${REFERENCE_ID}"]`).count()) === 0) {
           throw new FlowError(`the compare form offers no reference engine ${REFERENCE_NAME} (#${REFERENCE_ID})`);
         }
-        await select.first().selectOption(REFERENCE_ID);
+        await reference.selectOption(REFERENCE_ID);
+        // Four output tokens are enough to compare; each saves decoding time on two cores.
+        await form.getByLabel('Max tokens').fill('4');
       }),
     );
     const compared = await step('dashboard-compare-succeeded', dashboard, () =>
@@ -434,6 +427,7 @@ async function main() {
 
     // The release: verified reuse with that comparison as evidence, then a rollback.
     const releasePage = await newTab(staffContext);
+    let actedAt = 0; // when the last decision's answer came back (ms)
     const releaseSaw = async () => ({
       status: await textOf(releasePage.locator('main h1 small'), 'the release status in the heading'),
       summary: await textOf(releasePage.locator('main h1 + p'), 'the release summary'),
@@ -451,13 +445,14 @@ async function main() {
       await form.getByLabel('Comparison job').fill(String(compared.job_id));
       await form.getByRole('button', { name: 'Decide' }).click();
       await releasePage.waitForLoadState('load');
+      actedAt = Date.now();
       const saw = await releaseSaw();
       if (saw.error) throw new FlowError(`the decision was refused: ${saw.error}`);
       return saw;
     });
     const releaseStatus = `#releases tr[data-release-id="${RELEASE_ID}"] td.release-status`;
     await step('dashboard-release-decided', dashboard, () =>
-      dashboardShows(dashboard, watch, releaseStatus, 'ready', `release #${RELEASE_ID} to show ready on the dashboard`),
+      dashboardShows(dashboard, watch, releaseStatus, 'ready', `release #${RELEASE_ID} to show ready on the dashboard`, actedAt),
     );
     await step('release-rolled-back', releasePage, async () => {
       const form = await formWithButton(releasePage, 'Roll back');
@@ -465,13 +460,14 @@ async function main() {
       await form.getByLabel('Reason').fill('browser flow: roll back');
       await form.getByRole('button', { name: 'Roll back' }).click();
       await releasePage.waitForLoadState('load');
+      actedAt = Date.now();
       const saw = await releaseSaw();
       if (saw.error) throw new FlowError(`the rollback was refused: ${saw.error}`);
       return saw;
     });
     await step('dashboard-release-rolled-back', dashboard, () =>
       dashboardShows(dashboard, watch, releaseStatus, 'rolled_back',
-        `release #${RELEASE_ID} to show rolled_back on the dashboard`),
+        `release #${RELEASE_ID} to show rolled_back on the dashboard`, actedAt),
     );
     seen.finished_at = new Date().toISOString();
     save();

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -41,7 +42,7 @@ import pytest
 from django.conf import settings
 from django.contrib.auth.models import Permission, User
 
-from cacheadmin.management.commands.demo import DashboardServer, ServerOptions
+from cacheadmin.management.commands.demo import DashboardServer, ServerOptions, static_collect
 from cacheadmin.models import (
     ComparisonJob,
     Engine,
@@ -104,13 +105,17 @@ def stack(django_db_setup: None) -> Iterator[DashboardServer]:
         f"127.0.0.1:{free_port()}", log_path=settings.VAR_DIR / "logs" / "browser-gunicorn.log", options=OPTIONS, env=env
     )
     worker = WorkerProcess(worker_log("browser-worker"), env=env, name="browser")
-    # One after the other, from this thread: both children die with the thread
-    # that started them (PR_SET_PDEATHSIG), so a helper thread's end would stop them.
-    server.start()
-    try:
+    # collectstatic runs beside the worker's start; the two long-lived children are
+    # started from this thread, since they die with the thread that started them
+    # (PR_SET_PDEATHSIG): a helper thread's end would stop them.
+    with ThreadPoolExecutor(1) as pool:
+        collected = pool.submit(static_collect, server.env)
         worker.start()
+    try:
+        collected.result()
+        server.start(collect_static=False)
     except BaseException:
-        server.stop()
+        worker.stop()
         raise
     try:
         yield server
@@ -301,9 +306,10 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     ]  # fmt: skip
     assert row["row_texts_seen"][-1] == row["row"] and len(row["row_texts_seen"]) >= 2  # seen before it ended
     comparison = ComparisonJob.objects.get(engine=engine)
-    assert (comparison.status, comparison.deceptive_hits, comparison.reference_engine_id, comparison.created_by) == (
-        "succeeded", 0, world["reference"].pk, f"{STAFF} (page)",
+    assert (comparison.status, comparison.deceptive_hits, comparison.reference_engine_id, comparison.max_tokens) == (
+        "succeeded", 0, world["reference"].pk, 4,
     )  # fmt: skip
+    assert comparison.created_by == f"{STAFF} (page)"
     assert by["compare"] == {"via": "page", "url": f"/comparison-jobs/{comparison.pk}/"}
     row = by["dashboard-compare-succeeded"]
     assert row["job_id"] == comparison.pk
