@@ -365,3 +365,22 @@ def test_the_project_s_writer_says_what_prometheus_client_s_says(rows: dict) -> 
     assert {'odd "v\\3"\nlabel'} == {
         dict(labels)["model_version"] for name, labels in scrape() if name == "kvcp_namespace_info"
     } - {"v1", "v2"}
+
+
+def test_task_signals_count_each_outcome_once(rows: dict) -> None:
+    """Celery's task_postrun carries every run's final state: succeeded, failed, retried."""
+    from cacheadmin.metrics.worker import on_postrun, on_prerun
+
+    class Task:
+        name = "cacheadmin.test_task"
+
+    before = scrape()
+    for n, state in enumerate(["SUCCESS", "FAILURE", "RETRY", "SUCCESS"]):
+        on_prerun(task_id=f"t{n}", task=Task())
+        on_postrun(sender=Task(), task_id=f"t{n}", task=Task(), state=state)
+    after = scrape()
+    for outcome, count in (("succeeded", 2), ("failed", 1), ("retried", 1)):
+        key = ("kvcp_task_runs_total", frozenset({("task", "cacheadmin.test_task"), ("outcome", outcome)}))
+        assert after[key] - before.get(key, 0) == count
+    timed = ("kvcp_task_duration_seconds_count", frozenset({("task", "cacheadmin.test_task")}))
+    assert after[timed] - before.get(timed, 0) == 4
