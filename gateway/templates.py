@@ -181,6 +181,7 @@ class TemplateCounts:
 
 _counter: Any = None
 _counter_lock = threading.Lock()
+_children: dict[tuple[str, str, str], Any] = {}
 
 
 def template_counter() -> Any:
@@ -238,6 +239,11 @@ def count(counts: TemplateCounts | None, *, warm: bool) -> None:
     if classified is None:
         return
     current.set(None)
-    template_counter().labels(classified.namespace_key, classified.template, "warm" if warm else "cold").inc()
+    labels = (classified.namespace_key, classified.template, "warm" if warm else "cold")
+    child = _children.get(labels)
+    if child is None:
+        # Kept per label set: ``labels()`` validates and locks on every call (the sets are bounded).
+        child = _children.setdefault(labels, template_counter().labels(*labels))
+    child.inc()
     if counts is not None:
         counts.add(classified.template, classified.namespace_pk, warm=warm)
