@@ -65,6 +65,8 @@ class TierUsageSample(models.Model):
         indexes = [
             models.Index(fields=["namespace", "tier", "-sampled_at"], name="usage_namespace_tier_time"),
             models.Index(fields=["storage_prefix", "-sampled_at"], name="usage_prefix_time"),
+            # A namespace's samples of one scan in one probe (the dashboard's storage per namespace).
+            models.Index(fields=["scan", "namespace"], name="usage_scan_namespace"),
         ]
 
     def __str__(self) -> str:

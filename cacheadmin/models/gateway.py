@@ -222,7 +222,11 @@ class GatewayStat(models.Model):
     class Meta:
         ordering = ["-minute", "namespace_id", "layer"]
         constraints = [models.UniqueConstraint(fields=["namespace", "layer", "minute"], name="gateway_stat_once_per_minute")]
-        indexes = [models.Index(fields=["minute"], name="gateway_stat_minute")]
+        indexes = [
+            models.Index(fields=["minute"], name="gateway_stat_minute"),
+            # A namespace's last minute with a hit in one probe, however long its history (the dashboard's staleness).
+            models.Index(fields=["namespace", "-minute"], condition=models.Q(hits__gt=0), name="gateway_stat_last_hit"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.layer} of {self.namespace_id} at {self.minute:%H:%M}"
