@@ -478,7 +478,9 @@ async function main() {
 }
 
 main().catch((error) => {
-  seen.error = error instanceof FlowError ? error.message : String(error.stack ?? error);
+  const message = (error instanceof FlowError ? error.message : String(error.stack ?? error)).replace(/\u001b\[[0-9;]*m/g, '');
+  const where = seen.failed_step ? `step ${seen.failed_step.name} at ${seen.failed_step.url}` : 'before the first step';
+  seen.error = `${where}: ${message}`;
   save();
   console.error(`flows.mjs failed: ${seen.error}`);
   process.exit(1);

@@ -14,7 +14,7 @@ evidence, and roll it back.
 
 The Node script writes what it saw at each step to ``seen.json`` and a full
 page screenshot per step (``01-login-readonly.png``, ...) into the artifacts
-folder: ``KVCP_BROWSER_ARTIFACTS`` when set (CI keeps it), else
+folder: ``KVCP_BROWSER_ARTIFACTS`` when set (set it to keep them), else
 ``VAR_DIR/browser-artifacts/<run>`` (removed with a test run's temporary
 ``VAR_DIR``). The test prints where.
 
@@ -32,7 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -196,18 +196,21 @@ def _run_flows(server: DashboardServer, world: dict, artifacts: Path) -> tuple[i
     proc = subprocess.Popen(
         ["node", str(FLOWS)], cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    # Killed at the deadline even when it hangs without printing.
+    watchdog = threading.Timer(FLOW_TIMEOUT_S, proc.kill)
+    watchdog.start()
     lines: list[str] = []
-    deadline = time.monotonic() + FLOW_TIMEOUT_S
     assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        sys.stdout.write(f"[flows] {line}")
-        sys.stdout.flush()
-        if time.monotonic() > deadline:
-            proc.kill()
-            lines.append(f"killed after {FLOW_TIMEOUT_S} s\n")
-            break
-    return proc.wait(timeout=30), "".join(lines)
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            sys.stdout.write(f"[flows] {line}")
+            sys.stdout.flush()
+    finally:
+        watchdog.cancel()
+    if proc.wait(timeout=30) == -9:
+        lines.append(f"killed after {FLOW_TIMEOUT_S} s\n")
+    return proc.returncode, "".join(lines)
 
 
 def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServer, demo_checkpoints, model_root) -> None:
@@ -226,7 +229,9 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     seen_path = artifacts / "seen.json"
     assert seen_path.exists(), output[-4000:]
     seen = json.loads(seen_path.read_text())
-    assert code == 0, f"flows.mjs exited {code}: {seen.get('error')}\n{output[-4000:]}"
+    failed = seen.get("failed_step") or {}
+    shot = artifacts / failed.get("screenshot", "?")
+    assert code == 0, f"flows.mjs exited {code}: {seen.get('error')}\nfailing page: {shot}\n{output[-4000:]}"
     steps = seen["steps"]
 
     # Every step left a full-page screenshot, named by step.
