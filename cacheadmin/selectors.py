@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
-from django.db.models import Count, Max, QuerySet
+from django.db.models import Count, Max, QuerySet, Sum
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -12,6 +13,7 @@ from cacheadmin.models import (
     ComparisonJob,
     Engine,
     EvictionRun,
+    GatewayStat,
     ModelVersion,
     NamespaceRouting,
     PrewarmJob,
@@ -21,7 +23,8 @@ from cacheadmin.models import (
     SharedGroup,
     TierUsageSample,
 )
-from cacheadmin.services.gateway import gateway_figures, layer_states
+from cacheadmin.services.gateway import STAT_COUNTERS, layer_states
+from gateway.records import layer_figures
 
 
 def model_version_list() -> QuerySet[ModelVersion]:
@@ -140,27 +143,68 @@ def resident_by_engine(engines: list[Engine], *, window_s: int = 180) -> list[di
     return sorted(rows, key=lambda r: (r["engine"].name, -r["tokens"]))
 
 
-def gateway_overview(*, minutes: int = 60) -> dict[str, object]:
+#: Namespaces the dashboard's gateway section shows (the busiest); the API's gateway figures have them all.
+GATEWAY_TOP_N = 20
+
+
+def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[str, object]:
     """What the dashboard shows of the gateway: the layers' kill switches, per
     namespace and layer the last ``minutes`` of figures (hit ratio, cost savings
-    rate, benefit ratio, bypass reasons), suspended namespaces and shadow checks.
+    rate, benefit ratio, bypass reasons) of the ``limit`` busiest namespaces,
+    suspended namespaces and shadow checks.
+
+    The counters are summed in SQL (the busiest namespaces picked there too), so
+    the work does not grow with the namespaces that had traffic; bypass maps are
+    merged in Python for the rows shown only. Figures as
+    :func:`cacheadmin.services.gateway.gateway_figures` computes them
+    (:func:`gateway.records.layer_figures` over every layer of a namespace).
+    At most eight queries (six with no traffic), whatever the number of namespaces.
 
     Returns:
-        ``{"layers": {layer: state}, "rows": [{"namespace", "layer", ...figures}],
-        "suspended": [NamespaceRouting], "shadow": {status: count}}``.
+        ``{"layers": {layer: state}, "rows": [{"namespace", "layer", ...figures}] (busiest
+        namespace first, then response, semantic, prefix), "namespaces_with_traffic": n,
+        "suspended": [NamespaceRouting], "shadow": {status: count}, "minutes": minutes, "limit": limit}``.
     """
     since = timezone.now() - timedelta(minutes=minutes)
-    figures = gateway_figures(since=since)
-    namespaces = CacheNamespace.objects.select_related("model_version", "tenant", "group").in_bulk(list(figures))
+    recent = GatewayStat.objects.filter(minute__gte=since)
+    busiest = list(
+        recent.values("namespace_id")
+        .annotate(n=Sum("requests"))
+        .order_by("-n", "namespace_id")
+        .values_list("namespace_id", "n")[:limit]
+    )
+    top = [pk for pk, _ in busiest]
+    with_traffic = recent.values("namespace_id").distinct().count()
+    sums: dict[int, dict[str, dict[str, Any]]] = {pk: {} for pk in top}
+    if top:
+        for row in (
+            recent.filter(namespace_id__in=top)
+            .values("namespace_id", "layer")
+            .annotate(**{name: Sum(name) for name in STAT_COUNTERS})
+            .order_by()
+        ):
+            sums[row.pop("namespace_id")][row.pop("layer")] = {**row, "bypass": {}}
+        for pk, layer, bypass in (
+            recent.filter(namespace_id__in=top).exclude(bypass={}).values_list("namespace_id", "layer", "bypass")
+        ):
+            merged = sums[pk][layer]["bypass"]
+            for reason, count in bypass.items():
+                merged[reason] = merged.get(reason, 0) + count
+    namespaces = CacheNamespace.objects.select_related("model_version", "tenant", "group").in_bulk(top)
     rows = []
-    for pk, layers in sorted(figures.items()):
+    for pk in top:
+        layers = sums[pk]
+        for layer, derived in layer_figures(layers).items():
+            layers[layer].update(derived)
         for layer in ("response", "semantic", "prefix"):
             if layer in layers and pk in namespaces:
                 rows.append({"namespace": namespaces[pk], "layer": layer, **layers[layer]})
     return {
         "layers": layer_states(),
         "rows": rows,
+        "namespaces_with_traffic": with_traffic,
         "suspended": list(NamespaceRouting.objects.filter(suspended_at__isnull=False).select_related("namespace")),
         "shadow": dict(ShadowCheck.objects.filter(created_at__gte=since).values_list("status").annotate(n=Count("id"))),
         "minutes": minutes,
+        "limit": limit,
     }

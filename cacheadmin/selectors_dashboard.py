@@ -9,10 +9,12 @@ salts, and :func:`serving_now` copies only what people may see out of it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import connection
 from django.db.models import (
     Count,
     DateTimeField,
@@ -38,6 +40,7 @@ from cacheadmin.models import (
     JobStatus,
     Residency,
     ResidentSample,
+    RoutingEpoch,
     TierUsageSample,
 )
 from cacheadmin.models.eviction import EngineMetricsSample
@@ -59,21 +62,62 @@ NAMESPACE_ORDERS = {"newest": "newest first", "biggest": "most bytes first", "st
 # --- serving now ---------------------------------------------------------------
 
 
+#: The last :func:`serving_now` built in this process, with the routing epoch it was built at:
+#: ``(database name, epoch value, epoch changed_at) → rows``. One entry: only the current epoch is worth keeping.
+_serving_cache: dict[tuple[str, int, datetime | None], list[dict[str, Any]]] = {}
+_serving_lock = threading.Lock()
+
+
+def routing_epoch_key() -> tuple[str, int, datetime | None] | None:
+    """The routing epoch as a cache key (one query), or None when a cache must not be used.
+
+    Inside a transaction the epoch has not moved yet for changes made in it
+    (it moves on commit), so a cached render could hide them: no key there.
+    ``changed_at`` is part of the key so that a database emptied and filled
+    again (test flushes, a restore) whose epoch counts up to the same value
+    does not match a render from before.
+    """
+    if connection.in_atomic_block:
+        return None
+    row = RoutingEpoch.objects.filter(pk=1).values_list("value", "changed_at").first()
+    value, changed_at = row if row is not None else (0, None)
+    return (str(connection.settings_dict["NAME"]), value, changed_at)
+
+
 def serving_now() -> list[dict[str, Any]]:
     """Per tenant and served model, what serves it now, as the gateway routes it.
 
     Read from :func:`cacheadmin.services.gateway.routing_snapshot_build`, the very
-    snapshot gateways route from (not a second computation), built afresh for each
-    render: routing epochs move only after commit, so a cache keyed on them could
-    show routing from before a change in the same transaction.
+    snapshot gateways route from (not a second computation). Every input (the
+    snapshot, engines' verification, tenants, versions) is a routing row whose
+    writes move the routing epoch, so a render is kept per process and reused
+    while the epoch read in this request equals the one it was built at (one
+    query), exactly as a gateway keeps its snapshot. The epoch is read before
+    building: a change committed meanwhile moves it again and the next request
+    rebuilds. Inside a transaction nothing is reused (the epoch moves on commit).
 
     Returns:
-        ``[{"tenant_id", "tenant", "served_name", "routes": [{"version_id", "version_label",
-        "percent" (0-100), "namespace_pk", "namespace_key" (first 12 characters), "storage_prefix",
-        "release_id", "engines": [{"id", "name"}] (ready and verified), "unverified": [{"id", "name"}]
-        (ready, not verified), "verified": bool, "suspended": str | None}]}]``, by tenant then served name.
-        No salt.
+        ``[{"tenant_id", "tenant", "served_name", "attention" (a reason of :data:`ATTENTION_ORDER`),
+        "routes": [{"version_id", "version_label", "percent" (0-100), "namespace_pk", "namespace_key"
+        (first 12 characters), "storage_prefix", "release_id", "engines": [{"id", "name"}] (ready and
+        verified), "unverified": [{"id", "name"}] (ready, not verified), "verified": bool,
+        "suspended": str | None}]}]``, by attention, then tenant, then served name.
+        No salt. The list is shared between requests: callers must not change it.
     """
+    key = routing_epoch_key()
+    if key is not None:
+        cached = _serving_cache.get(key)
+        if cached is not None:
+            return cached
+    rows = _serving_now_build()
+    if key is not None:
+        with _serving_lock:
+            _serving_cache.clear()
+            _serving_cache[key] = rows
+    return rows
+
+
+def _serving_now_build() -> list[dict[str, Any]]:
     snapshot = routing_snapshot_build()
     wanted = {t.namespace_pk for targets in snapshot.routes.values() for t in targets if t.namespace_pk is not None}
     unverified: dict[int, list[dict[str, Any]]] = {}
@@ -112,8 +156,46 @@ def serving_now() -> list[dict[str, Any]]:
             )
         out.append({"tenant_id": tenant_id, "tenant": tenant.slug if tenant else str(tenant_id),
                     "served_name": served_name, "routes": routes})  # fmt: skip
-    out.sort(key=lambda r: (r["tenant"], r["served_name"]))
+    for pair in out:
+        pair["attention"] = _attention(pair["routes"])
+    out.sort(key=lambda r: (ATTENTION_ORDER.index(r["attention"]), r["tenant"], r["served_name"]))
     return out
+
+
+#: Why a serving pair is listed first, most urgent first ("" last: nothing to look at).
+ATTENTION_ORDER = ("suspended", "not verified", "split", "")
+
+
+def _attention(routes: list[dict[str, Any]]) -> str:
+    """The most urgent of: a route with traffic whose namespace is suspended; one served
+    by no verified engine; traffic split between versions (a release in progress)."""
+    live = [r for r in routes if r["percent"]]
+    if any(r["suspended"] for r in live):
+        return "suspended"
+    if any(not r["verified"] for r in live):
+        return "not verified"
+    return "split" if len(live) > 1 else ""
+
+
+def serving_page(*, page: int = 1, per_page: int = TOP_N) -> dict[str, Any]:
+    """One page of :func:`serving_now` (the pairs needing attention first), for the
+    dashboard: it never renders every tenant at once.
+
+    Args:
+        page: from 1; a page past the end shows the last.
+
+    Returns:
+        ``{"rows": [pair], "total": pairs, "page": n, "pages": n, "attention": {reason: pairs}}``.
+    """
+    rows = serving_now()
+    pages = max(1, -(-len(rows) // per_page))
+    page = min(max(page, 1), pages)
+    counted: dict[str, int] = {}
+    for pair in rows:
+        counted[pair["attention"]] = counted.get(pair["attention"], 0) + 1
+    attention = {reason: counted[reason] for reason in ATTENTION_ORDER if reason and reason in counted}
+    return {"rows": rows[(page - 1) * per_page : page * per_page], "total": len(rows), "page": page, "pages": pages,
+            "attention": attention}  # fmt: skip
 
 
 # --- namespaces and staleness --------------------------------------------------
@@ -127,20 +209,39 @@ def latest_scan() -> AccountingScan | None:
 def _with_storage(namespaces: QuerySet[CacheNamespace], scan_id: int | None) -> QuerySet[CacheNamespace]:
     """Annotate ``scan_bytes`` (bytes in every tier at the last scan), ``scan_access``
     (the newest last access any tier saw) and ``gateway_hit`` (the last minute the
-    gateway counted a hit), each a correlated subquery: one query for the list."""
+    gateway counted a hit), each a correlated subquery: one query for the list.
+
+    Each is one index probe per namespace: ``usage_scan_namespace`` for the scan's
+    samples, the partial ``gateway_stat_last_hit`` (minutes with hits, newest first)
+    for the last hit, which reads one row however long the history is."""
     samples = TierUsageSample.objects.filter(namespace=OuterRef("pk"), scan_id=scan_id).order_by().values("namespace")
-    hits = GatewayStat.objects.filter(namespace=OuterRef("pk"), hits__gt=0).order_by().values("namespace")
+    last_hit = GatewayStat.objects.filter(namespace=OuterRef("pk"), hits__gt=0).order_by("-minute").values("minute")[:1]
     return namespaces.annotate(
         scan_bytes=Coalesce(Subquery(samples.annotate(b=Sum("bytes")).values("b")), 0),
         scan_access=Subquery(samples.annotate(a=Max("last_access_at")).values("a"), output_field=DateTimeField()),
-        gateway_hit=Subquery(hits.annotate(m=Max("minute")).values("m"), output_field=DateTimeField()),
+        gateway_hit=Subquery(last_hit, output_field=DateTimeField()),
     )
+
+
+def _ordered(rows: QuerySet[CacheNamespace], order: str) -> QuerySet[CacheNamespace]:
+    if order == "biggest":
+        return rows.order_by(F("scan_bytes").desc(), "-id")
+    if order == "stalest":
+        # A namespace never hit is the stalest of all; then the oldest last hit.
+        rows = rows.annotate(last=Greatest(Coalesce("scan_access", "created_at"), Coalesce("gateway_hit", "created_at")))
+        return rows.order_by(F("last").asc(), "id")
+    return rows.order_by("-created_at", "-id")
 
 
 def namespace_page(*, order: str = "newest", limit: int = TOP_N, offset: int = 0) -> tuple[list[CacheNamespace], int]:
     """A page of namespaces (not dropped) in ``order`` (a key of :data:`NAMESPACE_ORDERS`)
     with ``scan_bytes``, ``last_hit`` (datetime or None) and their version, tenant,
-    group, owner and policy loaded; two queries (the scan, the page) plus the count.
+    group, owner and policy loaded; four queries (the scan, the count, the page's
+    ids, the page's rows).
+
+    The order is found on the namespace table alone (ids only, the sort keys
+    from index probes), and only the page's rows are joined and loaded: at
+    10,000 namespaces the joins are what a one-query page would spend its time on.
 
     Raises:
         ValueError: an order not in :data:`NAMESPACE_ORDERS`.
@@ -148,22 +249,18 @@ def namespace_page(*, order: str = "newest", limit: int = TOP_N, offset: int = 0
     if order not in NAMESPACE_ORDERS:
         raise ValueError(f"order must be one of {', '.join(NAMESPACE_ORDERS)}, not {order!r}")
     scan = latest_scan()
-    rows = _with_storage(
-        CacheNamespace.objects.exclude(residency=Residency.DROPPED).select_related(
-            "model_version", "tenant", "group", "retention_owner", "policy"
-        ),
-        scan.pk if scan else None,
-    )
-    if order == "biggest":
-        rows = rows.order_by(F("scan_bytes").desc(), "-id")
-    elif order == "stalest":
-        # A namespace never hit is the stalest of all; then the oldest last hit.
-        rows = rows.annotate(last=Greatest(Coalesce("scan_access", "created_at"), Coalesce("gateway_hit", "created_at")))
-        rows = rows.order_by(F("last").asc(), "id")
+    scan_id = scan.pk if scan else None
+    live = CacheNamespace.objects.exclude(residency=Residency.DROPPED)
+    total = live.count()
+    if order == "newest":
+        ids = list(_ordered(live, order).values_list("pk", flat=True)[offset : offset + limit])
     else:
-        rows = rows.order_by("-created_at", "-id")
-    total = CacheNamespace.objects.exclude(residency=Residency.DROPPED).count()
-    page = list(rows[offset : offset + limit])
+        ids = list(_ordered(_with_storage(live, scan_id), order).values_list("pk", flat=True)[offset : offset + limit])
+    loaded = _with_storage(
+        CacheNamespace.objects.filter(pk__in=ids).select_related("model_version", "tenant", "group", "retention_owner", "policy"),
+        scan_id,
+    ).in_bulk()
+    page = [loaded[pk] for pk in ids if pk in loaded]
     for ns in page:
         hits = [t for t in (ns.scan_access, ns.gateway_hit) if t is not None]
         ns.last_hit = max(hits) if hits else None
@@ -304,32 +401,36 @@ def _minutes(since: datetime, now: datetime) -> list[datetime]:
 def chart_hit_ratio_namespaces(*, since: datetime, now: datetime) -> dict[str, Any]:
     """Hit ratio per minute of the busiest namespaces and layers (gateway figures).
 
+    The busiest :data:`CHART_SERIES` (namespace, layer) pairs are picked in SQL,
+    and only their minutes are read: the work does not grow with the namespaces
+    that had traffic.
+
     Returns:
         ``{"labels": [ISO minute], "datasets": [{"label": "<boundary>/<version> <layer>", "data": [0..1 or null]}]}``;
-        two queries.
+        three queries.
     """
-    rows = list(
-        GatewayStat.objects.filter(minute__gte=since)
-        .values("namespace_id", "layer", "minute")
-        .annotate(h=Sum("hits"), m=Sum("misses"))
-        .order_by("minute")
-    )
-    volume: dict[tuple[int, str], int] = {}
-    for r in rows:
-        volume[(r["namespace_id"], r["layer"])] = volume.get((r["namespace_id"], r["layer"]), 0) + r["h"] + r["m"]
-    top = sorted(volume, key=lambda k: (-volume[k], k))[:CHART_SERIES]
+    recent = GatewayStat.objects.filter(minute__gte=since)
+    top = [
+        (r["namespace_id"], r["layer"])
+        for r in recent.values("namespace_id", "layer")
+        .annotate(n=Sum(F("hits") + F("misses")))
+        .order_by("-n", "namespace_id", "layer")[:CHART_SERIES]
+    ]
+    minutes = _minutes(since, now)
+    index = {m: i for i, m in enumerate(minutes)}
+    series: dict[tuple[int, str], list[float | None]] = {k: [None] * len(minutes) for k in top}
+    if top:
+        for r in recent.filter(namespace_id__in={k[0] for k in top}, layer__in={k[1] for k in top}).values(
+            "namespace_id", "layer", "minute", "hits", "misses"
+        ):
+            k = (r["namespace_id"], r["layer"])
+            looked = r["hits"] + r["misses"]
+            if k in series and r["minute"] in index and looked:
+                series[k][index[r["minute"]]] = r["hits"] / looked
     names = {
         ns.pk: f"{ns.boundary_label}/{ns.model_version.label}"
         for ns in CacheNamespace.objects.filter(pk__in={k[0] for k in top}).select_related("model_version", "tenant", "group")
     }
-    minutes = _minutes(since, now)
-    index = {m: i for i, m in enumerate(minutes)}
-    series: dict[tuple[int, str], list[float | None]] = {k: [None] * len(minutes) for k in top}
-    for r in rows:
-        k = (r["namespace_id"], r["layer"])
-        looked = r["h"] + r["m"]
-        if k in series and r["minute"] in index and looked:
-            series[k][index[r["minute"]]] = r["h"] / looked
     return {
         "labels": [m.isoformat() for m in minutes],
         "datasets": [{"label": f"{names.get(k[0], k[0])} {k[1]}", "data": series[k]} for k in top],

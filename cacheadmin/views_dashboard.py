@@ -10,6 +10,8 @@ model-versions, staleness, cleanup, gateway, charts.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,8 +100,15 @@ def _ctx_gateway(request: HttpRequest) -> dict[str, Any]:
     return {"gateway": selectors.gateway_overview()}
 
 
+def _page_number(request: HttpRequest, name: str) -> int:
+    """``?<name>=`` as a page number from 1 (1 for anything else)."""
+    raw = request.GET.get(name, "1")
+    return int(raw) if raw.isascii() and raw.isdigit() and 0 < len(raw) <= 6 and int(raw) > 0 else 1
+
+
 def _ctx_serving(request: HttpRequest) -> dict[str, Any]:
-    return {"serving": selectors_dashboard.serving_now()}
+    serving = selectors_dashboard.serving_page(page=_page_number(request, "serving_page"))
+    return {"serving": serving["rows"], "serving_page": serving, "serving_query": f"serving_page={serving['page']}"}
 
 
 def _ctx_releases(request: HttpRequest) -> dict[str, Any]:
@@ -209,12 +218,46 @@ def charts_json(request: HttpRequest) -> JsonResponse:
     return JsonResponse(selectors_dashboard.dashboard_charts())
 
 
+#: The last preview this process planned: routing epoch key → (monotonic time, when, preview).
+_preview_cache: dict[tuple[str, int, Any], tuple[float, Any, dict[str, Any]]] = {}
+_preview_lock = threading.Lock()
+
+
+def _preview() -> tuple[dict[str, Any], Any]:
+    """:func:`eviction_preview` and when it was planned, reused for at most
+    :data:`PREVIEW_POLL_S` while the routing epoch stays where it was.
+
+    A preview plans over every namespace and lists every tier (seconds at
+    10,000 namespaces), and the page asks for it once a minute per open tab.
+    Namespaces, policies, versions and engines are routing rows: changing one
+    moves the epoch and the next request plans afresh; what the tiers hold and
+    the clock (TTLs) are read again after :data:`PREVIEW_POLL_S` at most.
+    Inside a transaction nothing is reused (the epoch moves on commit).
+
+    Raises:
+        inference.tiers.base.TierUnavailable: a tier cannot be read (never cached).
+    """
+    key = selectors_dashboard.routing_epoch_key()
+    if key is not None:
+        hit = _preview_cache.get(key)
+        if hit is not None and time.monotonic() - hit[0] < PREVIEW_POLL_S:
+            return hit[2], hit[1]
+    started, planned_at = time.monotonic(), timezone.now()
+    preview = eviction_preview()
+    if key is not None:
+        with _preview_lock:
+            _preview_cache.clear()
+            _preview_cache[key] = (started, planned_at, preview)
+    return preview, planned_at
+
+
 @require_GET
 def cleanup_preview(request: HttpRequest) -> HttpResponse:
-    """What the next sweep would do, planned now without recording a run (bytes per action kind)."""
-    context: dict[str, Any] = {**_base(request, PREVIEW_POLL_S), "preview": None, "preview_error": ""}
+    """What the next sweep would do, planned without recording a run (bytes per action kind);
+    planned at most every :data:`PREVIEW_POLL_S` seconds (see :func:`_preview`)."""
+    context: dict[str, Any] = {**_base(request, PREVIEW_POLL_S), "preview": None, "preview_error": "", "planned_at": None}
     try:
-        context["preview"] = eviction_preview()
+        context["preview"], context["planned_at"] = _preview()
     except TierUnavailable as exc:
         context["preview_error"] = str(exc)
     return render(request, "cacheadmin/_dash_cleanup_preview.html", context)
@@ -224,8 +267,7 @@ def namespace_list(request: HttpRequest) -> HttpResponse:
     """Every namespace not dropped, :data:`PAGE_SIZE` a page, in ``?order=`` (newest, biggest, stalest);
     ``?page=`` from 1 (a page past the end shows the last)."""
     order = _order(request)
-    raw = request.GET.get("page", "1")
-    number = int(raw) if raw.isascii() and raw.isdigit() and 0 < len(raw) <= 6 and int(raw) > 0 else 1
+    number = _page_number(request, "page")
     rows, total = selectors_dashboard.namespace_page(order=order, limit=PAGE_SIZE, offset=(number - 1) * PAGE_SIZE)
     pages = max(1, -(-total // PAGE_SIZE))
     if number > pages:

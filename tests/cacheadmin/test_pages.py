@@ -78,12 +78,13 @@ def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert
     _rows(1)
     # session, user, activity; serving now (the routing snapshot's queries and unverified engines);
     # engines, alarms, prewarm and comparison jobs, releases, eviction runs; staleness (schedules,
-    # scan, count, page, ranks); cleanup (schedules, notices, scan, orphans 2); namespaces (scan,
-    # count, page, latest usage 2, shared groups 2); versions; gateway figures, switches, holds, shadow
-    with django_assert_num_queries(41):
+    # scan, count, page ids, page rows, ranks); cleanup (schedules, notices, scan, orphans 2); namespaces
+    # (scan, count, page ids, page rows, latest usage 2, shared groups 2); versions; gateway busiest
+    # namespaces, namespaces with traffic, switches, holds, shadow
+    with django_assert_num_queries(44):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(41):
+    with django_assert_num_queries(44):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 

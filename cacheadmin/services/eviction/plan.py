@@ -114,6 +114,27 @@ class _Sizes:
         return self._seen[key]
 
 
+class _PresentSizes(_Sizes):
+    """:class:`_Sizes` for a preview over every namespace: each tier is listed once
+    (:meth:`usage_all`, as the orphan pass does anyway) and a prefix the listing
+    does not hold is empty without asking the tier again, so a preview costs a
+    listing per tier instead of a lookup per namespace and tier. Prefixes the
+    listing holds are measured with :meth:`usage` exactly as a plan measures them."""
+
+    def __init__(self, tiers: Tiers) -> None:
+        super().__init__(tiers)
+        self._present: dict[str, set[str]] = {}
+
+    def __call__(self, tier: str, prefix: str) -> TierUsage:
+        """Usage of ``prefix`` in ``tier``: empty when the tier's listing does not hold it."""
+        if tier not in self._present:
+            store = self.tiers.store(tier)
+            self._present[tier] = set(store.usage_all()) if store is not None else set()
+        if prefix not in self._present[tier]:
+            return TierUsage.empty(prefix)
+        return super().__call__(tier, prefix)
+
+
 def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers, sizes: _Sizes) -> list[_Planned]:
     """Actions that take a namespace out of the hot tiers: into the cold tier, or gone."""
     prefix = ns.storage_prefix
@@ -189,7 +210,13 @@ def _orphan_actions(tiers: Tiers, known: set[str]) -> list[_Planned]:
 
 
 def _plan_actions(
-    *, tiers: Tiers, only: list[CacheNamespace] | None, purge: list[CacheNamespace], include_orphans: bool, log: list[str]
+    *,
+    tiers: Tiers,
+    only: list[CacheNamespace] | None,
+    purge: list[CacheNamespace],
+    include_orphans: bool,
+    log: list[str],
+    sizes: _Sizes | None = None,
 ) -> list[_Planned]:
     now = time.time()
     namespaces = list(
@@ -202,7 +229,7 @@ def _plan_actions(
         targets[ns.pk] = (Residency.DROPPED, f"purge requested for {ns.boundary_label}/{ns.model_version.label}")
     purged = {ns.pk for ns in purge}
     scope = {ns.pk for ns in only} if only is not None else None
-    sizes = _Sizes(tiers)
+    sizes = sizes or _Sizes(tiers)
     actions: list[_Planned] = []
     for ns in namespaces:
         if scope is not None and ns.pk not in scope and ns.pk not in purged:
@@ -315,7 +342,8 @@ def eviction_plan(
 
 def eviction_preview() -> dict[str, Any]:
     """What a sweep planned now would do, without recording anything: the same
-    planning as :func:`eviction_plan` over every namespace and orphan prefix.
+    planning as :func:`eviction_plan` over every namespace and orphan prefix
+    (each tier listed once, only the prefixes it holds measured: see :class:`_PresentSizes`).
 
     Returns:
         ``{"kinds": {action kind: {"actions": n, "bytes": planned bytes}}, "actions": n,
@@ -325,7 +353,8 @@ def eviction_preview() -> dict[str, Any]:
         inference.tiers.base.TierUnavailable: a tier needed for planning cannot be read.
     """
     held: list[str] = []
-    actions = _plan_actions(tiers=tiers_configured(), only=None, purge=[], include_orphans=True, log=held)
+    tiers = tiers_configured()
+    actions = _plan_actions(tiers=tiers, only=None, purge=[], include_orphans=True, log=held, sizes=_PresentSizes(tiers))
     kinds: dict[str, dict[str, int]] = {}
     for action in actions:
         row = kinds.setdefault(action.kind, {"actions": 0, "bytes": 0})
