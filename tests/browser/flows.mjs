@@ -282,6 +282,7 @@ async function main() {
     await step('readonly-refused', reader, async () => {
       const posts = {
         'plan eviction run': await forgedPost(reader, '/eviction-runs/plan', { reason: 'forged' }),
+        [`start engine ${ENGINE_NAME}`]: await forgedPost(reader, `/engines/${ENGINE_ID}/start/`, {}),
         [`restart engine ${ENGINE_NAME}`]: await forgedPost(reader, `/engines/${ENGINE_ID}/restart/`, {}),
         [`decide release #${RELEASE_ID}`]: await forgedPost(reader, `/releases/${RELEASE_ID}/`, {
           action: 'decide', decision: 'verified_reuse', reason: 'forged',
@@ -297,7 +298,7 @@ async function main() {
         writeFileSync(join(ARTIFACTS, name), await reader.content());
         saved.push(name);
       }
-      // Last page loaded: the engine's, after the forged restart.
+      // Last page loaded: the engine's, after the forged start and restart.
       return {
         posts,
         saved_html: saved,

@@ -5,7 +5,7 @@ and one real vLLM engine.
 
 What the flow does, in order: a read-only operator (an active user without
 the operate permission) signs in through the login form, sees the dashboard
-and no action, no salt, and has three forged POSTs refused with 403; staff
+and no action, no salt, and has four forged POSTs refused with 403; staff
 sign in, start the engine from its page and watch it become ready on a
 dashboard that never reloads; plan an eviction run from the dashboard and
 approve it on its page; prewarm and compare from the engine page and watch the
@@ -44,6 +44,7 @@ from django.contrib.auth.models import Permission, User
 
 from cacheadmin.management.commands.demo import DashboardServer, ServerOptions, static_collect
 from cacheadmin.models import (
+    AuditEvent,
     ComparisonJob,
     Engine,
     EvictionRun,
@@ -259,9 +260,11 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     assert (readonly["buttons_in_main"], readonly["post_forms_in_main"]) == ([], 0)
     refused = by["readonly-refused"]
     assert refused["posts"] == {
-        "plan eviction run": 403, f"restart engine {ENGINE}": 403, f"decide release #{release.pk}": 403,
+        "plan eviction run": 403, f"start engine {ENGINE}": 403, f"restart engine {ENGINE}": 403,
+        f"decide release #{release.pk}": 403,
     }  # fmt: skip
     assert (refused["engine_status_after"], refused["buttons_on_engine_page"]) == ("stopped", [])
+    assert not AuditEvent.objects.filter(actor__startswith=READER).exists()
     salt = namespace_salt_read(world["ns1"], actor="ci", purpose="browser test: no salt on read-only pages")
     for page in refused["saved_html"]:
         html = (artifacts / page).read_text()
