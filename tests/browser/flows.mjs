@@ -47,7 +47,7 @@ const t0 = Date.now();
 class FlowError extends Error {}
 
 /**
- * Run one step: `fn(page)` returns what it saw; then a full-page screenshot of
+ * Run one step: `fn()` returns what it saw; then a full-page screenshot of
  * `page` is taken. On failure the failing page is screenshotted and the error
  * re-raised (the caller writes seen.json and exits 1).
  */
@@ -124,9 +124,9 @@ async function newTab(context) {
   return page;
 }
 
-/** The dashboard's engines table: the section `#engines` once it exists, else the first table of `#live`. */
+/** The dashboard's engines table (section `#engines`, see templates/cacheadmin/dashboard.html). */
 function enginesTable(page) {
-  return page.locator('#engines table, #live > table').first();
+  return page.locator('#engines table').first();
 }
 
 /** The row of the engine named `name` in the dashboard's engines table. */
@@ -172,14 +172,14 @@ async function dashboardShows(page, watch, selector, want, what, since = 0) {
   };
 }
 
-/** The dashboard row linking to `href` (a job's or a release's page). */
+/** The row of the dashboard's jobs section linking to `href` (a job's page). */
 function rowLinking(page, href) {
-  return page.locator(`tr:has(a[href="${href}"])`).first();
+  return page.locator(`#jobs tr:has(a[href="${href}"])`).first();
 }
 
-/** Job ids linked from the dashboard under `prefix` ("/prewarm-jobs/"). */
+/** Job ids linked from the dashboard's jobs section under `prefix` ("/prewarm-jobs/"). */
 async function linkedIds(page, prefix) {
-  const hrefs = await page.locator(`a[href^="${prefix}"]`).evaluateAll((links) => links.map((a) => a.getAttribute('href')));
+  const hrefs = await page.locator(`#jobs a[href^="${prefix}"]`).evaluateAll((links) => links.map((a) => a.getAttribute('href')));
   return [...new Set(hrefs.map((h) => Number(h.split('/')[2])))];
 }
 
