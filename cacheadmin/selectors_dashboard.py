@@ -10,6 +10,7 @@ salts, and :func:`serving_now` copies only what people may see out of it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from django.db.models import (
     Sum,
 )
 from django.db.models.functions import Coalesce, Greatest
+from django.urls import reverse
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
@@ -49,8 +51,8 @@ from cacheadmin.services.eviction.plan import namespace_targets, version_ranks
 from cacheadmin.services.gateway import routing_snapshot_build
 from gateway.records import layer_figures
 
-#: How many namespaces the dashboard's namespace and staleness sections show.
-TOP_N = 50
+#: How many rows the dashboard's serving-now, namespace and staleness sections show (each links to the rest).
+TOP_N = 25
 #: How many series a chart draws at most (the busiest ones).
 CHART_SERIES = 8
 #: Chart window: the last this many minutes of per-minute figures.
@@ -98,10 +100,11 @@ def serving_now() -> list[dict[str, Any]]:
 
     Returns:
         ``[{"tenant_id", "tenant", "served_name", "attention" (a reason of :data:`ATTENTION_ORDER`),
-        "routes": [{"version_id", "version_label", "percent" (0-100), "namespace_pk", "namespace_key"
-        (first 12 characters), "storage_prefix", "release_id", "engines": [{"id", "name"}] (ready and
-        verified), "unverified": [{"id", "name"}] (ready, not verified), "verified": bool,
-        "suspended": str | None}]}]``, by attention, then tenant, then served name.
+        "routes": [{"version_id", "version_label", "version_url", "percent" (0-100), "namespace_pk",
+        "namespace_key" (first 12 characters), "namespace_url", "storage_prefix", "release_id",
+        "release_url", "engines": [{"id", "name", "url"}] (ready and verified), "unverified":
+        [{"id", "name", "url"}] (ready, not verified), "verified": bool, "suspended": str | None}]}]``,
+        by attention, then tenant, then served name (``*_url``: the pages; None without the row).
         No salt. The list is shared between requests: callers must not change it.
     """
     key = routing_epoch_key()
@@ -117,7 +120,19 @@ def serving_now() -> list[dict[str, Any]]:
     return rows
 
 
+def _links(name: str) -> Callable[[int], str]:
+    """pk → the URL of page ``name`` (one ``<int:pk>`` argument): reversed once, then
+    filled in, since serving now links every version, namespace, engine and release
+    of every tenant and a reverse per link would cost more than the rest of the build."""
+    sentinel = 987654321
+    pattern = reverse(name, args=[sentinel])
+    head, tail = pattern.split(str(sentinel))
+    return lambda pk: f"{head}{int(pk)}{tail}"
+
+
 def _serving_now_build() -> list[dict[str, Any]]:
+    version_url, namespace_url = _links("model-version-detail"), _links("namespace-detail")
+    engine_url, release_url = _links("engine-detail"), _links("release-detail")
     snapshot = routing_snapshot_build()
     wanted = {t.namespace_pk for targets in snapshot.routes.values() for t in targets if t.namespace_pk is not None}
     unverified: dict[int, list[dict[str, Any]]] = {}
@@ -129,7 +144,7 @@ def _serving_now_build() -> list[dict[str, Any]]:
         .values("pk", "name", "namespace_id", "attached_namespaces")
     ):
         for pk in {engine["namespace_id"], engine["attached_namespaces"]} & wanted:
-            row = {"id": engine["pk"], "name": engine["name"]}
+            row = {"id": engine["pk"], "name": engine["name"], "url": engine_url(engine["pk"])}
             if row not in unverified.setdefault(pk, []):
                 unverified[pk].append(row)
     out = []
@@ -138,16 +153,19 @@ def _serving_now_build() -> list[dict[str, Any]]:
         routes = []
         for t in targets:
             ns = snapshot.namespaces.get(t.namespace_pk) if t.namespace_pk is not None else None
-            engines = [{"id": e.id, "name": e.name} for e in ns.engines] if ns else []
+            engines = [{"id": e.id, "name": e.name, "url": engine_url(e.id)} for e in ns.engines] if ns else []
             routes.append(
                 {
                     "version_id": t.version_id,
                     "version_label": t.version_label,
+                    "version_url": version_url(t.version_id),
                     "percent": t.percent,
                     "namespace_pk": t.namespace_pk,
                     "namespace_key": ns.key[:12] if ns else None,
+                    "namespace_url": namespace_url(t.namespace_pk) if t.namespace_pk is not None else None,
                     "storage_prefix": ns.storage_prefix if ns else None,
                     "release_id": t.release_id,
+                    "release_url": release_url(t.release_id) if t.release_id is not None else None,
                     "engines": engines,
                     "unverified": sorted(unverified.get(t.namespace_pk, []), key=lambda e: e["id"]),
                     "verified": bool(engines),

@@ -89,7 +89,9 @@ def test_serving_now_is_the_routing_snapshot(gray: dict, client) -> None:
         (gray["v2"].pk, 10, gray["new"].pk, []),
     ]
     new_route = next(p for p in rows if p["tenant"] == "acme")["routes"][1]
-    assert new_route["verified"] is False and new_route["unverified"] == [{"id": gray["unverified"].pk, "name": "e-acme-2"}]
+    assert new_route["verified"] is False and new_route["unverified"] == [
+        {"id": gray["unverified"].pk, "name": "e-acme-2", "url": f"/engines/{gray['unverified'].pk}/"}
+    ]
     page = client.get("/fragments/dashboard/serving-now").content.decode()
     assert f'data-tenant="acme" data-served-name="tiny" data-version-id="{gray["v2"].pk}" data-percent="10"' in page
     assert '<td class="percent">90 %</td>' in page and "not verified" in page

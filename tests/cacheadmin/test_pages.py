@@ -80,11 +80,11 @@ def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert
     # engines, alarms, prewarm and comparison jobs, releases, eviction runs; staleness (schedules,
     # scan, count, page ids, page rows, ranks); cleanup (schedules, notices, scan, orphans 2); namespaces
     # (scan, count, page ids, page rows, latest usage 2, shared groups 2); versions; gateway busiest
-    # namespaces, namespaces with traffic, switches, holds, shadow
-    with django_assert_num_queries(44):
+    # namespaces (with their number), switches, holds, shadow
+    with django_assert_num_queries(43):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(44):
+    with django_assert_num_queries(43):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 
