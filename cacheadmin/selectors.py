@@ -184,7 +184,8 @@ def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[s
             .annotate(**{name: Sum(name) for name in STAT_COUNTERS})
             .order_by()
         ):
-            sums[row.pop("namespace_id")][row.pop("layer")] = {**row, "bypass": {}}
+            pk, layer = row.pop("namespace_id"), row.pop("layer")
+            sums[pk][layer] = {**row, "bypass": {}}
         for pk, layer, bypass in (
             recent.filter(namespace_id__in=top).exclude(bypass={}).values_list("namespace_id", "layer", "bypass")
         ):
