@@ -16,7 +16,8 @@ from typing import Literal
 
 #: Where a metric comes from.
 #: ``control``: computed from the database at scrape time by the control plane's ``/metrics``.
-#: ``worker``: observed in Celery worker processes (prometheus-client multiprocess mode), served by the control plane's ``/metrics``.
+#: ``worker``: observed in Celery worker processes (prometheus-client multiprocess mode),
+#: served by the control plane's ``/metrics``.
 #: ``gateway``: observed in gateway processes (multiprocess mode), served by the gateway's ``/metrics``.
 #: ``kv_events``: the KV-event consumer's own endpoint.
 Source = Literal["control", "worker", "gateway", "kv_events"]
@@ -51,56 +52,160 @@ NS = ("namespace",)
 
 METRICS: tuple[MetricSpec, ...] = (
     # --- control plane, from the database at scrape time -------------------
-    MetricSpec("kvcp_namespace_info", "gauge", ("namespace", "boundary", "model_version", "residency", "serving"),
-               "1 per cache namespace; serving is true while routing sends traffic to its version", "control"),
-    MetricSpec("kvcp_tier_bytes", "gauge", ("namespace", "tier"), "bytes a namespace holds in a tier (newest accounting sample)", "control"),
-    MetricSpec("kvcp_tier_entries", "gauge", ("namespace", "tier"), "entries a namespace holds in a tier (newest accounting sample)", "control"),
-    MetricSpec("kvcp_stale_bytes_ratio", "gauge", ("tier",),
-               "share of a tier's bytes held by namespaces whose version no longer serves (0..1)", "control"),
-    MetricSpec("kvcp_namespace_last_hit_age_seconds", "gauge", NS, "seconds since the namespace last served a cache hit", "control"),
+    MetricSpec(
+        "kvcp_namespace_info",
+        "gauge",
+        ("namespace", "boundary", "model_version", "residency", "serving"),
+        "1 per cache namespace; serving is true while routing sends traffic to its version",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_tier_bytes",
+        "gauge",
+        ("namespace", "tier"),
+        "bytes a namespace holds in a tier (newest accounting sample)",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_tier_entries",
+        "gauge",
+        ("namespace", "tier"),
+        "entries a namespace holds in a tier (newest accounting sample)",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_stale_bytes_ratio",
+        "gauge",
+        ("tier",),
+        "share of a tier's bytes held by namespaces whose version no longer serves (0..1)",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_namespace_last_hit_age_seconds", "gauge", NS, "seconds since the namespace last served a cache hit", "control"
+    ),
     MetricSpec("kvcp_evictions", "counter", ("namespace", "tier", "action"), "confirmed eviction actions", "control"),
-    MetricSpec("kvcp_eviction_freed_bytes", "counter", ("namespace", "tier"), "bytes freed by confirmed eviction actions", "control"),
-    MetricSpec("kvcp_deceptive_hits", "counter", ("namespace", "source"),
-               "cached answers that diverged from a no-cache control beyond noise; source is comparison or shadow", "control"),
-    MetricSpec("kvcp_cache_checks", "counter", ("namespace", "source"),
-               "prompts checked against a no-cache control; source is comparison or shadow", "control"),
+    MetricSpec(
+        "kvcp_eviction_freed_bytes", "counter", ("namespace", "tier"), "bytes freed by confirmed eviction actions", "control"
+    ),
+    MetricSpec(
+        "kvcp_deceptive_hits",
+        "counter",
+        ("namespace", "source"),
+        "cached answers that diverged from a no-cache control beyond noise; source is comparison or shadow",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_cache_checks",
+        "counter",
+        ("namespace", "source"),
+        "prompts checked against a no-cache control; source is comparison or shadow",
+        "control",
+    ),
     MetricSpec("kvcp_jobs", "counter", ("kind", "status"), "finished jobs by kind and final status", "control"),
     MetricSpec("kvcp_job_duration_seconds", "histogram", ("kind",), "run time of finished jobs, start to finish", "control"),
     MetricSpec("kvcp_engine_info", "gauge", ("engine", "model_version", "origin", "status"), "1 per engine", "control"),
-    MetricSpec("kvcp_engine_verified", "gauge", ("engine",), "1 while the engine's last verification matched its version", "control"),
-    MetricSpec("kvcp_engine_alarms_open", "gauge", ("engine", "kind"), "open engine alarms by kind (isolation_* from KV events)", "control"),
-    MetricSpec("kvcp_resident_tokens", "gauge", ("engine", "namespace", "medium"),
-               "tokens resident in an engine's KV cache per namespace, from KV events", "control"),
-    MetricSpec("kvcp_gateway_layer_enabled", "gauge", ("layer",), "1 while a gateway cache layer's kill switch is off", "control"),
-    MetricSpec("kvcp_routing_suspended", "gauge", NS, "1 while routing to a namespace is suspended after a deceptive hit", "control"),
+    MetricSpec(
+        "kvcp_engine_verified", "gauge", ("engine",), "1 while the engine's last verification matched its version", "control"
+    ),
+    MetricSpec(
+        "kvcp_engine_alarms_open",
+        "gauge",
+        ("engine", "kind"),
+        "open engine alarms by kind (isolation_* from KV events)",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_resident_tokens",
+        "gauge",
+        ("engine", "namespace", "medium"),
+        "tokens resident in an engine's KV cache per namespace, from KV events",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_gateway_layer_enabled", "gauge", ("layer",), "1 while a gateway cache layer's kill switch is off", "control"
+    ),
+    MetricSpec(
+        "kvcp_routing_suspended", "gauge", NS, "1 while routing to a namespace is suspended after a deceptive hit", "control"
+    ),
     # --- Celery workers (multiprocess, served by the control plane) --------
-    MetricSpec("kvcp_task_runs", "counter", ("task", "outcome"), "Celery task runs by outcome (succeeded, failed, retried)", "worker"),
+    MetricSpec(
+        "kvcp_task_runs", "counter", ("task", "outcome"), "Celery task runs by outcome (succeeded, failed, retried)", "worker"
+    ),
     MetricSpec("kvcp_task_duration_seconds", "histogram", ("task",), "Celery task run time", "worker"),
-    MetricSpec("kvcp_tier_load_failures", "counter", ("namespace", "tier"), "reads of cached state from a tier that failed", "worker"),
+    MetricSpec(
+        "kvcp_tier_load_failures", "counter", ("namespace", "tier"), "reads of cached state from a tier that failed", "worker"
+    ),
     MetricSpec("kvcp_tier_loads", "counter", ("namespace", "tier"), "reads of cached state from a tier", "worker"),
     # --- gateway (multiprocess, served by the gateway) ----------------------
-    MetricSpec("kvcp_gateway_requests", "counter", ("namespace", "layer", "result"),
-               "requests per cache layer; result is hit, miss or bypass", "gateway"),
-    MetricSpec("kvcp_gateway_bypasses", "counter", ("namespace", "layer", "reason"), "requests a cache layer did not serve, by reason", "gateway"),
+    MetricSpec(
+        "kvcp_gateway_requests",
+        "counter",
+        ("namespace", "layer", "result"),
+        "requests per cache layer; result is hit, miss or bypass",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_bypasses",
+        "counter",
+        ("namespace", "layer", "reason"),
+        "requests a cache layer did not serve, by reason",
+        "gateway",
+    ),
     MetricSpec("kvcp_gateway_prompt_tokens", "counter", NS, "prompt tokens asked for", "gateway"),
-    MetricSpec("kvcp_gateway_cached_prompt_tokens", "counter", ("namespace", "layer"),
-               "prompt tokens not computed thanks to a layer (whole prompt for response and semantic hits, engine-reported cached tokens for prefix)",
-               "gateway"),
-    MetricSpec("kvcp_gateway_ttft_seconds", "histogram", ("namespace", "layer", "cache"),
-               "time to first token; cache is warm when the layer served (or the engine reused a prefix), cold otherwise", "gateway"),
-    MetricSpec("kvcp_gateway_lookup_seconds", "histogram", ("namespace", "layer"), "time spent looking a cache layer up", "gateway"),
+    MetricSpec(
+        "kvcp_gateway_cached_prompt_tokens",
+        "counter",
+        ("namespace", "layer"),
+        "prompt tokens not computed thanks to a layer"
+        " (whole prompt for response and semantic hits, engine-reported cached tokens for prefix)",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_ttft_seconds",
+        "histogram",
+        ("namespace", "layer", "cache"),
+        "time to first token; cache is warm when the layer served (or the engine reused a prefix), cold otherwise",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_lookup_seconds", "histogram", ("namespace", "layer"), "time spent looking a cache layer up", "gateway"
+    ),
     MetricSpec("kvcp_gateway_cache_loads", "counter", ("namespace", "layer"), "reads of a gateway cache store", "gateway"),
-    MetricSpec("kvcp_gateway_cache_load_failures", "counter", ("namespace", "layer"), "reads of a gateway cache store that failed", "gateway"),
-    MetricSpec("kvcp_gateway_breaker_open", "gauge", ("engine",), "1 while the gateway's fill breaker for an engine is open", "gateway"),
-    MetricSpec("kvcp_gateway_template_requests", "counter", ("namespace", "template", "result"),
-               "requests of a named prompt template; result is warm when prompt tokens came from cache, cold otherwise", "gateway"),
+    MetricSpec(
+        "kvcp_gateway_cache_load_failures",
+        "counter",
+        ("namespace", "layer"),
+        "reads of a gateway cache store that failed",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_breaker_open", "gauge", ("engine",), "1 while the gateway's fill breaker for an engine is open", "gateway"
+    ),
+    MetricSpec(
+        "kvcp_gateway_template_requests",
+        "counter",
+        ("namespace", "template", "result"),
+        "requests of a named prompt template; result is warm when prompt tokens came from cache, cold otherwise",
+        "gateway",
+    ),
     # --- KV-event consumer ---------------------------------------------------
     MetricSpec("kvcp_kv_event_batches", "counter", ("engine",), "KV-event batches received", "kv_events"),
     MetricSpec("kvcp_kv_event_gaps", "counter", ("engine",), "sequence gaps no replay could fill", "kv_events"),
-    MetricSpec("kvcp_isolation_alarm_blocks", "counter", ("engine", "kind"), "blocks stored outside their namespace's isolation", "kv_events"),
-    MetricSpec("kvcp_kv_event_resident_tokens", "gauge", ("engine", "namespace", "medium"),
-               "tokens resident in an engine's KV cache per namespace, live in the consumer", "kv_events"),
-)  # fmt: skip
+    MetricSpec(
+        "kvcp_isolation_alarm_blocks",
+        "counter",
+        ("engine", "kind"),
+        "blocks stored outside their namespace's isolation",
+        "kv_events",
+    ),
+    MetricSpec(
+        "kvcp_kv_event_resident_tokens",
+        "gauge",
+        ("engine", "namespace", "medium"),
+        "tokens resident in an engine's KV cache per namespace, live in the consumer",
+        "kv_events",
+    ),
+)
 
 #: Family name → spec.
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

@@ -69,9 +69,8 @@ QUERIES = 18
 
 @dataclass
 class Family:
-    """One family's samples, built without prometheus-client's per-sample
-    validation (label names are the catalogue's, known good): at 10,000
-    namespaces its objects and formatter took more time than the queries.
+    """One family's samples as the queries produce them, turned into
+    prometheus-client's metric objects by :meth:`ControlPlaneCollector.collect`.
 
     ``samples``: (suffix, label values in ``labels`` order, value); a histogram's
     ``_bucket`` samples carry the bound as a last value (label ``le``).
@@ -103,38 +102,6 @@ def _number(value: float) -> str:
     if math.isnan(value):
         return "NaN"
     return repr(float(value))
-
-
-def _escape(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-    return value
-
-
-def render(families: list[Family]) -> bytes:
-    """The families in Prometheus' text format 0.0.4 (as prometheus-client
-    writes it: a counter's HELP and TYPE under its ``_total`` name)."""
-    lines: list[str] = []
-    for fam in families:
-        spec = BY_NAME[fam.name]
-        head = f"{fam.name}_total" if fam.kind == "counter" else fam.name
-        lines.append(f"# HELP {head} {spec.help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}")
-        lines.append(f"# TYPE {head} {fam.kind}")
-        formats: dict[str, str] = {}
-        for suffix, values, value in fam.samples:
-            fmt = formats.get(suffix)
-            if fmt is None:
-                # One str.format template per sample name: the labels are the catalogue's.
-                keys = (*fam.labels, "le") if suffix == "_bucket" else fam.labels
-                sample = head if fam.kind == "counter" else fam.name + suffix
-                inner = ",".join(f'{k}="{{}}"' for k in keys)
-                fmt = formats[suffix] = f"{sample}{{{{{inner}}}}} {{}}" if keys else f"{sample} {{}}"
-            joined = "".join(values)
-            if '"' in joined or "\\" in joined or "\n" in joined:
-                values = tuple(_escape(v) for v in values)
-            lines.append(fmt.format(*values, _number(value)))
-    lines.append("")
-    return "\n".join(lines).encode("utf-8")
 
 
 def _family(name: str) -> Family:
@@ -174,8 +141,9 @@ def serving_namespace_pks() -> set[int]:
 
 
 class ControlPlaneCollector:
-    """Every ``control`` family (see the module docstring): :meth:`families`
-    for :func:`render`, :meth:`collect` for a prometheus-client registry.
+    """Every ``control`` family (see the module docstring), as a
+    prometheus-client collector (:meth:`collect`); :meth:`families` holds the
+    plain samples.
 
     Raises:
         django.db.Error: the database cannot be read.

@@ -64,15 +64,12 @@ def control_plane_exposition(multiproc_dir: Path) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from cacheadmin.metrics.collector import ControlPlaneCollector, render
+    from cacheadmin.metrics.collector import ControlPlaneCollector
 
-    # The database's families through the project's own writer (at 10,000
-    # namespaces prometheus-client's took longer than the queries); the
-    # workers' few through prometheus-client's.
-    control = render(ControlPlaneCollector().families())
     registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControlPlaneCollector())
     if multiproc_dir.is_dir():
         MultiProcessCollector(registry, path=str(multiproc_dir))
     if not multiproc_active():
         registry.register(InProcessWorkerCollector())
-    return control + generate_latest(registry)
+    return generate_latest(registry)

@@ -268,7 +268,6 @@ def test_a_fixed_number_of_queries_with_1_and_with_30_more_namespaces(rows: dict
         return len(ctx.captured_queries)
 
     assert count() == collector.QUERIES
-    assert len(collector.render(collector.ControlPlaneCollector().families())) > 0
     _namespaces(30)
     assert count() == collector.QUERIES
     assert len(names(scrape(), "kvcp_namespace_info")) == 33
@@ -339,29 +338,12 @@ def test_a_counted_tier_read_that_fails_counts_a_failure_and_raises(rows: dict) 
     assert after[("kvcp_tier_load_failures_total", labels)] - before.get(("kvcp_tier_load_failures_total", labels), 0) == 1
 
 
-def test_the_project_s_writer_says_what_prometheus_client_s_says(rows: dict) -> None:
-    """The fast text writer against prometheus-client's own, on the same families
-    (a label value with a quote, a backslash and a newline included)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
+def test_label_values_with_quotes_backslashes_and_newlines_survive_the_exposition(rows: dict) -> None:
+    """prometheus-client escapes what a version label may hold; Prometheus' parser reads it back whole."""
     make_version('odd "v\\3"\nlabel', "3" * 64, weights="3" * 64)
     CacheNamespace.objects.create(namespace_key="d" * 64, model_version=ModelVersion.objects.get(identity="3" * 64),
                                   tenant=rows["acme"].tenant, retention_owner=RetentionOwner.objects.first(),
                                   storage_prefix="ns-odd")  # fmt: skip
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector.ControlPlaneCollector())
-    theirs = generate_latest(registry).decode()
-    ours = collector.render(collector.ControlPlaneCollector().families()).decode()
-
-    def parsed(text: str) -> dict:
-        return {
-            (f.name, f.type, s.name, frozenset(s.labels.items())): s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if f.name != "kvcp_namespace_last_hit_age_seconds"  # read at two moments
-        }
-
-    assert parsed(ours) == parsed(theirs)
     assert {'odd "v\\3"\nlabel'} == {
         dict(labels)["model_version"] for name, labels in scrape() if name == "kvcp_namespace_info"
     } - {"v1", "v2"}
