@@ -14,9 +14,9 @@ evidence, and roll it back.
 
 The Node script writes what it saw at each step to ``seen.json`` and a full
 page screenshot per step (``01-login-readonly.png``, ...) into the artifacts
-folder: ``KVCP_BROWSER_ARTIFACTS`` when set (set it to keep them), else
-``VAR_DIR/browser-artifacts/<run>`` (removed with a test run's temporary
-``VAR_DIR``). The test prints where.
+folder: ``KVCP_BROWSER_ARTIFACTS`` when set, else ``var/browser-artifacts/<run>``
+in the checkout (git-ignored; kept after the run, unlike the run's temporary
+``VAR_DIR``, so CI and people can look at them). The test prints where.
 
 Comparison needs a reference engine that computes every token. One vLLM
 engine is all two cores afford here, so the reference is a second row for the
@@ -89,10 +89,10 @@ FLOW_TIMEOUT_S = 330
 
 def artifacts_dir() -> Path:
     """Where this run's screenshots and ``seen.json`` go: ``KVCP_BROWSER_ARTIFACTS``
-    or ``VAR_DIR/browser-artifacts/<UTC time>-<pid>``; created empty."""
+    or ``var/browser-artifacts/<UTC time>-<pid>`` in the checkout; created empty."""
     given = os.environ.get("KVCP_BROWSER_ARTIFACTS")
     run = f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{os.getpid()}"
-    folder = Path(given) if given else settings.VAR_DIR / "browser-artifacts" / run
+    folder = Path(given) if given else Path(settings.BASE_DIR) / "var" / "browser-artifacts" / run
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

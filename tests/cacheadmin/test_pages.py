@@ -149,6 +149,10 @@ def test_staff_approve_eviction_runs_on_their_page_and_others_cannot(
     assert (approved.status_code, approved["Location"]) == (302, f"/eviction-runs/{run.pk}/")
     run.refresh_from_db()
     assert (run.status, run.approved_by) == ("queued", "admin (page)")
+    # What the tier confirmed reads as key: JSON value, never as a Python repr.
+    run.actions.update(confirmation={"prefix_gone": True, "entries_left": 0})
+    page = admin_client.get(f"/eviction-runs/{run.pk}/").content.decode()
+    assert "<code>entries_left: 0</code>, <code>prefix_gone: true</code>" in page and "True}" not in page
     client.force_login(User.objects.create_user("viewer"))
     assert client.post(f"/eviction-runs/{run.pk}/", {"decision": "cancel", "reason": "x"}).status_code == 403
     assert client.post("/eviction-runs/plan", {"reason": "x"}).status_code == 403
