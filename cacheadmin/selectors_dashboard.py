@@ -22,7 +22,6 @@ from django.db.models import (
     F,
     Max,
     OuterRef,
-    Q,
     QuerySet,
     Subquery,
     Sum,
@@ -136,11 +135,12 @@ def _serving_now_build() -> list[dict[str, Any]]:
     snapshot = routing_snapshot_build()
     wanted = {t.namespace_pk for targets in snapshot.routes.values() for t in targets if t.namespace_pk is not None}
     unverified: dict[int, list[dict[str, Any]]] = {}
+    # Every ready, unverified serving engine with each namespace it holds, matched here:
+    # naming the served namespaces in SQL would list every tenant's namespace twice.
     for engine in (
         Engine.objects.filter(status=Engine.Status.READY, role=Engine.Role.SERVING)
         .exclude(verification=Engine.Verification.VERIFIED)
-        .filter(Q(namespace_id__in=wanted) | Q(attached_namespaces__in=wanted))
-        .distinct()
+        .order_by("pk")
         .values("pk", "name", "namespace_id", "attached_namespaces")
     ):
         for pk in {engine["namespace_id"], engine["attached_namespaces"]} & wanted:
@@ -251,11 +251,17 @@ def _ordered(rows: QuerySet[CacheNamespace], order: str) -> QuerySet[CacheNamesp
     return rows.order_by("-created_at", "-id")
 
 
-def namespace_page(*, order: str = "newest", limit: int = TOP_N, offset: int = 0) -> tuple[list[CacheNamespace], int]:
+#: ``scan`` of :func:`namespace_page` when the caller has not read the latest scan already.
+LATEST_SCAN: Any = object()
+
+
+def namespace_page(
+    *, order: str = "newest", limit: int = TOP_N, offset: int = 0, scan: AccountingScan | None = LATEST_SCAN
+) -> tuple[list[CacheNamespace], int]:
     """A page of namespaces (not dropped) in ``order`` (a key of :data:`NAMESPACE_ORDERS`)
     with ``scan_bytes``, ``last_hit`` (datetime or None) and their version, tenant,
     group, owner and policy loaded; four queries (the scan, the count, the page's
-    ids, the page's rows).
+    ids, the page's rows), three when ``scan`` (:func:`latest_scan`, read by the caller) is given.
 
     The order is found on the namespace table alone (ids only, the sort keys
     from index probes), and only the page's rows are joined and loaded: at
@@ -266,7 +272,8 @@ def namespace_page(*, order: str = "newest", limit: int = TOP_N, offset: int = 0
     """
     if order not in NAMESPACE_ORDERS:
         raise ValueError(f"order must be one of {', '.join(NAMESPACE_ORDERS)}, not {order!r}")
-    scan = latest_scan()
+    if scan is LATEST_SCAN:
+        scan = latest_scan()
     scan_id = scan.pk if scan else None
     live = CacheNamespace.objects.exclude(residency=Residency.DROPPED)
     total = live.count()

@@ -124,6 +124,23 @@ def _ctx_model_versions(request: HttpRequest) -> dict[str, Any]:
     return {"model_versions": versions, "identity_fields": ModelVersion.IDENTITY_FIELDS}
 
 
+def _memo(request: HttpRequest, name: str, read: Callable[[], Any]) -> Any:
+    """``read()`` once per request: the page builds every section from one request,
+    and several read the same latest scan or schedules."""
+    memo = request.__dict__.setdefault("_dashboard_memo", {})
+    if name not in memo:
+        memo[name] = read()
+    return memo[name]
+
+
+def _scan(request: HttpRequest) -> Any:
+    return _memo(request, "scan", selectors_dashboard.latest_scan)
+
+
+def _schedules(request: HttpRequest) -> list[dict[str, Any]]:
+    return _memo(request, "schedules", selectors_dashboard.schedule_rows)
+
+
 def _order(request: HttpRequest) -> str:
     order = request.GET.get("order", "newest")
     return order if order in selectors_dashboard.NAMESPACE_ORDERS else "newest"
@@ -131,7 +148,7 @@ def _order(request: HttpRequest) -> str:
 
 def _ctx_namespaces(request: HttpRequest) -> dict[str, Any]:
     order = _order(request)
-    page, total = selectors_dashboard.namespace_page(order=order)
+    page, total = selectors_dashboard.namespace_page(order=order, scan=_scan(request))
     return {
         "namespaces": page,
         "namespace_total": total,
@@ -143,9 +160,8 @@ def _ctx_namespaces(request: HttpRequest) -> dict[str, Any]:
 
 
 def _ctx_staleness(request: HttpRequest) -> dict[str, Any]:
-    schedules = selectors_dashboard.schedule_rows()
-    times = selectors_dashboard.sweep_times(schedules)
-    page, total = selectors_dashboard.namespace_page(order="stalest")
+    times = selectors_dashboard.sweep_times(_schedules(request))
+    page, total = selectors_dashboard.namespace_page(order="stalest", scan=_scan(request))
     return {
         "staleness": selectors_dashboard.staleness_rows(page, next_sweep=times.next_sweep),
         "namespace_total": total,
@@ -154,12 +170,12 @@ def _ctx_staleness(request: HttpRequest) -> dict[str, Any]:
 
 
 def _ctx_cleanup(request: HttpRequest) -> dict[str, Any]:
-    schedules = selectors_dashboard.schedule_rows()
+    schedules = _schedules(request)
     return {
         "schedules": schedules,
         "times": selectors_dashboard.sweep_times(schedules),
         "notices": selectors_dashboard.notice_rows(),
-        "orphans": selectors_dashboard.orphan_summary(selectors_dashboard.latest_scan()),
+        "orphans": selectors_dashboard.orphan_summary(_scan(request)),
         "schedule_bounds": (SCHEDULE_MIN_S, SCHEDULE_MAX_S),
     }
 
