@@ -58,7 +58,7 @@ TRAFFIC_MINUTES = 60
 TRAFFIC_NAMESPACES = 300
 LAYERS = ("response", "semantic", "prefix")
 #: hx-get URLs (live fragments) and data-url attributes (chart JSON) the dashboard polls.
-POLLED = re.compile(r'(?:hx-get|data-url|data-chart-url|data-src)="(/[^"]+)"')
+POLLED = re.compile(r'(?:hx-get|data-url|data-charts?-url|data-src)="(/[^"]+)"')
 
 
 def percentile(values: list[float], q: float) -> float:

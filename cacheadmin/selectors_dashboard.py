@@ -209,7 +209,9 @@ def serving_page(*, page: int = 1, per_page: int = TOP_N) -> dict[str, Any]:
     pages = max(1, -(-len(rows) // per_page))
     page = min(max(page, 1), pages)
     counted: dict[str, int] = {}
-    for pair in rows:
+    for pair in rows:  # attention first: the walk stops at the first pair with nothing to look at
+        if not pair["attention"]:
+            break
         counted[pair["attention"]] = counted.get(pair["attention"], 0) + 1
     attention = {reason: counted[reason] for reason in ATTENTION_ORDER if reason and reason in counted}
     return {"rows": rows[(page - 1) * per_page : page * per_page], "total": len(rows), "page": page, "pages": pages,
