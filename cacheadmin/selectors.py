@@ -106,41 +106,55 @@ def usage_series(namespace: CacheNamespace, limit: int = 500) -> dict[str, objec
     }
 
 
-def resident_by_engine(engines: list[Engine], *, window_s: int = 180) -> list[dict[str, object]]:
+#: Namespaces per engine the dashboard's residency table shows (the most tokens); the engine page has them all.
+RESIDENT_PER_ENGINE = 5
+
+
+def resident_by_engine(
+    engines: list[Engine], *, window_s: int = 180, per_engine: int = RESIDENT_PER_ENGINE
+) -> list[dict[str, object]]:
     """Latest resident blocks and tokens per (engine, namespace, medium) of the
     given running engines, from the KV-event consumer's samples of the last
-    ``window_s`` seconds (one query; rows at zero are left out). The consumer
-    writes a sample at least every 60 s, so 180 s always holds the latest.
+    ``window_s`` seconds (rows at zero are left out), the ``per_engine`` with the
+    most tokens of each engine. The consumer writes a sample at least every 60 s,
+    so 180 s always holds the latest. Two queries (samples as tuples, then the
+    namespaces of the rows kept), whatever the number of namespaces an engine holds.
 
     Returns:
-        ``[{"engine", "namespace_key", "boundary", "medium", "blocks", "tokens", "sampled_at"}]``
+        ``[{"engine", "namespace_key", "boundary", "medium", "blocks", "tokens", "sampled_at",
+        "others" (on an engine's last row: its further rows not shown, else 0)}]``
         by engine name, then most tokens first.
     """
-    live = [e.pk for e in engines if e.status in (Engine.Status.STARTING, Engine.Status.READY) and e.kv_events_endpoint]
+    live = {e.pk: e for e in engines if e.status in (Engine.Status.STARTING, Engine.Status.READY) and e.kv_events_endpoint}
     if not live:
         return []
     since = timezone.now() - timedelta(seconds=window_s)
-    latest: dict[tuple[int, int | None, str], ResidentSample] = {}
+    latest: dict[tuple[int, int | None, str], tuple[Any, ...]] = {}
     for sample in (
-        ResidentSample.objects.filter(engine_id__in=live, sampled_at__gte=since)
-        .select_related("engine", "namespace__tenant", "namespace__group")
+        ResidentSample.objects.filter(engine_id__in=list(live), sampled_at__gte=since)
         .order_by("-sampled_at", "-id")
+        .values_list("engine_id", "namespace_id", "medium", "blocks", "tokens", "sampled_at")
     ):
-        latest.setdefault((sample.engine_id, sample.namespace_id, sample.medium), sample)
-    rows = [
-        {
-            "engine": s.engine,
-            "namespace_key": s.namespace.namespace_key if s.namespace else None,
-            "boundary": s.namespace.boundary_label if s.namespace else "unattributed",
-            "medium": s.medium,
-            "blocks": s.blocks,
-            "tokens": s.tokens,
-            "sampled_at": s.sampled_at,
-        }
-        for s in latest.values()
-        if s.blocks
-    ]
-    return sorted(rows, key=lambda r: (r["engine"].name, -r["tokens"]))
+        latest.setdefault((sample[0], sample[1], sample[2]), sample)
+    per: dict[int, list[tuple[Any, ...]]] = {}
+    for sample in latest.values():
+        if sample[3]:
+            per.setdefault(sample[0], []).append(sample)
+    kept: list[tuple[tuple[Any, ...], int]] = []
+    for samples in per.values():
+        samples.sort(key=lambda s: -s[4])
+        shown = samples[:per_engine]
+        kept += [(s, len(samples) - len(shown) if i == len(shown) - 1 else 0) for i, s in enumerate(shown)]
+    namespaces = CacheNamespace.objects.select_related("tenant", "group").in_bulk({s[1] for s, _ in kept if s[1] is not None})
+    rows = []
+    for (engine_id, namespace_id, medium, blocks, tokens, sampled_at), others in kept:
+        ns = namespaces.get(namespace_id) if namespace_id is not None else None
+        rows.append({
+            "engine": live[engine_id], "namespace_key": ns.namespace_key if ns else None,
+            "boundary": ns.boundary_label if ns else "unattributed", "medium": medium, "blocks": blocks,
+            "tokens": tokens, "sampled_at": sampled_at, "others": others,
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: (r["engine"].name, -r["tokens"], r["others"]))
 
 
 #: Namespaces the dashboard's gateway section shows (the busiest); the API's gateway figures have them all.

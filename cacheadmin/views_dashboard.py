@@ -89,6 +89,7 @@ def _ctx_engines(request: HttpRequest) -> dict[str, Any]:
         ),
         "any_serving": any(e.in_service for e in engines),
         "resident": selectors.resident_by_engine(engines),
+        "resident_per_engine": selectors.RESIDENT_PER_ENGINE,
     }
 
 

@@ -18,15 +18,17 @@ from cacheadmin import selectors_dashboard, views_dashboard
 from cacheadmin.models import (
     AccountingScan,
     CacheNamespace,
+    Engine,
     EvictionRun,
     GatewayStat,
     ModelVersion,
     Release,
+    ResidentSample,
     RetentionPolicy,
     Tenant,
     TierUsageSample,
 )
-from cacheadmin.selectors import gateway_overview
+from cacheadmin.selectors import gateway_overview, resident_by_engine
 from cacheadmin.selectors_dashboard import ATTENTION_ORDER, namespace_page, serving_now, serving_page
 from cacheadmin.services.eviction import eviction_plan
 from cacheadmin.services.eviction.plan import eviction_preview
@@ -221,3 +223,33 @@ def test_the_preview_is_reused_within_its_interval_and_epoch(world: dict, client
         client.get("/fragments/cleanup-preview")
     assert any("cacheadmin_cachenamespace" in q["sql"] for q in ctx.captured_queries)
     assert not EvictionRun.objects.exists()  # a preview records nothing
+
+
+# --- engines -------------------------------------------------------------------
+
+
+def test_residency_shows_each_engines_biggest_namespaces_from_their_latest_samples(world: dict, client) -> None:
+    engine = world["engine"]
+    Engine.objects.filter(pk=engine.pk).update(kv_events_endpoint="tcp://127.0.0.1:5557")
+    now = timezone.now()
+    held = [world["ns"]["acme"], world["ns"]["globex"], *(_namespace(world, f"rs{i}") for i in range(5))]
+    for i, ns in enumerate(held):
+        # An older sample with more tokens is not what the engine holds now.
+        ResidentSample.objects.create(engine=engine, namespace=ns, medium="GPU", sampled_at=now - timedelta(seconds=90),
+                                      blocks=100, tokens=3200)  # fmt: skip
+        ResidentSample.objects.create(engine=engine, namespace=ns, medium="GPU", sampled_at=now - timedelta(seconds=5),
+                                      blocks=i + 1, tokens=32 * (i + 1))  # fmt: skip
+    ResidentSample.objects.create(engine=engine, namespace=None, medium="GPU", sampled_at=now, blocks=0, tokens=0)
+    # Outside the window: not resident any more as far as the consumer knows.
+    ResidentSample.objects.create(engine=engine, namespace=None, medium="CPU", sampled_at=now - timedelta(minutes=10), blocks=9,
+                                  tokens=288)  # fmt: skip
+    engines = list(Engine.objects.all())
+    with CaptureQueriesContext(connection) as ctx:
+        rows = resident_by_engine(engines, per_engine=5)
+    assert len(ctx) == 2
+    assert [(r["boundary"], r["blocks"], r["tokens"], r["others"]) for r in rows] == [
+        ("rs4", 7, 224, 0), ("rs3", 6, 192, 0), ("rs2", 5, 160, 0), ("rs1", 4, 128, 0), ("rs0", 3, 96, 2),
+    ]  # fmt: skip
+    _reader(client)
+    body = client.get("/fragments/dashboard/engines").content.decode()
+    assert f'and 2 more namespaces in <a href="/engines/{engine.pk}/">e-acme</a>' in body
