@@ -51,18 +51,40 @@ def engine_list(limit: int = 20) -> QuerySet[Engine]:
     ]
 
 
+def _heavy_engine_fields(path: str) -> tuple[str, ...]:
+    """Fields of an engine the job lists never show and that can be long (facts, errors)."""
+    return (f"{path}__verified_facts", f"{path}__error", f"{path}__identity_override")
+
+
+def _heavy_version_fields(path: str) -> tuple[str, ...]:
+    """Fields of a model version the job lists never show and that can be long (inputs, probe output)."""
+    return (f"{path}__inputs", f"{path}__probe_output")
+
+
 def prewarm_job_list(limit: int = 20) -> QuerySet[PrewarmJob]:
-    """Recent prewarm jobs (one query)."""
-    return PrewarmJob.objects.select_related(
-        "engine", "namespace__tenant", "namespace__group", "namespace__model_version"
-    ).order_by("-created_at", "-id")[:limit]
+    """Recent prewarm jobs, without their logs (one query)."""
+    return (
+        PrewarmJob.objects.select_related("engine", "namespace__tenant", "namespace__group", "namespace__model_version")
+        .defer("log", *_heavy_engine_fields("engine"), *_heavy_version_fields("namespace__model_version"))
+        .order_by("-created_at", "-id")[:limit]
+    )
 
 
 def comparison_job_list(limit: int = 20) -> QuerySet[ComparisonJob]:
-    """Recent comparison jobs (one query)."""
-    return ComparisonJob.objects.select_related(
-        "engine__model_version", "reference_engine", "namespace__tenant", "namespace__group", "namespace__model_version"
-    ).order_by("-created_at", "-id")[:limit]
+    """Recent comparison jobs, without their logs (one query)."""
+    return (
+        ComparisonJob.objects.select_related(
+            "engine__model_version", "reference_engine", "namespace__tenant", "namespace__group", "namespace__model_version"
+        )
+        .defer(
+            "log",
+            *_heavy_engine_fields("engine"),
+            *_heavy_engine_fields("reference_engine"),
+            *_heavy_version_fields("engine__model_version"),
+            *_heavy_version_fields("namespace__model_version"),
+        )  # fmt: skip
+        .order_by("-created_at", "-id")[:limit]
+    )
 
 
 def release_list(limit: int = 10) -> QuerySet[Release]:
