@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db.models import Count, Max, QuerySet, Sum, Window
+from django.urls import reverse
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -129,7 +130,7 @@ def usage_series(namespace: CacheNamespace, limit: int = 500) -> dict[str, objec
 
 
 #: Namespaces per engine the dashboard's residency table shows (the most tokens); the engine page has them all.
-RESIDENT_PER_ENGINE = 5
+RESIDENT_PER_ENGINE = 3
 
 
 def resident_by_engine(
@@ -143,7 +144,7 @@ def resident_by_engine(
     namespaces of the rows kept), whatever the number of namespaces an engine holds.
 
     Returns:
-        ``[{"engine", "namespace_key", "boundary", "medium", "blocks", "tokens", "sampled_at",
+        ``[{"engine", "engine_url" (its page), "namespace_key", "boundary", "medium", "blocks", "tokens", "sampled_at",
         "others" (on an engine's last row: its further rows not shown, else 0)}]``
         by engine name, then most tokens first.
     """
@@ -168,11 +169,13 @@ def resident_by_engine(
         shown = samples[:per_engine]
         kept += [(s, len(samples) - len(shown) if i == len(shown) - 1 else 0) for i, s in enumerate(shown)]
     namespaces = CacheNamespace.objects.select_related("tenant", "group").in_bulk({s[1] for s, _ in kept if s[1] is not None})
+    # One reverse per engine, not one per row.
+    links = {pk: reverse("engine-detail", args=[pk]) for pk in per}
     rows = []
     for (engine_id, namespace_id, medium, blocks, tokens, sampled_at), others in kept:
         ns = namespaces.get(namespace_id) if namespace_id is not None else None
         rows.append({
-            "engine": live[engine_id], "namespace_key": ns.namespace_key if ns else None,
+            "engine": live[engine_id], "engine_url": links[engine_id], "namespace_key": ns.namespace_key if ns else None,
             "boundary": ns.boundary_label if ns else "unattributed", "medium": medium, "blocks": blocks,
             "tokens": tokens, "sampled_at": sampled_at, "others": others,
         })  # fmt: skip
