@@ -34,7 +34,7 @@ from cacheadmin.services.eviction import eviction_plan
 from cacheadmin.services.eviction.plan import eviction_preview
 from cacheadmin.services.gateway import gateway_figures
 from tests.cacheadmin.test_dashboard import _reader, gray  # noqa: F401  (fixture)
-from tests.cacheadmin.test_eviction import kv  # noqa: F401  (fixture)
+from tests.cacheadmin.test_eviction import kv, write_entry  # noqa: F401  (fixture)
 from tests.cacheadmin.test_eviction import world as tiered  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.django_db
@@ -189,6 +189,8 @@ def test_the_preview_plans_what_a_recorded_plan_plans(tiered: dict, kv: dict) ->
     CacheNamespace.objects.create(namespace_key="empty".ljust(64, "0"), model_version=v3.model_version, tenant=zeta,
                                   retention_owner=tiered["owner"], storage_prefix="ns-nothing-stored")  # fmt: skip
     RetentionPolicy.objects.create(namespace=CacheNamespace.objects.get(storage_prefix="ns-nothing-stored"), max_bytes=1)
+    # A prefix no namespace owns, older than the grace period: an orphan both purge, from the listing the preview read once.
+    write_entry(kv["tiers"].disk.root, "ns-orphan-left-behind", "f" * 64, size=700, age_s=7200)
     preview = eviction_preview()
     run = eviction_plan(actor="alice")
     kinds: dict[str, dict[str, int]] = {}
@@ -200,6 +202,8 @@ def test_the_preview_plans_what_a_recorded_plan_plans(tiered: dict, kv: dict) ->
     assert (preview["actions"], preview["bytes"]) == (run.progress_total, run.bytes_planned)
     assert preview["kinds"]["delete_entries"]["actions"] >= 1
     assert set(preview["kinds"]) == {"archive", "delete_archive", "delete_entries", "delete_prefix", "set_residency"}
+    orphan = run.actions.get(storage_prefix="ns-orphan-left-behind")
+    assert (orphan.kind, orphan.tier, orphan.bytes_planned) == ("delete_prefix", "disk", 2 * 700)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -116,21 +116,25 @@ class _Sizes:
 
 class _PresentSizes(_Sizes):
     """:class:`_Sizes` for a preview over every namespace: each tier is listed once
-    (:meth:`usage_all`, as the orphan pass does anyway) and a prefix the listing
-    does not hold is empty without asking the tier again, so a preview costs a
-    listing per tier instead of a lookup per namespace and tier. Prefixes the
-    listing holds are measured with :meth:`usage` exactly as a plan measures them."""
+    (:meth:`usage_all`, whose listing the orphan pass then reuses) and a prefix the
+    listing does not hold is empty without asking the tier again, so a preview
+    costs a listing per tier instead of a lookup per namespace and tier. Prefixes
+    the listing holds are measured with :meth:`usage` exactly as a plan measures them."""
 
     def __init__(self, tiers: Tiers) -> None:
         super().__init__(tiers)
-        self._present: dict[str, set[str]] = {}
+        self.listings: dict[str, dict[str, TierUsage]] = {}
+
+    def listing(self, tier: str) -> dict[str, TierUsage]:
+        """The tier's :meth:`usage_all`, read once (empty when the tier is not configured)."""
+        if tier not in self.listings:
+            store = self.tiers.store(tier)
+            self.listings[tier] = store.usage_all() if store is not None else {}
+        return self.listings[tier]
 
     def __call__(self, tier: str, prefix: str) -> TierUsage:
         """Usage of ``prefix`` in ``tier``: empty when the tier's listing does not hold it."""
-        if tier not in self._present:
-            store = self.tiers.store(tier)
-            self._present[tier] = set(store.usage_all()) if store is not None else set()
-        if prefix not in self._present[tier]:
+        if prefix not in self.listing(tier):
             return TierUsage.empty(prefix)
         return super().__call__(tier, prefix)
 
@@ -196,11 +200,13 @@ def _budget_actions(ns: CacheNamespace, tiers: Tiers, sizes: _Sizes, now: float)
     return actions
 
 
-def _orphan_actions(tiers: Tiers, known: set[str]) -> list[_Planned]:
-    """Purges of storage prefixes no namespace owns, once older than ``ORPHAN_GRACE_S``."""
+def _orphan_actions(tiers: Tiers, known: set[str], sizes: _Sizes | None = None) -> list[_Planned]:
+    """Purges of storage prefixes no namespace owns, once older than ``ORPHAN_GRACE_S``
+    (each tier's listing taken from ``sizes`` when it already read them: a preview's)."""
     actions = []
     for tier, store in tiers.stores():
-        for prefix, usage in sorted(store.usage_all().items()):
+        listing = sizes.listing(tier) if isinstance(sizes, _PresentSizes) else store.usage_all()
+        for prefix, usage in sorted(listing.items()):
             newest = datetime.fromtimestamp(usage.newest_entry_at, tz=UTC) if usage.newest_entry_at is not None else None
             if prefix in known or not orphan_old_enough(prefix, tier, newest, timezone.now()):
                 continue
@@ -254,7 +260,7 @@ def _plan_actions(
         actions.append(_Planned(Kind.SET_RESIDENCY, "", ns, ns.storage_prefix, why, detail={"residency": target}))
     if include_orphans and scope is None:
         known = set(CacheNamespace.objects.values_list("storage_prefix", flat=True))
-        actions += _orphan_actions(tiers, known)
+        actions += _orphan_actions(tiers, known, sizes)
     return actions
 
 
