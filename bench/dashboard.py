@@ -18,7 +18,11 @@ its "bare" is the session and user lookups), and ``(ref) template`` renders a
 one-line template with the project's tag library the same way.
 
 Prints p50/p95 in milliseconds, the query count, and the ratio view/bare per
-URL, and the first request's time beside the bare time of its own SQL: with
+URL; "planned": the bare p50 again on a connection that never prepares
+statements (psycopg prepares one it has run 5 times, so the bare runs skip
+planning, which the view, with client-side cursors and a connection per
+request, pays every time; the ratio stays against the first bare column);
+and the first request's time beside the bare time of its own SQL: with
 the process's reused renders emptied before it, it pays for what later
 requests reuse (serving now per routing epoch, the cleanup preview for its
 poll interval). Then one JSON line ``{"dashboard_bench": {...}}``.
@@ -374,7 +378,7 @@ def _reads(captured: Any) -> list[str]:
     return [q["sql"] for q in captured.captured_queries if q["sql"].lstrip().upper().startswith(("SELECT", "WITH"))]
 
 
-def measure(client: Any, url: str, conn: Any, *, requests: int, headers: dict[str, str]) -> dict[str, Any]:
+def measure(client: Any, url: str, conn: Any, *, requests: int, headers: dict[str, str], planned: Any = None) -> dict[str, Any]:
     """View and bare timings of ``url``: see the module docstring.
 
     The first request is timed on its own (``first_ms``, with ``first_bare_ms`` for its
@@ -388,9 +392,9 @@ def measure(client: Any, url: str, conn: Any, *, requests: int, headers: dict[st
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    def bare_of(statements: list[str]) -> Callable[[], None]:
+    def bare_of(statements: list[str], on: Any = conn) -> Callable[[], None]:
         def bare() -> None:
-            with conn.cursor() as cur:
+            with on.cursor() as cur:
                 for sql in statements:
                     cur.execute(sql.replace("%", "%%"))
                     cur.fetchall()
@@ -416,6 +420,7 @@ def measure(client: Any, url: str, conn: Any, *, requests: int, headers: dict[st
     view_ms = timed(lambda: client.get(url, headers=headers), requests)
     bare_ms = timed(bare_of(statements), requests)
     first_bare_ms = statistics.median(timed(bare_of(first_statements), min(requests, 5)))
+    planned_p50 = statistics.median(timed(bare_of(statements, planned), requests)) if planned is not None else None
     view_p50, bare_p50 = statistics.median(view_ms), statistics.median(bare_ms)
     return {
         "url": url,
@@ -426,6 +431,7 @@ def measure(client: Any, url: str, conn: Any, *, requests: int, headers: dict[st
         "bare_p50_ms": round(bare_p50, 2),
         "bare_p95_ms": round(percentile(bare_ms, 0.95), 2),
         "ratio": round(view_p50 / bare_p50, 2) if bare_p50 else None,
+        "bare_planned_p50_ms": round(planned_p50, 2) if planned_p50 is not None else None,
         "first_ms": round(first_ms, 2),
         "first_bare_ms": round(first_bare_ms, 2),
     }
@@ -488,24 +494,40 @@ def main() -> int:
             urls = ["/", *(u for u in urls[1:] if re.search(args.only, u))]
         token = getattr(settings, "METRICS_TOKEN", "")
         results = []
-        with psycopg.connect(dbname=DB_NAME, autocommit=True, **PG) as conn:
-            refs = [measure(client, url, conn, requests=args.requests, headers={}) for url in (REF_CONSTANT, REF_TEMPLATE)]
+        # psycopg prepares a statement it has run 5 times on a connection, so the bare runs
+        # skip planning after their warm-up; a view plans every statement (client-side
+        # cursors, a connection per request). The "planned" column runs them unprepared.
+        with (
+            psycopg.connect(dbname=DB_NAME, autocommit=True, **PG) as conn,
+            psycopg.connect(dbname=DB_NAME, autocommit=True, prepare_threshold=None, **PG) as planned,
+        ):
+            refs = [
+                measure(client, url, conn, requests=args.requests, headers={}, planned=planned)
+                for url in (REF_CONSTANT, REF_TEMPLATE)
+            ]
             for ref, name in zip(refs, ("(ref) constant", "(ref) template"), strict=True):
                 ref["url"] = name
             for url in urls:
-                results.append(measure(client, url, conn, requests=args.requests, headers={}))
+                results.append(measure(client, url, conn, requests=args.requests, headers={}, planned=planned))
             results.append(
-                measure(Client(), "/metrics", conn, requests=args.requests, headers={"Authorization": f"Bearer {token}"})
+                measure(
+                    Client(),
+                    "/metrics",
+                    conn,
+                    requests=args.requests,
+                    headers={"Authorization": f"Bearer {token}"},
+                    planned=planned,
+                )
             )
         print(
             f"{'url':48} {'queries':>7} {'view p50':>9} {'p95':>8} {'bare p50':>9} {'p95':>8} {'ratio':>6}"
-            f" {'first':>9} {'its bare':>9}"
+            f" {'planned':>9} {'first':>9} {'its bare':>9}"
         )
         for r in [*refs, *results]:
             print(
                 f"{r['url'][:48]:48} {r['queries']:>7} {r['view_p50_ms']:>8.1f}ms {r['view_p95_ms']:>6.1f}ms"
                 f" {r['bare_p50_ms']:>8.1f}ms {r['bare_p95_ms']:>6.1f}ms {r['ratio']:>5.2f}x"
-                f" {r['first_ms']:>7.1f}ms {r['first_bare_ms']:>7.1f}ms"
+                f" {r['bare_planned_p50_ms']:>7.1f}ms {r['first_ms']:>7.1f}ms {r['first_bare_ms']:>7.1f}ms"
             )
         page_ratio = results[0]["ratio"]
         metrics_ratio = results[-1]["ratio"]
