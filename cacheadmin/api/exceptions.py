@@ -111,10 +111,18 @@ def api_or_page_500(request: Any) -> Any:
 
 
 def api_or_page_400(request: Any, exception: Exception) -> Any:
-    """``handler400``: the envelope under ``/api/``, Django's page elsewhere."""
-    from django.http import JsonResponse
+    """``handler400``: the envelope under ``/api/``, Django's page elsewhere;
+    a page's form over the body limit (``API_MAX_BODY_BYTES``) is a 413 that
+    says so, rather than a bare "Bad Request"."""
+    from django.conf import settings
+    from django.core.exceptions import RequestDataTooBig
+    from django.http import HttpResponse, JsonResponse
     from django.views.defaults import bad_request
 
     if request.path_info.startswith("/api/"):
         return JsonResponse(envelope(400, "bad_request", "Bad request."), status=400)
+    if isinstance(exception, RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        message = f"The form is over the server's {limit // 1024} KiB limit (API_MAX_BODY_BYTES); nothing was saved."
+        return HttpResponse(message, status=413, content_type="text/plain; charset=utf-8")
     return bad_request(request, exception)

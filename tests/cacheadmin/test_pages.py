@@ -271,3 +271,11 @@ def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin
     dashboard = admin_client.get("/").content.decode()
     assert "<h1>Resident in engine memory</h1>" in dashboard
     assert f"<td>{ns.boundary_label}</td><td>GPU</td><td>5</td><td>160</td>" in dashboard
+
+
+def test_a_form_over_the_body_limit_is_a_413_that_says_so_and_saves_nothing(admin_client, settings) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 4096
+    response = admin_client.post("/eviction-runs/plan", {"reason": "x" * 5000})
+    assert response.status_code == 413
+    assert response.content.decode() == "The form is over the server's 4 KiB limit (API_MAX_BODY_BYTES); nothing was saved."
+    assert not EvictionRun.objects.exists()

@@ -5,7 +5,9 @@ the operator's tools around it."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,10 @@ class Command(ControlPlaneCommand):
             self.stdout.write(json.dumps(layer_states(), default=str))
 
     def _serve(self, opts: dict[str, Any]) -> None:
+        # A SIGTERM before uvicorn installs its handlers (while it imports and
+        # forks) stops the command as documented (exit 0), not by the default
+        # action (143); uvicorn replaces this handler once it runs.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         import uvicorn
 
         try:
