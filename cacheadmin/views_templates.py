@@ -18,6 +18,7 @@ from cacheadmin.services.prompt_templates import (
     prompt_template_analysis,
     prompt_template_create,
     prompt_template_delete,
+    prompt_template_samples_parse,
     template_hit_ratios,
 )
 from inference.errors import ControlPlaneError, InvalidField
@@ -46,7 +47,8 @@ def prompt_template_list(request: HttpRequest) -> HttpResponse:
     """GET: every template with its hit ratio over the last hour (the table
     alone for an htmx poll). POST (operate permission): create one from the
     form (``name``, ``tenant`` slug or empty for every tenant, ``text``,
-    ``samples`` as a JSON list); bad input re-renders the form with the error (400)."""
+    ``samples`` as a JSON list), with the API's rules (the service checks
+    both); bad input re-renders the form with the error (400), nothing stored."""
     if request.method == "POST":
         return _create(request)
     if request.headers.get("HX-Request"):
@@ -65,10 +67,8 @@ def _create(request: HttpRequest) -> HttpResponse:
             tenant = Tenant.objects.filter(slug=form["tenant"]).first()
             if tenant is None:
                 raise InvalidField("tenant", f"no tenant {form['tenant'][:60]!r}")
-        try:
-            samples = json.loads(form["samples"] or "null")
-        except ValueError as exc:
-            raise InvalidField("samples", f"not JSON: {exc}") from None
+        # Read as the API reads its body (a duplicate key refused), then checked by the service like the API's.
+        samples = prompt_template_samples_parse(form["samples"])
         template = prompt_template_create(
             name=form["name"], tenant=tenant, text=form["text"], samples=samples, actor=f"{request.user.get_username()} (page)"
         )

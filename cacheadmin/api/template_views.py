@@ -11,6 +11,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
+from rest_framework.fields import ProhibitNullCharactersValidator, ProhibitSurrogateCharactersValidator
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -42,6 +43,8 @@ class PromptTemplateSerializer(serializers.ModelSerializer):
         model = PromptTemplate
         fields = ("id", "name", "tenant", "text", "samples", "fixed_chars", "created_by", "created_at", "requests", "warm",
                   "hit_ratio")  # fmt: skip
+        # Computed by the service (POST refuses them): the schema and OPTIONS say so.
+        read_only_fields = ("fixed_chars", "created_by", "created_at")
 
     def _ratio(self, obj: PromptTemplate) -> dict[str, Any]:
         ratios = self.context.setdefault("ratios", {})
@@ -59,13 +62,25 @@ class PromptTemplateSerializer(serializers.ModelSerializer):
         return self._ratio(obj)["hit_ratio"]
 
 
+class ServiceCheckedString(StrictCharField):
+    """A JSON string taken as written: its content (length, NUL, surrogates, pattern) is
+    checked by the template service, so the page and the API refuse the same
+    values with the same messages."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(trim_whitespace=False, allow_blank=True, **kwargs)
+        service_checked = (ProhibitNullCharactersValidator, ProhibitSurrogateCharactersValidator)
+        self.validators = [v for v in self.validators if not isinstance(v, service_checked)]
+
+
 class PromptTemplateCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     """A template to create: ``tenant`` slug (omit or null for every tenant; a
-    tenant-bound token creates for its own tenant only), ``name``, ``text``, ``samples``."""
+    tenant-bound token creates for its own tenant only), ``name`` (unique
+    across every tenant), ``text`` (at least one ``{variable}``), ``samples``."""
 
-    name = StrictCharField(max_length=64)
+    name = ServiceCheckedString(help_text="letters, digits, '.', '_' and '-', at most 64; unique across every tenant")
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all(), required=False, allow_null=True, default=None)
-    text = StrictCharField(max_length=20_000, trim_whitespace=False)
+    text = ServiceCheckedString(help_text="at most 20,000 characters, at least one {variable}")
     # Checked by the service (one set of rules for the page and the API): any JSON, refused there with its field path.
     samples = serializers.JSONField()
 

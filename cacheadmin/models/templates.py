@@ -18,6 +18,13 @@ class PromptTemplate(models.Model):
 
     A template of no tenant (global) applies to every tenant; a tenant's own
     template with the same fixed text wins over it.
+
+    Names are unique across the global templates and every tenant's: a name is
+    the ``template`` label of the gateway's metrics, which carry no tenant, so
+    two templates of one name would add up in one series. Two templates a
+    tenant's requests could match with the same precedence (two global ones,
+    or two of one tenant) never share their fixed text (``fixed_digest``):
+    which one the gateway recognised would be arbitrary.
     """
 
     name = models.CharField(max_length=64, help_text="Letters, digits, '.', '_' and '-': it is a metric label.")
@@ -28,14 +35,22 @@ class PromptTemplate(models.Model):
     samples = models.JSONField(default=list, help_text="list of {variable: value} objects")
     #: Characters of fixed text before the first variable (what the gateway matches).
     fixed_chars = models.PositiveIntegerField(default=0)
+    #: BLAKE2b-128 (hex) of the fixed text as the gateway matches it (its first
+    #: 4,096 characters, :func:`gateway.templates.fingerprint`). NULL only for
+    #: templates that already shared their fixed text with an older one when
+    #: this became unique (migration 0015); every new template has one.
+    fixed_digest = models.CharField(max_length=32, null=True, blank=True, editable=False)
     created_by = models.CharField(max_length=200, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["name", "id"]
         constraints = [
-            models.UniqueConstraint(fields=["tenant", "name"], name="prompt_template_name_per_tenant"),
-            models.UniqueConstraint(fields=["name"], condition=models.Q(tenant__isnull=True), name="prompt_template_name_global"),
+            models.UniqueConstraint(fields=["name"], name="prompt_template_name_unique"),
+            models.UniqueConstraint(fields=["tenant", "fixed_digest"], name="prompt_template_fixed_text_per_tenant"),
+            models.UniqueConstraint(
+                fields=["fixed_digest"], condition=models.Q(tenant__isnull=True), name="prompt_template_fixed_text_global"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -34,10 +34,14 @@ from cacheadmin.services.audit import audit_record
 from gateway.templates import CHUNK_CHARS, TemplateIndex, fingerprint
 from inference.corpus import Conversation
 from inference.errors import CheckpointError, InvalidField
+from inference.strict_json import loads_unique
 from inference.tokenization import ChatEncodingError, ChatTokenizer, load_chat_tokenizer
 
-#: Template names: they are metric label values, so bounded and plain.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Template names: they are metric label values, so bounded and plain (matched whole:
+#: ``$`` would let a trailing newline through).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+#: Unpaired surrogates: a JSON ``"\\ud800"`` escape decodes to one; it is no character.
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 #: Samples per template: enough to see which parts vary, few enough to tokenize on a page view.
 MAX_SAMPLES = 20
 #: Longest template text and sample value, in characters.
@@ -105,6 +109,34 @@ def template_render_moved(parts: Parts, values: Mapping[str, str], moved: Sequen
     return body + ("\n" + tail if tail else "")
 
 
+def _check_characters(field: str, value: str) -> None:
+    """Refuse what no database column or JSON answer carries: NUL (PostgreSQL
+    refuses it in text and jsonb) and unpaired surrogates (a ``"\\ud800"``
+    JSON escape; not a character, no UTF-8 encoding)."""
+    if "\x00" in value:
+        raise InvalidField(field, "must not contain the NUL character (U+0000)")
+    if (lone := _SURROGATE.search(value)) is not None:
+        raise InvalidField(field, f"must not contain the unpaired surrogate U+{ord(lone[0]):04X}, which is not a character")
+
+
+def prompt_template_samples_parse(raw: str) -> Any:
+    """A form's ``samples`` text as JSON, read as the API's parser reads a body:
+    a key written twice in one object, NaN or ±Infinity is refused (not the last
+    value silently kept). Empty text is None (refused by :func:`prompt_template_create`).
+
+    Raises:
+        InvalidField: ``samples`` is not such JSON.
+    """
+    if not raw.strip():
+        return None
+    try:
+        return loads_unique(raw)
+    except RecursionError:
+        raise InvalidField("samples", "not JSON: nested too deeply") from None
+    except ValueError as exc:
+        raise InvalidField("samples", f"not JSON: {exc}") from None
+
+
 def _check_samples(samples: Any, variables: list[str]) -> list[dict[str, str]]:
     if not isinstance(samples, list) or not samples:
         raise InvalidField("samples", 'must be a non-empty JSON list of objects, e.g. [{"customer": "Ada"}]')
@@ -126,30 +158,84 @@ def _check_samples(samples: Any, variables: list[str]) -> list[dict[str, str]]:
                 raise InvalidField(f"samples.{i}.{name}", f"must be a string, got {type(value).__name__}")
             if len(value) > MAX_VALUE_CHARS:
                 raise InvalidField(f"samples.{i}.{name}", f"at most {MAX_VALUE_CHARS} characters")
+            _check_characters(f"samples.{i}.{name}", value)
         out.append({name: sample[name] for name in variables})
     return out
+
+
+def _scope(template: PromptTemplate, tenant: Tenant | None) -> str:
+    """Where ``template`` applies, as told to someone creating one for ``tenant``
+    (another tenant is not named: a tenant-bound caller may not see it)."""
+    if template.tenant_id is None:
+        return "for all tenants"
+    if tenant is not None and template.tenant_id == tenant.pk:
+        return f"for {tenant.slug}"
+    return "for another tenant"
+
+
+def _clash(*, name: str, tenant: Tenant | None, digest: str, first_variable: str) -> InvalidField | None:
+    """What a new template would clash with (name taken anywhere; the same fixed
+    text as a template of the same precedence), or None."""
+    taken = PromptTemplate.objects.filter(name=name).only("tenant_id").first()
+    if taken is not None:
+        return InvalidField(
+            "name",
+            f"a template named {name!r} already exists {_scope(taken, tenant)}: names are unique across every tenant "
+            "(the name is the template label of the gateway's metrics, which carry no tenant)",
+        )
+    same_text = PromptTemplate.objects.filter(tenant=tenant, fixed_digest=digest).only("name", "tenant_id").first()
+    if same_text is not None:
+        return InvalidField(
+            "text",
+            f"template {same_text.name!r} ({_scope(same_text, tenant)}) has the same fixed text before "
+            f"{{{first_variable}}}: the gateway could not tell which of the two a request follows "
+            f"(change the opening, or delete {same_text.name!r} first)",
+        )
+    return None
 
 
 def prompt_template_create(*, name: str, tenant: Tenant | None, text: str, samples: Any, actor: str) -> PromptTemplate:
     """Register a prompt template (the gateways pick it up at their next snapshot).
 
+    The page, the API and the admin create through here: one set of rules.
+
     Args:
-        name: unique per tenant (or among global templates), :data:`NAME_PATTERN`.
+        name: :data:`NAME_PATTERN`, unique across the global templates and every
+            tenant's (it is the ``template`` label of the gateway's metrics).
         tenant: the tenant whose requests it classifies, or None for every tenant.
-        text: the template (module docstring for the syntax); at least
-            :data:`gateway.templates.CHUNK_CHARS` characters before its first variable.
-        samples: a list of ``{variable: value}`` objects (1..:data:`MAX_SAMPLES`), every variable given, strings only.
+        text: the template (module docstring for the syntax), at most
+            :data:`MAX_TEXT_CHARS` characters, no NUL or unpaired surrogate; at
+            least one variable, and at least :data:`gateway.templates.CHUNK_CHARS`
+            characters before the first. Its fixed text (before the first
+            variable, as the gateway matches it) must differ from that of every
+            template of the same precedence: the other global ones for a global
+            template, the tenant's own for a tenant's (a tenant's own template
+            may repeat a global one's: it wins for that tenant).
+        samples: a list of ``{variable: value}`` objects (1..:data:`MAX_SAMPLES`),
+            every variable given, strings only (at most :data:`MAX_VALUE_CHARS`
+            characters, no NUL or unpaired surrogate). From a form, read it
+            with :func:`prompt_template_samples_parse`.
 
     Raises:
-        InvalidField: any of the above is violated, or the name is taken.
+        InvalidField: any of the above is violated (``name`` for a taken name,
+            ``text`` for a fixed text taken, naming the other template). The
+            uniqueness holds under concurrent creates (database constraints).
     """
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidField("name", "1-64 characters: letters, digits, '.', '_' or '-', starting with a letter or digit")
     if not isinstance(text, str) or not text.strip():
         raise InvalidField("text", "must not be empty")
     if len(text) > MAX_TEXT_CHARS:
         raise InvalidField("text", f"at most {MAX_TEXT_CHARS} characters")
+    _check_characters("text", text)
     parts = template_parts(text)
+    variables = template_variables(parts)
+    if not variables:
+        raise InvalidField(
+            "text",
+            "a template needs at least one {variable}: write one where each request's own text goes, "
+            "e.g. {question} (the gateway recognises a template by the fixed text before its first variable)",
+        )
     fixed = fixed_leading_text(parts)
     if len(fixed) < CHUNK_CHARS:
         raise InvalidField(
@@ -157,20 +243,25 @@ def prompt_template_create(*, name: str, tenant: Tenant | None, text: str, sampl
             f"the gateway recognises a template by the text before its first variable: {len(fixed)} characters here, "
             f"at least {CHUNK_CHARS} needed",
         )
-    clean = _check_samples(samples, template_variables(parts))
-    if PromptTemplate.objects.filter(tenant=tenant, name=name).exists():
-        raise InvalidField("name", f"a template named {name!r} already exists for {tenant.slug if tenant else 'all tenants'}")
+    clean = _check_samples(samples, variables)
+    digest = fingerprint(name, fixed).fixed_digest.hex()
+    if (clash := _clash(name=name, tenant=tenant, digest=digest, first_variable=variables[0])) is not None:
+        raise clash
     try:
         with transaction.atomic():
             template = PromptTemplate.objects.create(
-                name=name, tenant=tenant, text=text, samples=clean, fixed_chars=len(fixed), created_by=actor
-            )
+                name=name, tenant=tenant, text=text, samples=clean, fixed_chars=len(fixed), fixed_digest=digest,
+                created_by=actor,
+            )  # fmt: skip
             audit_record(
                 actor=actor, action="prompt_template.create", obj=template, after={"name": name, "fixed_chars": len(fixed)}
             )
             routing_changed()
-    except IntegrityError:  # created by someone else since the check above
-        raise InvalidField("name", f"a template named {name!r} already exists") from None
+    except IntegrityError:
+        # Created by someone else since the check above: the constraints said no; say which.
+        raise _clash(name=name, tenant=tenant, digest=digest, first_variable=variables[0]) or InvalidField(
+            "name", f"a template named {name!r} or with this fixed text was created meanwhile"
+        ) from None
     return template
 
 

@@ -108,8 +108,10 @@ def test_a_template_whose_variables_are_at_the_end_gets_no_recommendation(demo_c
     assert (v1["shared_tokens"], v1["moved_shared_tokens"], v1["break_token"], v1["shared_blocks"]) == (74, 74, 74, 2)
     assert _mistral_shared(demo_checkpoints["tiny-v1"], [text.format(**s) for s in samples]) == 74
     assert rows["gone"]["error"] == "/nowhere does not exist" and rows["gone"]["shared_tokens"] is None
-    # Identical samples: nothing varies, nothing breaks.
-    same = prompt_template_create(name="same", tenant=None, text=text, samples=[samples[0], samples[0]], actor="test")
+    # Identical samples: nothing varies, nothing breaks (another opening: two global templates never share one).
+    same = prompt_template_create(
+        name="same", tenant=None, text="Be brief. " + text, samples=[samples[0], samples[0]], actor="test"
+    )
     row = prompt_template_analysis(same)[0]
     assert (row["breaking_variable"], row["break_token"], row["recommendation"]) == (None, None, "")
 
@@ -139,13 +141,195 @@ def test_bad_templates_are_refused_with_the_field_and_nothing_is_stored(
     assert PromptTemplate.objects.count() == 0 and AuditEvent.objects.filter(action="prompt_template.create").count() == 0
 
 
-def test_names_are_unique_per_tenant_and_among_global_templates(world: dict[str, Any]) -> None:
+def _templates() -> list[tuple[str, str | None, str]]:
+    """Every template as (name, tenant slug, text), and the audit's count of creations."""
+    rows = PromptTemplate.objects.order_by("id").values_list("name", "tenant__slug", "text")
+    return [*rows, ("audited", None, str(AuditEvent.objects.filter(action="prompt_template.create").count()))]
+
+
+def test_names_are_unique_across_global_and_tenant_templates_on_every_surface(world: dict[str, Any], admin_client: Any) -> None:
+    alice, bob = world["clients"]["alice"], world["clients"]["bob"]
+    prompt_template_create(name="support.v1", tenant=None, text=TEXT, samples=SAMPLES, actor="test")
+    prompt_template_create(name="ac.own", tenant=world["acme"], text="Acme only. " + TEXT, samples=SAMPLES, actor="test")
+    before = _templates()
+    body = {"text": "Globex. " + TEXT, "samples": SAMPLES}
+    # A tenant's token naming its template as a global one is called: 400 with the clash, nothing stored.
+    taken = bob.post("/api/prompt-templates/", {**body, "name": "support.v1", "tenant": "acme"}, format="json")
+    assert taken.status_code == 400
+    assert taken.json()["error"]["fields"] == {
+        "name": [
+            "a template named 'support.v1' already exists for all tenants: names are unique across every tenant "
+            "(the name is the template label of the gateway's metrics, which carry no tenant)"
+        ]
+    }
+    # A global template named as a tenant's: refused too; another tenant is not named to the caller.
+    clash = alice.post("/api/prompt-templates/", {**body, "name": "ac.own"}, format="json")
+    assert clash.status_code == 400
+    assert clash.json()["error"]["fields"]["name"][0].startswith("a template named 'ac.own' already exists for another tenant:")
+    own = bob.post("/api/prompt-templates/", {**body, "name": "ac.own", "tenant": "acme"}, format="json")
+    assert own.json()["error"]["fields"]["name"][0].startswith("a template named 'ac.own' already exists for acme:")
+    page = admin_client.post("/prompt-templates/", {**body, "samples": json.dumps(SAMPLES), "name": "ac.own", "tenant": "globex"})
+    assert page.status_code == 400
+    assert "name: a template named &#x27;ac.own&#x27; already exists for another tenant" in page.content.decode()
+    with pytest.raises(InvalidField, match="'support.v1' already exists for all tenants"):
+        prompt_template_create(name="support.v1", tenant=world["globex"], text="G. " + TEXT, samples=SAMPLES, actor="t")
+    assert _templates() == before
+
+
+def test_templates_of_one_precedence_never_share_their_fixed_text(world: dict[str, Any], admin_client: Any) -> None:
+    from cacheadmin.services.prompt_templates import template_indexes
+
+    alice, bob = world["clients"]["alice"], world["clients"]["bob"]
     prompt_template_create(name="support", tenant=None, text=TEXT, samples=SAMPLES, actor="test")
-    prompt_template_create(name="support", tenant=world["acme"], text=TEXT, samples=SAMPLES, actor="test")
-    for tenant in (None, world["acme"]):
-        with pytest.raises(InvalidField, match="a template named 'support' already exists"):
-            prompt_template_create(name="support", tenant=tenant, text=TEXT, samples=SAMPLES, actor="test")
-    assert PromptTemplate.objects.count() == 2
+    prompt_template_create(name="acme-support", tenant=world["acme"], text="Acme. " + TEXT, samples=SAMPLES, actor="test")
+    before = _templates()
+    # Same fixed text, other variables after it: the gateway could not tell the two apart.
+    copy = TEXT.replace("Question: {question}", "Ask: {question}")
+    twice = alice.post("/api/prompt-templates/", {"name": "support-2", "text": copy, "samples": SAMPLES}, format="json")
+    message = (
+        "template 'support' (for all tenants) has the same fixed text before {customer}: the gateway could not tell "
+        "which of the two a request follows (change the opening, or delete 'support' first)"
+    )
+    assert twice.status_code == 400 and twice.json()["error"]["fields"] == {"text": [message]}
+    form = {"name": "support-2", "tenant": "", "text": copy, "samples": json.dumps(SAMPLES)}
+    page = admin_client.post("/prompt-templates/", form)
+    assert page.status_code == 400 and "text: template &#x27;support&#x27; (for all tenants) has the same fixed text" in (
+        page.content.decode()
+    )
+    mine = bob.post(
+        "/api/prompt-templates/", {"name": "acme-2", "tenant": "acme", "text": "Acme. " + copy, "samples": SAMPLES}, format="json"
+    )
+    assert mine.status_code == 400
+    assert mine.json()["error"]["fields"]["text"][0].startswith("template 'acme-support' (for acme) has the same fixed text")
+    assert _templates() == before
+    # A tenant's own template may repeat a global one's opening: it wins for that tenant, the global one elsewhere.
+    override = bob.post(
+        "/api/prompt-templates/", {"name": "acme-3", "tenant": "acme", "text": TEXT, "samples": SAMPLES}, format="json"
+    )
+    assert override.status_code == 201, override.json()
+    indexes = template_indexes()
+    request = TEXT.split("{customer}")[0] + "Ada. Question: where?"
+    assert (indexes[world["acme"].pk].match(request), indexes[None].match(request)) == ("acme-3", "support")
+
+
+def test_the_database_holds_the_uniqueness_under_concurrent_creates(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.db import IntegrityError, transaction
+
+    from cacheadmin.services import prompt_templates
+
+    first = prompt_template_create(name="support", tenant=world["acme"], text=TEXT, samples=SAMPLES, actor="test")
+    assert first.fixed_digest is not None and len(first.fixed_digest) == 32
+    for values in (
+        {"name": "support", "tenant": world["globex"], "fixed_digest": "0" * 32},  # a name taken anywhere
+        {"name": "other", "tenant": world["acme"], "fixed_digest": first.fixed_digest},  # one tenant's fixed text
+    ):
+        with pytest.raises(IntegrityError), transaction.atomic():
+            PromptTemplate.objects.create(text=TEXT, samples=SAMPLES, **values)
+    PromptTemplate.objects.create(name="g1", text=TEXT, samples=SAMPLES, fixed_digest="1" * 32)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        PromptTemplate.objects.create(name="g2", text=TEXT, samples=SAMPLES, fixed_digest="1" * 32)
+    # Two templates of no digest (kept from before the constraint) do not clash.
+    PromptTemplate.objects.create(name="old1", text=TEXT, samples=SAMPLES)
+    PromptTemplate.objects.create(name="old2", text=TEXT, samples=SAMPLES)
+    # Another create commits between the check and the insert: the constraint refuses, the service says which.
+    real = prompt_templates._clash
+    calls: list[str] = []
+
+    def late(**kwargs: Any) -> Any:
+        calls.append(kwargs["name"])
+        return None if len(calls) == 1 else real(**kwargs)
+
+    monkeypatch.setattr(prompt_templates, "_clash", late)
+    before = _templates()
+    with pytest.raises(InvalidField, match="a template named 'support' already exists for acme") as refused:
+        prompt_template_create(name="support", tenant=world["acme"], text="Other. " + TEXT, samples=SAMPLES, actor="t")
+    assert (refused.value.field, calls, _templates()) == ("name", ["support", "support"], before)
+
+
+#: (page form changes, API body changes, field, problem): each refused alike by the page and the API.
+SAME_RULES = [
+    ({"text": TEXT + "\x00"}, {"text": TEXT + "\x00"}, "text", "must not contain the NUL character (U+0000)"),
+    (
+        {"samples": json.dumps([{**SAMPLES[0], "question": "Why?\x00"}])},
+        {"samples": [{**SAMPLES[0], "question": "Why?\x00"}]},
+        "samples.0.question",
+        "must not contain the NUL character (U+0000)",
+    ),
+    (
+        {"text": "You are the Acme Corporation support assistant. Answer briefly.", "samples": "[{}]"},
+        {"text": "You are the Acme Corporation support assistant. Answer briefly.", "samples": [{}]},
+        "text",
+        "a template needs at least one {variable}: write one where each request's own text goes, e.g. {question} "
+        "(the gateway recognises a template by the fixed text before its first variable)",
+    ),
+    (
+        {"text": "You are the Acme Corporation support assistant. Answer briefly.", "samples": "[]"},
+        {"text": "You are the Acme Corporation support assistant. Answer briefly.", "samples": []},
+        "text",
+        "a template needs at least one {variable}",
+    ),
+    ({"name": "support\n"}, {"name": "support\n"}, "name", "1-64 characters: letters, digits"),
+    ({"name": ""}, {"name": ""}, "name", "1-64 characters: letters, digits"),
+    ({"text": "x" * 20_001}, {"text": "x" * 20_001}, "text", "at most 20000 characters"),
+]
+
+
+@pytest.mark.parametrize(("form_changes", "body_changes", "field", "problem"), SAME_RULES)
+def test_the_page_and_the_api_refuse_the_same_input_alike(
+    world: dict[str, Any], admin_client: Any, form_changes: dict[str, str], body_changes: dict[str, Any], field: str,
+    problem: str,
+) -> None:  # fmt: skip
+    from django.utils.html import escape
+
+    before = _templates()
+    form = {"name": "support", "tenant": "", "text": TEXT, "samples": json.dumps(SAMPLES), **form_changes}
+    page = admin_client.post("/prompt-templates/", form)
+    assert page.status_code == 400 and f'id="form-error">{escape(field + ": " + problem)}' in page.content.decode()
+    body = {"name": "support", "text": TEXT, "samples": SAMPLES, **body_changes}
+    api = world["clients"]["alice"].post("/api/prompt-templates/", body, format="json")
+    assert api.status_code == 400
+    assert api.json()["error"]["fields"][field][0].startswith(problem)
+    assert _templates() == before
+
+
+def test_duplicate_keys_and_unpaired_surrogates_are_refused_on_both_surfaces(world: dict[str, Any], admin_client: Any) -> None:
+    before = _templates()
+    text = "You are the Acme Corporation support assistant, answering {x}"
+    page = admin_client.post("/prompt-templates/", {"name": "dup", "tenant": "", "text": text, "samples": '[{"x":"1","x":"2"}]'})
+    assert page.status_code == 400
+    assert "samples: not JSON: duplicate key &#x27;x&#x27; in a JSON object" in page.content.decode()
+    raw = '{"name": "dup", "text": "' + text + '", "samples": [{"x": "1", "x": "2"}]}'
+    api = world["clients"]["alice"].post("/api/prompt-templates/", raw, content_type="application/json")
+    assert api.status_code == 400 and "duplicate key 'x' in a JSON object" in api.json()["error"]["message"]
+    # A JSON "\ud800" escape is no character: no database stores it.
+    for body, field in (
+        # json.dumps writes a lone surrogate as its \\u escape, as a client's JSON library would.
+        (json.dumps({"name": "lone", "text": text + " \ud800", "samples": [{"x": "1"}]}), "text"),
+        (json.dumps({"name": "lone", "text": text, "samples": [{"x": "\udfff"}]}), "samples.0.x"),
+    ):
+        api = world["clients"]["alice"].post("/api/prompt-templates/", body, content_type="application/json")
+        assert api.status_code == 400, api.json()
+        problem = api.json()["error"]["fields"][field][0]
+        assert problem.startswith("must not contain the unpaired surrogate U+D") and problem.endswith("which is not a character")
+    assert _templates() == before
+
+
+def test_computed_fields_are_read_only_in_options_and_the_schema(world: dict[str, Any]) -> None:
+    alice = world["clients"]["alice"]
+    post = alice.options("/api/prompt-templates/").json()["actions"]["POST"]
+    assert {k: post[k]["read_only"] for k in ("id", "fixed_chars", "created_by", "created_at", "name", "text", "samples")} == {
+        "id": True, "fixed_chars": True, "created_by": True, "created_at": True, "name": False, "text": False,
+        "samples": False,
+    }  # fmt: skip
+    schema = alice.get("/api/schema/?format=json").json()["components"]["schemas"]
+    props = schema["PromptTemplate"]["properties"]
+    assert [k for k in ("fixed_chars", "created_by", "created_at", "name") if props[k].get("readOnly")] == [
+        "fixed_chars", "created_by", "created_at"
+    ]  # fmt: skip
+    request_props = schema["PromptTemplateCreateRequest"]["properties"]
+    assert sorted(request_props) == ["name", "samples", "tenant", "text"]
 
 
 def _stats(template: PromptTemplate, ns: Any) -> None:
