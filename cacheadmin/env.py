@@ -147,32 +147,70 @@ def persistent_secret(name: str, env_name: str, folder: Path) -> str:
     process ever sees an empty or partial file, and two processes starting
     together agree on one secret.
 
+    Every secret obeys one rule, whichever its source: at least
+    :data:`MIN_SECRET_CHARS` characters, each one visible ASCII (``!`` to
+    ``~``; surrounding whitespace is ignored). With a weak key, anyone who can
+    read namespace ids could compute their salts; and a bearer token travels
+    in an HTTP header, which carries ASCII only (WSGI decodes header bytes as
+    Latin-1, so a UTF-8 token could never match itself).
+
     Raises:
         ImproperlyConfigured: the environment's value or the file's is shorter
-            than :data:`MIN_SECRET_CHARS` (empty included): with a weak key,
-            anyone who can read namespace ids could compute their salts. The
-            message says how to recover. Also raised when the secret cannot be
-            written (a full disk), leaving nothing behind.
+            than :data:`MIN_SECRET_CHARS` (empty included) or holds another
+            character; the file cannot be read; or the secret cannot be
+            written (a full disk), leaving nothing behind. The message is one
+            line that names the variable or file and says how to recover, and
+            never contains the secret.
     """
     value = os.environ.get(env_name, "")
     if value:
-        if len(value.strip()) < MIN_SECRET_CHARS:
-            raise ImproperlyConfigured(f"{env_name} is shorter than {MIN_SECRET_CHARS} characters; refusing a weak secret")
+        problem = secret_problem(value.strip())
+        if problem:
+            raise ImproperlyConfigured(
+                f"{env_name} {problem}: refusing it. Set {env_name} to {MIN_SECRET_CHARS} or more visible ASCII "
+                f"characters (e.g. the output of: python -c 'import secrets; print(secrets.token_hex(32))'), "
+                f"or unset it to use {folder / name}"
+            )
         return value.strip()
     path = folder / name
     if not path.exists():
         _create_secret(path)
     try:
         stored = path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ImproperlyConfigured(f"{path} cannot be read: {exc}") from exc
-    if len(stored) < MIN_SECRET_CHARS:
+    except UnicodeDecodeError:
+        stored = None
+    except OSError as exc:
+        raise ImproperlyConfigured(f"{path} cannot be read: {exc.strerror or exc}") from exc
+    problem = "holds a character outside visible ASCII" if stored is None else secret_problem(stored, file=True)
+    if problem:
         raise ImproperlyConfigured(
-            f"{path} holds {len(stored)} characters, fewer than {MIN_SECRET_CHARS}: refusing a weak secret. "
+            f"{path} {problem}: refusing a weak secret. "
             f"Restore it from a backup, or set {env_name}; deleting it makes a new one and changes every value "
             "derived from it"
         )
     return stored
+
+
+def secret_problem(value: str, *, file: bool = False) -> str | None:
+    """What makes ``value`` unfit as a secret, or None when it is fit.
+
+    Args:
+        value: the secret, surrounding whitespace already removed.
+        file: word the length problem as a file's content (``holds N characters``).
+
+    Returns:
+        A phrase such as ``"is shorter than 32 characters"`` or ``"holds a
+        character outside visible ASCII (position 3)"``; never the secret
+        itself nor the offending character.
+    """
+    if len(value) < MIN_SECRET_CHARS:
+        if file:
+            return f"holds {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
+        return f"is shorter than {MIN_SECRET_CHARS} characters"
+    for position, char in enumerate(value, start=1):
+        if not "!" <= char <= "~":
+            return f"holds a character outside visible ASCII (position {position})"
+    return None
 
 
 def _create_secret(path: Path) -> None:

@@ -5,24 +5,43 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.views.decorators.http import require_GET
+from django.views.decorators.csrf import csrf_exempt
 
 from cacheadmin.api.exceptions import envelope
 from cacheadmin.metrics.exposition import bearer_token_check, control_plane_exposition
 
 #: Prometheus' text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: The methods ``/metrics`` answers, as its ``Allow`` header lists them.
+ALLOWED_METHODS = ("GET", "HEAD")
 
 
+def method_not_allowed(request: HttpRequest) -> JsonResponse:
+    """405 in the API's error envelope with ``Allow: GET, HEAD`` (the gateway's ``/metrics`` answers the same)."""
+    allowed = ", ".join(ALLOWED_METHODS)
+    response = JsonResponse(
+        envelope(405, "method_not_allowed", f"{request.method} is not allowed on {request.path} ({allowed})"), status=405
+    )
+    response["Allow"] = allowed
+    return response
+
+
+# No cookie authenticates this endpoint (a bearer token does), so there is no
+# cross-site request to forge: without the exemption, Django's CSRF check would
+# answer a POST with its HTML 403 page before the view could say 405.
+@csrf_exempt
 @login_not_required
-@require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     """The metrics in Prometheus' text format for a caller with the metrics token.
 
-    200 with the exposition; 401 (``WWW-Authenticate: Bearer``) without a
-    bearer token; 403 with a wrong one; both in the API's error envelope and
-    without a word of the token.
+    ``GET``: 200 with the exposition; ``HEAD``: the same status and headers
+    (``Content-Length`` included) without a body; another method: 405 with
+    ``Allow: GET, HEAD``, whatever the token. 401 (``WWW-Authenticate:
+    Bearer``) without a bearer token; 403 with a wrong one. Errors are in the
+    API's error envelope, without a word of the token.
     """
+    if request.method not in ALLOWED_METHODS:
+        return method_not_allowed(request)
     refused = bearer_token_check(request.headers.get("Authorization", ""), settings.METRICS_TOKEN)
     if refused == 401:
         response = JsonResponse(
@@ -33,4 +52,10 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return response
     if refused == 403:
         return JsonResponse(envelope(403, "permission_denied", "wrong metrics token"), status=403)
-    return HttpResponse(control_plane_exposition(settings.METRICS_MULTIPROC_DIR), content_type=CONTENT_TYPE)
+    body = control_plane_exposition(settings.METRICS_MULTIPROC_DIR)
+    if request.method == "HEAD":
+        # Not every WSGI server drops a HEAD response's body (wsgiref sends it): send none.
+        response = HttpResponse(b"", content_type=CONTENT_TYPE)
+        response["Content-Length"] = str(len(body))
+        return response
+    return HttpResponse(body, content_type=CONTENT_TYPE)
