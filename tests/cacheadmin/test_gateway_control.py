@@ -286,7 +286,7 @@ def test_the_dashboard_shows_the_gateway_layers_figures_and_holds(served, client
     assert "semantic cache off (incident 7, alice (token alice-ci))" in page
     assert "Routing suspended" in page and "deceptive hit on live traffic" in page
     row = page[page.index("acme/v1</a></td><td>response</td>") :].split("</tr>")[0]
-    assert "<td>4</td>" in row and "50 %" in row and "sampling 2" in row and "2.0 ms" in row
+    assert "<td>4</td>" in row and "<td>50.0 %</td>" in row and "sampling 2" in row and "<td>2 ms</td>" in row
 
 
 def test_key_limits_are_the_same_through_the_api_and_the_cli(served) -> None:

@@ -426,7 +426,7 @@ def test_the_pages_show_a_first_deployment(world, admin_client) -> None:
     assert 'value="rollback"' not in page and 'value="decide"' not in page and "Required:" not in page
     dashboard = admin_client.get("/").content.decode()
     assert "<td>first deployment → tiny-v1</td><td>first_deployment</td>" in dashboard
-    assert "<td>not needed</td><td>ready</td><td>100%</td>" in dashboard
+    assert '<td>not needed</td><td class="release-status">ready</td><td>100 %</td>' in dashboard
 
 
 @pytest.mark.slow
