@@ -105,7 +105,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvcp_job_duration_seconds", "histogram", ("kind",), "run time of finished jobs, start to finish", "control"),
     MetricSpec("kvcp_engine_info", "gauge", ("engine", "model_version", "origin", "status"), "1 per engine", "control"),
     MetricSpec(
-        "kvcp_engine_verified", "gauge", ("engine",), "1 while the engine's last verification matched its version", "control"
+        "kvcp_engine_verified",
+        "gauge",
+        ("engine",),
+        "1 while the engine is verified; 0 while unverified, refused, drifted or unreachable",
+        "control",
     ),
     MetricSpec(
         "kvcp_engine_alarms_open",

@@ -287,7 +287,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "Engines ready but unverified",
-                "Engines in status ready whose last verification did not match their version.",
+                "Engines in status ready that are not verified (unverified, refused, drifted or unreachable).",
                 "short",
                 (
                     q(
@@ -310,7 +310,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Engine verified",
-                "1 while an engine's last verification matched its model version.",
+                "1 while an engine is verified; 0 while unverified, refused, drifted or unreachable.",
                 "bool_yes_no",
                 (q(f"kvcp_engine_verified{{{ENG}}}", "{{engine}}"),),
                 min=0,
