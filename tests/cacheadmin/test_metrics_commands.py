@@ -216,3 +216,45 @@ def test_metrics_serve_listens_on_ipv6_and_answers_head_and_other_methods() -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- The other commands that listen parse their address the same way ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("gateway", "--addr", "256.1.1.1:9000"), "--addr: '256.1.1.1' is not an IPv4 address in '256.1.1.1:9000'"),
+        (("gateway", "--addr", "::1:9000"), "--addr: an IPv6 address goes in brackets, e.g. [::1]:9466, got '::1:9000'"),
+        (("kv_events", "--metrics-addr", "256.1.1.1:9000", "--seconds", "1"),
+         "--metrics-addr: '256.1.1.1' is not an IPv4 address in '256.1.1.1:9000'"),
+        (("kv_events", "--metrics-addr", "[::1:9000", "--seconds", "1"),
+         "--metrics-addr: unbalanced brackets in host '[::1' of '[::1:9000'"),
+        (("kv_events", "--metrics-addr", "unix:/tmp/x", "--seconds", "1"),
+         "--metrics-addr takes HOST:PORT (Prometheus scrapes over TCP)"),
+    ],
+)  # fmt: skip
+def test_gateway_and_kv_events_refuse_a_bad_address_before_binding(args: tuple[str, ...], message: str) -> None:
+    done = manage(*args, env=subprocess_env())
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"CommandError: {message}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_a_taken_address_is_a_conflict_for_each_command_that_listens(family: socket.AddressFamily) -> None:
+    if family == socket.AF_INET6 and not socket.has_ipv6:
+        pytest.skip("this host has no IPv6")
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.create_server((host, 0), family=family) as taken:
+        port = taken.getsockname()[1]
+        addr = f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
+        for args, prefix in [
+            (("metrics_serve", "--addr", addr), ""),
+            (("gateway", "--addr", addr), ""),
+            (("kv_events", "--metrics-addr", addr, "--seconds", "1"), "--metrics-addr: "),
+        ]:
+            done = manage(*args, env=subprocess_env())
+            assert (done.returncode, done.stdout, done.stderr) == (
+                3, "", f"CommandError: {prefix}cannot listen on {addr}: Address already in use\n"
+            ), args  # fmt: skip

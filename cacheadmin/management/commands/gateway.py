@@ -5,6 +5,7 @@ the operator's tools around it."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import CommandParser
 
+from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, positive_int
 from cacheadmin.metrics.multiproc import multiproc_use
 from cacheadmin.models import CacheNamespace, Tenant
@@ -31,13 +33,6 @@ from gateway.server import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from inference.errors import EXIT_CONFLICT
 
 ACTOR = "cli"
-
-
-def _addr(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--addr must be HOST:PORT, got {value!r}")
-    return host, int(port)
 
 
 class Command(ControlPlaneCommand):
@@ -97,20 +92,24 @@ class Command(ControlPlaneCommand):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         import uvicorn
 
+        source = "--addr" if opts["addr"] else "GATEWAY_ADDR"
         try:
-            host, port = _addr(opts["addr"] or settings.GATEWAY_ADDR)
+            addr = listen_address(opts["addr"] or settings.GATEWAY_ADDR)
         except ValueError as exc:
-            raise self.bad_input(str(exc)) from exc
+            raise self.bad_input(f"{source}: {exc}") from exc
+        host, port = addr.host, addr.port
         workers = opts["workers"] or settings.GATEWAY_WORKERS
         try:
             # Refused here, in one line, rather than by uvicorn after it printed its own start.
-            with socket.create_server((host, port)):
+            with socket.create_server((host, port), family=addr.family):
                 pass
         except OSError as exc:
-            raise self.failed(f"cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_CONFLICT) from exc
+            # create_server() appends "(while attempting to bind on address ...)": the address is said already.
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise self.failed(f"cannot listen on {addr}: {reason}", EXIT_CONFLICT) from exc
         # The processes about to start share one metrics folder; what an earlier run left there is not theirs.
         multiproc_use(settings.GATEWAY_METRICS_DIR, clear=True)
-        self.stdout.write(f"gateway on http://{host}:{port}/v1 ({workers} process{'es' if workers > 1 else ''})")
+        self.stdout.write(f"gateway on http://{addr}/v1 ({workers} process{'es' if workers > 1 else ''})")
         self.stdout.flush()
         # access_log off: request lines carry no prompt, but the figures are what operators read.
         uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",

@@ -4,7 +4,9 @@ Subscribes to the KV-event streams of the engines of its partition (engine
 id mod N = K; one consumer per partition when the fleet is scaled out) and
 keeps resident blocks and tokens per engine and namespace, checkpointed every
 few seconds. Runs until SIGTERM or Ctrl-C; ``--seconds`` stops it after that
-long. Exit codes: 0 stopped; 2 bad input.
+long. Exit codes: 0 stopped; 2 bad input (a malformed ``--metrics-addr``, or a
+host that is no address); 3 the metrics address cannot be bound (taken, or not
+this machine's).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import signal
 import time
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandParser
 
+from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, int_within
-from cacheadmin.management.commands.demo import bind_address
 from cacheadmin.services.kv_events import KvEventConsumer, consumer_metrics
+from inference.errors import EXIT_CONFLICT
 
 
 def _partition(value: str) -> tuple[int, int]:
@@ -44,21 +46,19 @@ class Command(ControlPlaneCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         metrics = None
         if opts["metrics_addr"]:
-            addr = opts["metrics_addr"]
-            try:
-                bind_address(addr, name="--metrics-addr")
-            except ImproperlyConfigured as exc:
-                raise self.bad_input(str(exc)) from exc
-            if addr.startswith("unix:"):
+            if opts["metrics_addr"].startswith("unix:"):
                 raise self.bad_input("--metrics-addr takes HOST:PORT (Prometheus scrapes over TCP)")
+            try:
+                addr = listen_address(opts["metrics_addr"])
+            except ValueError as exc:
+                raise self.bad_input(f"--metrics-addr: {exc}") from exc
             from prometheus_client import start_http_server
 
-            host, port = addr.rsplit(":", 1)
             metrics = consumer_metrics()
             try:
-                start_http_server(int(port), addr=host.strip("[]"))
+                start_http_server(addr.port, addr=addr.host)
             except OSError as exc:
-                raise self.bad_input(f"--metrics-addr {addr}: cannot listen: {exc.strerror or exc}") from exc
+                raise self.failed(f"--metrics-addr: cannot listen on {addr}: {exc.strerror or exc}", EXIT_CONFLICT) from exc
         stopping = {"now": False}
 
         def stop(signum: int, frame: object) -> None:
