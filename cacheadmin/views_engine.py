@@ -24,7 +24,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.comparison import MAX_TOKENS, comparison_job_create
-from cacheadmin.services.engine_verification import engine_verify
+from cacheadmin.services.engine_verification import engine_verify, verify_refusal
 from cacheadmin.services.engines import EngineRefused, engine_boot_enqueue, engine_restart, engine_stop, log_tail
 from cacheadmin.services.kv_events import residency_now
 from cacheadmin.services.prewarm import prewarm_job_create
@@ -176,6 +176,7 @@ def engine_detail(
     with what was submitted (the page answers with that 4xx status).
     """
     engine = _engine(pk)
+    references = reference_candidates(engine)
     context = {
         **_live_context(engine),
         "attached": engine.attached_namespaces.select_related("tenant", "group"),
@@ -183,7 +184,11 @@ def engine_detail(
         "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
         "action_error": error,
         "form": form or {},
-        "references": reference_candidates(engine),
+        # Each action is offered only where it can succeed; otherwise the page says why (the services refuse alike).
+        "verify_refusal": verify_refusal(engine),
+        "jobs_refusal": engine.unusable_reason(),
+        "references": [r for r in references if r.unusable_reason() is None],
+        "references_unusable": [(r, r.unusable_reason()) for r in references if r.unusable_reason() is not None],
         "max_tokens_limit": MAX_TOKENS,
     }
     return render(request, "cacheadmin/engine_detail.html", context, status=status)
@@ -228,7 +233,9 @@ def engine_action(request: HttpRequest, pk: int, verb: str) -> HttpResponse:
     and ``compare`` (form: ``reference_engine`` id, ``namespace`` id,
     ``corpus``, ``max_tokens``) enqueue a job with the API's validations and
     redirect to its page. A refusal or bad input re-renders the page with the
-    error and its 4xx status (an unknown verb too).
+    error and its status (an unknown verb too): 4xx for bad input or a
+    refusal (verifying an engine that is not ready: 409, nothing recorded),
+    503 when a ready engine does not answer its verification (recorded).
     """
     if not session_allows(request.user, ApiToken.Scope.OPERATE):
         return HttpResponseForbidden(f"{verb} needs the operate permission")
@@ -240,7 +247,10 @@ def engine_action(request: HttpRequest, pk: int, verb: str) -> HttpResponse:
     try:
         if verb == "start":
             if engine.origin != Engine.Origin.LOCAL:
-                raise EngineRefused(f"engine {engine.name} was adopted: start it where it runs, then verify it")
+                raise EngineRefused(
+                    f"engine {engine.name} was adopted: its process is not ours to start; "
+                    "start it where it runs, then adopt it again at its URL"
+                )
             if engine.status not in (Engine.Status.STOPPED, Engine.Status.FAILED):
                 raise EngineRefused(f"engine {engine.name} is {engine.status}; only a stopped or failed engine starts")
             engine_boot_enqueue(engine_restart(engine=engine, actor=actor, reason="started from its page", boot=False))

@@ -131,9 +131,17 @@ class Engine(models.Model):
 
     def unusable_reason(self) -> str | None:
         """Why no job may send requests to this engine now, or None: it must be
-        ready, and not known to compute something other than its identity."""
+        ready, not known to compute something other than its identity, and not
+        silent at its last verification. Unverified is allowed: prewarming or
+        comparing a new engine before traffic moves to it is a release step.
+        Prewarm and comparison jobs (page, API, CLI) and shadow checks ask this."""
         if self.status != self.Status.READY:
             return f"engine {self.name} is {self.status}, not ready"
+        if self.verification == self.Verification.UNREACHABLE:
+            return (
+                f"engine {self.name} did not answer its last verification: "
+                f"verify it again (`engine verify {self.pk}`) once it answers"
+            )
         if self.verification in (self.Verification.REFUSED, self.Verification.DRIFTED):
             return (
                 f"engine {self.name} is {self.verification}: it does not compute what its identity says "

@@ -87,6 +87,22 @@ def refusal_message(engine_name: str, checks: list[Check]) -> str:
     )
 
 
+def verify_refusal(engine: Engine) -> str | None:
+    """Why ``engine`` cannot be verified now, or None: only a ready engine
+    answers. A starting one is verified by its boot once it is ready; a stopped
+    or failed one has nothing to answer, and checking it would only record it
+    ``unreachable``."""
+    if engine.status == Engine.Status.READY:
+        return None
+    if engine.status == Engine.Status.STARTING:
+        return f"engine {engine.name} is starting: it is verified as soon as it is ready"
+    if engine.origin == Engine.Origin.LOCAL:
+        how = "start it (it is verified as it starts)"
+    else:
+        how = "it was adopted: once it runs again where it runs, adopt it again at its URL"
+    return f"engine {engine.name} is {engine.status}: only a ready engine can be verified; {how}"
+
+
 def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> EngineVerification:
     """Check a running engine against its identity and, once it has been
     verified, against the facts it reported then (drift). Records an
@@ -98,11 +114,14 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
 
     Raises:
         VerificationRefused: refused or drifted (after recording it).
-        EngineUnreachable: unreachable (after recording it).
-        Refused: the version cannot be verified against (no resolved layout,
-            tokenizer unreadable).
+        EngineUnreachable: a ready engine that did not answer (after recording it).
+        Refused: the engine is not ready (:func:`verify_refusal`; nothing
+            recorded, nothing changed), or the version cannot be verified
+            against (no resolved layout, tokenizer unreadable).
     """
     engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
+    if (why := verify_refusal(engine)) is not None:
+        raise Refused(why)
     version = engine.model_version
     baseline = (
         engine.verified_facts if engine.verification in (Engine.Verification.VERIFIED, Engine.Verification.DRIFTED) else None

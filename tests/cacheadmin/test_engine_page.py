@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
+from django.utils.html import escape
 
 from cacheadmin.models import (
     AuditEvent,
@@ -18,12 +19,14 @@ from cacheadmin.models import (
     Engine,
     EngineAlarm,
     EngineMetricsSample,
+    EngineVerification,
     GatewayStat,
     PrewarmJob,
     ResidentSample,
 )
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.views_engine import engine_hit_ratio_series
+from tests.cacheadmin.test_api_fleet import real_version as real_version  # noqa: F401 - the fixture, reused
 
 pytestmark = pytest.mark.django_db
 
@@ -183,13 +186,120 @@ def test_compare_enqueues_a_job_against_an_eligible_reference_and_refuses_bad_in
     assert len(queued) == 1
 
 
-def test_stop_and_verify_from_the_page(fleet: dict[str, Any], admin_client: Any) -> None:
+def _engine_state() -> tuple[Any, ...]:
+    """Every engine's status and verification, every verification and job recorded, and the audit."""
+    return (
+        sorted(Engine.objects.values_list("name", "status", "verification", "verified_at")),
+        EngineVerification.objects.count(),
+        PrewarmJob.objects.count(),
+        ComparisonJob.objects.count(),
+        AuditEvent.objects.count(),
+    )
+
+
+def test_a_ready_engine_that_does_not_answer_is_shown_on_its_page_with_503(
+    fleet: dict[str, Any], admin_client: Any, real_version: Any
+) -> None:
     engine = fleet["engine"]
-    Engine.objects.filter(pk=engine.pk).update(origin="adopted")
-    # Verifying an engine nobody answers at: the page says so, nothing is routed to it.
+    version, namespace = real_version  # a version it can be verified against: the check reaches the engine
+    Engine.objects.filter(pk=engine.pk).update(origin="adopted", model_version=version, namespace=namespace)
+    # Nobody answers at 127.0.0.1:1: the page itself, with the reason, status 503 (an upstream is down), recorded.
     unreachable = admin_client.post(f"/engines/{engine.pk}/verify/")
-    assert unreachable.status_code in (409, 503) and 'role="alert"' in unreachable.content.decode()
+    html = unreachable.content.decode()
+    assert unreachable.status_code == 503
+    assert '<p class="unsafe" role="alert" id="action-error">engine e-acme did not answer the verification: ' in html
+    assert "<h1>e-acme <small" in html and 'id="engine-live"' in html
+    engine.refresh_from_db()
+    assert (engine.verification, engine.verifications.get().outcome) == ("unreachable", "unreachable")
     stopped = admin_client.post(f"/engines/{engine.pk}/stop/")
     assert stopped.status_code == 302
     engine.refresh_from_db()
     assert engine.in_service is False
+
+
+@pytest.mark.parametrize(
+    ("status", "origin", "message"),
+    [
+        ("stopped", "local", "engine e-acme is stopped: only a ready engine can be verified; start it (it is verified as "
+                             "it starts)"),
+        ("failed", "local", "engine e-acme is failed: only a ready engine can be verified; start it (it is verified as "
+                            "it starts)"),
+        ("stopped", "adopted", "engine e-acme is stopped: only a ready engine can be verified; it was adopted: once it runs "
+                               "again where it runs, adopt it again at its URL"),
+        ("starting", "local", "engine e-acme is starting: it is verified as soon as it is ready"),
+    ],
+)  # fmt: skip
+def test_verifying_an_engine_that_is_not_ready_is_refused_with_nothing_changed(
+    fleet: dict[str, Any], admin_client: Any, status: str, origin: str, message: str
+) -> None:
+    engine = fleet["engine"]
+    Engine.objects.filter(pk=engine.pk).update(status=status, origin=origin)
+    before = _engine_state()
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    assert f'action="/engines/{engine.pk}/verify/"' not in page  # offered only where it can succeed
+    assert f'<p class="note" id="verify-unavailable">Verify: {escape(message)}.</p>' in page
+    refused = admin_client.post(f"/engines/{engine.pk}/verify/")
+    assert refused.status_code == 409
+    assert f'<p class="unsafe" role="alert" id="action-error">{escape(message)}</p>' in refused.content.decode()
+    api = fleet["clients"]["bob"].post(f"/api/engines/{engine.pk}/verify/", format="json")
+    assert api.status_code == 409 and api.json()["error"] == {"code": "refused", "message": message, "status": 409}
+    assert _engine_state() == before
+    assert Engine.objects.get(pk=engine.pk).verification == "unverified"
+
+
+def test_jobs_are_refused_on_an_engine_silent_at_its_last_verification(fleet: dict[str, Any], admin_client: Any) -> None:
+    engine, acme, reference = fleet["engine"], fleet["ns"]["acme"], fleet["reference"]
+    Engine.objects.filter(pk=engine.pk).update(verification="unreachable")
+    why = f"engine e-acme did not answer its last verification: verify it again (`engine verify {engine.pk}`) once it answers"
+    before = _engine_state()
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    assert 'id="prewarm-form"' not in page and 'id="compare-form"' not in page
+    assert f'<p class="note" id="jobs-unavailable">Prewarm and compare: {escape(why)}.</p>' in page
+    assert f'action="/engines/{engine.pk}/verify/"' in page  # ready: verifying it again is how it comes back
+    compare = {"reference_engine": reference.pk, "namespace": acme.pk, "corpus": "diagnostic", "max_tokens": "8"}
+    for verb, data in (("prewarm", {"namespace": acme.pk, "corpus": "diagnostic"}), ("compare", compare)):
+        refused = admin_client.post(f"/engines/{engine.pk}/{verb}/", data)
+        assert refused.status_code == 409, verb
+        assert f'role="alert" id="action-error">{escape(why)}</p>' in refused.content.decode()
+    bob = fleet["clients"]["bob"]
+    for path, body in (
+        ("/api/prewarm-jobs/", {"namespace": acme.pk, "engine": engine.pk}),
+        ("/api/comparison-jobs/", {"namespace": acme.pk, "engine": engine.pk, "reference_engine": reference.pk}),
+    ):
+        api = bob.post(path, body, format="json")
+        assert api.status_code == 409 and api.json()["error"] == {"code": "job_refused", "message": why, "status": 409}
+    # A reference silent at its last verification is not offered, and refused when named.
+    Engine.objects.filter(pk=engine.pk).update(verification="unverified")
+    Engine.objects.filter(pk=reference.pk).update(verification="unreachable")
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    ref_why = f"engine ref did not answer its last verification: verify it again (`engine verify {reference.pk}`) once it answers"
+    assert 'id="prewarm-form"' in page and f'<option value="{reference.pk}">' not in page
+    assert f"<li>ref not offered: {escape(ref_why)}.</li>" in page
+    assert "No eligible reference engine" in page
+    api = bob.post("/api/comparison-jobs/", {"namespace": acme.pk, "engine": engine.pk, "reference_engine": reference.pk},
+                   format="json")  # fmt: skip
+    assert api.status_code == 409 and api.json()["error"]["message"] == ref_why
+    Engine.objects.filter(pk=reference.pk).update(verification="unverified")
+    Engine.objects.filter(pk=engine.pk).update(verification="unreachable")
+    assert _engine_state() == before
+
+
+@pytest.mark.parametrize(
+    ("status", "origin"), [("stopped", "local"), ("failed", "local"), ("stopped", "adopted"), ("ready", "local")]
+)
+def test_job_forms_are_offered_only_where_the_job_can_run(
+    fleet: dict[str, Any], admin_client: Any, status: str, origin: str
+) -> None:
+    engine = fleet["engine"]
+    Engine.objects.filter(pk=engine.pk).update(status=status, origin=origin)
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    if status == "ready":  # ready and unverified: prewarming a new engine before traffic moves is a release step
+        assert 'id="prewarm-form"' in page and 'id="compare-form"' in page and 'id="jobs-unavailable"' not in page
+        return
+    why = f"engine e-acme is {status}, not ready"
+    assert 'id="prewarm-form"' not in page and 'id="compare-form"' not in page
+    assert f'<p class="note" id="jobs-unavailable">Prewarm and compare: {why}.</p>' in page
+    before = _engine_state()
+    refused = admin_client.post(f"/engines/{engine.pk}/prewarm/", {"namespace": fleet["ns"]["acme"].pk})
+    assert refused.status_code == 409 and why in refused.content.decode()
+    assert _engine_state() == before
