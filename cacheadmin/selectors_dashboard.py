@@ -315,7 +315,7 @@ def schedule_rows(now: datetime | None = None) -> list[dict[str, Any]]:
     rows = []
     for spec in SCHEDULES:
         task = tasks.get(spec.name)
-        every = task.interval.every * _PERIOD_S[task.interval.period] if task and task.interval else spec.every_s
+        every = task.interval.every * PERIOD_S[task.interval.period] if task and task.interval else spec.every_s
         enabled = bool(task and task.enabled)
         last = task.last_run_at if task else None
         nxt = (max(last + timedelta(seconds=every), now) if last else now) if enabled else None
@@ -324,7 +324,8 @@ def schedule_rows(now: datetime | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-_PERIOD_S = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1, "microseconds": 1e-6}
+#: Seconds in each django-celery-beat interval period.
+PERIOD_S = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1, "microseconds": 1e-6}
 
 
 def sweep_times(schedules: list[dict[str, Any]]) -> SweepTimes:

@@ -5,24 +5,41 @@ and staff edit the cleanup schedules here.
 
 Sections (their element ids are the names below; see dashboard.html):
 serving-now, engines, jobs, releases, eviction-runs, namespaces,
-model-versions, staleness, cleanup, gateway, charts.
+model-versions, staleness, cleanup, schedules, gateway, charts.
+
+Every page and fragment here only reads: GET and HEAD, anything else 405 (the
+charts' JSON in the error envelope). A query parameter a view reads with a value
+it does not accept is a 400 that names the parameter and the values allowed.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from django.contrib import messages
 from django.db import transaction
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    HttpResponseForbidden,
+    HttpResponseNotAllowed,
+    JsonResponse,
+)
 from django.shortcuts import redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from cacheadmin import selectors, selectors_dashboard
+from cacheadmin.api.exceptions import envelope
+from cacheadmin.middleware import answers_json_when_signed_out
 from cacheadmin.models import (
     ApiToken,
     ComparisonJob,
@@ -50,6 +67,71 @@ SCHEDULE_MIN_S = 10
 SCHEDULE_MAX_S = 7 * 24 * 3600
 #: Namespaces per page of the full list.
 PAGE_SIZE = 100
+#: The highest page number a list accepts (``?page=``, ``?serving_page=``). Any page
+#: from 1 to this bound past the last page shows the last page; a number above it
+#: is refused (400) rather than read as some other page.
+PAGE_MAX = 1_000_000
+#: The methods every page and fragment here answers (they only read).
+SAFE_METHODS = ("GET", "HEAD")
+
+View = TypeVar("View", bound=Callable[..., HttpResponseBase])
+
+
+class BadQuery(ValueError):
+    """A query parameter a view reads has a value it does not accept: answered 400
+    with :attr:`message`, which names the parameter and the values allowed."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+def _shown(raw: str) -> str:
+    """``raw`` quoted for an error message, cut at 40 characters (a value can be any length)."""
+    return repr(raw if len(raw) <= 40 else raw[:40] + "…")
+
+
+def _one(request: HttpRequest, name: str) -> str | None:
+    """``?<name>=`` once, or None when absent.
+
+    Raises:
+        BadQuery: the parameter is given more than once (which one was meant is unknown).
+    """
+    values = request.GET.getlist(name)
+    if len(values) > 1:
+        raise BadQuery(name, f"{name} is given {len(values)} times; give it once")
+    return values[0] if values else None
+
+
+def _read_only(*, fragment: bool) -> Callable[[View], View]:
+    """A page (``fragment=False``) or fragment that only reads: GET and HEAD, others 405
+    with ``Allow: GET, HEAD``; a :class:`BadQuery` it raises becomes a 400 page or
+    fragment (``#query-error``) saying what is wrong.
+
+    CSRF-exempt: nothing here writes, and a method it refuses should read 405 rather
+    than as the CSRF failure page.
+    """
+
+    def wrap(view: View) -> View:
+        @functools.wraps(view)
+        def inner(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            if request.method not in SAFE_METHODS:
+                return HttpResponseNotAllowed(
+                    SAFE_METHODS,
+                    f"{request.path} only reads: it answers GET and HEAD, not {request.method}; nothing was changed.\n",
+                    content_type="text/plain; charset=utf-8",
+                )
+            try:
+                return view(request, *args, **kwargs)
+            except BadQuery as exc:
+                template = "cacheadmin/_dash_query_error.html" if fragment else "cacheadmin/_dash_query_error_page.html"
+                context = {"query_name": exc.name, "query_error": exc.message, "retry_url": request.path}
+                return render(request, template, context, status=400)
+
+        return csrf_exempt(inner)  # type: ignore[return-value]
+
+    return wrap
 
 
 def _can_operate(request: HttpRequest) -> bool:
@@ -102,9 +184,23 @@ def _ctx_gateway(request: HttpRequest) -> dict[str, Any]:
 
 
 def _page_number(request: HttpRequest, name: str) -> int:
-    """``?<name>=`` as a page number from 1 (1 for anything else)."""
-    raw = request.GET.get(name, "1")
-    return int(raw) if raw.isascii() and raw.isdigit() and 0 < len(raw) <= 6 and int(raw) > 0 else 1
+    """``?<name>=`` as a page number, 1 when absent.
+
+    Raises:
+        BadQuery: not ASCII digits (``abc``, ``-1``, ``١``), 0, above :data:`PAGE_MAX`,
+            or given twice. A number up to :data:`PAGE_MAX` past the last page is the
+            caller's to clamp to the last page.
+    """
+    raw = _one(request, name)
+    if raw is None:
+        return 1
+    # Length first: int() of a 5,000-digit string is itself an error (and slow).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(PAGE_MAX)) or not 1 <= int(raw) <= PAGE_MAX:
+        raise BadQuery(
+            name,
+            f"{name} must be a whole number from 1 to {PAGE_MAX} (a page past the last shows the last), not {_shown(raw)}",
+        )
+    return int(raw)
 
 
 def _ctx_serving(request: HttpRequest) -> dict[str, Any]:
@@ -143,8 +239,18 @@ def _schedules(request: HttpRequest) -> list[dict[str, Any]]:
 
 
 def _order(request: HttpRequest) -> str:
-    order = request.GET.get("order", "newest")
-    return order if order in selectors_dashboard.NAMESPACE_ORDERS else "newest"
+    """``?order=`` of the namespace lists, ``newest`` when absent.
+
+    Raises:
+        BadQuery: not one of :data:`cacheadmin.selectors_dashboard.NAMESPACE_ORDERS`, or given twice.
+    """
+    order = _one(request, "order")
+    if order is None:
+        return "newest"
+    if order not in selectors_dashboard.NAMESPACE_ORDERS:
+        allowed = ", ".join(selectors_dashboard.NAMESPACE_ORDERS)
+        raise BadQuery("order", f"order must be one of {allowed}, not {_shown(order)}")
+    return order
 
 
 def _ctx_namespaces(request: HttpRequest) -> dict[str, Any]:
@@ -171,14 +277,18 @@ def _ctx_staleness(request: HttpRequest) -> dict[str, Any]:
 
 
 def _ctx_cleanup(request: HttpRequest) -> dict[str, Any]:
-    schedules = _schedules(request)
     return {
-        "schedules": schedules,
-        "times": selectors_dashboard.sweep_times(schedules),
+        "times": selectors_dashboard.sweep_times(_schedules(request)),
         "notices": selectors_dashboard.notice_rows(),
         "orphans": selectors_dashboard.orphan_summary(_scan(request)),
-        "schedule_bounds": (SCHEDULE_MIN_S, SCHEDULE_MAX_S),
     }
+
+
+def _ctx_schedules(request: HttpRequest) -> dict[str, Any]:
+    # Its own section, apart from cleanup: it holds staff's forms, and a poll
+    # must not replace a form being typed in (static/cacheadmin/app.js skips a
+    # swap while a field in the section has focus or differs from what was served).
+    return {"schedules": _schedules(request), "schedule_bounds": (SCHEDULE_MIN_S, SCHEDULE_MAX_S)}
 
 
 def _ctx_charts(request: HttpRequest) -> dict[str, Any]:
@@ -194,6 +304,7 @@ SECTIONS: dict[str, tuple[str, Callable[[HttpRequest], dict[str, Any]]]] = {
     "eviction-runs": ("cacheadmin/_dash_eviction_runs.html", _ctx_eviction_runs),
     "staleness": ("cacheadmin/_dash_staleness.html", _ctx_staleness),
     "cleanup": ("cacheadmin/_dash_cleanup.html", _ctx_cleanup),
+    "schedules": ("cacheadmin/_dash_schedules.html", _ctx_schedules),
     "namespaces": ("cacheadmin/_dash_namespaces.html", _ctx_namespaces),
     "model-versions": ("cacheadmin/_dash_model_versions.html", _ctx_model_versions),
     "gateway": ("cacheadmin/_dash_gateway.html", _ctx_gateway),
@@ -201,8 +312,15 @@ SECTIONS: dict[str, tuple[str, Callable[[HttpRequest], dict[str, Any]]]] = {
 }
 
 
+# Query parameters a view does not read are ignored, not refused: browsers, link
+# trackers and proxies add their own (utm_*, fbclid, cache busters), and a shared
+# link must still open. Those a view reads are checked (see BadQuery).
+
+
+@_read_only(fragment=False)
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """Every section once, each then refreshing itself (GET ``?order=`` picks the namespace order)."""
+    """Every section once, each then refreshing itself; ``?order=`` picks the namespace
+    order and ``?serving_page=`` the page of serving now (400 for a bad value)."""
     context = _base(request)
     for _template, build in SECTIONS.values():
         context.update(build(request))
@@ -210,16 +328,17 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     return render(request, "cacheadmin/dashboard.html", context)
 
 
-@require_GET
+@_read_only(fragment=True)
 def section_fragment(request: HttpRequest, name: str) -> HttpResponse:
-    """One section alone, for its poll. 404 for a name not in :data:`SECTIONS`."""
+    """One section alone, for its poll. 404 for a name not in :data:`SECTIONS`;
+    400 for a bad ``?order=`` (namespaces) or ``?serving_page=`` (serving-now)."""
     if name not in SECTIONS:
         raise Http404(f"no dashboard section {name!r}")
     template, build = SECTIONS[name]
     return render(request, template, {**_base(request), **build(request)})
 
 
-@require_GET
+@_read_only(fragment=True)
 def live_fragment(request: HttpRequest) -> HttpResponse:
     """Engines, gateway and jobs together (the earlier single live fragment; the load benchmark polls it)."""
     context = _base(request)
@@ -228,10 +347,20 @@ def live_fragment(request: HttpRequest) -> HttpResponse:
     return render(request, "cacheadmin/_live.html", context)
 
 
-@require_GET
+@answers_json_when_signed_out
+@csrf_exempt  # it only reads; an unsafe method is answered 405 below, not with the CSRF page
 def charts_json(request: HttpRequest) -> JsonResponse:
     """The charts' series as JSON (see :func:`cacheadmin.selectors_dashboard.dashboard_charts`),
-    exact numbers: ratios 0..1, milliseconds, bytes, tokens."""
+    exact numbers: ratios 0..1, milliseconds, bytes, tokens.
+
+    Signed out: 401 in the error envelope (see :func:`cacheadmin.middleware.answers_json_when_signed_out`).
+    A method other than GET or HEAD: 405 in the error envelope with ``Allow: GET, HEAD``.
+    """
+    if request.method not in SAFE_METHODS:
+        message = f"{request.path} only reads: it answers GET and HEAD, not {request.method}"
+        response = JsonResponse(envelope(405, "method_not_allowed", message), status=405)
+        response["Allow"] = ", ".join(SAFE_METHODS)
+        return response
     return JsonResponse(selectors_dashboard.dashboard_charts())
 
 
@@ -268,7 +397,7 @@ def _preview() -> tuple[dict[str, Any], Any]:
     return preview, planned_at
 
 
-@require_GET
+@_read_only(fragment=True)
 def cleanup_preview(request: HttpRequest) -> HttpResponse:
     """What the next sweep would do, planned without recording a run (bytes per action kind);
     planned at most every :data:`PREVIEW_POLL_S` seconds (see :func:`_preview`)."""
@@ -280,9 +409,10 @@ def cleanup_preview(request: HttpRequest) -> HttpResponse:
     return render(request, "cacheadmin/_dash_cleanup_preview.html", context)
 
 
+@_read_only(fragment=False)
 def namespace_list(request: HttpRequest) -> HttpResponse:
     """Every namespace not dropped, :data:`PAGE_SIZE` a page, in ``?order=`` (newest, biggest, stalest);
-    ``?page=`` from 1 (a page past the end shows the last)."""
+    ``?page=`` from 1 to :data:`PAGE_MAX` (a page past the end shows the last); 400 for a bad value."""
     order = _order(request)
     number = _page_number(request, "page")
     rows, total = selectors_dashboard.namespace_page(order=order, limit=PAGE_SIZE, offset=(number - 1) * PAGE_SIZE)
@@ -299,41 +429,79 @@ def namespace_list(request: HttpRequest) -> HttpResponse:
     )  # fmt: skip
 
 
+def _schedule_form(request: HttpRequest) -> tuple[int | None, bool, str]:
+    """The schedule form's ``every_s`` and ``enabled``, checked.
+
+    Returns:
+        ``(every_s, enabled, error)``: seconds and on/off when ``error`` is empty;
+        otherwise ``error`` says which field is wrong and what it accepts.
+    """
+    for field in ("every_s", "enabled"):
+        if len(request.POST.getlist(field)) > 1:
+            return None, False, f"{field} is given {len(request.POST.getlist(field))} times; give it once"
+    raw = request.POST.get("every_s", "").strip()
+    flag = request.POST.get("enabled")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        return None, False, f"every_s must be a whole number of seconds, not {_shown(raw)}"
+    if not SCHEDULE_MIN_S <= int(raw) <= SCHEDULE_MAX_S:
+        return None, False, f"every_s must be between {SCHEDULE_MIN_S} and {SCHEDULE_MAX_S} seconds, not {int(raw)}"
+    # Exactly what a checkbox sends: nothing when unchecked, "on" when checked.
+    # Anything else is a hand-made request whose intent is unknown, so it changes nothing.
+    if flag not in (None, "on"):
+        return None, False, f"enabled must be 'on' (runs) or left out (off), as the checkbox sends it, not {_shown(flag)}"
+    return int(raw), flag == "on", ""
+
+
+def _every_s(interval: IntervalSchedule | None) -> float | None:
+    """An interval in seconds, whatever period it is stored in (None without one)."""
+    return interval.every * selectors_dashboard.PERIOD_S[interval.period] if interval else None
+
+
 @require_POST
 def schedule_edit(request: HttpRequest, name: str) -> HttpResponse:
     """Change a declared schedule's interval (``every_s``, whole seconds, 10 s to 7 days)
-    and whether it runs (``enabled``: ``on`` when checked), in django-celery-beat, audited.
+    and whether it runs (``enabled``: ``on`` when checked, left out when not), in
+    django-celery-beat, audited as ``schedule.update``; then back to the dashboard's
+    schedules with a message that says what was saved, or that nothing changed
+    (a form that changes nothing writes nothing and records no audit event).
 
     403 without the operate permission; 404 for a name not declared in
-    :data:`cacheadmin.schedules.SCHEDULES`; 400 with the cleanup section and the error
-    for a bad value, and nothing changed.
+    :data:`cacheadmin.schedules.SCHEDULES`; 400 with the schedules, the values as typed
+    and the error (``#schedule-error``) for a bad value, and nothing changed.
     """
     if not _can_operate(request):
         return HttpResponseForbidden("changing a schedule needs the operate permission")
     if name not in {s.name for s in SCHEDULES}:
         raise Http404(f"no schedule {name!r}")
-    raw = request.POST.get("every_s", "").strip()
-    enabled = request.POST.get("enabled") == "on"
-    error = ""
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
-        error = f"every_s must be a whole number of seconds, not {raw!r}"
-    elif not SCHEDULE_MIN_S <= int(raw) <= SCHEDULE_MAX_S:
-        error = f"every_s must be between {SCHEDULE_MIN_S} and {SCHEDULE_MAX_S} seconds, not {int(raw)}"
-    else:
-        task = PeriodicTask.objects.filter(name=name).select_related("interval").first()
-        if task is None:
-            error = f"schedule {name!r} is not installed yet (run manage.py migrate)"
-    if error:
-        context = {**_base(request), **_ctx_cleanup(request), "schedule_error": error, "schedule_name": name}
-        return render(request, "cacheadmin/schedule_error.html", context, status=400)
-    every = int(raw)
-    interval = task.interval
-    before = {
-        "every_s": interval.every if interval else None,
-        "period": interval.period if interval else None,
-        "enabled": task.enabled,
-    }
+    every, enabled, error = _schedule_form(request)
     with transaction.atomic():
+        task = None
+        if every is not None:
+            # Locked: two staff saving at once must each see the other's result as "before".
+            locked = PeriodicTask.objects.select_for_update(of=("self",)).select_related("interval")
+            task = locked.filter(name=name).first()
+            if task is None:
+                error = f"schedule {name!r} is not installed yet (run manage.py migrate)"
+        if task is None or every is None:
+            posted = {"every_s": request.POST.get("every_s", ""), "enabled": request.POST.get("enabled") == "on"}
+            context = {
+                **_base(request),
+                **_ctx_schedules(request),
+                "schedule_error": error,
+                "schedule_name": name,
+                "schedule_posted": posted,
+            }
+            return render(request, "cacheadmin/schedule_error.html", context, status=400)
+        words = f"every {every} s, {'on' if enabled else 'off'}"
+        if _every_s(task.interval) == every and task.enabled == enabled:
+            messages.info(request, f"Schedule {name} unchanged: {words}.")
+            return redirect("/#schedules")
+        interval = task.interval
+        before = {
+            "every_s": interval.every if interval else None,
+            "period": interval.period if interval else None,
+            "enabled": task.enabled,
+        }
         interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=IntervalSchedule.SECONDS)
         task.interval, task.enabled = interval, enabled
         task.save(update_fields=["interval", "enabled"])
@@ -344,4 +512,5 @@ def schedule_edit(request: HttpRequest, name: str) -> HttpResponse:
             before=before,
             after={"every_s": every, "period": IntervalSchedule.SECONDS, "enabled": enabled},
         )
-    return redirect("/#cleanup")
+    messages.success(request, f"Schedule {name} saved: {words}.")
+    return redirect("/#schedules")

@@ -73,6 +73,8 @@
     if (document.visibilityState !== "visible") return;
     try {
       const response = await fetch(url, { headers: { Accept: "application/json" }, credentials: "same-origin" });
+      // Signed out (401 in the error envelope): to the sign-in page, as the sections' polls do (app.js).
+      if (response.status === 401 && window.kvcpSignIn) { window.kvcpSignIn(); return; }
       if (!response.ok || !(response.headers.get("Content-Type") || "").includes("json")) return;
       const body = await response.json();
       section.querySelectorAll("canvas[data-series]").forEach((canvas) => {

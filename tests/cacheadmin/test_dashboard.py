@@ -33,8 +33,8 @@ from tests.cacheadmin.conftest import make_version
 
 pytestmark = pytest.mark.django_db
 
-SECTIONS = ("serving-now", "engines", "jobs", "releases", "eviction-runs", "staleness", "cleanup", "namespaces",
-            "model-versions", "gateway")  # fmt: skip
+SECTIONS = ("serving-now", "engines", "jobs", "releases", "eviction-runs", "staleness", "cleanup", "schedules",
+            "namespaces", "model-versions", "gateway")  # fmt: skip
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_staff_edit_a_schedule_and_it_is_audited(world: dict, client) -> None:
     event = AuditEvent.objects.get(action="schedule.update")
     assert event.before == {"every_s": 600, "period": "seconds", "enabled": True}
     assert event.after == {"every_s": 1800, "period": "seconds", "enabled": False}
-    assert '<td class="every">30 min</td>' in client.get("/fragments/dashboard/cleanup").content.decode()
+    assert '<td class="every">30 min</td>' in client.get("/fragments/dashboard/schedules").content.decode()
 
 
 @pytest.mark.parametrize("every", ["9", "604801", "abc", "", "١٠٠", "-5", "1e3"])
