@@ -11,6 +11,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from cacheadmin import selectors
+from cacheadmin.metrics.views import read_only_endpoint
 from cacheadmin.models import (
     ApiToken,
     CacheNamespace,
@@ -246,12 +247,14 @@ def _optional_row(model: type, raw: str) -> object | None:
 
 
 @login_not_required
+@read_only_endpoint
 def health(request: HttpRequest) -> JsonResponse:
     """Health: the database answers reads, and takes writes now (without
     waiting for another writer's lock). The only page without login.
 
     200 ``{"status": "ok", "database": {"read": true, "write": true}}``; 503
-    with ``Retry-After`` and ``"status": "degraded"`` while writes would wait.
+    with ``Retry-After`` and ``"status": "degraded"`` while writes would wait;
+    a method other than GET or HEAD: 405 in the error envelope with ``Allow``.
     """
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")

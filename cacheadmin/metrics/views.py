@@ -1,6 +1,10 @@
-"""``GET /metrics``: the control plane's Prometheus endpoint (token, not login)."""
+"""``GET /metrics``: the control plane's Prometheus endpoint (token, not login), and the
+method rule of every machine endpoint outside DRF."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
@@ -12,7 +16,7 @@ from cacheadmin.metrics.exposition import bearer_token_check, control_plane_expo
 
 #: Prometheus' text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-#: The methods ``/metrics`` answers, as its ``Allow`` header lists them.
+#: The methods ``/metrics`` and ``/healthz`` answer, as their ``Allow`` header lists them.
 ALLOWED_METHODS = ("GET", "HEAD")
 
 
@@ -26,11 +30,26 @@ def method_not_allowed(request: HttpRequest) -> JsonResponse:
     return response
 
 
-# No cookie authenticates this endpoint (a bearer token does), so there is no
-# cross-site request to forge: without the exemption, Django's CSRF check would
-# answer a POST with its HTML 403 page before the view could say 405.
-@csrf_exempt
+def read_only_endpoint(view: Callable[[HttpRequest], HttpResponse]) -> Callable[[HttpRequest], HttpResponse]:
+    """Decorate a machine endpoint outside DRF (``/metrics``, ``/healthz``): it answers
+    ``GET`` and ``HEAD``; any other method is :func:`method_not_allowed` before the view runs.
+
+    No cookie authenticates such an endpoint (a bearer token or nothing does), so
+    there is no cross-site request to forge: it is CSRF-exempt, or Django's CSRF
+    check would answer a POST with its HTML 403 page before the 405 could be said.
+    """
+
+    @wraps(view)
+    def wrapper(request: HttpRequest) -> HttpResponse:
+        if request.method not in ALLOWED_METHODS:
+            return method_not_allowed(request)
+        return view(request)
+
+    return csrf_exempt(wrapper)
+
+
 @login_not_required
+@read_only_endpoint
 def metrics(request: HttpRequest) -> HttpResponse:
     """The metrics in Prometheus' text format for a caller with the metrics token.
 
@@ -40,8 +59,6 @@ def metrics(request: HttpRequest) -> HttpResponse:
     Bearer``) without a bearer token; 403 with a wrong one. Errors are in the
     API's error envelope, without a word of the token.
     """
-    if request.method not in ALLOWED_METHODS:
-        return method_not_allowed(request)
     refused = bearer_token_check(request.headers.get("Authorization", ""), settings.METRICS_TOKEN)
     if refused == 401:
         response = JsonResponse(

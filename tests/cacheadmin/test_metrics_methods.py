@@ -1,6 +1,7 @@
-"""The control plane's ``/metrics`` over real HTTP: ``HEAD`` answers like ``GET``
-without a body; every other method is 405 in the error envelope with ``Allow:
-GET, HEAD`` (never Django's CSRF page), whatever the token, and changes nothing."""
+"""The control plane's machine endpoints outside DRF (``/metrics``, ``/healthz``)
+over real HTTP: ``HEAD`` answers like ``GET`` without a body; every other method
+is 405 in the error envelope with ``Allow: GET, HEAD`` (never Django's CSRF
+page), whatever the token, and changes nothing."""
 
 from __future__ import annotations
 
@@ -42,20 +43,21 @@ def snapshot() -> dict[str, Any]:
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
 @pytest.mark.parametrize("token", ["right", "wrong", "none"])
+@pytest.mark.parametrize("path", ["/metrics", "/healthz"])
 def test_other_methods_are_405_in_the_envelope_whatever_the_token(
-    live_server: Any, namespace: CacheNamespace, method: str, token: str
+    live_server: Any, namespace: CacheNamespace, method: str, token: str, path: str
 ) -> None:
     headers = {"right": bearer(), "wrong": bearer("x" * 64), "none": {}}[token]
     before = snapshot()
     with httpx.Client(base_url=live_server.url, timeout=30) as client:
         # A browser-like form post with a session cookie and no CSRF token: still the 405, not the CSRF page.
         form = {"Content-Type": "application/x-www-form-urlencoded", "Cookie": "sessionid=x"}
-        response = client.request(method, "/metrics", headers={**headers, **form}, content=b"namespace=1")
+        response = client.request(method, path, headers={**headers, **form}, content=b"namespace=1")
     assert response.status_code == 405
     assert response.headers["allow"] == "GET, HEAD"
     assert response.headers["content-type"] == "application/json"
     assert response.json() == {
-        "error": {"status": 405, "code": "method_not_allowed", "message": f"{method} is not allowed on /metrics (GET, HEAD)"}
+        "error": {"status": 405, "code": "method_not_allowed", "message": f"{method} is not allowed on {path} (GET, HEAD)"}
     }
     assert settings.METRICS_TOKEN not in response.text
     assert snapshot() == before
@@ -82,3 +84,11 @@ def test_head_answers_like_get_without_a_body(live_server: Any, namespace: Cache
         assert unauthenticated.headers["www-authenticate"] == 'Bearer realm="metrics"'
         wrong = client.head("/metrics", headers=bearer("x" * 64))
         assert (wrong.status_code, wrong.content) == (403, b"")
+
+
+def test_healthz_answers_get_and_head(live_server: Any) -> None:
+    with httpx.Client(base_url=live_server.url, timeout=30) as client:
+        got = client.get("/healthz")
+        head = client.head("/healthz")
+    assert (got.status_code, got.json()) == (200, {"status": "ok", "database": {"read": True, "write": True}})
+    assert (head.status_code, head.content) == (200, b"")
