@@ -5,6 +5,7 @@ page), whatever the token, and changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ from django.test import Client
 
 from cacheadmin.models import AuditEvent, CacheNamespace, RetentionOwner, Tenant
 from tests.cacheadmin.conftest import make_version
+from tests.gateway.test_gateway_app import setup  # noqa: F401 - the fixture is used by name
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the live server's thread reads committed rows
 
@@ -91,4 +93,22 @@ def test_healthz_answers_get_and_head(live_server: Any) -> None:
         got = client.get("/healthz")
         head = client.head("/healthz")
     assert (got.status_code, got.json()) == (200, {"status": "ok", "database": {"read": True, "write": True}})
+    assert (head.status_code, head.content) == (200, b"")
+
+
+def test_the_gateways_metrics_answers_other_methods_the_same_way(setup: dict[str, Any]) -> None:  # noqa: F811
+    """The gateway's ``/metrics`` (Starlette) says ``Allow`` on its 405 too, in its own (OpenAI-style) envelope."""
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            auth = {"authorization": f"Bearer {'m' * 48}"}
+            return [await client.request(m, "/metrics", headers=auth) for m in ("POST", "DELETE", "HEAD")]
+
+    setup["gateway"].metrics_token = "m" * 48
+    post, delete, head = asyncio.run(go())
+    for response, method in ((post, "POST"), (delete, "DELETE")):
+        assert (response.status_code, response.headers["allow"]) == (405, "GET, HEAD")
+        assert response.json()["error"]["code"] == "method_not_allowed"
+        assert response.json()["error"]["message"] == f"{method} is not allowed on /metrics"
     assert (head.status_code, head.content) == (200, b"")
