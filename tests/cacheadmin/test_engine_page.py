@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.utils import timezone
 from django.utils.html import escape
 
@@ -243,6 +245,9 @@ def test_verifying_an_engine_that_is_not_ready_is_refused_with_nothing_changed(
     assert f'<p class="unsafe" role="alert" id="action-error">{escape(message)}</p>' in refused.content.decode()
     api = fleet["clients"]["bob"].post(f"/api/engines/{engine.pk}/verify/", format="json")
     assert api.status_code == 409 and api.json()["error"] == {"code": "refused", "message": message, "status": 409}
+    with pytest.raises(CommandError) as cli:  # the CLI twin: exit 4, the same reason
+        call_command("engine", "verify", str(engine.pk))
+    assert (cli.value.returncode, str(cli.value)) == (4, message)
     assert _engine_state() == before
     assert Engine.objects.get(pk=engine.pk).verification == "unverified"
 
