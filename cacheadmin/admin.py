@@ -61,8 +61,12 @@ from cacheadmin.services.namespaces import (
     shared_group_leave,
     tenant_create,
 )
-from cacheadmin.services.prompt_templates import prompt_template_create, prompt_template_delete
-from inference.errors import ControlPlaneError
+from cacheadmin.services.prompt_templates import (
+    prompt_template_create,
+    prompt_template_delete,
+    prompt_template_samples_parse,
+)
+from inference.errors import ControlPlaneError, InvalidField
 
 #: What the services raise to refuse a change; shown as form errors.
 SERVICE_REFUSALS: tuple[type[Exception], ...] = (ValidationError, ControlPlaneError)
@@ -724,6 +728,19 @@ class ApiTokenAdmin(ServiceAdmin):
             api_token_revoke(token=obj, actor=admin_actor(request))
 
 
+class TemplateSamplesField(forms.JSONField):
+    """The admin's ``samples``: read as the page and the API read JSON (a key
+    written twice in one object is refused, not silently the last one kept)."""
+
+    def to_python(self, value: Any) -> Any:
+        if self.disabled or value in self.empty_values:
+            return super().to_python(value)
+        try:
+            return prompt_template_samples_parse(value)
+        except InvalidField as exc:
+            raise ValidationError(exc.problem, code="invalid") from None
+
+
 @admin.register(PromptTemplate)
 class PromptTemplateAdmin(ServiceAdmin):
     """Created through the template service (the same checks as the page and
@@ -739,6 +756,11 @@ class PromptTemplateAdmin(ServiceAdmin):
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # The add form takes what the service takes; the service computes the rest.
         return list(self.create_fields) if obj is None else super().get_fields(request, obj)
+
+    def formfield_for_dbfield(self, db_field: models.Field, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "samples":
+            kwargs["form_class"] = TemplateSamplesField
+        return super().formfield_for_dbfield(db_field, request, **kwargs)
 
     def delete_model(self, request: HttpRequest, obj: models.Model) -> None:
         assert isinstance(obj, PromptTemplate)

@@ -438,6 +438,11 @@ def test_the_admin_creates_and_deletes_through_the_service(world: dict[str, Any]
     assert (template.tenant, template.fixed_chars, template.created_by) == (world["acme"], 64, "admin (admin)")
     change = admin_client.get(f"/admin/cacheadmin/prompttemplate/{template.pk}/change/").content.decode()
     assert 'name="text"' not in change and "Our assistants answer in plain English" in change  # read-only
+    # The admin reads samples as the page and the API do: a key written twice is refused, nothing stored.
+    twice = admin_client.post(add, {**form, "name": "twice", "text": "Other. " + TEXT,
+                                    "samples": '[{"customer": "Ada", "customer": "Bob", "question": "?"}]'})  # fmt: skip
+    assert twice.status_code == 200 and "duplicate key &#x27;customer&#x27; in a JSON object" in twice.content.decode()
+    assert list(PromptTemplate.objects.values_list("name", flat=True)) == ["support"]
     deleted = admin_client.post(f"/admin/cacheadmin/prompttemplate/{template.pk}/delete/", {"post": "yes"})
     assert deleted.status_code == 302 and PromptTemplate.objects.count() == 0
     assert AuditEvent.objects.filter(action="prompt_template.delete").count() == 1
