@@ -102,6 +102,13 @@ class PromptTemplateViewSet(
         """A tenant-bound token sees its tenant's templates and the global ones."""
         return Q(tenant_id=tenant_id) | Q(tenant__isnull=True)
 
+    def get_serializer_class(self) -> type[serializers.BaseSerializer]:
+        """OPTIONS describes POST by the body it takes (``tenant`` included,
+        nothing computed), not by the answer."""
+        if self.action == "metadata" and self.request.method == "POST":
+            return PromptTemplateCreateSerializer
+        return super().get_serializer_class()
+
     def get_serializer_context(self) -> dict[str, Any]:
         context = super().get_serializer_context()
         context["ratios"] = {}

@@ -318,10 +318,10 @@ def test_duplicate_keys_and_unpaired_surrogates_are_refused_on_both_surfaces(wor
 
 def test_computed_fields_are_read_only_in_options_and_the_schema(world: dict[str, Any]) -> None:
     alice = world["clients"]["alice"]
+    # OPTIONS describes POST by the body it takes: every field writable, nothing computed.
     post = alice.options("/api/prompt-templates/").json()["actions"]["POST"]
-    assert {k: post[k]["read_only"] for k in ("id", "fixed_chars", "created_by", "created_at", "name", "text", "samples")} == {
-        "id": True, "fixed_chars": True, "created_by": True, "created_at": True, "name": False, "text": False,
-        "samples": False,
+    assert {k: (v["read_only"], v["required"]) for k, v in post.items()} == {
+        "name": (False, True), "tenant": (False, False), "text": (False, True), "samples": (False, True),
     }  # fmt: skip
     schema = alice.get("/api/schema/?format=json").json()["components"]["schemas"]
     props = schema["PromptTemplate"]["properties"]
