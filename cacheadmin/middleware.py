@@ -73,7 +73,7 @@ class PageLoginRequiredMiddleware(LoginRequiredMiddleware):
 
     @staticmethod
     def _htmx_page(request: HttpRequest) -> str:
-        """The path and query of the page htmx runs in (``HX-Current-URL``) when it is
+        """The path, query and fragment of the page htmx runs in (``HX-Current-URL``) when it is
         on this host; ``LOGIN_REDIRECT_URL`` otherwise (a missing or foreign header
         must not become an open redirect)."""
         current = request.headers.get("HX-Current-URL", "")
@@ -82,7 +82,8 @@ class PageLoginRequiredMiddleware(LoginRequiredMiddleware):
         ):
             parts = urlsplit(current)
             if parts.path.startswith("/") and not parts.path.startswith("//"):
-                return parts.path + (f"?{parts.query}" if parts.query else "")
+                # The fragment too: the browser sends none, and it names the section the operator was at.
+                return parts.path + (f"?{parts.query}" if parts.query else "") + (f"#{parts.fragment}" if parts.fragment else "")
         return resolve_url(settings.LOGIN_REDIRECT_URL)
 
 

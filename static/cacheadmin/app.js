@@ -11,7 +11,8 @@
   // The whole tab to the sign-in page, coming back to this page (not to a fragment) after.
   function signIn() {
     const here = window.location.pathname + window.location.search + window.location.hash;
-    window.location.assign(loginPath() + "?next=" + encodeURIComponent(here));
+    // Encoded as the server's HX-Redirect encodes it (Django keeps "/" as is), so both give one URL.
+    window.location.assign(loginPath() + "?next=" + encodeURIComponent(here).replace(/%2F/g, "/"));
   }
   window.kvcpSignIn = signIn;
 
