@@ -498,8 +498,10 @@ class Gateway:
         return GatewayError(404, f"no route {request.url.path}", type_="invalid_request_error", code="not_found").response()
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        # Starlette's 405 carries the route's ``Allow`` (RFC 9110 requires it on a 405): keep it.
-        allow = (getattr(exc, "headers", None) or {}).get("Allow")
+        # Starlette's 405 carries the route's ``Allow`` (RFC 9110 requires it on a 405): keep it, sorted
+        # (Starlette builds it from a set, so its order changes from one process to the next).
+        given = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        allow = ", ".join(sorted(m.strip() for m in given.split(",") if m.strip()))
         return GatewayError(405, f"{request.method} is not allowed on {request.url.path}", type_="invalid_request_error",
                             code="method_not_allowed", headers={"Allow": allow} if allow else None).response()  # fmt: skip
 
