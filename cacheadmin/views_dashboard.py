@@ -38,7 +38,7 @@ from django.views.decorators.http import require_POST
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from cacheadmin import selectors, selectors_dashboard
-from cacheadmin.api.exceptions import envelope
+from cacheadmin.metrics.views import method_not_allowed
 from cacheadmin.middleware import answers_json_when_signed_out
 from cacheadmin.models import (
     ApiToken,
@@ -357,10 +357,7 @@ def charts_json(request: HttpRequest) -> JsonResponse:
     A method other than GET or HEAD: 405 in the error envelope with ``Allow: GET, HEAD``.
     """
     if request.method not in SAFE_METHODS:
-        message = f"{request.path} only reads: it answers GET and HEAD, not {request.method}"
-        response = JsonResponse(envelope(405, "method_not_allowed", message), status=405)
-        response["Allow"] = ", ".join(SAFE_METHODS)
-        return response
+        return method_not_allowed(request)  # the same 405 as /metrics and /healthz
     return JsonResponse(selectors_dashboard.dashboard_charts())
 
 

@@ -154,7 +154,7 @@ def test_charts_json_answers_405_in_the_envelope(world: dict, method: str) -> No
         "error": {
             "status": 405,
             "code": "method_not_allowed",
-            "message": f"/dashboard/charts.json only reads: it answers GET and HEAD, not {method.upper()}",
+            "message": f"{method.upper()} is not allowed on /dashboard/charts.json (GET, HEAD)",
         }
     }
     assert _state() == before
