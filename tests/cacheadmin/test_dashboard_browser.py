@@ -63,12 +63,17 @@ try {
   const form = page.locator('#schedules tr[data-schedule="eviction-sweep"] form.schedule-form');
   const every = form.locator('input[name="every_s"]');
 
-  // 1. Typed, focused: two polls of the section later the value is still there.
+  // 1. Typed: two polls later both values are still there, the reason typed (no longer focused)
+  //    in the eviction-runs section and the interval (focused) in the schedules section.
+  const reason = page.locator('#eviction-plan-form').getByLabel('Reason');
+  await reason.fill('typed while polling');
   await every.fill('1234');
   await swapped(page, 'cleanup');
   await swapped(page, 'cleanup');
   out.typed = await every.inputValue();
-  out.skipped = (await page.locator('#schedules').getAttribute('data-swap-skipped-at')) !== null;
+  out.reason = await reason.inputValue();
+  out.skipped = await page.evaluate(() =>
+    ['schedules', 'eviction-runs'].map((id) => 'swapSkippedAt' in document.getElementById(id).dataset));
   await shot(page, 'typed-survives-polls');
 
   // 2. Back to what was served and not focused: the section is swapped again.
@@ -144,7 +149,8 @@ def test_polls_keep_typed_values_and_send_a_signed_out_tab_to_the_sign_in_page(w
     assert "error" not in seen, seen.get("error")
     assert seen == {
         "typed": "1234",
-        "skipped": True,
+        "reason": "typed while polling",
+        "skipped": [True, True],
         "swapped_when_idle": True,
         "refused_status": 400,
         "refused_error": "eviction-sweep: every_s must be between 10 and 604800 seconds, not 9. Nothing was changed.",
