@@ -17,8 +17,6 @@ from cacheadmin.models import (
     CacheNamespace,
     ComparisonJob,
     Engine,
-    EngineAlarm,
-    EngineVerification,
     EvictionRun,
     ModelVersion,
     PrewarmJob,
@@ -26,11 +24,8 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.db import RETRY_AFTER_S, database_writable
-from cacheadmin.services.engine_verification import engine_verify
-from cacheadmin.services.engines import engine_boot_enqueue, engine_restart, engine_stop, log_tail
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.kv_events import residency_now
 from cacheadmin.services.releases import ALLOWED, release_decide, release_rollback
 from inference.errors import ControlPlaneError
 from inference.tiers.base import TierUnavailable
@@ -47,49 +42,6 @@ def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return render(
         request, "cacheadmin/model_version_detail.html", {"version": version, "identity_fields": ModelVersion.IDENTITY_FIELDS}
     )
-
-
-def engine_detail(request: HttpRequest, pk: int, *, error: str = "", status: int = 200) -> HttpResponse:
-    """An engine: what it computes with, its tier, the namespaces it may serve,
-    its last verification (field by field), its alarms, what its KV events say
-    is resident, its log tail, and the staff actions."""
-    engine = get_object_or_404(Engine.objects.select_related("model_version", "namespace__tenant", "namespace__group"), pk=pk)
-    context = {
-        "engine": engine,
-        "attached": engine.attached_namespaces.select_related("tenant", "group"),
-        "verification": EngineVerification.objects.filter(engine=engine).order_by("-checked_at", "-id").first(),
-        "alarms": EngineAlarm.objects.filter(engine=engine, resolved_at__isnull=True).order_by("-last_seen_at"),
-        "residency": residency_now(engine),
-        "log_tail": log_tail(engine, lines=30) if engine.origin == Engine.Origin.LOCAL else "",
-        "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
-        "action_error": error,
-    }
-    return render(request, "cacheadmin/engine_detail.html", context, status=status)
-
-
-#: Staff actions of the engine page → what they do.
-_ENGINE_ACTIONS = ("stop", "restart", "verify")
-
-
-@require_POST
-def engine_action(request: HttpRequest, pk: int, verb: str) -> HttpResponse:
-    """Stop, restart (a worker boots it) or re-verify an engine from its page (operate permission)."""
-    if not session_allows(request.user, ApiToken.Scope.OPERATE):
-        return HttpResponseForbidden(f"{verb} needs the operate permission")
-    if verb not in _ENGINE_ACTIONS:
-        return HttpResponseBadRequest(f"unknown action {verb!r}", content_type="text/plain")
-    engine = get_object_or_404(Engine, pk=pk)
-    actor = f"{request.user.get_username()} (page)"
-    try:
-        if verb == "stop":
-            engine_stop(engine=engine, actor=actor)
-        elif verb == "restart":
-            engine_boot_enqueue(engine_restart(engine=engine, actor=actor, boot=False))
-        else:
-            engine_verify(engine=engine, actor=actor)
-    except ControlPlaneError as exc:
-        return engine_detail(request, pk, error=str(exc), status=exc.http_status)
-    return redirect("engine-detail", pk=pk)
 
 
 def _job_page(request: HttpRequest, job: PrewarmJob | ComparisonJob, template: str) -> HttpResponse:

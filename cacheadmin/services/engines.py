@@ -346,7 +346,10 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
     """
     engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
     if engine.origin != Engine.Origin.LOCAL:
-        raise EngineRefused(f"engine {engine.name} was adopted: restart it where it runs, then `engine verify {engine.pk}`")
+        raise EngineRefused(
+            f"engine {engine.name} was adopted: restart it where it runs, then adopt it again"
+            f" (`engine adopt {engine.base_url} ...`)"
+        )
     _stop_process(engine)
     with transaction.atomic():
         engine.generation += 1

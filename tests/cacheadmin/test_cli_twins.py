@@ -65,6 +65,8 @@ def test_tenants_owners_namespaces_and_policies_from_the_cli() -> None:
         heat_file.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}))
         one_line_error(run("namespace", "heat", str(ns.pk), str(heat_file)), 2, "must end on a user or tool turn")
         one_line_error(run("namespace", "heat", str(ns.pk), "/nonexistent.json"), 2, "/nonexistent.json")
+        heat_file.write_text('{"messages": [{"role": "user", "content": "a", "content": "b"}]}')
+        one_line_error(run("namespace", "heat", str(ns.pk), str(heat_file)), 2, "duplicate key 'content'")
     finally:
         heat_file.unlink()
     salt = run("namespace", "salt", str(ns.pk)).stdout.strip()

@@ -148,14 +148,18 @@ def test_explain_through_the_api_and_the_cli_answers_the_same(served, tmp_path: 
         (["--tenant", "acme", "--request", "/does/not/exist"], "--request"),
         (["--tenant", "acme", "--request", "{bad}"], "not JSON"),
         (["--tenant", "acme", "--request", "{salted}"], "cache_salt"),
+        # The API refuses a duplicate key; the CLI twin must not keep the last value.
+        (["--tenant", "acme", "--request", "{twice}"], "duplicate key 'model'"),
     ],
 )
 def test_explain_cli_refuses_bad_input_with_exit_2(served, tmp_path: Path, args, message) -> None:
     good, bad, salted = tmp_path / "good.json", tmp_path / "bad.json", tmp_path / "salted.json"
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"model": "tiny", "model": "other", "messages": []}')
     good.write_text(json.dumps(BODY))
     bad.write_text("{nope")
     salted.write_text(json.dumps(dict(BODY, cache_salt="x")))
-    args = [a.format(path=good, bad=bad, salted=salted) for a in args]
+    args = [a.format(path=good, bad=bad, salted=salted, twice=twice) for a in args]
     result = manage("gateway", "explain", *args, env=subprocess_env())
     assert result.returncode == 2 and message in result.stderr
 

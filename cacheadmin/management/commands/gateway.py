@@ -31,6 +31,7 @@ from cacheadmin.services.gateway import (
 )
 from gateway.server import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from inference.errors import EXIT_CONFLICT
+from inference.strict_json import loads_unique
 
 ACTOR = "cli"
 
@@ -126,7 +127,7 @@ class Command(ControlPlaneCommand):
         if len(text.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES:
             raise self.bad_input(f"--request: over {MAX_BODY_BYTES} bytes (the gateway answers 413)")
         try:
-            body = json.loads(text)
+            body = loads_unique(text)
         except ValueError as exc:
             raise self.bad_input(f"--request is not JSON: {exc}") from exc
         except RecursionError:
@@ -168,7 +169,7 @@ class Command(ControlPlaneCommand):
             if not sep:
                 raise self.bad_input(f"--set {item[:80]!r}: use FIELD=JSON, e.g. allow_seeded=true")
             try:
-                changes[name] = json.loads(raw)
+                changes[name] = loads_unique(raw)
             except ValueError as exc:
                 raise self.bad_input(f"--set {name[:60]}: not JSON: {exc}") from exc
             except RecursionError:

@@ -25,6 +25,7 @@ from cacheadmin.services.namespaces import (
     namespace_policy_update,
     namespace_salt_read,
 )
+from inference.strict_json import loads_unique
 
 ACTOR = "cli"
 
@@ -143,7 +144,7 @@ class Command(ControlPlaneCommand):
         namespace = get_or_bad_input(self, CacheNamespace, opts["id"], "namespace")
         try:
             text = sys.stdin.read() if opts["file"] == "-" else Path(opts["file"]).read_text(encoding="utf-8")
-            body = json.loads(text)
+            body = loads_unique(text)
         except (OSError, ValueError) as exc:
             raise self.bad_input(f"{opts['file']}: {exc}") from exc
         if not isinstance(body, dict) or set(body) - {"messages", "tools"}:
