@@ -3,10 +3,13 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
+from django.views.decorators.http import require_safe
 
 from cacheadmin import views, views_dashboard, views_engine, views_templates
 from cacheadmin.metrics import views as metrics_views
 
+# Pages that only read answer GET and HEAD (require_safe): another method is a
+# 405 rather than the page, so a form posted to the wrong address says so.
 urlpatterns = [
     path("", views_dashboard.dashboard, name="dashboard"),
     path("healthz", views.health, name="health"),
@@ -20,17 +23,17 @@ urlpatterns = [
     path("dashboard/charts.json", views_dashboard.charts_json, name="dashboard-charts"),
     path("schedules/<slug:name>/", views_dashboard.schedule_edit, name="schedule-edit"),
     path("namespaces/", views_dashboard.namespace_list, name="namespace-list"),
-    path("model-versions/<int:pk>/", views.model_version_detail, name="model-version-detail"),
-    path("prewarm-jobs/<int:pk>/", views.prewarm_job_detail, name="prewarm-job-detail"),
-    path("engines/<int:pk>/", views_engine.engine_detail, name="engine-detail"),
-    path("engines/<int:pk>/live", views_engine.engine_live, name="engine-live"),
+    path("model-versions/<int:pk>/", require_safe(views.model_version_detail), name="model-version-detail"),
+    path("prewarm-jobs/<int:pk>/", require_safe(views.prewarm_job_detail), name="prewarm-job-detail"),
+    path("engines/<int:pk>/", require_safe(views_engine.engine_detail), name="engine-detail"),
+    path("engines/<int:pk>/live", require_safe(views_engine.engine_live), name="engine-live"),
     path("engines/<int:pk>/<str:verb>/", views_engine.engine_action, name="engine-action"),
     path("prompt-templates/", views_templates.prompt_template_list, name="prompt-template-list"),
-    path("prompt-templates/<int:pk>/", views_templates.prompt_template_detail, name="prompt-template-detail"),
-    path("prompt-templates/<int:pk>/live", views_templates.prompt_template_live, name="prompt-template-live"),
+    path("prompt-templates/<int:pk>/", require_safe(views_templates.prompt_template_detail), name="prompt-template-detail"),
+    path("prompt-templates/<int:pk>/live", require_safe(views_templates.prompt_template_live), name="prompt-template-live"),
     path("prompt-templates/<int:pk>/delete", views_templates.prompt_template_remove, name="prompt-template-delete"),
-    path("comparison-jobs/<int:pk>/", views.comparison_job_detail, name="comparison-job-detail"),
-    path("namespaces/<int:pk>/", views.namespace_detail, name="namespace-detail"),
+    path("comparison-jobs/<int:pk>/", require_safe(views.comparison_job_detail), name="comparison-job-detail"),
+    path("namespaces/<int:pk>/", require_safe(views.namespace_detail), name="namespace-detail"),
     path("eviction-runs/<int:pk>/", views.eviction_run_detail, name="eviction-run-detail"),
     path("eviction-runs/plan", views.eviction_run_plan, name="eviction-run-plan"),
     path("releases/<int:pk>/", views.release_detail, name="release-detail"),

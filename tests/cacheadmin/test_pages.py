@@ -279,3 +279,23 @@ def test_a_form_over_the_body_limit_is_a_413_that_says_so_and_saves_nothing(admi
     assert response.status_code == 413
     assert response.content.decode() == "The form is over the server's 4 KiB limit (API_MAX_BODY_BYTES); nothing was saved."
     assert not EvictionRun.objects.exists()
+
+
+def test_pages_that_only_read_answer_another_method_with_405_and_change_nothing(admin_client) -> None:
+    _rows(1)
+    engine, ns = Engine.objects.get(name="e1-0"), CacheNamespace.objects.get()
+    urls = [
+        f"/model-versions/{ns.model_version_id}/",
+        f"/prewarm-jobs/{PrewarmJob.objects.get().pk}/",
+        f"/comparison-jobs/{ComparisonJob.objects.get().pk}/",
+        f"/namespaces/{ns.pk}/",
+        f"/engines/{engine.pk}/",
+        f"/engines/{engine.pk}/live",
+    ]
+    for url in urls:
+        assert admin_client.get(url).status_code == 200, url
+        assert admin_client.head(url).status_code == 200, url
+        for method in ("post", "put", "delete"):
+            response = getattr(admin_client, method)(url)
+            assert (response.status_code, response["Allow"]) == (405, "GET, HEAD"), (method, url)
+    assert (Engine.objects.get(pk=engine.pk).status, CacheNamespace.objects.count()) == ("stopped", 1)

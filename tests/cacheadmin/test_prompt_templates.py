@@ -359,6 +359,8 @@ def test_pages_list_create_and_analyse_for_staff_and_read_only_operators(
     assert "<strong>move {customer} to the end: 2 more shared blocks (64 tokens)</strong>" in page
     live = admin_client.get(f"/prompt-templates/{template.pk}/live").content.decode()
     assert 'id="template-live"' in live and "6 warm of 10 requests" in live
+    for url in (f"/prompt-templates/{template.pk}/", f"/prompt-templates/{template.pk}/live"):
+        assert admin_client.post(url).status_code == 405 and PromptTemplate.objects.count() == 1
     # Bad input: the form again with the error, 400, nothing stored.
     bad = admin_client.post("/prompt-templates/", {"name": "x", "tenant": "", "text": TEXT, "samples": "[{"})
     assert bad.status_code == 400 and "samples: not JSON" in bad.content.decode() and 'value="x"' in bad.content.decode()
