@@ -74,37 +74,15 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus_scraping(
-    targets: Sequence[str], *, folder: Path, token: str, job: str = "kvcp", rule_files: Sequence[Path] = ()
-) -> Iterator[Prometheus]:
-    """Run a Prometheus that scrapes ``targets`` (``HOST:PORT``, path ``/metrics``)
-    every second with ``Authorization: Bearer <token>`` read from a credentials file.
-
-    Args:
-        folder: where its config, credentials file, data and log go.
-        job: the scrape job's name (label ``job``).
-        rule_files: rule files to load (evaluated every second).
+def prometheus_running(folder: Path, config: dict[str, Any]) -> Iterator[Prometheus]:
+    """Run ``/usr/bin/prometheus`` with ``config`` (written to ``folder/prometheus.yml``,
+    data and log in ``folder``) on a free loopback port; stopped on exit.
 
     Raises:
         AssertionError: ``/usr/bin/prometheus`` is missing (``scripts/setup --test`` installs it).
     """
     if not PROMETHEUS_BIN.exists():
         raise AssertionError(f"{PROMETHEUS_BIN} missing: scripts/setup --test installs Debian's prometheus package")
-    credentials = folder / "metrics-token"
-    credentials.write_text(token)
-    credentials.chmod(0o600)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [
-            {
-                "job_name": job,
-                "metrics_path": "/metrics",
-                "authorization": {"type": "Bearer", "credentials_file": str(credentials)},
-                "static_configs": [{"targets": list(targets)}],
-            }
-        ],
-    }
     # JSON is YAML: no YAML writer needed.
     (folder / "prometheus.yml").write_text(json.dumps(config))
     port = free_port()
@@ -125,3 +103,37 @@ def prometheus_scraping(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def prometheus_scraping(
+    targets: Sequence[str], *, folder: Path, token: str, job: str = "kvcp", rule_files: Sequence[Path] = ()
+) -> Iterator[Prometheus]:
+    """Run a Prometheus that scrapes ``targets`` (``HOST:PORT``, path ``/metrics``)
+    every second with ``Authorization: Bearer <token>`` read from a credentials file.
+
+    Args:
+        folder: where its config, credentials file, data and log go.
+        job: the scrape job's name (label ``job``).
+        rule_files: rule files to load (evaluated every second).
+
+    Raises:
+        AssertionError: ``/usr/bin/prometheus`` is missing (``scripts/setup --test`` installs it).
+    """
+    credentials = folder / "metrics-token"
+    credentials.write_text(token)
+    credentials.chmod(0o600)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [
+            {
+                "job_name": job,
+                "metrics_path": "/metrics",
+                "authorization": {"type": "Bearer", "credentials_file": str(credentials)},
+                "static_configs": [{"targets": list(targets)}],
+            }
+        ],
+    }
+    with prometheus_running(folder, config) as server:
+        yield server

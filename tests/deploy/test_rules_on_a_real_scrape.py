@@ -5,18 +5,11 @@ and the alerts the rows call for raised with the labels operators see."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from django.conf import settings
 from django.utils import timezone
 
@@ -33,24 +26,9 @@ from cacheadmin.models import (
 )
 from tests.cacheadmin.conftest import make_version
 from tests.deploy.files import ALERTS, PROMETHEUS, RECORDING, load_yaml, rules
+from tests.prometheus import Prometheus, prometheus_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-PROMETHEUS_BIN = "/usr/bin/prometheus"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _api(base: str, path: str, **params: str) -> Any:
-    url = f"{base}{path}?{urllib.parse.urlencode(params)}" if params else f"{base}{path}"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        body = json.load(response)
-    assert body["status"] == "success", body
-    return body["data"]
 
 
 @pytest.fixture
@@ -89,89 +67,52 @@ def world() -> dict[str, str]:
 
 
 @pytest.fixture
-def prometheus(live_server: Any, tmp_path: Path) -> Iterator[str]:
+def prometheus(live_server: Any, tmp_path: Path) -> Iterator[Prometheus]:
     """A real Prometheus loading deploy/prometheus's rules, scraping the live
     server with the example config's control-plane job (scrape and evaluation
-    every second); yields its base URL."""
-    if not Path(PROMETHEUS_BIN).exists():
-        pytest.fail(f"{PROMETHEUS_BIN} missing: scripts/setup --test installs Debian's prometheus package")
+    every second)."""
     config = load_yaml(PROMETHEUS / "prometheus.yml")
     (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "kvcp-control-plane"]
     job["static_configs"] = [{"targets": [live_server.url.removeprefix("http://")]}]
     config["scrape_configs"] = [job]
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(RECORDING), str(ALERTS)]
+    # The example's credentials_file is relative to the config, which is written into tmp_path.
     (tmp_path / "kvcp-metrics-token").write_text(settings.METRICS_TOKEN)
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    log = (tmp_path / "prometheus.log").open("w")
-    process = subprocess.Popen(
-        [
-            PROMETHEUS_BIN, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    with prometheus_running(tmp_path, config) as server:
+        yield server
 
 
-def _wait(base: str, check: Any, what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check(base)
-        except OSError:
-            last = None
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout} s; last: {last}")
-
-
-def test_rules_evaluate_on_the_real_scrape(world: dict[str, str], prometheus: str) -> None:
-    def scraped(base: str) -> Any:
-        targets = _api(base, "/api/v1/targets")["activeTargets"]
+def test_rules_evaluate_on_the_real_scrape(world: dict[str, str], prometheus: Prometheus) -> None:
+    def scraped(server: Prometheus) -> Any:
+        targets = server.api("targets")["activeTargets"]
         return targets if targets and targets[0]["health"] == "up" else None
 
-    (target,) = _wait(prometheus, scraped, "the control plane scraped with the bearer token")
+    (target,) = prometheus.wait(scraped, "the control plane scraped with the bearer token")
     assert target["labels"]["job"] == "kvcp-control-plane"
 
-    def evaluated(base: str) -> Any:
-        groups = _api(base, "/api/v1/rules")["groups"]
+    def evaluated(server: Prometheus) -> Any:
+        groups = server.api("rules")["groups"]
         found = [rule for group in groups for rule in group["rules"]]
         done = all(rule["lastEvaluation"] > "2000" for rule in found) and len(found) == 21
         return found if done else None
 
-    evaluated_rules = _wait(prometheus, evaluated, "every rule evaluated")
+    evaluated_rules = prometheus.wait(evaluated, "every rule evaluated")
     # No evaluation error (many-to-many matches, bad label sets) on the real series.
     assert {(rule["name"], rule["health"], rule.get("lastError", "")) for rule in evaluated_rules} == {
         (rule.get("record") or rule["alert"], "ok", "") for rule in rules(RECORDING) + rules(ALERTS)
     }
 
-    def stale(base: str) -> Any:
-        return _api(base, "/api/v1/query", query="kvcp:stale_bytes:sum")["result"]
-
-    (sample,) = _wait(prometheus, stale, "kvcp:stale_bytes:sum recorded")
+    (sample,) = prometheus.wait(lambda server: server.query("kvcp:stale_bytes:sum"), "kvcp:stale_bytes:sum recorded")
     assert (sample["metric"], float(sample["value"][1])) == ({"__name__": "kvcp:stale_bytes:sum", "tier": "disk"}, 3000.0)
 
-    def alerts(base: str) -> Any:
-        found = _api(base, "/api/v1/query", query="ALERTS")["result"]
+    def alerts(server: Prometheus) -> Any:
+        found = server.query("ALERTS")
         return found if len(found) == 3 else None
 
     raised = {
         (a["metric"]["alertname"], a["metric"]["alertstate"], a["metric"]["severity"]): a["metric"]
-        for a in _wait(prometheus, alerts, "three alerts raised")
+        for a in prometheus.wait(alerts, "three alerts raised")
     }
     # The deceptive hit's series is new to this Prometheus: it pages at once.
     deceptive = raised[("KvcpDeceptiveHit", "firing", "page")]
