@@ -48,6 +48,8 @@ from cacheadmin.models import (
     TierUsageSample,
 )
 from cacheadmin.models.jobs import JobStatus
+from cacheadmin.services.gateway import layer_states
+from cacheadmin.services.serving import serving_routes
 
 #: Job kinds (label ``kind``) and their tables.
 JOB_KINDS: dict[str, Any] = {
@@ -122,8 +124,6 @@ def serving_namespace_pks() -> set[int]:
 
     Two queries.
     """
-    from cacheadmin.services.serving import serving_routes
-
     routes = serving_routes()
     pks = {r.namespace_pk for r in routes if r.percent > 0 and r.namespace_pk is not None}
     released = {(r.tenant_id, r.served_name) for r in routes}
@@ -357,8 +357,6 @@ class ControlPlaneCollector:
 
     # --- gateway switches and holds -------------------------------------------------
     def _gateway(self, keys: dict[int, str]) -> Iterator[Family]:
-        from cacheadmin.services.gateway import layer_states
-
         layers = _family("kvcp_gateway_layer_enabled")
         for layer, state in layer_states().items():
             layers.add([str(layer)], 1 if state["enabled"] else 0)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheadmin.metrics.catalogue import METRICS
+from cacheadmin.metrics.collector import ControlPlaneCollector
 from cacheadmin.metrics.multiproc import multiproc_active
 
 #: The worker families' names, as prometheus-client names counter families (without ``_total``).
@@ -63,8 +64,6 @@ def control_plane_exposition(multiproc_dir: Path) -> bytes:
     """
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
-
-    from cacheadmin.metrics.collector import ControlPlaneCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlPlaneCollector())

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from cacheadmin.metrics.catalogue import BY_NAME
+
 T = TypeVar("T")
 
 #: ``kvcp_task_duration_seconds`` bounds (seconds): most tasks claim a row and
@@ -36,8 +38,6 @@ def families() -> dict[str, Any]:
         with _lock:
             if not _families:
                 from prometheus_client import Counter, Histogram
-
-                from cacheadmin.metrics.catalogue import BY_NAME
 
                 def spec(name: str) -> dict[str, Any]:
                     return {"name": name, "documentation": BY_NAME[name].help, "labelnames": BY_NAME[name].labels}

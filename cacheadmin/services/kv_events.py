@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db import close_old_connections, transaction
 from django.utils import timezone
 
+from cacheadmin.metrics.catalogue import BY_NAME
 from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, KvEventStream, ResidentSample
 from cacheadmin.services.alarms import alarm_raise
 from inference.identity import cache_salt
@@ -462,8 +463,6 @@ def consumer_metrics() -> dict[str, Any]:
     """
     if not _consumer_metrics:
         from prometheus_client import Counter, Gauge
-
-        from cacheadmin.metrics.catalogue import BY_NAME
 
         def spec(name: str) -> dict[str, Any]:
             return {"name": name, "documentation": BY_NAME[name].help, "labelnames": BY_NAME[name].labels}

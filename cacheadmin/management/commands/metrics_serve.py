@@ -26,6 +26,7 @@ from django.db import DatabaseError, close_old_connections
 from cacheadmin.api.exceptions import envelope
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand
+from cacheadmin.metrics.exposition import control_plane_exposition
 from inference.errors import EXIT_CONFLICT
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -49,7 +50,6 @@ def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> 
     → the same status and headers without a body; another method → 405 with
     ``Allow: GET, HEAD``; another path → 404; a database that cannot be read →
     503. Errors are the API's JSON envelope."""
-    from cacheadmin.metrics.exposition import control_plane_exposition
 
     if environ.get("PATH_INFO") != "/metrics":
         return _error(start_response, "404 Not Found", "not_found", "not found: the metrics are at /metrics")
