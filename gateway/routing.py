@@ -22,6 +22,19 @@ from typing import Any
 #: a token is about 4 characters of English text, so 512 characters cover the
 #: first 4-8 blocks: requests that share them reuse the same engine's cache.
 AFFINITY_CHARS = 512
+
+
+def model_fingerprint(identity: str) -> str:
+    """The ``system_fingerprint`` of a model state: ``fp_`` and the first 16 hex
+    digits of its model version's identity (BLAKE3, 64 hex digits).
+
+    OpenAI answers carry ``system_fingerprint`` for "the backend configuration
+    that the model runs with" (its API reference); the gateway puts the state
+    that computed an answer there, so a caller can tell which model state it got.
+    """
+    return "fp_" + identity[:16]
+
+
 #: An affinity choice stands while its engine has at most this many requests
 #: in flight above the least-loaded engine; past it the least-loaded wins.
 AFFINITY_SLACK = 4
@@ -37,6 +50,8 @@ class EngineTarget:
         served_model: the model name the engine answers to.
         reference: a reference engine (no prefix caching, no connector), used
             by shadow verification only, never for traffic.
+        version_id: the model version it computes.
+        fingerprint: that version's :func:`model_fingerprint` (what its answers carry).
     """
 
     id: int
@@ -44,6 +59,8 @@ class EngineTarget:
     base_url: str
     served_model: str
     reference: bool = False
+    version_id: int = 0
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,8 @@ class NamespaceTarget:
         storage_prefix: its name in every tier (response and semantic caches too).
         cache_salt: the vLLM ``cache_salt`` the gateway adds to each request.
         version_id, version_label: the model version it belongs to.
+        fingerprint: that version's :func:`model_fingerprint`: what every answer
+            served under the namespace must have been computed by.
         engines: engines in service that serve it, by id.
         ttl_s: the retention policy's age limit since last hit (seconds), or None.
         max_bytes: its byte budget, or None.
@@ -71,6 +90,7 @@ class NamespaceTarget:
     ttl_s: float | None = None
     max_bytes: int | None = None
     suspended: str | None = None
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

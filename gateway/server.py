@@ -23,6 +23,7 @@ import logging
 import random
 import time
 import unicodedata
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,10 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 TAGS_HEADER = "x-cache-tags"
 #: Header the gateway answers with: which layer served (``response``, ``semantic``, ``engine``).
 SERVED_BY_HEADER = "x-kvcp-served-by"
+#: Headers naming the model version a request was routed to and that version's
+#: ``system_fingerprint``: an answer whose body carries another fingerprint was
+#: computed by another model state (a cross-version answer; there must be none).
+VERSION_HEADER, FINGERPRINT_HEADER = "x-kvcp-version", "x-kvcp-fingerprint"
 #: Most tags one request may carry, and the longest tag.
 MAX_TAGS, MAX_TAG_CHARS = 32, 200
 #: Deepest nesting of a request body (OpenAI bodies need a handful of levels; deeper is an attack on the parser).
@@ -192,19 +197,14 @@ class Runtime:
 # --- cached answers ----------------------------------------------------------
 
 
-def _record_of(response: Mapping[str, Any]) -> dict[str, Any]:
-    """What a cache keeps of a non-streamed engine answer: its choices and usage
-    (ids and times are made fresh for each caller)."""
-    return {"object": response.get("object"), "choices": response.get("choices", []), "usage": response.get("usage") or {}}
-
-
 class _StreamAssembler:
     """Rebuilds a complete answer from streamed chunks (content, tool calls,
     finish reasons, logprobs, usage) so a streamed miss fills the cache like a
     non-streamed one."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, fingerprint: str) -> None:
         self.endpoint = endpoint
+        self.fingerprint = fingerprint
         self.choices: dict[int, dict[str, Any]] = {}
         self.usage: dict[str, Any] = {}
         self.first_token_at: float | None = None
@@ -251,9 +251,30 @@ class _StreamAssembler:
             self.first_token_at = time.perf_counter()
 
     def record(self) -> dict[str, Any]:
-        """The answer as a cache record (see :func:`_record_of`)."""
+        """The answer as a cache record: its object, choices, usage and the
+        ``system_fingerprint`` of the model state that computed it (ids and
+        times are made fresh for each caller)."""
         obj = "text_completion" if self.endpoint == "completions" else "chat.completion"
-        return {"object": obj, "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage}
+        return {
+            "object": obj, "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage,
+            "system_fingerprint": self.fingerprint,
+        }  # fmt: skip
+
+
+def _served_headers(ns: NamespaceTarget, layer: str, engine: EngineTarget | None = None) -> dict[str, str]:
+    """The headers of an answer: the layer that served it, the version the request
+    was routed to and its fingerprint, and the engine when one computed it now."""
+    headers = {SERVED_BY_HEADER: layer, VERSION_HEADER: _header_text(ns.version_label), FINGERPRINT_HEADER: ns.fingerprint}
+    if engine is not None:
+        headers["x-kvcp-engine"] = _header_text(engine.name)
+    return headers
+
+
+def _header_text(value: str) -> str:
+    """A label or name as a header value: percent-encoded UTF-8 (RFC 3986), since
+    header values are Latin-1 bytes and labels may be any script; ASCII names
+    without reserved characters pass unchanged."""
+    return urllib.parse.quote(value, safe=" !#$&'()*+,/:;=?@[]^`{|}~")
 
 
 def _completion_id(endpoint: str) -> str:
@@ -268,6 +289,8 @@ def _answer_from_record(record: Mapping[str, Any], endpoint: str, model: str) ->
         "object": "text_completion" if endpoint == "completions" else "chat.completion",
         "created": int(time.time()),
         "model": model,
+        # The state that computed the answer, cached or not (None: an entry stored before fingerprints were kept).
+        "system_fingerprint": record.get("system_fingerprint"),
         "choices": record.get("choices", []),
         "usage": record.get("usage") or {},
     }
@@ -280,14 +303,22 @@ def _sse(data: Any) -> bytes:
 def _stream_record(record: Mapping[str, Any], endpoint: str, model: str, include_usage: bool) -> list[bytes]:
     """A cached answer as SSE events, in the shape the engine streams them."""
     cid, created = _completion_id(endpoint), int(time.time())
+    fingerprint = record.get("system_fingerprint")
     events: list[bytes] = []
     if endpoint == "completions":
         for choice in record.get("choices", []):
             chunk = {"index": choice.get("index", 0), "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
                      "finish_reason": choice.get("finish_reason")}  # fmt: skip
-            events.append(_sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [chunk]}))
+            events.append(_sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                "system_fingerprint": fingerprint, "choices": [chunk]}))  # fmt: skip
     else:
-        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        head = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+        }
         for choice in record.get("choices", []):
             message = choice.get("message") or {}
             index = choice.get("index", 0)
@@ -312,6 +343,7 @@ def _stream_record(record: Mapping[str, Any], endpoint: str, model: str, include
             "object": obj,
             "created": created,
             "model": model,
+            "system_fingerprint": fingerprint,
             "choices": [],
             "usage": record.get("usage") or {},
         }
@@ -727,7 +759,7 @@ class Gateway:
             ns.pk, layer, requests=1, hits=1, lookup_ms_sum=lookup_ms, lookup_count=1, ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1,
             prompt_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0),
         )  # fmt: skip
-        headers = {SERVED_BY_HEADER: layer}
+        headers = _served_headers(ns, layer)
         if not stream:
             return JSONResponse(_answer_from_record(record, endpoint, model), headers=headers)
         events = _stream_record(record, endpoint, model, include_usage)
@@ -829,7 +861,7 @@ class Gateway:
                 await finish(None, None)
                 return opened
             break
-        assembler = _StreamAssembler(endpoint)
+        assembler = _StreamAssembler(endpoint, engine.fingerprint)
         upstream_response = opened
 
         async def relay() -> AsyncIterator[bytes]:
@@ -855,6 +887,8 @@ class Gateway:
                             yield _sse(chunk)
                         break
                     assembler.feed(chunk)
+                    # The engine's own chunks carry no fingerprint: the gateway names the state that computes them.
+                    chunk["system_fingerprint"] = engine.fingerprint
                     if stream and (chunk.get("choices") or include_usage):
                         yield _sse(chunk)
             except (httpx.HTTPError, OSError) as exc:
@@ -887,7 +921,7 @@ class Gateway:
                 await asyncio.shield(finish(record, engine))
 
         if stream:
-            return _ProxyStream(relay(), {SERVED_BY_HEADER: "engine", "x-kvcp-engine": engine.name})
+            return _ProxyStream(relay(), _served_headers(ns, "engine", engine))
         async for _ in relay():
             pass
         if not assembler.choices:
@@ -895,7 +929,7 @@ class Gateway:
                 502, f"engine {engine.name} failed before answering", type_="server_error", code="engine_failed"
             ).response()
         answer = _answer_from_record(assembler.record(), endpoint, model)
-        return JSONResponse(answer, headers={SERVED_BY_HEADER: "engine", "x-kvcp-engine": engine.name})
+        return JSONResponse(answer, headers=_served_headers(ns, "engine", engine))
 
     async def _open(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response | Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"

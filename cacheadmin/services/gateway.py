@@ -65,6 +65,7 @@ from gateway.routing import (
     TenantPolicy,
     TenantTarget,
     key_hash,
+    model_fingerprint,
 )
 from gateway.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from inference.errors import InvalidField, Refused
@@ -368,8 +369,9 @@ def routing_snapshot_build() -> RoutingSnapshot:
     )
     for engine in live_engines:
         target = EngineTarget(
-            engine.pk, engine.name, engine.base_url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE
-        )
+            engine.pk, engine.name, engine.base_url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
+            engine.model_version_id, model_fingerprint(engine.model_version.identity),
+        )  # fmt: skip
         if target.reference:
             references.setdefault(engine.model_version_id, []).append(target)
             continue
@@ -393,10 +395,14 @@ def routing_snapshot_build() -> RoutingSnapshot:
             cache_salt=cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_key),
             version_id=ns.model_version_id,
             version_label=ns.model_version.label,
-            engines=tuple(engines_of.get(ns.pk, ())),
+            # Only engines of the namespace's own version: one started on another
+            # version's namespace (an identity override, e.g. to show the unsafe
+            # upgrade) computes another model state and never gets its traffic.
+            engines=tuple(e for e in engines_of.get(ns.pk, ()) if e.version_id == ns.model_version_id),
             ttl_s=float(policy.max_age_since_last_hit_s) if policy and policy.max_age_since_last_hit_s else None,
             max_bytes=policy.max_bytes if policy else None,
             suspended=(hold.suspended_reason or "suspended") if hold is not None and hold.suspended_at else None,
+            fingerprint=model_fingerprint(ns.model_version.identity),
         )
     labels = dict(ModelVersion.objects.values_list("pk", "label"))
     routes: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}

@@ -25,6 +25,7 @@ from cacheadmin.services.gateway import (
 )
 from cacheadmin.services.gateway_stores import response_store as deployment_response_store
 from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
+from gateway.canonical import canonical_request, response_cache_key
 from gateway.records import Recorder
 from gateway.response_store import RedisResponseStore
 from gateway.routing import sticky_bucket
@@ -423,3 +424,68 @@ def test_cache_tags_are_utf8_repeated_headers_add_up_and_tagged_answers_skip_the
     assert request_tags(["city:caf\u00c3\u00a9", "product:41, product:42"]) == ("city:café", "product:41", "product:42")
     with pytest.raises(Exception, match="not UTF-8"):
         request_tags(["caf\u00e9"])  # a Latin-1 byte alone is not UTF-8
+
+
+def _fingerprints_in_stream(text: str) -> list[str | None]:
+    return [json.loads(line[6:]).get("system_fingerprint") for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_every_answer_names_the_routed_version_and_the_state_that_computed_it(semantic_setup) -> None:
+    s = semantic_setup
+    v1 = "fp_" + "1" * 16  # tiny's version v1: identity "1" * 64
+    engine = call(s, chat(temperature=0))
+    cached = call(s, chat(temperature=0))
+    streamed = call(s, chat(temperature=0, stream=True, stream_options={"include_usage": True}))
+    fresh_stream = call(
+        s, chat("Which river crosses Paris?", temperature=0.7, stream=True, stream_options={"include_usage": True})
+    )
+    paraphrased = call(s, chat("Which river flows through Paris?", temperature=0.7))
+    answers = (engine, cached, streamed, fresh_stream, paraphrased)
+    assert [a.headers["x-kvcp-served-by"] for a in answers] == ["engine", "response", "response", "engine", "semantic"]
+    for answer in answers:
+        assert (answer.headers["x-kvcp-version"], answer.headers["x-kvcp-fingerprint"]) == ("v1", v1)
+    assert [
+        engine.json()["system_fingerprint"],
+        cached.json()["system_fingerprint"],
+        paraphrased.json()["system_fingerprint"],
+    ] == [v1] * 3
+    # Every chunk of a stream carries it, the usage chunk too (3 chunks from the cache, 6 relayed from the engine).
+    assert _fingerprints_in_stream(streamed.text) == [v1] * 3
+    assert _fingerprints_in_stream(fresh_stream.text) == [v1] * 7
+    assert engine.headers["x-kvcp-engine"] == "e1" and "x-kvcp-engine" not in cached.headers
+
+
+def test_a_cached_answer_keeps_the_fingerprint_of_the_state_that_computed_it(setup) -> None:
+    """The gateway reports the stored entry's state, never the route's: an entry
+    computed by another model state shows up as a cross-version answer."""
+    first = call(setup, chat(temperature=0))
+    assert first.json()["system_fingerprint"] == "fp_" + "1" * 16
+    store, prefix = setup["store"], "ns-acme"
+    key = response_cache_key(
+        canonical_request("chat", chat(temperature=0)), namespace_key="a" * 64, tenant_secret=tenant_secret(setup["acme"].key)
+    )
+    record = json.loads(store.get(prefix, key))
+    store.put(prefix, key, json.dumps({**record, "system_fingerprint": "fp_" + "9" * 16}).encode(), ttl_s=None, max_bytes=None)
+    again = call(setup, chat(temperature=0))
+    assert again.headers["x-kvcp-served-by"] == "response"
+    assert (again.json()["system_fingerprint"], again.headers["x-kvcp-fingerprint"]) == ("fp_" + "9" * 16, "fp_" + "1" * 16)
+
+
+def test_an_engine_of_another_version_on_a_namespace_never_gets_its_traffic(setup) -> None:
+    """An engine started on v1's namespace with v2's weights (an identity
+    override, as the unsafe upgrade is shown) is ready and verified against v2,
+    yet v1's requests never reach it."""
+    v2 = make_version("v2", "2" * 64, weights="9" * 64)
+    Engine.objects.create(
+        name="v2-on-v1", model_version=v2, namespace=setup["ns"], base_url="http://engine-unsafe", status="ready",
+        verification="verified", identity_override="showing the unsafe upgrade",
+    )  # fmt: skip
+    refresh(setup)
+    snap = setup["holder"]["snap"]
+    assert [e.name for e in snap.namespaces[setup["ns"].pk].engines] == ["e1"]
+    setup["engine"].status = "stopped"
+    setup["engine"].save()
+    refresh(setup)
+    refused = call(setup, chat(temperature=0))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_engine"
+    assert setup["fake"].received == []
