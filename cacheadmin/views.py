@@ -26,8 +26,8 @@ from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.db import RETRY_AFTER_S, database_writable
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve
 from cacheadmin.services.jobs import job_cancel
-from cacheadmin.services.releases import ALLOWED, release_decide, release_rollback
-from inference.errors import ControlPlaneError
+from cacheadmin.services.releases import ALLOWED, release_decide, release_rollback, release_set_traffic
+from inference.errors import ControlPlaneError, InvalidField
 from inference.tiers.base import TierUnavailable
 
 #: Poll intervals (seconds) of live fragments: while a job or an engine runs,
@@ -139,7 +139,14 @@ def eviction_run_plan(request: HttpRequest) -> HttpResponse:
 
 def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """A release: identity diff, classification, evidence, decision and its actor,
-    timeline; staff decide or roll back here."""
+    timeline; staff decide, move traffic (gray release) or roll back here.
+
+    POST ``action``: ``decide`` (``decision``, ``reason``, ``comparison_job``,
+    ``engine``), ``traffic`` (``percent``, 0..100 ASCII digits) or ``rollback``
+    (``reason``); success redirects to the page (302). Refused input or a refused
+    step re-renders the page with the message and what was typed (400) and
+    changes nothing; a session without the operate permission gets 403.
+    """
     release = get_object_or_404(
         Release.objects.select_related(
             "tenant", "from_version", "to_version", "from_namespace", "to_namespace", "comparison_job", "prewarm_job",
@@ -150,7 +157,7 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
     error = ""
     if request.method == "POST":
         if not session_allows(request.user, ApiToken.Scope.OPERATE):
-            return HttpResponseForbidden("deciding or rolling back a release needs the operate permission")
+            return HttpResponseForbidden("deciding a release, moving its traffic or rolling it back needs the operate permission")
         actor = f"{request.user.get_username()} (page)"
         reason = request.POST.get("reason", "")
         try:
@@ -160,6 +167,9 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
                     comparison_job=_optional_row(ComparisonJob, request.POST.get("comparison_job", "")),
                     engine=_optional_row(Engine, request.POST.get("engine", "")),
                 )  # fmt: skip
+            elif request.POST.get("action") == "traffic":
+                percent = _percent(request.POST.get("percent", ""))
+                release_set_traffic(release=release, percent=percent, actor=actor)
             elif request.POST.get("action") == "rollback":
                 release_rollback(release=release, actor=actor, reason=reason)
             else:
@@ -170,6 +180,12 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
             error = "; ".join(exc.messages)
         if not error:
             return redirect("release-detail", pk=release.pk)
+        # A refusal may come after the service re-read the row (release_sync): show it as stored.
+        release.refresh_from_db()
+    form = {k: request.POST.get(k, "") for k in ("decision", "reason", "comparison_job", "engine")} if error else {}
+    # The traffic field shows the current share, or what was typed when that share was refused.
+    refused_traffic = error and request.POST.get("action") == "traffic"
+    form["percent"] = request.POST.get("percent", "") if refused_traffic else str(release.traffic_percent)
     context = {
         "release": release,
         "events": release.events.order_by("at", "id"),
@@ -177,9 +193,33 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "poll_s": POLL_ACTIVE_S if release.status == Release.Status.PREPARING else None,
         "error": error,
         # A refused form comes back with what was typed (the page re-renders it).
-        "form": {k: request.POST.get(k, "") for k in ("decision", "reason", "comparison_job", "engine")} if error else {},
+        "form": form,
     }
     return render(request, "cacheadmin/release_detail.html", context, status=400 if error else 200)
+
+
+def _percent(raw: str) -> int:
+    """A share of traffic typed into the page: an integer in ASCII digits, optionally signed.
+
+    The range (0..100) is the service's to check, so that the page and the API
+    refuse a share beyond it with one message; only a number of more than three
+    significant digits is refused here (before ``int()`` reads it).
+
+    Raises:
+        InvalidField: ``percent`` is blank, not an integer, or far beyond 0..100.
+    """
+    value = raw.strip()
+    if not value:
+        raise InvalidField("percent", "a share of traffic (0..100) is required")
+    digits = value.removeprefix("-")
+    # ASCII digits only: int() also reads other scripts' digits ("١٠" as 10) and "1_0".
+    if not (digits.isascii() and digits.isdigit()):
+        raise InvalidField("percent", f"{value!r} is not an integer")
+    significant = digits.lstrip("0") or "0"
+    if len(significant) > 3:
+        # Beyond any share; int() of a long string is slow, and refused past 4300 digits.
+        raise InvalidField("percent", f"must be within 0..100, got {value[:12]}{'…' if len(value) > 12 else ''}")
+    return -int(significant) if value.startswith("-") else int(significant)
 
 
 def _optional_row(model: type, raw: str) -> object | None:
