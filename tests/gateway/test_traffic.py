@@ -290,6 +290,9 @@ class Script:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes: with Nagle's algorithm the body waits for the client's delayed ACK
+    # (40 ms on Linux), which would make every keep-alive answer slow.
+    disable_nagle_algorithm = True
     script: Script
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
@@ -343,7 +346,8 @@ class _Handler(BaseHTTPRequestHandler):
 def fake_gateway() -> Iterator[tuple[str, Script]]:
     script = Script()
     handler = type("Handler", (_Handler,), {"script": script})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    # The default listen backlog (5) makes a burst of new keep-alive connections wait for SYN retries (1 s).
+    server = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 64})(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
