@@ -864,13 +864,14 @@ class TrafficRunner:
             self._futures.discard(future)
 
     def _log_window(self, now: float) -> None:
-        if self.log is None:
-            return
+        """Log the interval's line and start the next interval (reset without a log too: its latencies would grow).
+        An answer to a request of the closed interval that arrives later goes into no line, only into the stats."""
         with self._lock:
             assert self._window is not None
             window, self._window = self._window, _Tally(self._window.phase, now)
             line = format_stats_line(window.snapshot(now))
-        self.log(line)
+        if self.log is not None:
+            self.log(line)
 
     def _send(self, index: int, tallies: tuple[_Tally, ...]) -> None:
         """One request, on a worker thread; its outcome goes into every tally it was sent under."""
