@@ -483,3 +483,17 @@ def test_the_runner_refuses_bad_settings_and_misuse() -> None:
         runner.stats()
     with pytest.raises(RuntimeError, match="before marking"):
         runner.mark("x")
+
+
+def test_the_runner_logs_each_interval_and_the_whole_run(fake_gateway: tuple[str, Script]) -> None:
+    url, _ = fake_gateway
+    lines: list[str] = []
+    runner = TrafficRunner(url, "sk-test", demo_workload(4), rate_per_s=50, log=lines.append, log_every_s=0.1, max_requests=20)
+    runner.start("warm")
+    assert runner.wait(60)
+    stats = runner.stop()
+    # The last request is due 0.38 s after the start, so the scheduler runs through at least three 0.1 s intervals.
+    intervals, final = lines[:-1], lines[-1]
+    assert len(intervals) >= 3
+    assert all(line.startswith("phase=warm rps=") and " cross_version=" in line for line in intervals)
+    assert final == format_stats_line(stats) and final.startswith("phase=all rps=")
