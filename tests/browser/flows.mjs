@@ -287,6 +287,9 @@ async function main() {
         [`decide release #${RELEASE_ID}`]: await forgedPost(reader, `/releases/${RELEASE_ID}/`, {
           action: 'decide', decision: 'verified_reuse', reason: 'forged',
         }),
+        [`move traffic of release #${RELEASE_ID}`]: await forgedPost(reader, `/releases/${RELEASE_ID}/`, {
+          action: 'traffic', percent: '10',
+        }),
       };
       const saved = ['readonly-dashboard.html'];
       for (const [name, path] of [
@@ -426,7 +429,7 @@ async function main() {
       watchJob(dashboard, watch, '/comparison-jobs/', compareBefore, 'succeeded'),
     );
 
-    // The release: verified reuse with that comparison as evidence, then a rollback.
+    // The release: verified reuse with that comparison as evidence, 10 % of traffic on it, then a rollback.
     const releasePage = await newTab(staffContext);
     let actedAt = 0; // when the last decision's answer came back (ms)
     const releaseSaw = async () => ({
@@ -454,6 +457,26 @@ async function main() {
     const releaseStatus = `#releases tr[data-release-id="${RELEASE_ID}"] td.release-status`;
     await step('dashboard-release-decided', dashboard, () =>
       dashboardShows(dashboard, watch, releaseStatus, 'ready', `release #${RELEASE_ID} to show ready on the dashboard`, actedAt),
+    );
+    // Gray release: 10 % of acme's conversations on the new version, from the release page.
+    await step('release-gray', releasePage, async () => {
+      const form = releasePage.locator('#traffic-form');
+      await textOf(form.getByRole('button', { name: 'Set traffic' }), 'the "Set traffic" form on the release page');
+      const field = form.locator('input[name=percent]');
+      const before = await field.inputValue();
+      await field.fill('10');
+      await form.getByRole('button', { name: 'Set traffic' }).click();
+      await releasePage.waitForLoadState('load');
+      actedAt = Date.now();
+      const saw = await releaseSaw();
+      if (saw.error) throw new FlowError(`moving traffic was refused: ${saw.error}`);
+      // Locators resolve again on the page the form's answer loaded: the field as shown after the move.
+      return { ...saw, percent_before: before, percent_after: await field.inputValue() };
+    });
+    // The watched dashboard shows the split by itself: the release row's share, then serving now rendered since.
+    await step('dashboard-release-gray', dashboard, () =>
+      dashboardShows(dashboard, watch, `#releases tr[data-release-id="${RELEASE_ID}"] td:nth-child(8)`, '10 %',
+        `release #${RELEASE_ID} to show 10 % on the dashboard`, actedAt),
     );
     await step('release-rolled-back', releasePage, async () => {
       const form = await formWithButton(releasePage, 'Roll back');

@@ -10,13 +10,19 @@ sign in, start the engine from its page and watch it become ready on a
 dashboard that never reloads; plan an eviction run from the dashboard and
 approve it on its page; prewarm and compare from the engine page and watch the
 job rows finish live; decide the release on its page with that comparison as
-evidence, and roll it back.
+evidence, move 10 % of acme's traffic to the new version there (a gray
+release) and watch the dashboard's "Serving now" split 90/10, and roll it back.
 
 The Node script writes what it saw at each step to ``seen.json`` and a full
 page screenshot per step (``01-login-readonly.png``, ...) into the artifacts
 folder: ``KVCP_BROWSER_ARTIFACTS`` when set, else ``var/browser-artifacts/<run>``
 in the checkout (git-ignored; kept after the run, unlike the run's temporary
 ``VAR_DIR``, so CI and people can look at them). The test prints where.
+
+``KVCP_README_SCREENSHOT``: when set, a path (relative to the checkout, or
+absolute) that the ``dashboard-release-gray`` screenshot is copied to after a
+passing run: the README's picture of the dashboard mid-release
+(``docs/screenshots/dashboard-mid-release.png``). Unset, nothing is copied.
 
 Comparison needs a reference engine that computes every token. One vLLM
 engine is all two cores afford here, so the reference is a second row for the
@@ -240,7 +246,8 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
         "login-readonly", "dashboard-readonly", "readonly-refused", "login-staff", "dashboard-staff",
         "engine-start", "eviction-planned", "eviction-approved", "dashboard-engine-ready", "eviction-succeeded",
         "dashboard-eviction-succeeded", "prewarm", "dashboard-prewarm-succeeded", "compare", "dashboard-compare-succeeded",
-        "release-decided", "dashboard-release-decided", "release-rolled-back", "dashboard-release-rolled-back",
+        "release-decided", "dashboard-release-decided", "release-gray", "dashboard-release-gray", "release-rolled-back",
+        "dashboard-release-rolled-back",
     ]  # fmt: skip
     for number, step in enumerate(steps, start=1):
         shot = artifacts / step["screenshot"]
@@ -261,7 +268,7 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     refused = by["readonly-refused"]
     assert refused["posts"] == {
         "plan eviction run": 403, f"start engine {ENGINE}": 403, f"restart engine {ENGINE}": 403,
-        f"decide release #{release.pk}": 403,
+        f"decide release #{release.pk}": 403, f"move traffic of release #{release.pk}": 403,
     }  # fmt: skip
     assert (refused["engine_status_after"], refused["buttons_on_engine_page"]) == ("stopped", [])
     assert not AuditEvent.objects.filter(actor__startswith=READER).exists()
@@ -326,12 +333,13 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     ]  # fmt: skip
     assert row["row_texts_seen"][-1] == row["row"] and len(row["row_texts_seen"]) >= 2
 
-    # The release: verified reuse with that comparison as evidence, then rolled back; page and dashboard agreed.
+    # The release: verified reuse with that comparison as evidence, 10 % of traffic on it, then
+    # rolled back; page and dashboard agreed at each step.
     release.refresh_from_db()
     assert (release.status, release.decision, release.decided_by, release.comparison_job_id, release.traffic_percent) == (
         "rolled_back", "verified_reuse", f"{STAFF} (page)", comparison.pk, 0,
     )  # fmt: skip
-    decided, rolled = by["release-decided"], by["release-rolled-back"]
+    decided, gray, rolled = by["release-decided"], by["release-gray"], by["release-rolled-back"]
     summary = (
         "tiny-v1 → tiny-v1-gen: compatible candidate: only fields without effect on KV state changed "
         "(config_excluded, generation_config)."
@@ -339,25 +347,49 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     when = f"{release.decided_at:%Y-%m-%d %H:%M:%S}"
     decision = f"verified reuse (with evidence) by {STAFF} (page) at {when}: same tokens, no deceptive hit"
     assert decided == {
-        "status": "ready", "summary": summary, "decision": decision, "buttons": ["Roll back"],
+        "status": "ready", "summary": summary, "decision": decision, "buttons": ["Set traffic", "Roll back"],
         "timeline_kinds": ["created", "evidence.tokenization", "decided", "ready"], "error": "",
     }  # fmt: skip
+    assert gray == {
+        **decided,
+        "summary": f"{summary} 10% of traffic on the new version.",
+        "timeline_kinds": decided["timeline_kinds"] + ["traffic"],
+        "percent_before": "0",
+        "percent_after": "10",
+    }
+    moved = release.events.get(kind="traffic")
+    assert (moved.actor, moved.detail) == (f"{STAFF} (page)", {"before": 0, "after": 10})
+    assert AuditEvent.objects.filter(action="release.traffic", actor=f"{STAFF} (page)").count() == 1
     assert rolled == {
         **decided,
         "status": "rolled_back",
         "buttons": [],
-        "timeline_kinds": decided["timeline_kinds"] + ["rolled_back"],
+        "timeline_kinds": gray["timeline_kinds"] + ["rolled_back"],
     }
-    for name, status in (("dashboard-release-decided", "ready"), ("dashboard-release-rolled-back", "rolled_back")):
+    for name, status, percent in (
+        ("dashboard-release-decided", "ready", 0),
+        ("dashboard-release-gray", "ready", 10),
+        ("dashboard-release-rolled-back", "rolled_back", 0),
+    ):
         shown = by[name]
         assert shown["release_rows"] == [
-            [f"#{release.pk}", "tiny", "acme", "tiny-v1 → tiny-v1-gen", "compatible", "verified_reuse", status, "0 %",
+            [f"#{release.pk}", "tiny", "acme", "tiny-v1 → tiny-v1-gen", "compatible", "verified_reuse", status, f"{percent} %",
              shown["release_rows"][0][-1]],
         ]  # fmt: skip
-        # Serving now: both versions routed, all traffic on tiny-v1 (verified reuse moved none yet).
-        assert shown["serving"] == [["tiny", "tiny-v1", "100"], ["tiny", "tiny-v1-gen", "0"]], (name, shown["serving"])
+        # Serving now: both versions routed; verified reuse moved none, the gray release 10 %, the rollback all back.
+        want = [["tiny", "tiny-v1", str(100 - percent)], ["tiny", "tiny-v1-gen", str(percent)]]
+        assert shown["serving"] == want, (name, shown["serving"])
         assert (shown["marker_survived"], shown["navigations_since_marker"]) == (True, 0)
+    assert by["dashboard-release-gray"][f'#releases tr[data-release-id="{release.pk}"] td:nth-child(8)'] == "10 %"
     # ... which is what the gateways' routing snapshot says now.
     (acme_tiny,) = [targets for (tenant_id, served), targets in snapshot.routes.items() if served == "tiny"]
     routed = [["tiny", t.version_label, str(t.percent)] for t in acme_tiny]
     assert by["dashboard-release-rolled-back"]["serving"] == routed
+
+    # The README's picture of the dashboard mid-release, from this passing run.
+    readme_shot = os.environ.get("KVCP_README_SCREENSHOT")
+    if readme_shot:
+        target = Path(settings.BASE_DIR) / readme_shot
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(artifacts / next(s["screenshot"] for s in steps if s["name"] == "dashboard-release-gray"), target)
+        print(f"README screenshot: {target}")
