@@ -458,7 +458,8 @@ class TrafficStats:
         answered: 200 answers that could be read.
         dropped: requests due while every worker was busy (never sent).
         errors: ``"<status>"`` or ``"<status>:<OpenAI error code>"`` for HTTP errors, ``"transport:<exception>"``
-            for a failed connection or timeout, ``"unreadable"`` for a 200 whose body could not be parsed -> count.
+            for a failed connection or timeout, ``"client:<exception>"`` for anything else reading the answer raised,
+            ``"unreadable"`` for a 200 whose body could not be parsed -> count.
         served_by: layer (``x-kvcp-served-by``; ``unknown`` without it) -> 200 answers.
         by_version: routed version label (``x-kvcp-version``; ``unknown`` without it) -> 200 answers.
         cross_version: 200 answers whose ``system_fingerprint`` differs from ``x-kvcp-fingerprint`` or lacks either.
@@ -881,6 +882,8 @@ class TrafficRunner:
             outcome = self._post(client, index, body)
         except httpx.HTTPError as exc:
             outcome = _Outcome(error=f"transport:{type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001 - a request must never vanish from the counts (sent = answered + errors)
+            outcome = _Outcome(error=f"client:{type(exc).__name__}")
         finally:
             self._idle.put(client)
         with self._lock:
