@@ -95,6 +95,26 @@ def int_within(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def float_within(low: float, high: float) -> Callable[[str], float]:
+    """argparse type: a decimal number in ASCII (``2``, ``0.5``, ``1e1``) within
+    ``low..high`` (inclusive); ``nan``, ``inf`` and other scripts' digits are refused."""
+
+    def parse(value: str) -> float:
+        text = value.strip()
+        try:
+            if not text.isascii():
+                raise ValueError(text)
+            number = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        if not low <= number <= high:  # also false for nan
+            raise argparse.ArgumentTypeError(f"{text} is not within {low:g}..{high:g}")
+        return number
+
+    parse.__name__ = f"number {low:g}..{high:g}"  # argparse names the type in its error
+    return parse
+
+
 def positive_int(value: str) -> int:
     """argparse type: a positive integer in ASCII digits (int() also takes other scripts' digits)."""
     number = _ascii_int(value)

@@ -1,37 +1,76 @@
-"""The main job: the unsafe and the safe upgrade of a model version, for real.
+"""The main job: a model release under live traffic, governed end to end, on
+real vLLM engines, with the unsafe upgrade beside it as the baseline.
 
-1. Build the demo checkpoints (tiny-v1, tiny-v2: same tokenizer, config and
-   served name; different weights) and register both.
-2. A tenant, a retention owner, and a namespace per (version, tenant).
-3. Serve v1 with the ExampleConnector disk tier under v1's namespace prefix;
-   prewarm it from the diagnostic corpus (Celery job, verified).
-4. Unsafe upgrade (what name-keyed caches do today): v2 serves v1's namespace
-   and storage prefix. Comparison job against a reference engine.
-5. Safe upgrade: v2 gets its own namespace, prewarmed, then compared.
+1. v1 serves tenant ``acme`` through the gateway (a first deployment, planned
+   over the REST API); a traffic generator sends a steady mix of prompt
+   templates (long shared system prompts, short varying questions,
+   heavy-tailed popularity, repeated greedy requests, paraphrases) for the
+   whole run.
+2. v2 (new weights) is registered; a release v1 → v2 is planned over the
+   API: classified ``incompatible``, with the identity diff.
+3. Decision ``new_namespace``: v2's namespace is created, an engine serves it,
+   and it is prewarmed from the hottest prefixes the gateway recorded from the
+   live traffic; the release is ready only after the prewarm's verification.
+4. Gray release: 10 % of conversations to v2, then 100 %; shadow
+   verification replays sampled live requests against reference engines.
+5. The next eviction sweep demotes v1's namespace to the cold tier by policy;
+   a rollback to v1 restores it from there and traffic goes back to it.
+6. The baseline: v2 on v1's persistent tier (what a cache keyed on token ids
+   and model name does), caught by a comparison job; and v2 in its own
+   namespace, clean.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from django.conf import settings
+from django.utils import timezone
 
-from cacheadmin.models import ComparisonJob, Engine, JobStatus, ModelVersion, PrewarmJob
+from cacheadmin.models import (
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EvictionRun,
+    JobStatus,
+    ModelVersion,
+    PrewarmJob,
+    Residency,
+    Tenant,
+)
 from cacheadmin.models.jobs import Job
+from cacheadmin.models.releases import Release
 from cacheadmin.services.comparison import comparison_job_create
-from cacheadmin.services.engines import engine_launch, engine_stop, engines_reconcile
+from cacheadmin.services.demo_release import (
+    ControlPlaneApi,
+    release_summary,
+    shadow_drain,
+    shadow_figures,
+    tooling_token,
+    traffic_figures,
+)
+from cacheadmin.services.engines import engine_create, engine_stop, engines_boot, engines_reconcile
+from cacheadmin.services.eviction.resume import eviction_sweep
+from cacheadmin.services.gateway import gateway_key_issue, tenant_gateway_policy_update
+from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.model_versions import checkpoint_fingerprint, model_version_register, model_version_transition
 from cacheadmin.services.namespaces import (
-    DEMO_POLICY,
+    RetentionPolicySpec,
     namespace_get_or_create,
+    namespace_policy_update,
     retention_owner_get_or_create,
     tenant_get_or_create,
 )
 from cacheadmin.services.prewarm import prewarm_job_create
+from cacheadmin.services.releases import release_rollback
+from gateway.traffic import TrafficRunner, TrafficStats, demo_workload
 from inference.checkpoints import ensure_demo_checkpoints
 from inference.identity import LayoutOptions
 
@@ -77,12 +116,6 @@ def _register(path: Path, label: str) -> ModelVersion:
     return version
 
 
-def _activate(version: ModelVersion, *, reason: str) -> None:
-    version.refresh_from_db()
-    if version.status != ModelVersion.Status.ACTIVE:
-        model_version_transition(version=version, to=ModelVersion.Status.ACTIVE, actor=ACTOR, reason=reason)
-
-
 def _summary(job: ComparisonJob) -> dict[str, Any]:
     return {
         "job": job.pk,
@@ -94,55 +127,189 @@ def _summary(job: ComparisonJob) -> dict[str, Any]:
     }
 
 
+#: Retention policy of the demo's namespaces: one version hot, the one before it
+#: kept cold (so the sweep after a release demotes the old version, and a
+#: rollback restores it).
+RELEASE_POLICY = RetentionPolicySpec(max_age_since_last_hit_s=86400, max_bytes=1 << 30, versions_kept=1, cold_versions_kept=1)
+#: Share of live requests with cached tokens that shadow verification replays.
+SHADOW_SAMPLE_RATE = 0.2
+#: Requests per second the traffic generator sends through the gateway.
+TRAFFIC_RATE_PER_S = 2.0
+#: Seconds traffic runs at each gray step (10 %, 100 %) and after the rollback.
+HOLD_S = 20.0
+
+
+@dataclass
+class Stage:
+    """What the served demo and its summary need from the run: the processes'
+    endpoints and the client release tooling uses."""
+
+    gateway_url: str
+    api_client: httpx.Client
+
+
+def _policy_ensure(namespace: CacheNamespace) -> None:
+    """Give a namespace the demo's retention policy (one from an earlier run may have another)."""
+    current = RetentionPolicySpec(**{k: getattr(namespace.policy, k) for k in RetentionPolicySpec.__dataclass_fields__})
+    if current != RELEASE_POLICY:
+        namespace_policy_update(namespace=namespace, policy=RELEASE_POLICY, actor=ACTOR, reason="demo: one version hot, one cold")
+
+
+def _settle(tenant: Tenant, v1: ModelVersion, v2: ModelVersion, log: Callable[[str], None]) -> Release | None:
+    """Bring tenant acme's ``tiny`` back to v1 when an earlier run stopped mid-release.
+
+    Returns:
+        A release v1 → v2 still awaiting its decision (the run continues it), else None.
+
+    Raises:
+        DemoError: a release that neither rolls back nor is the demo's own.
+    """
+    latest = Release.objects.filter(tenant=tenant, served_name="tiny").order_by("-pk").first()
+    if latest is None:
+        v2.refresh_from_db()
+        if v2.status == ModelVersion.Status.ACTIVE:
+            # An earlier run of the main job upgraded without releases: v1 is deployed first again.
+            model_version_transition(
+                version=v2, to=ModelVersion.Status.DRAINING, actor=ACTOR, reason="demo: a new run starts from v1"
+            )
+        return None
+    if latest.status == Release.Status.ROLLED_BACK or latest.from_version_id is None:
+        return None
+    if latest.status == Release.Status.DECISION_REQUIRED:
+        if (latest.from_version_id, latest.to_version_id) == (v1.pk, v2.pk):
+            log(f"release #{latest.pk} of an earlier run awaits its decision: continuing it")
+            return latest
+        raise DemoError(f"release #{latest.pk} of tiny for acme awaits a decision: decide it (page, API or CLI) first")
+    if latest.to_version_id == v1.pk and latest.traffic_percent == 100:
+        return None
+    release_rollback(release=latest, actor=ACTOR, reason="demo: a new run starts from v1")
+    log(f"release #{latest.pk} of an earlier run rolled back: the run starts from v1")
+    return None
+
+
+def _gateway_answers(gateway_url: str, key: str, *, timeout_s: float) -> None:
+    """Wait until the gateway routes tenant acme's ``tiny`` (its snapshot follows the first deployment).
+
+    Raises:
+        DemoError: no 200 within ``timeout_s`` (the last answer included).
+    """
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "temperature": 0}
+    deadline, last = time.monotonic() + timeout_s, ""
+    with httpx.Client(timeout=60) as client:
+        while time.monotonic() < deadline:
+            try:
+                answer = client.post(f"{gateway_url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+                if answer.status_code == 200:
+                    return
+                last = f"{answer.status_code} {answer.text[:300]}"
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            time.sleep(0.5)
+    raise DemoError(f"the gateway did not route tiny for acme within {timeout_s:.0f} s: {last}")
+
+
+def _sweep(namespace: CacheNamespace, *, log: Callable[[str], None], finish: Callable[[Job, str], Job]) -> EvictionRun:
+    """The next scheduled sweep, with no notice to owners: plan by policy (auto-approved), start, wait.
+
+    A scheduled run an earlier serving left waiting out its notice is
+    cancelled first: only one scheduled run is open at a time.
+
+    Raises:
+        DemoError: the run failed, or left ``namespace`` anywhere but cold.
+    """
+    waiting = EvictionRun.objects.filter(trigger=EvictionRun.Trigger.SCHEDULED, status=JobStatus.QUEUED)
+    for run in waiting:
+        job_cancel(job=run, actor=ACTOR, reason="demo: the demo's sweep runs now")
+    planned = eviction_sweep(actor="scheduler", notice_s=0)["planned"]
+    if planned is None:
+        raise DemoError("the sweep planned nothing: another scheduled eviction run is open")
+    run = EvictionRun.objects.get(pk=planned)
+    log(f"  sweep planned eviction run #{run.pk}: {run.progress_total} actions, {run.bytes_planned} bytes")
+    eviction_sweep(actor="scheduler", notice_s=0)  # its notice (none) has passed: it starts
+    run = finish(run, "the eviction sweep")
+    assert isinstance(run, EvictionRun)
+    namespace.refresh_from_db()
+    if namespace.residency != Residency.COLD:
+        raise DemoError(f"eviction run #{run.pk} left v1's namespace {namespace.residency}, not cold")
+    return run
+
+
+def _phase_summary(stats: TrafficStats) -> dict[str, Any]:
+    """One step's traffic as the generator saw it: counts, layers, versions, ratios, latency per layer."""
+    out = stats.as_dict()
+    for name in ("phase", "cross_version_examples", "engine_prompt_tokens", "engine_cached_tokens", "completion_tokens"):
+        out.pop(name)
+    for name in ("response_hit_ratio", "semantic_hit_ratio", "prefix_cached_token_ratio", "duration_s", "rate_per_s"):
+        out[name] = round(out[name], 4)
+    return out
+
+
 def demo_run(
     *,
     log: Callable[[str], None],
+    stage: Stage,
     watchdog: Callable[[], None] = lambda: None,
     corpus: str = "diagnostic",
     max_tokens: int = 16,
     job_timeout_s: float = 600.0,
     keep_serving: bool = False,
+    rate_per_s: float = TRAFFIC_RATE_PER_S,
+    hold_s: float = HOLD_S,
 ) -> dict[str, Any]:
     """Run the main job and return its summary.
 
     Args:
         log: receives one line per step.
+        stage: the running gateway's URL and an HTTP client of the control
+            plane's API (a served dashboard, or the WSGI app in process).
         watchdog: called while waiting on jobs (the caller checks its worker).
-        keep_serving: leave the v2 engine of v2's namespace running (the served
-            demo: an operator goes on working with it); it still stops with
-            this process. The summary then has ``serving`` (id, name, base_url).
+        keep_serving: leave v1's engine and reference running after the run
+            (the served demo: the gateway keeps answering); they still stop
+            with this process. The summary then has ``serving`` (id, name, base_url).
+        rate_per_s: the traffic generator's steady rate.
+        hold_s: seconds of traffic at each gray step and after the rollback.
 
     Returns:
-        ``{"unsafe": {...}, "safe": {...}, "caught": bool, "clean": bool,
-        "warm_faster": bool}``; each upgrade has prompts, deceptive_hits,
-        cached_tokens, ttft_cold_ms, ttft_warm_ms and its job id.
+        ``{"unsafe": {...}, "safe": {...}, "release": {...}, "traffic": {...},
+        "caught", "clean", "warm_faster", "released", "shadow_verified", "ok"}``;
+        see the README's "What the main job shows".
 
     Raises:
-        DemoError: a job failed or timed out.
+        DemoError: a job failed or timed out, an API call was refused, the
+            gateway did not route, the sweep did not demote.
         CheckpointError, EngineError, EngineRefused: from the steps.
     """
+    began, say = time.monotonic(), log
+
+    def log(line: str) -> None:  # every line with the seconds since the run began
+        say(f"[{time.monotonic() - began:5.0f} s] {line}")
+
     engines_reconcile(actor=ACTOR)
     run = uuid.uuid4().hex[:6]
+    since = timezone.now()
     paths = ensure_demo_checkpoints(settings.DEMO_MODELS_DIR)
     log(f"checkpoints: {', '.join(str(p) for p in paths.values())}")
     v1 = _register(paths["tiny-v1"], "tiny-v1")
-    v2 = _register(paths["tiny-v2"], "tiny-v2")
-    changed = [f for f in v1.IDENTITY_FIELDS if getattr(v1, f) != getattr(v2, f)]
-    log(f"registered tiny-v1 {v1.identity[:12]} and tiny-v2 {v2.identity[:12]}; fields that differ: {changed}")
     tenant = tenant_get_or_create(slug="acme", name="Acme Corp", actor=ACTOR)
     owner = retention_owner_get_or_create(name="platform-team", email="platform@example.com", actor=ACTOR)
-    ns1, _ = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
-    ns2, _ = namespace_get_or_create(model_version=v2, tenant=tenant, retention_owner=owner, policy=DEMO_POLICY, actor=ACTOR)
-    log(f"namespaces: v1 {ns1.storage_prefix}, v2 {ns2.storage_prefix}")
+    ns1, _ = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=RELEASE_POLICY, actor=ACTOR)
+    _policy_ensure(ns1)
+    tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": SHADOW_SAMPLE_RATE})
+    api = ControlPlaneApi(stage.api_client, tooling_token(actor=ACTOR))
 
     started: list[Engine] = []
+    traffic: TrafficRunner | None = None
+    traffic_stopped = False
 
-    def launch(name: str, **kwargs: Any) -> Engine:
-        log(f"starting engine {name}…")
-        engine = engine_launch(name=f"{name}-{run}", actor=ACTOR, **kwargs)
-        started.append(engine)
-        log(f"  {engine.name} ready at {engine.base_url} in {engine.start_seconds:.1f} s")
-        return engine
+    def launch(**specs: dict[str, Any]) -> list[Engine]:
+        """Start engines together (their start-ups overlap), each verified before use."""
+        log(f"starting engines {', '.join(specs)} together…")
+        rows = [engine_create(name=f"{name}-{run}", actor=ACTOR, **kwargs) for name, kwargs in specs.items()]
+        started.extend(rows)
+        engines = engines_boot(rows, actor=ACTOR)
+        for engine in engines:
+            log(f"  {engine.name} ready and verified at {engine.base_url} in {engine.start_seconds:.1f} s")
+        return engines
 
     def finish(job: Job, what: str) -> Job:
         job = _wait(job, timeout_s=job_timeout_s, log=log, watchdog=watchdog)
@@ -150,50 +317,154 @@ def demo_run(
             raise DemoError(f"{what} {job} ended {job.status}: {job.error}")
         return job
 
+    def stop(engine: Engine) -> None:
+        engine_stop(engine=engine, actor=ACTOR)
+
+    kept: list[Engine] = []
     try:
-        e1 = launch("tiny-v1", model_version=v1, namespace=ns1)
+        # 1. v1 serves acme through the gateway; traffic starts.
+        log("step 1: v1 serves tenant acme through the gateway")
+        v2 = _register(paths["tiny-v2"], "tiny-v2")  # registered now so an earlier run's release can be settled
+        pending = _settle(tenant, v1, v2, log)
+        e1, reference_v1 = launch(
+            **{"tiny-v1": {"model_version": v1, "namespace": ns1}, "tiny-v1-reference": {"model_version": v1, "namespace": None}}
+        )
         job = finish(prewarm_job_create(namespace=ns1, engine=e1, corpus=corpus, actor=ACTOR), "prewarm of v1")
         assert isinstance(job, PrewarmJob)
-        log(f"v1 prewarmed: {job.verified} prompts verified from the disk tier")
-        _activate(v1, reason="demo: v1 serves tenant acme")
-        engine_stop(engine=e1, actor=ACTOR)
-        reference = launch("tiny-v2-reference", model_version=v2, namespace=None)
+        log(f"  v1's namespace {ns1.storage_prefix} prewarmed: {job.verified} prompts verified from the disk tier")
+        if not Release.objects.filter(tenant=tenant, served_name="tiny").exists():
+            first = api.post("/api/releases/", {"served_name": "tiny", "tenant": "acme", "to_version": v1.pk})
+            what = f"{first['classification']}, {first['traffic_percent']} % on tiny-v1"
+            log(f"  POST /api/releases/ → release #{first['id']} {what}")
+        _, key = gateway_key_issue(tenant=tenant, name=f"demo traffic {run}", actor=ACTOR)
+        _gateway_answers(stage.gateway_url, key, timeout_s=120)
+        runner = TrafficRunner(stage.gateway_url, key, demo_workload(), rate_per_s=rate_per_s, log=log)
+        runner.start("v1")
+        traffic = runner
+        log(f"  traffic: {rate_per_s:g} requests/s through {stage.gateway_url}/v1 as tenant acme")
 
-        unsafe_engine = launch("tiny-v2-unsafe", model_version=v2, namespace=ns1, identity_override_reason=UNSAFE_REASON)
+        # 2. v2 registered; the release planned over the API.
+        log("step 2: v2 registered; release v1 → v2 planned over the API")
+        changed = [f for f in v1.IDENTITY_FIELDS if getattr(v1, f) != getattr(v2, f)]
+        log(f"  tiny-v1 {v1.identity[:12]} → tiny-v2 {v2.identity[:12]}; identity fields that differ: {changed}")
+        if pending is None:
+            planned = api.post(
+                "/api/releases/", {"served_name": "tiny", "tenant": "acme", "from_version": v1.pk, "to_version": v2.pk}
+            )
+        else:
+            planned = api.get(f"/api/releases/{pending.pk}/")
+        release_id = planned["id"]
+        diff = planned["diff"]
+        log(f"  POST /api/releases/ → release #{release_id}: {planned['classification']}, differing {diff['differing']}")
+        for name in diff["differing"]:
+            changes = diff["fields"].get(name, {})
+            log(f"    {name}: {json.dumps(changes)[:300]}")
+
+        # v2's namespace and the engines the rest of the run needs, started together.
+        created = api.post(
+            "/api/namespaces/",
+            {"model_version": v2.pk, "tenant": "acme", "retention_owner": owner.pk, "policy": RELEASE_POLICY.as_dict()},
+        )
+        ns2 = CacheNamespace.objects.get(pk=created["id"])
+        _policy_ensure(ns2)
+        log(f"  POST /api/namespaces/ → v2's namespace {ns2.storage_prefix}")
+        reference_v2, unsafe_engine, e2 = launch(
+            **{
+                "tiny-v2-reference": {"model_version": v2, "namespace": None},
+                "tiny-v2-unsafe": {"model_version": v2, "namespace": ns1, "identity_override_reason": UNSAFE_REASON},
+                "tiny-v2": {"model_version": v2, "namespace": ns2},
+            }
+        )
+
+        # 6. The baseline, while v1 serves: v2 on v1's persistent tier, then compared.
+        log("step 6 (baseline): v2 on v1's persistent tier, as a name-keyed cache does it")
         unsafe = finish(
             comparison_job_create(
-                engine=unsafe_engine, reference_engine=reference, namespace=ns1, corpus=corpus, max_tokens=max_tokens, actor=ACTOR
+                engine=unsafe_engine, reference_engine=reference_v2, namespace=ns1, corpus=corpus, max_tokens=max_tokens,
+                actor=ACTOR,
             ),
             "unsafe comparison",
-        )
-        engine_stop(engine=unsafe_engine, actor=ACTOR)
+        )  # fmt: skip
+        stop(unsafe_engine)
+        assert isinstance(unsafe, ComparisonJob)
+        log(f"  unsafe upgrade: {unsafe.deceptive_hits} deceptive hits; the gateway never routed acme's traffic to it")
 
-        safe_engine = launch("tiny-v2-safe", model_version=v2, namespace=ns2)
-        finish(prewarm_job_create(namespace=ns2, engine=safe_engine, corpus=corpus, actor=ACTOR), "prewarm of v2")
+        # 3. Decision new_namespace: prewarmed from live heat on v2's engine, verified.
+        log("step 3: decision new_namespace: v2's namespace prewarmed from the live traffic's hottest prefixes")
+        decided = api.post(
+            f"/api/releases/{release_id}/decide/",
+            {"decision": "new_namespace", "engine": e2.pk, "reason": "demo: new weights, new namespace prewarmed from live heat"},
+        )
+        prewarm = PrewarmJob.objects.get(pk=decided["prewarm_job"])
+        log(f"  POST …/decide/ → {decided['status']}; prewarm job #{prewarm.pk} on corpus {prewarm.corpus}")
+        prewarm = finish(prewarm, "prewarm of v2's namespace")
+        assert isinstance(prewarm, PrewarmJob)
+        ready = api.post(f"/api/releases/{release_id}/ready/")
+        log(f"  POST …/ready/ → {ready['status']}: {prewarm.verified} prompts verified from v2's disk tier")
         safe = finish(
             comparison_job_create(
-                engine=safe_engine, reference_engine=reference, namespace=ns2, corpus=corpus, max_tokens=max_tokens, actor=ACTOR
+                engine=e2, reference_engine=reference_v2, namespace=ns2, corpus=corpus, max_tokens=max_tokens, actor=ACTOR
             ),
             "safe comparison",
         )
-        _activate(v2, reason="demo: upgrade to v2 in its own namespace")
-        v1.refresh_from_db()
-        if v1.status == ModelVersion.Status.ACTIVE:
-            model_version_transition(version=v1, to=ModelVersion.Status.DRAINING, actor=ACTOR, reason="demo: replaced by v2")
-        kept = safe_engine if keep_serving else None
-    except BaseException:
-        kept = None
-        raise
+        assert isinstance(safe, ComparisonJob)
+        log(f"  safe upgrade: {safe.deceptive_hits} deceptive hits, {safe.cached_tokens} cached tokens")
+        ready_before_traffic = ready["status"] == Release.Status.READY
+
+        # 4. Gray release with shadow verification.
+        highest = 0
+        for percent in (10, 100):
+            moved = api.post(f"/api/releases/{release_id}/traffic/", {"percent": percent})
+            highest = max(highest, moved["traffic_percent"])
+            traffic.mark(f"v2 {percent}%")
+            log(f"step 4: POST …/traffic/ → {moved['traffic_percent']} % of conversations on tiny-v2")
+            time.sleep(hold_s)
+        left = shadow_drain([ns1, ns2], since=since, timeout_s=120, watchdog=watchdog)
+        log(f"  shadow checks so far: {shadow_figures([ns1, ns2], since=since)} ({left} still pending)")
+
+        # 5. v1 demoted by policy in the next sweep; rollback from the cold tier.
+        log("step 5: the next eviction sweep demotes v1's namespace by policy")
+        swept = _sweep(ns1, log=log, finish=finish)
+        log(f"  eviction run #{swept.pk}: v1's namespace is cold ({swept.bytes_freed} bytes left the hot tiers)")
+        rolled = api.post(f"/api/releases/{release_id}/rollback/", {"reason": "demo: roll back to v1"})
+        traffic.mark("rolled back to v1")
+        log(f"  POST …/rollback/ → {rolled['status']}: all traffic back on tiny-v1")
+        time.sleep(hold_s)
+        stats = traffic.stop()
+        traffic_stopped = True
+        shadow_drain([ns1, ns2], since=since, timeout_s=120, watchdog=watchdog)
+        kept = [e1, reference_v1] if keep_serving else []
     finally:
+        if traffic is not None and not traffic_stopped:
+            traffic.stop()
         for engine in started:
             engine.refresh_from_db()
-            if engine.status == Engine.Status.READY and (kept is None or engine.pk != kept.pk):
-                engine_stop(engine=engine, actor=ACTOR)
-    assert isinstance(unsafe, ComparisonJob) and isinstance(safe, ComparisonJob)
-    result: dict[str, Any] = {"unsafe": _summary(unsafe), "safe": _summary(safe)}
-    if kept is not None:
-        result["serving"] = {"id": kept.pk, "name": kept.name, "base_url": kept.base_url}
+            if engine.status == Engine.Status.READY and engine not in kept:
+                stop(engine)
+    release = Release.objects.get(pk=release_id)
+    # The gateway flushes its figures every GATEWAY_FLUSH_S: wait for the last ones.
+    time.sleep(settings.GATEWAY_FLUSH_S + 1)
+    result: dict[str, Any] = {
+        "unsafe": _summary(unsafe),
+        "safe": _summary(safe),
+        "release": release_summary(release, highest_percent=highest, ready_before_traffic=ready_before_traffic),
+        "traffic": {
+            "requests": stats.sent,
+            "answered": stats.answered,
+            **{k: v for k, v in traffic_figures([ns1, ns2], since=since).items() if k != "layers"},
+            **shadow_figures([ns1, ns2], since=since),
+            "cross_version_answers": stats.cross_version,
+            "cross_version_examples": [vars(e).copy() for e in stats.cross_version_examples],
+            "phases": {phase: _phase_summary(traffic.stats(phase)) for phase in traffic.phases},
+        },
+    }
+    if kept:
+        result["serving"] = {"id": kept[0].pk, "name": kept[0].name, "base_url": kept[0].base_url}
     result["caught"] = result["unsafe"]["deceptive_hits"] > 0
     result["clean"] = result["safe"]["deceptive_hits"] == 0 and result["safe"]["cached_tokens"] > 0
     result["warm_faster"] = (result["safe"]["ttft_warm_ms"] or 0) < (result["safe"]["ttft_cold_ms"] or 0)
+    t, r = result["traffic"], result["release"]
+    result["released"] = r["ready"] and r["traffic_percent"] == 100 and r["rolled_back_from_cold"]
+    result["shadow_verified"] = t["shadow_checked"] > 0 and t["shadow_deceptive_hits"] == 0 and t["cross_version_answers"] == 0
+    result["ok"] = result["caught"] and result["clean"] and result["released"] and result["shadow_verified"]
     return result

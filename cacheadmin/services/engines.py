@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from cacheadmin.services.engine_verification import EngineUnreachable, Verificat
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
-from inference.errors import EngineError, InvalidField, Refused
+from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
 
 #: Engines this process launched, by Engine pk (handles to their subprocesses).
 _LAUNCHED: dict[int, LocalEngine] = {}
@@ -203,16 +204,67 @@ def engine_boot(engine: Engine, *, actor: str, trigger: str = "start") -> Engine
         VerificationRefused: it came up computing something else than its
             identity; the row is ``failed`` and the process stopped.
     """
-    engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
-    if engine.status != Engine.Status.STARTING or engine.origin != Engine.Origin.LOCAL:
-        return engine
+    return engines_boot([engine], actor=actor, trigger=trigger)[0]
+
+
+def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start") -> list[Engine]:
+    """:func:`engine_boot` for several engines whose start-ups overlap: every
+    process is started first, then each is waited for and verified in turn.
+
+    Most of a vLLM start is one process at a time importing, loading and
+    profiling on one core, so on the 2-core machines here three engines
+    started together were ready in about 1.5 times one engine's start.
+
+    Each engine ends ``ready`` or ``failed`` on its own; the engines that came
+    up stay ready (the caller owns them) when another one failed.
+
+    Returns:
+        The rows, in the order given.
+
+    Raises:
+        EngineError, VerificationRefused, EngineUnreachable: the first failure,
+            raised once every engine was waited for.
+    """
+    rows = [Engine.objects.select_related("model_version").get(pk=e.pk) for e in engines]
+    booting = [r for r in rows if r.status == Engine.Status.STARTING and r.origin == Engine.Origin.LOCAL]
     started = time.monotonic()
-    local: LocalEngine | None = None
+    spawned: dict[int, LocalEngine] = {}
+    failure: BaseException | None = None
     try:
-        if not (engine.pid and pid_alive(engine.pid)):
-            local = LocalEngine(_spec_for(engine))
-            local.start(detach=engine.detached)
-            Engine.objects.filter(pk=engine.pk).update(pid=local.pid)
+        for engine in booting:
+            if not (engine.pid and pid_alive(engine.pid)):
+                local = LocalEngine(_spec_for(engine))
+                local.start(detach=engine.detached)
+                spawned[engine.pk] = local
+                Engine.objects.filter(pk=engine.pk).update(pid=local.pid)
+        for engine in booting:
+            try:
+                _boot_wait(engine, spawned.pop(engine.pk, None), actor=actor, trigger=trigger, started=started)
+            except (EngineError, ControlPlaneError) as exc:
+                failure = failure or exc
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) while starting: never leave a server, or a
+        # row that claims one is starting.
+        for pk, local in spawned.items():
+            local.stop()
+            Engine.objects.filter(pk=pk, status=Engine.Status.STARTING).update(
+                status=Engine.Status.STOPPED, error="interrupted while starting", stopped_at=timezone.now()
+            )
+        raise
+    if failure is not None:
+        raise failure
+    return [Engine.objects.get(pk=r.pk) for r in rows]
+
+
+def _boot_wait(engine: Engine, local: LocalEngine | None, *, actor: str, trigger: str, started: float) -> None:
+    """Wait for one booting engine, mark it ready and verify it (:func:`engine_boot`'s second half).
+
+    Raises:
+        EngineError: it did not come up (row ``failed``, process stopped).
+        VerificationRefused, EngineUnreachable, Refused: its verification failed (row ``failed``, process stopped).
+    """
+    try:
+        if local is not None:
             local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
         else:
             _wait_healthy(engine, settings.ENGINE_START_TIMEOUT_S)
@@ -222,8 +274,6 @@ def engine_boot(engine: Engine, *, actor: str, trigger: str = "start") -> Engine
         _mark_failed(engine, f"{exc}", actor=actor)
         raise
     except BaseException:
-        # Interrupted (Ctrl-C, SIGTERM) while starting: never leave a server, or a
-        # row that claims one is starting.
         if local is not None:
             local.stop()
         Engine.objects.filter(pk=engine.pk).update(
@@ -247,8 +297,6 @@ def engine_boot(engine: Engine, *, actor: str, trigger: str = "start") -> Engine
         _stop_process(engine)
         _mark_failed(engine, f"verification failed: {exc}", actor=actor)
         raise
-    engine.refresh_from_db()
-    return engine
 
 
 def _wait_healthy(engine: Engine, timeout_s: float) -> None:

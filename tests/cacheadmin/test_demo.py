@@ -1,11 +1,14 @@
 """``python manage.py demo --no-serve``: the main job, end to end, as CI runs it.
 
-Real vLLM engines, a real Celery worker on the filesystem broker, the test
+Real vLLM engines, a real Celery worker on the filesystem broker, the real
+gateway (uvicorn processes) under a steady traffic generator, the test
 database on SQLite: the embedded default, which the demo is the main job of.
-Asserts the unsafe upgrade is caught on every prompt and the safe one is
-clean, then checks the rows the dashboard reads. The scale-out run
-(PostgreSQL + Redis) leaves it out: the same prewarm and comparison jobs run
-there through a worker on Redis in ``test_vllm_jobs.py``.
+Asserts the release under live traffic (planned and moved over the API,
+prewarmed from live heat, shadow-verified, demoted by the sweep, rolled back
+from the cold tier), the unsafe upgrade caught on every prompt and the safe
+one clean, then checks the rows the dashboard reads. The scale-out run
+(PostgreSQL + Redis) leaves it out: the same jobs run there through a worker
+on Redis in ``test_vllm_jobs.py``, the gateway in ``tests/gateway``.
 """
 
 from __future__ import annotations
@@ -20,33 +23,110 @@ from cacheadmin.models import (
     ComparisonJob,
     Engine,
     EngineAlarm,
+    EvictionAction,
+    EvictionRun,
+    GatewayStat,
     JobStatus,
     KvEventStream,
     ModelVersion,
     PrewarmJob,
+    ShadowCheck,
 )
+from cacheadmin.models.releases import PrefixHeat, Release
 from cacheadmin.services.demo import UNSAFE_REASON
 from inference.corpus import load_corpus
+from inference.engines.launcher import free_port
 from tests.helpers import manage, subprocess_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.embedded_default, pytest.mark.django_db(transaction=True)]
 
 
-def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_user_model) -> None:
-    proc = manage("demo", "--no-serve", env=subprocess_env(), timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_back_from_cold(
+    client, django_user_model, tmp_path
+) -> None:
+    env = subprocess_env(GATEWAY_ADDR=f"127.0.0.1:{free_port()}", GATEWAY_DIR=str(tmp_path / "gateway"))
+    proc = manage("demo", "--no-serve", env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads(proc.stdout)
     n = len(load_corpus("diagnostic"))
-    assert summary["caught"] is True and summary["clean"] is True and summary["warm_faster"] is True
+    assert (summary["caught"], summary["clean"], summary["released"], summary["shadow_verified"], summary["ok"]) == (
+        True, True, True, True, True,
+    )  # fmt: skip
 
     v1, v2 = ModelVersion.objects.get(label="tiny-v1"), ModelVersion.objects.get(label="tiny-v2")
     assert [f for f in ModelVersion.IDENTITY_FIELDS if getattr(v1, f) != getattr(v2, f)] == ["weights"]
+    ns1, ns2 = CacheNamespace.objects.get(model_version=v1), CacheNamespace.objects.get(model_version=v2)
     assert CacheNamespace.objects.count() == 2
 
+    # The release: planned over the API by release tooling, prewarmed from live heat, 10 % then 100 %,
+    # demoted by the sweep, rolled back from the cold tier.
+    release = Release.objects.get(from_version=v1)
+    first = Release.objects.get(from_version=None)
+    tooling = release.created_by  # the service account and its token, as the audit trail names them
+    assert tooling.startswith("release-tooling (token demo release ")
+    assert (first.classification, first.to_version, first.created_by) == ("first_deployment", v1, tooling)
+    assert summary["release"] == {
+        "id": release.pk, "classification": "incompatible", "differing": ["weights"], "decision": "new_namespace",
+        "ready": True, "traffic_percent": 100, "status": "rolled_back", "rolled_back_from_cold": True,
+        "entries_restored": summary["release"]["entries_restored"],
+    }  # fmt: skip
+    assert summary["release"]["entries_restored"] > 0
+    assert (release.decided_by, release.to_namespace, release.from_namespace) == (tooling, ns2, ns1)
+    events = list(release.events.order_by("at", "id").values_list("kind", "actor"))
+    assert events == [
+        ("created", tooling), ("decided", tooling), ("ready", "policy"), ("marked_ready", tooling), ("traffic", tooling),
+        ("traffic", tooling), ("rolled_back", tooling),
+    ]  # fmt: skip
+    assert [e.detail["after"] for e in release.events.filter(kind="traffic").order_by("at", "id")] == [10, 100]
+    prewarm = PrewarmJob.objects.get(pk=release.prewarm_job_id)
+    assert (prewarm.corpus, prewarm.status, prewarm.namespace) == (f"heat:{ns1.pk}", JobStatus.SUCCEEDED, ns2)
+    heat = PrefixHeat.objects.filter(namespace=ns1)
+    assert prewarm.verified == min(heat.count(), 32) > 0
+    sweep = EvictionRun.objects.get(trigger=EvictionRun.Trigger.SCHEDULED)
+    assert (sweep.status, sweep.approved_by) == (JobStatus.SUCCEEDED, "policy")
+    archived = EvictionAction.objects.get(run=sweep, kind="archive")
+    assert (archived.namespace, archived.status) == (ns1, "done")
+    ns1.refresh_from_db()
+    assert (ns1.residency, ns2.residency) == ("hot", "hot")  # v1 restored by the rollback
+    v1.refresh_from_db()
+    v2.refresh_from_db()
+    assert (v1.status, v2.status) == ("active", "draining")
+
+    # Live traffic: every answer computed by the version it was routed to; the figures the dashboard
+    # reads count exactly what the generator saw (plus the one request that waited for routing).
+    traffic = summary["traffic"]
+    assert traffic["cross_version_answers"] == 0
+    assert traffic["requests"] == traffic["answered"] > 100
+    served = {
+        layer: sum(p["served_by"].get(layer, 0) for p in traffic["phases"].values())
+        for layer in ("response", "semantic", "engine")
+    }
+    stats = GatewayStat.objects.filter(namespace__in=[ns1, ns2])
+    assert sum(s.hits for s in stats if s.layer == "response") == served["response"] > 0
+    assert sum(s.hits for s in stats if s.layer == "semantic") == served["semantic"]
+    assert sum(s.requests for s in stats if s.layer == "prefix") == served["engine"] + 1
+    for ratio in ("response_cache_hit_ratio", "prefix_cached_token_ratio", "cost_savings_rate"):
+        assert 0 < traffic[ratio] < 1, (ratio, traffic)
+    assert traffic["prefix_cached_token_ratio"] > 0.5  # the long shared system prompts
+    phases = traffic["phases"]
+    assert list(phases) == ["v1", "v2 10%", "v2 100%", "rolled back to v1"]
+    assert set(phases["v1"]["by_version"]) == {"tiny-v1"}
+    gray = phases["v2 10%"]["by_version"]
+    assert 0 < gray.get("tiny-v2", 0) < gray["tiny-v1"]
+    assert phases["v2 100%"]["by_version"]["tiny-v2"] > 0.9 * phases["v2 100%"]["answered"]
+    assert phases["rolled back to v1"]["by_version"]["tiny-v1"] > 0.9 * phases["rolled back to v1"]["answered"]
+    # Shadow verification judged live requests of both versions, against references of their own version.
+    checks = ShadowCheck.objects.filter(namespace__in=[ns1, ns2])
+    assert traffic["shadow_checked"] == checks.filter(status="matched").count() > 0
+    assert traffic["shadow_deceptive_hits"] == checks.filter(status="deceptive").count() == 0
+    assert {c.namespace_id for c in checks.filter(status="matched")} == {ns1.pk, ns2.pk}
+    assert all(c.reference_engine.model_version_id == c.namespace.model_version_id for c in checks.filter(status="matched"))
+
+    # The baseline, unchanged: the unsafe upgrade caught on every prompt, the safe one clean.
     unsafe = ComparisonJob.objects.get(pk=summary["unsafe"]["job"])
     safe = ComparisonJob.objects.get(pk=summary["safe"]["job"])
-    assert unsafe.namespace.model_version == v1 and unsafe.engine.model_version == v2
-    assert safe.namespace.model_version == v2
+    assert unsafe.namespace == ns1 and unsafe.engine.model_version == v2
+    assert safe.namespace == ns2 and safe.engine.model_version == v2
     assert unsafe.engine.identity_override == UNSAFE_REASON
     for job, deceptive in ((unsafe, n), (safe, 0)):
         assert job.status == JobStatus.SUCCEEDED
@@ -67,30 +147,26 @@ def test_demo_catches_the_unsafe_upgrade_and_passes_the_safe_one(client, django_
         assert job.cached_tokens == sum(r.cached_tokens for r in results)
     assert all(r.deceptive and not r.tokens_equal for r in unsafe.results.all())
     assert all(r.tokens_equal and r.max_logprob_delta <= r.tolerance and not r.deceptive for r in safe.results.all())
-    assert safe.ttft_warm_ms < safe.ttft_cold_ms
 
-    prewarms = list(PrewarmJob.objects.order_by("pk"))
-    assert [(p.namespace.model_version.label, p.status, p.verified) for p in prewarms] == [
-        ("tiny-v1", JobStatus.SUCCEEDED, n),
-        ("tiny-v2", JobStatus.SUCCEEDED, n),
-    ]
-    assert (v1.status, v2.status) == ("draining", "active")
-    assert Engine.objects.count() == 4
+    engines = {e.name.rsplit("-", 1)[0] for e in Engine.objects.all()}
+    assert engines == {"tiny-v1", "tiny-v1-reference", "tiny-v2-reference", "tiny-v2-unsafe", "tiny-v2"}
     assert set(Engine.objects.values_list("status", flat=True)) == {Engine.Status.STOPPED}
     assert AuditEvent.objects.filter(action="engine.start", reason=UNSAFE_REASON).count() == 1
-    # Every engine was verified before use; the KV-event consumer watched the three serving ones,
-    # and every block they stored belonged to the namespace each served: no isolation alarm.
+    assert AuditEvent.objects.filter(action="release.rollback", actor=tooling).count() == 1
+    # Every engine was verified before use; the KV-event consumer watched the serving ones, and every
+    # block they stored belonged to the namespace each served: no isolation alarm.
     assert set(Engine.objects.values_list("verification", flat=True)) == {"verified"}
     streams = KvEventStream.objects.select_related("engine")
-    assert sorted(s.engine.name.rsplit("-", 1)[0] for s in streams) == ["tiny-v1", "tiny-v2-safe", "tiny-v2-unsafe"]
+    assert sorted(s.engine.name.rsplit("-", 1)[0] for s in streams) == ["tiny-v1", "tiny-v2", "tiny-v2-unsafe"]
     assert all(s.events > 0 and s.gaps == 0 and s.complete for s in streams)
     assert not EngineAlarm.objects.exists()
 
-    # The dashboard shows it all; the detail page lists every prompt's verdict.
+    # The dashboard shows it all; the detail pages list every prompt's verdict and the release's timeline.
     client.force_login(django_user_model.objects.create_user("viewer", password="x"))
     page = client.get("/").content.decode()
-    for text in ("tiny-v1", "tiny-v2", v1.weights[:12], v2.weights[:12], v1.tokenizer[:12], unsafe.namespace.storage_prefix):
+    for text in ("tiny-v1", "tiny-v2", v1.weights[:12], v2.weights[:12], v1.tokenizer[:12], ns1.storage_prefix):
         assert text in page
     detail = client.get(f"/comparison-jobs/{unsafe.pk}/").content.decode()
     assert detail.count("deceptive hit</td>") == n
     assert client.get(f"/comparison-jobs/{safe.pk}/").content.decode().count("correct hit</td>") == n
+    assert "restored from the cold tier" in client.get(f"/releases/{release.pk}/").content.decode()

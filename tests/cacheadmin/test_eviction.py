@@ -240,6 +240,18 @@ def test_scheduled_plans_are_auto_approved_with_notice_and_one_at_a_time(world, 
     assert eviction_run_execute(run_id=run.pk) == "succeeded"
 
 
+def test_a_sweep_given_no_notice_plans_a_run_the_next_sweep_starts(world, monkeypatch) -> None:
+    started: list[int] = []
+    monkeypatch.setattr(EvictionRunner, "enqueue", classmethod(lambda cls, pk: started.append(pk)))
+    before = timezone.now()
+    run = EvictionRun.objects.get(pk=eviction_sweep(notice_s=0)["planned"])
+    assert (run.status, run.auto_approved, run.approved_by) == ("queued", True, "policy")
+    assert before <= run.not_before <= timezone.now()
+    assert started == []  # planned, not started: owners were told first
+    assert eviction_sweep(notice_s=0) == {"resumed": [], "started": [run.pk], "planned": None}
+    assert started == [run.pk]
+
+
 def test_only_one_run_executes_at_a_time(world, monkeypatch) -> None:
     first = eviction_plan(actor="alice", only=[world["ns"]["v0"]])
     second = eviction_plan(actor="alice", only=[world["ns"]["v1"]])

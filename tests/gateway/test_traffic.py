@@ -28,6 +28,7 @@ from gateway.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, 
 from gateway.server import FINGERPRINT_HEADER, SERVED_BY_HEADER, VERSION_HEADER, check_body, last_user_text
 from gateway.traffic import (
     CROSS_VERSION_EXAMPLES,
+    DEMO_TAIL_NUMBERS,
     DEMO_TEMPLATES,
     CrossVersionAnswer,
     TemplateSpec,
@@ -49,7 +50,8 @@ def _binomial_bounds(p: float, n: int, sigmas: float = 4.0) -> tuple[float, floa
 
 @pytest.fixture(scope="module")
 def draws() -> list[dict[str, Any]]:
-    workload = demo_workload(0)
+    """The head of the demo's workload alone (its 36 questions; the long tail has its own test)."""
+    workload = demo_workload(0, tail_numbers=0)
     return [workload.draw(i) for i in range(N_DRAWS)]
 
 
@@ -86,7 +88,7 @@ def test_a_body_is_exactly_what_its_draw_says() -> None:
 
 
 def test_items_are_ranked_by_interleaving_the_templates() -> None:
-    workload = demo_workload(0)
+    workload = demo_workload(0, tail_numbers=0)
     assert len(workload.items) == 36
     assert workload.items[:4] == (
         ("travel", "How do I change the date of my flight booking?"),
@@ -103,7 +105,7 @@ def test_items_are_ranked_by_interleaving_the_templates() -> None:
 
 def test_popularity_follows_the_zipf_law(draws: list[dict[str, Any]]) -> None:
     ranks = Counter(d["rank"] for d in draws)
-    p = demo_workload(0).probabilities()
+    p = demo_workload(0, tail_numbers=0).probabilities()
     low, high = _binomial_bounds(p[0], N_DRAWS)
     assert low <= ranks[0] <= high
     top_tenth = math.ceil(0.1 * len(p))  # 4 of 36 items
@@ -242,6 +244,44 @@ def test_paraphrases_hit_and_distinct_questions_do_not() -> None:
             for p, other in itertools.product(rewordings, template.questions):
                 if other != question:
                     assert verdict(p, other) != "hit", (p, other)
+
+
+def test_the_long_tail_asks_about_cases_by_number_and_never_as_a_cached_neighbour() -> None:
+    workload = demo_workload(0)
+    items = workload.items
+    assert len(items) == 36 + 6 * DEMO_TAIL_NUMBERS
+    assert items[36:43] == (
+        ("travel", "Which seat is assigned on booking 1000?"),
+        ("billing", "Why was invoice 1000 not paid?"),
+        ("hr", "Who approves expense report 1000?"),
+        ("travel", "Is breakfast included in hotel reservation 1000?"),
+        ("billing", "Which items are billed on invoice 1000?"),
+        ("hr", "Where is the form for leave request 1000?"),
+        ("travel", "Which seat is assigned on booking 1001?"),
+    )
+    assert items[-1] == ("hr", f"Where is the form for leave request {1000 + DEMO_TAIL_NUMBERS - 1}?")
+    tail_share = math.fsum(workload.probabilities()[36:])
+    draws = [workload.draw(i) for i in range(N_DRAWS)]
+    tail = [d for d in draws if d["tail"]]
+    low, high = _binomial_bounds(tail_share, N_DRAWS)
+    assert low <= len(tail) <= high
+    assert (len(tail), len({d["text"] for d in tail})) == (2301, 1372)  # this seed's exact counts
+    assert all(not d["paraphrased"] and d["rank"] >= 36 for d in tail)
+    assert all(not d["tail"] for d in draws if d["rank"] < 36)
+    # Two cases are two questions: the number guard keeps the semantic cache from answering one with the other.
+    embedder = default_embedder()
+    layer = SemanticLayer(store=None, embedder=embedder)  # type: ignore[arg-type]
+    for template in DEMO_TEMPLATES:
+        for slot in template.slot_questions:
+            a, b = slot.replace("{n}", "1042"), slot.replace("{n}", "1043")
+            va, vb = embedder.embed([a, b])
+            v = match(a, b, similarity(va, vb), threshold=layer.threshold, guards=layer.guards, embed=embedder.embed)
+            assert v.reason != "hit", (a, b, v)
+            assert semantic_admission(a) == (True, "admitted"), a
+    with pytest.raises(ValueError, match="tail_numbers must lie in 0..8999"):
+        demo_workload(0, tail_numbers=9000)
+    with pytest.raises(ValueError, match=r"needs exactly one \{n\}"):
+        TemplateSpec(name="x", system="s", questions=("q?",), slot_questions=("No number here?",))
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -21,14 +21,16 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandParser
+from django.core.wsgi import get_wsgi_application
 
 from cacheadmin.env import env_int, env_str
-from cacheadmin.management.base import ControlPlaneCommand, int_within
+from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
 from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
 from cacheadmin.models import Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
-from cacheadmin.services.demo import DemoError, demo_run
+from cacheadmin.services.demo import HOLD_S, TRAFFIC_RATE_PER_S, DemoError, Stage, demo_run
+from cacheadmin.services.demo_release import ApiCallFailed
 from cacheadmin.services.gateway import gateway_key_issue
 from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
 from inference.engines.launcher import die_with_parent
@@ -293,10 +295,13 @@ class DashboardServer:
 
 class Command(ControlPlaneCommand):
     help = (
-        "Run the main job: build and register two model versions that differ only in weights, prewarm v1's "
-        "namespace on a real vLLM engine, then upgrade to v2 unsafely (v1's storage prefix) and safely (its own "
-        "namespace), with a comparison job for each. Serves the dashboard unless --no-serve. "
-        "Exit codes: 0 unsafe upgrade caught and safe one clean; 1 not so; 2 bad input or a failed step; 130 interrupted."
+        "Run the main job: v1 serves tenant acme through the gateway under steady live traffic; v2 (new weights) is "
+        "released over the API (incompatible, decision new_namespace, prewarmed from live heat, gray 10 % then 100 % "
+        "with shadow verification), v1 is demoted by the next sweep and a rollback restores it from the cold tier; "
+        "beside it, v2 on v1's persistent tier (the unsafe upgrade) is caught by a comparison job. Serves the "
+        "dashboard unless --no-serve (then prints a JSON summary). Exit codes: 0 the unsafe upgrade was caught, the "
+        "safe one clean, the release reached 100 %% with no shadow deceptive hit and no cross-version answer and "
+        "rolled back from cold; 1 not so; 2 bad input or a failed step; 130 interrupted."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -309,6 +314,14 @@ class Command(ControlPlaneCommand):
         parser.add_argument(
             "--max-tokens", type=int_within(1, MAX_TOKENS), default=16, help="tokens generated per prompt when comparing"
         )
+        parser.add_argument(
+            "--rate", type=float_within(0.1, 50.0), default=TRAFFIC_RATE_PER_S,
+            help=f"requests per second of live traffic through the gateway (default {TRAFFIC_RATE_PER_S:g})",
+        )  # fmt: skip
+        parser.add_argument(
+            "--hold-s", type=float_within(1.0, 3600.0), default=HOLD_S,
+            help=f"seconds of traffic at each gray step and after the rollback (default {HOLD_S:g})",
+        )  # fmt: skip
 
     def handle(self, *args: Any, **opts: Any) -> None:
         # Stop cleanly (worker, dashboard server, engines) on Ctrl-C and on
@@ -354,11 +367,26 @@ class Command(ControlPlaneCommand):
                     log("KV-event consumer died; restarting it (it resumes from its checkpoint)")
                     consumer.start()
 
+            gateway = GatewayProcess(settings.VAR_DIR / "logs" / "demo-gateway.log", name="demo")
+            gateway.start()
+            stack.callback(gateway.stop)
+            log(f"gateway on http://{settings.GATEWAY_ADDR}/v1 (OpenAI-compatible), log {gateway.log_path}")
+            # Release tooling calls the API of the served dashboard, or (serving nothing) the same
+            # WSGI application in this process.
+            api_client = (
+                server.client(timeout=120)
+                if server is not None
+                else httpx.Client(transport=httpx.WSGITransport(app=get_wsgi_application()), base_url="http://127.0.0.1")
+            )
+            stack.callback(api_client.close)
+            stage = Stage(gateway_url=f"http://{settings.GATEWAY_ADDR}", api_client=api_client)
             try:
-                summary = demo_run(log=log, watchdog=watchdog, max_tokens=opts["max_tokens"], keep_serving=serve)
-            except (DemoError, EngineError, CheckpointError) as exc:
+                summary = demo_run(
+                    log=log, stage=stage, watchdog=watchdog, max_tokens=opts["max_tokens"], keep_serving=serve,
+                    rate_per_s=opts["rate"], hold_s=opts["hold_s"],
+                )  # fmt: skip
+            except (DemoError, ApiCallFailed, EngineError, CheckpointError) as exc:
                 raise self.bad_input(f"demo failed: {exc}") from exc
-            ok = summary["caught"] and summary["clean"]
             if server is not None:
                 self._report(summary)
                 # While the dashboard is served, the scheduled accounting scans,
@@ -374,24 +402,18 @@ class Command(ControlPlaneCommand):
                 serving = summary.get("serving")
                 if serving:
                     log(
-                        f"engine {serving['name']} (#{serving['id']}) keeps serving v2's namespace at {serving['base_url']}: "
-                        "prewarm, compare or release against it; it stops with the demo"
+                        f"engine {serving['name']} (#{serving['id']}) keeps serving v1's namespace at {serving['base_url']} "
+                        "behind the gateway: prewarm, compare or release against it; it stops with the demo"
                     )
-                gateway = GatewayProcess(settings.VAR_DIR / "logs" / "demo-gateway.log", name="demo")
-                gateway.start()
-                stack.callback(gateway.stop)
                 key = self._gateway_key()
-                log(
-                    f"gateway: http://{settings.GATEWAY_ADDR}/v1 (OpenAI-compatible; tenant acme's key {key}); "
-                    f"log {gateway.log_path}"
-                )
+                log(f"gateway: http://{settings.GATEWAY_ADDR}/v1 (tenant acme's key {key})")
                 log(f"dashboard: {server.base_url}/  (Ctrl-C to stop)")
                 status = server.wait()
                 if status != 0:
                     raise self.bad_input(f"the dashboard server exited with {status}; see {server.log_path}")
             else:
                 self.stdout.write(json.dumps(summary, indent=2))
-            if not ok:
+            if not summary["ok"]:
                 sys.exit(EXIT_CHECK_FAILED)
         except KeyboardInterrupt:
             if summary is None:  # interrupted during the main job, not while serving
@@ -453,3 +475,14 @@ class Command(ControlPlaneCommand):
             )
         verdict = "caught" if summary["caught"] else "NOT caught"
         self.stdout.write(f"unsafe upgrade {verdict}; safe upgrade {'clean' if summary['clean'] else 'NOT clean'}")
+        r, t = summary["release"], summary["traffic"]
+        self.stdout.write(
+            f"release #{r['id']} ({r['classification']}, {r['decision']}): ready before traffic {r['ready']}, reached "
+            f"{r['traffic_percent']} %, rolled back from the cold tier {r['rolled_back_from_cold']}"
+        )
+        self.stdout.write(
+            f"traffic: {t['requests']} requests; hit ratio response {t['response_cache_hit_ratio']}, semantic "
+            f"{t['semantic_cache_hit_ratio']}; prefix cached-token ratio {t['prefix_cached_token_ratio']}; cost savings "
+            f"{t['cost_savings_rate']}; shadow checks {t['shadow_checked']} ({t['shadow_deceptive_hits']} deceptive); "
+            f"cross-version answers {t['cross_version_answers']}"
+        )

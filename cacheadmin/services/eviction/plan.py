@@ -272,6 +272,7 @@ def eviction_plan(
     purge: list[CacheNamespace] | None = None,
     include_orphans: bool = True,
     reason: str = "",
+    notice_s: int | None = None,
 ) -> EvictionRun:
     """Plan an eviction run (a dry run: nothing is touched) and record it.
 
@@ -283,6 +284,7 @@ def eviction_plan(
     Args:
         only: consider only these namespaces (default: all, plus orphan prefixes).
         purge: drop these namespaces from every tier whatever the version policy says.
+        notice_s: a scheduled plan's notice to owners, seconds (default ``EVICTION_NOTICE_S``).
 
     Raises:
         EvictionRefused: a purge of a held namespace; another scheduled run is still open.
@@ -310,7 +312,7 @@ def eviction_plan(
     elif scheduled:
         fields.update(
             status=JobStatus.QUEUED, auto_approved=True, approved_by="policy", approved_at=now,
-            not_before=now + timedelta(seconds=settings.EVICTION_NOTICE_S),
+            not_before=now + timedelta(seconds=settings.EVICTION_NOTICE_S if notice_s is None else notice_s),
         )  # fmt: skip
     else:
         fields.update(status=JobStatus.PLANNED)

@@ -45,9 +45,12 @@ def eviction_runs_resume_due(*, now: Any = None) -> list[int]:
     return resumed
 
 
-def eviction_sweep(*, actor: str = "scheduler") -> dict[str, Any]:
+def eviction_sweep(*, actor: str = "scheduler", notice_s: int | None = None) -> dict[str, Any]:
     """The scheduled sweep: resume failed runs that are due, start queued runs
     whose notice has passed, and plan a new auto-approved run when none is open.
+
+    Args:
+        notice_s: the new plan's notice to owners, seconds (default ``EVICTION_NOTICE_S``).
 
     Returns:
         ``{"resumed": [...], "started": [...], "planned": id or None}``.
@@ -63,7 +66,9 @@ def eviction_sweep(*, actor: str = "scheduler") -> dict[str, Any]:
         trigger=EvictionRun.Trigger.SCHEDULED, status__in=[JobStatus.PLANNED, JobStatus.QUEUED, JobStatus.RUNNING]
     ).exists():
         try:
-            planned = eviction_plan(actor=actor, trigger=EvictionRun.Trigger.SCHEDULED, reason="scheduled sweep").pk
+            planned = eviction_plan(
+                actor=actor, trigger=EvictionRun.Trigger.SCHEDULED, reason="scheduled sweep", notice_s=notice_s
+            ).pk
         except EvictionRefused:
             planned = None  # a concurrent sweep planned one first
     return {"resumed": resumed, "started": due, "planned": planned}
