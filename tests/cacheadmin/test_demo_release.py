@@ -1,11 +1,14 @@
 """The main job's release tooling and measurements, without engines: the API
 client against the real WSGI application and database, the figures summed
-from real rows, the demo's command-line numbers."""
+from real rows, the demo's command-line numbers, and the order in which a
+batch of engines is booted (a launcher stand-in: the demo's own test boots
+real ones)."""
 
 from __future__ import annotations
 
 import argparse
 from datetime import timedelta
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -13,7 +16,7 @@ from django.core.wsgi import get_wsgi_application
 from django.utils import timezone
 
 from cacheadmin.management.base import float_within
-from cacheadmin.models import ApiToken, AuditEvent, GatewayStat, Release, ShadowCheck
+from cacheadmin.models import ApiToken, AuditEvent, Engine, GatewayStat, Release, ShadowCheck
 from cacheadmin.services.demo_release import (
     TOOLING_USER,
     ApiCallFailed,
@@ -22,7 +25,10 @@ from cacheadmin.services.demo_release import (
     tooling_token,
     traffic_figures,
 )
+from cacheadmin.services import engines as service
+from cacheadmin.services.engines import engines_boot
 from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, tenant_get_or_create
+from inference.errors import EngineError
 from tests.helpers import manage, subprocess_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -125,3 +131,51 @@ def test_the_demo_refuses_a_bad_rate_before_doing_anything() -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert "argument --rate: 0 is not within 0.1..50" in proc.stderr
     assert not Release.objects.exists()
+
+
+class _Server:
+    """A launcher stand-in (the unit here is how a batch of boots is sequenced, not vLLM):
+    records when each process started and was waited for; ``fails`` never comes up."""
+
+    events: list[str] = []
+
+    def __init__(self, spec: object) -> None:
+        self.name = str(getattr(spec, "log_path", "")).rsplit("/", 1)[-1].removesuffix(".log")
+        self.pid = 4_000_000 + len(self.events)
+
+    def start(self, detach: bool = False) -> None:
+        self.events.append(f"start {self.name}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.events.append(f"wait {self.name}")
+        if self.name == "fails":
+            raise EngineError("vLLM server fails exited before it was ready")
+
+    def stop(self) -> None:
+        self.events.append(f"stop {self.name}")
+
+
+def test_engines_started_together_are_all_spawned_before_any_wait_and_each_ends_on_its_own(world, monkeypatch) -> None:
+    _Server.events = []
+    monkeypatch.setattr(service, "LocalEngine", _Server)
+    monkeypatch.setattr(service, "_spec_for", lambda engine: SimpleNamespace(log_path=f"/x/{engine.name}.log"))
+    verified: list[str] = []
+    monkeypatch.setattr(service, "engine_verify", lambda *, engine, actor, trigger: verified.append(engine.name))
+    rows = [
+        Engine.objects.create(name=name, model_version=world["v1"], base_url="http://127.0.0.1:1", status="starting")
+        for name in ("first", "fails", "third")
+    ]
+    with pytest.raises(EngineError, match="fails exited before it was ready"):
+        engines_boot(rows, actor="ops")
+    assert _Server.events == [
+        "start first", "start fails", "start third", "wait first", "wait fails", "stop fails", "wait third",
+    ]  # fmt: skip
+    assert verified == ["first", "third"]
+    states = {e.name: (e.status, e.error[:40]) for e in Engine.objects.filter(pk__in=[r.pk for r in rows])}
+    assert states == {
+        "first": ("ready", ""), "fails": ("failed", "vLLM server fails exited before it was r"), "third": ("ready", ""),
+    }  # fmt: skip
+    assert AuditEvent.objects.filter(action="engine.failed", actor="ops").count() == 1
+    # An engine no longer starting is left as it is.
+    assert [e.status for e in engines_boot(rows[:1], actor="ops")] == ["ready"]
+    assert _Server.events[-1] == "wait third"
