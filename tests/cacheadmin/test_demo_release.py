@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from cacheadmin.management.base import float_within
 from cacheadmin.models import ApiToken, AuditEvent, Engine, GatewayStat, Release, ShadowCheck
+from cacheadmin.services import engines as service
 from cacheadmin.services.demo_release import (
     TOOLING_USER,
     ApiCallFailed,
@@ -25,7 +26,6 @@ from cacheadmin.services.demo_release import (
     tooling_token,
     traffic_figures,
 )
-from cacheadmin.services import engines as service
 from cacheadmin.services.engines import engines_boot
 from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, tenant_get_or_create
 from inference.errors import EngineError
