@@ -261,10 +261,14 @@ class _StreamAssembler:
         }  # fmt: skip
 
 
-def _served_headers(ns: NamespaceTarget, layer: str, engine: EngineTarget | None = None) -> dict[str, str]:
+def _served_headers(routed: Routed, layer: str, engine: EngineTarget | None = None) -> dict[str, str]:
     """The headers of an answer: the layer that served it, the version the request
-    was routed to and its fingerprint, and the engine when one computed it now."""
-    headers = {SERVED_BY_HEADER: layer, VERSION_HEADER: _header_text(ns.version_label), FINGERPRINT_HEADER: ns.fingerprint}
+    was routed to (under a verified reuse, another version than the namespace's,
+    with the same identity) and its fingerprint, and the engine when one computed it now."""
+    headers = {
+        SERVED_BY_HEADER: layer, VERSION_HEADER: _header_text(routed.route.version_label),
+        FINGERPRINT_HEADER: routed.namespace.fingerprint,
+    }  # fmt: skip
     if engine is not None:
         headers["x-kvcp-engine"] = _header_text(engine.name)
     return headers
@@ -676,12 +680,14 @@ class Gateway:
                 lookup_ms = (time.perf_counter() - looked) * 1000
                 if hit is not None:
                     record = json.loads(hit)
-                    return self._from_cache(ns, "response", record, endpoint, model, stream, include_usage, started, lookup_ms)
+                    return self._from_cache(
+                        routed, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
+                    )
                 if rkey in self.fills:  # an identical request is being filled in this process: wait for it
                     record = await self._await_fill(rkey)
                     if record is not None:
                         return self._from_cache(
-                            ns, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
+                            routed, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
                         )
                 rec.add(ns.pk, "response", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
         # Past the exact layer only: a response-cache hit never needs the personal-data scan.
@@ -744,14 +750,15 @@ class Gateway:
         lookup_ms = (time.perf_counter() - looked) * 1000
         vector, record = found
         if record is not None:
-            return self._from_cache(ns, "semantic", record, endpoint, model, stream, include_usage, started, lookup_ms)
+            return self._from_cache(routed, "semantic", record, endpoint, model, stream, include_usage, started, lookup_ms)
         rec.add(ns.pk, "semantic", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
         return partition, vector, text  # type: ignore[return-value]
 
     def _from_cache(
-        self, ns: NamespaceTarget, layer: str, record: Mapping[str, Any], endpoint: str, model: str, stream: bool,
+        self, routed: Routed, layer: str, record: Mapping[str, Any], endpoint: str, model: str, stream: bool,
         include_usage: bool, started: float, lookup_ms: float,
     ) -> Response:  # fmt: skip
+        ns = routed.namespace
         usage = record.get("usage") or {}
         ttft_ms = (time.perf_counter() - started) * 1000
         templates.count(self.rt.recorder.templates, warm=True)
@@ -759,7 +766,7 @@ class Gateway:
             ns.pk, layer, requests=1, hits=1, lookup_ms_sum=lookup_ms, lookup_count=1, ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1,
             prompt_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0),
         )  # fmt: skip
-        headers = _served_headers(ns, layer)
+        headers = _served_headers(routed, layer)
         if not stream:
             return JSONResponse(_answer_from_record(record, endpoint, model), headers=headers)
         events = _stream_record(record, endpoint, model, include_usage)
@@ -809,7 +816,7 @@ class Gateway:
             if not leased:
                 record = await self._wait_entry(ns, rkey)
                 if record is not None:
-                    return self._from_cache(ns, "response", record, endpoint, model, stream, include_usage, started, 0.0)
+                    return self._from_cache(routed, "response", record, endpoint, model, stream, include_usage, started, 0.0)
             future = asyncio.get_running_loop().create_future()
             self.fills[rkey] = future
         payload = {**upstream, "cache_salt": ns.cache_salt, "stream": True, "stream_options": {"include_usage": True}}
@@ -921,7 +928,7 @@ class Gateway:
                 await asyncio.shield(finish(record, engine))
 
         if stream:
-            return _ProxyStream(relay(), _served_headers(ns, "engine", engine))
+            return _ProxyStream(relay(), _served_headers(routed, "engine", engine))
         async for _ in relay():
             pass
         if not assembler.choices:
@@ -929,7 +936,7 @@ class Gateway:
                 502, f"engine {engine.name} failed before answering", type_="server_error", code="engine_failed"
             ).response()
         answer = _answer_from_record(assembler.record(), endpoint, model)
-        return JSONResponse(answer, headers=_served_headers(ns, "engine", engine))
+        return JSONResponse(answer, headers=_served_headers(routed, "engine", engine))
 
     async def _open(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response | Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"

@@ -367,7 +367,9 @@ def routing_snapshot_build() -> RoutingSnapshot:
         .prefetch_related("attached_namespaces")
         .order_by("id")
     )
+    identity_of: dict[int, str] = {}
     for engine in live_engines:
+        identity_of[engine.pk] = engine.model_version.identity
         target = EngineTarget(
             engine.pk, engine.name, engine.base_url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
             engine.model_version_id, model_fingerprint(engine.model_version.identity),
@@ -395,10 +397,11 @@ def routing_snapshot_build() -> RoutingSnapshot:
             cache_salt=cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_key),
             version_id=ns.model_version_id,
             version_label=ns.model_version.label,
-            # Only engines of the namespace's own version: one started on another
-            # version's namespace (an identity override, e.g. to show the unsafe
-            # upgrade) computes another model state and never gets its traffic.
-            engines=tuple(e for e in engines_of.get(ns.pk, ()) if e.version_id == ns.model_version_id),
+            # Only engines computing the namespace's state (their version's identity is
+            # the namespace version's: the same version, or one a verified reuse shares
+            # it with): one started there on another identity (an override, e.g. to show
+            # the unsafe upgrade) computes another model state and never gets its traffic.
+            engines=tuple(e for e in engines_of.get(ns.pk, ()) if identity_of[e.id] == ns.model_version.identity),
             ttl_s=float(policy.max_age_since_last_hit_s) if policy and policy.max_age_since_last_hit_s else None,
             max_bytes=policy.max_bytes if policy else None,
             suspended=(hold.suspended_reason or "suspended") if hold is not None and hold.suspended_at else None,

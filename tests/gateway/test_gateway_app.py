@@ -489,3 +489,29 @@ def test_an_engine_of_another_version_on_a_namespace_never_gets_its_traffic(setu
     refused = call(setup, chat(temperature=0))
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_engine"
     assert setup["fake"].received == []
+
+
+def test_under_a_verified_reuse_an_engine_of_the_new_version_serves_the_shared_namespace(setup) -> None:
+    """A compatible version has the old one's identity: the release shares its namespace, the
+    new version's engine computes the same state, and answers name the version each request was routed to."""
+    v1gen = make_version("v1-gen", "1" * 64)
+    Engine.objects.create(
+        name="e1-gen", model_version=v1gen, namespace=setup["ns"], base_url="http://engine-gen", status="ready",
+        verification="verified",
+    )  # fmt: skip
+    Release.objects.create(
+        served_name="tiny", tenant=setup["acme"], from_version=setup["v1"], to_version=v1gen, classification="compatible",
+        status="ready", decision="verified_reuse", from_namespace=setup["ns"], to_namespace=setup["ns"], traffic_percent=50,
+        created_by="t",
+    )  # fmt: skip
+    refresh(setup)
+    assert [e.name for e in setup["holder"]["snap"].namespaces[setup["ns"].pk].engines] == ["e1", "e1-gen"]
+    secret = tenant_secret(setup["acme"].key)
+    seen = set()
+    for user in range(12):
+        answer = call(setup, chat(f"question {user}", temperature=0, user=f"user-{user}"))
+        on_new = sticky_bucket(secret, f"user:user-{user}") < 50
+        assert answer.headers["x-kvcp-version"] == ("v1-gen" if on_new else "v1")
+        assert answer.headers["x-kvcp-fingerprint"] == answer.json()["system_fingerprint"] == "fp_" + "1" * 16
+        seen.add(answer.headers["x-kvcp-version"])
+    assert seen == {"v1", "v1-gen"}
