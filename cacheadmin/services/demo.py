@@ -326,8 +326,15 @@ def demo_run(
         log("step 1: v1 serves tenant acme through the gateway")
         v2 = _register(paths["tiny-v2"], "tiny-v2")  # registered now so an earlier run's release can be settled
         pending = _settle(tenant, v1, v2, log)
-        e1, reference_v1 = launch(
-            **{"tiny-v1": {"model_version": v1, "namespace": ns1}, "tiny-v1-reference": {"model_version": v1, "namespace": None}}
+        # Before any traffic, the fleet of the run but v2's serving engine (which needs v2's namespace): v1's engine
+        # and reference, v2's reference, and v2 on v1's persistent tier for the baseline, started together.
+        e1, reference_v1, reference_v2, unsafe_engine = launch(
+            **{
+                "tiny-v1": {"model_version": v1, "namespace": ns1},
+                "tiny-v1-reference": {"model_version": v1, "namespace": None},
+                "tiny-v2-reference": {"model_version": v2, "namespace": None},
+                "tiny-v2-unsafe": {"model_version": v2, "namespace": ns1, "identity_override_reason": UNSAFE_REASON},
+            }
         )
         job = finish(prewarm_job_create(namespace=ns1, engine=e1, corpus=corpus, actor=ACTOR), "prewarm of v1")
         assert isinstance(job, PrewarmJob)
@@ -360,22 +367,6 @@ def demo_run(
             changes = diff["fields"].get(name, {})
             log(f"    {name}: {json.dumps(changes)[:300]}")
 
-        # v2's namespace and the engines the rest of the run needs, started together.
-        created = api.post(
-            "/api/namespaces/",
-            {"model_version": v2.pk, "tenant": "acme", "retention_owner": owner.pk, "policy": RELEASE_POLICY.as_dict()},
-        )
-        ns2 = CacheNamespace.objects.get(pk=created["id"])
-        _policy_ensure(ns2)
-        log(f"  POST /api/namespaces/ → v2's namespace {ns2.storage_prefix}")
-        reference_v2, unsafe_engine, e2 = launch(
-            **{
-                "tiny-v2-reference": {"model_version": v2, "namespace": None},
-                "tiny-v2-unsafe": {"model_version": v2, "namespace": ns1, "identity_override_reason": UNSAFE_REASON},
-                "tiny-v2": {"model_version": v2, "namespace": ns2},
-            }
-        )
-
         # 6. The baseline, while v1 serves: v2 on v1's persistent tier, then compared.
         log("step 6 (baseline): v2 on v1's persistent tier, as a name-keyed cache does it")
         unsafe = finish(
@@ -389,8 +380,17 @@ def demo_run(
         assert isinstance(unsafe, ComparisonJob)
         log(f"  unsafe upgrade: {unsafe.deceptive_hits} deceptive hits; the gateway never routed acme's traffic to it")
 
-        # 3. Decision new_namespace: prewarmed from live heat on v2's engine, verified.
-        log("step 3: decision new_namespace: v2's namespace prewarmed from the live traffic's hottest prefixes")
+        # 3. Decision new_namespace: v2's namespace created, served, prewarmed from live heat, verified.
+        created = api.post(
+            "/api/namespaces/",
+            {"model_version": v2.pk, "tenant": "acme", "retention_owner": owner.pk, "policy": RELEASE_POLICY.as_dict()},
+        )
+        ns2 = CacheNamespace.objects.get(pk=created["id"])
+        _policy_ensure(ns2)
+        log(f"step 3: POST /api/namespaces/ → v2's namespace {ns2.storage_prefix}")
+        (e2,) = launch(**{"tiny-v2": {"model_version": v2, "namespace": ns2}})
+
+        log("  decision new_namespace: v2's namespace prewarmed from the live traffic's hottest prefixes")
         decided = api.post(
             f"/api/releases/{release_id}/decide/",
             {"decision": "new_namespace", "engine": e2.pk, "reason": "demo: new weights, new namespace prewarmed from live heat"},

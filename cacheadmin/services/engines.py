@@ -212,8 +212,9 @@ def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start
     process is started first, then each is waited for and verified in turn.
 
     Most of a vLLM start is one process at a time importing, loading and
-    profiling on one core, so on the 2-core machines here three engines
-    started together were ready in about 1.5 times one engine's start.
+    profiling on one core, so engines started together overlap on the cores
+    a sequence would leave idle. The batch may take ``ENGINE_START_TIMEOUT_S``
+    per engine, counted from its start.
 
     Each engine ends ``ready`` or ``failed`` on its own; the engines that came
     up stay ready (the caller owns them) when another one failed.
@@ -237,9 +238,15 @@ def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start
                 local.start(detach=engine.detached)
                 spawned[engine.pk] = local
                 Engine.objects.filter(pk=engine.pk).update(pid=local.pid)
+        # Engines started together share the cores: the batch has the sum of their
+        # start-up budgets, counted from its start (one stuck engine cannot hold it longer).
+        deadline = started + settings.ENGINE_START_TIMEOUT_S * max(1, len(booting))
         for engine in booting:
             try:
-                _boot_wait(engine, spawned.pop(engine.pk, None), actor=actor, trigger=trigger, started=started)
+                _boot_wait(
+                    engine, spawned.pop(engine.pk, None), actor=actor, trigger=trigger, started=started,
+                    timeout_s=max(1.0, deadline - time.monotonic()),
+                )  # fmt: skip
             except (EngineError, ControlPlaneError) as exc:
                 failure = failure or exc
     except BaseException:
@@ -256,8 +263,8 @@ def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start
     return [Engine.objects.get(pk=r.pk) for r in rows]
 
 
-def _boot_wait(engine: Engine, local: LocalEngine | None, *, actor: str, trigger: str, started: float) -> None:
-    """Wait for one booting engine, mark it ready and verify it (:func:`engine_boot`'s second half).
+def _boot_wait(engine: Engine, local: LocalEngine | None, *, actor: str, trigger: str, started: float, timeout_s: float) -> None:
+    """Wait for one booting engine (at most ``timeout_s``), mark it ready and verify it (:func:`engine_boot`'s second half).
 
     Raises:
         EngineError: it did not come up (row ``failed``, process stopped).
@@ -265,9 +272,9 @@ def _boot_wait(engine: Engine, local: LocalEngine | None, *, actor: str, trigger
     """
     try:
         if local is not None:
-            local.wait_ready(settings.ENGINE_START_TIMEOUT_S)
+            local.wait_ready(timeout_s)
         else:
-            _wait_healthy(engine, settings.ENGINE_START_TIMEOUT_S)
+            _wait_healthy(engine, timeout_s)
     except EngineError as exc:
         if local is not None:
             local.stop()
