@@ -8,16 +8,16 @@ real vLLM engines, with the unsafe upgrade beside it as the baseline.
    whole run.
 2. v2 (new weights) is registered; a release v1 → v2 is planned over the
    API: classified ``incompatible``, with the identity diff.
-3. Decision ``new_namespace``: v2's namespace is created, an engine serves it,
-   and it is prewarmed from the hottest prefixes the gateway recorded from the
-   live traffic; the release is ready only after the prewarm's verification.
-4. Gray release: 10 % of conversations to v2, then 100 %; shadow
+3. The baseline: v2 on v1's persistent tier (what a cache keyed on token ids
+   and model name does), caught by a comparison job.
+4. Decision ``new_namespace``: v2's namespace (created before traffic, with
+   the engine that serves it) is prewarmed from the hottest prefixes the gateway recorded from the
+   live traffic; the release is ready only after the prewarm's verification;
+   a comparison job finds v2 in its own namespace clean.
+5. Gray release: 10 % of conversations to v2, then 100 %; shadow
    verification replays sampled live requests against reference engines.
-5. The next eviction sweep demotes v1's namespace to the cold tier by policy;
+6. The next eviction sweep demotes v1's namespace to the cold tier by policy;
    a rollback to v1 restores it from there and traffic goes back to it.
-6. The baseline: v2 on v1's persistent tier (what a cache keyed on token ids
-   and model name does), caught by a comparison job; and v2 in its own
-   namespace, clean.
 """
 
 from __future__ import annotations
@@ -132,9 +132,11 @@ def _summary(job: ComparisonJob) -> dict[str, Any]:
 #: rollback restores it).
 RELEASE_POLICY = RetentionPolicySpec(max_age_since_last_hit_s=86400, max_bytes=1 << 30, versions_kept=1, cold_versions_kept=1)
 #: Share of live requests with cached tokens that shadow verification replays.
-SHADOW_SAMPLE_RATE = 0.2
+SHADOW_SAMPLE_RATE = 0.1
 #: Requests per second the traffic generator sends through the gateway.
-TRAFFIC_RATE_PER_S = 2.0
+TRAFFIC_RATE_PER_S = 1.0
+#: Answers of v2 each gray step waits for (after HOLD_S) before the next one.
+MIN_ANSWERS_PER_STEP = 5
 #: Seconds traffic runs at each gray step (10 %, 100 %) and after the rollback.
 HOLD_S = 20.0
 
@@ -326,12 +328,21 @@ def demo_run(
         log("step 1: v1 serves tenant acme through the gateway")
         v2 = _register(paths["tiny-v2"], "tiny-v2")  # registered now so an earlier run's release can be settled
         pending = _settle(tenant, v1, v2, log)
-        # Before any traffic, the fleet of the run but v2's serving engine (which needs v2's namespace): v1's engine
-        # and reference, v2's reference, and v2 on v1's persistent tier for the baseline, started together.
-        e1, reference_v1, reference_v2, unsafe_engine = launch(
+        # Before any traffic, the run's whole fleet starts together: an engine started while traffic runs shares
+        # two cores with it (measured here: over 300 s). v2's engine serves v2's namespace, created for it over
+        # the API (empty until the decision fills it); v2 also runs on v1's persistent tier for the baseline.
+        created = api.post(
+            "/api/namespaces/",
+            {"model_version": v2.pk, "tenant": "acme", "retention_owner": owner.pk, "policy": RELEASE_POLICY.as_dict()},
+        )
+        ns2 = CacheNamespace.objects.get(pk=created["id"])
+        _policy_ensure(ns2)
+        log(f"  POST /api/namespaces/ → v2's namespace {ns2.storage_prefix}, for v2's engine")
+        e1, reference_v1, e2, reference_v2, unsafe_engine = launch(
             **{
                 "tiny-v1": {"model_version": v1, "namespace": ns1},
                 "tiny-v1-reference": {"model_version": v1, "namespace": None},
+                "tiny-v2": {"model_version": v2, "namespace": ns2},
                 "tiny-v2-reference": {"model_version": v2, "namespace": None},
                 "tiny-v2-unsafe": {"model_version": v2, "namespace": ns1, "identity_override_reason": UNSAFE_REASON},
             }
@@ -367,8 +378,8 @@ def demo_run(
             changes = diff["fields"].get(name, {})
             log(f"    {name}: {json.dumps(changes)[:300]}")
 
-        # 6. The baseline, while v1 serves: v2 on v1's persistent tier, then compared.
-        log("step 6 (baseline): v2 on v1's persistent tier, as a name-keyed cache does it")
+        # 3. The baseline, while v1 serves: v2 on v1's persistent tier, then compared.
+        log("step 3 (the baseline): v2 on v1's persistent tier, as a name-keyed cache does it")
         unsafe = finish(
             comparison_job_create(
                 engine=unsafe_engine, reference_engine=reference_v2, namespace=ns1, corpus=corpus, max_tokens=max_tokens,
@@ -380,17 +391,8 @@ def demo_run(
         assert isinstance(unsafe, ComparisonJob)
         log(f"  unsafe upgrade: {unsafe.deceptive_hits} deceptive hits; the gateway never routed acme's traffic to it")
 
-        # 3. Decision new_namespace: v2's namespace created, served, prewarmed from live heat, verified.
-        created = api.post(
-            "/api/namespaces/",
-            {"model_version": v2.pk, "tenant": "acme", "retention_owner": owner.pk, "policy": RELEASE_POLICY.as_dict()},
-        )
-        ns2 = CacheNamespace.objects.get(pk=created["id"])
-        _policy_ensure(ns2)
-        log(f"step 3: POST /api/namespaces/ → v2's namespace {ns2.storage_prefix}")
-        (e2,) = launch(**{"tiny-v2": {"model_version": v2, "namespace": ns2}})
-
-        log("  decision new_namespace: v2's namespace prewarmed from the live traffic's hottest prefixes")
+        # 4. Decision new_namespace: v2's namespace prewarmed from live heat on v2's engine, verified.
+        log(f"step 4: decision new_namespace: v2's namespace {ns2.storage_prefix} prewarmed from live heat")
         decided = api.post(
             f"/api/releases/{release_id}/decide/",
             {"decision": "new_namespace", "engine": e2.pk, "reason": "demo: new weights, new namespace prewarmed from live heat"},
@@ -411,19 +413,27 @@ def demo_run(
         log(f"  safe upgrade: {safe.deceptive_hits} deceptive hits, {safe.cached_tokens} cached tokens")
         ready_before_traffic = ready["status"] == Release.Status.READY
 
-        # 4. Gray release with shadow verification.
+        # 5. Gray release with shadow verification.
         highest = 0
         for percent in (10, 100):
             moved = api.post(f"/api/releases/{release_id}/traffic/", {"percent": percent})
             highest = max(highest, moved["traffic_percent"])
-            traffic.mark(f"v2 {percent}%")
-            log(f"step 4: POST …/traffic/ → {moved['traffic_percent']} % of conversations on tiny-v2")
-            time.sleep(hold_s)
+            phase = f"v2 {percent}%"
+            traffic.mark(phase)
+            log(f"step 5: POST …/traffic/ → {moved['traffic_percent']} % of conversations on tiny-v2")
+            # Each step lasts hold_s, and until v2 answered some of its conversations (a small share of a
+            # low rate can take a while), at most four times as long.
+            started_step = time.monotonic()
+            while time.monotonic() - started_step < 4 * hold_s:
+                on_v2 = traffic.stats(phase).by_version.get(v2.label, 0)
+                if time.monotonic() - started_step >= hold_s and on_v2 >= MIN_ANSWERS_PER_STEP:
+                    break
+                time.sleep(0.5)
         left = shadow_drain([ns1, ns2], since=since, timeout_s=120, watchdog=watchdog)
         log(f"  shadow checks so far: {shadow_figures([ns1, ns2], since=since)} ({left} still pending)")
 
-        # 5. v1 demoted by policy in the next sweep; rollback from the cold tier.
-        log("step 5: the next eviction sweep demotes v1's namespace by policy")
+        # 6. v1 demoted by policy in the next sweep; rollback from the cold tier.
+        log("step 6: the next eviction sweep demotes v1's namespace by policy")
         swept = _sweep(ns1, log=log, finish=finish)
         log(f"  eviction run #{swept.pk}: v1's namespace is cold ({swept.bytes_freed} bytes left the hot tiers)")
         rolled = api.post(f"/api/releases/{release_id}/rollback/", {"reason": "demo: roll back to v1"})

@@ -35,6 +35,7 @@ class WorkerProcess:
         self.name = name
         self.beat = beat
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0  # where this start's lines begin in a log shared with earlier runs
 
     #: What the process logs once it is ready.
     ready_marker = b" ready."
@@ -55,7 +56,7 @@ class WorkerProcess:
             RuntimeError: it exited or did not become ready in time (log tail included).
         """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        offset = self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -100,9 +101,11 @@ class WorkerProcess:
             self.kill()
 
     def tail(self, lines: int = 30) -> str:
-        """Last lines of the worker log."""
+        """Last lines this start wrote to the log (not an earlier run's)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with self.log_path.open("rb") as fh:
+                fh.seek(self._log_offset)
+                return "\n".join(fh.read().decode("utf-8", "replace").splitlines()[-lines:])
         except OSError:
             return ""
 

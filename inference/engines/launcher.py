@@ -348,8 +348,13 @@ class LocalEngine:
                 if client.healthy():
                     break
                 if time.monotonic() - started > timeout_s:
+                    # The tail before the stop: after it, the log ends with the traceback of the kill itself.
+                    tail = self.log_tail()
                     self.stop()
-                    raise EngineError(f"vLLM server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+                    raise EngineError(
+                        f"vLLM server not ready after {timeout_s:.0f} s (ENGINE_START_TIMEOUT_S per engine; a busy "
+                        f"machine needs more):\n{tail}"
+                    )
                 time.sleep(0.5)
             # Short enough to stay under one KV block, so a connector tier stores nothing.
             client.chat([{"role": "user", "content": "warm up"}], cache_salt="warm-up", max_tokens=2)

@@ -29,12 +29,12 @@ from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
 from cacheadmin.models import Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
-from cacheadmin.services.demo import HOLD_S, TRAFFIC_RATE_PER_S, DemoError, Stage, demo_run
+from cacheadmin.services.demo import HOLD_S, TRAFFIC_RATE_PER_S, Stage, demo_run
 from cacheadmin.services.demo_release import ApiCallFailed
 from cacheadmin.services.gateway import gateway_key_issue
 from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
 from inference.engines.launcher import die_with_parent
-from inference.errors import CheckpointError, EngineError
+from inference.errors import CheckpointError
 
 EXIT_CHECK_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -300,7 +300,7 @@ class Command(ControlPlaneCommand):
         "with shadow verification), v1 is demoted by the next sweep and a rollback restores it from the cold tier; "
         "beside it, v2 on v1's persistent tier (the unsafe upgrade) is caught by a comparison job. Serves the "
         "dashboard unless --no-serve (then prints a JSON summary). Exit codes: 0 the unsafe upgrade was caught, the "
-        "safe one clean, the release reached 100 %% with no shadow deceptive hit and no cross-version answer and "
+        "safe one clean, the release reached 100 % with no shadow deceptive hit and no cross-version answer and "
         "rolled back from cold; 1 not so; 2 bad input or a failed step; 130 interrupted."
     )
 
@@ -349,12 +349,18 @@ class Command(ControlPlaneCommand):
         multiproc_clear(settings.METRICS_MULTIPROC_DIR)
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
         summary: dict[str, Any] | None = None
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError as exc:
+            raise self.bad_input(f"demo failed: {exc}") from exc
         log(f"celery worker ready (broker {settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}")
         consumer = KvEventsProcess(settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo")
         stack = contextlib.ExitStack()
         try:
-            consumer.start()
+            try:
+                consumer.start()
+            except RuntimeError as exc:
+                raise self.bad_input(f"demo failed: {exc}") from exc
             log(f"KV-event consumer ready (resident tokens per namespace, isolation alarms), log {consumer.log_path}")
             if server is not None:
                 self._serve(server, log)
@@ -368,8 +374,11 @@ class Command(ControlPlaneCommand):
                     consumer.start()
 
             gateway = GatewayProcess(settings.VAR_DIR / "logs" / "demo-gateway.log", name="demo")
-            gateway.start()
             stack.callback(gateway.stop)
+            try:
+                gateway.start()
+            except RuntimeError as exc:
+                raise self.bad_input(f"demo failed: {exc}") from exc
             log(f"gateway on http://{settings.GATEWAY_ADDR}/v1 (OpenAI-compatible), log {gateway.log_path}")
             # Release tooling calls the API of the served dashboard, or (serving nothing) the same
             # WSGI application in this process.
@@ -385,7 +394,9 @@ class Command(ControlPlaneCommand):
                     log=log, stage=stage, watchdog=watchdog, max_tokens=opts["max_tokens"], keep_serving=serve,
                     rate_per_s=opts["rate"], hold_s=opts["hold_s"],
                 )  # fmt: skip
-            except (DemoError, ApiCallFailed, EngineError, CheckpointError) as exc:
+            except (ApiCallFailed, RuntimeError, CheckpointError) as exc:
+                # RuntimeError: a step failed (DemoError, EngineError) or a helper process
+                # the watchdog restarted did not come back.
                 raise self.bad_input(f"demo failed: {exc}") from exc
             if server is not None:
                 self._report(summary)
