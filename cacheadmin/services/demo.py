@@ -133,8 +133,10 @@ def _summary(job: ComparisonJob) -> dict[str, Any]:
 RELEASE_POLICY = RetentionPolicySpec(max_age_since_last_hit_s=86400, max_bytes=1 << 30, versions_kept=1, cold_versions_kept=1)
 #: Share of live requests with cached tokens that shadow verification replays.
 SHADOW_SAMPLE_RATE = 0.1
+#: The same during the release's gray steps.
+RELEASE_SHADOW_SAMPLE_RATE = 0.5
 #: Requests per second the traffic generator sends through the gateway.
-TRAFFIC_RATE_PER_S = 1.0
+TRAFFIC_RATE_PER_S = 2.0
 #: Answers of v2 each gray step waits for (after HOLD_S) before the next one.
 MIN_ANSWERS_PER_STEP = 5
 #: Seconds traffic runs at each gray step (10 %, 100 %) and after the rollback.
@@ -415,20 +417,25 @@ def demo_run(
 
         # 5. Gray release with shadow verification.
         highest = 0
+        # The canary is verified closely: shadow sampling goes up for the release's steps.
+        tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": RELEASE_SHADOW_SAMPLE_RATE})
         for percent in (10, 100):
             moved = api.post(f"/api/releases/{release_id}/traffic/", {"percent": percent})
             highest = max(highest, moved["traffic_percent"])
             phase = f"v2 {percent}%"
             traffic.mark(phase)
             log(f"step 5: POST …/traffic/ → {moved['traffic_percent']} % of conversations on tiny-v2")
-            # Each step lasts hold_s, and until v2 answered some of its conversations (a small share of a
-            # low rate can take a while), at most four times as long.
+            # Each step lasts hold_s, and until v2 answered some conversations and shadow verification judged
+            # one of v2's live answers (a small share of a low rate can take a while), at most six times as long.
             started_step = time.monotonic()
-            while time.monotonic() - started_step < 4 * hold_s:
+            while time.monotonic() - started_step < 6 * hold_s:
                 on_v2 = traffic.stats(phase).by_version.get(v2.label, 0)
-                if time.monotonic() - started_step >= hold_s and on_v2 >= MIN_ANSWERS_PER_STEP:
+                judged = shadow_figures([ns2], since=since)["shadow_checked"]
+                if time.monotonic() - started_step >= hold_s and on_v2 >= MIN_ANSWERS_PER_STEP and judged:
                     break
+                watchdog()
                 time.sleep(0.5)
+        tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": SHADOW_SAMPLE_RATE})
         left = shadow_drain([ns1, ns2], since=since, timeout_s=120, watchdog=watchdog)
         log(f"  shadow checks so far: {shadow_figures([ns1, ns2], since=since)} ({left} still pending)")
 
