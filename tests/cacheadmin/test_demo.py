@@ -141,10 +141,11 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
         results = list(job.results.all())
         assert len(results) == n
         for r in results:
-            # Every prompt was served from the persistent tier or engine memory, whole blocks.
-            assert r.cached_tokens == (r.prompt_tokens - 1) // 32 * 32
             assert r.control_tokens_equal is True
-        assert job.cached_tokens == sum(r.cached_tokens for r in results)
+        assert job.cached_tokens == sum(r.cached_tokens for r in results) > 0
+    # v1's namespace was prewarmed with the diagnostic corpus: every prompt of the unsafe comparison came from
+    # its persistent tier, whole blocks. (v2's was prewarmed from live heat, not from this corpus.)
+    assert all(r.cached_tokens == (r.prompt_tokens - 1) // 32 * 32 for r in unsafe.results.all())
     assert all(r.deceptive and not r.tokens_equal for r in unsafe.results.all())
     assert all(r.tokens_equal and r.max_logprob_delta <= r.tolerance and not r.deceptive for r in safe.results.all())
 
