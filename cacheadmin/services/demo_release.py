@@ -19,7 +19,7 @@ from django.contrib.auth import get_user_model
 from cacheadmin.models import ApiToken, CacheNamespace, ShadowCheck
 from cacheadmin.models.releases import Release
 from cacheadmin.services.api_tokens import api_token_issue
-from cacheadmin.services.gateway import gateway_figures
+from cacheadmin.services.gateway import STAT_COUNTERS, gateway_figures
 from gateway.records import layer_figures
 
 #: The service account release tooling acts as (no password: it signs in with its API token only).
@@ -142,13 +142,11 @@ def traffic_figures(namespaces: list[CacheNamespace], *, since: datetime) -> dic
         with nothing to divide by is None.
     """
     per_ns = gateway_figures(since=since, namespace_pks=[ns.pk for ns in namespaces])
-    counters = ("requests", "hits", "misses", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "ttft_hit_ms_sum",
-                "ttft_hit_count", "ttft_miss_ms_sum", "ttft_miss_count", "lookup_ms_sum", "lookup_count")  # fmt: skip
     summed: dict[str, dict[str, float]] = {}
     for layers in per_ns.values():
         for layer, row in layers.items():
-            into = summed.setdefault(layer, dict.fromkeys(counters, 0))
-            for name in counters:
+            into = summed.setdefault(layer, dict.fromkeys(STAT_COUNTERS, 0))
+            for name in STAT_COUNTERS:
                 into[name] += row.get(name, 0)
     derived = layer_figures(summed)
     prefix = summed.get("prefix", {})
