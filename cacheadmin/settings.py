@@ -165,6 +165,9 @@ ENGINE_LOG_DIR = VAR_DIR / "engines"
 DIGEST_CACHE_PATH = VAR_DIR / "digest-cache.sqlite3"
 #: GiB of KV cache each local CPU engine reserves (vLLM's VLLM_CPU_KVCACHE_SPACE).
 ENGINE_KV_CACHE_GIB = env_int("ENGINE_KV_CACHE_GIB", 1, minimum=1)
+#: OpenMP threads of each local engine, unbound (0: vLLM's default, one bound to each core); see
+#: inference/engines/launcher.py for why engines sharing cores run one each.
+ENGINE_CPU_THREADS = env_int("ENGINE_CPU_THREADS", 1, minimum=0)
 #: Seconds a local engine may take to report healthy.
 ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
 #: Prompts a prewarm job keeps in flight at once (hottest first; 1 = one at a time).

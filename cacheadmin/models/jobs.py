@@ -34,6 +34,9 @@ class Job(models.Model):
 
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
     corpus = models.CharField(max_length=100, default="diagnostic")
+    #: A heat corpus's prompts as chosen at creation (their digests, in order): every attempt runs
+    #: exactly those, whatever live traffic made hottest since. Empty for a bundled corpus.
+    corpus_digests = models.JSONField(default=list, blank=True)
     progress_done = models.IntegerField(default=0)
     progress_total = models.IntegerField(default=0)
     attempts = models.IntegerField(default=0)

@@ -7,7 +7,7 @@ from django.db import transaction
 from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.heat import corpus_load
+from cacheadmin.services.heat import corpus_load, corpus_pin
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from cacheadmin.services.prewarm import JobRefused
@@ -42,7 +42,8 @@ def comparison_job_create(
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise InvalidField("max_tokens", f"must be within 1..{MAX_TOKENS}, got {max_tokens}")
     try:
-        total = len(corpus_load(corpus, for_namespace=namespace))
+        conversations, digests = corpus_pin(corpus, for_namespace=namespace)
+        total = len(conversations)
     except ValueError as exc:
         raise InvalidField("corpus", str(exc)) from exc
 
@@ -52,6 +53,7 @@ def comparison_job_create(
             reference_engine=reference_engine,
             namespace=namespace,
             corpus=corpus,
+            corpus_digests=digests,
             max_tokens=max_tokens,
             progress_total=total,
             prompts=total,
@@ -76,7 +78,11 @@ def comparison_job_run(*, job_id: int) -> None:
     job = job_claim(ComparisonJob, job_id)
     if job is None:
         return
-    conversations = corpus_load(job.corpus, for_namespace=job.namespace)
+    try:
+        conversations = corpus_load(job.corpus, for_namespace=job.namespace, digests=job.corpus_digests)
+    except ValueError as exc:
+        job_finish(job, JobStatus.FAILED, error=str(exc), line=f"corpus: {exc}")
+        return
     salt = namespace_salt_read(job.namespace, actor=job.created_by, purpose=f"comparison job #{job.pk}")
     job_log(job, f"attempt {job.attempts}: {job.engine.name} vs reference {job.reference_engine.name}")
 

@@ -71,6 +71,7 @@ def _spec_for(engine: Engine) -> EngineSpec:
             prefix_caching=engine.prefix_caching,
             kv_storage_path=Path(engine.kv_storage_path) if engine.kv_storage_path else None,
             kv_cache_gib=settings.ENGINE_KV_CACHE_GIB,
+            cpu_threads=settings.ENGINE_CPU_THREADS or None,
             log_path=Path(engine.log_path),
             port=port,
             kv_events=_kv_events_config(engine),

@@ -3,6 +3,7 @@ corpora jobs run (bundled ones, or the hottest prefixes of a namespace)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -60,7 +61,9 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
     return row
 
 
-def corpus_load(name: str, *, for_namespace: CacheNamespace | None = None) -> list[Conversation]:
+def corpus_load(
+    name: str, *, for_namespace: CacheNamespace | None = None, digests: Sequence[str] | None = None
+) -> list[Conversation]:
     """The conversations of a corpus: a bundled one by name, or ``heat:<namespace
     pk>`` for that namespace's hottest reported prompts (at most
     ``HEAT_CORPUS_SIZE``, hottest first).
@@ -71,13 +74,39 @@ def corpus_load(name: str, *, for_namespace: CacheNamespace | None = None) -> li
             the same shared group): another tenant's prompts are never read
             into this one's engine and results. Elsewhere it answers exactly
             like a namespace with no heat.
+        digests: a heat corpus pinned by :func:`corpus_pin` when its job was
+            created: exactly those prompts, in that order (live traffic keeps
+            changing which are hottest, and a job's results are keyed by
+            position). Ignored for a bundled corpus.
 
     Raises:
         ValueError: unknown corpus, a heat corpus whose id is not ASCII digits,
-            of another boundary, or with no reported prompt.
+            of another boundary, or with no reported prompt; a pinned prompt
+            that is gone (deleted with its namespace).
     """
     if not name.startswith(HEAT_CORPUS):
         return load_corpus(name)
+    return [_heat_conversation(r) for r in _heat_rows(name, for_namespace=for_namespace, digests=digests)]
+
+
+def corpus_pin(name: str, *, for_namespace: CacheNamespace | None = None) -> tuple[list[Conversation], list[str]]:
+    """The conversations of a corpus now, and what pins them for a job's later runs.
+
+    Returns:
+        ``(conversations, digests)``: for a heat corpus the full digests of its
+        prompts in order (pass them to :func:`corpus_load` at run time); for a
+        bundled corpus an empty list (it does not change).
+
+    Raises:
+        ValueError: as :func:`corpus_load`.
+    """
+    if not name.startswith(HEAT_CORPUS):
+        return load_corpus(name), []
+    rows = _heat_rows(name, for_namespace=for_namespace, digests=None)
+    return [_heat_conversation(r) for r in rows], [r.digest for r in rows]
+
+
+def _heat_rows(name: str, *, for_namespace: CacheNamespace | None, digests: Sequence[str] | None) -> list[PrefixHeat]:
     raw = name[len(HEAT_CORPUS) :]
     # ASCII digits only: str.isdigit() and int() also take other scripts' digits.
     rows: list[PrefixHeat] = []
@@ -85,10 +114,22 @@ def corpus_load(name: str, *, for_namespace: CacheNamespace | None = None) -> li
         heat = PrefixHeat.objects.filter(namespace_id=int(raw))
         if for_namespace is not None:
             heat = heat.filter(namespace__tenant_id=for_namespace.tenant_id, namespace__group_id=for_namespace.group_id)
+        if digests:
+            found = {r.digest: r for r in heat.filter(digest__in=list(digests))}
+            if missing := [d for d in digests if d not in found]:
+                raise ValueError(
+                    f"corpus {name!r}: {len(missing)} of the {len(digests)} prompts pinned when the job was created "
+                    "are no longer there (deleted with their namespace)"
+                )
+            return [found[d] for d in digests]
         rows = list(heat.order_by("-hits", "-last_hit_at", "id")[:HEAT_CORPUS_SIZE])
     if not rows:
         raise ValueError(f"corpus {name!r}: no prefix heat reported for namespace {raw!r}")
-    return [Conversation(id=f"heat-{r.digest[:12]}", messages=r.messages, tools=r.tools, note=f"{r.hits} hits") for r in rows]
+    return rows
+
+
+def _heat_conversation(row: PrefixHeat) -> Conversation:
+    return Conversation(id=f"heat-{row.digest[:12]}", messages=row.messages, tools=row.tools, note=f"{row.hits} hits")
 
 
 def prewarm_corpus_for(namespace: CacheNamespace | None) -> str:

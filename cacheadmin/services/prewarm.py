@@ -9,7 +9,7 @@ from cacheadmin.metrics.worker import tier_load
 from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.heat import corpus_load
+from cacheadmin.services.heat import corpus_load, corpus_pin
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from inference.errors import EngineError, InvalidField, Refused
@@ -37,12 +37,19 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     if (why := engine.unusable_reason()) is not None:
         raise JobRefused(why)
     try:
-        total = len(corpus_load(corpus, for_namespace=namespace))
+        conversations, digests = corpus_pin(corpus, for_namespace=namespace)
+        total = len(conversations)
     except ValueError as exc:
         raise InvalidField("corpus", str(exc)) from exc
     with transaction.atomic():
         job = PrewarmJob.objects.create(
-            namespace=namespace, engine=engine, corpus=corpus, progress_total=2 * total, prompts=total, created_by=actor
+            namespace=namespace,
+            engine=engine,
+            corpus=corpus,
+            corpus_digests=digests,
+            progress_total=2 * total,
+            prompts=total,
+            created_by=actor,
         )
         audit_record(actor=actor, action="prewarm_job.create", obj=job, after={"engine": engine.name, "corpus": corpus})
         PrewarmRunner.enqueue(job.pk)
@@ -59,7 +66,11 @@ def prewarm_job_run(*, job_id: int) -> None:
     job = job_claim(PrewarmJob, job_id)
     if job is None:
         return
-    conversations = corpus_load(job.corpus, for_namespace=job.namespace)
+    try:
+        conversations = corpus_load(job.corpus, for_namespace=job.namespace, digests=job.corpus_digests)
+    except ValueError as exc:
+        job_finish(job, JobStatus.FAILED, error=str(exc), line=f"corpus: {exc}")
+        return
     engine = job.engine
     layout = engine.model_version.inputs["layout"]
     salt = namespace_salt_read(job.namespace, actor=job.created_by, purpose=f"prewarm job #{job.pk}")

@@ -8,6 +8,14 @@ so the server starts with ``python -m vllm.entrypoints.openai.api_server``;
 ``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache``. The first
 request after start-up pays a one-off warm-up (~14 s measured), so
 :meth:`LocalEngine.wait_ready` sends one before reporting ready.
+
+By default vLLM's CPU worker binds OpenMP threads to every core
+(``VLLM_CPU_OMP_THREADS_BIND=auto``, one thread per core, spin-waiting 5 ms
+after each parallel region). Several engines on the same cores then wait on
+each other's barriers: with five engines on 2 cores, requests of a few tokens
+took 16 to 42 s (50 % of CPU time in the kernel). Engines here therefore run
+``cpu_threads`` unbound threads each (``nobind`` + ``OMP_NUM_THREADS``) and
+the scheduler shares the cores (bench/engine_threads.py measures both).
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ class EngineSpec:
         kv_storage_path: directory of the ExampleConnector disk tier, or None
             for no connector.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` in GiB.
+        cpu_threads: OpenMP threads per engine rank, left unbound
+            (``VLLM_CPU_OMP_THREADS_BIND=nobind``); None keeps vLLM's default,
+            one thread bound to each core.
         log_path: file receiving the server's stdout and stderr.
         port: TCP port on 127.0.0.1.
     """
@@ -69,6 +80,7 @@ class EngineSpec:
     prefix_caching: bool = True
     kv_storage_path: Path | None = None
     kv_cache_gib: int = 1
+    cpu_threads: int | None = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str | None = None
@@ -93,6 +105,7 @@ class EngineSpec:
         prefix_caching: bool,
         kv_storage_path: Path | None,
         kv_cache_gib: int = 1,
+        cpu_threads: int | None = 1,
         max_model_len: int = 8192,
         kv_events: dict[str, Any] | None = None,
     ) -> EngineSpec:
@@ -122,6 +135,7 @@ class EngineSpec:
             prefix_caching=prefix_caching,
             kv_storage_path=kv_storage_path,
             kv_cache_gib=kv_cache_gib,
+            cpu_threads=cpu_threads,
             log_path=log_path,
             port=port,
             tensor_parallel_size=int(layout["tensor_parallel_size"]),
@@ -197,6 +211,12 @@ class EngineSpec:
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.cpu_threads is None:
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            env.pop("OMP_NUM_THREADS", None)
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env["HF_HUB_OFFLINE"] = "1"

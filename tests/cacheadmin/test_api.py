@@ -497,6 +497,15 @@ def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
         format="json",
     )
     assert own.status_code == 201 and own.json()["corpus"] == f"heat:{acme_ns.pk}"
+    compare = c["bob"].post(
+        "/api/comparison-jobs/",
+        {"namespace": acme_ns.pk, "engine": world["engine"].pk, "reference_engine": reference.pk, "corpus": f"heat:{acme_ns.pk}"},
+        format="json",
+    )
+    assert compare.status_code == 201, compare.json()
+    # Both pin the prompts chosen now: later heat does not change what their attempts run.
+    jobs = (PrewarmJob.objects.get(pk=own.json()["id"]), ComparisonJob.objects.get(pk=compare.json()["id"]))
+    assert [job.corpus_digests for job in jobs] == [[acme_ns.namespace_key]] * 2
 
 
 def test_every_state_change_honours_an_idempotency_key(world, settings, tmp_path) -> None:

@@ -80,8 +80,14 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     assert [e.detail["after"] for e in release.events.filter(kind="traffic").order_by("at", "id")] == [10, 100]
     prewarm = PrewarmJob.objects.get(pk=release.prewarm_job_id)
     assert (prewarm.corpus, prewarm.status, prewarm.namespace) == (f"heat:{ns1.pk}", JobStatus.SUCCEEDED, ns2)
+    # The hottest prompts of v1's live traffic when the decision was taken, pinned for the job; every one
+    # holding a whole block was verified from v2's disk tier (a prompt shorter than a block has none to cache).
     heat = PrefixHeat.objects.filter(namespace=ns1)
-    assert prewarm.verified == min(heat.count(), 32) > 0
+    results = prewarm.results.all()
+    assert prewarm.prompts == len(prewarm.corpus_digests) == results.count()
+    assert 0 < prewarm.prompts <= 32  # HEAT_CORPUS_SIZE
+    assert set(prewarm.corpus_digests) <= set(heat.values_list("digest", flat=True))
+    assert prewarm.verified == results.filter(verified=True).count() == results.exclude(expected_cached_tokens=0).count() > 0
     sweep = EvictionRun.objects.get(trigger=EvictionRun.Trigger.SCHEDULED)
     assert (sweep.status, sweep.approved_by) == (JobStatus.SUCCEEDED, "policy")
     archived = EvictionAction.objects.get(run=sweep, kind="archive")

@@ -40,6 +40,7 @@ from cacheadmin.services.namespaces import (
     retention_owner_get_or_create,
     tenant_get_or_create,
 )
+from cacheadmin.services.prewarm import prewarm_job_run
 from cacheadmin.services.releases import (
     ReleaseConflict,
     ReleaseRefused,
@@ -481,6 +482,24 @@ def test_a_new_namespace_is_prewarmed_with_the_old_ones_hottest_prefixes(version
     assert [c.messages[-1]["content"] for c in corpus_load(job.corpus)] == ["Refund status?", "Opening hours?"]
     with pytest.raises(ValueError, match="no prefix heat reported for namespace '999'"):
         corpus_load("heat:999")
+    # Live traffic keeps reporting heat after the job was created: every attempt runs the prompts chosen then,
+    # in that order (results are keyed by position), not today's hottest.
+    hotter = [{"role": "user", "content": "Cancel my plan"}]
+    reported = client.post(f"/api/namespaces/{ns1.pk}/prefix-heat/", {"messages": hotter, "hits": 99}, format="json")
+    assert reported.status_code == 200
+    assert [c.messages[-1]["content"] for c in corpus_load(job.corpus)][0] == "Cancel my plan"
+    assert job.corpus_digests == [r.digest for r in PrefixHeat.objects.filter(namespace=ns1).exclude(hits=99).order_by("-hits")]
+    pinned = corpus_load(job.corpus, for_namespace=job.namespace, digests=job.corpus_digests)
+    assert [c.messages[-1]["content"] for c in pinned] == ["Refund status?", "Opening hours?"]
+    # A pinned prompt that is gone fails the job's run with the reason, before any engine is asked.
+    PrefixHeat.objects.filter(digest=job.corpus_digests[1]).delete()
+    prewarm_job_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert (job.status, job.error) == (
+        "failed", f"corpus 'heat:{ns1.pk}': 1 of the 2 prompts pinned when the job was created are no longer there "
+        "(deleted with their namespace)",
+    )  # fmt: skip
+    assert job.results.count() == 0
 
 
 def test_prefix_heat_saturates_at_64_bits(versions) -> None:

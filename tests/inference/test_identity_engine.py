@@ -534,6 +534,19 @@ def test_every_layout_field_reaches_the_engine_command_line(checkpoint_copy, tmp
     assert set(layout) == handled
 
 
+def test_engines_run_unbound_threads_unless_told_to_keep_vllms_binding(tmp_path: Path, monkeypatch) -> None:
+    # An operator's own binding must not leak into an engine that keeps vLLM's default.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    base = {"model_path": tmp_path, "served_name": "tiny", "dtype": "float32", "log_path": tmp_path / "log", "port": 1}
+    env = EngineSpec(**base).environment()
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("nobind", "1")
+    env = EngineSpec(**base, cpu_threads=2).environment()
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("nobind", "2")
+    env = EngineSpec(**base, cpu_threads=None).environment()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "OMP_NUM_THREADS" not in env
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
