@@ -115,6 +115,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=12, help="chats per engine and phase")
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
+    for flag in ("engines", "requests", "max_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     checkpoint = ensure_demo_checkpoints(OUT / "models")["tiny-v1"]
     results: dict[str, dict[str, float]] = {}
     for (name, threads), tag in zip(SETTINGS.items(), ("default", "ours"), strict=True):

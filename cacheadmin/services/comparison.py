@@ -7,7 +7,7 @@ from django.db import transaction
 from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.heat import corpus_load, corpus_pin
+from cacheadmin.services.heat import corpus_pin, job_corpus
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from cacheadmin.services.prewarm import JobRefused
@@ -78,10 +78,8 @@ def comparison_job_run(*, job_id: int) -> None:
     job = job_claim(ComparisonJob, job_id)
     if job is None:
         return
-    try:
-        conversations = corpus_load(job.corpus, for_namespace=job.namespace, digests=job.corpus_digests)
-    except ValueError as exc:
-        job_finish(job, JobStatus.FAILED, error=str(exc), line=f"corpus: {exc}")
+    conversations = job_corpus(job)
+    if conversations is None:
         return
     salt = namespace_salt_read(job.namespace, actor=job.created_by, purpose=f"comparison job #{job.pk}")
     job_log(job, f"attempt {job.attempts}: {job.engine.name} vs reference {job.reference_engine.name}")

@@ -10,8 +10,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
-from cacheadmin.models import CacheNamespace
+from cacheadmin.models import CacheNamespace, ComparisonJob, JobStatus, PrewarmJob
 from cacheadmin.models.releases import PrefixHeat
+from cacheadmin.services.jobs import job_finish
 from inference.corpus import Conversation, conversation_problem, load_corpus
 from inference.errors import InvalidField
 from inference.identity import canonical_json, digest_frames
@@ -104,6 +105,20 @@ def corpus_pin(name: str, *, for_namespace: CacheNamespace | None = None) -> tup
         return load_corpus(name), []
     rows = _heat_rows(name, for_namespace=for_namespace, digests=None)
     return [_heat_conversation(r) for r in rows], [r.digest for r in rows]
+
+
+def job_corpus(job: PrewarmJob | ComparisonJob) -> list[Conversation] | None:
+    """The conversations a claimed job runs: its corpus as pinned at creation.
+
+    Returns:
+        The conversations; None when they cannot be had (a pinned prompt is
+        gone), after failing the job with the reason.
+    """
+    try:
+        return corpus_load(job.corpus, for_namespace=job.namespace, digests=job.corpus_digests)
+    except ValueError as exc:
+        job_finish(job, JobStatus.FAILED, error=str(exc), line=f"corpus: {exc}")
+        return None
 
 
 def _heat_rows(name: str, *, for_namespace: CacheNamespace | None, digests: Sequence[str] | None) -> list[PrefixHeat]:

@@ -9,7 +9,7 @@ from cacheadmin.metrics.worker import tier_load
 from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, PrewarmResult
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
-from cacheadmin.services.heat import corpus_load, corpus_pin
+from cacheadmin.services.heat import corpus_pin, job_corpus
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from inference.errors import EngineError, InvalidField, Refused
@@ -66,10 +66,8 @@ def prewarm_job_run(*, job_id: int) -> None:
     job = job_claim(PrewarmJob, job_id)
     if job is None:
         return
-    try:
-        conversations = corpus_load(job.corpus, for_namespace=job.namespace, digests=job.corpus_digests)
-    except ValueError as exc:
-        job_finish(job, JobStatus.FAILED, error=str(exc), line=f"corpus: {exc}")
+    conversations = job_corpus(job)
+    if conversations is None:
         return
     engine = job.engine
     layout = engine.model_version.inputs["layout"]
