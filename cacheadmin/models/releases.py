@@ -146,7 +146,15 @@ class ReleaseEvent(models.Model):
 class IdempotencyKey(models.Model):
     """A state-changing API request already answered: a retry with the same
     ``Idempotency-Key`` (same caller, same route, same body) gets the recorded
-    answer instead of acting twice; the same key with another body is refused."""
+    answer instead of acting twice; the same key with another body is refused.
+
+    ``response`` never holds a secret (the fields a view marks secret are
+    withheld: see :mod:`cacheadmin.api.idempotency`). A row counts for
+    ``IDEMPOTENCY_TTL_S`` after ``created_at`` and is then deleted by a
+    scheduled sweep; a row still in flight (``status_code`` null) blocks
+    retries for ``IDEMPOTENCY_LEASE_S`` only, after which a retry takes it
+    over and bumps ``attempt``.
+    """
 
     key = models.CharField(max_length=200)
     actor = models.CharField(max_length=200)
@@ -155,10 +163,16 @@ class IdempotencyKey(models.Model):
     request_digest = models.CharField(max_length=64)
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     response = models.JSONField(null=True, blank=True)
+    #: When the current attempt began: the lease and the expiry both count from here.
     created_at = models.DateTimeField(auto_now_add=True)
+    #: 1 for the first request; each takeover (expired or stale in flight) adds 1, so the
+    #: attempt that lost its lease cannot record or delete the one that replaced it.
+    attempt = models.PositiveIntegerField(default=1)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["actor", "key"], name="idempotency_key_once_per_actor")]
+        # The expiry sweep reads the oldest rows first, in batches.
+        indexes = [models.Index(fields=["created_at"], name="idempotency_key_created")]
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} [{self.key}]"
