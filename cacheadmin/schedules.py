@@ -37,6 +37,10 @@ SCHEDULES = (
     ScheduleSpec("engines-health", "cacheadmin.engines_health", 20, 15, "crashed or silent engines, restarts by policy"),
     ScheduleSpec("engines-verify", "cacheadmin.engines_verify", 300, 240, "re-verify engines against their identity (drift)"),
     ScheduleSpec("eviction-sweep", "cacheadmin.eviction_sweep", 600, 540, "version policy, budgets, orphans"),
+    # Hourly: a key counts for IDEMPOTENCY_TTL_S (24 h) whatever the sweep does; this only bounds the table.
+    ScheduleSpec(
+        "idempotency-keys-expire", "cacheadmin.idempotency_keys_expire", 3600, 3000, "delete expired Idempotency-Key records"
+    ),
     ScheduleSpec("jobs-recover-lost", "cacheadmin.jobs_recover_lost", 120, 100, "requeue or fail jobs of dead workers"),
 )
 

@@ -283,6 +283,14 @@ SPECTACULAR_SETTINGS = {
 }
 #: Largest request body accepted (bytes); the API's bodies are small JSON.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("API_MAX_BODY_BYTES", 256 * 1024, minimum=1024)
+#: Seconds an Idempotency-Key's recorded answer counts (from its request's start); older
+#: keys are unknown (a new request acts) and the hourly sweep deletes them.
+IDEMPOTENCY_TTL_S = env_int("IDEMPOTENCY_TTL_S", 24 * 3600, minimum=60)
+#: Seconds a request in flight holds its Idempotency-Key: past it (its worker was killed),
+#: one retry takes the key over. Above GUNICORN_TIMEOUT_S, so a live request keeps its key.
+IDEMPOTENCY_LEASE_S = env_int("IDEMPOTENCY_LEASE_S", 120, minimum=1)
+#: Expired Idempotency-Key rows deleted per task run; a full batch queues the next one.
+IDEMPOTENCY_EXPIRE_BATCH = env_int("IDEMPOTENCY_EXPIRE_BATCH", 1000, minimum=1)
 
 # --- Celery ------------------------------------------------------------------
 _broker_url = env_str("CELERY_BROKER_URL", "")

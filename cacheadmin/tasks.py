@@ -21,6 +21,7 @@ from cacheadmin.services.comparison import ComparisonRunner
 from cacheadmin.services.engines import ENGINE_BOOT_TASK, ENGINE_RESTART_DUE_TASK, engine_boot
 from cacheadmin.services.eviction import EvictionRunner, eviction_sweep
 from cacheadmin.services.fleet import engines_health, engines_restart_due, engines_verify_all
+from cacheadmin.services.idempotency import idempotency_keys_expire
 from cacheadmin.services.jobs import jobs_recover_lost
 from cacheadmin.services.prewarm import PrewarmRunner
 from cacheadmin.services.registration import RegistrationRunner
@@ -97,3 +98,11 @@ def engines_restart_due_task() -> None:
 def engines_verify_task() -> None:
     """Scheduled: re-verify every ready engine; drift takes it out of service with an alarm."""
     engines_verify_all()
+
+
+@shared_task(name="cacheadmin.idempotency_keys_expire")
+def idempotency_keys_expire_task() -> None:
+    """Scheduled: delete one batch of expired Idempotency-Key records; a full
+    batch queues the next one, so a backlog drains without one long transaction."""
+    if idempotency_keys_expire()["more"]:
+        idempotency_keys_expire_task.delay()

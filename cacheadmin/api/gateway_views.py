@@ -19,8 +19,8 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
-from cacheadmin.api.idempotency import IdempotentWritesMixin
-from cacheadmin.api.schema import ControlPlaneSchemaMixin
+from cacheadmin.api.idempotency import IdempotentWritesMixin, answers_secrets
+from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
 from cacheadmin.models import ApiToken, CacheNamespace, GatewayKey, ShadowCheck
 from cacheadmin.services.gateway import (
     SWITCHED_LAYERS,
@@ -37,7 +37,8 @@ from cacheadmin.services.namespaces import namespaces_visible_to
 
 class GatewayKeyViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     """Callers' keys for the gateway. POST issues one (201; ``key`` is shown
-    this once, only its hash is kept); ``…/revoke/`` revokes it."""
+    this once, only its hash is kept: a retry with the same Idempotency-Key
+    answers 409 ``already_issued`` with the key's id); ``…/revoke/`` revokes it."""
 
     serializer_class = s.GatewayKeySerializer
     filterset_fields = ("tenant",)
@@ -50,7 +51,19 @@ class GatewayKeyViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Create
         """A tenant-bound token sees its tenant's keys."""
         return Q(tenant_id=tenant_id)
 
-    @extend_schema(request=s.GatewayKeyIssueSerializer, responses={201: s.GatewayKeyIssuedSerializer})
+    @extend_schema(
+        request=s.GatewayKeyIssueSerializer,
+        responses={
+            201: s.GatewayKeyIssuedSerializer,
+            409: error_response(
+                "a retry with the Idempotency-Key of a key already issued: `already_issued`, naming the key's id "
+                "(its secret was shown once and is not kept: revoke it and issue another if the answer was lost); "
+                "the key was used for another request or is in flight: `idempotency_conflict`"
+            ),
+        },
+    )
+    # The key is shown once: an Idempotency-Key record never keeps it (a retry gets 409 already_issued).
+    @answers_secrets("key", noun="gateway key")
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.GatewayKeyIssueSerializer)
         key, plain = gateway_key_issue(

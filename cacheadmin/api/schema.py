@@ -31,7 +31,7 @@ from rest_framework import serializers
 
 from cacheadmin.api.filters import ordering_choices
 from cacheadmin.api.idempotency import HEADER as IDEMPOTENCY_HEADER
-from cacheadmin.api.idempotency import IdempotentWritesMixin
+from cacheadmin.api.idempotency import SECRETS_ATTR, IdempotentWritesMixin
 from cacheadmin.services.db import RETRY_AFTER_S
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -173,7 +173,13 @@ class ControlPlaneAutoSchema(AutoSchema):
             required=mode == "required",
             pattern=r"^[ -~]{1,200}$",
             description="1–200 printable ASCII characters. A retry with the same key and body acts once and gets "
-            "the first answer (with `Idempotent-Replayed: true`); the same key with another body is a 409."
+            "the first answer (with `Idempotent-Replayed: true`); the same key with another body is a 409. "
+            "A key counts for IDEMPOTENCY_TTL_S (24 h by default); after that it is unknown and a request acts."
+            + (
+                " This answer shows a secret once and no record keeps it: a retry gets 409 `already_issued`."
+                if getattr(self._handler(), SECRETS_ATTR, None)
+                else ""
+            )
             + (" Required: this call changes a release." if mode == "required" else ""),
         )
         return [key, *super().get_override_parameters()]
