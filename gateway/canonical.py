@@ -9,13 +9,17 @@ with several spellings get one spelling, and every string the model reads is
 Unicode NFC. The gateway forwards :func:`normalized_body` upstream (the same
 NFC strings), so the output really is a function of the canonical request.
 
+Which body fields exist at all is :data:`gateway.request_fields.REQUEST_FIELDS`:
+only ``allowed`` fields are forwarded and keyed; ``stripped`` ones are removed
+from both; ``refused`` and unknown ones are refused (:class:`InvalidRequest`
+naming the field) before anything else is checked.
+
 Layout of a canonical request (a flat JSON object, keys sorted when encoded)::
 
     {"endpoint": "chat" | "completions",      # reserved: which API the body was for
      "model": str,
      "messages": [...] | "prompt": ...,        # NFC strings, structure as given
-     <known output parameter>: <canonical value>,   # only those not at their default
-     "unknown_parameters": {name: value, ...}} # present only when the body had any
+     <known output parameter>: <canonical value>}   # only those not at their default
 
 Folding rules follow vLLM 0.32's OpenAI server, read in its source:
 ``vllm/entrypoints/openai/chat_completion/protocol.py`` (ChatCompletionRequest),
@@ -36,11 +40,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from gateway.request_fields import REQUEST_FIELDS, field_refusal, fields_of
+
 __all__ = [
     "ADMISSION_REASONS",
     "ENDPOINTS",
     "ENGINE_DEFAULTED_PARAMETERS",
-    "IGNORED_PARAMETERS",
     "OUTPUT_DEFAULTS",
     "RESERVED_KEYS",
     "TOOL_CHOICE_DEFAULT_WITH_TOOLS",
@@ -59,10 +64,10 @@ Endpoint = Literal["chat", "completions"]
 
 ENDPOINTS: Final[tuple[Endpoint, ...]] = ("chat", "completions")
 
-RESERVED_KEYS: Final = frozenset({"endpoint", "unknown_parameters"})
-"""Keys of a canonical request that are not body parameters. Neither is an
-OpenAI or vLLM parameter; a body parameter of either name is an unknown
-parameter and is kept under ``unknown_parameters``, so it cannot collide."""
+RESERVED_KEYS: Final = frozenset({"endpoint"})
+"""Keys of a canonical request that are not body parameters. ``endpoint`` is no
+OpenAI or vLLM parameter; a body field of that name is refused as unknown, so
+it cannot collide."""
 
 
 class InvalidRequest(ValueError):
@@ -107,7 +112,6 @@ _COMMON_DEFAULTS: dict[str, object] = {
     "include_stop_str_in_output": False,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "watermarking": None,
     "stop_token_ids": None,
     "bad_words": None,
     "allowed_token_ids": None,
@@ -119,7 +123,6 @@ _COMMON_DEFAULTS: dict[str, object] = {
     "return_tokens_as_token_ids": None,
     "return_token_ids": None,
     "routed_experts_prompt_start": 0,
-    "vllm_xargs": None,
     "repetition_detection": None,
     "thinking_token_budget": None,
 }
@@ -146,10 +149,7 @@ OUTPUT_DEFAULTS: Final[Mapping[Endpoint, Mapping[str, object]]] = {
         "continue_final_message": False,
         "add_special_tokens": False,
         "documents": None,
-        "chat_template": None,
         "chat_template_kwargs": None,
-        "media_io_kwargs": None,
-        "mm_processor_kwargs": None,
         "return_prompt_text": None,
     },
     "completions": {
@@ -167,7 +167,6 @@ OUTPUT_DEFAULTS: Final[Mapping[Endpoint, Mapping[str, object]]] = {
         # change the output of any engine that implements it.
         "best_of": 1,
         "add_special_tokens": True,
-        "prompt_embeds": None,
     },
 }
 """Per endpoint, every parameter that can change the output and whose default
@@ -175,7 +174,7 @@ is known, with that default: the documented OpenAI default where OpenAI has the
 parameter, otherwise vLLM 0.32's (see the module docstring for the files).
 A parameter equal to its default is left out of the canonical request.
 Equivalent spellings are folded too: ``top_k`` -1 or 0, ``seed`` -1, ``stop``
-``[]``, ``stop_token_ids``/``bad_words`` ``[]``, ``logit_bias``/``vllm_xargs``/
+``[]``, ``stop_token_ids``/``bad_words`` ``[]``, ``logit_bias``/
 ``chat_template_kwargs`` ``{}``, chat ``top_logprobs`` 0, chat ``logprobs`` null,
 ``return_token_ids``/``return_tokens_as_token_ids``/``return_prompt_text`` false,
 completions ``response_format`` ``{"type": "text"}``."""
@@ -202,37 +201,6 @@ from the model's ``generation_config.json`` unless the engine runs with
 (``get_max_tokens``). So an explicit ``temperature: 1.0`` and an omitted one
 may sample differently, and they are folded only when the caller passes the
 engine's defaults (``engine_defaults``)."""
-
-IGNORED_PARAMETERS: Final = frozenset(
-    {
-        # Delivery, not content: the cache keeps the complete answer and can stream it.
-        "stream",
-        "stream_options",
-        "stream_interval",
-        # Attribution and bookkeeping (OpenAI).
-        "user",
-        "safety_identifier",
-        "metadata",
-        "store",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        # Request identity and scheduling (vLLM): they change when a request runs,
-        # not what it computes.
-        "request_id",
-        "session_id",
-        "priority",
-        # vLLM documents these as used by the render endpoints only and ignored by
-        # generation endpoints (protocol.py field descriptions).
-        "return_token_offsets",
-        "mm_payload",
-        "return_mm_kwargs",
-    }
-)
-"""Parameters that cannot change the output; they are left out of the
-canonical request (and still forwarded upstream). ``cache_salt`` is in neither
-this set nor :data:`OUTPUT_DEFAULTS`: the gateway sets it, so a body carrying
-it is refused."""
 
 # Strings the model reads; NFC-normalized in both the key and the forwarded body.
 # tool_choice is here because a named tool must still match the normalized tool name.
@@ -385,6 +353,15 @@ def _json_value(param: str, value: Any) -> Any:
     return _plain_json(param, value)
 
 
+def _chat_template_kwargs(param: str, value: Any) -> dict[str, Any]:
+    out = _json_object(param, value)
+    if "chat_template" in out:
+        # The same template replacement as the refused top-level field: vLLM honours both
+        # (vllm/renderers/online_renderer.py checks chat_template_kwargs["chat_template"] too).
+        raise InvalidRequest(REQUEST_FIELDS["chat_template"].reason, f"{param}.chat_template")
+    return out
+
+
 def _response_format(param: str, value: Any) -> dict[str, Any]:
     out = _json_object(param, value)
     if not out or not isinstance(out.get("type"), str):
@@ -513,7 +490,6 @@ _COMMON_SPECS: dict[str, _Spec] = {
     "include_stop_str_in_output": _Spec(_bool, nullable=False),
     "use_beam_search": _Spec(_bool, nullable=False),
     "length_penalty": _Spec(_float(-math.inf, math.inf), nullable=False),
-    "watermarking": _Spec(_bool),
     "stop_token_ids": _Spec(_stop_token_ids),
     "bad_words": _Spec(_strings, nullable=False),
     "allowed_token_ids": _Spec(_token_ids),
@@ -525,7 +501,6 @@ _COMMON_SPECS: dict[str, _Spec] = {
     "return_tokens_as_token_ids": _Spec(_bool, equivalents=(False,)),
     "return_token_ids": _Spec(_bool, equivalents=(False,)),
     "routed_experts_prompt_start": _Spec(_int(0), nullable=False),
-    "vllm_xargs": _Spec(_json_object, equivalents=({},)),
     "repetition_detection": _Spec(_json_object),
     "thinking_token_budget": _Spec(_json_value),
 }
@@ -549,10 +524,7 @@ _SPECS: Final[Mapping[Endpoint, Mapping[str, _Spec]]] = {
         "continue_final_message": _Spec(_bool, nullable=False),
         "add_special_tokens": _Spec(_bool, nullable=False),
         "documents": _Spec(_json_value),
-        "chat_template": _Spec(_suffix),
-        "chat_template_kwargs": _Spec(_json_object, equivalents=({},)),
-        "media_io_kwargs": _Spec(_json_object),
-        "mm_processor_kwargs": _Spec(_json_object),
+        "chat_template_kwargs": _Spec(_chat_template_kwargs, equivalents=({},)),
         "return_prompt_text": _Spec(_bool, equivalents=(False,)),
     },
     "completions": {
@@ -566,15 +538,18 @@ _SPECS: Final[Mapping[Endpoint, Mapping[str, _Spec]]] = {
         "suffix": _Spec(_suffix),
         "best_of": _Spec(_int(1)),
         "add_special_tokens": _Spec(_bool, nullable=False),
-        "prompt_embeds": _Spec(_json_value),
     },
 }
-# Every defaulted parameter has a spec and vice versa (messages/prompt have no default),
-# and no body parameter we know shares a name with a reserved key.
-assert all(set(OUTPUT_DEFAULTS[e]) == set(_SPECS[e]) - {"messages", "prompt"} for e in ENDPOINTS)
-assert not RESERVED_KEYS & (set(_SPECS["chat"]) | set(_SPECS["completions"]) | IGNORED_PARAMETERS | {"model"})
 # The chat alias: max_completion_tokens is OpenAI's current name of max_tokens.
 _ALIAS_MAX_COMPLETION_TOKENS: Final = "max_completion_tokens"
+# Every defaulted parameter has a spec and vice versa (messages/prompt have no default);
+# every allowed field is keyed (model and the alias are handled by _parse) and nothing
+# else is; no allowed field shares a name with a reserved key.
+assert all(set(OUTPUT_DEFAULTS[e]) == set(_SPECS[e]) - {"messages", "prompt"} for e in ENDPOINTS)
+assert all(set(_SPECS[e]) == fields_of(e, "allowed") - {"model", _ALIAS_MAX_COMPLETION_TOKENS} for e in ENDPOINTS)
+assert not RESERVED_KEYS & (fields_of("chat", "allowed") | fields_of("completions", "allowed"))
+# Removed from the key and from the forwarded body (gateway/request_fields.py).
+_STRIPPED: Final[Mapping[Endpoint, frozenset[str]]] = {e: fields_of(e, "stripped") for e in ENDPOINTS}
 # vLLM's neutral sampling defaults (both protocol.py files): all that an engine may override.
 _ENGINE_DEFAULT_NAMES: Final = frozenset(ENGINE_DEFAULTED_PARAMETERS["chat"])
 
@@ -671,30 +646,37 @@ def _check_engine_defaults(engine_defaults: Mapping[str, Any] | None) -> dict[st
     return out
 
 
-def _parse(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
-    """Check ``body``; return (known parameters as canonical values, unknown ones, names given as explicit null)."""
-    if not isinstance(body, Mapping):
-        raise InvalidRequest(f"the request body must be a JSON object, got {_type_name(body)}", None)
-    if "cache_salt" in body:
-        raise InvalidRequest("cache_salt is set by the gateway from the tenant's cache namespace; do not send it", "cache_salt")
-    specs = _SPECS[endpoint]
-    known: dict[str, Any] = {}
-    unknown: dict[str, Any] = {}
-    nulls: set[str] = set()
-    for name, value in body.items():
+def _check_fields(endpoint: Endpoint, body: Mapping[str, Any]) -> None:
+    """Refuse the first body field (in body order) that is refused or unknown on ``endpoint``.
+
+    Runs before any value is checked, so an engine-control field is answered as
+    such whatever else the body holds (gateway/request_fields.py has the table).
+    """
+    for name in body:
         if not isinstance(name, str):
             raise InvalidRequest(f"parameter names must be strings, got {_type_name(name)}", None)
-        if name in IGNORED_PARAMETERS or (endpoint == "chat" and name == _ALIAS_MAX_COMPLETION_TOKENS):
+        message = field_refusal(endpoint, name)
+        if message is not None:
+            raise InvalidRequest(message, name)
+
+
+def _parse(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """Check ``body``; return (allowed parameters as canonical values, names given as explicit null)."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"the request body must be a JSON object, got {_type_name(body)}", None)
+    _check_fields(endpoint, body)
+    specs = _SPECS[endpoint]
+    known: dict[str, Any] = {}
+    nulls: set[str] = set()
+    for name, value in body.items():
+        if name in _STRIPPED[endpoint] or (endpoint == "chat" and name == _ALIAS_MAX_COMPLETION_TOKENS):
             continue
         if name == "model":
             if not isinstance(value, str) or not value:
                 raise InvalidRequest("must be a non-empty string", "model")
             known["model"] = value
             continue
-        spec = specs.get(name)
-        if spec is None:
-            unknown[name] = _plain_json(name, value)
-            continue
+        spec = specs[name]  # _check_fields let only allowed and stripped fields through
         if value is None:
             if not spec.nullable:
                 raise InvalidRequest("must not be null", name)
@@ -716,10 +698,10 @@ def _parse(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[dict[str, Any],
                 )
             known["max_tokens"] = alias_value
             nulls.discard("max_tokens")
-    elif "prompt" not in known and known.get("prompt_embeds") in (None, []):
-        raise InvalidRequest("either prompt or prompt_embeds must be given and non-empty", "prompt")
+    elif "prompt" not in known:
+        raise InvalidRequest("is required", "prompt")
     _check_combinations(endpoint, known, body)
-    return known, unknown, nulls
+    return known, nulls
 
 
 def _check_combinations(endpoint: Endpoint, known: Mapping[str, Any], body: Mapping[str, Any]) -> None:
@@ -774,11 +756,11 @@ def canonical_request(
 
     Returns:
         A new flat dict (layout in the module docstring): ``endpoint``, ``model``,
-        ``messages`` (chat) or ``prompt`` (completions), every known output
-        parameter not at its default, and ``unknown_parameters`` when the body
-        has parameters this module does not know. Rules:
+        ``messages`` (chat) or ``prompt`` (completions), and every allowed
+        output parameter not at its default. Rules:
 
-        - :data:`IGNORED_PARAMETERS` are dropped.
+        - ``stripped`` fields (gateway/request_fields.py: delivery such as
+          ``stream``, bookkeeping such as ``user``) are dropped.
         - A known parameter equal to its :data:`OUTPUT_DEFAULTS` value, or to an
           equivalent spelling, is dropped (engine-defaulted ones: see above); an
           explicit null equals omission where vLLM's field is nullable.
@@ -794,12 +776,13 @@ def canonical_request(
         - Every string in ``messages``, ``prompt``, ``suffix``, ``tools``,
           ``tool_choice`` and ``stop`` is Unicode NFC (keys included). A content
           given as a list of text parts stays a list.
-        - An unknown parameter may change the output, so it is kept as given
-          (plain JSON, not normalized) under ``unknown_parameters``: it splits
-          the key space rather than being guessed away.
 
     Raises:
-        InvalidRequest: ``cache_salt`` present; ``model`` missing or not a
+        InvalidRequest: a ``refused`` field (``cache_salt``, ``kv_transfer_params``,
+            ``priority``, ...: the message is its reason in
+            :data:`gateway.request_fields.REQUEST_FIELDS`), a field of the other
+            endpoint only, or a field in no class of that table (unknown);
+            ``chat_template_kwargs`` holding ``chat_template``; ``model`` missing or not a
             non-empty string; chat ``messages`` missing, empty, or with a message
             that is not an object, lacks a string ``role``, or has a ``content``
             that is not a string / non-empty list of typed parts / null (null only
@@ -816,7 +799,7 @@ def canonical_request(
     """
     endpoint = _check_endpoint(endpoint)
     engine = _check_engine_defaults(engine_defaults)
-    known, unknown, nulls = _parse(endpoint, body)
+    known, nulls = _parse(endpoint, body)
     defaults = OUTPUT_DEFAULTS[endpoint]
     engine_defaulted = ENGINE_DEFAULTED_PARAMETERS[endpoint]
     specs = _SPECS[endpoint]
@@ -855,8 +838,6 @@ def canonical_request(
         # With tools, an explicit null is not the default "auto": vLLM fills in "auto"
         # only when the key is absent (check_tool_usage) and renders null as no choice.
         out["tool_choice"] = None
-    if unknown:
-        out["unknown_parameters"] = unknown
     return out
 
 
@@ -868,8 +849,10 @@ def normalized_body(endpoint: Endpoint, body: Mapping[str, Any]) -> dict[str, An
         body: the caller's parsed JSON body (not modified).
 
     Returns:
-        A new dict: the caller's parameters as given (ignored ones included, e.g.
-        ``stream``), except that every string in ``messages``/``tools``/
+        A new dict: the caller's allowed parameters as given (``stripped`` ones
+        such as ``stream`` or ``user`` removed; the gateway adds its own
+        ``stream``, ``stream_options`` and ``cache_salt``), except that every
+        string in ``messages``/``tools``/
         ``tool_choice``/``stop`` (chat) or ``prompt``/``suffix``/``stop``
         (completions) is Unicode NFC, and in chat the alias is resolved: exactly
         one of ``max_tokens``/``max_completion_tokens`` remains, named
@@ -881,7 +864,7 @@ def normalized_body(endpoint: Endpoint, body: Mapping[str, Any]) -> dict[str, An
     """
     endpoint = _check_endpoint(endpoint)
     _parse(endpoint, body)
-    out = dict(body)
+    out = {name: value for name, value in body.items() if name not in _STRIPPED[endpoint]}
     for name in _NFC_FIELDS[endpoint]:
         value = out.get(name)
         if value is not None:

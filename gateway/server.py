@@ -631,8 +631,6 @@ class Gateway:
             tenant, key = self._tenant(request, snap)
             self._rate(key)
             body = await self._body(request)
-            if "cache_salt" in body:
-                raise _invalid("cache_salt is set by the gateway from the tenant's cache namespace; do not send it", "cache_salt")
             try:
                 check_body(body)
                 canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
@@ -1036,8 +1034,6 @@ def explain(
         KeyError: an unknown tenant id.
     """
     tenant = snap.tenants[tenant_id]
-    if "cache_salt" in body:
-        raise InvalidRequest("cache_salt is set by the gateway; do not send it", param="cache_salt")
     check_body(body)
     canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
     out: dict[str, Any] = {"canonical_request": canonical}

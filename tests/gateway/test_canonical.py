@@ -17,7 +17,6 @@ import pytest
 from gateway.canonical import (
     ADMISSION_REASONS,
     ENGINE_DEFAULTED_PARAMETERS,
-    IGNORED_PARAMETERS,
     OUTPUT_DEFAULTS,
     Admission,
     InvalidRequest,
@@ -27,6 +26,7 @@ from gateway.canonical import (
     response_admission,
     response_cache_key,
 )
+from gateway.request_fields import fields_of
 
 SECRET = b"tenant-secret-0123456789abcdef"
 NS = "ns-7f3a"
@@ -86,7 +86,7 @@ def test_parameters_at_their_fixed_default_are_removed() -> None:
     assert canonical_request("chat", body) == BASE_CHAT
 
 
-def test_ignored_parameters_are_removed() -> None:
+def test_stripped_parameters_are_removed() -> None:
     body = chat(
         stream=True,
         stream_options={"include_usage": True},
@@ -94,16 +94,15 @@ def test_ignored_parameters_are_removed() -> None:
         metadata={"a": "b"},
         store=True,
         service_tier="auto",
-        request_id="r-1",
-        priority=5,
-        session_id="s",
         prompt_cache_key="k",
         safety_identifier="x",
         stream_interval=4,
     )
     assert canonical_request("chat", body) == BASE_CHAT
-    assert {"stream", "user", "priority", "request_id"} <= IGNORED_PARAMETERS
-    assert "cache_salt" not in IGNORED_PARAMETERS and "cache_salt" not in OUTPUT_DEFAULTS["chat"]
+    assert {"stream", "user"} <= fields_of("chat", "stripped")
+    # Engine identity and scheduling were ignored before; now they are refused (tests/gateway/test_request_fields.py).
+    assert {"priority", "request_id", "session_id", "cache_salt"} <= fields_of("chat", "refused")
+    assert "cache_salt" not in OUTPUT_DEFAULTS["chat"]
 
 
 def test_engine_defaulted_parameter_is_kept_when_engine_defaults_are_unknown() -> None:
@@ -237,9 +236,7 @@ def test_unicode_is_nfc_in_messages_tools_and_stop() -> None:
         ({"max_tokens": 10}, {"max_tokens": 11}),
         ({"seed": 1, "temperature": 0.5}, {"seed": 2, "temperature": 0.5}),
         ({"model": "tiny"}, {"model": "tiny-lora"}),
-        ({"x_custom": 1}, {"x_custom": 2}),
-        ({"x_custom": 1}, {}),
-        ({"x_custom": 1}, {"x_custom": 1.0}),
+        ({"chat_template_kwargs": {"x": 1}}, {"chat_template_kwargs": {"x": 1.0}}),
         ({"logprobs": True}, {}),
         (
             {"messages": [{"role": "user", "content": "Hello"}]},
@@ -251,12 +248,14 @@ def test_requests_that_may_differ_get_different_keys(a: dict[str, Any], b: dict[
     assert key("chat", chat(**a)) != key("chat", chat(**b))
 
 
-def test_unknown_parameters_are_kept_as_given_and_cannot_collide_with_reserved_keys() -> None:
-    got = canonical_request("chat", chat(endpoint="completions", unknown_parameters={"a": 1}, verbosity="low"))
-    assert got == {
-        **BASE_CHAT,
-        "unknown_parameters": {"endpoint": "completions", "unknown_parameters": {"a": 1}, "verbosity": "low"},
-    }
+def test_unknown_parameters_are_refused_so_none_collides_with_a_reserved_key() -> None:
+    # Unknown parameters used to be kept under "unknown_parameters"; vLLM would act on some of
+    # them (its models accept extra fields), so the gateway now refuses them.
+    for name in ("endpoint", "unknown_parameters", "x_custom"):
+        with pytest.raises(InvalidRequest) as err:
+            canonical_request("chat", chat(**{name: 1}))
+        assert err.value.param == name
+        assert err.value.message.startswith("is not a parameter the gateway accepts on /v1/chat/completions")
 
 
 def test_same_body_on_another_endpoint_namespace_or_tenant_gets_another_key() -> None:
@@ -343,17 +342,15 @@ def test_canonical_bytes_keeps_lone_surrogates_distinct() -> None:
 # --- normalized body ---------------------------------------------------------------------
 
 
-def test_normalized_body_resolves_the_alias_and_keeps_delivery_parameters() -> None:
-    body = chat(max_tokens=5, stream=True, user="alice", x_custom=[1])
+def test_normalized_body_resolves_the_alias_and_strips_delivery_parameters() -> None:
+    body = chat(max_tokens=5, stream=True, user="alice", top_k=3)
     original = copy.deepcopy(body)
     out = normalized_body("chat", body)
     assert out == {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hello"}],
         "max_completion_tokens": 5,
-        "stream": True,
-        "user": "alice",
-        "x_custom": [1],
+        "top_k": 3,
     }
     assert body == original
     assert normalized_body("chat", chat(max_completion_tokens=7, max_tokens=7))["max_completion_tokens"] == 7
@@ -435,9 +432,10 @@ def test_normalized_body_and_canonical_request_agree() -> None:
         (chat(response_format={"type": "json_schema"}), "response_format", 'needs a "json_schema" object'),
         (chat(response_format="json"), "response_format", "must be an object, got a string"),
         (chat(min_tokens=10, max_tokens=5), "min_tokens", "must not exceed max_tokens (5)"),
-        (chat(x_custom=[math.inf]), "x_custom[0]", "must be a finite number"),
+        (chat(chat_template_kwargs={"x": [math.inf]}), "chat_template_kwargs.x[0]", "must be a finite number"),
+        (chat(x_custom=1), "x_custom", "is not a parameter the gateway accepts"),
         (chat(cache_salt="abc"), "cache_salt", "cache_salt is set by the gateway"),
-        ({"model": "tiny"}, "prompt", "either prompt or prompt_embeds"),
+        ({"model": "tiny"}, "prompt", "is required"),
     ],
 )
 def test_malformed_chat_bodies_are_refused_naming_the_parameter(body: dict[str, Any], param: str, message: str) -> None:
@@ -575,17 +573,8 @@ def _vllm_fields(relative: str, class_name: str) -> tuple[dict[str, Any], dict[s
     return fields, sampling
 
 
-# Parameters deliberately in neither table: the body itself, the alias, gateway-only
-# cache_salt, and disaggregated-serving transfer parameters (kept as unknown).
-NOT_CLASSIFIED = {
-    "messages",
-    "prompt",
-    "model",
-    "max_completion_tokens",
-    "cache_salt",
-    "kv_transfer_params",
-    "ec_transfer_params",
-}
+# Allowed parameters without a default: the body itself and the chat alias.
+NOT_DEFAULTED = {"messages", "prompt", "model", "max_completion_tokens"}
 # OpenAI parameters vLLM 0.32 does not have.
 OPENAI_ONLY = {"best_of"}
 EQUIVALENT_DEFAULTS = {("stop", ()): [], ("top_logprobs", None): 0, ("stop_token_ids", None): [], ("bad_words", None): []}
@@ -601,8 +590,9 @@ EQUIVALENT_DEFAULTS = {("stop", ()): [], ("top_logprobs", None): 0, ("stop_token
 def test_defaults_match_the_installed_vllm_source(endpoint: str, relative: str, class_name: str) -> None:
     fields, sampling = _vllm_fields(relative, class_name)
     ours = OUTPUT_DEFAULTS[endpoint]  # type: ignore[index]
-    # Every vLLM request field is classified.
-    assert set(fields) - set(ours) - IGNORED_PARAMETERS - NOT_CLASSIFIED == set()
+    # Every vLLM request field has a default here or is not keyed (stripped, refused, or has no default).
+    not_keyed = fields_of(endpoint, "stripped") | fields_of(endpoint, "refused") | NOT_DEFAULTED  # type: ignore[arg-type]
+    assert set(fields) - set(ours) == set(fields) & not_keyed
     assert set(ours) - set(fields) == OPENAI_ONLY & set(ours)
     mismatched = {}
     for name, default in ours.items():
@@ -640,5 +630,7 @@ def test_the_readme_lists_every_parameter_with_its_default() -> None:
     names = set(OUTPUT_DEFAULTS["chat"]) | set(OUTPUT_DEFAULTS["completions"])
     assert set(rows) == names
     assert {n: rows[n] for n in names} == {n: (shown("chat", n), shown("completions", n)) for n in names}
-    assert [n for n in IGNORED_PARAMETERS if f"`{n}`" not in text] == []
+    removed = fields_of("chat", "stripped") | fields_of("completions", "stripped")
+    refused = fields_of("chat", "refused") | fields_of("completions", "refused")
+    assert [n for n in sorted(removed | refused) if f"`{n}`" not in text] == []
     assert [r for r in ADMISSION_REASONS if f"| `{r}` |" not in text] == []
