@@ -138,6 +138,48 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def private_file(path: Path) -> Path:
+    """Make an existing file readable and writable by its owner only (0600) if
+    anyone else may read it: a secret copied into place (``cp`` without ``-p``,
+    an editor, a restore) comes with the umask's 0644.
+
+    Raises:
+        ImproperlyConfigured: the file cannot be tightened (another owner, a
+            read-only mount); the message names the file and the fix.
+    """
+    try:
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError as exc:
+        raise ImproperlyConfigured(
+            f"{path} is readable by others and cannot be made owner-only ({exc.strerror or exc}): chmod 600 it"
+        ) from exc
+    return path
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (0600) whether or
+    not the file existed, replacing it atomically (a reader sees the old text
+    or the new, never a part).
+
+    Raises:
+        OSError: the folder cannot be written (nothing is left behind).
+    """
+    import secrets
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # the temporary file's 0600 comes with it
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def persistent_secret(name: str, env_name: str, folder: Path) -> str:
     """A secret from ``env_name``, else from ``folder/name``, created once.
 
@@ -154,13 +196,17 @@ def persistent_secret(name: str, env_name: str, folder: Path) -> str:
     in an HTTP header, which carries ASCII only (WSGI decodes header bytes as
     Latin-1, so a UTF-8 token could never match itself).
 
+    The folder is made owner-only (0700) and the file 0600, tightened when an
+    existing one is looser.
+
     Raises:
         ImproperlyConfigured: the environment's value or the file's is shorter
             than :data:`MIN_SECRET_CHARS` (empty included) or holds another
             character; the file cannot be read; or the secret cannot be
             written (a full disk), leaving nothing behind. The message is one
             line that names the variable or file and says how to recover, and
-            never contains the secret.
+            never contains the secret; or the file is readable by others and
+            cannot be made owner-only (:func:`private_file`).
     """
     value = os.environ.get(env_name, "")
     if value:
@@ -172,9 +218,10 @@ def persistent_secret(name: str, env_name: str, folder: Path) -> str:
                 f"or unset it to use {folder / name}"
             )
         return value.strip()
-    path = folder / name
+    path = private_dir(folder) / name
     if not path.exists():
         _create_secret(path)
+    private_file(path)
     try:
         stored = path.read_text(encoding="ascii").strip()
     except UnicodeDecodeError:

@@ -54,3 +54,22 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float, interval: float =
 def worker_log(name: str) -> Path:
     """Where a test worker logs."""
     return settings.VAR_DIR / "logs" / f"{name}.log"
+
+
+def rows_holding(needle: str) -> list[tuple[str, str]]:
+    """(table, column) of every stored value, in every table of the test database, whose text contains ``needle``.
+
+    Reads each table whole (``SELECT *``): for the small databases of tests that
+    assert a secret is stored nowhere, Django's and third-party apps' tables included.
+    """
+    found = []
+    with connection.cursor() as cursor:
+        for table in connection.introspection.table_names(cursor):
+            columns = [c.name for c in connection.introspection.get_table_description(cursor, table)]
+            cursor.execute(f"SELECT * FROM {connection.ops.quote_name(table)}")
+            for row in cursor.fetchall():
+                for column, value in zip(columns, row, strict=True):
+                    text = bytes(value).decode("latin-1") if isinstance(value, bytes | memoryview) else str(value)
+                    if needle in text:
+                        found.append((table, column))
+    return found

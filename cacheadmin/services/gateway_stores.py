@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
+from cacheadmin.env import private_dir
 from gateway.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore
 from gateway.semantic.store import RedisSemanticStore, SemanticStore, SqliteSemanticStore
 
@@ -16,7 +17,8 @@ def response_store() -> ResponseStore:
     if settings.GATEWAY_REDIS_URL:
         # Short timeouts and no retries: a dead Redis makes the layer bypass at once, never hang a request.
         return RedisResponseStore.from_url(settings.GATEWAY_REDIS_URL)
-    settings.GATEWAY_DIR.mkdir(parents=True, exist_ok=True)
+    # Owner-only, as VAR_DIR is (GATEWAY_DIR may lie outside it): the entries are tenants' prompts and answers.
+    private_dir(settings.GATEWAY_DIR)
     return SqliteResponseStore(settings.GATEWAY_DIR / "response-cache.sqlite3")
 
 
@@ -24,5 +26,5 @@ def semantic_store() -> SemanticStore:
     """The semantic cache's entry store (Redis in scale-out, SQLite in the embedded default)."""
     if settings.GATEWAY_REDIS_URL:
         return RedisSemanticStore.from_url(settings.GATEWAY_REDIS_URL)
-    settings.GATEWAY_DIR.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.GATEWAY_DIR)
     return SqliteSemanticStore(settings.GATEWAY_DIR / "semantic-cache.sqlite3")

@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import pytest
 from django.apps import apps
-from django.db import connection
 from django.utils import timezone
 
 from cacheadmin.models import GatewayKey
@@ -23,25 +22,11 @@ from cacheadmin.services.idempotency import (
     idempotency_keys_expire,
 )
 from cacheadmin.tasks import idempotency_keys_expire_task
+from tests.helpers import rows_holding
 
 pytestmark = pytest.mark.django_db
 
 ISSUE = {"tenant": "acme", "name": "support-bot"}
-
-
-def _rows_holding(needle: str) -> list[tuple[str, str]]:
-    """(table, column) of every stored value, in every table of the database, whose text contains ``needle``."""
-    found = []
-    with connection.cursor() as cursor:
-        for table in connection.introspection.table_names(cursor):
-            columns = [c.name for c in connection.introspection.get_table_description(cursor, table)]
-            cursor.execute(f"SELECT * FROM {connection.ops.quote_name(table)}")  # noqa: S608 - names from introspection
-            for row in cursor.fetchall():
-                for column, value in zip(columns, row, strict=True):
-                    text = bytes(value).decode("latin-1") if isinstance(value, bytes | memoryview) else str(value)
-                    if needle in text:
-                        found.append((table, column))
-    return found
 
 
 def _issue(world: dict, key: str, body: dict | None = None) -> object:
@@ -60,7 +45,7 @@ def test_an_issued_gateway_key_is_stored_nowhere_and_its_replay_says_so(world) -
     secret = plain.split("_", 2)[2]
     assert plain.startswith("kvgw_") and len(secret) >= 40
     # Every text of every table, the Idempotency-Key record and the audit trail included.
-    assert _rows_holding(secret) == []
+    assert rows_holding(secret) == []
     record = IdempotencyKey.objects.get(key="issue-1")
     assert (record.status_code, record.response["key"], record.response["id"]) == (201, None, first.json()["id"])
     assert {k: v for k, v in record.response.items() if k != "key"} == {k: v for k, v in first.json().items() if k != "key"}

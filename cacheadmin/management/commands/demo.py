@@ -23,7 +23,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandParser
 from django.core.wsgi import get_wsgi_application
 
-from cacheadmin.env import env_int, env_str
+from cacheadmin.env import env_int, env_str, private_file, write_private_file
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
 from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
 from cacheadmin.models import Tenant
@@ -458,9 +458,8 @@ class Command(ControlPlaneCommand):
         if tenant is None:
             return "(no tenant acme)"
         _, key = gateway_key_issue(tenant=tenant, name="demo", actor="demo")
-        path = settings.VAR_DIR / "gateway-key"
-        path.touch(mode=0o600)
-        path.write_text(key)
+        # Owner-only even over a file an earlier run left (which may be 0644): the key is a credential.
+        write_private_file(settings.VAR_DIR / "gateway-key", key)
         return key
 
     def _ensure_admin(self) -> str:
@@ -468,8 +467,9 @@ class Command(ControlPlaneCommand):
         password = os.environ.get("DEMO_ADMIN_PASSWORD") or (path.read_text().strip() if path.exists() else "")
         if not password:
             password = secrets.token_urlsafe(12)
-            path.touch(mode=0o600)
-            path.write_text(password)
+            write_private_file(path, password)
+        elif path.exists():
+            private_file(path)  # kept from an earlier run, perhaps written world-readable
         user_model = get_user_model()
         user, _ = user_model.objects.get_or_create(username="admin", defaults={"is_staff": True, "is_superuser": True})
         user.is_staff = user.is_superuser = True
