@@ -5,10 +5,13 @@ cacheadmin.services.idempotency)."""
 from __future__ import annotations
 
 import importlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 from django.apps import apps
+from django.db import connection
 from django.utils import timezone
 
 from cacheadmin.models import GatewayKey
@@ -16,6 +19,7 @@ from cacheadmin.models.releases import IdempotencyKey
 from cacheadmin.schedules import SCHEDULES
 from cacheadmin.services.gateway import gateway_key_issue as real_gateway_key_issue
 from cacheadmin.services.idempotency import (
+    idempotency_key_claim,
     idempotency_key_record,
     idempotency_key_take_over,
     idempotency_key_withdraw,
@@ -156,6 +160,26 @@ def test_of_two_retries_holding_the_same_stale_record_one_takes_it_over(world) -
     assert IdempotencyKey.objects.get(pk=stale.pk).status_code is None
     assert idempotency_key_record(record=first, status_code=201, response={"id": 7, "token": "t"}, secret_fields=["token"])
     assert IdempotencyKey.objects.get(pk=stale.pk).response == {"id": 7, "token": None}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_retries_of_a_stale_key_take_it_over_once(settings) -> None:
+    settings.IDEMPOTENCY_LEASE_S = 120
+    IdempotencyKey.objects.create(key="k", actor="user:1", method="POST", path="/api/tenants", request_digest="d")
+    _age("k", 121)
+    start = threading.Barrier(4)
+
+    def retry() -> bool:
+        try:
+            start.wait(timeout=30)
+            return idempotency_key_claim(key="k", actor="user:1", method="POST", path="/api/tenants", digest="d").acting
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        acting = [f.result(timeout=60) for f in [pool.submit(retry) for _ in range(4)]]
+    assert sorted(acting) == [False, False, False, True]
+    assert IdempotencyKey.objects.get(key="k").attempt == 2
 
 
 def test_the_sweep_deletes_exactly_the_expired_records_in_batches(world, settings, monkeypatch) -> None:
