@@ -6,6 +6,7 @@ typo in a deployment is a start-up error, not a silently ignored default.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -284,3 +285,19 @@ def _create_secret(path: Path) -> None:
         raise ImproperlyConfigured(f"cannot create the secret {path}: {exc}") from exc
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def env_networks(name: str) -> list[str]:
+    """Parse a comma-separated list of IP networks (CIDR) or addresses; empty when unset.
+
+    Raises:
+        ImproperlyConfigured: an entry that is not an address or network.
+    """
+    raw = os.environ.get(name, "")
+    entries = [e.strip() for e in raw.split(",") if e.strip()]
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}: {entry!r} is not an IP address or network (CIDR)") from exc
+    return entries

@@ -8,6 +8,8 @@ with the same code. Every environment read goes through :mod:`cacheadmin.env`.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from cacheadmin.env import (
     database_from_url,
     env_bool,
     env_int,
+    env_networks,
     env_paths,
     env_str,
     persistent_secret,
@@ -170,6 +173,32 @@ ENGINE_KV_CACHE_GIB = env_int("ENGINE_KV_CACHE_GIB", 1, minimum=1)
 ENGINE_CPU_THREADS = env_int("ENGINE_CPU_THREADS", 1, minimum=0)
 #: Seconds a local engine may take to report healthy.
 ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
+#: Networks (CIDR, comma-separated) engines the control plane contacts may be on:
+#: adoption, metrics, KV events, jobs and the gateway reach no other address.
+#: Empty: loopback only. Link-local and cloud metadata addresses are refused
+#: whatever this says (inference.netpolicy).
+ENGINE_ALLOWED_NETWORKS = env_networks("ENGINE_ALLOWED_NETWORKS")
+#: Where local engines bind their KV-event sockets (ipc://): a directory of this
+#: user with mode 0700, so no other local user can publish or read there
+#: (inference.kv_transport). A Unix socket path holds 107 bytes: a VAR_DIR too
+#: deep for that gets a short folder under /tmp named after it.
+_kv_socket_default = VAR_DIR / "run" / "kv-events"
+if len(str(_kv_socket_default)) > 80:
+    _kv_socket_default = Path("/tmp") / f"kvcp-{os.getuid()}-{hashlib.sha256(str(VAR_DIR).encode()).hexdigest()[:12]}"
+KV_EVENTS_SOCKET_DIR = Path(env_str("KV_EVENTS_SOCKET_DIR", str(_kv_socket_default))).resolve()
+#: The KV-event consumer's CURVE secret key (created once, mode 0600); its public
+#: key (`manage.py kv_events key`) is what relays beside remote engines admit.
+KV_EVENTS_KEY_FILE = Path(env_str("KV_EVENTS_KEY_FILE", str(VAR_DIR / "kv-events-consumer.key"))).resolve()
+# What one tenant may hold (cacheadmin.services.quotas): each created row is a metric
+# series, a polled target or a worker's time. TENANT_QUOTA_<KIND>=N; 0 forbids the kind.
+TENANT_QUOTAS = {
+    "engines": env_int("TENANT_QUOTA_ENGINES", 8, minimum=0),
+    "namespaces": env_int("TENANT_QUOTA_NAMESPACES", 32, minimum=0),
+    "gateway_keys": env_int("TENANT_QUOTA_GATEWAY_KEYS", 50, minimum=0),
+    "prompt_templates": env_int("TENANT_QUOTA_PROMPT_TEMPLATES", 100, minimum=0),
+    "jobs": env_int("TENANT_QUOTA_JOBS", 20, minimum=0),
+    "prefix_heat": env_int("TENANT_QUOTA_PREFIX_HEAT", 10_000, minimum=1),
+}
 #: Prompts a prewarm job keeps in flight at once (hottest first; 1 = one at a time).
 PREWARM_CONCURRENCY = env_int("PREWARM_CONCURRENCY", 4, minimum=1)
 #: A running job whose heartbeat is older than this is considered lost.

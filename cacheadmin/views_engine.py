@@ -187,8 +187,8 @@ def engine_detail(
         # Each action is offered only where it can succeed; otherwise the page says why (the services refuse alike).
         "verify_refusal": verify_refusal(engine),
         "jobs_refusal": engine.unusable_reason(),
-        "references": [r for r in references if r.unusable_reason() is None],
-        "references_unusable": [(r, r.unusable_reason()) for r in references if r.unusable_reason() is not None],
+        "references": [r for r in references if r.witness_refusal() is None],
+        "references_unusable": [(r, r.witness_refusal()) for r in references if r.witness_refusal() is not None],
         "max_tokens_limit": MAX_TOKENS,
     }
     return render(request, "cacheadmin/engine_detail.html", context, status=status)

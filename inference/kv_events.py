@@ -163,6 +163,10 @@ def salt_digest(salt: str) -> str:
 
 #: Namespace of blocks whose chain start was never seen.
 UNATTRIBUTED = 0
+#: What ``namespace_of_salt`` answers for a salt the control plane minted for a
+#: probe (:mod:`inference.engines.probes`): its blocks are no namespace's and
+#: raise no incident.
+PROBE = -1
 
 
 @dataclass
@@ -219,6 +223,14 @@ class Residency:
         if event.parent_block_hash is not None:
             parent = table.get(event.parent_block_hash)
             return parent[0] if parent is not None else UNATTRIBUTED
+        namespace, incident = self._chain_start(event)
+        if incident is not None:
+            self.incidents.append(incident)
+        return namespace
+
+    def _chain_start(self, event: Any) -> tuple[int, Incident | None]:
+        """The namespace of a chain that starts at a prompt's first token (its
+        first block's salt), and the incident it is, if any; records nothing."""
         first = event.extra_keys[0] if event.extra_keys else None
         salts = [k for k in (first or ()) if type(k) is str]
         if event.lora_name is not None and salts and salts[0] == event.lora_name:
@@ -226,19 +238,32 @@ class Residency:
         n = len(event.block_hashes)
         for salt in salts:
             namespace = self.namespace_of_salt(salt)
+            if namespace == PROBE:
+                return UNATTRIBUTED, None
             if namespace is not None:
                 if self.served and namespace not in self.served:
-                    self.incidents.append(Incident("foreign_namespace", str(namespace), n))
-                return namespace
+                    return namespace, Incident("foreign_namespace", str(namespace), n)
+                return namespace, None
         if salts:
-            self.incidents.append(Incident("unknown_salt", salt_digest(salts[-1]), n))
-            return UNATTRIBUTED
+            return UNATTRIBUTED, Incident("unknown_salt", salt_digest(salts[-1]), n)
         if len(self.served) == 1:
             # No salt on an engine that serves one namespace: its requests can
             # reach no other namespace's blocks, so they are that namespace's.
-            return next(iter(self.served))
-        self.incidents.append(Incident("no_salt", "", n))
-        return UNATTRIBUTED
+            return next(iter(self.served)), None
+        return UNATTRIBUTED, Incident("no_salt", "", n)
+
+    def needs_confirmation(self, batch: Any) -> bool:
+        """Whether applying ``batch`` would drop state (``AllBlocksCleared``) or
+        raise an incident (an isolation alarm): what a consumer confirms with
+        the engine itself before acting on (a forged frame must not empty a
+        namespace's residency or page anyone). Changes nothing."""
+        for event in batch.events:
+            kind = type(event)
+            if kind is AllBlocksCleared:
+                return True
+            if kind is not BlockRemoved and event.parent_block_hash is None and self._chain_start(event)[1] is not None:
+                return True
+        return False
 
     def _stored(self, event: Any) -> None:
         tier = (event.medium or MEDIUM_ENGINE, event.group_idx or 0)

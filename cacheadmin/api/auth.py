@@ -60,6 +60,31 @@ def request_tenant(request: Request) -> int | None:
     return request.auth.tenant_id if isinstance(request.auth, ApiToken) else None
 
 
+def shared_change_check(request: Request, reason: str | None) -> None:
+    """Refuse a change to something several tenants share unless the caller is
+    not bound to a tenant and holds admin scope.
+
+    Shared things (reference engines, engines and namespaces of shared groups,
+    global prompt templates, kill switches, schedules) are every tenant's: one
+    tenant must not stop, replace or redirect them under the others (a tenant's
+    own "reference" would judge, and could suspend, everyone's traffic).
+
+    Args:
+        reason: what makes the object shared (a model's ``shared_reason()``),
+            or None when it is not shared (nothing is checked).
+
+    Raises:
+        rest_framework.exceptions.PermissionDenied: 403 in the one envelope,
+            ``"<reason>: …"`` saying which principal may change it.
+    """
+    if reason is None:
+        return
+    if request_tenant(request) is not None:
+        raise exceptions.PermissionDenied(f"{reason}: a token bound to a tenant cannot change it")
+    if not request_scope_allows(request, ApiToken.Scope.ADMIN):
+        raise exceptions.PermissionDenied(f"{reason}: changing it needs admin scope")
+
+
 class ScopePermission(permissions.BasePermission):
     """The scope a call needs, declared by its view: an action named in the
     view's ``action_scopes`` needs that scope (e.g. reading a cache_salt needs

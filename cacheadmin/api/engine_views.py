@@ -14,9 +14,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from cacheadmin.api import serializers as s
+from cacheadmin.api.auth import shared_change_check
 from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
 from cacheadmin.api.idempotency import IdempotentWritesMixin
-from cacheadmin.models import Engine, EngineAlarm, EngineVerification
+from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerification
 from cacheadmin.services.alarms import alarm_resolve
 from cacheadmin.services.engine_verification import engine_verify
 from cacheadmin.services.engines import (
@@ -32,6 +33,15 @@ from cacheadmin.services.kv_events import residency_now
 
 def _engines_of_tenant(tenant_id: int) -> Q:
     return Q(pk__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
+
+
+def _new_engine_shared_reason(namespace: CacheNamespace | None) -> str | None:
+    """Why an engine about to be started or adopted would be shared: without a
+    namespace it is a reference engine (every tenant's prompts are judged on
+    it); on a shared group's namespace it serves every member."""
+    if namespace is None:
+        return "an engine without a namespace is a reference engine, shared by every tenant"
+    return namespace.shared_reason()
 
 
 class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnlyModelViewSet):
@@ -52,6 +62,12 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
         those hold nobody's cached state, and any tenant may compare against them."""
         return _engines_of_tenant(tenant_id)
 
+    def _shared_engine(self) -> Engine:
+        """The engine of a detail action that changes it; a shared one needs an unbound admin."""
+        engine = self.get_object()
+        shared_change_check(self.request, engine.shared_reason())
+        return engine
+
     def _answer(self, engine: Engine, code: int = status.HTTP_200_OK) -> Response:
         return Response(s.EngineSerializer(self.base_queryset().get(pk=engine.pk)).data, status=code)
 
@@ -60,6 +76,7 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
         """Start a local engine: recorded ``starting`` now, booted and verified by a worker."""
         data = validated(request, s.EngineStartSerializer)
         version = data["model_version"]
+        shared_change_check(request, _new_engine_shared_reason(data.get("namespace")))
         engine = engine_create(
             name=data["name"] or f"{version.label}-{Engine.objects.count() + 1}",
             model_version=version,
@@ -76,13 +93,13 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str | None = None) -> Response:
         """Stop a local engine's process; take an adopted one out of service."""
-        return self._answer(engine_stop(engine=self.get_object(), actor=actor_of(request)))
+        return self._answer(engine_stop(engine=self._shared_engine(), actor=actor_of(request)))
 
     @extend_schema(request=None, responses={202: s.EngineSerializer})
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
         """Restart a local engine (a new incarnation, booted and verified by a worker); 409 for adopted ones."""
-        engine = engine_restart(engine=self.get_object(), actor=actor_of(request), boot=False)
+        engine = engine_restart(engine=self._shared_engine(), actor=actor_of(request), boot=False)
         engine_boot_enqueue(engine)
         return self._answer(engine, status.HTTP_202_ACCEPTED)
 
@@ -91,7 +108,7 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     def verify(self, request: Request, pk: str | None = None) -> Response:
         """Re-verify against the identity and the verified baseline (409 with each
         differing field in ``error.fields`` when it does not pass)."""
-        return Response(s.EngineVerificationSerializer(engine_verify(engine=self.get_object(), actor=actor_of(request))).data)
+        return Response(s.EngineVerificationSerializer(engine_verify(engine=self._shared_engine(), actor=actor_of(request))).data)
 
     @extend_schema(request=s.EngineAdoptSerializer, responses={201: s.EngineSerializer})
     @action(detail=False, methods=["post"])
@@ -99,6 +116,7 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
         """Register a running vLLM server by URL after verifying it (409 with each
         differing field when it does not compute what the version's identity says)."""
         data = validated(request, s.EngineAdoptSerializer)
+        shared_change_check(request, _new_engine_shared_reason(data.get("namespace")))
         engine = engine_adopt(actor=actor_of(request), **{**data, "namespace": data.get("namespace")})
         return self._answer(engine, status.HTTP_201_CREATED)
 
@@ -107,8 +125,9 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     def attach(self, request: Request, pk: str | None = None) -> Response:
         """Serve another namespace from this engine's memory (refused, with the
         reason, when its persistent tier ignores cache_salt)."""
-        engine = self.get_object()
+        engine = self._shared_engine()
         namespace = validated(request, s.EngineAttachSerializer)["namespace"]
+        shared_change_check(request, namespace.shared_reason())
         engine_attach_namespace(engine=engine, namespace=namespace, actor=actor_of(request))
         return self._answer(engine)
 
@@ -144,7 +163,7 @@ class EngineAlarmViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.Rea
     @action(detail=True, methods=["post"])
     def resolve(self, request: Request, pk: str | None = None) -> Response:
         """Close the alarm, with a reason (a later occurrence opens a new one)."""
+        alarm = self.get_object()
+        shared_change_check(request, alarm.engine.shared_reason())
         reason = validated(request, s.CancelSerializer)["reason"]
-        return Response(
-            s.EngineAlarmSerializer(alarm_resolve(alarm=self.get_object(), actor=actor_of(request), reason=reason)).data
-        )
+        return Response(s.EngineAlarmSerializer(alarm_resolve(alarm=alarm, actor=actor_of(request), reason=reason)).data)

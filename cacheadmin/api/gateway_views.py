@@ -32,7 +32,6 @@ from cacheadmin.services.gateway import (
     layer_switch_set,
     semantic_invalidate,
 )
-from cacheadmin.services.namespaces import namespaces_visible_to
 
 
 class GatewayKeyViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
@@ -94,8 +93,9 @@ class ShadowCheckViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
         return ShadowCheck.objects.order_by("-created_at", "-id")
 
     def tenant_filter(self, tenant_id: int) -> Q:
-        """Checks of namespaces the tenant may see."""
-        return Q(namespace__in=CacheNamespace.objects.filter(namespaces_visible_to(tenant_id)))
+        """Checks of its tenant's own namespaces: a check holds a live request
+        (prompt and answers), so a shared group's checks are other members' too."""
+        return Q(namespace__tenant_id=tenant_id)
 
 
 class GatewayLayersView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView):
@@ -164,6 +164,7 @@ class GatewayFiguresView(ControlPlaneSchemaMixin, APIView):
         bound = getattr(request.auth, "tenant_id", None) if isinstance(request.auth, ApiToken) else None
         visible = None
         if bound is not None:
-            visible = list(CacheNamespace.objects.filter(namespaces_visible_to(bound)).values_list("pk", flat=True))
+            # Its own namespaces only: a shared group's figures add up every member's traffic.
+            visible = list(CacheNamespace.objects.filter(tenant_id=bound).values_list("pk", flat=True))
         figures = gateway_figures(since=since, namespace_pks=visible)
         return Response({"since": since, "namespaces": {str(k): v for k, v in figures.items()}})

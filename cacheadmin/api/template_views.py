@@ -10,11 +10,11 @@ from django.db.models import Q
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied
 from rest_framework.fields import ProhibitNullCharactersValidator, ProhibitSurrogateCharactersValidator
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from cacheadmin.api.auth import shared_change_check
 from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.api.serializers.fields import StrictCharField, StrictFieldsMixin, TenantSlugField
@@ -49,7 +49,7 @@ class PromptTemplateSerializer(serializers.ModelSerializer):
     def _ratio(self, obj: PromptTemplate) -> dict[str, Any]:
         ratios = self.context.setdefault("ratios", {})
         if obj.pk not in ratios:
-            ratios.update(template_hit_ratios([obj]))
+            ratios.update(template_hit_ratios([obj], tenant_id=self.context.get("tenant_id")))
         return ratios[obj.pk]
 
     def get_requests(self, obj: PromptTemplate) -> int:
@@ -112,6 +112,7 @@ class PromptTemplateViewSet(
     def get_serializer_context(self) -> dict[str, Any]:
         context = super().get_serializer_context()
         context["ratios"] = {}
+        context["tenant_id"] = getattr(self, "tenant_id", None)
         return context
 
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -119,7 +120,7 @@ class PromptTemplateViewSet(
         queryset = self.filter_queryset(self.get_queryset())
         page = self.paginate_queryset(queryset)
         rows = page if page is not None else list(queryset)
-        context = {**self.get_serializer_context(), "ratios": template_hit_ratios(rows)}
+        context = {**self.get_serializer_context(), "ratios": template_hit_ratios(rows, tenant_id=self.tenant_id)}
         data = PromptTemplateSerializer(rows, many=True, context=context).data
         return self.get_paginated_response(data) if page is not None else Response(data)
 
@@ -128,14 +129,19 @@ class PromptTemplateViewSet(
         data = validated(request, PromptTemplateCreateSerializer)
         if self.tenant_id is not None and (data["tenant"] is None or data["tenant"].pk != self.tenant_id):
             raise InvalidField("tenant", "a token bound to a tenant creates templates for its own tenant only")
+        if data["tenant"] is None:
+            shared_change_check(request, "a template of every tenant is shared")
         template = prompt_template_create(
             name=data["name"], tenant=data["tenant"], text=data["text"], samples=data["samples"], actor=actor_of(request)
         )
-        return Response(PromptTemplateSerializer(template, context={"ratios": {}}).data, status=status.HTTP_201_CREATED)
+        return Response(
+            PromptTemplateSerializer(template, context={"ratios": {}, "tenant_id": self.tenant_id}).data,
+            status=status.HTTP_201_CREATED,
+        )
 
     def perform_destroy(self, instance: PromptTemplate) -> None:
-        if self.tenant_id is not None and instance.tenant_id != self.tenant_id:
-            raise PermissionDenied("a token bound to a tenant cannot delete a template of every tenant")
+        if instance.tenant_id is None:
+            shared_change_check(self.request, f"template {instance.name} applies to every tenant")
         prompt_template_delete(template=instance, actor=actor_of(self.request))
 
     @extend_schema(responses={200: serializers.ListSerializer(child=serializers.DictField())})

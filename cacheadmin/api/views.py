@@ -12,7 +12,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotAuthenticated, ValidationError
+from rest_framework.exceptions import NotAuthenticated, PermissionDenied, ValidationError
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -20,7 +20,7 @@ from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
-from cacheadmin.api.auth import NamespacePolicyPermission
+from cacheadmin.api.auth import NamespacePolicyPermission, request_tenant, shared_change_check
 from cacheadmin.api.base import ScopedViewSetMixin, actor_of, every_row, validated
 from cacheadmin.api.filters import CacheNamespaceFilterSet, TierUsageFilterSet
 from cacheadmin.api.idempotency import IdempotentWritesMixin
@@ -54,7 +54,7 @@ from cacheadmin.services.gateway import (
     tenant_gateway_policy,
     tenant_gateway_policy_update,
 )
-from cacheadmin.services.heat import prefix_heat_record
+from cacheadmin.services.heat import HEAT_CORPUS, prefix_heat_record
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
@@ -193,7 +193,11 @@ class RetentionOwnerViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     serializer_class = s.RetentionOwnerSerializer
     tenant_bound_allowed = False
     tenant_bound_read = True
-    tenant_filter = every_row
+
+    def tenant_filter(self, tenant_id: int) -> Q:
+        """Owners of the namespaces it may see: another tenant's owners (names, e-mail addresses) are not its business."""
+        return Q(pk__in=CacheNamespace.objects.filter(namespaces_visible_to(tenant_id)).values("retention_owner_id"))
+
     filterset_fields = ("name",)
     ordering_fields = ("name", "created_at")
 
@@ -243,6 +247,8 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.CacheNamespaceCreateSerializer)
+        if data.get("group") is not None:
+            shared_change_check(request, f"a namespace of shared group {data['group'].slug} is every member's")
         namespace, created = namespace_get_or_create(
             model_version=data["model_version"],
             retention_owner=data["retention_owner"],
@@ -275,6 +281,12 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
         (added up per distinct prompt); a successor namespace is prewarmed with the
         hottest ones before a release routes to it. GET lists them, hottest first."""
         namespace = self.get_object()
+        if namespace.group_id is not None and request_tenant(request) is not None:
+            # A shared group shares cached prefixes, not its members' prompt texts.
+            raise PermissionDenied(
+                f"{namespace.shared_reason()}: its prompts are several tenants'; "
+                "a token bound to a tenant cannot read or report them"
+            )
         if request.method == "GET":
             return Response(
                 s.PrefixHeatSerializer(namespace.prefix_heat.order_by("-hits", "-last_hit_at", "id")[:100], many=True).data
@@ -309,6 +321,7 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     def resume_routing(self, request: Request, pk: str | None = None) -> Response:
         """Route a namespace that a deceptive hit on live traffic suspended again (with a reason; audited)."""
         namespace = self.get_object()
+        shared_change_check(request, namespace.shared_reason())
         reason = validated(request, s.ReasonSerializer)["reason"]
         namespace_routing_resume(namespace=namespace, actor=actor_of(request), reason=reason)
         return Response(self.serializer_class(namespace).data)
@@ -325,8 +338,19 @@ class _JobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelM
         return self.model.objects.order_by("-created_at", "-id")
 
     def tenant_filter(self, tenant_id: int) -> Q:
-        """Jobs on the namespaces it may see."""
-        return namespaces_visible_to(tenant_id, "namespace__")
+        """Jobs on the namespaces it may see; on a shared group's namespace, not
+        those that ran on the group's prefix heat (other members' prompts and answers)."""
+        return Q(namespace__tenant_id=tenant_id) | (
+            namespaces_visible_to(tenant_id, "namespace__") & ~Q(corpus__startswith=HEAT_CORPUS)
+        )
+
+    def _corpus_check(self, namespace: CacheNamespace, corpus: str) -> None:
+        """A tenant-bound caller runs a shared group's namespace on its own prompts, never on the group's heat."""
+        if corpus.startswith(HEAT_CORPUS) and namespace.group_id is not None and self.tenant_id is not None:
+            raise PermissionDenied(
+                f"{namespace.shared_reason()}: its prefix heat holds every member's prompts; "
+                "a token bound to a tenant cannot run a job on it"
+            )
 
     def get_serializer_class(self) -> type:
         return self.create_serializer if self.action == "create" else self.serializer_class
@@ -334,9 +358,10 @@ class _JobViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.CreateModelM
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel a queued or running job (409 if it already ended)."""
+        job = self.get_object()
+        shared_change_check(request, job.namespace.shared_reason())
         reason = validated(request, s.CancelSerializer)["reason"]
-        job = job_cancel(job=self.get_object(), actor=actor_of(request), reason=reason)
-        return Response(self.serializer_class(job).data)
+        return Response(self.serializer_class(job_cancel(job=job, actor=actor_of(request), reason=reason)).data)
 
     @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def results(self, request: Request, pk: str | None = None) -> Response:
@@ -360,6 +385,7 @@ class PrewarmJobViewSet(_JobViewSet):
     @extend_schema(request=s.PrewarmJobCreateSerializer, responses={201: s.PrewarmJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.PrewarmJobCreateSerializer)
+        self._corpus_check(data["namespace"], data["corpus"])
         job = prewarm_job_create(
             namespace=data["namespace"], engine=data["engine"], corpus=data["corpus"], actor=actor_of(request)
         )
@@ -381,6 +407,7 @@ class ComparisonJobViewSet(_JobViewSet):
     @extend_schema(request=s.ComparisonJobCreateSerializer, responses={201: s.ComparisonJobSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         data = validated(request, s.ComparisonJobCreateSerializer)
+        self._corpus_check(data["namespace"], data["corpus"])
         job = comparison_job_create(actor=actor_of(request), **data)
         return Response(s.ComparisonJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
@@ -548,8 +575,9 @@ class EngineMetricsViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     queryset = EngineMetricsSample.objects.order_by("-sampled_at", "-id")
 
     def tenant_filter(self, tenant_id: int) -> Q:
-        """Scrapes of the engines it may see."""
-        return Q(engine__in=Engine.objects.filter(s.reference_or_engine_of_tenant(tenant_id)).values("pk"))
+        """Scrapes of the engines serving its own namespaces alone: a shared or
+        reference engine's counts are several tenants' traffic."""
+        return Q(engine__in=Engine.objects.filter(s.engine_of_tenant_alone(tenant_id)).values("pk"))
 
 
 class OrphansView(ControlPlaneSchemaMixin, APIView):

@@ -196,6 +196,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvcp_kv_event_batches", "counter", ("engine",), "KV-event batches received", "kv_events"),
     MetricSpec("kvcp_kv_event_gaps", "counter", ("engine",), "sequence gaps no replay could fill", "kv_events"),
     MetricSpec(
+        "kvcp_kv_event_unconfirmed",
+        "counter",
+        ("engine",),
+        "batches that would clear state, alarm or open a gap, dropped because the engine's replay did not confirm them",
+        "kv_events",
+    ),
+    MetricSpec(
         "kvcp_isolation_alarm_blocks",
         "counter",
         ("engine", "kind"),

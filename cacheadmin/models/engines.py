@@ -83,13 +83,17 @@ class Engine(models.Model):
     origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.LOCAL)
     #: ``/metrics`` of the engine; empty means ``{base_url}/metrics``.
     metrics_url = models.CharField(max_length=200, blank=True, default="")
-    #: ZMQ address of the engine's KV-event stream, empty for none. For local
-    #: engines the consumer binds it and the engine connects; for adopted ones
-    #: the engine binds it and the consumer connects (``kv_events_bind``).
+    #: ZMQ address of the engine's KV-event stream, empty for none; the
+    #: consumer connects to it. A local engine binds ``ipc://`` sockets in a
+    #: private directory; an adopted one's stream comes from a CURVE relay
+    #: beside it (``kv_events_key``).
     kv_events_endpoint = models.CharField(max_length=200, blank=True, default="")
     kv_events_replay_endpoint = models.CharField(max_length=200, blank=True, default="")
     kv_events_topic = models.CharField(max_length=100, blank=True, default="")
-    kv_events_bind = models.BooleanField(default=False, help_text="the consumer binds the endpoint (local engines)")
+    #: For an engine on another host: the CURVE public key (Z85) of the relay
+    #: that publishes its stream (inference.kv_transport); "" for a local
+    #: engine, whose IPC sockets lie in a private directory.
+    kv_events_key = models.CharField(max_length=40, blank=True, default="")
     #: Incremented at every start of the process: a consumer's saved state of
     #: an earlier incarnation is dropped (a new process has an empty cache).
     generation = models.PositiveIntegerField(default=0)
@@ -116,8 +120,16 @@ class Engine(models.Model):
 
     #: KV connectors whose persistent tier keys on token ids alone, ignoring
     #: cache_salt. Measured on vLLM 0.32: a request under tenant B's salt loaded
-    #: 640 tokens of tenant A's KV from ExampleConnector's disk tier.
-    SALT_BLIND_CONNECTORS = frozenset({"ExampleConnector"})
+    #: 640 tokens of tenant A's KV from ExampleConnector's disk tier. LMCache's
+    #: connectors leave the salt out of their keys too (LMCache issue #2878;
+    #: vLLM 0.32 ``lmcache_integration/vllm_v1_adapter.py``; see
+    #: inference/engines/gpu_spec.py).
+    SALT_BLIND_CONNECTORS = frozenset({"ExampleConnector", "LMCacheConnectorV1", "LMCacheMPConnector"})
+    #: KV connectors known to key their tier on vLLM's block hashes, which carry
+    #: cache_salt in a request's first block (vLLM 0.32 offloading/scheduler.py
+    #: ``make_offload_key(req.block_hashes…)``). An adopted engine serves a
+    #: namespace only with none of them or one of these: any other is unknown.
+    SALT_AWARE_CONNECTORS = frozenset({"OffloadingConnector"})
 
     @property
     def salt_blind_tier(self) -> bool:
@@ -149,10 +161,36 @@ class Engine(models.Model):
             )
         return None
 
+    def witness_refusal(self) -> str | None:
+        """Why this engine may not judge a cache as a comparison's reference
+        now, or None: it must be usable (:meth:`unusable_reason`) and, being a
+        reference engine that every tenant's prompts go to, verified against
+        its identity (an unverified witness could be anything behind an address)."""
+        if (why := self.unusable_reason()) is not None:
+            return why
+        if self.role == self.Role.REFERENCE and self.verification != self.Verification.VERIFIED:
+            return (
+                f"reference engine {self.name} is {self.verification}: a tenant's prompts go only to a reference engine "
+                f"verified against its identity (`engine verify {self.pk}`)"
+            )
+        return None
+
     @property
     def effective_metrics_url(self) -> str:
         """Where the engine's Prometheus metrics are read."""
         return self.metrics_url or f"{self.base_url.rstrip('/')}/metrics"
+
+    def shared_reason(self) -> str | None:
+        """What makes this engine shared by several tenants, or None: a
+        reference engine (every tenant's comparisons and shadow checks run on
+        it) or an engine serving a shared group's namespace. Only a principal
+        not bound to a tenant changes a shared engine."""
+        if self.role == self.Role.REFERENCE:
+            return f"engine {self.name} is a reference engine, shared by every tenant"
+        served = ([self.namespace] if self.namespace_id else []) + list(self.attached_namespaces.all())
+        if any(ns.group_id is not None for ns in served):
+            return f"engine {self.name} serves a shared group's namespace"
+        return None
 
     def serves(self, namespace_pk: int) -> bool:
         """Whether requests of this namespace may run on this engine."""
@@ -257,6 +295,9 @@ class KvEventStream(models.Model):
     last_seq = models.BigIntegerField(null=True, blank=True)
     events = models.BigIntegerField(default=0, help_text="events applied since this incarnation started")
     gaps = models.PositiveIntegerField(default=0)
+    unconfirmed = models.PositiveIntegerField(
+        default=0, help_text="batches dropped because the engine's replay did not confirm them (a clear, an alarm, a jump)"
+    )
     garbage = models.PositiveIntegerField(default=0, help_text="frames that did not decode")
     replays = models.PositiveIntegerField(default=0)
     restarts_seen = models.PositiveIntegerField(default=0, help_text="sequence resets seen (engine restarts)")

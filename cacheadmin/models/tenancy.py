@@ -224,6 +224,13 @@ class CacheNamespace(models.Model):
             return self.tenant.slug
         return f"group:{self.group.slug}" + (f"#{self.group_generation}" if self.superseded else "")
 
+    def shared_reason(self) -> str | None:
+        """``"namespace … of shared group X"`` when several tenants share it, else None:
+        only a principal not bound to a tenant changes it."""
+        if self.group_id is None:
+            return None
+        return f"namespace {self.namespace_key[:12]}… belongs to shared group {self.group.slug}"
+
     @property
     def superseded(self) -> bool:
         """A shared-group namespace of an earlier generation (a member left since)."""

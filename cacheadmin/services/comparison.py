@@ -11,6 +11,7 @@ from cacheadmin.services.heat import corpus_pin, job_corpus
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from cacheadmin.services.prewarm import JobRefused
+from cacheadmin.services.quotas import quota_check
 from inference.comparison import PromptComparison, median_or_none, run_comparison
 from inference.errors import EngineError, InvalidField
 
@@ -36,8 +37,9 @@ def comparison_job_create(
         raise JobRefused(f"reference engine {reference_engine.name} caches prefixes; a reference must compute every token")
     if reference_engine.model_version.served_name != engine.model_version.served_name:
         raise JobRefused("the reference engine serves another model name")
-    for candidate in (engine, reference_engine):
-        if (why := candidate.unusable_reason()) is not None:
+    # The namespace's prompts go to the reference and its answers judge the cache: a verified witness only.
+    for why in (engine.unusable_reason(), reference_engine.witness_refusal()):
+        if why is not None:
             raise JobRefused(why)
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise InvalidField("max_tokens", f"must be within 1..{MAX_TOKENS}, got {max_tokens}")
@@ -48,6 +50,7 @@ def comparison_job_create(
         raise InvalidField("corpus", str(exc)) from exc
 
     with transaction.atomic():
+        quota_check(tenant=namespace.tenant, kind="jobs")
         job = ComparisonJob.objects.create(
             engine=engine,
             reference_engine=reference_engine,

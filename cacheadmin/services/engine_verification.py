@@ -10,11 +10,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import Engine, EngineAlarm, EngineVerification, ModelVersion
+from cacheadmin.services.addresses import engine_target
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from inference.corpus import load_corpus
 from inference.engines.verify import Check, ExpectedEngine, compare_drift, compare_identity, drift_baseline, observe
 from inference.errors import EXIT_CONFLICT, ControlPlaneError, EngineError, Refused
+from inference.netpolicy import AddressRefused
 from inference.tokenization import load_chat_tokenizer
 
 #: The prompts whose token ids the engine's tokenizer must reproduce.
@@ -60,7 +62,8 @@ def identity_checks(
         ``(checks, facts)``.
 
     Raises:
-        EngineError: the engine is unreachable or is not a vLLM OpenAI server.
+        EngineError: the engine is unreachable, is not a vLLM OpenAI server,
+            or its address is refused by the deployment's address policy.
         Refused: the version has no complete resolved layout, or its
             tokenizer cannot be read here (nothing to compare with).
     """
@@ -72,7 +75,13 @@ def identity_checks(
     except (KeyError, TypeError, ValueError, OSError) as exc:
         raise Refused(f"model version {model_version.label} cannot be verified against: {exc}") from exc
     probes = load_corpus(PROBE_CORPUS)
-    facts = observe(base_url, metrics_url=metrics_url, served_name=model_version.served_name, probes=probes)
+    try:
+        # Checked and pinned at every verification: a name may resolve elsewhere since it was added.
+        url, headers = engine_target("url", base_url)
+        metrics_pinned, _ = engine_target("metrics_url", metrics_url)
+    except AddressRefused as exc:
+        raise EngineError(exc.problem) from exc
+    facts = observe(url, metrics_url=metrics_pinned, served_name=model_version.served_name, probes=probes, headers=headers)
     reference_output = model_version.probe_output if (reference and model_version.probe_output) else None
     checks = compare_identity(expected, facts, tokenizer=tokenizer, probes=probes, reference_output=reference_output)
     return checks, facts

@@ -14,12 +14,16 @@ from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
+from cacheadmin.services.addresses import engine_target
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
+from cacheadmin.services.quotas import quota_check
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
+from inference.kv_transport import TransportError, local_endpoints, private_socket_dir
+from inference.netpolicy import AddressRefused
 
 #: Engines this process launched, by Engine pk (handles to their subprocesses).
 _LAUNCHED: dict[int, LocalEngine] = {}
@@ -36,10 +40,10 @@ LIVE_STATUSES = (Engine.Status.STARTING, Engine.Status.READY)
 
 
 def _kv_events_config(engine: Engine) -> dict[str, Any] | None:
-    """vLLM's ``--kv-events-config`` for a local engine: it connects to the
-    consumer's bound endpoint (vLLM binds only ``*``/ipc endpoints, connects to
-    the rest) and binds its replay endpoint (always bound). The topic carries the
-    incarnation, so a consumer drops frames of an earlier process of the engine."""
+    """vLLM's ``--kv-events-config`` for a local engine: it binds its publisher
+    and replay sockets (vLLM binds ``ipc://`` endpoints) in the private socket
+    directory, and the consumer connects. The topic carries the incarnation, so
+    a consumer drops frames of an earlier process of the engine."""
     if not engine.kv_events_endpoint:
         return None
     return {
@@ -49,6 +53,20 @@ def _kv_events_config(engine: Engine) -> dict[str, Any] | None:
         "replay_endpoint": engine.kv_events_replay_endpoint or None,
         "topic": engine.kv_events_topic,
     }
+
+
+def _local_kv_events_endpoints(engine: Engine) -> tuple[str, str]:
+    """A local engine's KV-event sockets: ``ipc://`` paths it binds in the
+    private socket directory (``KV_EVENTS_SOCKET_DIR``, mode 0700), so only
+    this user's processes (the engine, the consumer) can reach them.
+
+    Raises:
+        EngineRefused: the directory is not private (another owner, a wider mode) or too deep for a socket path.
+    """
+    try:
+        return local_endpoints(private_socket_dir(settings.KV_EVENTS_SOCKET_DIR), engine.pk)
+    except (TransportError, OSError) as exc:
+        raise EngineRefused(f"KV-event sockets cannot be placed: {exc}") from exc
 
 
 def kv_events_topic(engine: Engine) -> str:
@@ -94,7 +112,8 @@ def engine_name_check(name: str) -> str:
     if len(name) > 100 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
         raise InvalidField("name", "letters, digits, '.', '_' and '-' only, at most 100, starting with a letter or digit")
     if Engine.objects.filter(name=name).exists():
-        raise InvalidField("name", f"an engine named {name} exists")
+        # Engines are named across tenants: "taken" says nothing about whose.
+        raise InvalidField("name", f"the name {name} is taken")
     return name
 
 
@@ -149,9 +168,11 @@ def engine_create(
         # back one namespace only. Two engines of the same namespace are fine.
         clash = Engine.objects.filter(kv_storage_path=str(storage), status__in=LIVE_STATUSES).exclude(namespace=namespace).first()
         if clash is not None:
-            raise EngineRefused(f"the salt-blind disk tier {storage} already backs engine {clash.name} of another namespace")
+            # Neither the other engine nor the server's path is named: the other namespace may be another tenant's.
+            raise EngineRefused("this namespace's salt-blind disk tier already backs a live engine of another namespace")
     port = free_port()
     with transaction.atomic():
+        quota_check(tenant=namespace.tenant if namespace is not None else None, kind="engines")
         engine = Engine.objects.create(
             name=name,
             role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE,
@@ -170,11 +191,9 @@ def engine_create(
         )
         if namespace is not None:
             # Events only where prefix caching stores blocks.
-            engine.kv_events_endpoint = f"tcp://127.0.0.1:{free_port()}"
-            engine.kv_events_replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
-            engine.kv_events_bind = True
+            engine.kv_events_endpoint, engine.kv_events_replay_endpoint = _local_kv_events_endpoints(engine)
             engine.kv_events_topic = kv_events_topic(engine)
-            engine.save(update_fields=["kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_bind", "kv_events_topic"])
+            engine.save(update_fields=["kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic"])
         _spec_for(engine)  # refuses an unlaunchable layout inside the transaction: nothing is recorded
         audit_record(
             actor=actor,
@@ -408,6 +427,9 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
         )
     _stop_process(engine)
     with transaction.atomic():
+        if engine.status not in LIVE_STATUSES and engine.namespace_id is not None:
+            # A stopped engine started again is one more live engine of its tenant.
+            quota_check(tenant=engine.namespace.tenant, kind="engines")
         engine.generation += 1
         fields: dict[str, Any] = {
             "status": Engine.Status.STARTING, "generation": engine.generation, "pid": None, "error": "",
@@ -415,6 +437,8 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
         }  # fmt: skip
         if engine.kv_events_endpoint:
             fields["kv_events_topic"] = kv_events_topic(engine)
+            # An engine made before its sockets moved to the private directory gets them now.
+            fields["kv_events_endpoint"], fields["kv_events_replay_endpoint"] = _local_kv_events_endpoints(engine)
         Engine.objects.filter(pk=engine.pk).update(**fields)
         audit_record(actor=actor, action="engine.restart", obj=engine, after={"generation": engine.generation}, reason=reason)
     engine.refresh_from_db()
@@ -422,8 +446,17 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
 
 
 def engine_client(engine: Engine) -> VllmHttpClient:
-    """An HTTP client for the engine's served model."""
-    return VllmHttpClient(engine.base_url, engine.model_version.served_name)
+    """An HTTP client for the engine's served model, connected to a checked address.
+
+    Raises:
+        EngineError: the engine's address is refused by the deployment's
+            address policy now (it may have changed since the engine was added).
+    """
+    try:
+        url, headers = engine_target("base_url", engine.base_url)
+    except AddressRefused as exc:
+        raise EngineError(f"engine {engine.name}: {exc.problem}") from exc
+    return VllmHttpClient(url, engine.model_version.served_name, headers=headers)
 
 
 def engines_reconcile(*, actor: str) -> int:

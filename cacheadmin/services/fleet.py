@@ -7,10 +7,12 @@ import re
 from datetime import timedelta
 from urllib.parse import urlsplit
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerification, ModelVersion
+from cacheadmin.services.addresses import engine_address_policy, engine_target
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import (
@@ -29,9 +31,14 @@ from cacheadmin.services.engines import (
     log_tail,
 )
 from cacheadmin.services.namespaces import namespace_check_current
+from cacheadmin.services.quotas import quota_check
 from inference.engines.launcher import pid_alive
+from inference.engines.probes import reads_across_salts, shares_prefix_cache
 from inference.engines.verify import drift_baseline
+from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError, InvalidField, Refused
+from inference.kv_transport import check_public_key
+from inference.netpolicy import AddressPolicy, ServerOrigin, same_origin, server_origin
 
 #: Consecutive silent health checks before a running engine is failed (with the
 #: schedule every 20 s, a silent engine is failed within a minute).
@@ -53,17 +60,131 @@ def _http_url(field: str, value: str) -> str:
     return value
 
 
-def kv_events_endpoint_check(field: str, value: str) -> str:
+def kv_events_endpoint_check(field: str, value: str, policy: AddressPolicy | None = None) -> str:
     """A ZMQ endpoint the consumer can connect to: ``tcp://HOST:PORT``.
+
+    Args:
+        policy: when given, the host must resolve to addresses it allows.
 
     Raises:
         InvalidField: another shape (a wildcard ``*`` is where the engine
             binds, not where anyone can connect), or a port outside 1..65535.
+        AddressRefused: the host is refused by ``policy``.
     """
     match = _ZMQ_TCP.match(value.strip())
     if match is None or not 1 <= int(match[2]) <= 65535:
         raise InvalidField(field, "tcp://HOST:PORT (the address the engine's publisher binds, as seen from here)")
+    if policy is not None:
+        policy.check_host(field, match[1], int(match[2]))
     return value.strip()
+
+
+def _declared_connector(value: str) -> str | None:
+    """An operator's ``kv_connector`` declaration: None when not declared, ``""`` for ``none``, else a class name.
+
+    Raises:
+        InvalidField: not ``none`` nor a connector class name.
+    """
+    value = value.strip()
+    if not value:
+        return None
+    if value.lower() == "none":
+        return ""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", value):
+        raise InvalidField("kv_connector", "none, or the KV connector's class name (e.g. LMCacheConnectorV1)")
+    return value
+
+
+def _adopted_connector(declared: str | None, reported: str | None, *, serving: bool) -> str:
+    """The KV connector an adopted engine runs (``""`` for none), from what it
+    reports (``/server_info``) and what the operator declared.
+
+    Raises:
+        EngineRefused: for an engine that would serve a namespace, the
+            connector is unknown (not reported, not declared), declared
+            otherwise than reported, or keys KV on token ids alone.
+    """
+    if reported is not None and declared is not None and reported != declared:
+        raise EngineRefused(
+            f"adoption refused: kv_connector is declared {declared or 'none'}, the engine reports {reported or 'none'}"
+        )
+    connector = reported if reported is not None else declared
+    if not serving:
+        return connector or ""
+    if connector is None:
+        raise EngineRefused(
+            "adoption refused: the engine's KV connector tier is unknown (its /server_info is off): a namespace needs a tier "
+            "that honours cache_salt; declare kv_connector (none, or the connector's class) and it is probed"
+        )
+    if connector in Engine.SALT_BLIND_CONNECTORS:
+        raise EngineRefused(
+            f"adoption refused: {connector} keys KV by token ids alone and ignores cache_salt; adopt it as a reference "
+            "engine, or give the namespace a tier that honours the salt"
+        )
+    if connector and connector not in Engine.SALT_AWARE_CONNECTORS:
+        known = ", ".join(sorted(Engine.SALT_AWARE_CONNECTORS))
+        raise EngineRefused(
+            f"adoption refused: nothing says whether {connector}'s tier honours cache_salt (known to: {known}); "
+            "a namespace is not served on a tier that may hand its state to another"
+        )
+    return connector
+
+
+def _refuse_known_address(origin: ServerOrigin) -> None:
+    """Refuse a server a live engine already reaches at the same address and port,
+    however either URL spells it (``localhost`` for ``127.0.0.1``, IPv4-mapped IPv6, a DNS name).
+
+    Raises:
+        EngineRefused: said without naming the engine (it may be another tenant's).
+    """
+    for other_url in Engine.objects.filter(status__in=LIVE_STATUSES).values_list("base_url", flat=True):
+        try:
+            other = server_origin(other_url)
+        except (OSError, ValueError):
+            continue  # a live engine whose name no longer resolves reaches nothing here
+        if other.same_server(origin):
+            raise EngineRefused(
+                "adoption refused: this server is already registered as a live engine (the same address and port); "
+                "stop that engine before adopting it again"
+            )
+
+
+def _refuse_shared_or_salt_blind(url: str, model_version: ModelVersion) -> None:
+    """Probe a would-be serving engine: it must read no live engine's prefix
+    cache (the same server under another address) and serve no KV across
+    salts (:mod:`inference.engines.probes`).
+
+    Raises:
+        EngineRefused: it answered from another engine's cache, served KV
+            across salts, or does not report cached tokens.
+    """
+    block_size = int(model_version.inputs["layout"]["block_size"])
+    secret = settings.CACHE_SALT_SECRET
+    pinned, headers = engine_target("url", url)
+    with VllmHttpClient(pinned, model_version.served_name, headers=headers) as candidate:
+        try:
+            across = reads_across_salts(candidate, secret=secret, block_size=block_size)
+        except EngineError as exc:
+            raise EngineRefused(f"adoption refused: {exc}") from exc
+        if across:
+            raise EngineRefused(
+                f"adoption refused: the engine served {across} tokens of KV computed under another cache_salt: its persistent "
+                "tier ignores the salt and would hand one namespace's state to another"
+            )
+        known = Engine.objects.filter(
+            status=Engine.Status.READY, prefix_caching=True, model_version__identity=model_version.identity
+        ).select_related("model_version")
+        for engine in known:
+            try:
+                with engine_client(engine) as client:
+                    same = shares_prefix_cache(client, candidate, secret=secret, block_size=block_size)
+            except EngineError:
+                continue  # an engine that does not answer cannot be read through the candidate either
+            if same:
+                raise EngineRefused(
+                    "adoption refused: this server answered from a live engine's prefix cache: it is that engine under "
+                    "another address (or shares its KV tier); stop that engine before adopting it again"
+                )
 
 
 def engine_adopt(
@@ -77,8 +198,19 @@ def engine_adopt(
     kv_events: str = "",
     kv_events_replay: str = "",
     kv_events_topic: str = "",
+    kv_events_key: str = "",
+    kv_connector: str = "",
 ) -> Engine:
     """Register a running vLLM server by URL, after verifying it.
+
+    Before anything is sent, every address is checked against the
+    deployment's address policy (:mod:`inference.netpolicy`); a metrics URL
+    must be on the engine's own origin. An engine is a thing, not a string:
+    the URL is resolved and compared with every live engine's, and an engine
+    that would serve a namespace is probed against every live engine of the
+    same identity (:func:`inference.engines.probes.shares_prefix_cache`), so
+    the same server adopted again under another spelling of its address is
+    refused.
 
     The engine is checked against ``model_version``'s identity from what it
     reports (served name, ``max_model_len`` if fixed, ``vllm:cache_config_info``
@@ -87,31 +219,67 @@ def engine_adopt(
     engine is recorded, ready and verified; what it reported is the baseline
     scheduled re-verification compares against.
 
+    A namespace needs a persistent tier that honours ``cache_salt``: its KV
+    connector must be known (reported by ``/server_info``, or declared as
+    ``kv_connector``: ``none`` or the connector's class) and not salt-blind,
+    and a probe (:func:`inference.engines.probes.reads_across_salts`) must find
+    no KV served across salts.
+
     Raises:
-        InvalidField: a malformed URL or endpoint, a blank or taken name.
-        EngineRefused: the URL is already a live engine; the namespace belongs
-            to another identity; the engine cannot be reached.
+        InvalidField: a malformed URL or endpoint, a metrics URL on another
+            origin, KV events without the relay's CURVE key and replay
+            endpoint, a malformed ``kv_connector``, a blank or taken name.
+        AddressRefused: an address the deployment's policy refuses.
+        EngineRefused: the server is already a live engine (by address or by
+            probe); the namespace belongs to another identity; its connector
+            tier is unknown or salt-blind; the engine cannot be reached.
         VerificationRefused: a check failed; ``fields()`` names each.
         NamespaceConflict: a superseded shared-group namespace.
+        QuotaExceeded: the namespace's tenant holds its quota of engines.
     """
+    # The shape of every field first (400 on the field), then the addresses: nothing is resolved for bad input.
     url = _http_url("url", url)
     metrics_url = _http_url("metrics_url", metrics_url) if metrics_url.strip() else ""
+    if metrics_url and not same_origin(metrics_url, url):
+        raise InvalidField("metrics_url", "must be served by the engine itself: the same scheme, host and port as url")
     kv_events = kv_events_endpoint_check("kv_events", kv_events) if kv_events.strip() else ""
     kv_events_replay = kv_events_endpoint_check("kv_events_replay", kv_events_replay) if kv_events_replay.strip() else ""
     if kv_events_replay and not kv_events:
         raise InvalidField("kv_events_replay", "needs kv_events")
+    kv_events_key = kv_events_key.strip()
+    if kv_events and not kv_events_key:
+        # Only the engine may speak for itself: a plain TCP stream could come from anyone on the path.
+        raise InvalidField(
+            "kv_events_key",
+            "the CURVE public key of the relay beside the engine (python -m inference.kv_transport relay) is required "
+            "with kv_events",
+        )
+    if kv_events_key:
+        if not kv_events:
+            raise InvalidField("kv_events_key", "needs kv_events")
+        try:
+            check_public_key(kv_events_key)
+        except ValueError as exc:
+            raise InvalidField("kv_events_key", str(exc)) from None
+    if kv_events and not kv_events_replay:
+        # Clears, alarms and gaps are acted on only as the engine's replay confirms them.
+        raise InvalidField("kv_events_replay", "the relay's replay endpoint is required with kv_events")
     if len(kv_events_topic) > 100:
         raise InvalidField("kv_events_topic", "at most 100 characters")
+    declared = _declared_connector(kv_connector)
     name = engine_name_check(name or f"adopted-{urlsplit(url).hostname}-{urlsplit(url).port or 80}")
+    policy = engine_address_policy()
+    origin = policy.check_url("url", url)
+    for field, endpoint in (("kv_events", kv_events), ("kv_events_replay", kv_events_replay)):
+        if endpoint:
+            kv_events_endpoint_check(field, endpoint, policy)
     if namespace is not None:
         namespace_check_current(namespace)
         if namespace.model_version.identity != model_version.identity:
             raise EngineRefused(
                 f"namespace {namespace.namespace_key[:12]}… belongs to {namespace.model_version.label}, not {model_version.label}"
             )
-    clash = Engine.objects.filter(base_url=url, status__in=LIVE_STATUSES).first()
-    if clash is not None:
-        raise EngineRefused(f"{url} is already engine {clash.name} (#{clash.pk}); stop it before adopting it again")
+    _refuse_known_address(origin)
     try:
         checks, facts = identity_checks(
             base_url=url,
@@ -123,14 +291,18 @@ def engine_adopt(
         raise EngineRefused(f"adoption refused: {exc}") from exc
     if not all(c.ok for c in checks):
         raise VerificationRefused("adoption refused: " + refusal_message(url, checks), checks)
+    connector = _adopted_connector(declared, facts.get("kv_connector"), serving=namespace is not None)
+    if namespace is not None:
+        _refuse_shared_or_salt_blind(url, model_version)
     now = timezone.now()
     with transaction.atomic():
+        quota_check(tenant=namespace.tenant if namespace is not None else None, kind="engines")
         engine = Engine.objects.create(
             name=name, origin=Engine.Origin.ADOPTED, model_version=model_version, namespace=namespace,
             role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE,
-            base_url=url, metrics_url=metrics_url, prefix_caching=namespace is not None,
+            base_url=url, metrics_url=metrics_url, prefix_caching=namespace is not None, kv_connector=connector,
             kv_events_endpoint=kv_events, kv_events_replay_endpoint=kv_events_replay, kv_events_topic=kv_events_topic,
-            kv_events_bind=False, status=Engine.Status.READY, generation=1,
+            kv_events_key=kv_events_key, status=Engine.Status.READY, generation=1,
             verification=Engine.Verification.VERIFIED, verified_at=now, verified_facts=drift_baseline(facts),
             health_checked_at=now,
         )  # fmt: skip
@@ -151,7 +323,11 @@ def _healthy(engine: Engine) -> tuple[bool, str]:
     """(healthy, why not)."""
     if engine.origin == Engine.Origin.LOCAL and not (engine.pid and pid_alive(engine.pid)):
         return False, "process gone"
-    with engine_client(engine) as client:
+    try:
+        client = engine_client(engine)
+    except EngineError as exc:
+        return False, str(exc)
+    with client:
         if client.healthy():
             return True, ""
     return False, "health endpoint silent"

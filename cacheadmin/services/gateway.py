@@ -52,6 +52,7 @@ from cacheadmin.models.naming import validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
+from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.canonical import InvalidRequest
@@ -160,6 +161,7 @@ def gateway_key_issue(
     prefix = secrets.token_hex(6)
     plain = f"{KEY_HEAD}_{prefix}_{secrets.token_urlsafe(32)}"
     with transaction.atomic():
+        quota_check(tenant=tenant, kind="gateway_keys")
         key = GatewayKey.objects.create(
             tenant=tenant, name=name, prefix=prefix, key_hash=key_hash(plain), rate_per_s=rate_per_s, burst=burst,
             created_by=actor,
@@ -489,7 +491,8 @@ def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, 
             continue
         try:
             prefix_heat_record(namespace=namespace, messages=messages, tools=tools, hits=hits)
-        except InvalidField:
+        except (InvalidField, QuotaExceeded):
+            # A full heat keeps its hottest prompts; a new one is dropped, not an error of the gateway's.
             continue
 
 

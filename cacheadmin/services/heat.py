@@ -13,6 +13,7 @@ from django.utils import timezone
 from cacheadmin.models import CacheNamespace, ComparisonJob, JobStatus, PrewarmJob
 from cacheadmin.models.releases import PrefixHeat
 from cacheadmin.services.jobs import job_finish
+from cacheadmin.services.quotas import heat_quota_check
 from inference.corpus import Conversation, conversation_problem, load_corpus
 from inference.errors import InvalidField
 from inference.identity import canonical_json, digest_frames
@@ -42,6 +43,7 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
     if isinstance(hits, bool) or not isinstance(hits, int) or not 1 <= hits <= MAX_HITS:
         raise InvalidField("hits", f"must be an integer within 1..{MAX_HITS}")
     digest = digest_frames("prefix-heat", [("messages", canonical_json(messages)), ("tools", canonical_json(tools))])
+    heat_quota_check(namespace=namespace, digest=digest)
     now = timezone.now()
     try:
         with transaction.atomic():

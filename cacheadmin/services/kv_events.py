@@ -32,9 +32,11 @@ from django.utils import timezone
 from cacheadmin.metrics.catalogue import BY_NAME
 from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, KvEventStream, ResidentSample
 from cacheadmin.services.alarms import alarm_raise
+from inference.engines.probes import PROBE_SALT_PREFIX, is_probe_salt
 from inference.identity import cache_salt
 from inference.kv_events import (
     END_SEQ,
+    PROBE,
     Residency,
     SequenceVerdict,
     decode_for_residency,
@@ -42,6 +44,7 @@ from inference.kv_events import (
     seq_of,
     sequence_verdict,
 )
+from inference.kv_transport import TransportError, curve_client, ipc_path_is_private, key_pair
 
 log = logging.getLogger(__name__)
 ACTOR = "kv-events"
@@ -67,10 +70,11 @@ class Stream:
     engine_name: str
     generation: int
     endpoint: str
-    bind: bool
     replay_endpoint: str
     topic: bytes
     residency: Residency
+    #: The CURVE public key of the relay publishing an adopted engine's stream ("" for a local engine's IPC sockets).
+    curve_key: str = ""
     sub: Any = None
     last_seq: int | None = None
     complete: bool = True
@@ -78,6 +82,9 @@ class Stream:
     garbage: int = 0
     foreign: int = 0
     replays: int = 0
+    #: Frames that would have cleared state, raised an alarm or opened a gap,
+    #: which the engine's own replay did not confirm: dropped, never acted on.
+    unconfirmed: int = 0
     restarts_seen: int = 0
     cleared_at: Any = None
     last_event_at: Any = None
@@ -132,11 +139,30 @@ class SaltIndex:
         return self._keys.get(namespace_pk, "") if namespace_pk else ""
 
     def __call__(self, salt: str) -> int | None:
+        if salt.startswith(PROBE_SALT_PREFIX) and is_probe_salt(settings.CACHE_SALT_SECRET, salt):
+            return PROBE
         found = self._by_salt.get(salt)
         if found is None and time.monotonic() - self._loaded > 1.0:
             self.reload()
             found = self._by_salt.get(salt)
         return found
+
+
+def _transport_refusal(stream: Stream) -> str | None:
+    """Why the consumer will not read ``stream``, or None: only the engine may
+    speak for itself (:mod:`inference.kv_transport`). A local engine's sockets
+    must lie in a private directory; a TCP stream must be a relay's, over CURVE."""
+    if stream.endpoint.startswith("ipc://"):
+        for endpoint in filter(None, (stream.endpoint, stream.replay_endpoint)):
+            if not ipc_path_is_private(endpoint):
+                return f"{endpoint} is not in a directory of this user with mode 0700"
+        return None
+    if not stream.curve_key:
+        return (
+            "a TCP stream is read only from a CURVE relay (python -m inference.kv_transport relay); "
+            "adopt the engine again with its kv_events_key, or restart a local engine"
+        )
+    return None
 
 
 class KvEventConsumer:
@@ -163,6 +189,7 @@ class KvEventConsumer:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._refreshed = 0.0
         self._flushed = 0.0
+        self._keys: tuple[str, str] | None = None
         #: When the burst of frames being drained arrived (None outside run()).
         self.burst_at: Any = None
 
@@ -179,7 +206,10 @@ class KvEventConsumer:
         }
         for pk in list(self.streams):
             row = rows.get(pk)
-            if row is None or row.kv_events_endpoint != self.streams[pk].endpoint:
+            if row is None or (row.kv_events_endpoint, row.kv_events_key) != (
+                self.streams[pk].endpoint,
+                self.streams[pk].curve_key,
+            ):
                 self._close(self.streams.pop(pk))
         for pk, row in rows.items():
             served = frozenset(([row.namespace_id] if row.namespace_id else []) + [n.pk for n in row.attached_namespaces.all()])
@@ -204,40 +234,60 @@ class KvEventConsumer:
             engine_name=row.name,
             generation=row.generation,
             endpoint=row.kv_events_endpoint,
-            bind=row.kv_events_bind,
             replay_endpoint=row.kv_events_replay_endpoint,
             topic=row.kv_events_topic.encode(),
             residency=Residency(namespace_of_salt=self.salts),
+            curve_key=row.kv_events_key,
         )
+        why = _transport_refusal(stream)
+        if why is not None:
+            log.warning("engine %s: its KV events are not read: %s", row.name, why)
+            return None
         saved = KvEventStream.objects.filter(engine_id=row.pk).first()
         if saved is not None and saved.generation == row.generation and saved.state is not None:
             try:
                 stream.residency.restore(bytes(saved.state))
                 stream.last_seq, stream.complete = saved.last_seq, saved.complete
                 stream.gaps, stream.garbage, stream.replays = saved.gaps, saved.garbage, saved.replays
+                stream.unconfirmed = saved.unconfirmed
                 stream.restarts_seen, stream.cleared_at = saved.restarts_seen, saved.cleared_at
                 stream.base_events = saved.events
             except (msgspec.DecodeError, ValueError, TypeError):
                 log.warning("checkpoint of engine %s unreadable; starting from the engine's replay", row.name)
                 stream.residency.clear()
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
         try:
-            if stream.bind:
-                sub.bind(stream.endpoint)
-            else:
-                sub.connect(stream.endpoint)
+            sub = self._socket(stream, zmq.SUB)
+        except TransportError as exc:
+            log.warning("engine %s: its KV events are not read: %s", row.name, exc)
+            return None
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            sub.connect(stream.endpoint)
         except zmq.ZMQError as exc:
             sub.close()
-            log.warning("engine %s: cannot %s %s: %s", row.name, "bind" if stream.bind else "connect", stream.endpoint, exc)
+            log.warning("engine %s: cannot connect to %s: %s", row.name, stream.endpoint, exc)
             return None
         stream.sub = sub
         self.poller.register(sub, zmq.POLLIN)
         self.by_socket[sub] = stream
         self.streams[row.pk] = stream
-        log.info("engine %s: %s %s", row.name, "bound" if stream.bind else "connected to", stream.endpoint)
+        log.info("engine %s: connected to %s%s", row.name, stream.endpoint, " (CURVE)" if stream.curve_key else "")
         return stream
+
+    def _socket(self, stream: Stream, kind: int) -> Any:
+        """A socket for ``stream``: a CURVE client of its relay when it has one.
+
+        Raises:
+            TransportError: the consumer's key file is unusable.
+        """
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if stream.curve_key:
+            if self._keys is None:
+                self._keys = key_pair(settings.KV_EVENTS_KEY_FILE)
+            public, secret = self._keys
+            curve_client(sock, server_key=stream.curve_key, public=public, secret=secret)
+        return sock
 
     def _close(self, stream: Stream) -> None:
         self._flush_stream(stream)
@@ -271,11 +321,19 @@ class KvEventConsumer:
             stream.residency.events = 0
             verdict = sequence_verdict(None, seq)
         if verdict == SequenceVerdict.GAP and not replaying:
-            self.fill_gap(stream, upto=seq)
+            if not self.fill_gap(stream, upto=seq):
+                return  # the engine never published it: not applied, no gap recorded
         elif verdict == SequenceVerdict.GAP:
             return
         if stream.last_seq is not None and seq <= stream.last_seq:
             return  # the replay covered it
+        if not replaying and stream.residency.needs_confirmation(batch):
+            # A clear or an alarm is acted on only as the engine itself confirms it.
+            confirmed = self._confirmed(stream, seq)
+            if confirmed is None:
+                self._unconfirmed(stream, seq, "a clear or an isolation incident")
+                return
+            batch = confirmed
         cleared = stream.residency.cleared
         stream.residency.apply(batch)
         stream.last_seq = seq
@@ -297,57 +355,107 @@ class KvEventConsumer:
                 detail=f"{stream.garbage} frames that are not vLLM KV-event batches on {stream.endpoint}; last: {why[:300]}",
             )  # fmt: skip
 
-    def fill_gap(self, stream: Stream, *, upto: int) -> None:
-        """Replay ``last_seq + 1 .. upto - 1`` from the engine; record what cannot be."""
-        start = 0 if stream.last_seq is None else stream.last_seq + 1
-        got_from: int | None = None
-        if stream.replay_endpoint:
-            stream.replays += 1
-            dealer = self.ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
+    def _replay(self, stream: Stream, start: int, upto: int) -> list[list[bytes]] | None:
+        """The engine's own batches ``start..upto`` from its replay endpoint, in
+        order, as ``[topic, seq, payload]`` frames; None when it has no replay
+        endpoint or did not answer (no end marker within :data:`REPLAY_TIMEOUT_S`)."""
+        if not stream.replay_endpoint:
+            return None
+        stream.replays += 1
+        frames: list[list[bytes]] = []
+        try:
+            dealer = self._socket(stream, zmq.DEALER)
+        except TransportError:
+            return None
+        try:
+            dealer.connect(stream.replay_endpoint)
+            dealer.send_multipart([b"", seq_bytes(start)])
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if not dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                    return None
+                reply = dealer.recv_multipart()
+                if len(reply) != 4:
+                    continue
+                _, topic, seq_frame, payload = reply
+                try:
+                    seq = seq_of(seq_frame)
+                except ValueError:
+                    continue
+                if seq == END_SEQ:
+                    return frames
+                if start <= seq <= upto:
+                    frames.append([topic, seq_frame, payload])
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _confirmed(self, stream: Stream, seq: int) -> Any | None:
+        """Batch ``seq`` as the engine's replay holds it (decoded for residency), or None when it does not confirm one."""
+        replayed = self._replay(stream, seq, seq)
+        for topic, _, payload in replayed or []:
+            if stream.topic and topic != stream.topic:
+                continue
             try:
-                dealer.connect(stream.replay_endpoint)
-                dealer.send_multipart([b"", seq_bytes(start)])
-                deadline = time.monotonic() + REPLAY_TIMEOUT_S
-                while time.monotonic() < deadline:
-                    if not dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                        break
-                    reply = dealer.recv_multipart()
-                    if len(reply) != 4:
-                        continue
-                    _, topic, seq_frame, payload = reply
-                    try:
-                        seq = seq_of(seq_frame)
-                    except ValueError:
-                        continue
-                    if seq == END_SEQ:
-                        break
-                    if seq >= upto:
-                        continue
-                    if got_from is None:
-                        got_from = seq
-                        if seq > start:
-                            break  # the buffer no longer holds the start of the gap
-                    self.handle(stream, [topic, seq_frame, payload], replaying=True)
-            finally:
-                dealer.close(linger=0)
+                return decode_for_residency(payload)
+            except msgspec.DecodeError:
+                return None
+        return None
+
+    def _unconfirmed(self, stream: Stream, seq: int, what: str) -> None:
+        stream.unconfirmed += 1
+        stream.dirty = True
+        log.warning(
+            "engine %s: batch %s (%s) not confirmed by the engine's replay: dropped (%s unconfirmed so far)",
+            stream.engine_name, seq, what, stream.unconfirmed,
+        )  # fmt: skip
+        if "unconfirmed" in self.metrics:
+            self.metrics["unconfirmed"].labels(engine=stream.engine_name).inc()
+
+    def fill_gap(self, stream: Stream, *, upto: int) -> bool:
+        """Replay ``last_seq + 1 .. upto - 1`` from the engine; record what cannot be.
+
+        The batch ``upto`` that opened the gap must be in the engine's replay
+        too: a forged sequence jump is dropped, not recorded as a gap.
+
+        Returns:
+            False when the engine's replay answered without batch ``upto`` (the
+            frame that opened the gap is not the engine's: drop it); True otherwise.
+        """
+        start = 0 if stream.last_seq is None else stream.last_seq + 1
+        replayed = self._replay(stream, start, upto)
+        if replayed is not None:
+            if not any(seq_of(f[1]) == upto for f in replayed):
+                self._unconfirmed(stream, upto, f"a jump from {start - 1} to {upto}")
+                return False
+            earlier = [f for f in replayed if seq_of(f[1]) < upto]
+            # Applied only from the gap's start on: a buffer that no longer holds it leaves the gap open.
+            if earlier and seq_of(earlier[0][1]) == start:
+                for frames in earlier:
+                    self.handle(stream, frames, replaying=True)
         if stream.last_seq is None or stream.last_seq < upto - 1:
             missing_from = start if stream.last_seq is None else stream.last_seq + 1
-            self._record_gap(stream, missing_from, upto - 1)
+            self._record_gap(stream, missing_from, upto - 1, confirmed=replayed is not None)
             # Continue from here: later blocks whose chain began in the gap are unattributed.
             stream.last_seq = upto - 1
+        return True
 
-    def _record_gap(self, stream: Stream, first: int, last: int) -> None:
+    def _record_gap(self, stream: Stream, first: int, last: int, *, confirmed: bool) -> None:
+        """Mark the stream incomplete; alarm only when the engine's replay confirmed the gap."""
         stream.gaps += 1
         stream.complete = False
         stream.dirty = stream.urgent = True
-        why = "no replay endpoint" if not stream.replay_endpoint else "the engine's replay buffer no longer holds them"
-        alarm_raise(
-            engine=stream.engine_id, kind=EngineAlarm.Kind.KV_EVENTS_GAP, actor=ACTOR,
-            detail=f"batches {first}..{last} missed ({why}); resident counts are a lower bound until the cache is cleared",
-        )  # fmt: skip
         if "gaps" in self.metrics:
             self.metrics["gaps"].labels(engine=stream.engine_name).inc()
+        if not confirmed:
+            why = "no replay endpoint" if not stream.replay_endpoint else "the replay endpoint did not answer"
+            log.warning("engine %s: batches %s..%s missed (%s; unconfirmed, no alarm)", stream.engine_name, first, last, why)
+            return
+        alarm_raise(
+            engine=stream.engine_id, kind=EngineAlarm.Kind.KV_EVENTS_GAP, actor=ACTOR,
+            detail=f"batches {first}..{last} missed (the engine's replay buffer no longer holds them); "
+            "resident counts are a lower bound until the cache is cleared",
+        )  # fmt: skip
 
     # -- saving ------------------------------------------------------------
     def flush(self, *, force: bool = False) -> None:
@@ -374,6 +482,7 @@ class KvEventConsumer:
                 "last_seq": stream.last_seq,
                 "events": stream.base_events + stream.residency.events,
                 "gaps": stream.gaps,
+                "unconfirmed": stream.unconfirmed,
                 "garbage": stream.garbage,
                 "replays": stream.replays,
                 "restarts_seen": stream.restarts_seen,
@@ -470,6 +579,7 @@ def consumer_metrics() -> dict[str, Any]:
         _consumer_metrics.update(
             events=Counter(**spec("kvcp_kv_event_batches")),
             gaps=Counter(**spec("kvcp_kv_event_gaps")),
+            unconfirmed=Counter(**spec("kvcp_kv_event_unconfirmed")),
             alarms=Counter(**spec("kvcp_isolation_alarm_blocks")),
             resident=Gauge(**spec("kvcp_kv_event_resident_tokens")),
         )

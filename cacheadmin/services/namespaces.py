@@ -22,6 +22,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.naming import NOT_DIFFERENT, name_key, validate_display_name
 from cacheadmin.services.audit import audit_record, reason_check
+from cacheadmin.services.quotas import quota_check
 from inference.errors import InvalidField, Refused
 from inference.identity import cache_salt, namespace_id, storage_prefix
 
@@ -192,6 +193,7 @@ def namespace_get_or_create(
         )
     try:
         with transaction.atomic():
+            quota_check(tenant=tenant, kind="namespaces")
             namespace = CacheNamespace.objects.create(
                 namespace_key=ns_id,
                 model_version=model_version,
@@ -229,9 +231,10 @@ def _same_owner_or_refuse(existing: CacheNamespace, model_version: ModelVersion,
         for k, v in where.items()
     )
     if not same_boundary or existing.model_version.identity != model_version.identity:
+        # The holder is not named: it may be another tenant.
         raise NamespaceConflict(
-            f"namespace {existing.namespace_key[:12]}… belongs to {existing.boundary_label} and "
-            f"{existing.model_version.label}; it is never handed to another boundary or identity"
+            f"namespace {existing.namespace_key[:12]}… belongs to another boundary or identity; "
+            "it is never handed to another boundary or identity"
         )
     return existing
 

@@ -12,6 +12,7 @@ from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_pin, job_corpus
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
+from cacheadmin.services.quotas import quota_check
 from inference.errors import EngineError, InvalidField, Refused
 from inference.prewarm import FillOutcome, VerifyOutcome, prewarm_fill, prewarm_verify
 
@@ -42,6 +43,7 @@ def prewarm_job_create(*, namespace: CacheNamespace, engine: Engine, corpus: str
     except ValueError as exc:
         raise InvalidField("corpus", str(exc)) from exc
     with transaction.atomic():
+        quota_check(tenant=namespace.tenant, kind="jobs")
         job = PrewarmJob.objects.create(
             namespace=namespace,
             engine=engine,

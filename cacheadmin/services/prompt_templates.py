@@ -31,6 +31,7 @@ from django.utils import timezone
 from cacheadmin.models import CacheNamespace, ModelVersion, PromptTemplate, TemplateStat, Tenant
 from cacheadmin.models.gateway import routing_changed
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.quotas import quota_check
 from gateway.templates import CHUNK_CHARS, TemplateIndex, fingerprint
 from inference.corpus import Conversation
 from inference.errors import CheckpointError, InvalidField
@@ -164,23 +165,26 @@ def _check_samples(samples: Any, variables: list[str]) -> list[dict[str, str]]:
 
 
 def _scope(template: PromptTemplate, tenant: Tenant | None) -> str:
-    """Where ``template`` applies, as told to someone creating one for ``tenant``
-    (another tenant is not named: a tenant-bound caller may not see it)."""
+    """Where ``template`` applies, as told to someone creating one for ``tenant``;
+    only called for templates that caller may see (its tenant's or a global one)."""
     if template.tenant_id is None:
         return "for all tenants"
-    if tenant is not None and template.tenant_id == tenant.pk:
-        return f"for {tenant.slug}"
-    return "for another tenant"
+    return f"for {tenant.slug}" if tenant is not None else "for one tenant"
 
 
 def _clash(*, name: str, tenant: Tenant | None, digest: str, first_variable: str) -> InvalidField | None:
     """What a new template would clash with (name taken anywhere; the same fixed
-    text as a template of the same precedence), or None."""
+    text as a template of the same precedence), or None.
+
+    A name taken by another tenant's template is only "taken": nothing says by
+    whom, so a tenant-bound caller learns nothing about other tenants."""
     taken = PromptTemplate.objects.filter(name=name).only("tenant_id").first()
     if taken is not None:
+        visible = taken.tenant_id is None or (tenant is not None and taken.tenant_id == tenant.pk)
+        where = f" {_scope(taken, tenant)}" if visible else ""
         return InvalidField(
             "name",
-            f"a template named {name!r} already exists {_scope(taken, tenant)}: names are unique across every tenant "
+            f"a template named {name!r} already exists{where}: names are unique across every tenant "
             "(the name is the template label of the gateway's metrics, which carry no tenant)",
         )
     same_text = PromptTemplate.objects.filter(tenant=tenant, fixed_digest=digest).only("name", "tenant_id").first()
@@ -249,6 +253,7 @@ def prompt_template_create(*, name: str, tenant: Tenant | None, text: str, sampl
         raise clash
     try:
         with transaction.atomic():
+            quota_check(tenant=tenant, kind="prompt_templates")
             template = PromptTemplate.objects.create(
                 name=name, tenant=tenant, text=text, samples=clean, fixed_chars=len(fixed), fixed_digest=digest,
                 created_by=actor,
@@ -330,19 +335,25 @@ def template_stats_flush(rows: Iterable[tuple[str, int, datetime, int, int]]) ->
     return written
 
 
-def template_hit_ratios(templates: Iterable[PromptTemplate], *, since: datetime | None = None) -> dict[int, dict[str, Any]]:
+def template_hit_ratios(
+    templates: Iterable[PromptTemplate], *, since: datetime | None = None, tenant_id: int | None = None
+) -> dict[int, dict[str, Any]]:
     """Template pk → ``{"requests", "warm", "hit_ratio"}`` over the minutes from
     ``since`` (default: the last :data:`HIT_RATIO_WINDOW`); ``hit_ratio`` is
-    warm / requests (0..1), None without requests. One query."""
+    warm / requests (0..1), None without requests. One query.
+
+    Args:
+        tenant_id: count only the requests of this tenant's own namespaces
+            (for a tenant-bound reader: a global template's figures otherwise
+            add up every tenant's traffic); None counts every namespace.
+    """
     since = since or timezone.now() - HIT_RATIO_WINDOW
     pks = [t.pk for t in templates]
     out: dict[int, dict[str, Any]] = {pk: {"requests": 0, "warm": 0, "hit_ratio": None} for pk in pks}
-    sums = (
-        TemplateStat.objects.filter(template_id__in=pks, minute__gte=since)
-        .values("template_id")
-        .annotate(r=Sum("requests"), w=Sum("warm"))
-        .order_by()
-    )
+    stats = TemplateStat.objects.filter(template_id__in=pks, minute__gte=since)
+    if tenant_id is not None:
+        stats = stats.filter(namespace__tenant_id=tenant_id)
+    sums = stats.values("template_id").annotate(r=Sum("requests"), w=Sum("warm")).order_by()
     for row in sums:
         out[row["template_id"]] = {"requests": row["r"], "warm": row["w"], "hit_ratio": row["w"] / row["r"] if row["r"] else None}
     return out

@@ -49,12 +49,18 @@ def shadow_check_enqueue(
 
 
 def _reference_for(engine: Engine) -> Engine | None:
+    """A reference engine of the serving engine's version that may witness: in
+    service (ready, verified against its identity). Only principals not bound
+    to a tenant start or adopt reference engines; an unverified one never sees
+    a tenant's live prompt, and never judges (or suspends) its traffic."""
     return (
-        Engine.objects.filter(role=Engine.Role.REFERENCE, model_version_id=engine.model_version_id, status=Engine.Status.READY)
-        .exclude(verification__in=[Engine.Verification.REFUSED, Engine.Verification.DRIFTED])
+        Engine.objects.filter(
+            role=Engine.Role.REFERENCE, model_version_id=engine.model_version_id, status=Engine.Status.READY,
+            verification=Engine.Verification.VERIFIED, prefix_caching=False, kv_connector="",
+        )
         .order_by("id")
         .first()
-    )
+    )  # fmt: skip
 
 
 def _fail(check: ShadowCheck, error: str) -> None:
@@ -85,7 +91,7 @@ def shadow_check_run(check_id: int) -> str | None:
         return ShadowCheck.Status.FAILED
     reference = _reference_for(engine)
     if reference is None:
-        _fail(check, f"no reference engine (role reference, ready) of {engine.model_version.label}")
+        _fail(check, f"no reference engine in service (ready and verified) of {engine.model_version.label}")
         return ShadowCheck.Status.FAILED
     messages, tools = check.request.get("messages"), check.request.get("tools")
     salt = namespace_salt_read(check.namespace, actor=ACTOR, purpose=f"shadow check #{check.pk}")
@@ -114,18 +120,25 @@ def shadow_check_run(check_id: int) -> str | None:
             noise_divergence=control_divergence, detail=detail, checked_at=timezone.now(),
         )  # fmt: skip
         if deceptive:
-            _deceptive(check, engine, outcome.first_divergence)
+            _deceptive(check, engine, reference, outcome.first_divergence)
     return status
 
 
-def _deceptive(check: ShadowCheck, engine: Engine, divergence: int | None) -> None:
+def _deceptive(check: ShadowCheck, engine: Engine, reference: Engine, divergence: int | None) -> None:
     namespace: CacheNamespace = check.namespace
+    # Re-read at judgement time: a witness taken out of service meanwhile suspends nothing.
+    witness = Engine.objects.filter(pk=reference.pk).values_list("status", "verification", "verified_at").first()
+    verified = witness is not None and witness[:2] == (Engine.Status.READY, Engine.Verification.VERIFIED)
     what = (
-        f"shadow check #{check.pk}: live request with {check.cached_tokens} cached tokens diverged from the reference at "
-        f"token {divergence} in namespace {namespace.namespace_key[:12]}…"
+        f"shadow check #{check.pk}: live request with {check.cached_tokens} cached tokens diverged at token {divergence} "
+        f"from reference engine {reference.name} (#{reference.pk}"
+        + (f", verified {witness[2]:%Y-%m-%d %H:%M:%S} UTC" if verified and witness[2] else "")
+        + f") in namespace {namespace.namespace_key[:12]}…"
     )
     alarm_raise(engine=engine, kind="deceptive_hit", key=namespace.namespace_key[:64], detail=what, actor=ACTOR)
     audit_record(actor=ACTOR, action="shadow.deceptive_hit", obj=namespace, after={"check": check.pk, "engine": engine.name})
+    if not verified:
+        return
     if namespace.tenant is None or tenant_gateway_policy(namespace.tenant).suspend_on_deceptive_hit:
         namespace_routing_suspend(namespace=namespace, reason=what, actor=ACTOR)
 

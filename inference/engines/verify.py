@@ -22,7 +22,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+from inference.engines.vllm_http import error_status
 from inference.errors import EngineError
 
 if TYPE_CHECKING:
@@ -137,11 +139,12 @@ def _json(http: Any, url: str, *, method: str = "GET", body: Any = None) -> Any:
     except httpx.HTTPError as exc:
         raise EngineError(f"engine unreachable at {url}: {exc!r}") from exc
     if response.status_code >= 400:
-        raise EngineError(f"engine at {url} answered {response.status_code}: {response.text[:200]}")
+        raise EngineError(f"engine at {url} {error_status(response, urlsplit(url).path)}")
     try:
         return response.json()
-    except ValueError as exc:
-        raise EngineError(f"engine at {url} answered something that is not JSON: {response.text[:200]!r}") from exc
+    except ValueError:
+        # What it sent is not repeated: it may be any service's page (the URL is the caller's).
+        raise EngineError(f"engine at {url} answered something that is not JSON") from None
 
 
 def cache_config_labels(metrics_text: str) -> dict[str, str] | None:
@@ -157,9 +160,26 @@ def cache_config_labels(metrics_text: str) -> dict[str, str] | None:
             if family.name in ("vllm:cache_config_info", "vllm:cache_config"):
                 for sample in family.samples:
                     return {k: v for k, v in sample.labels.items() if k != "engine"}
-    except ValueError as exc:
-        raise EngineError(f"/metrics is not in the Prometheus text format: {exc}") from exc
+    except ValueError:
+        # The parser's message quotes the offending line: not repeated.
+        raise EngineError("/metrics is not in the Prometheus text format") from None
     return None
+
+
+def is_vllm_model_list(listing: Any) -> bool:
+    """Whether ``GET /v1/models`` answered as vLLM's OpenAI server does:
+    ``{"object": "list", "data": [{"object": "model", "owned_by": "vllm", "id": <name>}, ...]}``
+    with at least one model (vLLM 0.32 ``ModelCard``: ``owned_by`` defaults to ``"vllm"``;
+    ``vllm/entrypoints/serve/engine/protocol.py``)."""
+    if not isinstance(listing, dict) or listing.get("object") != "list":
+        return False
+    data = listing.get("data")
+    if not isinstance(data, list) or not data:
+        return False
+    return all(
+        isinstance(m, dict) and m.get("object") == "model" and m.get("owned_by") == "vllm" and isinstance(m.get("id"), str)
+        for m in data
+    )
 
 
 def observe(
@@ -169,6 +189,7 @@ def observe(
     served_name: str,
     probes: Sequence[Conversation],
     timeout_s: float = 30.0,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Read what the engine reports about itself.
 
@@ -178,18 +199,24 @@ def observe(
         "server_info": {dtype, kv_cache_dtype, ...} | None, "tokens": {conv
         id: [ids]}, "output": str | None}``.
 
+    Args:
+        headers: sent with every request (``Host`` for a pinned address).
+
     Raises:
         EngineError: the engine is unreachable, or ``/v1/models`` is not
-            vLLM's (the one source every check needs).
+            vLLM's (the one source every check needs); its message never
+            repeats what the server sent.
     """
     import httpx  # lazy: start-up cost of every CLI/worker process
 
     base = base_url.rstrip("/")
-    with httpx.Client(timeout=timeout_s) as http:
+    with httpx.Client(timeout=timeout_s, headers=headers or {}) as http:
         listing = _json(http, f"{base}/v1/models")
         data = listing.get("data") if isinstance(listing, dict) else None
-        if not isinstance(data, list):
-            raise EngineError(f"{base}/v1/models is not an OpenAI model list: {str(listing)[:200]!r}")
+        if not is_vllm_model_list(listing):
+            # Said in our words: the URL may be any service's, and its answer is not repeated.
+            raise EngineError(f"{base}/v1/models is not a vLLM server's model list (object list of models owned by vllm)")
+        assert isinstance(data, list)
         names = [m.get("id") for m in data if isinstance(m, dict)]
         mine = next((m for m in data if isinstance(m, dict) and m.get("id") == served_name), None)
         facts: dict[str, Any] = {
@@ -204,6 +231,9 @@ def observe(
         facts["version"] = version.json().get("version") if version.status_code == 200 else None
         info = _get(http, f"{base}/server_info")
         facts["server_info"] = _server_info(info.text) if info.status_code == 200 else None
+        facts["kv_connector"] = (
+            _kv_connector(_get(http, f"{base}/server_info?config_format=json")) if info.status_code == 200 else None
+        )
         tokens: dict[str, Any] = {}
         for conv in probes:
             body: dict[str, Any] = {"model": served_name, "messages": conv.messages}
@@ -225,6 +255,32 @@ def observe(
         except (EngineError, KeyError, IndexError, TypeError):
             facts["output"] = None
     return facts
+
+
+#: A KV connector's class name as vLLM's registry names them (``ExampleConnector``, ``LMCacheConnectorV1``…).
+_CONNECTOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _kv_connector(response: Any) -> str | None:
+    """The engine's KV connector from ``/server_info?config_format=json``:
+    ``vllm_config.kv_transfer_config.kv_connector`` (vLLM 0.32
+    ``vllm/entrypoints/serve/dev/server_info/api_router.py``); ``""`` for none;
+    None when it cannot be read (the answer is not that shape)."""
+    if response.status_code != 200:
+        return None
+    try:
+        config = response.json()["vllm_config"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(config, dict) or "kv_transfer_config" not in config:
+        return None
+    transfer = config["kv_transfer_config"]
+    if transfer is None:
+        return ""
+    name = transfer.get("kv_connector") if isinstance(transfer, dict) else None
+    if name is None:
+        return ""
+    return name if isinstance(name, str) and _CONNECTOR_NAME.fullmatch(name) else None
 
 
 def _server_info(text: str) -> dict[str, Any] | None:

@@ -16,11 +16,41 @@ vLLM facts used here (vLLM 0.32, measured on these machines):
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from inference.errors import EngineError
+
+log = logging.getLogger(__name__)
+#: An OpenAI/vLLM error ``type`` (``BadRequestError``, ``invalid_request_error``): the one part of an
+#: error body worth repeating; anything else a server sends is logged here, never repeated to a caller.
+_ERROR_TYPE = re.compile(r"[A-Za-z_]{1,40}")
+
+
+def error_status(response: httpx.Response, where: str) -> str:
+    """``"answered 400 (BadRequestError) on /v1/chat/completions"``: an error
+    answer described in the control plane's own words.
+
+    The body is not repeated: whatever the server sent (an engine's message, or
+    an internal service's page when the URL was not an engine's) would reach
+    the control plane's caller through job errors and API answers. Only the
+    error ``type`` of an OpenAI-shaped error body is kept when it is a plain
+    identifier; the body goes to this module's log (truncated) for operators.
+    """
+    kind = ""
+    try:
+        error = response.json().get("error")
+        candidate = error.get("type") if isinstance(error, dict) else None
+        if isinstance(candidate, str) and _ERROR_TYPE.fullmatch(candidate):
+            kind = f" ({candidate})"
+    except (ValueError, AttributeError):
+        pass
+    log.warning("engine answered %s on %s: %.300r", response.status_code, where, response.text)
+    return f"answered {response.status_code}{kind} on {where}"
+
 
 # httpx, httpx_sse and prometheus_client are imported in the methods that use
 # them: this module is reached at app load (services.engines -> launcher), and
@@ -66,7 +96,7 @@ class ChatResult:
 
 def _token_id(token: str) -> int:
     if not token.startswith("token_id:"):
-        raise EngineError(f"engine returned token {token!r}; it ignored return_tokens_as_token_ids")
+        raise EngineError("engine returned a token that is not a token id; it ignored return_tokens_as_token_ids")
     return int(token.split(":", 1)[1])
 
 
@@ -77,12 +107,21 @@ class VllmHttpClient:
     engine cannot be reached or answers with an error status.
     """
 
-    def __init__(self, base_url: str, model: str, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, base_url: str, model: str, *, timeout_s: float = 120.0, headers: dict[str, str] | None = None) -> None:
+        """A client of one server.
+
+        Args:
+            base_url: the server's origin (``http://host:port``).
+            model: the served model name requests name.
+            timeout_s: per-request timeout.
+            headers: sent with every request (``Host`` when ``base_url`` was
+                pinned to an address, see :func:`inference.netpolicy.pinned_url`).
+        """
         self.base_url = base_url.rstrip("/")
         self.model = model
         import httpx  # lazy: start-up cost of every CLI/worker process (see above)
 
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers or {})
 
     def close(self) -> None:
         """Release the connection pool."""
@@ -102,8 +141,31 @@ class VllmHttpClient:
         except httpx.HTTPError as exc:
             raise EngineError(f"engine at {self.base_url} unreachable on {path}: {exc!r}") from exc
         if response.status_code >= 400:
-            raise EngineError(f"engine at {self.base_url} answered {response.status_code} on {path}: {response.text[:300]}")
+            raise EngineError(f"engine at {self.base_url} {error_status(response, path)}")
         return response
+
+    def prompt_cached_tokens(self, prompt: str, *, cache_salt: str | None) -> int | None:
+        """Send ``prompt`` as a one-token greedy completion; the prompt tokens it reported cached.
+
+        Returns:
+            ``usage.prompt_tokens_details.cached_tokens`` (engine memory and
+            connector tiers), or None when the engine does not report it
+            (started without ``--enable-prompt-tokens-details``).
+
+        Raises:
+            EngineError: unreachable, or an error status.
+        """
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        try:
+            usage = self._request("POST", "/v1/completions", json=body).json().get("usage") or {}
+            details = usage.get("prompt_tokens_details")
+        except (ValueError, AttributeError):
+            raise EngineError(f"engine at {self.base_url} answered a completion that is not OpenAI's shape") from None
+        if not isinstance(details, dict) or not isinstance(details.get("cached_tokens"), int):
+            return None
+        return int(details["cached_tokens"])
 
     def healthy(self) -> bool:
         """True when ``GET /health`` answers 200; never raises."""
@@ -206,7 +268,7 @@ class VllmHttpClient:
             with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise EngineError(f"engine at {self.base_url} answered {response.status_code} on chat: {response.text[:300]}")
+                    raise EngineError(f"engine at {self.base_url} {error_status(response, 'chat')}")
                 for event in EventSource(response).iter_sse():
                     if event.data == "[DONE]":  # OpenAI's end-of-stream sentinel
                         break
@@ -222,8 +284,9 @@ class VllmHttpClient:
                             result.logprobs.append(float(entry["logprob"]))
         except httpx.HTTPError as exc:
             raise EngineError(f"engine at {self.base_url} failed during chat: {exc!r}") from exc
-        except (json.JSONDecodeError, KeyError, ValueError) as exc:
-            raise EngineError(f"engine at {self.base_url} sent a malformed stream: {exc!r}") from exc
+        except (json.JSONDecodeError, KeyError, ValueError, TypeError, AttributeError) as exc:
+            # The exception's text may quote what the server sent: named by its class only.
+            raise EngineError(f"engine at {self.base_url} sent a malformed stream ({type(exc).__name__})") from exc
         end = time.perf_counter()
         if usage is None:
             raise EngineError(f"engine at {self.base_url} ended the stream without usage")

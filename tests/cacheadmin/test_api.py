@@ -450,6 +450,15 @@ def test_tenant_bound_tokens_cannot_name_other_tenants_engines(world) -> None:
     foreign = world["clients"]["bob"].post("/api/comparison-jobs/", body, format="json")
     assert foreign.status_code == 400
     assert foreign.json()["error"]["fields"] == {"engine": [f'Invalid pk "{globex_engine.pk}" - object does not exist.']}
+    unverified = world["clients"]["bob"].post("/api/comparison-jobs/", {**body, "engine": world["engine"].pk}, format="json")
+    # A tenant's prompts go to no reference engine that was not verified against its identity.
+    assert (unverified.status_code, unverified.json()["error"]["message"]) == (
+        409,
+        f"reference engine ref is unverified: a tenant's prompts go only to a reference engine verified against its "
+        f"identity (`engine verify {reference.pk}`)",
+    )
+    assert ComparisonJob.objects.count() == 0
+    Engine.objects.filter(pk=reference.pk).update(verification="verified")
     own = world["clients"]["bob"].post("/api/comparison-jobs/", {**body, "engine": world["engine"].pk}, format="json")
     assert own.status_code == 201, own.json()  # reference engines hold nobody's state: any tenant may use them
     assert ComparisonJob.objects.get(pk=own.json()["id"]).reference_engine == reference
@@ -471,6 +480,7 @@ def test_a_heat_corpus_resolves_only_within_the_callers_boundary(world) -> None:
         status="ready",
         role="reference",
         prefix_caching=False,
+        verification="verified",
     )
     jobs_before = (PrewarmJob.objects.count(), ComparisonJob.objects.count())
     for corpus in (f"heat:{globex_ns.pk}", "heat:999999", f"heat:{chr(0x0660 + globex_ns.pk % 10)}"):

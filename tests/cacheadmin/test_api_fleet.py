@@ -3,7 +3,10 @@ process exists, refusals with their fields, scopes, alarms."""
 
 from __future__ import annotations
 
+import stat
+
 import pytest
+from django.conf import settings
 
 from cacheadmin.models import AuditEvent, Engine, EngineAlarm
 from cacheadmin.services.model_versions import model_version_register
@@ -60,7 +63,12 @@ def test_a_start_is_recorded_before_any_process_and_bad_input_changes_nothing(wo
     assert shown == ("starting", "unverified", False, "local")
     assert (engine.restart_policy, engine.restart_max_attempts, engine.generation, engine.pid) == ("on_failure", 5, 1, None)
     assert engine.kv_connector == "ExampleConnector" and engine.kv_storage_path.endswith(namespace.storage_prefix)
-    assert engine.kv_events_bind and engine.kv_events_topic == f"kvcp.engine-{engine.pk}.1"
+    # Its KV-event sockets are IPC paths it binds in the private socket directory (mode 0700).
+    sockets = settings.KV_EVENTS_SOCKET_DIR
+    assert (engine.kv_events_endpoint, engine.kv_events_replay_endpoint, engine.kv_events_key) == (
+        f"ipc://{sockets}/e{engine.pk}.pub", f"ipc://{sockets}/e{engine.pk}.replay", "",
+    )  # fmt: skip
+    assert engine.kv_events_topic == f"kvcp.engine-{engine.pk}.1" and stat.S_IMODE(sockets.stat().st_mode) == 0o700
     assert AuditEvent.objects.get(action="engine.start", object_id=str(engine.pk)).actor.startswith("bob")
     # Two engines of one namespace may share its disk tier.
     second = {"model_version": version.pk, "namespace": namespace.pk, "name": "acme-1"}

@@ -34,7 +34,14 @@ def test_a_group_namespace_is_shared_by_its_members_only(world) -> None:
     owner = RetentionOwner.objects.get()
     bob, charlie = world["clients"]["bob"], world["clients"]["charlie"]
     body = {"model_version": world["v1"].pk, "group": "partners", "retention_owner": owner.pk, "policy": POLICY}
-    created = bob.post("/api/namespaces/", body, format="json")
+    # A group's namespace is every member's: one member's tenant-bound token does not create it.
+    denied = bob.post("/api/namespaces/", body, format="json")
+    assert (denied.status_code, denied.json()["error"]["message"]) == (
+        403,
+        "a namespace of shared group partners is every member's: a token bound to a tenant cannot change it",
+    )
+    assert CacheNamespace.objects.filter(group__slug="partners").count() == 0
+    created = world["clients"]["alice"].post("/api/namespaces/", body, format="json")
     assert created.status_code == 201, created.json()
     ns = created.json()
     assert (ns["group"], ns["tenant"], ns["group_generation"], ns["superseded"]) == ("partners", None, 1, False)

@@ -38,7 +38,8 @@ def fleet(world: dict[str, Any]) -> dict[str, Any]:
     """world's ready engine e-acme, a reference engine and a stopped local engine."""
     v1 = world["v1"]
     reference = Engine.objects.create(
-        name="ref", role="reference", model_version=v1, base_url="http://127.0.0.1:2", status="ready", prefix_caching=False
+        name="ref", role="reference", model_version=v1, base_url="http://127.0.0.1:2", status="ready", prefix_caching=False,
+        verification="verified",
     )
     stopped = Engine.objects.create(
         name="e-stopped", model_version=v1, namespace=world["ns"]["acme"], base_url="http://127.0.0.1:3", status="stopped"
@@ -284,7 +285,7 @@ def test_jobs_are_refused_on_an_engine_silent_at_its_last_verification(fleet: di
     api = bob.post("/api/comparison-jobs/", {"namespace": acme.pk, "engine": engine.pk, "reference_engine": reference.pk},
                    format="json")  # fmt: skip
     assert api.status_code == 409 and api.json()["error"]["message"] == ref_why
-    Engine.objects.filter(pk=reference.pk).update(verification="unverified")
+    Engine.objects.filter(pk=reference.pk).update(verification="verified")
     Engine.objects.filter(pk=engine.pk).update(verification="unreachable")
     assert _engine_state() == before
 

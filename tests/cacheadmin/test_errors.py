@@ -13,12 +13,14 @@ import cacheadmin.services.gateway  # noqa: F401
 import cacheadmin.services.model_versions  # noqa: F401
 import cacheadmin.services.namespaces  # noqa: F401
 import cacheadmin.services.prewarm  # noqa: F401
+import cacheadmin.services.quotas  # noqa: F401
 import cacheadmin.services.releases  # noqa: F401
 import gateway.response_store  # noqa: F401
 import gateway.semantic.store  # noqa: F401
 from cacheadmin.api.exceptions import api_exception_handler
 from cacheadmin.management.base import ControlPlaneCommand
 from inference.errors import ControlPlaneError, Refused
+from inference.netpolicy import AddressRefused  # noqa: F401
 
 #: Every error class the surfaces report, with the status, code and exit code the README documents.
 EXPECTED = {
@@ -39,6 +41,10 @@ EXPECTED = {
     "ReleaseConflict": (409, "release_conflict", 4),
     "LifecycleError": (409, "lifecycle_conflict", 4),
     "GatewayRefused": (409, "gateway_refused", 4),
+    # An address the deployment's policy (ENGINE_ALLOWED_NETWORKS) does not let the control plane contact.
+    "AddressRefused": (400, "address_refused", 2),
+    # A tenant holds as many rows of a kind as its quota allows.
+    "QuotaExceeded": (429, "quota_exceeded", 4),
     # The response and semantic caches' stores (one name, two classes: both answered alike).
     "StoreUnavailable": (503, "store_unavailable", 3),
 }
@@ -52,8 +58,10 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def _instance(cls: type[ControlPlaneError]) -> ControlPlaneError:
-    if cls.__name__ == "InvalidField":
+    if cls.__name__ in ("InvalidField", "AddressRefused"):
         return cls("field", "is wrong")
+    if cls.__name__ == "QuotaExceeded":
+        return cls("engines", 8, "live engines serving the tenant's namespaces")
     if cls.__name__ == "VerificationRefused":
         return cls("the reason", [])
     return cls("the reason")
@@ -81,7 +89,7 @@ def test_api_and_cli_read_the_class(name: str) -> None:
     status, code, exit_code = EXPECTED[name]
     assert response is not None and response.status_code == status
     expected_error = {"status": status, "code": code, "message": str(error)}
-    if name == "InvalidField":
+    if name in ("InvalidField", "AddressRefused"):
         expected_error["fields"] = {"field": ["is wrong"]}
     elif name in ("CheckpointOutsideRoots", "AdapterOutsideRoots"):
         # The operator's message names the server's paths; a remote caller is told less.

@@ -217,12 +217,27 @@ def test_figures_are_summed_across_processes_and_derived(served) -> None:
 
 def test_a_deceptive_hit_on_live_traffic_raises_an_alarm_and_suspends_routing(served) -> None:
     ns, engine = served["ns"]["acme"], served["engine"]
+    witness = Engine.objects.create(
+        name="ref-v1", role="reference", model_version=engine.model_version, base_url="http://127.0.0.1:4", status="ready",
+        prefix_caching=False,
+    )  # fmt: skip
     check = ShadowCheck.objects.create(namespace=ns, engine=engine, request=BODY, cached_tokens=32)
-    _deceptive(check, engine, 3)
+    # A witness not verified against its identity (now) suspends nothing: the alarm alone is raised.
+    _deceptive(check, engine, witness, 3)
+    assert EngineAlarm.objects.filter(kind="deceptive_hit").count() == 1
+    assert not NamespaceRouting.objects.filter(namespace=ns, suspended_at__isnull=False).exists()
+    verified_at = timezone.now()
+    Engine.objects.filter(pk=witness.pk).update(verification="verified", verified_at=verified_at)
+    _deceptive(check, engine, witness, 3)
     alarm = EngineAlarm.objects.get(kind="deceptive_hit")
-    assert alarm.engine_id == engine.pk and "diverged from the reference at token 3" in alarm.detail
+    assert alarm.engine_id == engine.pk and alarm.count == 2
     hold = NamespaceRouting.objects.get(namespace=ns)
     assert hold.suspended_at is not None
+    # The suspension names the verified witness that judged it.
+    assert hold.suspended_reason == (
+        f"shadow check #{check.pk}: live request with 32 cached tokens diverged at token 3 from reference engine ref-v1 "
+        f"(#{witness.pk}, verified {verified_at:%Y-%m-%d %H:%M:%S} UTC) in namespace {ns.namespace_key[:12]}…"
+    )
     assert routing_snapshot_build().namespaces[ns.pk].suspended == hold.suspended_reason
     refused = served["clients"]["alice"].post(f"/api/namespaces/{ns.pk}/resume-routing/", {}, format="json")
     assert refused.status_code == 400 and NamespaceRouting.objects.get(namespace=ns).suspended_at is not None

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
+from django.utils.html import escape
 
 from cacheadmin.models import AuditEvent, ModelVersion, PromptTemplate, TemplateStat
 from cacheadmin.services.prompt_templates import (
@@ -162,15 +163,20 @@ def test_names_are_unique_across_global_and_tenant_templates_on_every_surface(wo
             "(the name is the template label of the gateway's metrics, which carry no tenant)"
         ]
     }
-    # A global template named as a tenant's: refused too; another tenant is not named to the caller.
+    # A global template named as a tenant's: refused too; the name is "taken", by whom is not said.
+    taken = (
+        "a template named 'ac.own' already exists: names are unique across every tenant "
+        "(the name is the template label of the gateway's metrics, which carry no tenant)"
+    )
     clash = alice.post("/api/prompt-templates/", {**body, "name": "ac.own"}, format="json")
     assert clash.status_code == 400
-    assert clash.json()["error"]["fields"]["name"][0].startswith("a template named 'ac.own' already exists for another tenant:")
+    assert clash.json()["error"]["fields"]["name"] == [taken]
     own = bob.post("/api/prompt-templates/", {**body, "name": "ac.own", "tenant": "acme"}, format="json")
     assert own.json()["error"]["fields"]["name"][0].startswith("a template named 'ac.own' already exists for acme:")
     page = admin_client.post("/prompt-templates/", {**body, "samples": json.dumps(SAMPLES), "name": "ac.own", "tenant": "globex"})
     assert page.status_code == 400
-    assert "name: a template named &#x27;ac.own&#x27; already exists for another tenant" in page.content.decode()
+    assert f"name: {escape(taken)}" in page.content.decode()
+    assert "another tenant" not in page.content.decode()
     with pytest.raises(InvalidField, match="'support.v1' already exists for all tenants"):
         prompt_template_create(name="support.v1", tenant=world["globex"], text="G. " + TEXT, samples=SAMPLES, actor="t")
     assert _templates() == before
@@ -400,9 +406,17 @@ def test_api_lists_creates_and_deletes_with_the_error_envelope(world: dict[str, 
     assert bad.status_code == 400 and bad.json()["error"]["fields"] == {"samples.0": ["no value for question"]}
     unknown = alice.post("/api/prompt-templates/", {"name": "b", "text": TEXT, "samples": SAMPLES, "x": 1}, format="json")
     assert unknown.status_code == 400
-    # charlie (read, globex) sees the global template and not acme's; cannot write.
+    # charlie (read, globex) sees the global template and not acme's; cannot write. Its figures are
+    # globex's own traffic alone (none): acme's 10 requests are not another tenant's business.
     listed = charlie.get("/api/prompt-templates/").json()
-    assert [(r["name"], r["requests"], r["warm"], r["hit_ratio"]) for r in listed["results"]] == [("support", 10, 6, 0.6)]
+    assert [(r["name"], r["requests"], r["warm"], r["hit_ratio"]) for r in listed["results"]] == [("support", 0, 0, None)]
+    one = charlie.get(f"/api/prompt-templates/{template.pk}/").json()
+    assert (one["requests"], one["warm"], one["hit_ratio"]) == (0, 0, None)
+    # acme's token sees acme's traffic; an unbound token sees every tenant's.
+    mine = {r["name"]: (r["requests"], r["warm"], r["hit_ratio"]) for r in bob.get("/api/prompt-templates/").json()["results"]}
+    assert mine["support"] == (10, 6, 0.6)
+    every = {r["name"]: r["requests"] for r in alice.get("/api/prompt-templates/").json()["results"]}
+    assert every["support"] == 10
     assert (
         charlie.post("/api/prompt-templates/", {"name": "c", "text": TEXT, "samples": SAMPLES}, format="json").status_code == 403
     )

@@ -84,6 +84,7 @@ from cacheadmin.api.serializers.releases import (
 )
 from cacheadmin.api.serializers.scope import (
     engine_of_tenant,
+    engine_of_tenant_alone,
     namespace_of_tenant,
     reference_or_engine_of_tenant,
 )
@@ -165,6 +166,7 @@ __all__ = [
     "TierUsageSampleSerializer",
     "TrafficSerializer",
     "engine_of_tenant",
+    "engine_of_tenant_alone",
     "namespace_of_tenant",
     "reference_or_engine_of_tenant",
 ]

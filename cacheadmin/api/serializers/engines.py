@@ -30,7 +30,8 @@ class EngineSerializer(serializers.ModelSerializer):
         fields = (
             "id", "name", "origin", "role", "model_version", "model_version_label", "namespace", "attached_namespaces",
             "base_url", "status", "in_service", "verification", "verified_at", "prefix_caching", "kv_connector",
-            "salt_blind_tier", "kv_events_endpoint", "generation", "detached", "restart_policy", "restart_max_attempts",
+            "salt_blind_tier", "kv_events_endpoint", "kv_events_key", "generation", "detached", "restart_policy",
+            "restart_max_attempts",
             "restart_attempts", "next_restart_at", "health_checked_at", "identity_override", "error", "start_seconds",
             "created_at", "stopped_at",
         )  # fmt: skip
@@ -58,6 +59,14 @@ class EngineAdoptSerializer(StrictFieldsMixin, serializers.Serializer):
     kv_events = serializers.CharField(max_length=200, required=False, default="")
     kv_events_replay = serializers.CharField(max_length=200, required=False, default="")
     kv_events_topic = serializers.CharField(max_length=100, required=False, default="", allow_blank=True)
+    kv_events_key = serializers.CharField(
+        max_length=100, required=False, default="", allow_blank=True,
+        help_text="the CURVE public key (Z85, 40 characters) of the relay publishing its KV events",
+    )  # fmt: skip
+    kv_connector = serializers.CharField(
+        max_length=100, required=False, default="", allow_blank=True,
+        help_text="its KV connector when /server_info is off: none, or the connector's class",
+    )  # fmt: skip
 
 
 class EngineVerificationSerializer(serializers.ModelSerializer):

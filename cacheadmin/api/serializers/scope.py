@@ -35,3 +35,11 @@ def reference_or_engine_of_tenant(tenant_id: int) -> Q:
     """The tenant's engines, and every reference engine."""
     # Reference engines hold no cached state of anyone: any tenant may compare against them.
     return Q(role=Engine.Role.REFERENCE) | engine_of_tenant(tenant_id)
+
+
+def engine_of_tenant_alone(tenant_id: int) -> Q:
+    """Engines that serve the tenant's own namespaces and nobody else's (no
+    shared group's, no reference engine): their figures are that tenant's traffic alone."""
+    attached = Engine.attached_namespaces.through.objects.filter(engine_id=OuterRef("pk"))
+    foreign_attached = attached.exclude(cachenamespace__tenant_id=tenant_id)
+    return Q(namespace__tenant_id=tenant_id) & ~Exists(foreign_attached)

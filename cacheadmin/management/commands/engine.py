@@ -60,6 +60,8 @@ class Command(ControlPlaneCommand):
         adopt.add_argument("--kv-events", default="", help="tcp://HOST:PORT its KV-event publisher binds")
         adopt.add_argument("--kv-events-replay", default="", help="tcp://HOST:PORT of its replay endpoint")
         adopt.add_argument("--kv-events-topic", default="")
+        adopt.add_argument("--kv-events-key", default="", help="the CURVE public key of the relay beside the engine")
+        adopt.add_argument("--kv-connector", default="", help="its KV connector when /server_info is off: none, or a class")
         adopt.add_argument("--json", action="store_true")
         spec = sub.add_parser("spec", help="print the vLLM arguments and connector files to serve a namespace on a GPU host")
         spec.add_argument("--model-version", type=positive_int, required=True)
@@ -99,6 +101,7 @@ class Command(ControlPlaneCommand):
                     url=opts["url"], model_version=version, namespace=namespace, actor=ACTOR, name=opts["name"],
                     metrics_url=opts["metrics_url"], kv_events=opts["kv_events"],
                     kv_events_replay=opts["kv_events_replay"], kv_events_topic=opts["kv_events_topic"],
+                    kv_events_key=opts["kv_events_key"], kv_connector=opts["kv_connector"],
                 )  # fmt: skip
             else:
                 name = opts["name"] or f"{version.label}-{Engine.objects.count() + 1}"

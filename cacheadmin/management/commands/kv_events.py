@@ -1,12 +1,14 @@
-"""``python manage.py kv_events [--partition K/N] [--metrics-addr HOST:PORT]``: the KV-event consumer.
+"""``python manage.py kv_events [--partition K/N] [--metrics-addr HOST:PORT] [--public-key]``: the KV-event consumer.
 
 Subscribes to the KV-event streams of the engines of its partition (engine
 id mod N = K; one consumer per partition when the fleet is scaled out) and
 keeps resident blocks and tokens per engine and namespace, checkpointed every
 few seconds. Runs until SIGTERM or Ctrl-C; ``--seconds`` stops it after that
-long. Exit codes: 0 stopped; 2 bad input (a malformed ``--metrics-addr``, or a
-host that is no address); 3 the metrics address cannot be bound (taken, or not
-this machine's).
+long. ``--public-key`` prints the consumer's CURVE public key (what a relay
+beside a remote engine admits with ``--allow``) and exits. Exit codes: 0
+stopped; 2 bad input (a malformed ``--metrics-addr``, or a host that is no
+address); 3 the metrics address cannot be bound (taken, or not this
+machine's), or the key file is unusable.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import signal
 import time
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, int_within
 from cacheadmin.services.kv_events import KvEventConsumer, consumer_metrics
 from inference.errors import EXIT_CONFLICT
+from inference.kv_transport import TransportError, key_pair
 
 
 def _partition(value: str) -> tuple[int, int]:
@@ -42,8 +46,15 @@ class Command(ControlPlaneCommand):
         parser.add_argument("--partition", type=_partition, default=(0, 1), help="K/N: engines whose id mod N is K")
         parser.add_argument("--metrics-addr", default="", help="serve Prometheus metrics on HOST:PORT")
         parser.add_argument("--seconds", type=int_within(1, 10**7), default=None, help="stop after this many seconds")
+        parser.add_argument("--public-key", action="store_true", help="print the consumer's CURVE public key and exit")
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        if opts["public_key"]:
+            try:
+                self.stdout.write(key_pair(settings.KV_EVENTS_KEY_FILE)[0])
+            except (TransportError, OSError) as exc:
+                raise self.failed(f"KV_EVENTS_KEY_FILE: {exc}", EXIT_CONFLICT) from exc
+            return
         metrics = None
         if opts["metrics_addr"]:
             if opts["metrics_addr"].startswith("unix:"):
