@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import zmq
+from zmq.utils import z85
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def check_public_key(value: str) -> str:
     if len(value) != 40:
         raise ValueError("a CURVE public key is 40 characters of Z85 (zmq.curve_keypair())")
     try:
-        decoded = zmq.utils.z85.decode(value.encode("ascii"))
+        decoded = z85.decode(value.encode("ascii"))
     except (ValueError, UnicodeEncodeError, KeyError):
         raise ValueError("not Z85 text") from None
     if len(decoded) != 32:

@@ -7,12 +7,17 @@ acme; charlie a read token bound to tenant globex; anonymous holds nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
 from cacheadmin.services.api_tokens import api_token_issue
+from inference.kv_transport import local_endpoints, private_socket_dir
+from tests.kv_publisher import EnginePublisher
 
 
 def make_version(label: str, identity: str, weights: str = "a" * 64) -> ModelVersion:
@@ -49,3 +54,21 @@ def world() -> dict:
         clients[name] = client
     clients["anonymous"] = APIClient()
     return {"clients": clients, "acme": acme, "globex": globex, "v1": v1, "v2": v2, "ns": ns, "engine": engine, "job": job}
+
+
+@pytest.fixture
+def engine_stream(world: dict) -> Iterator[tuple[Engine, EnginePublisher]]:
+    """world's engine publishing KV events as a local engine does: its PUB and
+    replay sockets bound as ``ipc://`` paths in the private socket directory,
+    topic ``kvcp.engine-x.1``."""
+    engine = world["engine"]
+    pub, replay = local_endpoints(private_socket_dir(settings.KV_EVENTS_SOCKET_DIR), engine.pk)
+    Engine.objects.filter(pk=engine.pk).update(
+        kv_events_endpoint=pub, kv_events_replay_endpoint=replay, kv_events_topic="kvcp.engine-x.1", generation=1
+    )
+    engine.refresh_from_db()
+    publisher = EnginePublisher(pub, replay, b"kvcp.engine-x.1")
+    try:
+        yield engine, publisher
+    finally:
+        publisher.close()

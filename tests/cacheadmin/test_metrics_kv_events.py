@@ -4,8 +4,6 @@ frames through the consumer and read back from prometheus-client's registry."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
@@ -13,8 +11,7 @@ from cacheadmin.metrics.catalogue import METRICS
 from cacheadmin.models import Engine
 from cacheadmin.services.kv_events import KvEventConsumer, consumer_metrics
 from cacheadmin.services.namespaces import namespace_salt_read
-from inference.engines.launcher import free_port
-from inference.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch, seq_bytes
+from inference.kv_events import AllBlocksCleared, BlockStored
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,16 +23,9 @@ def _stored(hashes: list[int], salt: str | None = None) -> BlockStored:
     )  # fmt: skip
 
 
-def _frames(topic: bytes, seq: int, *events: object) -> list[bytes]:
-    return [topic, seq_bytes(seq), encode_batch(KVEventBatch(ts=time.time(), events=list(events)))]
-
-
-def test_resident_tokens_and_isolation_blocks_by_namespace_key(world) -> None:
-    engine = world["engine"]
-    Engine.objects.filter(pk=engine.pk).update(
-        name="e-metrics", kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}", kv_events_bind=True,
-        kv_events_topic="kvcp.e.1", generation=1,
-    )  # fmt: skip
+def test_resident_tokens_and_isolation_blocks_by_namespace_key(world, engine_stream) -> None:
+    engine, publisher = engine_stream
+    Engine.objects.filter(pk=engine.pk).update(name="e-metrics")
     salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="consumer metrics test")
     key = world["ns"]["acme"].namespace_key
     resident = {"engine": "e-metrics", "namespace": key, "medium": "GPU"}
@@ -45,13 +35,13 @@ def test_resident_tokens_and_isolation_blocks_by_namespace_key(world) -> None:
     try:
         consumer.refresh()
         stream = consumer.streams[engine.pk]
-        consumer.handle(stream, _frames(b"kvcp.e.1", 0, _stored([1, 2, 3], salt), _stored([7, 8], "not-a-namespace-salt")))
+        consumer.handle(stream, publisher.frames(_stored([1, 2, 3], salt), _stored([7, 8], "not-a-namespace-salt")))
         consumer.flush()
         assert REGISTRY.get_sample_value("kvcp_kv_event_resident_tokens", resident) == 96
         assert REGISTRY.get_sample_value("kvcp_isolation_alarm_blocks_total", alarm) - alarms_before == 2
         text = generate_latest(REGISTRY).decode()
         assert salt not in text and "kvcp_resident_tokens{" not in text  # the control plane's name stays its own
-        consumer.handle(stream, _frames(b"kvcp.e.1", 1, AllBlocksCleared()))
+        consumer.handle(stream, publisher.frames(AllBlocksCleared()))
         consumer.flush()
         # Gone from the engine: gone from the gauge, not left at its last figure.
         assert REGISTRY.get_sample_value("kvcp_kv_event_resident_tokens", resident) is None

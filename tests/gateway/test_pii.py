@@ -11,7 +11,6 @@ from phonenumbers import Leniency, PhoneNumberMatcher
 
 from gateway.canonical import canonical_request, response_cache_key
 from gateway.pii import (
-    _PHONE_PUNCTUATION,
     DEFAULT_PHONE_REGIONS,
     PHONE_SCAN_BUDGET,
     PII_KINDS,
@@ -23,6 +22,7 @@ from gateway.pii import (
     redact,
     redact_json,
 )
+from gateway.pii.contact import PHONE_PUNCTUATION
 
 
 def spans(text: str, **kwargs: Any) -> list[tuple[str, str]]:
@@ -31,8 +31,17 @@ def spans(text: str, **kwargs: Any) -> list[tuple[str, str]]:
 
 
 def test_kinds_and_markers() -> None:
-    assert PII_KINDS == ("email", "phone", "card", "national_id")
-    assert dict(REDACTION_MARKERS) == {"email": "[EMAIL]", "phone": "[PHONE]", "card": "[CARD]", "national_id": "[NATIONAL_ID]"}
+    assert PII_KINDS == (
+        "email", "phone", "card", "national_id", "iban", "bank_account", "tax_id", "passport", "drivers_license",
+        "ip_address", "device_id", "crypto_address", "date_of_birth", "address", "person_name", "location",
+    )  # fmt: skip
+    assert dict(REDACTION_MARKERS) == {
+        "email": "[EMAIL]", "phone": "[PHONE]", "card": "[CARD]", "national_id": "[NATIONAL_ID]", "iban": "[IBAN]",
+        "bank_account": "[BANK_ACCOUNT]", "tax_id": "[TAX_ID]", "passport": "[PASSPORT]",
+        "drivers_license": "[DRIVERS_LICENSE]", "ip_address": "[IP_ADDRESS]", "device_id": "[DEVICE_ID]",
+        "crypto_address": "[CRYPTO_ADDRESS]", "date_of_birth": "[DATE_OF_BIRTH]", "address": "[ADDRESS]",
+        "person_name": "[PERSON]", "location": "[LOCATION]",
+    }  # fmt: skip
     assert DEFAULT_PHONE_REGIONS == ("US", "GB", "DE", "FR", "IN")
 
 
@@ -282,5 +291,5 @@ def test_the_budget_bounds_the_time_on_a_table_of_numbers() -> None:
 def test_phone_chain_punctuation_covers_libphonenumber() -> None:
     from phonenumbers.phonenumberutil import _VALID_PUNCTUATION  # private: the set our chains must cover
 
-    chain = re.compile(f"[{_PHONE_PUNCTUATION}]")
+    chain = re.compile(f"[{PHONE_PUNCTUATION}]")
     assert [ch for ch in _VALID_PUNCTUATION.replace("\\", "") if not chain.match(ch)] == []
