@@ -42,7 +42,7 @@ def test_kinds_and_markers() -> None:
         "crypto_address": "[CRYPTO_ADDRESS]", "date_of_birth": "[DATE_OF_BIRTH]", "address": "[ADDRESS]",
         "person_name": "[PERSON]", "location": "[LOCATION]",
     }  # fmt: skip
-    assert DEFAULT_PHONE_REGIONS == ("US", "GB", "DE", "FR", "IN")
+    assert DEFAULT_PHONE_REGIONS == ("US", "GB", "DE", "FR", "IN", "ES")
 
 
 @pytest.mark.parametrize(

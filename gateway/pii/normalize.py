@@ -1,0 +1,80 @@
+"""Unicode NFKC normalisation that remembers where each character came from.
+
+Full-width and other compatibility forms (``ｊａｎｅ＠ｅｘａｍｐｌｅ．ｃｏｍ``,
+``４１１１``, the ``ﬁ`` ligature, a no-break space) are folded to their plain
+forms by NFKC (Unicode Standard Annex #15) before any detector runs, so a
+detector needs one pattern per form, not one per look-alike. The detectors
+report offsets into the normalised text; :class:`Normalised` maps them back to
+the original, so redaction replaces the characters the user wrote.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import Final
+
+# Tokens normalise independently of each other except across combining marks, which
+# \S keeps with the character they follow.
+_TOKENS: Final = re.compile(r"\S+|\s+")
+
+
+@dataclass(frozen=True)
+class Normalised:
+    """The NFKC form of a text and the map back to it.
+
+    Attributes:
+        text: the normalised text.
+        starts: for each character of ``text``, the offset in the original of the
+            character (or combining sequence) it came from; None when nothing changed.
+        ends: for each character of ``text``, the offset just past that original
+            character or sequence; None when nothing changed.
+    """
+
+    text: str
+    starts: list[int] | None = None
+    ends: list[int] | None = None
+
+    def original_span(self, start: int, end: int) -> tuple[int, int]:
+        """The original offsets of the normalised span ``[start, end)`` (``end > start``).
+
+        A span that covers part of what one original character expanded to (the
+        ``f`` of ``ﬁ``) widens to the whole original character.
+        """
+        if self.starts is None or self.ends is None:
+            return start, end
+        return self.starts[start], self.ends[end - 1]
+
+
+def normalise(text: str) -> Normalised:
+    """``text`` in NFKC with an offset map; ASCII and already-normal text cost one check.
+
+    Normalisation is applied per combining sequence (a character and the combining
+    marks after it), so each normalised character maps to exactly one original
+    sequence; for text in NFC this equals NFKC of the whole text.
+    """
+    if text.isascii() or unicodedata.is_normalized("NFKC", text):
+        return Normalised(text)
+    parts: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    for token in _TOKENS.finditer(text):
+        piece = token.group()
+        offset = token.start()
+        if unicodedata.is_normalized("NFKC", piece):
+            parts.append(piece)
+            starts.extend(range(offset, offset + len(piece)))
+            ends.extend(range(offset + 1, offset + len(piece) + 1))
+            continue
+        i = 0
+        while i < len(piece):
+            j = i + 1
+            while j < len(piece) and unicodedata.combining(piece[j]):
+                j += 1
+            folded = unicodedata.normalize("NFKC", piece[i:j])
+            parts.append(folded)
+            starts.extend([offset + i] * len(folded))
+            ends.extend([offset + j] * len(folded))
+            i = j
+    return Normalised("".join(parts), starts, ends)
