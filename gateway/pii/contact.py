@@ -155,8 +155,12 @@ _NOT_PHONE_DIGITS: Final = re.compile(
     r"|(?:19|20)\d\d([./-])(?:0?[1-9]|1[0-2])\2(?:0?[1-9]|[12]\d|3[01])"
     r"|\d{1,3}(?:,\d{3})+)(?![\d,])"
 )
-# "255.255.255.0": an address or mask, even where the IP rules do not report it.
-_DOTTED_QUAD: Final = re.compile(r"(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)")
+# Layouts no phone number is written in: a dotted quad ("255.255.255.0" is an address
+# or mask, even where the IP rules do not report it) and the US SSN's NNN-NN-NNNN
+# ("666-12-3456" is a refused SSN, though its digits make a Spanish mobile number).
+_NOT_A_PHONE_LAYOUT: Final = re.compile(
+    r"(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)|\d{3}-\d{2}-\d{4}"
+)
 _DATE_IN_PHONE: Final = re.compile(
     r"(?<!\d)(?:(?:0?[1-9]|[12]\d|3[01])([./-])(?:0?[1-9]|1[0-2])\1(?:19|20)\d\d"
     r"|(?:19|20)\d\d([./-])(?:0?[1-9]|1[0-2])\2(?:0?[1-9]|[12]\d|3[01]))(?!\d)"
@@ -224,7 +228,7 @@ def phones(text: str, windows: list[tuple[int, int]], regions: tuple[str, ...]) 
                 seen.add(span)
                 raw = match.raw_string
                 digits = sum(ch.isdigit() for ch in raw) - len(match.number.extension or "")
-                if digits < MIN_PHONE_DIGITS or _DATE_IN_PHONE.search(raw) or _DOTTED_QUAD.fullmatch(raw):
+                if digits < MIN_PHONE_DIGITS or _DATE_IN_PHONE.search(raw) or _NOT_A_PHONE_LAYOUT.fullmatch(raw):
                     continue
                 yield Candidate(span[0], span[1], "phone", PRIORITY_PHONE)
 
