@@ -33,7 +33,7 @@ from cacheadmin.services.engines import (
 from cacheadmin.services.namespaces import namespace_check_current
 from cacheadmin.services.quotas import quota_check
 from inference.engines.launcher import pid_alive
-from inference.engines.probes import reads_across_salts, shares_prefix_cache
+from inference.engines.probes import CachedTokensUnreported, reads_across_salts, shares_prefix_cache
 from inference.engines.verify import drift_baseline
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError, InvalidField, Refused
@@ -149,28 +149,43 @@ def _refuse_known_address(origin: ServerOrigin) -> None:
             )
 
 
+def _candidate(url: str, model_version: ModelVersion) -> VllmHttpClient:
+    pinned, headers = engine_target("url", url)
+    return VllmHttpClient(pinned, model_version.served_name, headers=headers)
+
+
 def _refuse_shared_or_salt_blind(url: str, model_version: ModelVersion) -> None:
-    """Probe a would-be serving engine: it must read no live engine's prefix
-    cache (the same server under another address) and serve no KV across
-    salts (:mod:`inference.engines.probes`).
+    """Probe a would-be serving engine's tiers: it must serve no KV across salts
+    (:func:`inference.engines.probes.reads_across_salts`), whatever its
+    connector says it is.
 
     Raises:
-        EngineRefused: it answered from another engine's cache, served KV
-            across salts, or does not report cached tokens.
+        EngineRefused: it served KV across salts, or does not report cached tokens.
+    """
+    block_size = int(model_version.inputs["layout"]["block_size"])
+    with _candidate(url, model_version) as candidate:
+        try:
+            across = reads_across_salts(candidate, secret=settings.CACHE_SALT_SECRET, block_size=block_size)
+        except EngineError as exc:
+            raise EngineRefused(f"adoption refused: {exc}") from exc
+    if across:
+        raise EngineRefused(
+            f"adoption refused: the engine served {across} tokens of KV computed under another cache_salt: its persistent "
+            "tier ignores the salt and would hand one namespace's state to another"
+        )
+
+
+def _refuse_same_engine(url: str, model_version: ModelVersion) -> None:
+    """Probe a would-be serving engine against every live engine of the same
+    identity: it must read none of their prefix caches (it would be that
+    engine under another address, or share its KV tier).
+
+    Raises:
+        EngineRefused: it answered from a live engine's cache, or does not report cached tokens.
     """
     block_size = int(model_version.inputs["layout"]["block_size"])
     secret = settings.CACHE_SALT_SECRET
-    pinned, headers = engine_target("url", url)
-    with VllmHttpClient(pinned, model_version.served_name, headers=headers) as candidate:
-        try:
-            across = reads_across_salts(candidate, secret=secret, block_size=block_size)
-        except EngineError as exc:
-            raise EngineRefused(f"adoption refused: {exc}") from exc
-        if across:
-            raise EngineRefused(
-                f"adoption refused: the engine served {across} tokens of KV computed under another cache_salt: its persistent "
-                "tier ignores the salt and would hand one namespace's state to another"
-            )
+    with _candidate(url, model_version) as candidate:
         known = Engine.objects.filter(
             status=Engine.Status.READY, prefix_caching=True, model_version__identity=model_version.identity
         ).select_related("model_version")
@@ -178,6 +193,8 @@ def _refuse_shared_or_salt_blind(url: str, model_version: ModelVersion) -> None:
             try:
                 with engine_client(engine) as client:
                     same = shares_prefix_cache(client, candidate, secret=secret, block_size=block_size)
+            except CachedTokensUnreported as exc:
+                raise EngineRefused(f"adoption refused: {exc}") from exc
             except EngineError:
                 continue  # an engine that does not answer cannot be read through the candidate either
             if same:
@@ -267,7 +284,8 @@ def engine_adopt(
     if len(kv_events_topic) > 100:
         raise InvalidField("kv_events_topic", "at most 100 characters")
     declared = _declared_connector(kv_connector)
-    name = engine_name_check(name or f"adopted-{urlsplit(url).hostname}-{urlsplit(url).port or 80}")
+    host = re.sub(r"[^A-Za-z0-9_.-]+", "-", urlsplit(url).hostname or "").strip("-")
+    name = engine_name_check(name or f"adopted-{host}-{urlsplit(url).port or 80}")
     policy = engine_address_policy()
     origin = policy.check_url("url", url)
     for field, endpoint in (("kv_events", kv_events), ("kv_events_replay", kv_events_replay)):
@@ -291,6 +309,8 @@ def engine_adopt(
         raise EngineRefused(f"adoption refused: {exc}") from exc
     if not all(c.ok for c in checks):
         raise VerificationRefused("adoption refused: " + refusal_message(url, checks), checks)
+    if namespace is not None:
+        _refuse_same_engine(url, model_version)
     connector = _adopted_connector(declared, facts.get("kv_connector"), serving=namespace is not None)
     if namespace is not None:
         _refuse_shared_or_salt_blind(url, model_version)

@@ -77,10 +77,14 @@ def probe_prompt(block_size: int) -> str:
     return "Probe " + " ".join(words)
 
 
+class CachedTokensUnreported(EngineError):
+    """The engine answered without ``usage.prompt_tokens_details.cached_tokens``: nothing can be probed."""
+
+
 def _cached(client: VllmHttpClient, prompt: str, salt: str) -> int:
     cached = client.prompt_cached_tokens(prompt, cache_salt=salt)
     if cached is None:
-        raise EngineError(
+        raise CachedTokensUnreported(
             f"engine at {client.base_url} does not report cached tokens (start it with --enable-prompt-tokens-details)"
         )
     return cached
@@ -100,7 +104,8 @@ def shares_prefix_cache(known: VllmHttpClient, candidate: VllmHttpClient, *, sec
         prompt only ``known`` has seen.
 
     Raises:
-        EngineError: an engine did not answer, or the candidate does not report cached tokens.
+        EngineError: an engine did not answer.
+        CachedTokensUnreported: the candidate does not report cached tokens.
     """
     prompt, salt = probe_prompt(block_size), mint_probe_salt(secret)
     known.prompt_cached_tokens(prompt, cache_salt=salt)
