@@ -16,6 +16,9 @@ from rest_framework.test import APIClient
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
 from cacheadmin.services.api_tokens import api_token_issue
+from cacheadmin.services.model_versions import model_version_register
+from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create
+from inference.identity import LayoutOptions
 from inference.kv_transport import local_endpoints, private_socket_dir
 from tests.kv_publisher import EnginePublisher
 
@@ -72,3 +75,17 @@ def engine_stream(world: dict) -> Iterator[tuple[Engine, EnginePublisher]]:
         yield engine, publisher
     finally:
         publisher.close()
+
+
+@pytest.fixture
+def real_version(world: dict, demo_checkpoints: dict) -> tuple[ModelVersion, CacheNamespace]:
+    """tiny-v1 registered with its real identity (ExampleConnector layout), and acme's namespace of it."""
+    version, _ = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="tiny-v1", served_name="tiny",
+        layout=LayoutOptions(dtype="float32", kv_connector="ExampleConnector"), actor="alice",
+    )  # fmt: skip
+    namespace, _ = namespace_get_or_create(
+        model_version=version, tenant=world["acme"], retention_owner=world["ns"]["acme"].retention_owner,
+        policy=DEMO_POLICY, actor="alice",
+    )  # fmt: skip
+    return version, namespace

@@ -9,24 +9,8 @@ import pytest
 from django.conf import settings
 
 from cacheadmin.models import AuditEvent, Engine, EngineAlarm
-from cacheadmin.services.model_versions import model_version_register
-from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create
-from inference.identity import LayoutOptions
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def real_version(world, demo_checkpoints):
-    version, _ = model_version_register(
-        path=demo_checkpoints["tiny-v1"], label="tiny-v1", served_name="tiny",
-        layout=LayoutOptions(dtype="float32", kv_connector="ExampleConnector"), actor="alice",
-    )  # fmt: skip
-    namespace, _ = namespace_get_or_create(
-        model_version=version, tenant=world["acme"], retention_owner=world["ns"]["acme"].retention_owner,
-        policy=DEMO_POLICY, actor="alice",
-    )  # fmt: skip
-    return version, namespace
 
 
 def test_a_start_is_recorded_before_any_process_and_bad_input_changes_nothing(world, real_version) -> None:
