@@ -31,6 +31,15 @@ def make_version(label: str, identity: str, weights: str = "a" * 64) -> ModelVer
     )  # fmt: skip
 
 
+def token_client(tenant: Tenant | None, scope: str, name: str) -> APIClient:
+    """An API client holding a new ``scope`` token of a new user ``name``, bound to ``tenant`` (None: unbound)."""
+    user = User.objects.create_user(name)
+    _token, key = api_token_issue(user=user, name=f"{name}-ci", scope=scope, tenant=tenant, actor="setup")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return client
+
+
 @pytest.fixture
 def world() -> dict:
     """Tenants acme and globex with a namespace each, an engine and a job of acme's, and persona clients."""
