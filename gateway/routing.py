@@ -114,6 +114,8 @@ class TenantPolicy:
     semantic_cache: bool = True
     semantic_threshold: float | None = None
     shadow_sample_rate: float = 0.05
+    #: ``skip`` or ``redact`` (see :mod:`gateway.pii.gate`).
+    personal_data: str = "skip"
 
 
 @dataclass(frozen=True)

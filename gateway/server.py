@@ -48,6 +48,7 @@ from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, token_refusal
 from gateway.metrics import exposition as metrics_exposition
 from gateway.pii import personal_data_kinds
+from gateway.pii.gate import answer_text, gate
 from gateway.protection import FillBreaker, Overloaded, TokenBucket
 from gateway.records import Recorder
 from gateway.response_store import ResponseStore
@@ -992,6 +993,12 @@ class Gateway:
     ) -> None:  # fmt: skip
         ns, tenant = routed.namespace, routed.tenant
         value = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        # One gate for every store: a request or answer with personal data is kept
+        # nowhere verbatim; heat and shadow samples keep it redacted only by policy.
+        policy = tenant.policy.personal_data
+        answered = personal_data_kinds(answer_text(record))
+        if personal or answered:
+            rkey = semantic = None  # both caches serve what they keep verbatim: nothing of it is kept
         if rkey is not None and self.rt.response_store is not None:
             try:
                 await asyncio.to_thread(
@@ -1005,18 +1012,23 @@ class Gateway:
                 await asyncio.to_thread(self.rt.semantic.store, ns, tenant, partition, vector, text, value, tags)
             except self.rt.semantic.Unavailable:
                 pass
-        if not personal and endpoint == "chat":
-            messages = canonical.get("messages")
-            digest = hashlib.blake2b(canonical_bytes({"m": messages, "t": canonical.get("tools")}), digest_size=16).hexdigest()
-            self.rt.recorder.heat(ns.pk, digest, upstream.get("messages"), upstream.get("tools"))
+        kinds = personal_data_kinds(canonical) if personal else frozenset()
+        if endpoint == "chat":
+            conversation = {"messages": upstream.get("messages"), "tools": upstream.get("tools")}
+            heat = gate("heat", conversation, policy=policy, kinds=kinds)
+            if heat.keep:
+                canon = {"m": heat.value["messages"], "t": heat.value["tools"]} if kinds else {
+                    "m": canonical.get("messages"), "t": canonical.get("tools")}  # fmt: skip
+                digest = hashlib.blake2b(canonical_bytes(canon), digest_size=16).hexdigest()
+                self.rt.recorder.heat(ns.pk, digest, heat.value["messages"], heat.value["tools"])
         usage = record.get("usage") or {}
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         rate = tenant.policy.shadow_sample_rate
-        if cached and not personal and self.rt.shadow is not None and rate > 0 and random.random() < rate:
-            sample = ShadowSample(
-                ns.pk, engine.id, endpoint, {k: v for k, v in upstream.items() if k not in ("stream", "stream_options")}, cached
-            )
-            await asyncio.to_thread(self.rt.shadow, sample)
+        if cached and self.rt.shadow is not None and rate > 0 and random.random() < rate:
+            replayed = {k: v for k, v in upstream.items() if k not in ("stream", "stream_options")}
+            shadow = gate("shadow", replayed, policy=policy, kinds=kinds)
+            if shadow.keep:
+                await asyncio.to_thread(self.rt.shadow, ShadowSample(ns.pk, engine.id, endpoint, shadow.value, cached))
 
 
 def explain(

@@ -17,7 +17,9 @@ from inference.checkpoints import ensure_demo_checkpoints
 SLOW_FIXTURES = frozenset({"api", "server", "worker"})
 #: Fixtures that talk to the Redis server as a KV tier: their tests are ``redis``.
 #: tests/gateway files that run on the scale-out suite too (they use the deployment's stores).
-GATEWAY_SCALE_OUT_FILES = frozenset({"test_gateway_app.py", "test_gateway_vllm.py", "test_gateway_templates.py"})
+GATEWAY_SCALE_OUT_FILES = frozenset(
+    {"test_gateway_app.py", "test_gateway_vllm.py", "test_gateway_templates.py", "test_gateway_personal_data.py"}
+)
 REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"})
 
 

@@ -154,6 +154,13 @@ class TenantGatewayPolicy(models.Model):
     shadow_sample_rate = models.FloatField(default=0.05)
     #: A deceptive hit on live traffic stops routing the namespace until an operator decides.
     suspend_on_deceptive_hit = models.BooleanField(default=True)
+    #: What is kept of a request holding personal data (gateway.pii.gate): ``skip``
+    #: keeps nothing of it anywhere; ``redact`` keeps it redacted where it is
+    #: replayed as input (prefix heat, shadow samples), never in a cache served verbatim.
+    personal_data = models.CharField(
+        max_length=8, choices=[("skip", "skip"), ("redact", "redact")], default="skip",
+        help_text="skip: keep nothing of a request with personal data; redact: keep heat and shadow samples redacted",
+    )  # fmt: skip
     updated_by = models.CharField(max_length=200, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -12,6 +12,7 @@ from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_fin
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from cacheadmin.services.prewarm import JobRefused
 from cacheadmin.services.quotas import quota_check
+from gateway.pii.gate import gate
 from inference.comparison import PromptComparison, median_or_none, run_comparison
 from inference.errors import EngineError, InvalidField
 
@@ -106,8 +107,9 @@ def comparison_job_run(*, job_id: int) -> None:
                 "deceptive": outcome.deceptive,
                 "reference_token_ids": outcome.reference.token_ids,
                 "cached_token_ids": outcome.cached.token_ids,
-                "reference_text": outcome.reference.text,
-                "cached_text": outcome.cached.text,
+                # Generated text kept as evidence: its personal data is kept redacted (gateway.pii.gate).
+                "reference_text": gate("output", outcome.reference.text).value,
+                "cached_text": gate("output", outcome.cached.text).value,
             },
         )
         job_progress(job, job.results.count(), **_summary(job))

@@ -56,6 +56,7 @@ from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.canonical import InvalidRequest
+from gateway.pii.gate import PERSONAL_DATA_POLICIES
 from gateway.records import layer_figures
 from gateway.routing import (
     EngineTarget,
@@ -228,7 +229,7 @@ def layer_states() -> dict[str, dict[str, Any]]:
 
 #: Fields of :class:`TenantGatewayPolicy` operators set, with their checks.
 POLICY_FIELDS = ("response_cache", "allow_seeded", "allow_sampling", "semantic_cache", "semantic_threshold", "shadow_sample_rate",
-                 "suspend_on_deceptive_hit")  # fmt: skip
+                 "suspend_on_deceptive_hit", "personal_data")  # fmt: skip
 
 
 def tenant_gateway_policy(tenant: Tenant) -> TenantGatewayPolicy:
@@ -254,6 +255,9 @@ def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
                 raise InvalidField(name, "must be a number within 0..1")
+        elif name == "personal_data":
+            if value not in PERSONAL_DATA_POLICIES:
+                raise InvalidField(name, f"one of {', '.join(PERSONAL_DATA_POLICIES)}")
         elif not isinstance(value, bool):
             raise InvalidField(name, "must be true or false")
     with transaction.atomic():
@@ -323,7 +327,7 @@ def _policy_target(row: TenantGatewayPolicy | None) -> TenantPolicy:
     return TenantPolicy(
         response_cache=row.response_cache, allow_seeded=row.allow_seeded, allow_sampling=row.allow_sampling,
         semantic_cache=row.semantic_cache, semantic_threshold=row.semantic_threshold,
-        shadow_sample_rate=row.shadow_sample_rate,
+        shadow_sample_rate=row.shadow_sample_rate, personal_data=row.personal_data,
     )  # fmt: skip
 
 

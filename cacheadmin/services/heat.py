@@ -10,10 +10,11 @@ from django.db import IntegrityError, transaction
 from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
-from cacheadmin.models import CacheNamespace, ComparisonJob, JobStatus, PrewarmJob
+from cacheadmin.models import CacheNamespace, ComparisonJob, JobStatus, PrewarmJob, TenantGatewayPolicy
 from cacheadmin.models.releases import PrefixHeat
 from cacheadmin.services.jobs import job_finish
 from cacheadmin.services.quotas import heat_quota_check
+from gateway.pii.gate import DEFAULT_POLICY, gate
 from inference.corpus import Conversation, conversation_problem, load_corpus
 from inference.errors import InvalidField
 from inference.identity import canonical_json, digest_frames
@@ -30,10 +31,15 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
     """Add ``hits`` to a conversation's heat in ``namespace`` (created on first
     report), saturating at :data:`MAX_HITS`.
 
+    A conversation holding personal data is kept redacted or not at all, by
+    the tenant's ``personal_data`` policy (:mod:`gateway.pii.gate`; a shared
+    group's namespace: not at all).
+
     Raises:
         InvalidField: messages that :func:`inference.corpus.conversation_problem`
             refuses, tools that are not a list, hits outside
-            1..MAX_HITS (400 on that field, exit 2).
+            1..MAX_HITS, a conversation with personal data the policy keeps
+            none of (400 on that field, exit 2).
     """
     problem = conversation_problem(messages)
     if problem is not None:
@@ -42,6 +48,20 @@ def prefix_heat_record(*, namespace: CacheNamespace, messages: Any, tools: Any, 
         raise InvalidField("tools", "must be a list")
     if isinstance(hits, bool) or not isinstance(hits, int) or not 1 <= hits <= MAX_HITS:
         raise InvalidField("hits", f"must be an integer within 1..{MAX_HITS}")
+    policy = (
+        TenantGatewayPolicy.objects.filter(tenant_id=namespace.tenant_id).values_list("personal_data", flat=True).first()
+        if namespace.tenant_id is not None
+        else None
+    ) or DEFAULT_POLICY
+    verdict = gate("heat", {"messages": messages, "tools": tools}, policy=policy)
+    if not verdict.keep:
+        # Heat is read by tenants and replayed by prewarm jobs: the tenant's policy keeps no personal data there.
+        raise InvalidField(
+            "messages",
+            f"holds personal data ({', '.join(sorted(verdict.kinds))}); the tenant's policy (personal_data: skip) keeps "
+            "none of it in prefix heat",
+        )
+    messages, tools = verdict.value["messages"], verdict.value["tools"]
     digest = digest_frames("prefix-heat", [("messages", canonical_json(messages)), ("tools", canonical_json(tools))])
     heat_quota_check(namespace=namespace, digest=digest)
     now = timezone.now()

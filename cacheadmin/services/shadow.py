@@ -22,6 +22,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.gateway import namespace_routing_suspend, tenant_gateway_policy
 from cacheadmin.services.namespaces import namespace_salt_read
+from gateway.pii.gate import gate
 from inference.comparison import compare_prompt, first_divergence
 from inference.corpus import Conversation
 from inference.errors import EngineError
@@ -112,7 +113,9 @@ def shadow_check_run(check_id: int) -> str | None:
     detail = {
         "reference_engine": reference.name, "replay_cached_tokens": outcome.cached_tokens, "tokens_equal": outcome.tokens_equal,
         "max_logprob_delta": outcome.max_logprob_delta, "control_max_logprob_delta": outcome.control_max_logprob_delta,
-        "tolerance": outcome.tolerance, "reference_text": cold.text, "cached_text": cached.text,
+        "tolerance": outcome.tolerance,
+        # Generated text kept as evidence: its personal data is kept redacted (gateway.pii.gate).
+        "reference_text": gate("output", cold.text).value, "cached_text": gate("output", cached.text).value,
     }  # fmt: skip
     with transaction.atomic():
         ShadowCheck.objects.filter(pk=check.pk).update(

@@ -14,124 +14,25 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cacheadmin.models import CacheNamespace, Engine, GatewayKey, Release, RetentionOwner, Tenant
+from cacheadmin.models import CacheNamespace, Engine, GatewayKey, Release
 from cacheadmin.services.gateway import (
-    gateway_key_issue,
     gateway_key_revoke,
     layer_switch_set,
-    routing_snapshot_build,
     tenant_gateway_policy_update,
     tenant_secret,
 )
-from cacheadmin.services.gateway_stores import response_store as deployment_response_store
 from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
 from gateway.canonical import canonical_request, response_cache_key
-from gateway.records import Recorder
 from gateway.response_store import RedisResponseStore
 from gateway.routing import sticky_bucket
 from gateway.semantic.embedder import default_embedder
 from gateway.semantic.layer import SemanticLayer
-from gateway.server import Gateway, Limits, Runtime, request_tags
+from gateway.server import request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version
+from tests.gateway.harness import call, chat, refresh
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class FakeEngine:
-    """An OpenAI-compatible engine at the HTTP level: streams a fixed answer,
-    reports cached tokens from the second identical prompt on, records what it got."""
-
-    def __init__(self, answer: str = "Paris is the capital.") -> None:
-        self.answer = answer
-        self.received: list[dict[str, Any]] = []
-        self.seen_prompts: set[str] = set()
-        self.fail_mid_stream = False
-        self.down = False
-        self.delay_s = 0.0
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        if self.down:
-            raise httpx.ConnectError("connection refused", request=request)
-        body = json.loads(request.content)
-        self.received.append(body)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        prompt = json.dumps(body.get("messages"), sort_keys=True)
-        cached = 32 if prompt in self.seen_prompts else 0
-        self.seen_prompts.add(prompt)
-        words = self.answer.split(" ")
-        chunks = [{"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
-                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]  # fmt: skip
-        for i, word in enumerate(words):
-            text = word if i == 0 else " " + word
-            chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
-                           "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})  # fmt: skip
-        chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
-                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})  # fmt: skip
-        usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words),
-                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
-        chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"], "choices": [], "usage": usage})
-        fail = self.fail_mid_stream
-
-        async def stream():  # type: ignore[no-untyped-def]
-            for n, chunk in enumerate(chunks):
-                if fail and n == 2:
-                    raise httpx.ReadError("engine died")
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
-
-
-@pytest.fixture
-def setup(tmp_path: Path) -> dict[str, Any]:
-    acme = Tenant.objects.create(slug="acme", name="Acme")
-    globex = Tenant.objects.create(slug="globex", name="Globex")
-    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
-    v1 = make_version("v1", "1" * 64)
-    v1.status = "active"
-    v1.save()
-    ns = CacheNamespace.objects.create(
-        namespace_key="a" * 64, model_version=v1, tenant=acme, retention_owner=owner, storage_prefix="ns-acme"
-    )
-    engine = Engine.objects.create(
-        name="e1", model_version=v1, namespace=ns, base_url="http://engine-1", status="ready", verification="verified"
-    )
-    _, key = gateway_key_issue(tenant=acme, name="app", actor="test")
-    _, globex_key = gateway_key_issue(tenant=globex, name="other", actor="test")
-    fake = FakeEngine()
-    store = deployment_response_store()
-    for prefix in ("ns-acme", "ns-acme-v2"):  # the scale-out store is shared by the run's tests
-        store.delete_prefix(prefix)
-    holder = {"snap": routing_snapshot_build()}
-    runtime = Runtime(
-        snapshot=lambda: holder["snap"], response_store=store, semantic=None, recorder=Recorder(),
-        transport=httpx.MockTransport(fake), limits=Limits(rate_per_s=1000, burst=1000),
-    )  # fmt: skip
-    gateway = Gateway(runtime)
-    return {"acme": acme, "ns": ns, "engine": engine, "key": key, "globex_key": globex_key, "fake": fake, "store": store,
-            "holder": holder, "gateway": gateway, "runtime": runtime, "v1": v1}  # fmt: skip
-
-
-def call(setup: dict[str, Any], body: Any, *, key: str | None = None, path: str = "/v1/chat/completions",
-         headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=setup["gateway"].app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            h = {"authorization": f"Bearer {key or setup['key']}", **(headers or {})}
-            content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            return await client.post(path, content=content, headers=h)
-
-    return asyncio.run(go())
-
-
-def chat(content: str = "What is the capital of France?", **params: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **params}
-
-
-def refresh(setup: dict[str, Any]) -> None:
-    setup["holder"]["snap"] = routing_snapshot_build()
 
 
 def test_a_greedy_request_is_salted_served_and_then_answered_from_the_response_cache(setup) -> None:
@@ -355,7 +256,6 @@ def test_a_response_store_that_is_down_is_bypassed_and_the_request_still_served(
 
 
 def test_personal_data_reaches_no_heat_and_no_shadow_sample_and_keys_stay_apart(setup) -> None:
-
     samples: list[Any] = []
     setup["runtime"].shadow = samples.append
     tenant_gateway_policy_update(tenant=setup["acme"], actor="t", changes={"shadow_sample_rate": 1.0})
@@ -365,8 +265,17 @@ def test_personal_data_reaches_no_heat_and_no_shadow_sample_and_keys_stay_apart(
         sampled = chat(f"Send the invoice to {address}", temperature=0.5)
         for _ in range(2):  # the second reports cached tokens: it would be sampled but for the address
             assert call(setup, sampled).headers["x-kvcp-served-by"] == "engine"
-    # Two addresses, two entries: redaction never made the two requests share a key.
-    assert setup["store"].usage("ns-acme").entries == 2
+    # Requests with personal data are kept in no cache (gateway.pii.gate), and their keys never
+    # collide: each is computed over the unredacted request.
+    assert setup["store"].usage("ns-acme").entries == 0
+    keys = {
+        response_cache_key(
+            canonical_request("chat", chat(f"Send the invoice to {a}", temperature=0)), namespace_key="a" * 64,
+            tenant_secret=tenant_secret(setup["acme"].key),
+        )
+        for a in ("jane.doe@example.com", "john.roe@example.com")
+    }  # fmt: skip
+    assert len(keys) == 2
     _, heat = setup["runtime"].recorder.drain()
     assert heat == [] and samples == []
     plain = chat("Send the invoice to the billing team", temperature=0.5)

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cacheadmin.metrics.catalogue import METRICS
 from gateway.metrics import SPECS
-from tests.gateway.test_gateway_app import call, chat, setup  # noqa: F401 - the fixture is used by name
+from tests.gateway.harness import call, chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

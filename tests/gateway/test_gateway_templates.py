@@ -15,8 +15,7 @@ from cacheadmin.models import TemplateStat
 from cacheadmin.services.gateway import gateway_flush
 from cacheadmin.services.prompt_templates import prompt_template_create, prompt_template_delete, template_hit_ratios
 from gateway.templates import CHUNK_CHARS, Classified, TemplateIndex, classify, current, fingerprint, leading_text
-from tests.gateway.test_gateway_app import call, chat, refresh
-from tests.gateway.test_gateway_app import setup as setup  # noqa: F401 - the fixture, reused
+from tests.gateway.harness import call, chat, refresh
 
 SUPPORT = "You are the support assistant of Acme Corporation. Answer briefly. Customer: {customer}. Question: {question}"
 SUPPORT_FIXED = "You are the support assistant of Acme Corporation. Answer briefly. Customer: "

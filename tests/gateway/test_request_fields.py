@@ -13,7 +13,7 @@ import pytest
 from gateway.canonical import InvalidRequest, canonical_request, normalized_body
 from gateway.request_fields import FIELD_CLASSES, REQUEST_FIELDS, field_refusal, fields_of
 from gateway.server import explain
-from tests.gateway.test_gateway_app import call, chat, setup  # noqa: F401 - the fixture is used by name
+from tests.gateway.harness import call, chat
 
 ENDPOINTS = ("chat", "completions")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}

@@ -74,6 +74,10 @@ class GatewayPolicySerializer(StrictFieldsMixin, serializers.Serializer):
     semantic_threshold = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     shadow_sample_rate = serializers.FloatField(required=False, min_value=0.0, max_value=1.0)
     suspend_on_deceptive_hit = StrictBooleanField(required=False)
+    personal_data = serializers.ChoiceField(
+        choices=["skip", "redact"], required=False,
+        help_text="a request with personal data: skip keeps nothing of it; redact keeps heat and shadow samples redacted",
+    )  # fmt: skip
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         # Numbers as JSON numbers: "0.9" or true is a type error in the caller's pipeline.

@@ -1,0 +1,47 @@
+"""Fixtures of the gateway's tests that run it against the database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cacheadmin.models import CacheNamespace, Engine, RetentionOwner, Tenant
+from cacheadmin.services.gateway import gateway_key_issue, routing_snapshot_build
+from cacheadmin.services.gateway_stores import response_store as deployment_response_store
+from gateway.records import Recorder
+from gateway.server import Gateway, Limits, Runtime
+from tests.cacheadmin.conftest import make_version
+from tests.gateway.harness import FakeEngine
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> dict[str, Any]:
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    globex = Tenant.objects.create(slug="globex", name="Globex")
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    v1 = make_version("v1", "1" * 64)
+    v1.status = "active"
+    v1.save()
+    ns = CacheNamespace.objects.create(
+        namespace_key="a" * 64, model_version=v1, tenant=acme, retention_owner=owner, storage_prefix="ns-acme"
+    )
+    engine = Engine.objects.create(
+        name="e1", model_version=v1, namespace=ns, base_url="http://engine-1", status="ready", verification="verified"
+    )
+    _, key = gateway_key_issue(tenant=acme, name="app", actor="test")
+    _, globex_key = gateway_key_issue(tenant=globex, name="other", actor="test")
+    fake = FakeEngine()
+    store = deployment_response_store()
+    for prefix in ("ns-acme", "ns-acme-v2"):  # the scale-out store is shared by the run's tests
+        store.delete_prefix(prefix)
+    holder = {"snap": routing_snapshot_build()}
+    runtime = Runtime(
+        snapshot=lambda: holder["snap"], response_store=store, semantic=None, recorder=Recorder(),
+        transport=httpx.MockTransport(fake), limits=Limits(rate_per_s=1000, burst=1000),
+    )  # fmt: skip
+    gateway = Gateway(runtime)
+    return {"acme": acme, "ns": ns, "engine": engine, "key": key, "globex_key": globex_key, "fake": fake, "store": store,
+            "holder": holder, "gateway": gateway, "runtime": runtime, "v1": v1}  # fmt: skip

@@ -1,0 +1,79 @@
+"""The gateway app against the real database and the deployment's response
+store, with an engine emulated at the HTTP level (the real vLLM path is
+tests/gateway/test_gateway_vllm.py); the ``setup`` fixture is in this folder's conftest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from cacheadmin.services.gateway import routing_snapshot_build
+
+
+class FakeEngine:
+    """An OpenAI-compatible engine at the HTTP level: streams a fixed answer,
+    reports cached tokens from the second identical prompt on, records what it got."""
+
+    def __init__(self, answer: str = "Paris is the capital.") -> None:
+        self.answer = answer
+        self.received: list[dict[str, Any]] = []
+        self.seen_prompts: set[str] = set()
+        self.fail_mid_stream = False
+        self.down = False
+        self.delay_s = 0.0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        body = json.loads(request.content)
+        self.received.append(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        prompt = json.dumps(body.get("messages"), sort_keys=True)
+        cached = 32 if prompt in self.seen_prompts else 0
+        self.seen_prompts.add(prompt)
+        words = self.answer.split(" ")
+        chunks = [{"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]  # fmt: skip
+        for i, word in enumerate(words):
+            text = word if i == 0 else " " + word
+            chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
+                           "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})  # fmt: skip
+        chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"],
+                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})  # fmt: skip
+        usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words),
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"], "choices": [], "usage": usage})
+        fail = self.fail_mid_stream
+
+        async def stream():  # type: ignore[no-untyped-def]
+            for n, chunk in enumerate(chunks):
+                if fail and n == 2:
+                    raise httpx.ReadError("engine died")
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+
+def call(setup: dict[str, Any], body: Any, *, key: str | None = None, path: str = "/v1/chat/completions",
+         headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            h = {"authorization": f"Bearer {key or setup['key']}", **(headers or {})}
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return await client.post(path, content=content, headers=h)
+
+    return asyncio.run(go())
+
+
+def chat(content: str = "What is the capital of France?", **params: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **params}
+
+
+def refresh(setup: dict[str, Any]) -> None:
+    setup["holder"]["snap"] = routing_snapshot_build()
