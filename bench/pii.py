@@ -387,6 +387,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per chat-message timing (default 200)")
     parser.add_argument("--presidio", action="store_true", help="also run Microsoft Presidio's analyzer (see the docstring)")
+    parser.add_argument(
+        "--no-stores", action="store_true", help="skip running the corpus through a gateway and reading every store"
+    )
     args = parser.parse_args()
     try:
         entries = load_corpus()
@@ -414,12 +417,40 @@ def main() -> int:
         result = evaluate(entries, detector)
         timings = {f"{size // 1000} kB": time_calls(detector, chat_message(size), calls) for size in (1000, 10_000)}
         summary[name] = report(name, entries, result, timings, list_wrong=detector is ours)
+    if not args.no_stores:
+        summary["stored_personal_data"] = stored_after_corpus()
     # Timings taken on a busy host say so.
     summary["load_average_1min"] = os.getloadavg()[0]
     print(f"\nhost load average (1 min) at the end: {summary['load_average_1min']:.2f} on {os.cpu_count()} CPUs")
     print(json.dumps({"pii_bench": summary}))
     overall = summary["gateway.pii"]["overall"]
-    return 0 if overall["recall"] >= GOAL and overall["precision"] >= GOAL else 1
+    leaked = sum(sum(r["stores"].values()) for r in summary.get("stored_personal_data", {}).values())
+    return 0 if overall["recall"] >= GOAL and overall["precision"] >= GOAL and leaked == 0 else 1
+
+
+def stored_after_corpus() -> dict[str, Any]:
+    """Run ``bench/pii_stores.py`` once per tenant policy (each in its own
+    process: Django is set up on a temporary ``VAR_DIR``) and print, per
+    store, how many labelled spans of the corpus it holds after the corpus
+    went through a gateway. The goal is 0 everywhere."""
+    import subprocess
+
+    results: dict[str, Any] = {}
+    print("\npersonal data kept after the corpus went through a gateway (labelled spans found, per store):")
+    for policy in ("skip", "redact"):
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "pii_stores.py"), "--policy", policy],
+            capture_output=True, text=True, timeout=1800, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"bench/pii_stores.py --policy {policy} failed: {done.stderr[-2000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        results[policy] = result
+        stores = ", ".join(f"{store} {n}" for store, n in result["stores"].items())
+        print(f"  policy {policy:<6}: {result['requests']} requests in {result['seconds']} s; {stores}")
+        for store, span in result["found"]:
+            print(f"    found in {store}: {span!r}")
+    return results
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from django.conf import settings
 
 from inference.checkpoints import ensure_demo_checkpoints
 
+#: The gateway app fixture (``setup``) serves the gateway's tests and the control plane's.
+pytest_plugins = ["tests.gateway.fixtures"]
+
 #: Fixtures that start processes (a generated client's build, a server, a Celery worker): their tests are ``slow``.
 SLOW_FIXTURES = frozenset({"api", "server", "worker"})
 #: Fixtures that talk to the Redis server as a KV tier: their tests are ``redis``.

@@ -28,7 +28,6 @@ from cacheadmin.models import (
 )
 from cacheadmin.services.heat import corpus_load
 from cacheadmin.views_engine import engine_hit_ratio_series
-from tests.cacheadmin.test_api_fleet import real_version as real_version  # noqa: F401 - the fixture, reused
 
 pytestmark = pytest.mark.django_db
 

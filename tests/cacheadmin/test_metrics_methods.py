@@ -15,7 +15,6 @@ from django.test import Client
 
 from cacheadmin.models import AuditEvent, CacheNamespace, RetentionOwner, Tenant
 from tests.cacheadmin.conftest import make_version
-from tests.gateway.test_gateway_app import setup  # noqa: F401 - the fixture is used by name
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the live server's thread reads committed rows
 

@@ -1,4 +1,5 @@
-"""Fixtures of the gateway's tests that run it against the database."""
+"""Fixtures that run the gateway against the database: a pytest plugin of
+tests/conftest.py, so the gateway's tests and the control plane's reach them."""
 
 from __future__ import annotations
 
