@@ -13,6 +13,7 @@ from cacheadmin.services.engines import EngineRefused
 from cacheadmin.services.namespaces import namespace_salt_read
 from inference.engines.gpu_spec import CONNECTORS, GpuEngineSpec, gpu_engine_spec
 from inference.errors import InvalidField
+from inference.kv_transport import key_pair
 from inference.paths import has_mistral_tokenizer
 
 
@@ -45,6 +46,8 @@ def engine_gpu_spec(*, model_version: ModelVersion, namespace: CacheNamespace, c
             storage_root=str(settings.KV_STORE_ROOT),
             connector=connector,
             tokenizer_mode="mistral" if has_mistral_tokenizer(Path(model_version.path)) else "auto",
+            # Its KV events reach this control plane's consumer alone, through a CURVE relay.
+            consumer_key=key_pair(settings.KV_EVENTS_KEY_FILE)[0],
         )
     except ValueError as exc:
         raise InvalidField("connector", str(exc)) from exc

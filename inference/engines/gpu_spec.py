@@ -103,6 +103,9 @@ class GpuEngineSpec:
             persistent tier for this namespace and no other.
         cache_salt: what every request of this namespace sends as ``cache_salt``.
         argv: the server's command line, ``["vllm", "serve", model_ref, ...]``.
+        relay: the command line of the KV-event relay beside it
+            (:mod:`inference.kv_transport`), or empty when events stay on the host.
+        kv_events_dir: the private directory (mode 0700) of the engine's KV-event sockets.
         env: variables to set on top of the host's environment.
         files: file name → content, written to the server's working directory
             before it starts (the LMCache YAML; empty for the other connectors).
@@ -115,6 +118,8 @@ class GpuEngineSpec:
     storage_path: str
     cache_salt: str
     argv: list[str]
+    relay: list[str]
+    kv_events_dir: str
     env: dict[str, str]
     files: dict[str, str]
     notes: list[str]
@@ -124,7 +129,7 @@ class GpuEngineSpec:
 
         Returns:
             ``{"connector", "namespace_key", "storage_path", "cache_salt",
-            "argv", "env", "files", "notes"}`` in that order, ``env`` and
+            "argv", "relay", "env", "files", "notes"}`` in that order, ``env`` and
             ``files`` sorted by key, so two runs print the same bytes.
         """
         return {
@@ -133,6 +138,7 @@ class GpuEngineSpec:
             "storage_path": self.storage_path,
             "cache_salt": self.cache_salt,
             "argv": list(self.argv),
+            "relay": list(self.relay),
             "env": {key: self.env[key] for key in sorted(self.env)},
             "files": {name: self.files[name] for name in sorted(self.files)},
             "notes": list(self.notes),
@@ -141,9 +147,10 @@ class GpuEngineSpec:
     def to_shell(self) -> str:
         """A POSIX ``sh`` script that starts the server.
 
-        It creates the storage path, moves into a fresh working directory,
-        writes :attr:`files` there (quoted here-documents: no expansion), and
-        ``exec``s ``env K=V ... vllm serve ...``. Every word is quoted with
+        It creates the storage path and the private KV-event socket directory
+        (mode 0700), moves into a fresh working directory, writes :attr:`files`
+        there (quoted here-documents: no expansion), starts the KV-event relay
+        in the background (when there is one), and ``exec``s ``env K=V ... vllm serve ...``. Every word is quoted with
         :func:`shlex.quote`, so ``shlex.split`` of the last line gives back
         ``["exec", "env", "K=V", ..., *argv]``. The notes become ``#`` comments.
 
@@ -158,6 +165,9 @@ class GpuEngineSpec:
         for note in self.notes:
             lines.append("# - " + " ".join(note.split()))  # one comment line per note, whatever it contains
         lines += ["set -eu", f"mkdir -p -- {shlex.quote(self.storage_path)}"]
+        # Only this user may reach the engine's KV-event sockets (inference.kv_transport).
+        quoted_dir = shlex.quote(self.kv_events_dir)
+        lines += [f"mkdir -p -m 0700 -- {quoted_dir}", f"chmod 0700 -- {quoted_dir}"]
         # A fresh directory per start: relative file names in env (LMCACHE_CONFIG_FILE) resolve here.
         lines.append('workdir="$(mktemp -d "${TMPDIR:-/tmp}/kvcp-engine.XXXXXX")"')
         lines.append('cd "$workdir"')
@@ -170,6 +180,8 @@ class GpuEngineSpec:
             lines.append(f"cat > {shlex.quote(name)} <<'{_HEREDOC_END}'")
             lines += body
             lines.append(_HEREDOC_END)
+        if self.relay:
+            lines.append(" ".join(shlex.quote(word) for word in self.relay) + " &")
         words = ["exec", "env", *(f"{key}={self.env[key]}" for key in sorted(self.env)), *self.argv]
         lines.append(" ".join(shlex.quote(word) for word in words))
         return "\n".join(lines) + "\n"
@@ -184,8 +196,13 @@ def gpu_engine_spec(
     cache_salt: str,
     storage_root: str,
     connector: str,
-    kv_events_endpoint: str = "tcp://*:5557",
-    kv_events_replay_endpoint: str | None = "tcp://*:5558",
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = "",
+    kv_events_dir: str = "/run/kvcp-kv-events",
+    consumer_key: str | None = None,
+    relay_publish: str = "tcp://0.0.0.0:5557",
+    relay_replay: str = "tcp://0.0.0.0:5558",
+    relay_key_file: str = "/var/lib/kvcp/kv-relay.key",
     port: int = 8000,
     tokenizer_mode: str = "auto",
     cpu_cache_gib: int = 8,
@@ -210,11 +227,21 @@ def gpu_engine_spec(
         storage_root: absolute POSIX directory on the GPU host holding every
             namespace's persistent tier.
         connector: ``"example"``, ``"offloading"`` or ``"lmcache"``.
-        kv_events_endpoint: ZMQ endpoint of the KV event publisher. With ``*``
-            (or ``ipc://``) the engine binds; any other address makes it
-            connect, so one consumer can bind one address many engines push to.
+        kv_events_endpoint: ZMQ endpoint of the KV event publisher; default
+            ``ipc://{kv_events_dir}/{namespace_key}.pub``, which the engine binds
+            in a directory only its user can enter (vLLM's publisher has no
+            authentication: a TCP endpoint would take anyone's frames or serve
+            anyone the prompts' token ids).
         kv_events_replay_endpoint: ZMQ endpoint answering replay requests for
-            missed event batches, or None for none.
+            missed event batches; ``""`` (default) for
+            ``ipc://{kv_events_dir}/{namespace_key}.replay``, None for none.
+        kv_events_dir: the private directory of the default endpoints.
+        consumer_key: the control plane's KV-event consumer public key (CURVE,
+            Z85); with it the spec runs :mod:`inference.kv_transport`'s relay
+            beside the engine, publishing the stream and its replays over CURVE
+            on ``relay_publish``/``relay_replay`` to that consumer alone, under
+            the relay's own key in ``relay_key_file`` (created once, mode 0600).
+            None: events stay on the host.
         port: the OpenAI-compatible HTTP port (the server binds ``0.0.0.0``).
         tokenizer_mode: ``--tokenizer-mode``; pass ``"mistral"`` for a checkpoint
             whose identity was computed with the mistral_common tokenizer
@@ -258,8 +285,22 @@ def gpu_engine_spec(
     for name, value in (("cpu_cache_gib", cpu_cache_gib), ("disk_cache_gib", disk_cache_gib)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if kv_events_endpoint is None:
+        kv_events_endpoint = f"ipc://{posixpath.join(kv_events_dir, namespace_key)}.pub"
+    if kv_events_replay_endpoint == "":
+        kv_events_replay_endpoint = f"ipc://{posixpath.join(kv_events_dir, namespace_key)}.replay"
     if not kv_events_endpoint:
         raise ValueError("kv_events_endpoint is empty")
+    if not isinstance(kv_events_dir, str) or not posixpath.isabs(kv_events_dir) or "\x00" in kv_events_dir:
+        raise ValueError(f"kv_events_dir {kv_events_dir!r} is not an absolute path on the GPU host")
+    relay: list[str] = []
+    if consumer_key is not None:
+        relay = [
+            "python", "-m", "inference.kv_transport", "relay", "--engine-events", kv_events_endpoint,
+            *(["--engine-replay", kv_events_replay_endpoint] if kv_events_replay_endpoint else []),
+            "--publish", relay_publish, *(["--replay", relay_replay] if kv_events_replay_endpoint else []),
+            "--key-file", relay_key_file, "--allow", consumer_key,
+        ]  # fmt: skip
 
     vllm_name = VLLM_CONNECTOR_NAMES[connector]
     recorded = layout.get("kv_connector")
@@ -314,13 +355,15 @@ def gpu_engine_spec(
         # Relative: resolved in the server's working directory, where files are written.
         env["LMCACHE_CONFIG_FILE"] = LMCACHE_CONFIG_NAME
     argv += ["--kv-transfer-config", json.dumps(transfer)]
-    notes = common_notes(layout) + CONNECTOR_NOTES[connector](storage_path)
+    notes = common_notes(layout) + CONNECTOR_NOTES[connector](storage_path) + _kv_event_notes(relay, relay_key_file)
     return GpuEngineSpec(
         connector=connector,
         namespace_key=namespace_key,
         storage_path=storage_path,
         cache_salt=cache_salt,
         argv=argv,
+        relay=relay,
+        kv_events_dir=kv_events_dir,
         env=env,
         files=files,
         notes=notes,
@@ -540,6 +583,23 @@ def common_notes(layout: dict[str, Any]) -> list[str]:
         "(vllm/config/kv_events.py, vllm/distributed/kv_events.py).",
     ]
     return notes
+
+
+def _kv_event_notes(relay: list[str], key_file: str) -> list[str]:
+    """Where the engine's KV events go, and how the control plane adopts them."""
+    if not relay:
+        return ["KV events stay on this host (ipc sockets in a 0700 directory): give a consumer key to relay them."]
+    publish = relay[relay.index("--publish") + 1]
+    replay = relay[relay.index("--replay") + 1] if "--replay" in relay else None
+    return [
+        "KV events leave this host only through the relay (python -m inference.kv_transport, the project's inference "
+        f"package and pyzmq installed here): CURVE on {publish}"
+        + (f" (replays {replay})" if replay else "")
+        + ", admitting the control plane's consumer key alone. Run it as a service of its own in production.",
+        f"Adopt the engine with kv_events tcp://<this host>:{publish.rsplit(':', 1)[1]}"
+        + (f", kv_events_replay tcp://<this host>:{replay.rsplit(':', 1)[1]}" if replay else "")
+        + f" and kv_events_key: the relay's public key (python -m inference.kv_transport key --key-file {key_file}).",
+    ]
 
 
 def _example_notes(storage_path: str) -> list[str]:

@@ -89,8 +89,8 @@ HEAD = ["vllm", "serve", "/models/tiny-v1", "--served-model-name", "tiny", "--ho
 EVENTS = {
     "enable_kv_cache_events": True,
     "publisher": "zmq",
-    "endpoint": "tcp://*:5557",
-    "replay_endpoint": "tcp://*:5558",
+    "endpoint": f"ipc:///run/kvcp-kv-events/{NAMESPACE}.pub",
+    "replay_endpoint": f"ipc:///run/kvcp-kv-events/{NAMESPACE}.replay",
     "topic": NAMESPACE,
 }
 BASE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -240,7 +240,9 @@ def test_to_json_is_stable_and_to_shell_round_trips(connector: str) -> None:
     layout = full_layout(None)
     spec = spec_for(connector, layout, model_ref="/models/it's here")  # a quote the shell must survive
     data = spec.to_json()
-    assert list(data) == ["connector", "namespace_key", "storage_path", "cache_salt", "argv", "env", "files", "notes"]
+    assert list(data) == [
+        "connector", "namespace_key", "storage_path", "cache_salt", "argv", "relay", "env", "files", "notes",
+    ]  # fmt: skip
     assert list(data["env"]) == sorted(spec.env)
     assert json.dumps(data) == json.dumps(spec_for(connector, layout, model_ref="/models/it's here").to_json())
     script = spec.to_shell()
@@ -262,7 +264,8 @@ def test_shell_script_starts_exactly_the_spec(connector: str, tmp_path: Path) ->
     )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     root = tmp_path / "kv root"  # a space the script must quote
-    spec = spec_for(connector, full_layout(None), storage_root=str(root))
+    sockets = tmp_path / "kv events"
+    spec = spec_for(connector, full_layout(None), storage_root=str(root), kv_events_dir=str(sockets))
     record = tmp_path / "record.json"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), "KVCP_RECORD": str(record)}
     subprocess.run(["sh", "-c", spec.to_shell()], env=env, check=True, timeout=30)
@@ -271,6 +274,25 @@ def test_shell_script_starts_exactly_the_spec(connector: str, tmp_path: Path) ->
     assert {k: seen["env"].get(k) for k in spec.env} == spec.env
     assert seen["cwd_files"] == spec.files
     assert (root / NAMESPACE).is_dir()
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700  # only the engine's user reaches its KV-event sockets
+
+
+def test_with_a_consumer_key_a_curve_relay_carries_the_events_off_the_host() -> None:
+    consumer = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    spec = spec_for("offloading", full_layout(None), consumer_key=consumer)
+    assert spec.relay == [
+        "python", "-m", "inference.kv_transport", "relay",
+        "--engine-events", f"ipc:///run/kvcp-kv-events/{NAMESPACE}.pub",
+        "--engine-replay", f"ipc:///run/kvcp-kv-events/{NAMESPACE}.replay",
+        "--publish", "tcp://0.0.0.0:5557", "--replay", "tcp://0.0.0.0:5558",
+        "--key-file", "/var/lib/kvcp/kv-relay.key", "--allow", consumer,
+    ]  # fmt: skip
+    lines = spec.to_shell().splitlines()
+    assert shlex.split(lines[-2]) == [*spec.relay, "&"] and lines[-1].startswith("exec env ")
+    assert any("kv_events_key: the relay's public key" in note for note in spec.notes)
+    # Without one, events stay on the host and the notes say so.
+    alone = spec_for("offloading", full_layout(None))
+    assert alone.relay == [] and "KV events stay on this host" in alone.notes[-1]
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -296,7 +318,7 @@ def test_vllm_serve_parser_accepts_the_argv(connector: str) -> None:
     assert args.enable_prompt_tokens_details is True
     events = engine.kv_events_config
     assert (events.enable_kv_cache_events, events.publisher, events.endpoint, events.replay_endpoint, events.topic) == (
-        True, "zmq", "tcp://*:5557", "tcp://*:5558", NAMESPACE,
+        True, "zmq", f"ipc:///run/kvcp-kv-events/{NAMESPACE}.pub", f"ipc:///run/kvcp-kv-events/{NAMESPACE}.replay", NAMESPACE,
     )  # fmt: skip
     transfer = engine.kv_transfer_config
     assert transfer.kv_connector == VLLM_CONNECTOR_NAMES[connector]
