@@ -135,7 +135,7 @@ def run(texts: Sequence[tuple[str, Sequence[str]]], *, policy: str = "skip") -> 
         namespace_key="a" * 64, model_version=version, tenant=acme, retention_owner=owner, storage_prefix="ns-acme"
     )
     Engine.objects.create(
-        name="e1", model_version=version, namespace=namespace, base_url="http://engine-1", status="ready",
+        name="e1", model_version=version, namespace=namespace, base_url="http://127.0.0.1:18001", status="ready",
         verification="verified",
     )  # fmt: skip
     tenant_gateway_policy_update(tenant=acme, actor="bench", changes={"shadow_sample_rate": 1.0, "personal_data": policy})

@@ -52,6 +52,8 @@ class EngineTarget:
             by shadow verification only, never for traffic.
         version_id: the model version it computes.
         fingerprint: that version's :func:`model_fingerprint` (what its answers carry).
+        headers: sent with every request to it (``Host`` when ``base_url`` was
+            pinned to the address the control plane checked).
     """
 
     id: int
@@ -61,6 +63,7 @@ class EngineTarget:
     reference: bool = False
     version_id: int = 0
     fingerprint: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

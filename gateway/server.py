@@ -940,8 +940,9 @@ class Gateway:
     async def _open(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response | Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         request = self.client.build_request(
-            "POST", engine.base_url.rstrip("/") + path, json={**payload, "model": engine.served_model}
-        )
+            "POST", engine.base_url.rstrip("/") + path, json={**payload, "model": engine.served_model},
+            headers=dict(engine.headers),
+        )  # fmt: skip
         response = await self.client.send(request, stream=True)
         if response.status_code >= 400:
             content = await response.aread()

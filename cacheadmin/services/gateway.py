@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -49,6 +50,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.gateway import routing_changed, routing_relevant
 from cacheadmin.models.naming import validate_display_name
+from cacheadmin.services.addresses import engine_target
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
@@ -72,7 +74,10 @@ from gateway.routing import (
 from gateway.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from inference.errors import InvalidField, Refused
 from inference.identity import cache_salt
+from inference.netpolicy import AddressRefused
 from inference.tiers.base import TierUnavailable
+
+log = logging.getLogger(__name__)
 
 #: Head of every gateway key: ``kvgw_<prefix>_<secret>``.
 KEY_HEAD = "kvgw"
@@ -375,10 +380,16 @@ def routing_snapshot_build() -> RoutingSnapshot:
     )
     identity_of: dict[int, str] = {}
     for engine in live_engines:
+        try:
+            # The address is checked and pinned here: gateways contact no address the policy refuses.
+            url, headers = engine_target("base_url", engine.base_url)
+        except AddressRefused as exc:
+            log.warning("engine %s is not routed: %s", engine.name, exc.problem)
+            continue
         identity_of[engine.pk] = engine.model_version.identity
         target = EngineTarget(
-            engine.pk, engine.name, engine.base_url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
-            engine.model_version_id, model_fingerprint(engine.model_version.identity),
+            engine.pk, engine.name, url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
+            engine.model_version_id, model_fingerprint(engine.model_version.identity), tuple(headers.items()),
         )  # fmt: skip
         if target.reference:
             references.setdefault(engine.model_version_id, []).append(target)

@@ -161,3 +161,22 @@ def test_an_engine_whose_address_is_refused_now_is_not_contacted(world) -> None:
         engine_client(row)
     with pytest.raises(AddressRefused):
         AddressPolicy.parse([]).check_url("url", "http://169.254.169.254")
+
+
+def test_gateways_route_to_checked_and_pinned_addresses_only(world) -> None:
+    from cacheadmin.services.gateway import routing_snapshot_build
+
+    ns = world["ns"]["acme"]
+    named = Engine.objects.create(
+        name="named", model_version=world["v1"], namespace=ns, base_url="http://localhost:18009", status="ready",
+        verification="verified",
+    )  # fmt: skip
+    Engine.objects.create(
+        name="metadata", model_version=world["v1"], namespace=ns, base_url="http://169.254.169.254:80", status="ready",
+        verification="verified",
+    )  # fmt: skip
+    targets = {e.name: e for e in routing_snapshot_build().namespaces[ns.pk].engines}
+    assert set(targets) == {"named"}
+    assert (targets["named"].id, targets["named"].base_url, targets["named"].headers) == (
+        named.pk, "http://127.0.0.1:18009", (("Host", "localhost:18009"),),
+    )  # fmt: skip

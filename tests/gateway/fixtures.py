@@ -30,7 +30,7 @@ def setup(tmp_path: Path) -> dict[str, Any]:
         namespace_key="a" * 64, model_version=v1, tenant=acme, retention_owner=owner, storage_prefix="ns-acme"
     )
     engine = Engine.objects.create(
-        name="e1", model_version=v1, namespace=ns, base_url="http://engine-1", status="ready", verification="verified"
+        name="e1", model_version=v1, namespace=ns, base_url="http://127.0.0.1:18001", status="ready", verification="verified"
     )
     _, key = gateway_key_issue(tenant=acme, name="app", actor="test")
     _, globex_key = gateway_key_issue(tenant=globex, name="other", actor="test")

@@ -176,7 +176,7 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
         storage_prefix="ns-acme-v2",
     )  # fmt: skip
     Engine.objects.create(
-        name="e2", model_version=v2, namespace=ns2, base_url="http://engine-2", status="ready", verification="verified"
+        name="e2", model_version=v2, namespace=ns2, base_url="http://127.0.0.1:18002", status="ready", verification="verified"
     )
     Release.objects.create(
         served_name="tiny", tenant=setup["acme"], from_version=setup["v1"], to_version=v2, classification="incompatible",
@@ -386,7 +386,7 @@ def test_an_engine_of_another_version_on_a_namespace_never_gets_its_traffic(setu
     yet v1's requests never reach it."""
     v2 = make_version("v2", "2" * 64, weights="9" * 64)
     Engine.objects.create(
-        name="v2-on-v1", model_version=v2, namespace=setup["ns"], base_url="http://engine-unsafe", status="ready",
+        name="v2-on-v1", model_version=v2, namespace=setup["ns"], base_url="http://127.0.0.1:18003", status="ready",
         verification="verified", identity_override="showing the unsafe upgrade",
     )  # fmt: skip
     refresh(setup)
@@ -405,7 +405,7 @@ def test_under_a_verified_reuse_an_engine_of_the_new_version_serves_the_shared_n
     new version's engine computes the same state, and answers name the version each request was routed to."""
     v1gen = make_version("v1-gen", "1" * 64)
     Engine.objects.create(
-        name="e1-gen", model_version=v1gen, namespace=setup["ns"], base_url="http://engine-gen", status="ready",
+        name="e1-gen", model_version=v1gen, namespace=setup["ns"], base_url="http://127.0.0.1:18004", status="ready",
         verification="verified",
     )  # fmt: skip
     Release.objects.create(
