@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import urlsplit
 
-from inference.errors import ControlPlaneError
+from inference.errors import InvalidField
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -63,21 +63,12 @@ DEFAULT_ALLOWED = ("127.0.0.0/8", "::1/128")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-class AddressRefused(ControlPlaneError):
+class AddressRefused(InvalidField):
     """An address the control plane will not contact (400 ``address_refused``,
-    exit 2). The message names the field, the address and the rule, never
-    anything read from that address."""
+    exit 2), on the field that named it. The message names the field, the
+    address and the rule, never anything read from that address."""
 
     code: ClassVar[str] = "address_refused"
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
-
-    def fields(self) -> dict[str, list[str]]:
-        """``{field: [problem]}``."""
-        return {self.field: [self.problem]}
 
 
 def _plain(address: IPAddress) -> IPAddress:
