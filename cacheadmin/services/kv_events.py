@@ -56,8 +56,16 @@ FLUSH_S = 2.0
 #: A sample is written at least this often (seconds) even when nothing changed,
 #: so a chart shows a flat line instead of a hole.
 SAMPLE_HEARTBEAT_S = 60.0
+#: Larger than any sequence number: a replay "to the end".
+END_OF_STREAM = (1 << 63) - 1
 #: How long a replay may take before the gap is recorded instead (seconds).
 REPLAY_TIMEOUT_S = 3.0
+#: Seconds between catch-up replays of a stream (what was published before the
+#: subscription took, or while the consumer was down); doubles, up to
+#: :data:`CATCH_UP_MAX_S`, while the engine's replay endpoint does not answer.
+CATCH_UP_S = 5.0
+CATCH_UP_MAX_S = 60.0
+CATCH_UP_TIMEOUT_S = 1.0
 #: The consumer is "running" for an engine while its heartbeat is this recent.
 CONSUMER_STALE_S = 15.0
 
@@ -93,6 +101,9 @@ class Stream:
     sampled: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     sampled_at: float = 0.0
     base_events: int = 0
+    #: When the next catch-up replay is due (monotonic seconds), and the interval after a silent one.
+    catch_up_at: float = 0.0
+    catch_up_every: float = CATCH_UP_S
 
 
 #: Tracker incident → (alarm kind, message template).
@@ -355,10 +366,38 @@ class KvEventConsumer:
                 detail=f"{stream.garbage} frames that are not vLLM KV-event batches on {stream.endpoint}; last: {why[:300]}",
             )  # fmt: skip
 
-    def _replay(self, stream: Stream, start: int, upto: int) -> list[list[bytes]] | None:
+    def catch_up(self, stream: Stream) -> None:
+        """Apply what the engine published since the last batch applied, from its replay.
+
+        The engine binds its publisher and the consumer connects: batches sent
+        before a new subscription takes (a consumer just started or restarted)
+        reach no one, and without a later batch no gap would show. So every
+        :data:`CATCH_UP_S` the consumer asks the engine's replay for what
+        follows its last batch (nothing, usually: one round trip). A start
+        the engine's buffer no longer holds is a gap the engine confirms.
+        """
+        start = 0 if stream.last_seq is None else stream.last_seq + 1
+        # Briefly: the loop waits on it, and a silent endpoint is asked again later.
+        replayed = self._replay(stream, start, END_OF_STREAM, timeout_s=CATCH_UP_TIMEOUT_S)
+        now = time.monotonic()
+        if replayed is None:
+            stream.catch_up_every = min(CATCH_UP_MAX_S, stream.catch_up_every * 2)
+            stream.catch_up_at = now + stream.catch_up_every
+            return
+        stream.catch_up_every, stream.catch_up_at = CATCH_UP_S, now + CATCH_UP_S
+        if not replayed:
+            return
+        first = seq_of(replayed[0][1])
+        if stream.last_seq is not None and first > start:
+            self._record_gap(stream, start, first - 1, confirmed=True)
+            stream.last_seq = first - 1
+        for frames in replayed:
+            self.handle(stream, frames, replaying=True)
+
+    def _replay(self, stream: Stream, start: int, upto: int, *, timeout_s: float = REPLAY_TIMEOUT_S) -> list[list[bytes]] | None:
         """The engine's own batches ``start..upto`` from its replay endpoint, in
         order, as ``[topic, seq, payload]`` frames; None when it has no replay
-        endpoint or did not answer (no end marker within :data:`REPLAY_TIMEOUT_S`)."""
+        endpoint or did not answer (no end marker within ``timeout_s``)."""
         if not stream.replay_endpoint:
             return None
         stream.replays += 1
@@ -370,7 +409,7 @@ class KvEventConsumer:
         try:
             dealer.connect(stream.replay_endpoint)
             dealer.send_multipart([b"", seq_bytes(start)])
-            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 if not dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                     return None
@@ -548,6 +587,10 @@ class KvEventConsumer:
                     self.burst_at = None
                     if stream.urgent:
                         self._flush_stream(stream)
+                now = time.monotonic()
+                for stream in list(self.streams.values()):
+                    if now >= stream.catch_up_at:
+                        self.catch_up(stream)
                 if time.monotonic() - self._flushed > FLUSH_S:
                     self.flush()
         finally:

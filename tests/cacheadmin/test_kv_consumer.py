@@ -272,3 +272,30 @@ def test_a_remote_engines_stream_is_read_through_its_curve_relay(world, engine_s
         thread.join(timeout=20)
         stop_relay.set()
         relay_thread.join(timeout=10)
+
+
+def test_what_was_published_before_the_subscription_is_caught_up_from_the_replay(world, engine_stream) -> None:
+    """The engine binds its publisher: batches sent before a consumer subscribes
+    reach no one, and with no later batch no gap would show. A catch-up replay
+    applies them; a start the engine no longer holds is a gap it confirms."""
+    engine, publisher = engine_stream
+    salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="consumer test")
+    for n in range(3):
+        publisher.publish(_stored([10 + n], salt))  # nobody subscribed yet
+    consumer = KvEventConsumer()
+    consumer.refresh()
+    stream = consumer.streams[engine.pk]
+    consumer.catch_up(stream)
+    acme = world["ns"]["acme"].pk
+    assert stream.residency.totals() == {("GPU", acme): (3, 96)} and stream.last_seq == 2
+    consumer.catch_up(stream)  # nothing new: nothing changes
+    assert stream.last_seq == 2 and stream.gaps == 0
+    publisher.buffer = type(publisher.buffer)(publisher.buffer, maxlen=1)
+    for n in range(3):
+        publisher.frames(_stored([20 + n], salt))
+    consumer.catch_up(stream)
+    assert (stream.last_seq, stream.gaps, stream.complete) == (5, 1, False)
+    assert stream.residency.totals() == {("GPU", acme): (4, 128)}
+    consumer.flush(force=True)
+    assert "batches 3..4 missed" in EngineAlarm.objects.get(engine=engine, kind="kv_events_gap").detail
+    consumer.ctx.destroy(linger=0)
