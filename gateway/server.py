@@ -288,6 +288,19 @@ def _completion_id(endpoint: str) -> str:
     ).hexdigest()
 
 
+def _client_error(chunk: Mapping[str, Any]) -> bool:
+    """Whether an error event inside an engine's stream is about the request (vLLM 0.32 streams
+    ``{"error": {"message", "type": "BadRequestError", "code": 400}}`` when it refuses a request
+    after the stream opened; ``vllm/entrypoints/generate/base/serving.py`` ``create_streaming_error_response``)."""
+    error = chunk.get("error")
+    if not isinstance(error, Mapping):
+        return False
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return 400 <= code < 500
+    return error.get("type") in ("BadRequestError", "invalid_request_error", "NotFoundError")
+
+
 def _answer_from_record(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
     return {
         "id": _completion_id(endpoint),
@@ -869,6 +882,10 @@ class Gateway:
             break
         assembler = _StreamAssembler(endpoint, engine.fingerprint)
         upstream_response = opened
+        # An error the engine reports inside the stream about the request itself (a 4xx: a token id
+        # outside the vocabulary) is the caller's, not a failing engine's: it never opens the breaker
+        # (one tenant's bad requests would otherwise take a shared engine from every tenant).
+        refused: list[dict[str, Any]] = []
 
         async def relay() -> AsyncIterator[bytes]:
             complete = False
@@ -889,6 +906,8 @@ class Gateway:
                     except ValueError:
                         continue
                     if "error" in chunk and "choices" not in chunk:
+                        if _client_error(chunk):
+                            refused.append(chunk)
                         if stream:
                             yield _sse(chunk)
                         break
@@ -905,7 +924,7 @@ class Gateway:
                                           "param": None, "code": "engine_failed"}})  # fmt: skip
             finally:
                 await upstream_response.aclose()
-                self._done(engine, ok=complete)
+                self._done(engine, ok=complete or bool(refused))
                 record = assembler.record() if complete else None
                 if record is not None:
                     first = assembler.first_token_at or time.perf_counter()
@@ -930,6 +949,8 @@ class Gateway:
             return _ProxyStream(relay(), _served_headers(routed, "engine", engine))
         async for _ in relay():
             pass
+        if refused:
+            return JSONResponse({"error": refused[0]["error"]}, status_code=400)
         if not assembler.choices:
             return GatewayError(
                 502, f"engine {engine.name} failed before answering", type_="server_error", code="engine_failed"

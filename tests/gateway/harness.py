@@ -22,6 +22,8 @@ class FakeEngine:
         self.received: list[dict[str, Any]] = []
         self.seen_prompts: set[str] = set()
         self.fail_mid_stream = False
+        #: An error event the engine streams instead of an answer (as vLLM does for a request it refuses late).
+        self.stream_error: dict[str, Any] | None = None
         self.down = False
         self.delay_s = 0.0
 
@@ -48,6 +50,8 @@ class FakeEngine:
                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
         chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"], "choices": [], "usage": usage})
         fail = self.fail_mid_stream
+        if self.stream_error is not None:
+            chunks = [chunks[0], self.stream_error]
 
         async def stream():  # type: ignore[no-untyped-def]
             for n, chunk in enumerate(chunks):

@@ -424,3 +424,21 @@ def test_under_a_verified_reuse_an_engine_of_the_new_version_serves_the_shared_n
         assert answer.headers["x-kvcp-fingerprint"] == answer.json()["system_fingerprint"] == "fp_" + "1" * 16
         seen.add(answer.headers["x-kvcp-version"])
     assert seen == {"v1", "v1-gen"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_refusing_a_request_inside_its_stream_never_opens_its_breaker(setup, stream: bool) -> None:
+    """Found: five requests with a token id outside the vocabulary (refused by the engine
+    after its stream opened) opened a shared engine's breaker: 503 for every tenant on it."""
+    refusal = {"error": {"message": "token id 99999 out of vocabulary", "type": "BadRequestError", "param": None, "code": 400}}
+    setup["fake"].stream_error = refusal
+    bad = chat("hello", temperature=0, logit_bias={"99999": 5}, stream=stream)
+    for _ in range(setup["runtime"].limits.breaker_failures + 2):
+        answer = call(setup, bad)
+        if stream:
+            assert answer.status_code == 200 and json.dumps(refusal) in answer.text
+        else:
+            assert (answer.status_code, answer.json()) == (400, {"error": refusal["error"]})
+    assert setup["gateway"].breaker.snapshot()[str(setup["engine"].pk)]["state"] == "closed"
+    setup["fake"].stream_error = None
+    assert call(setup, chat("What is the capital of France?", temperature=0)).status_code == 200
