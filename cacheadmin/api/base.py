@@ -20,6 +20,17 @@ def actor_of(request: Request) -> str:
     return f"{request.user.get_username()}" + (f" (token {token})" if token else "")
 
 
+def no_body(request: Request) -> None:
+    """Refuse a body on an action that takes none: a body that is not empty or ``{}``
+    (malformed JSON included) is a 400, so a caller's mistake never passes unnoticed.
+
+    Raises:
+        ValidationError: the body is something else (400, the one envelope).
+    """
+    if not (isinstance(request.data, dict) and not request.data):
+        raise ValidationError({"non_field_errors": ["this request takes no body (or an empty JSON object)"]})
+
+
 def validated(request: Request, serializer_class: type) -> dict[str, Any]:
     """Validate a request body with ``serializer_class``; 400 envelope on error."""
     if not isinstance(request.data, dict):

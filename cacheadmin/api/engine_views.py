@@ -15,7 +15,7 @@ from rest_framework.response import Response
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import shared_change_check
-from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
+from cacheadmin.api.base import ScopedViewSetMixin, actor_of, no_body, validated
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerification
 from cacheadmin.services.alarms import alarm_resolve
@@ -93,12 +93,14 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str | None = None) -> Response:
         """Stop a local engine's process; take an adopted one out of service."""
+        no_body(request)
         return self._answer(engine_stop(engine=self._shared_engine(), actor=actor_of(request)))
 
     @extend_schema(request=None, responses={202: s.EngineSerializer})
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
         """Restart a local engine (a new incarnation, booted and verified by a worker); 409 for adopted ones."""
+        no_body(request)
         engine = engine_restart(engine=self._shared_engine(), actor=actor_of(request), boot=False)
         engine_boot_enqueue(engine)
         return self._answer(engine, status.HTTP_202_ACCEPTED)
@@ -108,6 +110,7 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     def verify(self, request: Request, pk: str | None = None) -> Response:
         """Re-verify against the identity and the verified baseline (409 with each
         differing field in ``error.fields`` when it does not pass)."""
+        no_body(request)
         return Response(s.EngineVerificationSerializer(engine_verify(engine=self._shared_engine(), actor=actor_of(request))).data)
 
     @extend_schema(request=s.EngineAdoptSerializer, responses={201: s.EngineSerializer})

@@ -18,7 +18,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
-from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
+from cacheadmin.api.base import ScopedViewSetMixin, actor_of, no_body, validated
 from cacheadmin.api.idempotency import IdempotentWritesMixin, answers_secrets
 from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
 from cacheadmin.models import ApiToken, CacheNamespace, GatewayKey, ShadowCheck
@@ -79,6 +79,7 @@ class GatewayKeyViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Create
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         """Revoke the key: gateways refuse it within a second (idempotent)."""
+        no_body(request)
         return Response(s.GatewayKeySerializer(gateway_key_revoke(key=self.get_object(), actor=actor_of(request))).data)
 
 

@@ -15,7 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from cacheadmin.api import serializers as s
-from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
+from cacheadmin.api.base import ScopedViewSetMixin, actor_of, no_body, validated
 from cacheadmin.api.idempotency import IdempotentWritesMixin, idempotent
 from cacheadmin.api.payloads import RouteSerializer
 from cacheadmin.api.schema import error_response
@@ -64,6 +64,7 @@ class ReleaseViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnl
     @idempotent
     def evidence(self, request: Request, pk: str | None = None) -> Response:
         """Collect evidence (a): the diagnostic corpus' token ids under both versions."""
+        no_body(request)
         release = self.get_object()
         release_collect_tokenization_evidence(release=release, actor=actor_of(request))
         return Response(s.ReleaseSerializer(Release.objects.get(pk=release.pk)).data)
@@ -84,6 +85,7 @@ class ReleaseViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnl
     def ready(self, request: Request, pk: str | None = None) -> Response:
         """Mark ready: 200 once the new namespace's prewarm verified (or the purge
         was confirmed by every tier); 409 with what it is waiting for otherwise."""
+        no_body(request)
         release = release_mark_ready(release=self.get_object(), actor=actor_of(request))
         return Response(s.ReleaseSerializer(release).data)
 

@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 
 from cacheadmin.api import serializers as s
 from cacheadmin.api.auth import NamespacePolicyPermission, request_tenant, shared_change_check
-from cacheadmin.api.base import ScopedViewSetMixin, actor_of, every_row, validated
+from cacheadmin.api.base import ScopedViewSetMixin, actor_of, every_row, no_body, validated
 from cacheadmin.api.filters import CacheNamespaceFilterSet, TierUsageFilterSet
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
@@ -543,8 +543,7 @@ class AccountingScanViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
 
     @extend_schema(request=None, responses={202: s.AccountingScanSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        if not (isinstance(request.data, dict) and not request.data):
-            raise ValidationError({"non_field_errors": ["this request takes no body (or an empty JSON object)"]})
+        no_body(request)
         scan = accounting_scan_create(actor=actor_of(request))
         return Response(s.AccountingScanSerializer(scan).data, status=status.HTTP_202_ACCEPTED)
 

@@ -154,7 +154,7 @@ def _candidate(url: str, model_version: ModelVersion) -> VllmHttpClient:
     return VllmHttpClient(pinned, model_version.served_name, headers=headers)
 
 
-def _refuse_shared_or_salt_blind(url: str, model_version: ModelVersion) -> None:
+def _refuse_salt_blind_tier(url: str, model_version: ModelVersion) -> None:
     """Probe a would-be serving engine's tiers: it must serve no KV across salts
     (:func:`inference.engines.probes.reads_across_salts`), whatever its
     connector says it is.
@@ -313,7 +313,7 @@ def engine_adopt(
         _refuse_same_engine(url, model_version)
     connector = _adopted_connector(declared, facts.get("kv_connector"), serving=namespace is not None)
     if namespace is not None:
-        _refuse_shared_or_salt_blind(url, model_version)
+        _refuse_salt_blind_tier(url, model_version)
     now = timezone.now()
     with transaction.atomic():
         quota_check(tenant=namespace.tenant if namespace is not None else None, kind="engines")

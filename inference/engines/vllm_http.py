@@ -139,7 +139,8 @@ class VllmHttpClient:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine at {self.base_url} unreachable on {path}: {exc!r}") from exc
+            log.warning("engine at %s unreachable on %s: %r", self.base_url, path, exc)
+            raise EngineError(f"engine at {self.base_url} unreachable on {path}") from exc
         if response.status_code >= 400:
             raise EngineError(f"engine at {self.base_url} {error_status(response, path)}")
         return response
@@ -283,7 +284,8 @@ class VllmHttpClient:
                             result.token_ids.append(_token_id(entry["token"]))
                             result.logprobs.append(float(entry["logprob"]))
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine at {self.base_url} failed during chat: {exc!r}") from exc
+            log.warning("engine at %s failed during chat: %r", self.base_url, exc)
+            raise EngineError(f"engine at {self.base_url} failed during chat") from exc
         except (json.JSONDecodeError, KeyError, ValueError, TypeError, AttributeError) as exc:
             # The exception's text may quote what the server sent: named by its class only.
             raise EngineError(f"engine at {self.base_url} sent a malformed stream ({type(exc).__name__})") from exc

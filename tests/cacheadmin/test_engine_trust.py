@@ -15,7 +15,7 @@ import pytest
 from django.conf import settings
 
 from cacheadmin.models import Engine, Tenant
-from cacheadmin.services.fleet import _refuse_shared_or_salt_blind, engine_adopt
+from cacheadmin.services.fleet import _refuse_salt_blind_tier, engine_adopt
 from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import (
     DEMO_POLICY,
@@ -160,7 +160,7 @@ def test_a_namespace_is_refused_on_a_tier_that_serves_kv_across_salts(demo_check
     with VllmHttpClient(salt_blind_engine.base_url, "tiny") as client:
         assert reads_across_salts(client, secret=settings.CACHE_SALT_SECRET, block_size=32) >= 3 * 32
     with pytest.raises(Refused, match=r"the engine served \d+ tokens of KV computed under another cache_salt"):
-        _refuse_shared_or_salt_blind(salt_blind_engine.base_url, version)
+        _refuse_salt_blind_tier(salt_blind_engine.base_url, version)
     # Its own namespace's traffic still gets its cached prefix: the probes changed nothing of it.
     salt = namespace_salt_read(namespace, actor="test", purpose="trust test")
     with VllmHttpClient(salt_blind_engine.base_url, "tiny") as client:

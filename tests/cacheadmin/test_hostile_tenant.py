@@ -412,3 +412,31 @@ def test_uniqueness_errors_name_no_other_tenant(hostile: dict[str, Any]) -> None
     assert engine.status_code == 400 and engine.json()["error"]["fields"] == {"name": ["the name e-acme is taken"]}
     text = json.dumps([answer.json(), engine.json()])
     assert not re.search(r"\bacme\b(?!-only)", text.replace("e-acme", "")), text
+
+
+def test_actions_that_take_no_body_refuse_one_and_change_nothing(hostile: dict[str, Any]) -> None:
+    """Found: revoke and verify acted on a malformed or unexpected body. Every POST the
+    schema declares without a request body refuses one, exactly, and changes nothing."""
+    alice = hostile["clients"]["alice"]
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    bodiless = sorted(path for path, ops in schema["paths"].items() if "post" in ops and "requestBody" not in ops["post"])
+    assert bodiless == [
+        "/api/accounting-scans/", "/api/engines/{id}/restart/", "/api/engines/{id}/stop/", "/api/engines/{id}/verify/",
+        "/api/gateway-keys/{id}/revoke/", "/api/releases/{id}/evidence/", "/api/releases/{id}/ready/",
+    ]  # fmt: skip
+    ids = {
+        "engines": hostile["engine"].pk, "gateway-keys": hostile["acme_objects"]["gateway-keys"].pk,
+        "releases": hostile["acme_objects"]["releases"].pk,
+    }  # fmt: skip
+    refused = {"status": 400, "code": "invalid", "message": "this request takes no body (or an empty JSON object)",
+               "fields": {"non_field_errors": ["this request takes no body (or an empty JSON object)"]}}  # fmt: skip
+    before = _state()
+    for path in bodiless:
+        concrete = path.replace("{id}", str(ids.get(path.split("/")[2], 0)))
+        for body in ('{"zzz": 1}', "[]", "null", '"x"'):
+            answer = alice.post(concrete, data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=uuid.uuid4().hex)
+            assert (answer.status_code, answer.json()["error"]) == (400, refused), (concrete, body)
+        broken = alice.post(concrete, data="{", content_type="application/json", HTTP_IDEMPOTENCY_KEY=uuid.uuid4().hex)
+        assert (broken.status_code, broken.json()["error"]["code"]) == (400, "parse_error"), concrete
+        assert _state() == before, concrete
+    assert GatewayKey.objects.get(pk=ids["gateway-keys"]).revoked_at is None

@@ -57,7 +57,7 @@ def test_an_engine_that_reports_the_identity_passes_every_check() -> None:
 
 
 def test_each_difference_is_named_with_what_was_expected_and_seen() -> None:
-    assert failed(served_names=["other"], models=None) == {"served_name": ("llama", ["other"])}
+    assert failed(served_names=["other"], models=None) == {"served_name": ("llama", "serves 1 other model name(s)")}
     assert failed(cache_config=None) == {"cache_config_info": ("present", None)}
     assert failed(cache_config={**facts()["cache_config"], "block_size": "32", "cache_dtype": "fp8"}) == {
         "block_size": ("16", "32"), "kv_cache_dtype": ("bfloat16", "fp8"),
@@ -66,13 +66,27 @@ def test_each_difference_is_named_with_what_was_expected_and_seen() -> None:
         "dtype": ("bfloat16", "float16"), "tensor_parallel_size": (2, 1),
     }  # fmt: skip
     assert failed(version="0.31.1") == {"engine_version": ("0.32.0", "0.31.1")}
-    assert failed(output=" Lyon") == {"output": (" Paris", " Lyon")}
+    # Generated text of the server checked is not repeated: its length only.
+    assert failed(output=" Lyon") == {"output": (" Paris", "a different answer (5 characters, not shown)")}
     first = PROBES[0]
     want = Ids().encode_chat(first)
     other = failed(tokens={**facts()["tokens"], first.id: [*want[:1], 999, *want[2:]]})
     assert other == {f"tokenizer:{first.id}": (f"{len(want)} tokens", f"{len(want)} tokens, first difference at token 1")}
     missing = failed(tokens={**facts()["tokens"], first.id: "error: engine at x answered 404"})
-    assert missing == {f"tokenizer:{first.id}": (f"{len(want)} tokens", "error: engine at x answered 404")}
+    assert missing == {f"tokenizer:{first.id}": (f"{len(want)} tokens", "(a value of 31 characters, not shown)")}
+
+
+def test_nothing_a_server_answered_is_repeated_in_a_check() -> None:
+    """Found: adopting a fake server repeated its /metrics labels and /version in the 409."""
+    secret = "SECRET-XYZZY-42"
+    cache = {**facts()["cache_config"], "block_size": secret, "cache_dtype": secret, "enable_prefix_caching": secret}
+    checks = failed(cache_config=cache, version=secret, output=secret, server_info={"dtype": secret, "quantization": secret})
+    assert secret not in repr(checks)
+    assert checks["block_size"] == ("16", "(a value of 15 characters, not shown)")
+    assert checks["engine_version"] == ("0.32.0", "(a value of 15 characters, not shown)")
+    baseline = drift_baseline(facts())
+    drifted = compare_drift(baseline, facts(version=secret, output=secret, models={"id": secret, "root": secret}))
+    assert secret not in repr([c.as_dict() for c in drifted])
 
 
 def test_drift_is_any_change_from_the_verified_reading() -> None:
