@@ -1,13 +1,21 @@
 """The addresses the control plane contacts engines at: the deployment's
 address policy (``ENGINE_ALLOWED_NETWORKS``) applied to every URL and
-endpoint before anything is sent (see :mod:`inference.netpolicy`)."""
+endpoint before anything is sent (see :mod:`inference.netpolicy`), and the
+API key of every engine it starts."""
 
 from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from inference.netpolicy import AddressPolicy, pinned_url
+
+if TYPE_CHECKING:
+    from cacheadmin.models import Engine
 
 
 def engine_address_policy() -> AddressPolicy:
@@ -32,3 +40,22 @@ def engine_target(field: str, url: str) -> tuple[str, dict[str, str]]:
     """
     origin = engine_address_policy().check_url(field, url)
     return pinned_url(url, origin.addresses)
+
+
+def engine_api_key(engine: Engine) -> str | None:
+    """The API key of a local engine's current incarnation (None for an adopted
+    one: its keys are its operator's). Derived, never stored: an HMAC of the
+    engine's id and generation under the server secret, so every control-plane
+    process (web, workers, gateways) computes it and a restart changes it.
+    vLLM requires it on every route (:mod:`inference.engines.serve`), so no
+    other local user can drive the engine."""
+    if engine.origin != "local":
+        return None
+    message = f"engine-api-key:{engine.pk}:{engine.generation}".encode()
+    return hmac.new(settings.CACHE_SALT_SECRET.encode(), message, hashlib.sha256).hexdigest()
+
+
+def engine_headers(engine: Engine) -> dict[str, str]:
+    """What every request to ``engine`` carries: its API key, when it has one."""
+    key = engine_api_key(engine)
+    return {"Authorization": f"Bearer {key}"} if key else {}

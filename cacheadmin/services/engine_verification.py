@@ -10,7 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import Engine, EngineAlarm, EngineVerification, ModelVersion
-from cacheadmin.services.addresses import engine_target
+from cacheadmin.services.addresses import engine_headers, engine_target
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from inference.corpus import load_corpus
@@ -50,13 +50,20 @@ class EngineUnreachable(ControlPlaneError):
 
 
 def identity_checks(
-    *, base_url: str, metrics_url: str, model_version: ModelVersion, prefix_caching: bool, reference: bool = True
+    *,
+    base_url: str,
+    metrics_url: str,
+    model_version: ModelVersion,
+    prefix_caching: bool,
+    reference: bool = True,
+    auth: dict[str, str] | None = None,
 ) -> tuple[list[Check], dict[str, Any]]:
     """Observe the engine and check it against ``model_version``'s identity.
 
     Args:
         reference: compare the greedy probe output with the version's
             recorded one (False for the local engine that records it).
+        auth: headers that authenticate to the engine (a local engine's API key).
 
     Returns:
         ``(checks, facts)``.
@@ -81,7 +88,10 @@ def identity_checks(
         metrics_pinned, _ = engine_target("metrics_url", metrics_url)
     except AddressRefused as exc:
         raise EngineError(exc.problem) from exc
-    facts = observe(url, metrics_url=metrics_pinned, served_name=model_version.served_name, probes=probes, headers=headers)
+    facts = observe(
+        url, metrics_url=metrics_pinned, served_name=model_version.served_name, probes=probes,
+        headers={**headers, **(auth or {})},
+    )  # fmt: skip
     reference_output = model_version.probe_output if (reference and model_version.probe_output) else None
     checks = compare_identity(expected, facts, tokenizer=tokenizer, probes=probes, reference_output=reference_output)
     return checks, facts
@@ -144,6 +154,7 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
             # A local engine computes from the checkpoint itself: its answer is
             # the reference when none is recorded yet.
             reference=not (engine.origin == Engine.Origin.LOCAL and not version.probe_output),
+            auth=engine_headers(engine),
         )
     except EngineError as exc:
         with transaction.atomic():

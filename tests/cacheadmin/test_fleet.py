@@ -25,6 +25,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from cacheadmin.models import Engine, EngineAlarm, EngineVerification, KvEventStream, ModelVersion, Tenant
+from cacheadmin.services.addresses import engine_headers
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.engine_verification import VerificationRefused
 from cacheadmin.services.engines import engine_attach_namespace, engine_stop
@@ -74,7 +75,8 @@ def _chat(engine: Engine, content: str, salt: str | None) -> int:
     body: dict = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
     if salt is not None:
         body["cache_salt"] = salt
-    answer = httpx.post(f"{engine.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    engine.refresh_from_db()  # its API key follows its incarnation
+    answer = httpx.post(f"{engine.base_url}/v1/chat/completions", json=body, headers=engine_headers(engine), timeout=60).json()
     return answer["usage"]["prompt_tokens"] // 32
 
 
@@ -189,7 +191,15 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
 
             # A reset shows up as AllBlocksCleared with the next scheduler step.
             since = timezone.now()
-            httpx.post(f"{engine.base_url}/reset_prefix_cache", timeout=30).raise_for_status()
+            # Every route of a local engine needs its API key (found: any local user could sleep,
+            # pause, reset or salt-spoof an engine through its development routes): without it, 401.
+            for method, path in (("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/pause"),
+                                 ("GET", "/server_info"), ("GET", "/metrics"), ("POST", "/tokenize"),
+                                 ("POST", "/v1/completions"), ("GET", "/health")):  # fmt: skip
+                assert httpx.request(method, f"{engine.base_url}{path}", timeout=30).status_code == 401, path
+            printed = manage("engine", "key", str(engine.pk), env=env)
+            assert printed.returncode == 0 and printed.stdout.strip() == engine_headers(engine)["Authorization"][7:]
+            httpx.post(f"{engine.base_url}/reset_prefix_cache", headers=engine_headers(engine), timeout=30).raise_for_status()
             _chat(engine, "short", salt)
             assert reset_observed(engine, acme, since=since)["kv_events"] == "AllBlocksCleared"
             wait_for(lambda: _resident(engine) == {}, timeout=30, what="nothing resident after the reset")

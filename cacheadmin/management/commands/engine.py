@@ -1,4 +1,4 @@
-"""``python manage.py engine start|stop|restart|adopt|verify|attach|list|spec``: the fleet.
+"""``python manage.py engine start|stop|restart|adopt|verify|attach|list|spec|key``: the fleet.
 
 Twins of ``/api/engines/``. ``start`` launches a local vLLM engine whose
 command line carries every identity field, waits until it answers and is
@@ -19,6 +19,8 @@ from django.core.management.base import CommandParser
 from cacheadmin.api.serializers import EngineSerializer
 from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, int_within, positive_int
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
+from cacheadmin.services.addresses import engine_api_key
+from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import engine_verify
 from cacheadmin.services.engines import engine_attach_namespace, engine_boot, engine_create, engine_restart, engine_stop
 from cacheadmin.services.fleet import engine_adopt
@@ -72,6 +74,8 @@ class Command(ControlPlaneCommand):
         attach.add_argument("engine", type=positive_int)
         attach.add_argument("namespace", type=positive_int)
         sub.add_parser("list", help="list engines")
+        key = sub.add_parser("key", help="print a local engine's API key (every request to it carries it as a bearer token)")
+        key.add_argument("engine", type=positive_int)
 
     def handle(self, *args: Any, **opts: Any) -> None:
         verb = opts["verb"]
@@ -80,6 +84,15 @@ class Command(ControlPlaneCommand):
                 tier = e.kv_connector or "memory"
                 state = f"{e.origin:8} {e.role:9} {e.status:8} {e.verification:11}"
                 self.stdout.write(f"{e.pk}  {e.name:32} {state} {e.model_version.label:20} {tier}")
+            return
+        if verb == "key":
+            engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
+            api_key = engine_api_key(engine)
+            if api_key is None:
+                raise self.bad_input(f"engine {engine.name} was adopted: its API keys are its operator's")
+            # Printed for the operator at this shell (it is derived, never stored); audited like a salt read.
+            audit_record(actor=ACTOR, action="engine.key_read", obj=engine, after={"generation": engine.generation})
+            self.stdout.write(api_key)
             return
         if verb == "attach":
             engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
