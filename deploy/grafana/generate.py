@@ -333,11 +333,16 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "KV-event batches and gaps",
-                "Batches per second received from each engine, and sequence gaps no replay could fill.",
+                "Batches per second received from each engine, sequence gaps no replay could fill, and batches "
+                "dropped because the engine's replay did not confirm them (a clear, an alarm or a jump nobody published).",
                 "short",
                 (
                     q(f"sum by (engine) (rate(kvcp_kv_event_batches_total{{{ENG}}}[{RI}]))", "batches {{engine}}"),
                     q(f"sum by (engine) (increase(kvcp_kv_event_gaps_total{{{ENG}}}[{RI}]))", "gaps {{engine}}"),
+                    q(
+                        f"sum by (engine) (increase(kvcp_kv_event_unconfirmed_total{{{ENG}}}[{RI}]))",
+                        "unconfirmed {{engine}}",
+                    ),
                 ),
                 width=24,
             ),

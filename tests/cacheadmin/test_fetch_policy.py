@@ -16,6 +16,7 @@ import pytest
 from django.test import override_settings
 
 from cacheadmin.models import Engine
+from cacheadmin.services.addresses import engine_api_key
 from cacheadmin.services.engines import engine_client
 from inference.errors import EngineError
 from inference.netpolicy import AddressPolicy, AddressRefused, pinned_url, same_origin, server_origin
@@ -178,5 +179,6 @@ def test_gateways_route_to_checked_and_pinned_addresses_only(world) -> None:
     targets = {e.name: e for e in routing_snapshot_build().namespaces[ns.pk].engines}
     assert set(targets) == {"named"}
     assert (targets["named"].id, targets["named"].base_url, targets["named"].headers) == (
-        named.pk, "http://127.0.0.1:18009", (("Host", "localhost:18009"),),
+        named.pk, "http://127.0.0.1:18009",
+        (("Host", "localhost:18009"), ("Authorization", f"Bearer {engine_api_key(named)}")),
     )  # fmt: skip
