@@ -73,3 +73,53 @@ def rows_holding(needle: str) -> list[tuple[str, str]]:
                     if needle in text:
                         found.append((table, column))
     return found
+
+
+class EngineKeyProxy:
+    """An HTTP proxy on 127.0.0.1 to a local engine that adds the engine's API key
+    (read at each request: a restart makes a new key). Tests whose reference
+    engine is a second row for the same server (two cores afford one engine)
+    point that row here: the server answers only requests carrying its own key.
+
+    Attributes:
+        base_url: where to point the second row.
+    """
+
+    def __init__(self, engine_pk: int) -> None:
+        import http.server
+        import threading
+
+        import httpx
+
+        from cacheadmin.models import Engine
+        from cacheadmin.services.addresses import engine_headers
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                from django.db import close_old_connections
+
+                close_old_connections()
+                engine = Engine.objects.get(pk=engine_pk)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **engine_headers(engine)}
+                answer = httpx.request(self.command, engine.base_url + self.path, content=body, headers=headers, timeout=300)
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            do_GET = do_POST = _forward
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+        self.server.server_close()

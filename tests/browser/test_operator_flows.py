@@ -74,7 +74,7 @@ from cacheadmin.templatetags.cacheadmin_tags import iec_bytes
 from inference.engines.launcher import free_port
 from inference.identity import LayoutOptions
 from tests.cacheadmin.test_eviction import write_entry
-from tests.helpers import PROJECT, subprocess_env, worker_log
+from tests.helpers import PROJECT, EngineKeyProxy, subprocess_env, worker_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
@@ -174,13 +174,17 @@ def _world(demo_checkpoints: dict[str, Path], compat: Path) -> dict:
     engine = engine_stop(
         engine=engine_create(name=ENGINE, model_version=v1gen, namespace=ns1, actor="ci", tier="none"), actor="ci"
     )
+    # The same server through a proxy that adds its API key (every route of a local engine needs it),
+    # verified as an operator's adopted reference would be: a comparison takes no unverified witness.
+    proxy = EngineKeyProxy(engine.pk)
     reference = Engine.objects.create(
         name=REFERENCE, role=Engine.Role.REFERENCE, origin=Engine.Origin.ADOPTED, model_version=v1gen, namespace=None,
-        base_url=engine.base_url, prefix_caching=False, status=Engine.Status.READY,
+        base_url=proxy.base_url, prefix_caching=False, status=Engine.Status.READY,
+        verification=Engine.Verification.VERIFIED,
     )  # fmt: skip
     # An orphan prefix older than the grace period: the eviction plan's one sure action.
     write_entry(settings.KV_STORE_ROOT, ORPHAN, "c" * 64, size=4096, age_s=settings.ORPHAN_GRACE_S + 3600)
-    return {"v1": v1, "v1gen": v1gen, "ns1": ns1, "release": release, "engine": engine, "reference": reference}
+    return {"v1": v1, "v1gen": v1gen, "ns1": ns1, "release": release, "engine": engine, "reference": reference, "proxy": proxy}
 
 
 #: The states a job's dashboard row passes through, in order (the status is the row's fourth cell).
@@ -244,6 +248,7 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
         snapshot = routing_snapshot_build()
     finally:
         engine_stop(engine=Engine.objects.get(pk=world["engine"].pk), actor="ci")
+        world["proxy"].close()
         shutil.rmtree(compat, ignore_errors=True)
     seen_path = artifacts / "seen.json"
     assert seen_path.exists(), output[-4000:]
