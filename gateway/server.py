@@ -825,10 +825,9 @@ class Gateway:
         if rkey is not None:
             # Single flight across processes: the lease holder fills; others wait for its entry.
             leased = await self._lease(ns, rkey)
-            if not leased:
-                record = await self._wait_entry(ns, rkey)
-                if record is not None:
-                    return self._from_cache(routed, "response", record, endpoint, model, stream, include_usage, started, 0.0)
+            record = await self._wait_entry(ns, rkey) if not leased else await self._stored_after_lease(ns, rkey)
+            if record is not None:
+                return self._from_cache(routed, "response", record, endpoint, model, stream, include_usage, started, 0.0)
             future = asyncio.get_running_loop().create_future()
             self.fills[rkey] = future
         payload = {**upstream, "cache_salt": ns.cache_salt, "stream": True, "stream_options": {"include_usage": True}}
@@ -1003,11 +1002,34 @@ class Gateway:
                 if value is not None:
                     return json.loads(value)
                 if await asyncio.to_thread(store.lease, ns.storage_prefix, rkey, self.rt.limits.fill_wait_s):  # type: ignore[union-attr]
-                    await asyncio.to_thread(store.release_lease, ns.storage_prefix, rkey)  # type: ignore[union-attr]
-                    return None  # the leader gave up without an entry: fill here
+                    # The leader ended between the read above and this lease: it may have
+                    # stored its answer just before releasing, so look once more.
+                    return await self._stored_after_lease(ns, rkey)
             except ResponseStoreUnavailable:
                 return None
         return None
+
+    async def _stored_after_lease(self, ns: NamespaceTarget, rkey: str) -> dict[str, Any] | None:
+        """The entry of ``rkey`` read after this process took its fill lease, or None.
+
+        A request's cache lookup and its lease are two steps: an identical
+        request's leader can store its answer and release the lease between
+        them, and the lease alone would then send a second call to the engine.
+        When the entry is there the lease is given back and the entry served;
+        when it is not (or the store cannot answer) this process fills, holding
+        the lease.
+        """
+        store = self.rt.response_store
+        if store is None:
+            return None
+        try:
+            value = await asyncio.to_thread(store.get, ns.storage_prefix, rkey)
+            if value is None:
+                return None
+            await asyncio.to_thread(store.release_lease, ns.storage_prefix, rkey)
+        except ResponseStoreUnavailable:
+            return None
+        return json.loads(value)  # type: ignore[no-any-return]
 
     async def _after_answer(
         self, routed: Routed, endpoint: str, canonical: dict[str, Any], upstream: dict[str, Any], record: dict[str, Any],

@@ -98,6 +98,29 @@ def test_concurrent_identical_misses_make_one_engine_call(setup) -> None:
     assert {a.json()["choices"][0]["message"]["content"] for a in answers} == {"Paris is the capital."}
 
 
+def test_an_answer_stored_between_the_lookup_and_the_lease_is_served_not_filled_again(setup) -> None:
+    """An identical request's leader stores its answer and releases its lease after
+    this request looked the cache up: taking the lease must not send a second call."""
+    assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
+    store = setup["store"]
+    real_get, missed = store.get, []
+
+    def get_after_the_leader(prefix: str, key: str) -> bytes | None:
+        if not missed:  # this request's lookup ran before the leader stored its answer
+            missed.append(key)
+            return None
+        return real_get(prefix, key)
+
+    store.get = get_after_the_leader
+    try:
+        again = call(setup, chat(temperature=0))
+    finally:
+        store.get = real_get
+    assert (again.status_code, again.headers["x-kvcp-served-by"]) == (200, "response")
+    assert len(setup["fake"].received) == 1 and len(missed) == 1
+    assert again.json()["choices"][0]["message"]["content"] == "Paris is the capital."
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code", "param"),
     [
