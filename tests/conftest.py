@@ -24,6 +24,11 @@ GATEWAY_SCALE_OUT_FILES = frozenset(
     {"test_gateway_app.py", "test_gateway_vllm.py", "test_gateway_templates.py", "test_gateway_personal_data.py"}
 )
 REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"})
+#: Real-engine test files that run on the scale-out suite too: their jobs go through a
+#: worker on the Redis broker and the gateway's stores on Redis and PostgreSQL. The other
+#: real-engine tests (fleet, engine trust, the browser flows) exercise the engines; their
+#: database and broker paths are the ones the suite's engine-free tests cover on both.
+ENGINE_SCALE_OUT_FILES = frozenset({"test_vllm_jobs.py", "test_gateway_vllm.py"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,7 +43,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``embedded_default`` (the demo, the embedded default's main job by definition),
     ``tests/deploy`` (promtool on the rule and dashboard files) and
     ``tests/browser`` (what the pages show does not depend on the database;
-    their queries run on PostgreSQL in the page tests).
+    their queries run on PostgreSQL in the page tests) and the real-engine
+    tests outside :data:`ENGINE_SCALE_OUT_FILES`.
     """
     if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
         inference = Path(__file__).parent / "inference"
@@ -54,6 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 or (gateway in path.parents and path.name not in GATEWAY_SCALE_OUT_FILES)
                 or item.get_closest_marker("embedded_default") is not None
                 or any(folder in path.parents for folder in elsewhere)
+                or (item.get_closest_marker("vllm") is not None and path.name not in ENGINE_SCALE_OUT_FILES)
             )
             (dropped if independent else kept).append(item)
         if dropped:
