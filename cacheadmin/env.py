@@ -8,10 +8,39 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from django.core.exceptions import ImproperlyConfigured
+
+from inference.child_env import child_environment
+
+#: Every variable a setting was read from, set or not: what the control plane's
+#: own children (worker, gateway, consumer, web server) must see as this process does.
+READ_NAMES: set[str] = set()
+#: Read by Django and the entry points themselves, not through this module.
+_PROCESS_NAMES = ("DJANGO_SETTINGS_MODULE", "PYTHONPATH")
+
+
+def _read(name: str) -> str | None:
+    READ_NAMES.add(name)
+    return os.environ.get(name)
+
+
+def control_plane_environment(values: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a control-plane child (Celery worker, gateway, KV-event
+    consumer, gunicorn, a management command): the system's names, every setting
+    this process read from its environment (:data:`READ_NAMES`), Django's own, and
+    ``values`` on top; nothing else of this process's environment
+    (:func:`inference.child_env.child_environment`).
+
+    Args:
+        values: names the starter sets (a test database's ``DATABASE_URL``...).
+    """
+    return child_environment(values, inherit=READ_NAMES.union(_PROCESS_NAMES))
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -19,7 +48,8 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 def env_str(name: str, default: str) -> str:
     """The variable's value, or ``default`` when unset."""
-    return os.environ.get(name, default)
+    value = _read(name)
+    return default if value is None else value
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -28,7 +58,7 @@ def env_bool(name: str, default: bool) -> bool:
     Raises:
         ImproperlyConfigured: any other value.
     """
-    raw = os.environ.get(name)
+    raw = _read(name)
     if raw is None:
         return default
     value = raw.strip().lower()
@@ -45,7 +75,7 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     Raises:
         ImproperlyConfigured: not an integer, or below ``minimum``.
     """
-    raw = os.environ.get(name)
+    raw = _read(name)
     if raw is None:
         return default
     try:
@@ -63,7 +93,7 @@ def env_paths(name: str, default: list[Path]) -> list[Path]:
     Raises:
         ImproperlyConfigured: an empty entry.
     """
-    raw = os.environ.get(name)
+    raw = _read(name)
     if raw is None:
         return default
     parts = raw.split(":")
@@ -209,7 +239,7 @@ def persistent_secret(name: str, env_name: str, folder: Path) -> str:
             never contains the secret; or the file is readable by others and
             cannot be made owner-only (:func:`private_file`).
     """
-    value = os.environ.get(env_name, "")
+    value = _read(env_name) or ""
     if value:
         problem = secret_problem(value.strip())
         if problem:
@@ -293,7 +323,7 @@ def env_networks(name: str) -> list[str]:
     Raises:
         ImproperlyConfigured: an entry that is not an address or network.
     """
-    raw = os.environ.get(name, "")
+    raw = _read(name) or ""
     entries = [e.strip() for e in raw.split(",") if e.strip()]
     for entry in entries:
         try:
@@ -301,3 +331,20 @@ def env_networks(name: str) -> list[str]:
         except ValueError as exc:
             raise ImproperlyConfigured(f"{name}: {entry!r} is not an IP address or network (CIDR)") from exc
     return entries
+
+
+#: An environment variable's name (POSIX: letters, digits, underscore; not a digit first).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_names(name: str) -> tuple[str, ...]:
+    """Parse a comma-separated list of environment variable names; empty when unset.
+
+    Raises:
+        ImproperlyConfigured: an entry that is not a variable name.
+    """
+    entries = [e.strip() for e in (_read(name) or "").split(",") if e.strip()]
+    for entry in entries:
+        if not _ENV_NAME.fullmatch(entry):
+            raise ImproperlyConfigured(f"{name}: {entry!r} is not an environment variable name")
+    return tuple(entries)

@@ -17,6 +17,7 @@ from cacheadmin.env import (
     database_from_url,
     env_bool,
     env_int,
+    env_names,
     env_networks,
     env_paths,
     env_str,
@@ -171,6 +172,10 @@ ENGINE_KV_CACHE_GIB = env_int("ENGINE_KV_CACHE_GIB", 1, minimum=1)
 #: OpenMP threads of each local engine, unbound (0: vLLM's default, one bound to each core); see
 #: inference/engines/launcher.py for why engines sharing cores run one each.
 ENGINE_CPU_THREADS = env_int("ENGINE_CPU_THREADS", 1, minimum=0)
+#: Names of the control plane's environment a local engine also gets (comma-separated,
+#: e.g. CUDA_VISIBLE_DEVICES). An engine's environment is an allowlist
+#: (inference/child_env.py): the system's names, these, and what its launcher sets.
+ENGINE_ENV_INHERIT = env_names("ENGINE_ENV_INHERIT")
 #: Seconds a local engine may take to report healthy.
 ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
 #: Networks (CIDR, comma-separated) engines the control plane contacts may be on:

@@ -43,6 +43,11 @@ class Engine(models.Model):
         #: weights or flags): out of service until it verifies again.
         DRIFTED = "drifted"
         UNREACHABLE = "unreachable"
+        #: A re-check of a verified engine whose failed checks are all readings it
+        #: could not take properly (a source that did not answer, metrics mixed with
+        #: other processes'): nothing says the engine changed. Recorded on the
+        #: verification only; the engine keeps its verified state and its traffic.
+        INCONCLUSIVE = "inconclusive"
 
     #: Persistent tiers an engine can be started with: the namespace's disk
     #: tier (when the layout names a connector) or none (engine memory only).

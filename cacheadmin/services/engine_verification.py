@@ -3,6 +3,7 @@ engines report (:mod:`inference.engines.verify`), and recording the outcome."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from inference.engines.verify import Check, ExpectedEngine, compare_drift, compa
 from inference.errors import EXIT_CONFLICT, ControlPlaneError, EngineError, Refused
 from inference.netpolicy import AddressRefused
 from inference.tokenization import load_chat_tokenizer
+
+log = logging.getLogger(__name__)
 
 #: The prompts whose token ids the engine's tokenizer must reproduce.
 PROBE_CORPUS = "diagnostic"
@@ -100,9 +103,24 @@ def identity_checks(
 def refusal_message(engine_name: str, checks: list[Check]) -> str:
     """One line per failed check: field, expected, observed, source."""
     failed = [c for c in checks if not c.ok]
-    lines = [f"  {c.field}: expected {c.expected!r}, engine reports {c.observed!r} ({c.source})" for c in failed]
+    lines = [
+        f"  {c.field}: expected {c.expected!r}, engine reports {c.observed!r} ({c.source})"
+        if c.readable
+        else f"  {c.field}: expected {c.expected!r}, not read ({c.source})"
+        for c in failed
+    ]
     return f"{engine_name} does not compute what its identity says ({len(failed)} of {len(checks)} checks failed):\n" + "\n".join(
         lines
+    )
+
+
+def inconclusive_message(engine_name: str, checks: list[Check]) -> str:
+    """Why a re-check of ``engine_name`` proved nothing: one line per reading it could not take."""
+    unread = [c for c in checks if not c.ok and not c.readable]
+    lines = [f"  {c.field} ({c.source}): not read" for c in unread]
+    return (
+        f"{engine_name}: {len(unread)} reading(s) could not be taken; nothing it reported differs, "
+        "so it stays verified and in service:\n" + "\n".join(lines)
     )
 
 
@@ -128,8 +146,12 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
     :class:`EngineVerification` either way.
 
     Outcomes: ``verified``; ``refused`` (never verified, differs); ``drifted``
-    (verified before, differs now: out of service, alarm ``verification_drift``);
-    ``unreachable``.
+    (verified before, a reading it took differs now: out of service, alarm
+    ``verification_drift``); ``inconclusive`` (verified before, and every failed
+    check is a reading it could not take properly: recorded, nothing else
+    changes); ``unreachable``. Only a change the engine reported takes a
+    verified engine out of service: a re-check that could not read it
+    (unreachable, inconclusive) leaves it as it was.
 
     Raises:
         VerificationRefused: refused or drifted (after recording it).
@@ -162,15 +184,17 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
                 engine=engine, outcome=Engine.Verification.UNREACHABLE, trigger=trigger, identity=version.identity,
                 error=str(exc), actor=actor,
             )  # fmt: skip
-            Engine.objects.filter(pk=engine.pk).update(verification=Engine.Verification.UNREACHABLE)
+            if baseline is None:  # a verified engine that did not answer once is the health check's to judge
+                Engine.objects.filter(pk=engine.pk).update(verification=Engine.Verification.UNREACHABLE)
         raise EngineUnreachable(f"engine {engine.name} did not answer the verification: {exc}") from exc
     if baseline is not None:
         checks += compare_drift(baseline, facts)
     ok = all(c.ok for c in checks)
+    changed = any(not c.ok and c.readable for c in checks)
     if ok:
         outcome = Engine.Verification.VERIFIED
     elif baseline is not None:
-        outcome = Engine.Verification.DRIFTED
+        outcome = Engine.Verification.DRIFTED if changed else Engine.Verification.INCONCLUSIVE
     else:
         outcome = Engine.Verification.REFUSED
     now = timezone.now()
@@ -179,6 +203,10 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
             engine=engine, outcome=outcome, trigger=trigger, identity=version.identity,
             checks=[c.as_dict() for c in checks], actor=actor,
         )  # fmt: skip
+        if outcome == Engine.Verification.INCONCLUSIVE:
+            audit_record(actor=actor, action="engine.verify", obj=engine, after={"outcome": outcome, "trigger": trigger})
+            log.warning("%s", inconclusive_message(engine.name, checks))
+            return row
         update: dict[str, Any] = {"verification": outcome}
         if ok:
             update["verified_at"] = now

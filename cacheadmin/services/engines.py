@@ -94,6 +94,7 @@ def _spec_for(engine: Engine) -> EngineSpec:
             port=port,
             kv_events=_kv_events_config(engine),
             api_key=engine_api_key(engine),
+            inherit_env=settings.ENGINE_ENV_INHERIT,
         )
     except EngineError as exc:
         raise EngineRefused(str(exc)) from exc

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from cacheadmin.env import control_plane_environment
 from inference.engines.launcher import die_with_parent
 
 
@@ -31,7 +32,8 @@ class WorkerProcess:
 
     def __init__(self, log_path: Path, *, env: dict[str, str] | None = None, name: str = "worker", beat: bool = False) -> None:
         self.log_path = log_path
-        self.env = {**os.environ, **(env or {})}
+        # An allowlist, not this process's environment: see cacheadmin.env.control_plane_environment.
+        self.env = control_plane_environment(env)
         self.name = name
         self.beat = beat
         self.proc: subprocess.Popen[bytes] | None = None

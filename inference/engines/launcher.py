@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inference.child_env import child_environment
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
 from inference.layout import engine_version
@@ -96,6 +97,9 @@ class EngineSpec:
     #: vLLM ``--kv-events-config`` (``enable_kv_cache_events``, ``publisher``,
     #: ``endpoint``, ``replay_endpoint``, ``topic``), or None for no events.
     kv_events: dict[str, Any] | None = None
+    #: Names of this process's environment the server also gets (``ENGINE_ENV_INHERIT``,
+    #: e.g. ``CUDA_VISIBLE_DEVICES``); everything else it gets is set in :meth:`environment`.
+    inherit_env: tuple[str, ...] = ()
 
     @classmethod
     def from_layout(
@@ -113,6 +117,7 @@ class EngineSpec:
         max_model_len: int = 8192,
         kv_events: dict[str, Any] | None = None,
         api_key: str | None = None,
+        inherit_env: tuple[str, ...] = (),
     ) -> EngineSpec:
         """The spec of an engine that computes exactly what a model version's
         identity says: every identity ``layout`` field becomes a flag or an
@@ -153,6 +158,7 @@ class EngineSpec:
             disable_sliding_window=bool(layout.get("disable_sliding_window", False)),
             kv_events=kv_events,
             api_key=api_key,
+            inherit_env=inherit_env,
         )
 
     def command(self) -> list[str]:
@@ -213,31 +219,31 @@ class EngineSpec:
         return argv
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: ours plus the CPU backend's settings."""
-        env = dict(os.environ)
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        if self.cpu_threads is None:
-            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-            env.pop("OMP_NUM_THREADS", None)
-        else:
+        """The server's environment, built from an allowlist
+        (:func:`inference.child_env.child_environment`): the system's names,
+        :attr:`inherit_env`, and the CPU backend's settings set here. Nothing
+        else of this process's reaches it: not the control plane's metrics
+        folder (``PROMETHEUS_MULTIPROC_DIR``: the engine's ``/metrics`` would
+        mix its series with other processes'), its database URL or its keys.
+        """
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            # The entry point (inference.engines.serve) is this project's.
+            "PYTHONPATH": str(PROJECT_ROOT),
+        }
+        if self.cpu_threads is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = str(self.cpu_threads)
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        env["HF_HUB_OFFLINE"] = "1"
-        # The entry point (inference.engines.serve) is this project's; the key goes by the
-        # environment, never the command line, which every local user can read in /proc.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
         if self.api_key:
+            # By the environment, never the command line, which every local user can read in /proc.
             env["VLLM_API_KEY"] = self.api_key
-        else:
-            env.pop("VLLM_API_KEY", None)
         if self.kv_cache_layout:
             env["VLLM_KV_CACHE_LAYOUT"] = self.kv_cache_layout
-        else:
-            env.pop("VLLM_KV_CACHE_LAYOUT", None)  # ours must not leak into an engine whose identity says auto
-        return env
+        return child_environment(env, inherit=self.inherit_env)
 
     def auth_headers(self) -> dict[str, str]:
         """The headers a client of this engine sends (its API key, when it has one)."""

@@ -62,6 +62,10 @@ class Check:
         expected: what the identity (or the verified baseline) says.
         observed: what the engine reported.
         ok: whether they agree.
+        readable: False when the engine's report could not be read properly (the
+            source did not answer, answered something else, or mixed several
+            processes' readings): such a failed check says nothing about whether
+            the engine changed, and never takes a verified engine out of service.
     """
 
     field: str
@@ -69,6 +73,7 @@ class Check:
     expected: Any
     observed: Any
     ok: bool
+    readable: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, keys in declaration order."""
@@ -154,23 +159,44 @@ def _json(http: Any, url: str, *, method: str = "GET", body: Any = None) -> Any:
         raise EngineError(f"engine at {url} answered something that is not JSON") from None
 
 
+class MixedMetrics(EngineError):
+    """``/metrics`` reports several cache configurations for one engine: its
+    series are mixed with other processes' (a ``PROMETHEUS_MULTIPROC_DIR``
+    shared with them), so no reading of it is the engine's own."""
+
+
 def cache_config_labels(metrics_text: str) -> dict[str, str] | None:
     """The labels of ``vllm:cache_config_info`` in a Prometheus exposition, or None without it.
 
+    vLLM 0.32 sets the gauge once per engine index with
+    ``multiprocess_mode="mostrecent"`` (``vllm/v1/metrics/loggers.py``,
+    ``log_metrics_info``): every distinct label set written to a shared
+    multiprocess folder stays a sample of its own. Data-parallel ranks of one
+    engine report the same configuration under different ``engine`` labels.
+
     Raises:
+        MixedMetrics: the samples disagree beyond their ``engine`` label.
         EngineError: the text is not the Prometheus exposition format.
     """
     from prometheus_client.parser import text_string_to_metric_families  # lazy: start-up cost
 
+    seen: list[dict[str, str]] = []
     try:
         for family in text_string_to_metric_families(metrics_text):
             if family.name in ("vllm:cache_config_info", "vllm:cache_config"):
                 for sample in family.samples:
-                    return {k: v for k, v in sample.labels.items() if k != "engine"}
+                    labels = {k: v for k, v in sample.labels.items() if k != "engine"}
+                    if labels not in seen:
+                        seen.append(labels)
     except ValueError:
         # The parser's message quotes the offending line: not repeated.
         raise EngineError("/metrics is not in the Prometheus text format") from None
-    return None
+    if len(seen) > 1:
+        raise MixedMetrics(
+            f"/metrics reports {len(seen)} different cache configurations: its series are mixed with other "
+            "processes' (a shared PROMETHEUS_MULTIPROC_DIR), none of them is known to be the engine's"
+        )
+    return seen[0] if seen else None
 
 
 def is_vllm_model_list(listing: Any) -> bool:
@@ -204,7 +230,8 @@ def observe(
         ``{"models": {"id", "root", "max_model_len"} | None, "served_names":
         [...], "cache_config": {label: value} | None, "version": str | None,
         "server_info": {dtype, kv_cache_dtype, ...} | None, "tokens": {conv
-        id: [ids]}, "output": str | None}``.
+        id: [ids]}, "output": str | None, "unreadable": {source: why}}``; a
+        source in ``unreadable`` did not answer properly, and its facts are None.
 
     Args:
         headers: sent with every request (``Host`` for a pinned address).
@@ -232,10 +259,20 @@ def observe(
             if mine is None
             else {"id": mine.get("id"), "root": mine.get("root"), "max_model_len": mine.get("max_model_len")},
         }
+        unreadable: dict[str, str] = {}
         metrics = _get(http, metrics_url)
-        facts["cache_config"] = cache_config_labels(metrics.text) if metrics.status_code == 200 else None
+        facts["cache_config"] = None
+        if metrics.status_code != 200:
+            unreadable["/metrics"] = f"answered HTTP {metrics.status_code}"
+        else:
+            try:
+                facts["cache_config"] = cache_config_labels(metrics.text)
+            except EngineError as exc:
+                unreadable["/metrics"] = str(exc)
         version = _get(http, f"{base}/version")
-        facts["version"] = version.json().get("version") if version.status_code == 200 else None
+        facts["version"] = _version_field(version)
+        if facts["version"] is None:
+            unreadable["/version"] = "no version in its answer"
         info = _get(http, f"{base}/server_info")
         facts["server_info"] = _server_info(info.text) if info.status_code == 200 else None
         facts["kv_connector"] = (
@@ -261,7 +298,22 @@ def observe(
             facts["output"] = answer["choices"][0]["text"]
         except (EngineError, KeyError, IndexError, TypeError):
             facts["output"] = None
+            unreadable["/v1/completions"] = "no answer to the output probe"
+        if info.status_code != 200 or facts["server_info"] is None:
+            unreadable["/server_info"] = "not readable"
+        facts["unreadable"] = unreadable
     return facts
+
+
+def _version_field(response: Any) -> str | None:
+    """``version`` of a ``GET /version`` answer, or None when it is not that shape."""
+    if response.status_code != 200:
+        return None
+    try:
+        value = response.json().get("version")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 #: A KV connector's class name as vLLM's registry names them (``ExampleConnector``, ``LMCacheConnectorV1``…).
@@ -312,7 +364,8 @@ _SHOWN: dict[str, Any] = {
     "kv_cache_dtype": _DTYPES,
     "dtype": _DTYPES,
     "prefix_caching": frozenset({"True", "False"}),
-    "kv_cache_layout": frozenset({"NHD", "HND"}),
+    "kv_cache_layout": frozenset({"NHD", "HND", "None"}),
+    "prefix_caching_hash_algo": frozenset({"sha256", "sha256_cbor", "sha256_cbor_64bit", "builtin", "xxhash", "xxhash_cbor"}),
     "engine_version": re.compile(r"\d{1,3}\.\d{1,3}(\.\d{1,4})?([.+-][A-Za-z0-9.]{1,24})?"),
     "quantization": frozenset({
         "awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors", "marlin", "gptq_marlin", "awq_marlin",
@@ -372,8 +425,9 @@ def compare_identity(
         seen = models.get("max_model_len") if models else None
         checks.append(Check("max_model_len", "/v1/models", expected.max_model_len, seen, seen == expected.max_model_len))
     cache = facts.get("cache_config")
+    unreadable = facts.get("unreadable") or {}
     if cache is None:
-        checks.append(Check("cache_config_info", "/metrics", "present", None, False))
+        checks.append(Check("cache_config_info", "/metrics", "present", None, False, readable="/metrics" not in unreadable))
     else:
         block = cache.get("block_size")
         want_block = str(expected.block_size)
@@ -409,7 +463,9 @@ def compare_identity(
             )
     version = facts.get("version")
     want = _version_number(expected.engine_version)
-    checks.append(Check("engine_version", "/version", want, shown("engine_version", version), version == want))
+    checks.append(
+        Check("engine_version", "/version", want, shown("engine_version", version), version == want, readable=version is not None)
+    )
     info = facts.get("server_info")
     if info:
         for name, want_value in (
@@ -433,13 +489,14 @@ def compare_identity(
             observed = f"{len(seen_ids)} tokens, first difference at token {at}"
         elif ok:
             observed = f"{len(seen_ids)} tokens, identical"
-        checks.append(Check(f"tokenizer:{conv.id}", "/tokenize", f"{len(want_ids)} tokens", observed, ok))
+        read = isinstance(seen_ids, list)
+        checks.append(Check(f"tokenizer:{conv.id}", "/tokenize", f"{len(want_ids)} tokens", observed, ok, readable=read))
     if reference_output is not None:
         seen_output = facts.get("output")
         same = seen_output == reference_output
         # Generated text of a server at a caller's URL is not repeated: its length only.
         told = seen_output if same else _different_answer(seen_output)
-        checks.append(Check("output", "/v1/completions", reference_output, told, same))
+        checks.append(Check("output", "/v1/completions", reference_output, told, same, readable=seen_output is not None))
     return checks
 
 
@@ -461,22 +518,34 @@ def drift_baseline(facts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: The field whose known formats a ``cache_config_info`` label's value is shown by.
+_CACHE_LABEL_FIELDS = {"enable_prefix_caching": "prefix_caching", "cache_dtype": "kv_cache_dtype"}
+#: Where each drift reading comes from (``models`` is read or the verification fails as unreachable).
+_DRIFT_SOURCES = {"version": "/version", "server_info": "/server_info", "output": "/v1/completions"}
+
+
 def compare_drift(baseline: dict[str, Any], facts: dict[str, Any]) -> list[Check]:
     """Checks of a new reading against the verified baseline: any change is drift
     (``root`` changes when the engine was restarted on other weights; the
     greedy output of :data:`OUTPUT_PROBE_PROMPT` changes when the weights at
     the same path did)."""
     now = drift_baseline(facts)
+    unreadable = facts.get("unreadable") or {}
     checks = []
     for key in ("models", "version", "server_info", "output"):
         same = baseline.get(key) == now[key]
         # A changed reading is described, not repeated: the server now at the address may be anything.
         told = now[key] if same else _changed(key, now[key])
-        checks.append(Check(key, "baseline", baseline.get(key), told, same))
+        # A source that did not answer properly tells nothing of a change; an absent
+        # served name in a model list that was read does.
+        readable = not (now[key] is None and _DRIFT_SOURCES.get(key) in unreadable)
+        checks.append(Check(key, "baseline", baseline.get(key), told, same, readable=readable))
+    cache_read = facts.get("cache_config") is not None or "/metrics" not in unreadable
     for label in DRIFT_CACHE_LABELS:
         was = (baseline.get("cache_config") or {}).get(label)
         seen = now["cache_config"][label]
-        checks.append(Check(f"cache_config:{label}", "baseline", was, shown(label, seen), was == seen))
+        told = shown(_CACHE_LABEL_FIELDS.get(label, label), seen)
+        checks.append(Check(f"cache_config:{label}", "baseline", was, told, was == seen, readable=cache_read))
     return checks
 
 

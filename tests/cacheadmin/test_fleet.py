@@ -96,7 +96,11 @@ def _text(n: int) -> str:
 def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_checkpoints) -> None:
     v1 = _version(demo_checkpoints, "tiny-v1")
     acme, globex = _namespace(v1, "acme"), _namespace(v1, "globex")
-    env = subprocess_env()
+    # Started as a web worker of the control plane would start it: with the control plane's
+    # metrics folder and a secret of its own in the environment.
+    metrics_dir = settings.VAR_DIR / "fleet-test-metrics"
+    metrics_dir.mkdir(exist_ok=True)
+    env = subprocess_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), KVCP_PARENT_ONLY="not the engine's")
     api = APIClient()
     api.credentials(HTTP_AUTHORIZATION=f"Bearer {_operator_key()}")
 
@@ -128,6 +132,12 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
             "replay_endpoint": engine.kv_events_replay_endpoint, "topic": engine.kv_events_topic,
         }  # fmt: skip
         assert [b"--dtype", b"float32"] == command[command.index(b"--dtype") : command.index(b"--dtype") + 2]
+        # Its environment is its own: none of the starter's metrics folder or secrets, and no
+        # series of it in that folder (its /metrics would have read other processes' there).
+        environ = dict(entry.split(b"=", 1) for entry in Path(f"/proc/{engine.pid}/environ").read_bytes().split(b"\0") if entry)
+        assert b"PROMETHEUS_MULTIPROC_DIR" not in environ and b"KVCP_PARENT_ONLY" not in environ
+        assert b"DATABASE_URL" not in environ and environ[b"VLLM_SERVER_DEV_MODE"] == b"1"
+        assert [f.name for f in metrics_dir.iterdir() if f.name.endswith(f"_{engine.pid}.db")] == []
         verification = EngineVerification.objects.get(engine=engine)
         assert verification.outcome == "verified" and verification.trigger == "start"
         fields = [c["field"] for c in verification.checks]

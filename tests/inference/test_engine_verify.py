@@ -3,9 +3,13 @@ tests/cacheadmin/test_fleet.py runs it against real engines)."""
 
 from __future__ import annotations
 
+import pytest
+
 from inference.corpus import load_corpus
 from inference.engines.verify import (
+    DRIFT_CACHE_LABELS,
     ExpectedEngine,
+    MixedMetrics,
     cache_config_labels,
     compare_drift,
     compare_identity,
@@ -106,3 +110,36 @@ def test_cache_config_labels_are_read_from_the_exposition() -> None:
     )
     assert cache_config_labels(text) == {"block_size": "32", "cache_dtype": "auto", "enable_prefix_caching": "True"}
     assert cache_config_labels("# nothing here\n") is None
+
+
+def test_an_exposition_mixed_with_other_processes_cache_configurations_is_not_read() -> None:
+    """An engine that inherited another process's PROMETHEUS_MULTIPROC_DIR exposes every
+    writer's cache_config_info: which one is the engine's cannot be told."""
+    head = "# HELP vllm:cache_config_info Information\n# TYPE vllm:cache_config_info gauge\n"
+    ours = 'vllm:cache_config_info{block_size="32",engine="0",enable_prefix_caching="True"} 1.0\n'
+    reference = 'vllm:cache_config_info{block_size="32",engine="0",enable_prefix_caching="False"} 1.0\n'
+    with pytest.raises(MixedMetrics, match="2 different cache configurations"):
+        cache_config_labels(head + reference + ours)
+    # Data-parallel ranks of one engine: one configuration under two engine labels.
+    rank1 = ours.replace('engine="0"', 'engine="1"')
+    assert cache_config_labels(head + ours + rank1) == {"block_size": "32", "enable_prefix_caching": "True"}
+
+
+def test_a_reading_that_could_not_be_taken_is_no_drift() -> None:
+    baseline = drift_baseline(facts())
+    unread = facts(cache_config=None, version=None, output=None, unreadable={"/metrics": "mixed", "/version": "x",
+                                                                               "/v1/completions": "no answer"})  # fmt: skip
+    checks = compare_drift(baseline, unread)
+    failed_checks = [c for c in checks if not c.ok]
+    assert {c.field for c in failed_checks} == {"version", "output", *(f"cache_config:{k}" for k in DRIFT_CACHE_LABELS)}
+    assert not any(c.readable for c in failed_checks)
+    # The same readings taken, and different: a change.
+    changed = compare_drift(baseline, facts(cache_config={**facts()["cache_config"], "enable_prefix_caching": "False"}))
+    assert [(c.field, c.readable) for c in changed if not c.ok] == [("cache_config:enable_prefix_caching", True)]
+    # A model list read without the served name: the engine changed, whatever else was unread.
+    gone = compare_drift(baseline, facts(models=None, version=None, unreadable={"/version": "x"}))
+    assert [(c.field, c.readable) for c in gone if not c.ok] == [("models", True), ("version", False)]
+    identity = compare_identity(EXPECTED, unread, tokenizer=Ids(), probes=PROBES, reference_output=" Paris")
+    assert [(c.field, c.readable) for c in identity if not c.ok] == [
+        ("cache_config_info", False), ("engine_version", False), ("output", False),
+    ]  # fmt: skip

@@ -23,7 +23,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandParser
 from django.core.wsgi import get_wsgi_application
 
-from cacheadmin.env import env_int, env_str, private_file, write_private_file
+from cacheadmin.env import control_plane_environment, env_int, env_str, private_file, write_private_file
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
 from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
 from cacheadmin.models import Tenant
@@ -198,9 +198,12 @@ class DashboardServer:
         self.command = gunicorn_command(bind, self.options, access_log=access_log)
         self.bind = bind
         self.log_path = log_path
-        self.env = {**os.environ, **(env or {}), "DJANGO_STATIC_MANIFEST": "1"}
-        # Its workers write their metrics where the control plane's /metrics reads them.
-        self.env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(multiproc_dir(settings.METRICS_MULTIPROC_DIR)))
+        # An allowlist, not this process's environment (cacheadmin.env.control_plane_environment);
+        # its workers write their metrics where the control plane's /metrics reads them.
+        self.env = control_plane_environment(
+            {"PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir(settings.METRICS_MULTIPROC_DIR)), **(env or {}),
+             "DJANGO_STATIC_MANIFEST": "1"}
+        )  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0  # where this server's own lines start in a shared log
 
