@@ -26,6 +26,7 @@ from cacheadmin.api.filters import CacheNamespaceFilterSet, TierUsageFilterSet
 from cacheadmin.api.idempotency import IdempotentWritesMixin
 from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
 from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
+from cacheadmin.api.serializers.scope import owner_of_tenant
 from cacheadmin.models import (
     AccountingScan,
     Adapter,
@@ -196,7 +197,7 @@ class RetentionOwnerViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
 
     def tenant_filter(self, tenant_id: int) -> Q:
         """Owners of the namespaces it may see: another tenant's owners (names, e-mail addresses) are not its business."""
-        return Q(pk__in=CacheNamespace.objects.filter(namespaces_visible_to(tenant_id)).values("retention_owner_id"))
+        return owner_of_tenant(tenant_id)
 
     filterset_fields = ("name",)
     ordering_fields = ("name", "created_at")

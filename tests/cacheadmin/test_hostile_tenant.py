@@ -152,6 +152,7 @@ def hostile(world: dict[str, Any]) -> dict[str, Any]:
         "reference": reference,
         "group_ns": group_ns,
         "group_engine": group_engine,
+        "acme_owner": acme_owner,
         "globex_engine": globex_engine,
         "global_template": PromptTemplate.objects.create(name="global", tenant=None, text="G " + TEMPLATE_TEXT, samples=[]),
         "reference_alarm": EngineAlarm.objects.create(engine=reference, kind="health", detail="shared"),
@@ -180,6 +181,7 @@ FOREIGN_FIELDS = {
         h["acme_objects"]["comparison-jobs"].pk,
         f'Invalid pk "{h["acme_objects"]["comparison-jobs"].pk}" - object does not exist.',
     ),
+    "retention_owner": lambda h: (h["acme_owner"].pk, f'Invalid pk "{h["acme_owner"].pk}" - object does not exist.'),
     "tenant": lambda h: ("acme", "Object with slug=acme does not exist."),
     "group": lambda h: ("acme-private", "Object with slug=acme-private does not exist."),
 }

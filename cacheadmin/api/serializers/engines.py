@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from cacheadmin.api.serializers.fields import IdField, StrictFieldsMixin
+from cacheadmin.api.serializers.fields import IdField, StrictFieldsMixin, shared_rows
 from cacheadmin.api.serializers.scope import namespace_of_tenant
 from cacheadmin.models import (
     CacheNamespace,
@@ -40,7 +40,7 @@ class EngineSerializer(serializers.ModelSerializer):
 class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
     """A local engine to start: a namespace it serves, or none for a reference engine."""
 
-    model_version = IdField(queryset=ModelVersion.objects.all())
+    model_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
     tier = serializers.ChoiceField(choices=Engine.START_TIERS, default="disk")
     name = serializers.CharField(max_length=100, required=False, default="")
@@ -52,7 +52,7 @@ class EngineAdoptSerializer(StrictFieldsMixin, serializers.Serializer):
     """A running vLLM server to register after verification."""
 
     url = serializers.CharField(max_length=200)
-    model_version = IdField(queryset=ModelVersion.objects.all())
+    model_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
     name = serializers.CharField(max_length=100, required=False, default="")
     metrics_url = serializers.CharField(max_length=200, required=False, default="")

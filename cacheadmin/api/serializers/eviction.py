@@ -6,6 +6,7 @@ from rest_framework import serializers
 
 from cacheadmin.api.schema import FreeFormObjectField
 from cacheadmin.api.serializers.fields import IdField, StrictBooleanField, StrictCharField, StrictFieldsMixin
+from cacheadmin.api.serializers.scope import namespace_of_tenant
 from cacheadmin.models import (
     AccountingScan,
     CacheNamespace,
@@ -49,11 +50,11 @@ class EvictionPlanSerializer(StrictFieldsMixin, serializers.Serializer):
     """What to plan: all namespaces (and orphan prefixes) or only some, and which to purge outright."""
 
     only = serializers.ListField(
-        child=IdField(queryset=CacheNamespace.objects.all()), required=False, max_length=1000,
+        child=IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant), required=False, max_length=1000,
         help_text="consider only these namespaces (default: all, and orphan prefixes)",
     )  # fmt: skip
     purge = serializers.ListField(
-        child=IdField(queryset=CacheNamespace.objects.all()), required=False, max_length=1000,
+        child=IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant), required=False, max_length=1000,
         help_text="drop these namespaces from every tier whatever the version policy says",
     )  # fmt: skip
     include_orphans = StrictBooleanField(default=True)

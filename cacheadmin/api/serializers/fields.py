@@ -13,16 +13,24 @@ from cacheadmin.api.auth import request_tenant
 from cacheadmin.api.filters import MAX_ID
 
 
+def shared_rows(tenant_id: int) -> Q:
+    """An :class:`IdField` ``tenant_filter`` for rows every tenant may name (model versions: the catalog)."""
+    return Q()
+
+
 class IdField(serializers.PrimaryKeyRelatedField):
     """A related row by id; an id beyond any database integer is "not found",
     not an overflow in the database driver.
 
-    With ``tenant_filter`` (a callable taking the tenant id and returning a
-    ``Q``), a token bound to a tenant can only name rows of its tenant: other
-    tenants' rows answer exactly like ids that do not exist.
+    ``tenant_filter`` (a callable taking the tenant id and returning a ``Q``)
+    is required: every field that names a row says which rows a token bound to
+    a tenant may name (:func:`shared_rows` for the catalog every tenant sees).
+    Other tenants' rows answer exactly like ids that do not exist. A field
+    without it once let a tenant attach another tenant's retention owner to its
+    namespace, and then read that owner's name and e-mail address.
     """
 
-    def __init__(self, *, tenant_filter: Callable[[int], Q] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, tenant_filter: Callable[[int], Q], **kwargs: Any) -> None:
         self.tenant_filter = tenant_filter
         super().__init__(**kwargs)
 
@@ -30,7 +38,7 @@ class IdField(serializers.PrimaryKeyRelatedField):
         queryset = super().get_queryset()
         request = self.context.get("request")
         tenant_id = request_tenant(request) if request is not None else None
-        if self.tenant_filter is not None and tenant_id is not None:
+        if tenant_id is not None:
             queryset = queryset.filter(self.tenant_filter(tenant_id)).distinct()
         return queryset
 

@@ -15,7 +15,9 @@ from cacheadmin.api.serializers.fields import (
     StrictIntegerField,
     StrictModelSerializer,
     TenantSlugField,
+    shared_rows,
 )
+from cacheadmin.api.serializers.scope import owner_of_tenant
 from cacheadmin.models import (
     CacheNamespace,
     ModelVersion,
@@ -84,10 +86,10 @@ class CacheNamespaceSerializer(serializers.ModelSerializer):
 class CacheNamespaceCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     """A namespace to create: a model version, exactly one of ``tenant`` and ``group``, an owner and a policy."""
 
-    model_version = IdField(queryset=ModelVersion.objects.all())
+    model_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all(), required=False)
     group = GroupSlugField(slug_field="slug", queryset=SharedGroup.objects.all(), required=False)
-    retention_owner = IdField(queryset=RetentionOwner.objects.all())
+    retention_owner = IdField(queryset=RetentionOwner.objects.all(), tenant_filter=owner_of_tenant)
     policy = RetentionPolicySerializer()
 
     def validate(self, attrs: dict) -> dict:

@@ -6,7 +6,14 @@ from rest_framework import serializers
 
 from cacheadmin.api.payloads import ReleaseDiffField, TokenizationEvidenceField
 from cacheadmin.api.schema import FreeFormObjectField
-from cacheadmin.api.serializers.fields import IdField, StrictCharField, StrictFieldsMixin, StrictIntegerField, TenantSlugField
+from cacheadmin.api.serializers.fields import (
+    IdField,
+    StrictCharField,
+    StrictFieldsMixin,
+    StrictIntegerField,
+    TenantSlugField,
+    shared_rows,
+)
 from cacheadmin.api.serializers.scope import engine_of_tenant
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release, ReleaseEvent
@@ -70,11 +77,11 @@ class ReleaseCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     served_name = StrictCharField(max_length=200)
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
     from_version = IdField(
-        queryset=ModelVersion.objects.all(), required=False, allow_null=True, default=None,
+        queryset=ModelVersion.objects.all(), tenant_filter=shared_rows, required=False, allow_null=True, default=None,
         help_text="the version it leaves; omitted or null: a first deployment (ready at once, 100 % on the tenant's "
         "existing namespace of to_version)",
     )  # fmt: skip
-    to_version = IdField(queryset=ModelVersion.objects.all())
+    to_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
 
 
 class ReleaseDecideSerializer(StrictFieldsMixin, serializers.Serializer):

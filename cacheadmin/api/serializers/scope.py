@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db.models import Exists, OuterRef, Q
 
 from cacheadmin.models import (
+    CacheNamespace,
     Engine,
 )
 from cacheadmin.services.namespaces import namespaces_visible_to
@@ -13,6 +14,12 @@ from cacheadmin.services.namespaces import namespaces_visible_to
 def namespace_of_tenant(tenant_id: int) -> Q:
     """Namespaces a token bound to ``tenant_id`` may name (its own and its groups')."""
     return namespaces_visible_to(tenant_id)
+
+
+def owner_of_tenant(tenant_id: int) -> Q:
+    """Retention owners a token bound to ``tenant_id`` may name: those of the namespaces it
+    may see (another tenant's owner, its name and e-mail address, are not its business)."""
+    return Q(pk__in=CacheNamespace.objects.filter(namespaces_visible_to(tenant_id)).values("retention_owner_id"))
 
 
 def engine_of_tenant(tenant_id: int) -> Q:
