@@ -465,3 +465,18 @@ def test_an_engine_refusing_a_request_inside_its_stream_never_opens_its_breaker(
     assert setup["gateway"].breaker.snapshot()[str(setup["engine"].pk)]["state"] == "closed"
     setup["fake"].stream_error = None
     assert call(setup, chat("What is the capital of France?", temperature=0)).status_code == 200
+
+
+def test_the_anonymous_health_check_tells_nothing_of_engines_or_traffic(setup) -> None:
+    """Anyone reaching the port may ask: per-engine breaker states and in-flight counts
+    were a side channel on other tenants' load."""
+    assert call(setup, chat(temperature=0)).status_code == 200
+
+    async def health() -> httpx.Response:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return await client.get("/health")
+
+    answer = asyncio.run(health())
+    assert answer.status_code == 200 and set(answer.json()) == {"status", "epoch", "layers"}
+    assert answer.json()["status"] == "ok" and "breakers" not in answer.text and "in_flight" not in answer.text
