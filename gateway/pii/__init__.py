@@ -206,9 +206,10 @@ from gateway.pii.contact import (
     phone_digits,
     phone_windows,
     phones,
+    spoken_phones,
     with_unchecked,
 )
-from gateway.pii.financial import MIN_CARD_DIGITS, cards, code_windows, crypto_addresses, ibans, vat_numbers
+from gateway.pii.financial import MIN_CARD_DIGITS, cards, code_windows, crypto_addresses, iban_windows, ibans, vat_numbers
 from gateway.pii.keywords import KEYWORD_ANCHORS, keyword_findings
 from gateway.pii.national_ids import id_windows, letter_led_ids, national_ids
 from gateway.pii.network import ip_addresses, mac_addresses
@@ -275,12 +276,15 @@ def _find(original: str, regions: tuple[str, ...]) -> list[Finding]:
     candidates: list[Candidate] = list(emails(text, hits))
     candidates.extend(keyword_findings(text, hits))
     candidates.extend(names(text, hits))
+    candidates.extend(spoken_phones(text))
     unchecked: list[tuple[int, int]] = []
     # Every other rule needs a digit.
     if _ANY_DIGIT.search(text):
+        iban_spans = iban_windows(text)
+        if iban_spans:
+            candidates.extend(ibans(text, iban_spans))
         codes = code_windows(text)
         if codes:
-            candidates.extend(ibans(text, codes))
             candidates.extend(vat_numbers(text, codes))
             candidates.extend(letter_led_ids(text, codes))
         candidates.extend(crypto_addresses(text))

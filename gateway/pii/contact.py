@@ -233,6 +233,19 @@ def phones(text: str, windows: list[tuple[int, int]], regions: tuple[str, ...]) 
                 yield Candidate(span[0], span[1], "phone", PRIORITY_PHONE)
 
 
+_DIGIT_WORD = r"(?:zero|oh|one|two|three|four|five|six|seven|eight|nine)"
+#: A number spoken digit by digit ("four one five, five five five, one two one two"): at
+#: least :data:`MIN_PHONE_DIGITS` English digit words in a row, apart only by spaces,
+#: hyphens or commas. Fewer are a count or a code; that many are read as a phone number.
+_SPOKEN_DIGITS: Final = re.compile(rf"(?i)\b{_DIGIT_WORD}(?:[\s,-]+{_DIGIT_WORD}){{{MIN_PHONE_DIGITS - 1},}}\b")
+
+
+def spoken_phones(text: str) -> Iterator[Candidate]:
+    """Phone numbers written as digit words (:data:`_SPOKEN_DIGITS`)."""
+    for m in _SPOKEN_DIGITS.finditer(text):
+        yield Candidate(m.start(), m.end(), "phone", PRIORITY_PHONE)
+
+
 def with_unchecked(text: str, findings: list[Finding], unchecked: list[tuple[int, int]]) -> list[Finding]:
     """``findings`` plus, as phone numbers, the parts of unchecked chains that no finding covers."""
     added = []

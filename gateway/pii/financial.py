@@ -17,9 +17,10 @@ from gateway.pii.base import PRIORITY_CARD, PRIORITY_IBAN, PRIORITY_ID, Candidat
 
 MIN_CARD_DIGITS: Final = 13
 _CARD_FIRST_DIGITS: Final = frozenset("23456")
-# Groups of digits joined by one kind of separator: a space, a hyphen or a dot.
+# Groups of digits joined by one kind of separator: a space, a hyphen, a dot, an
+# underscore or a slash (the Luhn check and the group layout keep dates out).
 # Not glued to letters: "0x52908400098527886e0f" is hex, not a card.
-_CARD_GROUPS: Final = re.compile(r"(?<![\dA-Za-z])\d+(?:[ .-]\d+)*(?!\d)")
+_CARD_GROUPS: Final = re.compile(r"(?<![\dA-Za-z])\d+(?:[ ._/-]\d+)*(?!\d)")
 _DIGITS: Final = re.compile(r"\d+")
 
 
@@ -70,6 +71,9 @@ def _card_from(text: str, groups: list[tuple[int, int]], i: int) -> int | None:
 # so. This scan starts on a character class, which re runs far faster than the full
 # patterns (each opening with a look-behind); they then run around its hits only.
 _CODE_HINT: Final = re.compile(r"[A-Z][A-Z]+[ -]?\d")
+# IBANs are also written in lower case ("de89 3704 ..."): their own hint, two letters and
+# two digits (the country code and check digits), so common words before a number stay out.
+_IBAN_HINT: Final = re.compile(r"(?<![\w])[a-zA-Z]{2}\d{2}")
 _CODE_REACH: Final = 60  # the longest code after its first letter: an IBAN in groups (42) or VAT with "MWST"
 
 
@@ -90,14 +94,21 @@ def _in_windows(pattern: re.Pattern[str], text: str, windows: list[tuple[int, in
 
 # An IBAN as printed (groups of 4 after the country code and check digits, the last
 # 1 to 4) or compact; ISO 13616 lengths run from 15 (Norway) to 34 characters.
-_IBAN: Final = re.compile(r"(?<![\w])[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?(?![\w])")
+_IBAN: Final = re.compile(r"(?<![\w])(?i:[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]{4}){2,7}(?:[ -]?[A-Z0-9]{1,4})?)(?![\w])")
 _IBAN_SHORTEST: Final = 15
 
 
+def iban_windows(text: str) -> list[tuple[int, int]]:
+    """Merged spans of ``text`` that may hold an IBAN in either case."""
+    size = len(text)
+    return merge_spans((m.start(), min(size, m.start() + _CODE_REACH)) for m in _IBAN_HINT.finditer(text))
+
+
 def ibans(text: str, windows: list[tuple[int, int]]) -> Iterator[Candidate]:
-    """IBANs that ``stdnum.iban`` validates (country length and ISO 7064 mod 97-10); a
-    trailing group that breaks the check ("... 0130 00 BIC1") is dropped until it holds.
-    Only ``windows`` (see :func:`code_windows`) are scanned."""
+    """IBANs that ``stdnum.iban`` validates (country length and ISO 7064 mod 97-10), in
+    either case, grouped by spaces or hyphens; a trailing group that breaks the check
+    ("... 0130 00 BIC1") is dropped until it holds. Only ``windows`` (see
+    :func:`iban_windows`) are scanned."""
     for m in _in_windows(_IBAN, text, windows):
         span = _longest_valid(text, m.start(), m.end(), iban.is_valid, _IBAN_SHORTEST)
         if span is not None:

@@ -35,7 +35,14 @@ _E = r"(?![\w]|-\w)"  # and is not followed by one (a hyphen then more text cont
 
 
 def _valid_us(number: str) -> bool:
-    return bool(us_ssn.is_valid(number) or us_itin.is_valid(number))
+    """A US SSN or ITIN by the SSA's structure: area not 000, 666 or 900-999 (those are
+    ITINs, which stdnum checks), group not 00, serial not 0000. stdnum's list of numbers
+    known to have been misused (078-05-1120...) is not applied: a gate that keeps such a
+    number because it is famous would still store what reads as someone's SSN."""
+    if us_ssn.is_valid(number) or us_itin.is_valid(number):
+        return True
+    area, group, serial = number[:3], number[4:6], number[7:]
+    return area not in ("000", "666") and area[0] != "9" and group != "00" and serial != "0000"
 
 
 def _nino(number: str) -> bool:

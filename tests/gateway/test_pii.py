@@ -115,6 +115,19 @@ def test_kinds_and_markers() -> None:
         ("NIE X-2482300A", []),
         ("NHS 401 123 4567", [("national_id", "401 123 4567")]),
         ("NHS 401 123 4568", []),
+        # Forms a hostile pass stored verbatim: invisible characters, letter spacing, lower case,
+        # other separators, a famous SSN, a number spoken digit by digit.
+        ("mail jane.doe@exa\u200bmple.com", [("email", "jane.doe@exa\u200bmple.com")]),
+        ("j a n e . d o e @ e x a m p l e . c o m", [("email", "j a n e . d o e @ e x a m p l e . c o m")]),
+        ("4111\u200b1111\u200b1111\u200b1111", [("card", "4111\u200b1111\u200b1111\u200b1111")]),
+        ("card 4111_1111_1111_1111", [("card", "4111_1111_1111_1111")]),
+        ("card 4111/1111/1111/1111", [("card", "4111/1111/1111/1111")]),
+        ("iban de89 3704 0044 0532 0130 00", [("iban", "de89 3704 0044 0532 0130 00")]),
+        ("IBAN DE89-3704-0044-0532-0130-00", [("iban", "DE89-3704-0044-0532-0130-00")]),
+        ("ssn 078-05-1120", [("national_id", "078-05-1120")]),
+        ("call four one five five five five one two one two", [("phone", "four one five five five five one two one two")]),
+        ("on 12/05/2024 and 2024/05/12", []),
+        ("I have one two three things", []),
     ],
 )
 def test_findings(text: str, expected: list[tuple[str, str]]) -> None:
