@@ -41,6 +41,12 @@ from inference.paths import has_mistral_tokenizer
 
 _PR_SET_PDEATHSIG = 1
 
+#: What every local engine gets from its starter's environment beside the system's
+#: names: where its caches live (TorchInductor's compiled kernels, vLLM's and Hugging
+#: Face's caches; a cache started anew costs every engine start its compile) and
+#: which accelerators it may use. None of them is a secret or changes what it computes.
+ENGINE_ENV_NAMES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES"})
+
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (the OS picks it)."""
@@ -221,7 +227,8 @@ class EngineSpec:
     def environment(self) -> dict[str, str]:
         """The server's environment, built from an allowlist
         (:func:`inference.child_env.child_environment`): the system's names,
-        :attr:`inherit_env`, and the CPU backend's settings set here. Nothing
+        :data:`ENGINE_ENV_NAMES`, :attr:`inherit_env`, and the CPU backend's
+        settings set here. Nothing
         else of this process's reaches it: not the control plane's metrics
         folder (``PROMETHEUS_MULTIPROC_DIR``: the engine's ``/metrics`` would
         mix its series with other processes'), its database URL or its keys.
@@ -243,7 +250,7 @@ class EngineSpec:
             env["VLLM_API_KEY"] = self.api_key
         if self.kv_cache_layout:
             env["VLLM_KV_CACHE_LAYOUT"] = self.kv_cache_layout
-        return child_environment(env, inherit=self.inherit_env)
+        return child_environment(env, inherit=ENGINE_ENV_NAMES.union(self.inherit_env))
 
     def auth_headers(self) -> dict[str, str]:
         """The headers a client of this engine sends (its API key, when it has one)."""

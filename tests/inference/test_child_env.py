@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from inference.child_env import SYSTEM_NAMES, child_environment
-from inference.engines.launcher import EngineSpec
+from inference.engines.launcher import ENGINE_ENV_NAMES, EngineSpec
 
 
 def test_a_child_gets_the_system_names_what_it_inherits_and_what_is_set(monkeypatch) -> None:
@@ -38,7 +38,7 @@ def test_an_engine_started_by_a_web_worker_gets_none_of_its_environment(tmp_path
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }  # fmt: skip
     assert {k: env[k] for k in own} == own
-    assert set(env) - set(own) <= SYSTEM_NAMES | {n for n in env if n.startswith("LC_")}
+    assert set(env) - set(own) <= SYSTEM_NAMES | ENGINE_ENV_NAMES | {n for n in env if n.startswith("LC_")}
     assert "VLLM_API_KEY" not in EngineSpec(**base).environment()
     assert "VLLM_KV_CACHE_LAYOUT" not in EngineSpec(**base).environment()
     assert EngineSpec(**base, inherit_env=("DATABASE_URL",)).environment()["DATABASE_URL"] == "postgres://u:p@db/kvcp"
