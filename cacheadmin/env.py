@@ -32,14 +32,21 @@ def _read(name: str) -> str | None:
 def control_plane_environment(values: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a control-plane child (Celery worker, gateway, KV-event
     consumer, gunicorn, a management command): the system's names, every setting
-    this process read from its environment (:data:`READ_NAMES`), Django's own, and
-    ``values`` on top; nothing else of this process's environment
+    this process read from its environment (:data:`READ_NAMES`), Django's own,
+    what the engines it may start inherit (``ENGINE_ENV_NAMES``,
+    ``ENGINE_ENV_INHERIT``), and ``values`` on top; nothing else of this process's environment
     (:func:`inference.child_env.child_environment`).
 
     Args:
         values: names the starter sets (a test database's ``DATABASE_URL``...).
     """
-    return child_environment(values, inherit=READ_NAMES.union(_PROCESS_NAMES))
+    from django.conf import settings  # lazy: this module is imported by the settings themselves
+
+    from inference.engines.launcher import ENGINE_ENV_NAMES
+
+    # The worker starts engines: what engines inherit passes through it too.
+    engines = ENGINE_ENV_NAMES.union(getattr(settings, "ENGINE_ENV_INHERIT", ()))
+    return child_environment(values, inherit=READ_NAMES.union(_PROCESS_NAMES, engines))
 
 
 _TRUE = {"1", "true", "yes", "on"}

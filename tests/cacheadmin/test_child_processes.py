@@ -20,11 +20,13 @@ from inference.engines.verify import DRIFT_CACHE_LABELS, drift_baseline
 def test_a_control_plane_child_gets_the_settings_read_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "web-metrics"))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-children")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the engines the worker starts keep it
     assert {"DATABASE_URL", "VAR_DIR", "CELERY_BROKER_URL", "ENGINE_ENV_INHERIT"} <= READ_NAMES
     env = control_plane_environment({"GATEWAY_ADDR": "127.0.0.1:9"})
     assert env["GATEWAY_ADDR"] == "127.0.0.1:9" and env["DJANGO_SETTINGS_MODULE"] == "cacheadmin.settings"
     assert {n: env[n] for n in ("VAR_DIR",)} == {"VAR_DIR": os.environ["VAR_DIR"]}
     assert "PROMETHEUS_MULTIPROC_DIR" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     for child in (WorkerProcess(tmp_path / "w.log"), GatewayProcess(tmp_path / "g.log", env={"GATEWAY_WORKERS": "1"})):
         assert "AWS_SECRET_ACCESS_KEY" not in child.env and "PROMETHEUS_MULTIPROC_DIR" not in child.env
     assert GatewayProcess(tmp_path / "g.log", env={"GATEWAY_WORKERS": "1"}).env["GATEWAY_WORKERS"] == "1"
