@@ -192,7 +192,7 @@ if len(str(_kv_socket_default)) > 80:
     _kv_socket_default = Path("/tmp") / f"kvcp-{os.getuid()}-{hashlib.sha256(str(VAR_DIR).encode()).hexdigest()[:12]}"
 KV_EVENTS_SOCKET_DIR = Path(env_str("KV_EVENTS_SOCKET_DIR", str(_kv_socket_default))).resolve()
 #: The KV-event consumer's CURVE secret key (created once, mode 0600); its public
-#: key (`manage.py kv_events key`) is what relays beside remote engines admit.
+#: key (`manage.py kv_events --public-key`) is what relays beside remote engines admit.
 KV_EVENTS_KEY_FILE = Path(env_str("KV_EVENTS_KEY_FILE", str(VAR_DIR / "kv-events-consumer.key"))).resolve()
 # What one tenant may hold (cacheadmin.services.quotas): each created row is a metric
 # series, a polled target or a worker's time. TENANT_QUOTA_<KIND>=N; 0 forbids the kind.
