@@ -60,8 +60,8 @@ class Engine(models.Model):
     objects = RoutingQuerySet.as_manager()
     #: Writes of these alone change no routing decision (health clocks, logs, facts).
     ROUTING_IGNORED_FIELDS = frozenset({
-        "health_checked_at", "health_failures", "error", "pid", "next_restart_at", "restart_attempts", "start_seconds",
-        "log_path", "verified_at", "verified_facts",
+        "health_checked_at", "health_failures", "error", "pid", "pid_started", "next_restart_at", "restart_attempts",
+        "start_seconds", "log_path", "verified_at", "verified_facts",
     })  # fmt: skip
 
     name = models.CharField(max_length=100, unique=True)
@@ -102,6 +102,9 @@ class Engine(models.Model):
     #: Incremented at every start of the process: a consumer's saved state of
     #: an earlier incarnation is dropped (a new process has an empty cache).
     generation = models.PositiveIntegerField(default=0)
+    #: When the process at ``pid`` started (clock ticks after boot, /proc/PID/stat
+    #: field 22): a pid reused by another process is never taken for this engine's.
+    pid_started = models.BigIntegerField(null=True, blank=True)
     #: Started detached from the process that asked (CLI, API worker): it
     #: outlives that process and is stopped by pid.
     detached = models.BooleanField(default=False)

@@ -308,7 +308,8 @@ def demo_run(
     def launch(**specs: dict[str, Any]) -> list[Engine]:
         """Start engines together (their start-ups overlap), each verified before use."""
         log(f"starting engines {', '.join(specs)} together…")
-        rows = [engine_create(name=f"{name}-{run}", actor=ACTOR, **kwargs) for name, kwargs in specs.items()]
+        # Attached to this process (detached=False): they die with it, even when it is killed.
+        rows = [engine_create(name=f"{name}-{run}", actor=ACTOR, detached=False, **kwargs) for name, kwargs in specs.items()]
         started.extend(rows)
         engines = engines_boot(rows, actor=ACTOR)
         for engine in engines:

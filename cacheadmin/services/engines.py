@@ -19,7 +19,7 @@ from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
-from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, stop_process_group
+from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, process_started, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
 from inference.kv_transport import TransportError, local_endpoints, private_socket_dir
@@ -255,11 +255,11 @@ def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start
     failure: BaseException | None = None
     try:
         for engine in booting:
-            if not (engine.pid and pid_alive(engine.pid)):
+            if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
                 local = LocalEngine(_spec_for(engine))
                 local.start(detach=engine.detached)
                 spawned[engine.pk] = local
-                Engine.objects.filter(pk=engine.pk).update(pid=local.pid)
+                Engine.objects.filter(pk=engine.pk).update(pid=local.pid, pid_started=process_started(local.pid))
         # Engines started together share the cores: the batch has the sum of their
         # start-up budgets, counted from its start (one stuck engine cannot hold it longer).
         deadline = started + settings.ENGINE_START_TIMEOUT_S * max(1, len(booting))
@@ -333,7 +333,7 @@ def _wait_healthy(engine: Engine, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with engine_client(engine) as client:
         while not client.healthy():
-            if not (engine.pid and pid_alive(engine.pid)):
+            if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
                 raise EngineError(f"vLLM server {engine.name} exited before it was ready:\n{log_tail(engine)}")
             if time.monotonic() > deadline:
                 raise EngineError(f"vLLM server {engine.name} not ready after {timeout_s:.0f} s:\n{log_tail(engine)}")
@@ -390,7 +390,7 @@ def _stop_process(engine: Engine) -> None:
     if local is not None:
         local.stop()
     elif engine.pid and engine.origin == Engine.Origin.LOCAL:
-        stop_process_group(engine.pid)
+        stop_process_group(engine.pid, started=engine.pid_started)
 
 
 def engine_stop(*, engine: Engine, actor: str) -> Engine:
@@ -407,6 +407,36 @@ def engine_stop(*, engine: Engine, actor: str) -> Engine:
         audit_record(actor=actor, action="engine.stop", obj=engine, before={"status": engine.status})
     engine.refresh_from_db()
     return engine
+
+
+def engines_stop_all(*, actor: str, reason: str) -> list[str]:
+    """Stop every local engine of this deployment whose process still runs, whoever
+    started it (the demo, a page, the API, the CLI, an earlier run that died): the
+    one way to leave no engine behind (``engine stop-all``, the demo's start and exit).
+
+    A process is the engine's only while its pid and start time
+    (:attr:`Engine.pid_started`) are the recorded ones: a pid reused by another
+    process is never signalled. Rows of engines whose process is gone are marked
+    stopped too. Adopted engines are not ours to stop: they are left as they are.
+
+    Returns:
+        The names of the engines stopped, sorted.
+    """
+    stopped = []
+    for engine in Engine.objects.filter(origin=Engine.Origin.LOCAL).exclude(pid=None).order_by("name"):
+        running = pid_alive(engine.pid, engine.pid_started)  # type: ignore[arg-type]
+        if not running and engine.status == Engine.Status.STOPPED:
+            continue
+        _stop_process(engine)
+        with transaction.atomic():
+            Engine.objects.filter(pk=engine.pk).update(
+                status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None,
+                error="" if running else "process not running (found at stop-all)",
+            )  # fmt: skip
+            audit_record(actor=actor, action="engine.stop", obj=engine, before={"status": engine.status}, reason=reason)
+        if running:
+            stopped.append(engine.name)
+    return stopped
 
 
 def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool = True) -> Engine:
@@ -434,7 +464,7 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
             quota_check(tenant=engine.namespace.tenant, kind="engines")
         engine.generation += 1
         fields: dict[str, Any] = {
-            "status": Engine.Status.STARTING, "generation": engine.generation, "pid": None, "error": "",
+            "status": Engine.Status.STARTING, "generation": engine.generation, "pid": None, "pid_started": None, "error": "",
             "stopped_at": None, "next_restart_at": None, "verification": Engine.Verification.UNVERIFIED,
         }  # fmt: skip
         if engine.kv_events_endpoint:
@@ -469,7 +499,7 @@ def engines_reconcile(*, actor: str) -> int:
     """
     changed = 0
     for engine in Engine.objects.filter(status__in=[Engine.Status.STARTING, Engine.Status.READY]):
-        if not (engine.pid and pid_alive(engine.pid)):
+        if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
             Engine.objects.filter(pk=engine.pk).update(
                 status=Engine.Status.STOPPED, stopped_at=timezone.now(), error="process not running (found at reconcile)"
             )

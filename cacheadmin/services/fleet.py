@@ -341,7 +341,7 @@ def engine_adopt(
 
 def _healthy(engine: Engine) -> tuple[bool, str]:
     """(healthy, why not)."""
-    if engine.origin == Engine.Origin.LOCAL and not (engine.pid and pid_alive(engine.pid)):
+    if engine.origin == Engine.Origin.LOCAL and not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
         return False, "process gone"
     try:
         client = engine_client(engine)

@@ -427,22 +427,48 @@ class LocalEngine:
             pass  # reaped while the group was waited on
 
 
-def pid_alive(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/PID/stat`` after ``(comm)``: field 3 (state) first, as proc(5) numbers them; None when unreadable."""
+    try:
+        # "pid (comm) state ...": comm may hold spaces and parentheses.
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_started(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat``
+    field 22, ``starttime``, proc(5)), or None when no such process is readable.
+
+    A pid is reused once its process is gone; the pair (pid, start time) names
+    one process for the machine's uptime, so a recorded engine is never confused
+    with whatever runs under its old pid now.
+    """
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else None  # field 22 is the 20th after "(comm)"
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int, started: int | None = None) -> bool:
     """True if a process with this pid exists and is not a zombie (it may
-    belong to another user). A detached engine's parent may be an init that
-    never reaps it: its zombie must not count as a running engine."""
+    belong to another user) and, when ``started`` is given, is the process
+    that started then (:func:`process_started`): a reused pid is not it. A
+    detached engine's parent may be an init that never reaps it: its zombie
+    must not count as a running engine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    try:
-        # /proc/PID/stat: "pid (comm) state ..."; comm may hold spaces and parentheses.
-        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
+        return started is None
+    fields = _stat_fields(pid)
+    if fields is None:
+        return started is None
+    if fields[0] in (b"Z", b"X"):
+        return False
+    return started is None or process_started(pid) == started
 
 
 def _group_running(pgid: int) -> bool:
@@ -465,17 +491,22 @@ def _group_running(pgid: int) -> bool:
     return False
 
 
-def stop_process_group(pid: int, *, timeout_s: float = 20.0) -> bool:
+def stop_process_group(pid: int, *, timeout_s: float = 20.0, started: int | None = None) -> bool:
     """Stop a server by pid (its own session/process group): SIGTERM, then
-    SIGKILL after ``timeout_s`` if any process of the group still runs.
+    SIGKILL after ``timeout_s`` if any process of the group still runs. With
+    ``started`` (:func:`process_started` when it was recorded), a pid that now
+    names another process is left alone.
 
     A group leader that is this process's child is reaped while waiting;
     measured here, waiting on the group with the leader unreaped took the
     whole 20 s for every engine, reaped it takes a few seconds.
 
     Returns:
-        True if a process was signalled, False if none was running.
+        True if a process was signalled, False if none was running (or the
+        pid names another process now).
     """
+    if started is not None and process_started(pid) not in (None, started):
+        return False  # reused: the leader is gone and its group (if any is left) has no other way to be named
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -4,6 +4,8 @@ from its environment: the settings it read, nothing else."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ from cacheadmin.models import Engine, EngineAlarm
 from cacheadmin.services import engine_verification
 from cacheadmin.services.engine_verification import VerificationRefused, engine_verify
 from cacheadmin.services.workers import GatewayProcess, WorkerProcess
+from inference.engines.launcher import process_started
 from inference.engines.verify import DRIFT_CACHE_LABELS, drift_baseline
+from tests.helpers import manage, subprocess_env
 
 
 def test_a_control_plane_child_gets_the_settings_read_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
@@ -58,3 +62,37 @@ def test_a_recheck_that_could_not_read_the_engine_leaves_it_verified_and_in_serv
     engine.refresh_from_db()
     assert (engine.verification, engine.in_service) == ("drifted", False)
     assert EngineAlarm.objects.filter(engine=engine, kind="verification_drift").count() == 1
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_stop_all_ends_every_running_local_engine_and_never_a_reused_pid(world) -> None:
+    """``engine stop-all``: the one command that leaves no engine of the deployment
+    running, whoever started it; a pid that names another process now is left alone."""
+    ours = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    stranger = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        v1, ns = world["v1"], world["ns"]["acme"]
+        running = Engine.objects.create(
+            name="left-running", model_version=v1, namespace=ns, base_url="http://127.0.0.1:5", status="ready",
+            pid=ours.pid, pid_started=process_started(ours.pid), detached=True,
+        )  # fmt: skip
+        reused = Engine.objects.create(
+            name="reused-pid", model_version=v1, namespace=ns, base_url="http://127.0.0.1:6", status="ready",
+            pid=stranger.pid, pid_started=(process_started(stranger.pid) or 0) - 1,
+        )  # fmt: skip
+        done = manage("engine", "stop-all", env=subprocess_env())
+        assert (done.returncode, done.stdout.strip()) == (0, "stopped 1 engine(s): left-running"), done.stderr
+        ours.wait(timeout=30)
+        assert stranger.poll() is None  # another process under a recorded engine's old pid
+        assert {e.name: (e.status, e.error) for e in Engine.objects.filter(pk__in=[running.pk, reused.pk])} == {
+            "left-running": ("stopped", ""),
+            "reused-pid": ("stopped", "process not running (found at stop-all)"),
+        }
+        again = manage("engine", "stop-all", env=subprocess_env())
+        assert again.stdout.strip() == "stopped 0 engine(s)"
+    finally:
+        for proc in (ours, stranger):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -31,6 +31,7 @@ from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
 from cacheadmin.services.demo import HOLD_S, TRAFFIC_RATE_PER_S, Stage, demo_run
 from cacheadmin.services.demo_release import ApiCallFailed
+from cacheadmin.services.engines import engines_stop_all
 from cacheadmin.services.gateway import gateway_key_issue
 from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
 from inference.engines.launcher import die_with_parent
@@ -333,6 +334,11 @@ class Command(ControlPlaneCommand):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         call_command("migrate", interactive=False, verbosity=0)
+        # The demo owns its deployment's engines: an earlier run killed before it could stop them
+        # (or engines started from its pages) are stopped, by pid and start time, never by name.
+        reaped = engines_stop_all(actor="demo", reason="left running by an earlier run")
+        if reaped:
+            self.stderr.write(f"stopped {len(reaped)} engine(s) an earlier run left running: {', '.join(reaped)}")
         serve = not opts["no_serve"]
         addr = opts["addr"] or env_str("GUNICORN_BIND", DEFAULT_BIND)
         server: DashboardServer | None = None
@@ -439,6 +445,9 @@ class Command(ControlPlaneCommand):
             consumer.stop()
             if server is not None:
                 server.stop()
+            # Every engine of the deployment stops with the demo: the ones it kept serving and the
+            # ones started from its pages and API while it served (detached: nothing else ends them).
+            engines_stop_all(actor="demo", reason="the demo stopped")
 
     def _serve(self, server: DashboardServer, log: Any) -> None:
         password = self._ensure_admin()

@@ -22,7 +22,14 @@ from cacheadmin.models import CacheNamespace, Engine, ModelVersion
 from cacheadmin.services.addresses import engine_api_key
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import engine_verify
-from cacheadmin.services.engines import engine_attach_namespace, engine_boot, engine_create, engine_restart, engine_stop
+from cacheadmin.services.engines import (
+    engine_attach_namespace,
+    engine_boot,
+    engine_create,
+    engine_restart,
+    engine_stop,
+    engines_stop_all,
+)
 from cacheadmin.services.fleet import engine_adopt
 from cacheadmin.services.gpu_specs import engine_gpu_spec
 from inference.engines.gpu_spec import CONNECTORS
@@ -74,6 +81,10 @@ class Command(ControlPlaneCommand):
         attach.add_argument("engine", type=positive_int)
         attach.add_argument("namespace", type=positive_int)
         sub.add_parser("list", help="list engines")
+        sub.add_parser(
+            "stop-all",
+            help="stop every local engine of this deployment whose process runs, whoever started it (adopted ones are left)",
+        )
         key = sub.add_parser("key", help="print a local engine's API key (every request to it carries it as a bearer token)")
         key.add_argument("engine", type=positive_int)
 
@@ -84,6 +95,10 @@ class Command(ControlPlaneCommand):
                 tier = e.kv_connector or "memory"
                 state = f"{e.origin:8} {e.role:9} {e.status:8} {e.verification:11}"
                 self.stdout.write(f"{e.pk}  {e.name:32} {state} {e.model_version.label:20} {tier}")
+            return
+        if verb == "stop-all":
+            stopped = engines_stop_all(actor=ACTOR, reason="engine stop-all")
+            self.stdout.write(f"stopped {len(stopped)} engine(s){': ' + ', '.join(stopped) if stopped else ''}")
             return
         if verb == "key":
             engine = get_or_bad_input(self, Engine, opts["engine"], "engine")
