@@ -84,7 +84,7 @@ KEY_HEAD = "kvgw"
 #: A key's token bucket: requests per second, and burst (one request per 1,000 s at the slowest).
 MIN_RATE, MAX_RATE, MAX_BURST = 0.001, 1_000_000.0, 1_000_000
 #: Layers a kill switch governs (the engine's own prefix cache has none here).
-SWITCHED_LAYERS = (CacheLayer.RESPONSE, CacheLayer.SEMANTIC)
+SWITCHED_LAYERS = (CacheLayer.RESPONSE.value, CacheLayer.SEMANTIC.value)  # plain strings: schema keys, YAML
 
 
 class GatewayRefused(Refused):

@@ -7,6 +7,8 @@ acme; charlie a read token bound to tenant globex; anonymous holds nothing.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
@@ -147,6 +149,20 @@ def test_identity_diff_endpoint(world) -> None:
     missing = c.get(f"/api/identity-diff/?a={world['v1'].pk}&b=999999")
     assert missing.status_code == 400 and missing.json()["error"]["fields"] == {"b": ["no model version with id 999999"]}
     assert c.get("/api/identity-diff/?a=x&b=1").json()["error"]["fields"]["a"] == ["A valid integer is required."]
+
+
+@pytest.mark.parametrize("accept", ["*/*", "application/vnd.oai.openapi", "application/yaml", "application/json", None])
+def test_the_schema_answers_every_accept_header_a_client_sends(world, accept) -> None:
+    """``curl /api/schema/`` sends ``Accept: */*`` and gets the YAML rendering, which once
+    failed with 500 on enum members used as schema keys (the gateway layers)."""
+    headers = {"HTTP_ACCEPT": accept} if accept else {}
+    answer = world["clients"]["alice"].get("/api/schema/", **headers)
+    assert answer.status_code == 200, answer.content[:300]
+    text = answer.content.decode()
+    if "json" in answer["content-type"]:
+        assert set(json.loads(text)["components"]["schemas"]["GatewayLayers"]["properties"]) == {"response", "semantic"}
+    else:
+        assert "openapi: 3." in text and "GatewayLayers:" in text
 
 
 def test_openapi_schema_builds_and_covers_every_endpoint(world) -> None:
@@ -581,3 +597,28 @@ def test_a_json_body_naming_a_key_twice_is_refused(world) -> None:
     )
     assert (nan.status_code, nan.json()["error"]["message"]) == (400, "JSON parse error - NaN is not a JSON value")
     assert Tenant.objects.count() == before
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "char"),
+    [
+        ('{"messages": [{"role": "user", "content": "Refund x\\ud800 status?"}], "hits": 3}', "messages.0.content", "D800"),
+        ('{"messages": [{"role": "user", "content": "Refund status?"}], "hits": 3, "\\udc00": 1}', "non_field_errors", "DC00"),
+        ('{"messages": [{"role": "user\\udfff", "content": "Refund status?"}]}', "messages.0.role", "DFFF"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_a_body_is_a_400_and_stores_nothing(world, body, field, char) -> None:
+    """The example: prefix heat with a lone surrogate answered 500 after storing it (its
+    answer echoes the messages, and UTF-8 cannot write one). Every endpoint parses alike."""
+    c, acme_ns = world["clients"], world["ns"]["acme"]
+    for path in (f"/api/namespaces/{acme_ns.pk}/prefix-heat/", "/api/tenants/"):
+        answer = c["alice"].post(path, data=body, content_type="application/json")
+        assert answer.status_code == 400, (path, answer.content[:200])
+        assert answer.json()["error"]["fields"] == {
+            field: [f"must not contain the unpaired surrogate U+{char}, which is not a character"]
+        }
+    assert PrefixHeat.objects.count() == 0
+    # A surrogate pair is one character, and welcome.
+    emoji = '{"messages": [{"role": "user", "content": "Refund \\ud83d\\ude00?"}], "hits": 1}'
+    kept = c["alice"].post(f"/api/namespaces/{acme_ns.pk}/prefix-heat/", data=emoji, content_type="application/json")
+    assert kept.status_code == 200 and PrefixHeat.objects.count() == 1
