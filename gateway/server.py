@@ -464,6 +464,40 @@ def last_user_text(body: Mapping[str, Any]) -> str | None:
     return unicodedata.normalize("NFC", content) if isinstance(content, str) and content.strip() else None
 
 
+def semantic_bypass(
+    snap: RoutingSnapshot, tenant: TenantTarget, layer: Any, text: str | None, canonical: Mapping[str, Any], personal: bool
+) -> str | None:
+    """Why a request bypasses the semantic layer, or None when it may look up and store
+    there: the one decision the live path and :func:`explain` both take.
+
+    A reused answer is a reproduced one whichever layer serves it, so the response
+    cache's reproducibility rule (:func:`gateway.canonical.response_admission`: greedy,
+    seeded or sampled as the tenant's policy allows) admits here too: a sampled answer
+    served again from the semantic layer would repeat one draw as if it were the only one.
+
+    Returns:
+        ``kill_switch``, ``tenant_policy``, ``not_configured``, ``not_a_user_question``,
+        ``n_choices``, a refused reason of :data:`gateway.canonical.ADMISSION_REASONS`
+        (``sampling``, ``seed_not_guaranteed``), the layer's own refusal
+        (``personal_data``...), or None.
+    """
+    if not snap.layers.get("semantic", True):
+        return "kill_switch"
+    if not tenant.policy.semantic_cache:
+        return "tenant_policy"
+    if layer is None:
+        return "not_configured"
+    if text is None:
+        return "not_a_user_question"
+    if int(canonical.get("n", 1)) != 1:
+        return "n_choices"
+    verdict = response_admission(canonical, allow_seeded=tenant.policy.allow_seeded, allow_sampling=tenant.policy.allow_sampling)
+    if not verdict.admitted:
+        return verdict.reason
+    admitted, why = layer.admission(text, personal_data=personal)
+    return None if admitted else why
+
+
 def semantic_partition(tenant: TenantTarget, namespace: NamespaceTarget, endpoint: str, canonical: Mapping[str, Any]) -> str:
     """The partition a semantic lookup is confined to, before any similarity:
     the tenant, the namespace, and everything of the request but its last
@@ -740,20 +774,7 @@ class Gateway:
         (partition, vector, text), or None when the layer was bypassed."""
         ns, tenant, rec, layer = routed.namespace, routed.tenant, self.rt.recorder, self.rt.semantic
         text = last_user_text(body) if endpoint == "chat" else None
-        reason = None
-        if not snap.layers.get("semantic", True):
-            reason = "kill_switch"
-        elif not tenant.policy.semantic_cache:
-            reason = "tenant_policy"
-        elif layer is None:
-            reason = "not_configured"
-        elif text is None:
-            reason = "not_a_user_question"
-        elif int(canonical.get("n", 1)) != 1:
-            reason = "n_choices"
-        else:
-            admitted, why = layer.admission(text, personal_data=personal)
-            reason = None if admitted else why
+        reason = semantic_bypass(snap, tenant, layer, text, canonical, personal)
         if reason is not None:
             rec.bypass(ns.pk, "semantic", reason)
             return None
@@ -1129,19 +1150,8 @@ def explain(
         response["key"] = response_cache_key(canonical, namespace_key=routed.namespace.key, tenant_secret=tenant.secret)
     out["response_cache"] = response
     text = last_user_text(body) if endpoint == "chat" else None
-    sem: dict[str, Any] = {"admitted": False, "reason": None}
-    if not snap.layers.get("semantic", True):
-        sem["reason"] = "kill_switch"
-    elif not tenant.policy.semantic_cache:
-        sem["reason"] = "tenant_policy"
-    elif text is None:
-        sem["reason"] = "not_a_user_question"
-    elif int(canonical.get("n", 1)) != 1:
-        sem["reason"] = "n_choices"
-    elif semantic is None:
-        sem["reason"] = "not_configured"
-    else:
-        admitted, why = semantic.admission(text, personal_data=personal)
-        sem.update(admitted=admitted, reason=why)
-    out["semantic_cache"] = sem
+    why = semantic_bypass(snap, tenant, semantic, text, canonical, personal)
+    # Admitted: the layer's own reason for admitting (its admission rule) is what it says.
+    admitted_why = semantic.admission(text, personal_data=personal)[1] if why is None else why  # type: ignore[union-attr, arg-type]
+    out["semantic_cache"] = {"admitted": why is None, "reason": admitted_why}
     return out

@@ -334,8 +334,9 @@ def test_the_gateway_cli_refuses_a_taken_address_and_deep_json_in_one_line(serve
 
 
 def test_semantic_admission_rules_come_from_configuration(served, settings) -> None:
-
-    question = {"model": "tiny", "messages": [{"role": "user", "content": "What is the price of the pro plan?"}]}
+    question = {
+        "model": "tiny", "messages": [{"role": "user", "content": "What is the price of the pro plan?"}], "temperature": 0,
+    }  # fmt: skip
     assert gateway_explain(tenant=served["acme"], endpoint="chat", body=question)["semantic_cache"]["reason"] == "admitted"
     settings.GATEWAY_SEMANTIC_RULES = '[{"name": "pricing", "pattern": "\\\\bprice"}]'
     assert [r.name for r in semantic_rules()] == ["pricing"]

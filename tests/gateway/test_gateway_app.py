@@ -27,7 +27,7 @@ from gateway.response_store import RedisResponseStore
 from gateway.routing import sticky_bucket
 from gateway.semantic.embedder import default_embedder
 from gateway.semantic.layer import SemanticLayer
-from gateway.server import request_tags
+from gateway.server import explain, request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version
 from tests.gateway.harness import call, chat, refresh
@@ -233,32 +233,52 @@ def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     return setup
 
 
-def _sampled(content: str) -> dict[str, Any]:
-    # Sampling keeps the response cache out of the way: only the semantic layer can answer.
-    return chat(content, temperature=0.7, max_tokens=16)
+def _asked(content: str) -> dict[str, Any]:
+    # Greedy: both layers admit it; each paraphrase is new to the response cache.
+    return chat(content, temperature=0, max_tokens=16)
 
 
 def test_a_paraphrase_is_answered_by_the_semantic_cache_within_the_tenant_only(semantic_setup) -> None:
     s = semantic_setup
-    first = call(s, _sampled("How do I reset my password?"), headers={"x-cache-tags": "topic:password, product:portal"})
+    first = call(s, _asked("How do I reset my password?"), headers={"x-cache-tags": "topic:password, product:portal"})
     assert first.headers["x-kvcp-served-by"] == "engine"
-    paraphrase = call(s, _sampled("How can I reset my password?"))
+    paraphrase = call(s, _asked("How can I reset my password?"))
     assert paraphrase.headers["x-kvcp-served-by"] == "semantic", paraphrase.text
     assert paraphrase.json()["choices"][0]["message"]["content"] == "Paris is the capital."
     assert len(s["fake"].received) == 1
     # Another number, another entity: never the cached answer.
-    assert call(s, _sampled("How do I reset my password on Windows?")).headers["x-kvcp-served-by"] == "engine"
+    assert call(s, _asked("How do I reset my password on Windows?")).headers["x-kvcp-served-by"] == "engine"
     # Another tenant asking the same thing shares nothing: it has no routing here, and no entry would be in its partition.
-    assert call(s, _sampled("How can I reset my password?"), key=s["globex_key"]).status_code == 404
+    assert call(s, _asked("How can I reset my password?"), key=s["globex_key"]).status_code == 404
     # An invalidation by tag removes the entry at once.
     assert s["semantic_store"].invalidate_tags(str(s["acme"].pk), ["product:portal"]) == 1
-    assert call(s, _sampled("How can I reset my password?")).headers["x-kvcp-served-by"] == "engine"
+    assert call(s, _asked("How can I reset my password?")).headers["x-kvcp-served-by"] == "engine"
+
+
+def test_sampled_answers_are_not_reused_by_the_semantic_layer_either(semantic_setup) -> None:
+    """The example: three requests at temperature 1.0; answers 2 and 3 came from the
+    semantic cache with one text, though the response cache refuses sampled answers.
+    One reproducibility rule admits for both layers, as the tenant's policy says."""
+    s = semantic_setup
+    sampled = [call(s, chat("How do I reset my password?", temperature=1.0, max_tokens=16)) for _ in range(3)]
+    assert [a.headers["x-kvcp-served-by"] for a in sampled] == ["engine"] * 3
+    assert len(s["fake"].received) == 3 and s["semantic_store"].usage("ns-acme").entries == 0
+    rows, _ = s["runtime"].recorder.drain()
+    assert {layer: reasons for _, layer, _, _, reasons in rows if layer in ("response", "semantic")} == {
+        "response": {"sampling": 3}, "semantic": {"sampling": 3},
+    }  # fmt: skip
+    # What the live path decided, explain says.
+    body = chat("How do I reset my password?", temperature=1.0, max_tokens=16)
+    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", body, semantic=s["runtime"].semantic)
+    assert (explained["response_cache"]["reason"], explained["semantic_cache"]) == (
+        "sampling", {"admitted": False, "reason": "sampling"},
+    )  # fmt: skip
 
 
 def test_time_dependent_and_personal_questions_bypass_the_semantic_layer_with_their_reasons(semantic_setup) -> None:
     s = semantic_setup
-    call(s, _sampled("What is the weather in Paris today?"))
-    call(s, _sampled("Please email my invoice to jane.doe@example.com"))
+    call(s, _asked("What is the weather in Paris today?"))
+    call(s, _asked("Please email my invoice to jane.doe@example.com"))
     rows, _ = s["runtime"].recorder.drain()
     bypass: dict[str, int] = {}
     for _, layer, _, _, reasons in rows:

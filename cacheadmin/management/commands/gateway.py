@@ -53,7 +53,7 @@ class Command(ControlPlaneCommand):
         explain.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
         explain.add_argument("--json", action="store_true")
         layer = sub.add_parser("layer", help="turn a cache layer on or off for all traffic (kill switch)")
-        layer.add_argument("layer", choices=[str(layer.value) for layer in SWITCHED_LAYERS])
+        layer.add_argument("layer", choices=list(SWITCHED_LAYERS))
         layer.add_argument("state", choices=["on", "off"])
         layer.add_argument("--reason", default="")
         policy = sub.add_parser("policy", help="show or change a tenant's gateway policy")
