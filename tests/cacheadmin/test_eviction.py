@@ -383,3 +383,32 @@ def test_a_redis_orphan_without_timestamps_waits_for_the_grace_period(world, kv)
 
 def test_every_action_kind_has_a_handler() -> None:
     assert sorted(ACTION_HANDLERS) == sorted(EvictionAction.Kind.values)
+
+
+def test_a_plan_whose_premises_changed_is_refused_and_touches_nothing(world, kv) -> None:
+    """The example: a plan made while v2 was draining demotes its namespace; a release
+    then moves all traffic to v2 (it becomes active). Approving, or executing a run
+    approved before (a scheduled one is), must not archive what now serves."""
+    run = eviction_plan(actor="alice", reason="weekly review")
+    ModelVersion.objects.filter(label="v3").update(status="draining")
+    ModelVersion.objects.filter(label="v2").update(status="active")  # 100 % of acme's traffic on v2 now
+    v2 = world["ns"]["v2"]
+    with pytest.raises(EvictionRefused) as refused:
+        eviction_run_approve(run=run, actor="bob", reason="go")
+    assert str(refused.value) == (
+        f"premises changed since the plan (plan again): namespace {v2.pk} (v2) was planned cold, now the policy keeps "
+        "it hot: tiny for acme: v2 (active) is number 1: active"
+    )
+    assert EvictionRun.objects.get(pk=run.pk).status == "planned"
+    # Approved before the change, as a scheduled run is: refused whole at execution, nothing touched.
+    ModelVersion.objects.filter(label="v2").update(status="draining")
+    ModelVersion.objects.filter(label="v3").update(status="active")
+    eviction_run_approve(run=run, actor="bob", reason="go")
+    ModelVersion.objects.filter(label="v3").update(status="draining")
+    ModelVersion.objects.filter(label="v2").update(status="active")
+    assert eviction_run_execute(run_id=run.pk) == "failed"
+    run.refresh_from_db()
+    assert run.status == "failed" and run.error.startswith(f"premises changed since the plan (plan again): namespace {v2.pk}")
+    assert set(run.actions.values_list("status", flat=True)) == {"skipped"}
+    assert all(kv_exists(world, label) for label in ("v0", "v1", "v2", "v3"))
+    assert set(CacheNamespace.objects.values_list("residency", flat=True)) == {Residency.HOT}

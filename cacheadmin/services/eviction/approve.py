@@ -11,7 +11,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.eviction.common import EvictionRefused
-from cacheadmin.services.eviction.execute import EvictionRunner
+from cacheadmin.services.eviction.execute import EvictionRunner, changed_premises
 from cacheadmin.services.eviction.notify import eviction_digest_send
 
 
@@ -27,6 +27,9 @@ def eviction_run_approve(*, run: EvictionRun, actor: str, reason: str) -> Evicti
     held = _held_prefixes(run)
     if held:
         raise EvictionRefused(f"namespaces put under a legal hold since the plan: {', '.join(held)}; plan again")
+    changed = changed_premises(run)
+    if changed:
+        raise EvictionRefused("premises changed since the plan (plan again): " + "; ".join(changed))
     now = timezone.now()
     with transaction.atomic():
         moved = EvictionRun.objects.filter(pk=run.pk, status=JobStatus.PLANNED).update(

@@ -18,12 +18,15 @@ from cacheadmin.models import (
     EvictionAction,
     EvictionRun,
     JobStatus,
+    Residency,
     RetentionPolicy,
 )
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.eviction.common import EvictionNotConfirmed
+from cacheadmin.services.eviction.plan import namespace_targets
 from cacheadmin.services.eviction.probe import engine_probe
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import Tiers, tiers_configured
 from inference.errors import EngineError
 from inference.tiers.base import HotTier, TierError, TierUnavailable
@@ -136,6 +139,44 @@ def _pinned_now(namespace_id: int) -> bool:
     return RetentionPolicy.objects.filter(namespace_id=namespace_id, pinned=True).exists()
 
 
+def changed_premises(run: EvictionRun) -> list[str]:
+    """What changed since ``run`` was planned that its pending actions depend on,
+    one line per namespace (empty: the plan still holds).
+
+    A run takes a namespace out of the hot tiers (or the cold one) because of
+    where its version stood then: inactive, beyond the versions kept, or
+    carrying no traffic. Between the plan and its execution a release may move
+    traffic to that version or make it active: executing then archives and
+    deletes what is serving. The premise of each namespace the run moves (its
+    ``set_residency`` action) is read again here: the residency the version
+    policy gives it now must be the planned one, and a namespace leaving the
+    hot tiers must carry no traffic (no route of a current release above 0 %).
+    Budget trims (``delete_entries``) hold whatever the version's standing.
+    """
+    moves = {
+        a.namespace_id: a.detail.get("residency")
+        for a in run.actions.filter(kind=Kind.SET_RESIDENCY).exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
+    }
+    if not moves:
+        return []
+    namespaces = list(CacheNamespace.objects.filter(pk__in=moves).select_related("model_version", "policy", "group", "tenant"))
+    targets = namespace_targets(namespaces)
+    served_names = {ns.model_version.served_name for ns in namespaces}
+    traffic: dict[int, int] = {}
+    for route in serving_routes(served_names=served_names):
+        if route.namespace_pk in moves and route.percent > 0:
+            traffic[route.namespace_pk] = traffic.get(route.namespace_pk, 0) + route.percent
+    changed = []
+    for ns in sorted(namespaces, key=lambda n: n.pk):
+        planned, (now, why) = moves[ns.pk], targets[ns.pk]
+        if now != planned:
+            label = f"namespace {ns.pk} ({ns.model_version.label})"
+            changed.append(f"{label} was planned {planned}, now the policy keeps it {now}: {why}")
+        elif planned != Residency.HOT and ns.pk in traffic:
+            changed.append(f"namespace {ns.pk} ({ns.model_version.label}) now carries {traffic[ns.pk]} % of its traffic")
+    return changed
+
+
 def eviction_run_execute(*, run_id: int) -> str:
     """Execute up to ``EVICTION_BATCH_ACTIONS`` actions of an approved run.
 
@@ -153,6 +194,17 @@ def eviction_run_execute(*, run_id: int) -> str:
     run = job_claim(EvictionRun, run_id, retry_at=None)
     if run is None:
         return "busy" if EvictionRun.objects.filter(pk=run_id, status=JobStatus.QUEUED).exists() else "not queued"
+    # The premises first, before anything is touched: a plan made on a standing that
+    # changed since (a release moved traffic, a version became active) is refused whole.
+    changed = changed_premises(run)
+    if changed:
+        pending = run.actions.exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
+        pending.update(status=ActionStatus.SKIPPED, error="premises changed since the plan", finished_at=timezone.now())
+        job_finish(
+            run, JobStatus.FAILED, error="premises changed since the plan (plan again): " + "; ".join(changed),
+            line="refused: " + "; ".join(changed),
+        )  # fmt: skip
+        return "failed"
     tiers = tiers_configured()
     job_log(run, f"attempt {run.attempts} by {run.worker}")
     done_in_batch = 0
