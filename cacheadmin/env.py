@@ -123,6 +123,12 @@ def database_from_url(url: str) -> dict:
         name = unquote(parsed.path.lstrip("/"))
         if not name:
             raise ImproperlyConfigured(f"DATABASE_URL {url!r} names no database")
+        # A statement waits for a lock at most DATABASE_LOCK_TIMEOUT_MS and runs at most
+        # DATABASE_STATEMENT_TIMEOUT_MS (0: no limit): a table another session locked is a
+        # 503 with Retry-After (cacheadmin.services.db.database_busy), not a request that
+        # waits until gunicorn's 30 s timeout kills its worker and answers its HTML 500.
+        lock_ms = env_int("DATABASE_LOCK_TIMEOUT_MS", 5000, minimum=0)
+        statement_ms = env_int("DATABASE_STATEMENT_TIMEOUT_MS", 25000, minimum=0)
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": name,
@@ -131,6 +137,7 @@ def database_from_url(url: str) -> dict:
             "HOST": parsed.hostname or "",
             "PORT": str(parsed.port or ""),
             "CONN_MAX_AGE": 0,
+            "OPTIONS": {"options": f"-c lock_timeout={lock_ms} -c statement_timeout={statement_ms}"},
         }
     if parsed.scheme == "sqlite":
         path = url[len("sqlite:///") :]

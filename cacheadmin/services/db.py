@@ -11,17 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, transaction
 
 #: Seconds a client is told to wait before retrying against a busy database.
 RETRY_AFTER_S = 5
 
 _BUSY_MESSAGES = ("database is locked", "database table is locked", "lock timeout", "could not obtain lock")
+#: PostgreSQL's SQLSTATEs for a statement that waited too long: ``lock_not_available``
+#: (lock_timeout, NOWAIT) and ``query_canceled`` (statement_timeout)
+#: (https://www.postgresql.org/docs/current/errcodes-appendix.html).
+_BUSY_SQLSTATES = frozenset({"55P03", "57014"})
 
 
 def database_busy(exc: BaseException) -> bool:
-    """True for an error that means "the database is busy, try again", not "broken"."""
-    return isinstance(exc, OperationalError) and any(m in str(exc).lower() for m in _BUSY_MESSAGES)
+    """True for an error that means "the database is busy, try again", not "broken":
+    SQLite's write lock, PostgreSQL's lock and statement timeouts."""
+    if not isinstance(exc, OperationalError):
+        return False
+    if getattr(exc.__cause__, "sqlstate", None) in _BUSY_SQLSTATES:
+        return True
+    return any(m in str(exc).lower() for m in _BUSY_MESSAGES)
 
 
 @contextmanager
@@ -70,7 +79,9 @@ def database_writable() -> bool:
     """Whether a write would be taken now (without waiting for it).
 
     SQLite: the write lock can be had (``BEGIN IMMEDIATE``, rolled back at
-    once). PostgreSQL: the server is not a read-only standby.
+    once). PostgreSQL: the server is not a read-only standby, and the lock a
+    write takes on each of the app's tables can be had now (``LOCK TABLE ...
+    IN ROW EXCLUSIVE MODE NOWAIT``, rolled back at once).
     """
     if connection.vendor == "sqlite":
         if connection.in_atomic_block:
@@ -87,4 +98,22 @@ def database_writable() -> bool:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_is_in_recovery()")
         (in_recovery,) = cursor.fetchone()
-    return not in_recovery
+    if in_recovery:
+        return False
+    if connection.in_atomic_block:
+        return True
+    # The lock a write takes (ROW EXCLUSIVE) on every table of the app, without waiting:
+    # another session's table lock (LOCK TABLE, a migration's ALTER) makes writes wait.
+    from django.apps import apps  # lazy: the app registry is ready by the time anyone asks
+
+    tables = sorted(m._meta.db_table for m in apps.get_app_config("cacheadmin").get_models())
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            names = ", ".join(connection.ops.quote_name(t) for t in tables)
+            cursor.execute(f"LOCK TABLE {names} IN ROW EXCLUSIVE MODE NOWAIT")
+            transaction.set_rollback(True)
+    except OperationalError as exc:
+        if database_busy(exc):
+            return False
+        raise
+    return True

@@ -77,3 +77,61 @@ def test_healthz_reports_writes_available_when_no_one_holds_the_lock() -> None:
     health = APIClient().get("/healthz")
     assert (health.status_code, health.json()) == (200, {"status": "ok", "database": {"read": True, "write": True}})
     assert not Tenant.objects.filter(slug="acme").exists()
+
+
+@pytest.fixture
+def short_lock_timeout() -> Iterator[None]:
+    """PostgreSQL: this process waits 1 s for a lock instead of DATABASE_LOCK_TIMEOUT_MS (quicker test)."""
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    previous = options.get("options")
+    connection.close()
+    options["options"] = "-c lock_timeout=1000 -c statement_timeout=25000"
+    yield
+    connection.close()
+    if previous is None:
+        options.pop("options", None)
+    else:
+        options["options"] = previous
+
+
+def test_a_postgresql_table_lock_answers_503_with_retry_after_and_healthz_probes_the_write(short_lock_timeout) -> None:
+    """The example: another session's LOCK TABLE made a write wait until gunicorn's
+    timeout (HTML 500 after 31 s) while /healthz said writable."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's lock timeout; SQLite's one-writer lock is the test above")
+    import psycopg
+
+    user = User.objects.create_user("ops")
+    _, key = api_token_issue(user=user, name="t", scope="admin", tenant=None, actor="setup")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    db = connection.settings_dict
+    other = psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"], dbname=db["NAME"]
+    )  # fmt: skip
+    try:
+        other.execute(f"LOCK TABLE {Tenant._meta.db_table} IN ACCESS EXCLUSIVE MODE")  # a migration's ALTER takes this
+        started = time.monotonic()
+        created = client.post("/api/tenants/", {"slug": "acme", "name": "Acme"}, format="json")
+        assert time.monotonic() - started < 5  # the lock timeout, not gunicorn's
+        assert (created.status_code, created["Retry-After"]) == (503, "5")
+        assert created.json()["error"] == {
+            "status": 503, "code": "database_busy", "message": "the database is busy; retry in 5 s",
+        }  # fmt: skip
+        health = APIClient().get("/healthz")
+        assert (health.status_code, health.json()) == (503, {"status": "degraded", "database": {"read": True, "write": False}})
+    finally:
+        other.rollback()
+        other.close()
+    health = APIClient().get("/healthz")
+    assert (health.status_code, health.json()) == (200, {"status": "ok", "database": {"read": True, "write": True}})
+    assert not Tenant.objects.filter(slug="acme").exists()
+
+
+def test_postgresql_connections_carry_lock_and_statement_timeouts(monkeypatch) -> None:
+    from cacheadmin.env import database_from_url
+
+    assert database_from_url("postgres://u@db/kvcp")["OPTIONS"] == {"options": "-c lock_timeout=5000 -c statement_timeout=25000"}
+    monkeypatch.setenv("DATABASE_LOCK_TIMEOUT_MS", "250")
+    monkeypatch.setenv("DATABASE_STATEMENT_TIMEOUT_MS", "0")
+    assert database_from_url("postgres://u@db/kvcp")["OPTIONS"] == {"options": "-c lock_timeout=250 -c statement_timeout=0"}
