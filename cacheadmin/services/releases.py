@@ -629,6 +629,18 @@ def release_set_traffic(*, release: Release, percent: int, actor: str) -> Releas
             f"{release.to_version.label} (roll back through a new release)"
         )
     with transaction.atomic():
+        # The premise, under the rows' locks (an eviction's residency change takes the same
+        # lock): every namespace this split sends traffic to is still hot. A namespace an
+        # eviction demoted since the release became ready would be routed cold.
+        carrying = [release.to_namespace_id] if percent > 0 else []
+        if percent < 100 and release.from_namespace_id is not None:
+            carrying.append(release.from_namespace_id)
+        for ns in CacheNamespace.objects.select_for_update().filter(pk__in=carrying).order_by("pk"):
+            if ns.residency != Residency.HOT:
+                raise ReleaseRefused(
+                    f"namespace {ns.pk} of release #{release.pk} is {ns.residency} since the release was prepared: "
+                    f"traffic is not moved onto it (roll back, or plan a new release)"
+                )
         before = release.traffic_percent
         if not Release.objects.filter(pk=release.pk, status=Status.READY).update(traffic_percent=percent):
             raise ReleaseConflict(f"release #{release.pk} changed concurrently")
@@ -750,7 +762,17 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
             namespace_key=namespace.namespace_key, tier="cold",
             read=lambda: tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis),
         )  # fmt: skip
+    seen = namespace.residency
     with transaction.atomic():
+        # The premise, under the namespace's lock (an eviction's residency change takes it
+        # too): the namespace is as it was when the restore began. An eviction that
+        # dropped it meanwhile leaves nothing to route to.
+        now = CacheNamespace.objects.select_for_update().values_list("residency", flat=True).get(pk=namespace.pk)
+        if now != seen:
+            raise ReleaseConflict(
+                f"namespace {namespace.pk} of {release.from_version.label} went from {seen} to {now} during the rollback: "
+                "nothing was routed; roll back again, or create a release back to it"
+            )
         moved = Release.objects.filter(pk=release.pk, status__in=[Status.READY, Status.PREPARING, Status.FAILED]).update(
             status=Status.ROLLED_BACK, traffic_percent=0
         )

@@ -29,6 +29,7 @@ from cacheadmin.models import (
     Tenant,
 )
 from cacheadmin.models.releases import PrefixHeat, Release, ReleaseEvent
+from cacheadmin.services import releases as releases_service
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_run_execute
 from cacheadmin.services.heat import MAX_HITS
@@ -670,3 +671,52 @@ def test_reads_do_not_move_a_release(versions, settings) -> None:
     assert releases_sync_pending() == 1
     assert Release.objects.get(pk=release.pk).status == "ready"
     assert releases_sync_pending() == 0
+
+
+def test_traffic_is_not_moved_onto_a_namespace_demoted_since_the_release_was_ready(versions) -> None:
+    release = _release(versions, "v2")
+    ns2, _ = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-stale")
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    assert release_set_traffic(release=release, percent=10, actor="bob").traffic_percent == 10
+    CacheNamespace.objects.filter(pk=ns2.pk).update(residency=Residency.COLD)  # an eviction demoted it meanwhile
+    with pytest.raises(ReleaseRefused) as refused:
+        release_set_traffic(release=release, percent=100, actor="bob")
+    assert str(refused.value) == (
+        f"namespace {ns2.pk} of release #{release.pk} is cold since the release was prepared: traffic is not moved onto it "
+        "(roll back, or plan a new release)"
+    )
+    assert Release.objects.get(pk=release.pk).traffic_percent == 10
+    assert ReleaseEvent.objects.filter(release=release, kind="traffic").count() == 1
+
+
+def test_a_rollback_whose_namespace_is_dropped_while_it_restores_routes_nothing(versions, settings, monkeypatch) -> None:
+    ns1 = versions["ns1"]
+    release = _release(versions, "v2")
+    ns2, _ = namespace_get_or_create(
+        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
+    )
+    decided = release_decide(
+        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-drop")
+    )
+    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    release_set_traffic(release=release, percent=100, actor="bob")
+    CacheNamespace.objects.filter(pk=ns1.pk).update(residency=Residency.COLD)
+
+    def restored_while_an_eviction_drops_it(**_kwargs: object) -> int:
+        CacheNamespace.objects.filter(pk=ns1.pk).update(residency=Residency.DROPPED)
+        return 3
+
+    monkeypatch.setattr(releases_service, "tier_load_counted", restored_while_an_eviction_drops_it)
+    with pytest.raises(ReleaseConflict) as conflict:
+        release_rollback(release=Release.objects.get(pk=release.pk), actor="bob", reason="bad answers")
+    assert str(conflict.value) == (
+        f"namespace {ns1.pk} of tiny-v1 went from cold to dropped during the rollback: nothing was routed; roll back again, "
+        "or create a release back to it"
+    )
+    assert (Release.objects.get(pk=release.pk).status, CacheNamespace.objects.get(pk=ns1.pk).residency) == ("ready", "dropped")
+    assert not ReleaseEvent.objects.filter(release=release, kind="rolled_back").exists()

@@ -151,11 +151,14 @@ def changed_premises(run: EvictionRun) -> list[str]:
     ``set_residency`` action) is read again here: the residency the version
     policy gives it now must be the planned one, and a namespace leaving the
     hot tiers must carry no traffic (no route of a current release above 0 %).
-    Budget trims (``delete_entries``) hold whatever the version's standing.
+    Budget trims (``delete_entries``) hold whatever the version's standing, and
+    so does a purge (an operator's or a release's decision to drop a namespace
+    whatever the version policy says).
     """
     moves = {
         a.namespace_id: a.detail.get("residency")
         for a in run.actions.filter(kind=Kind.SET_RESIDENCY).exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
+        if not a.detail.get("purge")  # an operator's purge holds whatever the version policy says
     }
     if not moves:
         return []

@@ -257,7 +257,9 @@ def _plan_actions(
         if target == Residency.DROPPED:
             archive = sizes(Tier.COLD, ns.storage_prefix).bytes
             actions.append(_Planned(Kind.DELETE_ARCHIVE, Tier.COLD, ns, ns.storage_prefix, why, archive))
-        actions.append(_Planned(Kind.SET_RESIDENCY, "", ns, ns.storage_prefix, why, detail={"residency": target}))
+        # A purge is an operator's decision "whatever the version policy says": its premise is the decision itself.
+        detail = {"residency": target, "purge": True} if ns.pk in purged else {"residency": target}
+        actions.append(_Planned(Kind.SET_RESIDENCY, "", ns, ns.storage_prefix, why, detail=detail))
     if include_orphans and scope is None:
         known = set(CacheNamespace.objects.values_list("storage_prefix", flat=True))
         actions += _orphan_actions(tiers, known, sizes)
