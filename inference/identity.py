@@ -445,6 +445,45 @@ def _adapters(adapters: dict[str, Path], cache: FileDigestCache | None) -> tuple
     return digest_frames("adapters", frames), inputs
 
 
+#: What :func:`identity_precheck` imports lazily (the config as vLLM parses it, its dtype
+#: rules and platform, the tokenizers): about 7 s on 2 cores, which the first registration
+#: a process serves would otherwise pay inside its web request.
+PRECHECK_MODULES = (
+    "vllm.platforms",
+    "vllm.config.model",
+    "vllm.transformers_utils.config",
+    "transformers",
+    "mistral_common.exceptions",
+    "mistral_common.protocol.instruct.request",
+    "mistral_common.tokens.tokenizers.base",
+    "mistral_common.tokens.tokenizers.mistral",
+    "mistral_common.tokens.tokenizers.sentencepiece",
+    "mistral_common.tokens.tokenizers.tekken",
+    "mistral_common.tokens.tokenizers.utils",
+    "safetensors",
+)
+
+
+def warm_imports() -> float:
+    """Import :data:`PRECHECK_MODULES` (and resolve vLLM's platform) ahead of any
+    request: a web worker calls it at start, in a thread, so a registration's
+    precheck costs its own work only. Idempotent.
+
+    Returns:
+        Seconds it took (0 when everything was imported already).
+    """
+    import importlib
+
+    started = time.perf_counter()
+    for name in PRECHECK_MODULES:
+        importlib.import_module(name)
+    from transformers import PreTrainedTokenizerFast  # noqa: F401 - transformers' lazy attribute loads its module
+    from vllm.platforms import current_platform
+
+    _ = current_platform.supported_dtypes  # platform detection happens on first attribute access
+    return time.perf_counter() - started
+
+
 def identity_precheck(root: Path, *, layout: LayoutOptions) -> dict[str, Any]:
     """Everything of the identity but the weights' bytes: the config as the
     engine parses it, the tokenizer, the resolved layout and the list of

@@ -1,4 +1,4 @@
-"""gunicorn settings of the control plane's web server, for its metrics
+"""gunicorn settings of the control plane's web server: its metrics and a warm start
 (``gunicorn -c python:cacheadmin.metrics.gunicorn_config``, which
 :func:`cacheadmin.management.commands.demo.gunicorn_command` passes).
 
@@ -32,3 +32,25 @@ def child_exit(server: Any, worker: Any) -> None:
     from cacheadmin.metrics.multiproc import mark_process_dead
 
     mark_process_dead(worker.pid)
+
+
+def post_worker_init(worker: Any) -> None:
+    """gunicorn hook: a worker is ready; import what a registration's precheck needs
+    (vLLM's config parsing, the tokenizers: ~7 s on 2 cores) in a thread, so no web
+    request pays it (it did: 3 of 3 registrations ran past gunicorn's 30 s timeout
+    on a loaded machine, each killing its worker). A request arriving meanwhile waits
+    on the import lock for the rest of it, never longer."""
+    import logging
+    import threading
+
+    def warm() -> None:
+        from inference.identity import warm_imports
+
+        try:
+            seconds = warm_imports()
+        except Exception:  # a broken install shows in the request that needs it, with its own error
+            logging.getLogger("cacheadmin").exception("warm imports failed in worker %s", worker.pid)
+            return
+        logging.getLogger("cacheadmin").info("worker %s: precheck imports warm in %.1f s", worker.pid, seconds)
+
+    threading.Thread(target=warm, name="warm-imports", daemon=True).start()

@@ -25,7 +25,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from cacheadmin.management.commands.demo import DashboardServer, ServerOptions
-from tests.helpers import subprocess_env
+from tests.helpers import subprocess_env, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server's workers must see committed rows
 
@@ -159,3 +159,9 @@ def test_server_stops_on_sigterm_within_seconds(server: DashboardServer) -> None
             os.kill(pid, 0)
     with pytest.raises(httpx.ConnectError), stopping.client(timeout=2.0) as client:
         client.get("/healthz")
+
+
+def test_each_worker_warms_the_registration_precheck_imports(server: DashboardServer) -> None:
+    """A registration's precheck imports vLLM's config parsing and the tokenizers (~7 s here):
+    each worker does it once at start, in a thread, instead of inside a web request."""
+    wait_for(lambda: server.tail(200).count("precheck imports warm in") == OPTIONS.workers, timeout=120, what="warm workers")

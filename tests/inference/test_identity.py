@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import blake3
 import pytest
 import safetensors.numpy
 
-from inference.checkpoints import mistral_common_tokenizer_path
+from inference.checkpoints import ensure_demo_checkpoints, mistral_common_tokenizer_path
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
 from inference.identity import (
@@ -422,3 +424,21 @@ def test_tokenizer_in_every_form(checkpoint_copy) -> None:
     (hf / "tokenizer_config.json").write_text(json.dumps(config))
     (hf / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>"}))
     assert changed_fields(base, fingerprint_checkpoint(hf)) == ["tokenizer"]
+
+
+def test_warm_imports_leave_the_precheck_nothing_heavy_to_import(tmp_path: Path) -> None:
+    """What a web worker imports at start covers what a registration's precheck imports:
+    after it, the precheck loads no vLLM, torch or tokenizer module of its own."""
+    checkpoint = ensure_demo_checkpoints(tmp_path)["tiny-v1"]
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from inference.identity import LayoutOptions, identity_precheck, warm_imports\n"
+        "warm_imports(); before = set(sys.modules)\n"
+        f"identity_precheck(Path({str(checkpoint)!r}), layout=LayoutOptions(dtype='float32'))\n"
+        "heavy = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('vllm', 'torch', 'mistral_common'))\n"
+        "print(heavy)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
