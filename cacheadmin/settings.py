@@ -13,6 +13,8 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+from kombu import Queue
+
 from cacheadmin.env import (
     database_from_url,
     env_bool,
@@ -331,7 +333,8 @@ _broker_url = env_str("CELERY_BROKER_URL", "")
 CELERY_BROKER_DIR = VAR_DIR / "celery-broker"
 if _broker_url:
     CELERY_BROKER_URL = _broker_url
-    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": 3600}
+    # "priority": a worker takes from its queues strictly in CELERY_TASK_QUEUES order.
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": 3600, "queue_order_strategy": "priority"}
 else:
     # A real worker on kombu's filesystem transport: one folder both ways.
     CELERY_BROKER_DIR.mkdir(parents=True, exist_ok=True)
@@ -348,6 +351,38 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
+#: The queues every worker consumes (unless started with -Q), in priority order: what a
+#: release waits on (prewarm, comparison, registration, eviction runs, engine starts),
+#: then anything unrouted, then housekeeping (scans, scrapes, sweeps, health), then shadow
+#: checks. Redis serves them strictly in this order; kombu's filesystem transport (the
+#: embedded default) in turn, so a release job waits behind at most one task of each other
+#: queue, never behind a backlog of shadow checks.
+CELERY_TASK_QUEUES = tuple(Queue(name) for name in ("release", "default", "housekeeping", "shadow"))
+CELERY_TASK_ROUTES = {
+    **{
+        f"cacheadmin.{name}": {"queue": "release"}
+        for name in ("prewarm_job", "comparison_job", "registration_job", "eviction_run", "engine_boot")
+    },
+    **{
+        f"cacheadmin.{name}": {"queue": "housekeeping"}
+        for name in (
+            "accounting_scan",
+            "accounting_scan_scheduled",
+            "engine_metrics_scrape",
+            "eviction_sweep",
+            "jobs_recover_lost",
+            "engines_health",
+            "engines_restart_due",
+            "engines_verify",
+            "idempotency_keys_expire",
+        )
+    },  # fmt: skip
+    "cacheadmin.shadow_check": {"queue": "shadow"},
+}
+#: Shadow checks waiting for a worker beyond which a new sample is dropped and counted
+#: (kvcp_shadow_checks_dropped_total), never queued: shadow verification samples, and a
+#: backlog would only delay every other task.
+SHADOW_BACKLOG_MAX = env_int("SHADOW_BACKLOG_MAX", 200, minimum=1)
 CELERY_TIMEZONE = "UTC"
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Schedules live in the database (django-celery-beat); cacheadmin.schedules declares them.

@@ -140,6 +140,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "kvcp_tier_load_failures", "counter", ("namespace", "tier"), "reads of cached state from a tier that failed", "worker"
     ),
     MetricSpec("kvcp_tier_loads", "counter", ("namespace", "tier"), "reads of cached state from a tier", "worker"),
+    MetricSpec(
+        "kvcp_shadow_checks_dropped", "counter", (), "shadow samples dropped, not queued, past SHADOW_BACKLOG_MAX", "worker"
+    ),
     # --- gateway (multiprocess, served by the gateway) ----------------------
     MetricSpec(
         "kvcp_gateway_requests",

@@ -32,7 +32,7 @@ def families() -> dict[str, Any]:
     """The worker families, created on first use (prometheus-client is imported here, lazily).
 
     Returns:
-        ``{"task_runs", "task_duration", "tier_loads", "tier_load_failures"}`` → metric.
+        ``{"task_runs", "task_duration", "tier_loads", "tier_load_failures", "shadow_dropped"}`` → metric.
     """
     if not _families:
         with _lock:
@@ -47,6 +47,7 @@ def families() -> dict[str, Any]:
                     task_duration=Histogram(**spec("kvcp_task_duration_seconds"), buckets=TASK_BUCKETS_S),
                     tier_loads=Counter(**spec("kvcp_tier_loads")),
                     tier_load_failures=Counter(**spec("kvcp_tier_load_failures")),
+                    shadow_dropped=Counter(**spec("kvcp_shadow_checks_dropped")),
                 )
     return _families
 

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery import current_app
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -39,8 +40,20 @@ ACTOR = "shadow-verification"
 
 def shadow_check_enqueue(
     *, namespace_pk: int, engine_id: int, endpoint: str, body: dict[str, Any], cached_tokens: int
-) -> ShadowCheck:
-    """Record a sampled request (intent first), then hand it to a worker once committed."""
+) -> ShadowCheck | None:
+    """Record a sampled request (intent first), then hand it to a worker once committed.
+
+    Returns:
+        The check, or None when ``SHADOW_BACKLOG_MAX`` checks already wait for a
+        worker: the sample is dropped and counted (``kvcp_shadow_checks_dropped_total``),
+        never queued behind the backlog (shadow verification samples; release jobs
+        must not wait behind it).
+    """
+    if ShadowCheck.objects.filter(status=ShadowCheck.Status.PENDING).count() >= settings.SHADOW_BACKLOG_MAX:
+        from cacheadmin.metrics.worker import families
+
+        families()["shadow_dropped"].inc()
+        return None
     check = ShadowCheck.objects.create(
         namespace_id=namespace_pk, engine_id=engine_id, endpoint=endpoint, request=body, cached_tokens=cached_tokens
     )

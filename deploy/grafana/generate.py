@@ -262,6 +262,15 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 width=6,
             ),
             Panel(
+                "Shadow samples dropped (last hour)",
+                "Live samples not checked because SHADOW_BACKLOG_MAX checks already waited for a worker "
+                "(shadow verification samples; release jobs never wait behind its backlog).",
+                "short",
+                (q("sum(increase(kvcp_shadow_checks_dropped_total[1h])) or vector(0)", "dropped"),),
+                kind="stat",
+                width=6,
+            ),
+            Panel(
                 "Deceptive hits per namespace",
                 "Deceptive hits ever recorded per namespace and source.",
                 "short",
