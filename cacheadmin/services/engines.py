@@ -17,6 +17,7 @@ from cacheadmin.models import CacheNamespace, Engine, ModelVersion
 from cacheadmin.services.addresses import engine_api_key, engine_headers, engine_target
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
+from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, process_started, stop_process_group
@@ -549,4 +550,7 @@ ENGINE_RESTART_DUE_TASK = "cacheadmin.engines_restart_due"
 def engine_boot_enqueue(engine: Engine) -> None:
     """Boot the engine in a worker once the current transaction commits (API starts and restarts)."""
     pk = engine.pk
-    transaction.on_commit(lambda: current_app.send_task(ENGINE_BOOT_TASK, args=(pk,)))
+    send_after_commit(
+        lambda: current_app.send_task(ENGINE_BOOT_TASK, args=(pk,)), what=f"the start of engine {engine.name}",
+        recovered_by="the health round (a starting engine without a process is failed, with the reason; restart it)",
+    )  # fmt: skip

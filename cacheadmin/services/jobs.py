@@ -33,6 +33,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Concat
 from django.dispatch import Signal
 from django.utils import timezone
+from kombu.exceptions import KombuError
 
 from cacheadmin.models import JobStatus
 from cacheadmin.models.jobs import Job
@@ -114,8 +115,44 @@ class JobRunner:
 
     @classmethod
     def enqueue(cls, job_id: int, *, countdown: int = 0) -> None:
-        """Queue the job's task once the current transaction commits (at once outside one)."""
-        transaction.on_commit(lambda: cls.task.apply_async((job_id,), countdown=countdown))
+        """Queue the job's task once the current transaction commits (at once outside one).
+        A broker that does not answer then leaves the job queued for :func:`jobs_recover_lost`
+        (:func:`send_after_commit`)."""
+        send_after_commit(
+            lambda: cls.task.apply_async((job_id,), countdown=countdown),
+            what=f"{cls.model.__name__} #{job_id}",
+            recovered_by=f"jobs_recover_lost (queued jobs older than JOB_STALE_AFTER_S, {settings.JOB_STALE_AFTER_S} s)",
+        )
+
+
+#: What a send raises when the broker does not answer: kombu's connection and
+#: channel errors (``OperationalError`` after Celery's publish retries) and the socket's own.
+BROKER_ERRORS: tuple[type[BaseException], ...] = (KombuError, OSError)
+
+
+def send_after_commit(send: Callable[[], object], *, what: str, recovered_by: str) -> None:
+    """Hand a recorded row's task to the broker once the caller's transaction commits.
+
+    The row is the outbox: it was written in that transaction, so a send the
+    broker refuses loses nothing. The request that wrote it still answers with
+    it (not a 500 after the commit, which a client retrying under the same
+    Idempotency-Key would have turned into a second job), and ``recovered_by``
+    sends it once the broker answers again; a duplicate send is a no-op (the
+    row's claim).
+
+    Args:
+        send: the publish (``apply_async``, ``send_task``).
+        what: the row, for the log (``PrewarmJob #7``).
+        recovered_by: what sends it later, for the log.
+    """
+
+    def run() -> None:
+        try:
+            send()
+        except BROKER_ERRORS as exc:
+            logger.warning("broker unreachable (%s): %s stays recorded; %s sends it", type(exc).__name__, what, recovered_by)
+
+    transaction.on_commit(run)
 
 
 def _send_finished(model: type[Job], job_id: int) -> None:

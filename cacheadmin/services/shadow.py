@@ -22,6 +22,7 @@ from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.gateway import namespace_routing_suspend, tenant_gateway_policy
+from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_salt_read
 from gateway.pii.gate import gate
 from inference.comparison import compare_prompt, first_divergence
@@ -58,7 +59,10 @@ def shadow_check_enqueue(
         namespace_id=namespace_pk, engine_id=engine_id, endpoint=endpoint, request=body, cached_tokens=cached_tokens
     )
     pk = check.pk
-    transaction.on_commit(lambda: current_app.send_task(SHADOW_CHECK_TASK, args=(pk,)))
+    send_after_commit(
+        lambda: current_app.send_task(SHADOW_CHECK_TASK, args=(pk,)), what=f"shadow check #{pk}",
+        recovered_by=f"shadow_checks_recover (pending checks older than {SHADOW_STALE_S} s)",
+    )  # fmt: skip
     return check
 
 

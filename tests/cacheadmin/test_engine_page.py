@@ -116,7 +116,7 @@ def test_start_boots_a_stopped_local_engine_and_refuses_a_running_one(
     stopped.refresh_from_db()
     assert (stopped.status, stopped.generation, stopped.verification) == ("starting", 1, "unverified")
     # The boot task, sent once the row is committed (beside the routing epoch's bump).
-    assert [c.__qualname__ for c in boots].count("engine_boot_enqueue.<locals>.<lambda>") == 1
+    assert [c.__qualname__ for c in boots].count("send_after_commit.<locals>.run") == 1
     assert AuditEvent.objects.filter(action="engine.restart", reason="started from its page").count() == 1
     before = _state()
     refused = admin_client.post(f"/engines/{engine.pk}/start/")
