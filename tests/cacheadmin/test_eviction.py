@@ -412,3 +412,24 @@ def test_a_plan_whose_premises_changed_is_refused_and_touches_nothing(world, kv)
     assert set(run.actions.values_list("status", flat=True)) == {"skipped"}
     assert all(kv_exists(world, label) for label in ("v0", "v1", "v2", "v3"))
     assert set(CacheNamespace.objects.values_list("residency", flat=True)) == {Residency.HOT}
+
+
+def test_an_orphan_prefix_that_belongs_to_a_namespace_again_is_not_purged(world, kv) -> None:
+    """A prefix no namespace owned when the cleanup was planned (a failed release's new
+    namespace, dropped) is a namespace's again by the time it runs: nothing is touched."""
+    root = kv["tiers"].disk.root
+    write_entry(root, "ns-orphan-old", "a" * 64, size=100, age_s=7200)
+    run = eviction_plan(actor="alice", reason="cleanup")
+    assert [a.storage_prefix for a in run.actions.filter(namespace__isnull=True)] == ["ns-orphan-old"]
+    v3 = world["ns"]["v3"]
+    reborn = CacheNamespace.objects.create(
+        namespace_key="reborn".ljust(64, "0"), model_version=v3.model_version,
+        tenant=Tenant.objects.create(slug="globex", name="Globex"), retention_owner=v3.retention_owner,
+        storage_prefix="ns-orphan-old",
+    )  # fmt: skip
+    RetentionPolicy.objects.create(namespace=reborn, versions_kept=1)
+    owned = f"prefix ns-orphan-old, planned as an orphan, belongs to namespace {reborn.pk} now"
+    with pytest.raises(EvictionRefused, match=owned):
+        eviction_run_approve(run=run, actor="bob", reason="go")
+    assert EvictionRun.objects.get(pk=run.pk).status == "planned"
+    assert sorted(p.name for p in (root / "ns-orphan-old" / ("a" * 64)).iterdir()) == sorted(f"{x}.safetensors" for x in LAYERS)

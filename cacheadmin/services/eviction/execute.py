@@ -153,15 +153,25 @@ def changed_premises(run: EvictionRun) -> list[str]:
     hot tiers must carry no traffic (no route of a current release above 0 %).
     Budget trims (``delete_entries``) hold whatever the version's standing, and
     so does a purge (an operator's or a release's decision to drop a namespace
-    whatever the version policy says).
+    whatever the version policy says). A prefix planned as an orphan must still
+    be nobody's: a release may have re-created the namespace that owns it.
     """
+    changed = []
+    # Orphans: a prefix no namespace owned when planned may be a namespace's again (a
+    # release re-creating the namespace a failed release left): its state is not anyone's to purge.
+    orphans = run.actions.filter(namespace__isnull=True).exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
+    prefixes = set(orphans.values_list("storage_prefix", flat=True))
+    for prefix, pk in (
+        CacheNamespace.objects.filter(storage_prefix__in=prefixes).order_by("pk").values_list("storage_prefix", "pk")
+    ):
+        changed.append(f"prefix {prefix}, planned as an orphan, belongs to namespace {pk} now")
     moves = {
         a.namespace_id: a.detail.get("residency")
         for a in run.actions.filter(kind=Kind.SET_RESIDENCY).exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
         if not a.detail.get("purge")  # an operator's purge holds whatever the version policy says
     }
     if not moves:
-        return []
+        return changed
     namespaces = list(CacheNamespace.objects.filter(pk__in=moves).select_related("model_version", "policy", "group", "tenant"))
     targets = namespace_targets(namespaces)
     served_names = {ns.model_version.served_name for ns in namespaces}
@@ -169,7 +179,6 @@ def changed_premises(run: EvictionRun) -> list[str]:
     for route in serving_routes(served_names=served_names):
         if route.namespace_pk in moves and route.percent > 0:
             traffic[route.namespace_pk] = traffic.get(route.namespace_pk, 0) + route.percent
-    changed = []
     for ns in sorted(namespaces, key=lambda n: n.pk):
         planned, (now, why) = moves[ns.pk], targets[ns.pk]
         if now != planned:
