@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from django.core.exceptions import ImproperlyConfigured
 
-from inference.child_env import child_environment
+from inference.child_env import ENGINE_ENV_NAMES, child_environment
 
 #: Every variable a setting was read from, set or not: what the control plane's
 #: own children (worker, gateway, consumer, web server) must see as this process does.
@@ -42,10 +42,8 @@ def control_plane_environment(values: Mapping[str, str] | None = None) -> dict[s
     """
     from django.conf import settings  # lazy: this module is imported by the settings themselves
 
-    from inference.engines.launcher import ENGINE_ENV_NAMES
-
     # The worker starts engines: what engines inherit passes through it too.
-    engines = ENGINE_ENV_NAMES.union(getattr(settings, "ENGINE_ENV_INHERIT", ()))
+    engines = ENGINE_ENV_NAMES.union(settings.ENGINE_ENV_INHERIT)
     return child_environment(values, inherit=READ_NAMES.union(_PROCESS_NAMES, engines))
 
 

@@ -29,6 +29,14 @@ SYSTEM_NAMES = frozenset(
 )  # fmt: skip
 
 
+#: What every local engine gets from its starter's environment beside the system's
+#: names: where its caches live (TorchInductor's compiled kernels, vLLM's and Hugging
+#: Face's caches; a cache started anew costs every engine start its compile) and
+#: which accelerators it may use. None of them is a secret or changes what it computes.
+#: The control plane's own children pass them on too: the worker starts engines.
+ENGINE_ENV_NAMES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES"})
+
+
 def child_environment(values: Mapping[str, str] | None = None, *, inherit: Iterable[str] = ()) -> dict[str, str]:
     """The environment for a child process.
 

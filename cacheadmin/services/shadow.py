@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from cacheadmin.metrics.worker import families
 from cacheadmin.models import CacheNamespace, Engine, ShadowCheck
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
@@ -51,8 +52,6 @@ def shadow_check_enqueue(
         must not wait behind it).
     """
     if ShadowCheck.objects.filter(status=ShadowCheck.Status.PENDING).count() >= settings.SHADOW_BACKLOG_MAX:
-        from cacheadmin.metrics.worker import families
-
         families()["shadow_dropped"].inc()
         return None
     check = ShadowCheck.objects.create(

@@ -33,19 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.child_env import child_environment
+from inference.child_env import ENGINE_ENV_NAMES, child_environment
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
 from inference.layout import engine_version
 from inference.paths import has_mistral_tokenizer
 
 _PR_SET_PDEATHSIG = 1
-
-#: What every local engine gets from its starter's environment beside the system's
-#: names: where its caches live (TorchInductor's compiled kernels, vLLM's and Hugging
-#: Face's caches; a cache started anew costs every engine start its compile) and
-#: which accelerators it may use. None of them is a secret or changes what it computes.
-ENGINE_ENV_NAMES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES"})
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 from rest_framework.test import APIClient
 
+from cacheadmin.env import database_from_url
 from cacheadmin.models import ApiToken, Tenant
 from cacheadmin.services.api_tokens import api_token_issue
 
@@ -129,8 +130,6 @@ def test_a_postgresql_table_lock_answers_503_with_retry_after_and_healthz_probes
 
 
 def test_postgresql_connections_carry_lock_and_statement_timeouts(monkeypatch) -> None:
-    from cacheadmin.env import database_from_url
-
     assert database_from_url("postgres://u@db/kvcp")["OPTIONS"] == {"options": "-c lock_timeout=5000 -c statement_timeout=25000"}
     monkeypatch.setenv("DATABASE_LOCK_TIMEOUT_MS", "250")
     monkeypatch.setenv("DATABASE_STATEMENT_TIMEOUT_MS", "0")

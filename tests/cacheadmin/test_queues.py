@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from django.conf import settings
 
+import cacheadmin.tasks  # noqa: F401 - registers every task
 from cacheadmin.celery import app
 from cacheadmin.metrics.worker import families
 from cacheadmin.models import ShadowCheck
@@ -15,8 +16,6 @@ RELEASE = {"prewarm_job", "comparison_job", "registration_job", "eviction_run", 
 
 
 def test_every_task_has_a_queue_and_release_work_comes_first() -> None:
-    import cacheadmin.tasks  # noqa: F401 - registers every task
-
     queues = [q.name for q in settings.CELERY_TASK_QUEUES]
     assert queues == ["release", "default", "housekeeping", "shadow"]
     routed = {name: app.amqp.router.route({}, name)["queue"].name for name in app.tasks if name.startswith("cacheadmin.")}

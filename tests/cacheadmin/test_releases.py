@@ -674,14 +674,8 @@ def test_reads_do_not_move_a_release(versions, settings) -> None:
 
 
 def test_traffic_is_not_moved_onto_a_namespace_demoted_since_the_release_was_ready(versions) -> None:
-    release = _release(versions, "v2")
-    ns2, _ = namespace_get_or_create(
-        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
-    )
-    decided = release_decide(
-        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-stale")
-    )
-    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    release = _new_namespace_release(versions, versions["acme"], "v2-stale")
+    ns2 = release.to_namespace
     assert release_set_traffic(release=release, percent=10, actor="bob").traffic_percent == 10
     CacheNamespace.objects.filter(pk=ns2.pk).update(residency=Residency.COLD)  # an eviction demoted it meanwhile
     with pytest.raises(ReleaseRefused) as refused:
@@ -696,14 +690,7 @@ def test_traffic_is_not_moved_onto_a_namespace_demoted_since_the_release_was_rea
 
 def test_a_rollback_whose_namespace_is_dropped_while_it_restores_routes_nothing(versions, settings, monkeypatch) -> None:
     ns1 = versions["ns1"]
-    release = _release(versions, "v2")
-    ns2, _ = namespace_get_or_create(
-        model_version=versions["v2"], tenant=versions["acme"], retention_owner=versions["owner"], policy=DEMO_POLICY, actor="a"
-    )
-    decided = release_decide(
-        release=release, decision="new_namespace", actor="bob", reason="r", engine=_engine(versions["v2"], ns2, "v2-drop")
-    )
-    PrewarmJob.objects.filter(pk=decided.prewarm_job_id).update(status=JobStatus.SUCCEEDED)
+    release = _new_namespace_release(versions, versions["acme"], "v2-drop")
     release_set_traffic(release=release, percent=100, actor="bob")
     CacheNamespace.objects.filter(pk=ns1.pk).update(residency=Residency.COLD)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inference.child_env import SYSTEM_NAMES, child_environment
-from inference.engines.launcher import ENGINE_ENV_NAMES, EngineSpec
+from inference.child_env import ENGINE_ENV_NAMES, SYSTEM_NAMES, child_environment
+from inference.engines.launcher import EngineSpec
 
 
 def test_a_child_gets_the_system_names_what_it_inherits_and_what_is_set(monkeypatch) -> None:
