@@ -141,17 +141,28 @@ def create_app() -> Starlette:
             except queue.Empty:
                 break
         try:
-            gateway_flush(rows, heat, template_rows)
-            for sample in pending:
-                shadow_check_enqueue(
-                    namespace_pk=sample.namespace_pk, engine_id=sample.engine_id, endpoint=sample.endpoint, body=sample.body,
-                    cached_tokens=sample.cached_tokens,
-                )  # fmt: skip
+            gateway_flush(rows, heat, template_rows)  # one transaction: written whole or not at all
         except Exception:  # noqa: BLE001 - a database outage must not lose the figures: they wait for the next flush
             log.exception("gateway figures not written; kept for the next flush")
             recorder.restore(rows, heat)
             recorder.templates.restore(template_rows)
             close_old_connections()
+        # Apart from the figures: a sample that fails to queue must not put back figures already written.
+        for at, sample in enumerate(pending):
+            try:
+                shadow_check_enqueue(
+                    namespace_pk=sample.namespace_pk, engine_id=sample.engine_id, endpoint=sample.endpoint, body=sample.body,
+                    cached_tokens=sample.cached_tokens,
+                )  # fmt: skip
+            except Exception:  # noqa: BLE001 - kept for the next flush, as the figures are
+                log.exception("shadow samples not queued; kept for the next flush")
+                for kept in pending[at:]:
+                    try:
+                        samples.put_nowait(kept)
+                    except queue.Full:
+                        break  # the sampler's bound holds: the rest are dropped, as a full backlog drops
+                close_old_connections()
+                break
 
     def start() -> None:
         threading.Thread(target=holder.run, name="routing-snapshot", daemon=True).start()

@@ -467,7 +467,8 @@ def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, fl
         Rows written.
     """
     written = 0
-    rows = list(rows)
+    # One order for every process: two flushes lock the same rows in the same order, never in a cycle.
+    rows = sorted(rows, key=lambda row: (row[0], row[1], row[2]))
     live = set(CacheNamespace.objects.filter(pk__in={row[0] for row in rows}).values_list("pk", flat=True))
     for namespace_pk, layer, minute, counters, bypass in rows:
         if namespace_pk not in live:
@@ -497,19 +498,26 @@ def gateway_flush(rows: Iterable[Any], heat: Iterable[tuple[int, str, Any, Any, 
     and the prefix heat of its traffic (the source prewarm uses for a successor
     namespace), and its prompt-template counts (:func:`template_stats_flush`).
     Heat of a namespace dropped since, or a prompt the heat record
-    refuses, is skipped."""
-    gateway_stats_flush(rows)
-    template_stats_flush(templates)
-    namespaces = CacheNamespace.objects.in_bulk({ns for ns, *_ in heat})
-    for namespace_pk, _digest, messages, tools, hits in heat:
-        namespace = namespaces.get(namespace_pk)
-        if namespace is None:
-            continue
-        try:
-            prefix_heat_record(namespace=namespace, messages=messages, tools=tools, hits=hits)
-        except (InvalidField, QuotaExceeded):
-            # A full heat keeps its hottest prompts; a new one is dropped, not an error of the gateway's.
-            continue
+    refuses, is skipped.
+
+    All of it is one transaction: a reader sees a drain whole or not at all, and
+    a failure writes nothing, so the caller puts the drain back without counting
+    any of it twice.
+    """
+    with transaction.atomic():
+        gateway_stats_flush(rows)
+        template_stats_flush(templates)
+        namespaces = CacheNamespace.objects.in_bulk({ns for ns, *_ in heat})
+        for namespace_pk, _digest, messages, tools, hits in heat:
+            namespace = namespaces.get(namespace_pk)
+            if namespace is None:
+                continue
+            try:
+                with transaction.atomic():
+                    prefix_heat_record(namespace=namespace, messages=messages, tools=tools, hits=hits)
+            except (InvalidField, QuotaExceeded):
+                # A full heat keeps its hottest prompts; a new one is dropped, not an error of the gateway's.
+                continue
 
 
 def semantic_rules() -> tuple[Rule, ...]:

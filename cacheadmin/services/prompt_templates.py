@@ -317,7 +317,7 @@ def template_stats_flush(rows: Iterable[tuple[str, int, datetime, int, int]]) ->
         for pk, t, n in PromptTemplate.objects.filter(name__in={r[0] for r in rows}).values_list("pk", "tenant_id", "name")
     }
     written = 0
-    for name, namespace_pk, minute, requests, warm in rows:
+    for name, namespace_pk, minute, requests, warm in sorted(rows, key=lambda row: (row[1], row[0], row[2])):
         if namespace_pk not in tenant_of:
             continue
         template_pk = by_name.get((tenant_of[namespace_pk], name)) or by_name.get((None, name))

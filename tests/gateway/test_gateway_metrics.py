@@ -109,3 +109,30 @@ def test_the_gateway_names_its_families_as_the_catalogue_does() -> None:
     assert ours == catalogue
     # The one gateway family not in SPECS is the template counter of gateway.templates.
     assert {m.name for m in METRICS if m.source == "gateway"} - set(ours) == {"kvcp_gateway_template_requests"}
+
+
+def test_a_flush_is_written_whole_or_not_at_all_and_a_retry_counts_once(setup) -> None:  # noqa: F811
+    from cacheadmin.models import CacheNamespace, GatewayStat
+    from cacheadmin.services.gateway import gateway_flush
+
+    assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
+    assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "response"
+    recorder = setup["runtime"].recorder
+    rows, heat = recorder.drain()
+    ns_pk = CacheNamespace.objects.get(namespace_key=NS).pk
+    assert sorted((layer, c.get("hits", 0), c.get("misses", 0)) for _, layer, _, c, _ in rows) == [
+        ("prefix", 0, 1), ("response", 1, 1), ("semantic", 0, 0)
+    ]  # fmt: skip
+    # A row the database refuses (no minute) sorts after the good ones: before, the good rows were
+    # committed one by one and the caller's restore then counted them a second time.
+    broken = [*rows, (ns_pk, "zz-broken", None, {"requests": 1}, {})]
+    with pytest.raises(GatewayStat.DoesNotExist):
+        gateway_flush(broken, heat)
+    assert GatewayStat.objects.count() == 0
+    recorder.restore(rows, heat)
+    again, again_heat = recorder.drain()
+    gateway_flush(again, again_heat)
+    written = {s.layer: (s.requests, s.hits, s.misses, dict(s.bypass)) for s in GatewayStat.objects.all()}
+    assert written == {
+        "prefix": (1, 0, 1, {}), "response": (2, 1, 1, {}), "semantic": (1, 0, 0, {"not_configured": 1})
+    }  # fmt: skip
