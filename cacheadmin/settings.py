@@ -265,6 +265,12 @@ GATEWAY_EPOCH_POLL_MS = env_int("GATEWAY_EPOCH_POLL_MS", 250, minimum=10)
 GATEWAY_SNAPSHOT_MAX_AGE_S = env_int("GATEWAY_SNAPSHOT_MAX_AGE_S", 10, minimum=1)
 #: How often (seconds) a gateway process writes its figures and prefix heat.
 GATEWAY_FLUSH_S = env_int("GATEWAY_FLUSH_S", 2, minimum=1)
+#: Read deadlines of a gateway request (seconds): its headers from the connection's start (or the previous
+#: response's end), its body from the headers. Past either: 408 and the connection closes (gateway.connections).
+GATEWAY_HEADER_TIMEOUT_S = env_int("GATEWAY_HEADER_TIMEOUT_S", 10, minimum=1)
+GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)
+#: Open connections one client address may hold in one gateway process (0: no cap; behind a proxy, its address).
+GATEWAY_CONNECTIONS_PER_CLIENT = env_int("GATEWAY_CONNECTIONS_PER_CLIENT", 64, minimum=0)
 
 # --- Prometheus metrics (README "Metrics") ------------------------------------
 #: Bearer token every ``/metrics`` endpoint asks for (``manage.py metrics_token`` prints it).

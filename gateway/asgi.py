@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from gateway import connections
 from gateway.records import Recorder
 from gateway.server import Gateway, Limits, Runtime, ShadowSample
 
@@ -89,6 +90,12 @@ def create_app() -> Starlette:
     from cacheadmin.services.gateway_stores import response_store, semantic_store
     from cacheadmin.services.shadow import shadow_check_enqueue
 
+    # This process's read deadlines and per-address cap (the protocol reads them per connection).
+    connections.limits = connections.ConnectionLimits(
+        header_timeout_s=settings.GATEWAY_HEADER_TIMEOUT_S,
+        body_timeout_s=settings.GATEWAY_BODY_TIMEOUT_S,
+        per_client=settings.GATEWAY_CONNECTIONS_PER_CLIENT,
+    )
     holder = SnapshotHolder(
         routing_snapshot_build,
         routing_epoch,

@@ -54,6 +54,10 @@ SPECS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "loads": ("kvcp_gateway_cache_loads", ("namespace", "layer"), "reads of a gateway cache store"),
     "load_failures": ("kvcp_gateway_cache_load_failures", ("namespace", "layer"), "reads of a gateway cache store that failed"),
     "breaker_open": ("kvcp_gateway_breaker_open", ("engine",), "1 while the gateway's fill breaker for an engine is open"),
+    "connections_refused": (
+        "kvcp_gateway_connections_refused", ("reason",),
+        "connections closed before their request was read: per_client_cap (429), header_timeout or body_timeout (408)",
+    ),
 }  # fmt: skip
 
 _families: dict[str, Any] = {}
@@ -66,7 +70,7 @@ def families() -> dict[str, Any]:
     Returns:
         short name → prometheus-client metric: ``requests``, ``bypasses``,
         ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``,
-        ``loads``, ``load_failures``, ``breaker_open``.
+        ``loads``, ``load_failures``, ``breaker_open``, ``connections_refused``.
     """
     if not _families:
         with _lock:
@@ -88,6 +92,7 @@ def families() -> dict[str, Any]:
                     load_failures=Counter(**spec("load_failures")),
                     # The largest value among live processes: any process that saw the breaker open says so.
                     breaker_open=Gauge(**spec("breaker_open"), multiprocess_mode="livemax"),
+                    connections_refused=Counter(**spec("connections_refused")),
                 )
     return _families
 

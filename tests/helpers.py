@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from django.conf import settings
@@ -123,3 +125,40 @@ class EngineKeyProxy:
         """Stop serving."""
         self.server.shutdown()
         self.server.server_close()
+
+
+@contextlib.contextmanager
+def running_gateway(env: dict[str, str], log_path: Path, *, workers: int = 1) -> Iterator[str]:
+    """``manage.py gateway`` on a free loopback port as operators run it, in a session of its own.
+
+    Yields:
+        Its base URL (``http://127.0.0.1:PORT``), once ``/health`` answers; stopped with SIGTERM
+        (killed past 20 s) when the block ends.
+    """
+    import httpx
+
+    from inference.engines.launcher import free_port
+
+    port = free_port()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "gateway", "--addr", f"127.0.0.1:{port}", "--workers", str(workers)],
+            cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_for(up, timeout=60, what="the gateway to listen")
+            yield base
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()

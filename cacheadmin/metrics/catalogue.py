@@ -189,6 +189,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "kvcp_gateway_breaker_open", "gauge", ("engine",), "1 while the gateway's fill breaker for an engine is open", "gateway"
     ),
     MetricSpec(
+        "kvcp_gateway_connections_refused",
+        "counter",
+        ("reason",),
+        "connections closed before their request was read: per_client_cap (429), header_timeout or body_timeout (408)",
+        "gateway",
+    ),
+    MetricSpec(
         "kvcp_gateway_template_requests",
         "counter",
         ("namespace", "template", "result"),

@@ -7,9 +7,6 @@ written to the database."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +22,7 @@ from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create,
 from cacheadmin.services.shadow import shadow_check_run
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
-from tests.helpers import PROJECT, subprocess_env, wait_for
+from tests.helpers import running_gateway, subprocess_env, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
@@ -74,32 +71,10 @@ def served(engine: LocalEngine, demo_checkpoints, tmp_path: Path) -> Iterator[di
         status=Engine.Status.READY, verification=Engine.Verification.VERIFIED,
     )  # fmt: skip
     _, key = gateway_key_issue(tenant=tenant, name="app", actor="t")
-    port = free_port()
-    log = (tmp_path / "gateway.log").open("w")
     env = subprocess_env(GATEWAY_SEMANTIC="0", GATEWAY_FLUSH_S="1", GATEWAY_DIR=str(tmp_path))
-    proc = subprocess.Popen(
-        [sys.executable, "manage.py", "gateway", "--addr", f"127.0.0.1:{port}", "--workers", "2"],
-        cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{base}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, timeout=60, what="the gateway to listen")
+    with running_gateway(env, tmp_path / "gateway.log", workers=2) as base:
         yield {"base": base, "key": key, "namespace": namespace, "engine": engine, "log": tmp_path / "gateway.log",
                "tenant": tenant, "version": version}  # fmt: skip
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _post(served: dict, body: dict, **kw) -> httpx.Response:

@@ -264,7 +264,8 @@ def test_when_the_leader_fails_a_waiting_process_fills(tmp_path: Path) -> None:
     assert isinstance(failed, RuntimeError) and str(failed) == "engine died"
     assert outcome == FillOutcome(b"second try", "filled", False)
     assert calls == ["leader", "follower"]
-    assert time.monotonic() - started < 1.0  # the released lease was taken at the next poll, not after a timeout
+    # The released lease was taken at the next poll, not after the 10 s timeout (a loaded machine's margin below it).
+    assert time.monotonic() - started < 4.0
 
 
 def test_when_the_leader_dies_its_lease_expires_and_a_waiter_fills(tmp_path: Path) -> None:
@@ -278,7 +279,7 @@ def test_when_the_leader_dies_its_lease_expires_and_a_waiter_fills(tmp_path: Pat
     started = time.monotonic()
     outcome = run(fill_once(SqliteResponseStore(path), "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=5, flight=SingleFlight()))
     assert outcome == FillOutcome(b"v", "filled", False)
-    assert 0.25 < time.monotonic() - started < 1.0
+    assert 0.25 < time.monotonic() - started < 3.0  # the dead lease's 0.3 s, not the 5 s wait timeout
 
 
 def test_past_wait_timeout_the_waiter_fills_without_the_lease(tmp_path: Path) -> None:
@@ -293,7 +294,7 @@ def test_past_wait_timeout_the_waiter_fills_without_the_lease(tmp_path: Path) ->
         fill_once(SqliteResponseStore(path), "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=0.2, flight=SingleFlight())
     )
     assert outcome == FillOutcome(b"v", "filled", False)
-    assert 0.2 <= time.monotonic() - started < 0.6
+    assert 0.2 <= time.monotonic() - started < 3.0  # the 0.2 s wait timeout, not the 30 s lease
 
 
 def test_a_value_stored_meanwhile_is_read_not_filled(tmp_path: Path) -> None:

@@ -700,7 +700,7 @@ def test_redis_down_is_store_unavailable_quickly() -> None:
         started = time.monotonic()
         with pytest.raises(StoreUnavailable, match=expected):
             call()
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2.5  # its short socket timeout, not a client default's wait
 
 
 def test_sqlite_locked_past_the_busy_timeout_is_store_unavailable(tmp_path: Path) -> None:
@@ -713,7 +713,7 @@ def test_sqlite_locked_past_the_busy_timeout_is_store_unavailable(tmp_path: Path
         expected = r"^SQLite semantic store .*locked.sqlite3: add ns-one/a failed: database is locked$"
         with pytest.raises(StoreUnavailable, match=expected):
             store.add(entry("a", e(0)))
-        assert 0.1 <= time.monotonic() - started < 1.0
+        assert 0.1 <= time.monotonic() - started < 2.5  # the 0.1 s busy timeout, not SQLite's 5 s default
         assert store.search("ns-one", PART_A, MODEL, e(0)) == []  # readers are not blocked (WAL)
     finally:
         holder.execute("ROLLBACK")

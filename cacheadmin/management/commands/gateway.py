@@ -29,6 +29,7 @@ from cacheadmin.services.gateway import (
     tenant_gateway_policy,
     tenant_gateway_policy_update,
 )
+from gateway.connections import GuardedHttpToolsProtocol
 from gateway.server import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from inference.errors import EXIT_CONFLICT
 from inference.strict_json import loads_unique
@@ -113,8 +114,9 @@ class Command(ControlPlaneCommand):
         self.stdout.write(f"gateway on http://{addr}/v1 ({workers} process{'es' if workers > 1 else ''})")
         self.stdout.flush()
         # access_log off: request lines carry no prompt, but the figures are what operators read.
+        # The guarded protocol: read deadlines and a per-address cap (gateway.connections), which uvicorn lacks.
         uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=10)  # fmt: skip
+                    access_log=False, timeout_graceful_shutdown=10, http=GuardedHttpToolsProtocol)  # fmt: skip
 
     def _explain(self, opts: dict[str, Any]) -> None:
         tenant = Tenant.objects.filter(slug=opts["tenant"]).first()

@@ -1,0 +1,147 @@
+"""Deadlines on reading a request, and a cap on connections per client address,
+at the gateway's HTTP protocol (uvicorn's httptools protocol, subclassed).
+
+uvicorn times out idle kept-alive connections but never a request that is
+being read: a client that sends its headers (or its body) a byte at a time
+holds its connection, and its slot, for as long as it likes (slowloris). Here:
+
+- **header deadline**: the request line and headers must arrive within
+  ``header_timeout_s`` of the connection opening (or of the previous response
+  ending, on a kept-alive connection);
+- **body deadline**: the whole body must arrive within ``body_timeout_s`` of
+  the headers;
+- **per-client cap**: one client address holds at most ``per_client`` open
+  connections in this process (0: no cap). Behind a proxy every connection has
+  the proxy's address: raise the cap or set 0 there, and let the proxy limit.
+
+A request past a deadline gets 408 and the connection closes; a connection past
+the cap gets 429 with ``Retry-After`` and closes before anything is read. Both
+answers use the gateway's error format (OpenAI's) and are counted in
+``kvcp_gateway_connections_refused_total{reason}``. As nginx's
+``client_header_timeout``/``client_body_timeout`` and ``limit_conn`` do
+(https://nginx.org/en/docs/http/ngx_http_core_module.html), but measured from
+the start of each phase, not between reads: dribbling a byte a second does not
+extend it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+#: Why a connection was closed before its request was read (the metric's ``reason`` label).
+REASONS = ("per_client_cap", "header_timeout", "body_timeout")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Deadlines (seconds) and the per-address cap of one gateway process."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    per_client: int = 64
+
+
+#: This process's limits: ``gateway.asgi.create_app`` sets them from the settings before uvicorn serves.
+limits = ConnectionLimits()
+#: Open connections per client address in this process (the event loop's thread alone touches it).
+open_by_client: Counter[str] = Counter()
+
+
+def _refused_counter() -> Any:
+    from gateway.metrics import families
+
+    return families()["connections_refused"]
+
+
+def _answer(status: int, reason: bytes, message: str, code: str, extra: bytes = b"") -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%s\r\n" % (
+        status,
+        reason,
+        len(body),
+        extra,
+    )
+    return head + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with read deadlines and a per-address cap
+    (see the module docstring). Pass as ``uvicorn.run(..., http=GuardedHttpToolsProtocol)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._counted: str | None = None
+
+    # -- connection ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        host = self.client[0] if self.client else "unknown"
+        if limits.per_client and open_by_client[host] >= limits.per_client:
+            self._refuse(
+                "per_client_cap",
+                _answer(429, b"Too Many Requests", f"more than {limits.per_client} open connections from this address",
+                        "too_many_connections", b"retry-after: 1\r\n"),
+            )  # fmt: skip
+            return
+        open_by_client[host] += 1
+        self._counted = host
+        self._arm(limits.header_timeout_s, "header_timeout")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._counted is not None:
+            open_by_client[self._counted] -= 1
+            if open_by_client[self._counted] <= 0:
+                del open_by_client[self._counted]
+            self._counted = None
+        super().connection_lost(exc)
+
+    # -- request phases ---------------------------------------------------------
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm(limits.body_timeout_s, "body_timeout")
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            # The next request on this kept-alive connection has its own header deadline.
+            self._arm(limits.header_timeout_s, "header_timeout")
+
+    # -- deadlines --------------------------------------------------------------
+    def _arm(self, seconds: float, reason: str) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expired, reason)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, reason: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        phase = "headers" if reason == "header_timeout" else "body"
+        seconds = limits.header_timeout_s if reason == "header_timeout" else limits.body_timeout_s
+        # A response already under way (the app answered before the body ended) is cut, not answered twice.
+        answer = b"" if started else _answer(408, b"Request Timeout", f"request {phase} not received within {seconds:g} s",
+                                               "request_timeout")  # fmt: skip
+        self._refuse(reason, answer)
+
+    def _refuse(self, reason: str, answer: bytes) -> None:
+        _refused_counter().labels(reason=reason).inc()
+        if answer:
+            self.transport.write(answer)
+        self.transport.close()
