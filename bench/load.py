@@ -13,13 +13,17 @@ phase bounded by ``--seconds`` and ``--max-requests``:
   the server's cost of answering at all;
 - ``pages``: the dashboard and detail pages, signed in (session cookie);
 - ``api-list``: API lists with a bearer token;
+- ``api-bare``: the baseline of ``api-list``: a bare Django view per list
+  request (``bench/load_urls.py``) that runs the SQL that request ran and
+  answers its JSON, encoded again, behind the same middleware;
 - ``api-detail``: API detail endpoints with the same token.
 
 Prints per phase: requests, requests/s, p50/p95/p99 latency (ms), errors
 (any answer but 200, or no answer) and the CPU time gunicorn's workers spent
 per request (ms, from /proc: the server's own cost, apart from the clients
-sharing the machine), then each phase's ratios to the static baseline and one
-JSON line ``{"load_bench": {...}}``.
+sharing the machine), then each phase's ratios to the static baseline, the
+API's throughput and p99 against its bare baseline (goal: at least 0.5x the
+throughput, at most 2x the p99), and one JSON line ``{"load_bench": {...}}``.
 
 Usage (from the project root)::
 
@@ -60,7 +64,7 @@ DEFAULT_PG_URL = "postgres://postgres@127.0.0.1:5432/kvcp_bench_load"
 #: The bench drops and recreates its database: only names with this prefix are accepted.
 PG_NAME_PREFIX = "kvcp_bench"
 ACTOR = "bench"
-PHASES = ("static", "pages", "api-list", "api-detail")
+PHASES = ("static", "pages", "api-list", "api-bare", "api-detail")
 
 
 class BenchError(RuntimeError):
@@ -230,13 +234,14 @@ def seed(*, tenants: int, log: Any) -> Seeded:
         engine = Engine.objects.create(
             name=f"serve-{v.label}", model_version=v, namespace=namespaces[(v.pk, tenant_rows[0].pk)],
             base_url=f"http://127.0.0.1:{18000 + n}", status=Engine.Status.READY, start_seconds=27.5,
+            verification=Engine.Verification.VERIFIED,
         )  # fmt: skip
         # Memory only (no connector): the salt isolates tenants, so one engine may serve them all.
         engine.attached_namespaces.set([namespaces[(v.pk, t.pk)] for t in tenant_rows[1:]])
         engines[v.pk] = engine
     reference = Engine.objects.create(
         name="reference-tiny", role=Engine.Role.REFERENCE, model_version=versions[2], base_url="http://127.0.0.1:18100",
-        status=Engine.Status.READY, prefix_caching=False, start_seconds=26.1,
+        status=Engine.Status.READY, prefix_caching=False, start_seconds=26.1, verification=Engine.Verification.VERIFIED,
     )  # fmt: skip
 
     prewarm = [
@@ -348,6 +353,42 @@ def seed(*, tenants: int, log: Any) -> Seeded:
     )
 
 
+#: The ``api-list`` phase's requests (and, replayed bare, the ``api-bare`` phase's).
+API_LISTS = (
+    "/api/namespaces/",
+    "/api/model-versions/",
+    "/api/tenants/",
+    "/api/engines/",
+    "/api/releases/",
+    "/api/prewarm-jobs/",
+    "/api/comparison-jobs/",
+    "/api/tier-usage/?limit=100",
+    "/api/audit-events/",
+)
+
+
+def capture_bare(urls: list[str], key: str) -> list[dict[str, Any]]:
+    """Each URL requested once in this process (Django's test client, the bearer
+    token ``key``): the SQL it ran, as executed, and the JSON it answered.
+
+    Raises:
+        BenchError: a URL did not answer 200.
+    """
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import CaptureQueriesContext
+
+    client = Client(HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Bearer {key}")
+    captured = []
+    for url in urls:
+        with CaptureQueriesContext(connection) as queries:
+            response = client.get(url)
+        if response.status_code != 200:
+            raise BenchError(f"{url} answered {response.status_code} while its SQL was captured")
+        captured.append({"url": url, "sql": [q["sql"] for q in queries.captured_queries], "payload": response.json()})
+    return captured
+
+
 def urls_by_phase(seeded: Seeded, static_url: str) -> dict[str, list[str]]:
     """The URLs each phase's clients cycle through."""
     ns, jobs = seeded.namespaces, seeded.prewarm_jobs
@@ -363,17 +404,9 @@ def urls_by_phase(seeded: Seeded, static_url: str) -> dict[str, list[str]]:
             *(f"/comparison-jobs/{pk}/" for pk in seeded.comparison_jobs[:3]),
             *(f"/engines/{pk}/" for pk in seeded.engines[:2]),
         ],
-        "api-list": [
-            "/api/namespaces/",
-            "/api/model-versions/",
-            "/api/tenants/",
-            "/api/engines/",
-            "/api/releases/",
-            "/api/prewarm-jobs/",
-            "/api/comparison-jobs/",
-            "/api/tier-usage/?limit=100",
-            "/api/audit-events/",
-        ],
+        "api-list": list(API_LISTS),
+        # The same requests' SQL and JSON without the API's code (bench/load_urls.py).
+        "api-bare": [f"/api/bench-bare/{index}/" for index in range(len(API_LISTS))],
         "api-detail": [
             *(f"/api/namespaces/{pk}/" for pk in ns[:4]),
             *(f"/api/model-versions/{pk}/" for pk in seeded.versions),
@@ -567,11 +600,17 @@ def main() -> int:
         password = "bench-" + os.urandom(8).hex()
         User.objects.create_superuser("bench", "bench@example.com", password)
         _, key = api_token_issue(user=User.objects.get(username="bench"), name="bench", scope="admin", tenant=None, actor=ACTOR)
+        bare = capture_bare(urls_by_phase(seeded, "")["api-list"], key)
+        (var_dir / "bare.json").write_text(json.dumps(bare), encoding="utf-8")
         connections.close_all()  # the server's workers are the only users from here on
 
         options = ServerOptions.from_env()
         options = dataclasses.replace(options, workers=args.workers or options.workers, threads=args.threads or options.threads)
-        server = DashboardServer(f"127.0.0.1:{free_port()}", log_path=var_dir / "logs" / "gunicorn.log", options=options)
+        # The control plane's settings with the bare views' URLs added (bench/load_site.py).
+        server = DashboardServer(
+            f"127.0.0.1:{free_port()}", log_path=var_dir / "logs" / "gunicorn.log", options=options,
+            env={"DJANGO_SETTINGS_MODULE": "bench.load_site", "BENCH_BARE_FILE": str(var_dir / "bare.json")},
+        )  # fmt: skip
         log("collecting static files, starting gunicorn")
         try:
             server.start()
@@ -590,7 +629,8 @@ def main() -> int:
         # a session for pages, a bearer token for the API.
         token = {"Authorization": f"Bearer {key}"}
         auth: dict[str, tuple[dict[str, str], dict[str, str]]] = {
-            "static": ({}, {}), "pages": ({}, cookies), "api-list": (token, {}), "api-detail": (token, {}),
+            "static": ({}, {}), "pages": ({}, cookies), "api-list": (token, {}), "api-bare": (token, {}),
+            "api-detail": (token, {}),
         }  # fmt: skip
         for phase in PHASES:
             check_urls(server.base_url, urls[phase], *auth[phase])
@@ -670,6 +710,13 @@ def main() -> int:
             f"ratio {phase}/static: throughput {s['rps_ratio_to_static']}x, p50 latency {s['p50_ratio_to_static']}x, "
             f"server CPU per request {s['cpu_ratio_to_static']}x"
         )
+    api, bare = summary["api-list"], summary["api-bare"]
+    api["rps_ratio_to_bare"] = round(api["rps"] / bare["rps"], 3) if bare["rps"] else None
+    api["p99_ratio_to_bare"] = round(api["p99_ms"] / bare["p99_ms"], 2) if bare["p99_ms"] else None
+    print(
+        f"ratio api-list/api-bare (same SQL and JSON, no API code): throughput {api['rps_ratio_to_bare']}x "
+        f"(goal >= 0.5x), p99 latency {api['p99_ratio_to_bare']}x (goal <= 2x)"
+    )
     print(
         json.dumps(
             {
