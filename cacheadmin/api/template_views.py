@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from cacheadmin.api.auth import shared_change_check
 from cacheadmin.api.base import ScopedViewSetMixin, actor_of, validated
 from cacheadmin.api.idempotency import IdempotentWritesMixin
-from cacheadmin.api.serializers.fields import StrictCharField, StrictFieldsMixin, TenantSlugField
+from cacheadmin.api.serializers.fields import RowSerializer, StrictCharField, StrictFieldsMixin, TenantSlugField
 from cacheadmin.models import PromptTemplate, Tenant
 from cacheadmin.services.prompt_templates import (
     prompt_template_analysis,
@@ -28,7 +28,7 @@ from cacheadmin.services.prompt_templates import (
 from inference.errors import InvalidField
 
 
-class PromptTemplateSerializer(serializers.ModelSerializer):
+class PromptTemplateSerializer(RowSerializer):
     """A prompt template: ``text`` with ``{variable}`` placeholders, ``samples``
     (a list of ``{variable: value}``), ``fixed_chars`` (characters before the
     first variable, what the gateway matches), and its last hour:

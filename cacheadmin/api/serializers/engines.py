@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from cacheadmin.api.serializers.fields import IdField, StrictFieldsMixin, shared_rows
+from cacheadmin.api.serializers.fields import IdField, RowSerializer, StrictFieldsMixin, shared_rows
 from cacheadmin.api.serializers.scope import namespace_of_tenant
 from cacheadmin.models import (
     CacheNamespace,
@@ -16,7 +16,7 @@ from cacheadmin.models import (
 )
 
 
-class EngineSerializer(serializers.ModelSerializer):
+class EngineSerializer(RowSerializer):
     """An engine the control plane launched or adopted, with the namespaces it serves."""
 
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
@@ -69,7 +69,7 @@ class EngineAdoptSerializer(StrictFieldsMixin, serializers.Serializer):
     )  # fmt: skip
 
 
-class EngineVerificationSerializer(serializers.ModelSerializer):
+class EngineVerificationSerializer(RowSerializer):
     """One verification of an engine against its identity, check by check."""
 
     class Meta:
@@ -77,7 +77,7 @@ class EngineVerificationSerializer(serializers.ModelSerializer):
         fields = ("id", "engine", "outcome", "trigger", "identity", "checks", "error", "actor", "checked_at")
 
 
-class EngineAlarmSerializer(serializers.ModelSerializer):
+class EngineAlarmSerializer(RowSerializer):
     """An alarm on an engine (isolation, drift, health, KV-event gaps)."""
 
     isolation = serializers.BooleanField(read_only=True)
@@ -96,7 +96,7 @@ class EngineAttachSerializer(StrictFieldsMixin, serializers.Serializer):
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant)
 
 
-class EngineMetricsSampleSerializer(serializers.ModelSerializer):
+class EngineMetricsSampleSerializer(RowSerializer):
     """One scrape of an engine's /metrics: prefix-cache queries and hits (tokens), KV usage."""
 
     hit_rate = serializers.FloatField(read_only=True, allow_null=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from cacheadmin.api.schema import FreeFormObjectField
-from cacheadmin.api.serializers.fields import IdField, StrictBooleanField, StrictCharField, StrictFieldsMixin
+from cacheadmin.api.serializers.fields import IdField, RowSerializer, StrictBooleanField, StrictCharField, StrictFieldsMixin
 from cacheadmin.api.serializers.scope import namespace_of_tenant
 from cacheadmin.models import (
     AccountingScan,
@@ -16,7 +16,7 @@ from cacheadmin.models import (
 )
 
 
-class EvictionRunSerializer(serializers.ModelSerializer):
+class EvictionRunSerializer(RowSerializer):
     """An eviction run: a planned dry run until approved, then executed action by action."""
 
     class Meta:
@@ -28,7 +28,7 @@ class EvictionRunSerializer(serializers.ModelSerializer):
         )  # fmt: skip
 
 
-class EvictionActionSerializer(serializers.ModelSerializer):
+class EvictionActionSerializer(RowSerializer):
     """One action of an eviction run, recorded before it is done, with what its tier confirmed."""
 
     detail = FreeFormObjectField(
@@ -61,7 +61,7 @@ class EvictionPlanSerializer(StrictFieldsMixin, serializers.Serializer):
     reason = StrictCharField(max_length=2000, required=False, allow_blank=True, default="")
 
 
-class AccountingScanSerializer(serializers.ModelSerializer):
+class AccountingScanSerializer(RowSerializer):
     """An accounting scan of every tier: prefixes seen, orphans, bytes."""
 
     class Meta:
@@ -72,7 +72,7 @@ class AccountingScanSerializer(serializers.ModelSerializer):
         )  # fmt: skip
 
 
-class TierUsageSampleSerializer(serializers.ModelSerializer):
+class TierUsageSampleSerializer(RowSerializer):
     """Usage of one (tier, storage prefix) at one scan; ``namespace`` is null for an orphan prefix."""
 
     class Meta:

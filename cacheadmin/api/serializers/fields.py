@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC
 from typing import Any
 
 from django.db import models as dj_models
@@ -102,11 +103,33 @@ class StrictEmailField(JsonTypeMixin, serializers.EmailField):
     json_type, json_name = str, "a JSON string"
 
 
-class StrictModelSerializer(serializers.ModelSerializer):
+class UtcDateTimeField(serializers.DateTimeField):
+    """A time in UTC, the API's zone (``TIME_ZONE``): fixed, not looked up for
+    every value (DRF asks Django for the active zone each time: ~6 % of a list's CPU)."""
+
+    timezone = UTC
+
+
+class RowSerializer(serializers.ModelSerializer):
+    """The API's ModelSerializer: times in UTC (:class:`UtcDateTimeField`), and the
+    readable fields listed once per serializer, not again for every row (DRF's
+    generator walked every field of every row: ~8 % of a list's CPU)."""
+
+    serializer_field_mapping = {**serializers.ModelSerializer.serializer_field_mapping, dj_models.DateTimeField: UtcDateTimeField}
+
+    @property
+    def _readable_fields(self) -> list[serializers.Field]:  # type: ignore[override]
+        readable = self.__dict__.get("_readable")
+        if readable is None:
+            readable = self.__dict__["_readable"] = [field for field in self.fields.values() if not field.write_only]
+        return readable
+
+
+class StrictModelSerializer(RowSerializer):
     """A ModelSerializer whose generated fields take JSON types as they are."""
 
     serializer_field_mapping = {
-        **serializers.ModelSerializer.serializer_field_mapping,
+        **RowSerializer.serializer_field_mapping,
         dj_models.CharField: StrictCharField,
         dj_models.TextField: StrictCharField,
         dj_models.EmailField: StrictEmailField,

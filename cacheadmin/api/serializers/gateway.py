@@ -8,6 +8,7 @@ from typing import Any
 from rest_framework import serializers
 
 from cacheadmin.api.serializers.fields import (
+    RowSerializer,
     StrictBooleanField,
     StrictCharField,
     StrictFieldsMixin,
@@ -16,7 +17,7 @@ from cacheadmin.api.serializers.fields import (
 from cacheadmin.models import GatewayKey, ShadowCheck, Tenant
 
 
-class GatewayKeySerializer(serializers.ModelSerializer):
+class GatewayKeySerializer(RowSerializer):
     """A gateway key as listed: never the key, only its prefix."""
 
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
@@ -119,7 +120,7 @@ class SemanticInvalidatedSerializer(serializers.Serializer):
     removed = serializers.IntegerField()
 
 
-class ShadowCheckSerializer(serializers.ModelSerializer):
+class ShadowCheckSerializer(RowSerializer):
     """A live request replayed against a reference engine (the request itself is not listed)."""
 
     class Meta:

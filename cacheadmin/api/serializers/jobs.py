@@ -5,7 +5,7 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from cacheadmin.api.schema import IntegerListField
-from cacheadmin.api.serializers.fields import IdField, StrictCharField, StrictFieldsMixin, StrictIntegerField
+from cacheadmin.api.serializers.fields import IdField, RowSerializer, StrictCharField, StrictFieldsMixin, StrictIntegerField
 from cacheadmin.api.serializers.scope import engine_of_tenant, namespace_of_tenant, reference_or_engine_of_tenant
 from cacheadmin.models import (
     CacheNamespace,
@@ -23,7 +23,7 @@ JOB_FIELDS = (
 )  # fmt: skip
 
 
-class PrewarmResultSerializer(serializers.ModelSerializer):
+class PrewarmResultSerializer(RowSerializer):
     """One prompt of a prewarm job: tokens cached by the fill pass, expected, and confirmed by the verify pass."""
 
     class Meta:
@@ -39,7 +39,7 @@ class PrewarmResultSerializer(serializers.ModelSerializer):
         )
 
 
-class PrewarmJobSerializer(serializers.ModelSerializer):
+class PrewarmJobSerializer(RowSerializer):
     """A prewarm job: fills a namespace's caches on an engine and verifies the fill."""
 
     class Meta:
@@ -55,7 +55,7 @@ class PrewarmJobCreateSerializer(StrictFieldsMixin, serializers.Serializer):
     corpus = StrictCharField(max_length=100, default="diagnostic")
 
 
-class ComparisonResultSerializer(serializers.ModelSerializer):
+class ComparisonResultSerializer(RowSerializer):
     """One prompt of a comparison job: cached against reference output, divergence, logprob deltas (nats), TTFT (ms)."""
 
     reference_token_ids = IntegerListField(read_only=True)
@@ -66,7 +66,7 @@ class ComparisonResultSerializer(serializers.ModelSerializer):
         exclude = ("id", "job")
 
 
-class ComparisonJobSerializer(serializers.ModelSerializer):
+class ComparisonJobSerializer(RowSerializer):
     """A comparison job: the same prompts with cache and on a reference engine, and the deceptive hits found."""
 
     class Meta:

@@ -11,6 +11,7 @@ from cacheadmin.api.filters import MAX_ID
 from cacheadmin.api.schema import FreeFormObjectField, StringMapField
 from cacheadmin.api.serializers.fields import (
     QueryIntegerField,
+    RowSerializer,
     StrictBooleanField,
     StrictCharField,
     StrictFieldsMixin,
@@ -27,7 +28,7 @@ from inference.errors import CheckpointError
 from inference.layout import LayoutOptions
 
 
-class ModelVersionSerializer(serializers.ModelSerializer):
+class ModelVersionSerializer(RowSerializer):
     """A registered model version: label, served name, lifecycle status and its identity digests (hex)."""
 
     class Meta:
@@ -51,7 +52,7 @@ class ModelVersionDetailSerializer(ModelVersionSerializer):
         fields = (*ModelVersionSerializer.Meta.fields, "inputs", "fingerprint_seconds")
 
 
-class AdapterSerializer(serializers.ModelSerializer):
+class AdapterSerializer(RowSerializer):
     """A LoRA adapter of a model version, identified by its content digest."""
 
     files = StringMapField(read_only=True, help_text="weight file → BLAKE3 digest")
@@ -155,7 +156,7 @@ class RegistrationCreateSerializer(StrictFieldsMixin, serializers.Serializer):
         return attrs
 
 
-class RegistrationJobSerializer(serializers.ModelSerializer):
+class RegistrationJobSerializer(RowSerializer):
     """A registration job: progress in weight bytes, then the model version it registered."""
 
     layout_options = FreeFormObjectField(read_only=True, help_text="the layout options as given (see Layout)")

@@ -9,6 +9,7 @@ from cacheadmin.api.schema import ObjectListField
 from cacheadmin.api.serializers.fields import (
     GroupSlugField,
     IdField,
+    RowSerializer,
     StrictBooleanField,
     StrictCharField,
     StrictFieldsMixin,
@@ -61,7 +62,7 @@ class RetentionPolicySerializer(StrictFieldsMixin, StrictModelSerializer):
         return attrs
 
 
-class CacheNamespaceSerializer(serializers.ModelSerializer):
+class CacheNamespaceSerializer(RowSerializer):
     """A cache namespace: (state identity, tenant or shared group) with its owner, policy and residency."""
 
     # Exactly one of the two is set: the other is null.
@@ -114,7 +115,7 @@ class PrefixHeatReportSerializer(StrictFieldsMixin, serializers.Serializer):
     hits = StrictIntegerField(min_value=1, max_value=MAX_ID, default=1)
 
 
-class PrefixHeatSerializer(serializers.ModelSerializer):
+class PrefixHeatSerializer(RowSerializer):
     """A hot conversation of a namespace: hits added up per distinct prompt."""
 
     messages = ObjectListField(read_only=True, help_text="OpenAI chat messages")

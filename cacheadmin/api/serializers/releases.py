@@ -8,6 +8,7 @@ from cacheadmin.api.payloads import ReleaseDiffField, TokenizationEvidenceField
 from cacheadmin.api.schema import FreeFormObjectField
 from cacheadmin.api.serializers.fields import (
     IdField,
+    RowSerializer,
     StrictCharField,
     StrictFieldsMixin,
     StrictIntegerField,
@@ -20,7 +21,7 @@ from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.namespaces import namespaces_visible_to
 
 
-class ReleaseSerializer(serializers.ModelSerializer):
+class ReleaseSerializer(RowSerializer):
     """A release of a served model for a tenant: its classification and diff, the
     invalidation decision and its evidence, preparation, traffic and status.
 
@@ -53,7 +54,7 @@ class ReleaseSerializer(serializers.ModelSerializer):
         )  # fmt: skip
 
 
-class ReleaseEventSerializer(serializers.ModelSerializer):
+class ReleaseEventSerializer(RowSerializer):
     """One step of a release's timeline: when, who, what."""
 
     detail = FreeFormObjectField(

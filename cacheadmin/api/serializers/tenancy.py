@@ -5,7 +5,13 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from cacheadmin.api.schema import FreeFormObjectField
-from cacheadmin.api.serializers.fields import StrictCharField, StrictFieldsMixin, StrictModelSerializer, StrictSlugRelatedField
+from cacheadmin.api.serializers.fields import (
+    RowSerializer,
+    StrictCharField,
+    StrictFieldsMixin,
+    StrictModelSerializer,
+    StrictSlugRelatedField,
+)
 from cacheadmin.models import (
     AuditEvent,
     RetentionOwner,
@@ -52,7 +58,7 @@ class GroupMemberChangeSerializer(StrictFieldsMixin, serializers.Serializer):
     reason = StrictCharField(max_length=2000)
 
 
-class AuditEventSerializer(serializers.ModelSerializer):
+class AuditEventSerializer(RowSerializer):
     """Who did what to which object, when, why, and the object's state before and after."""
 
     before = FreeFormObjectField(read_only=True, allow_null=True, help_text="fields before the change, by action; null if none")
