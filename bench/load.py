@@ -539,6 +539,28 @@ def run_phase(
     return PhaseResult(latencies, errors, time.perf_counter() - started[0])
 
 
+def endpoint_latencies(
+    base_url: str, urls: list[str], *, repeats: int, headers: dict[str, str], cookies: dict[str, str]
+) -> dict[str, dict[str, float]]:
+    """Each URL alone (one client, nothing else in flight from the bench), ``repeats`` times.
+
+    Returns:
+        URL → ``{"p50_ms", "p99_ms"}``.
+    """
+    import httpx
+
+    out: dict[str, dict[str, float]] = {}
+    with httpx.Client(base_url=base_url, headers=headers, cookies=cookies, timeout=60) as client:
+        for url in urls:
+            took = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                client.get(url).read()
+                took.append((time.perf_counter() - start) * 1000)
+            out[url] = {"p50_ms": round(percentile(took, 0.50), 2), "p99_ms": round(percentile(took, 0.99), 2)}
+    return out
+
+
 def check_urls(base_url: str, urls: list[str], headers: dict[str, str], cookies: dict[str, str]) -> None:
     """Every URL answers 200 once before the timed phases (also warms each worker a little).
 
@@ -568,8 +590,11 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="threads per worker (default GUNICORN_THREADS, else 1)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch var/ folder and database")
+    parser.add_argument(
+        "--alone-requests", type=int, default=20, help="requests of each page and API URL alone, after the load (p99 per URL)"
+    )
     args = parser.parse_args()
-    for name in ("clients", "rounds", "tenants", "max_requests"):
+    for name in ("clients", "rounds", "tenants", "max_requests", "alone_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.seconds <= 0:
@@ -655,6 +680,14 @@ def main() -> int:
                 result.server_cpu_s = sum(t - cpu_before.get(pid, 0.0) for pid, t in cpu_after.items())
                 results[phase].append(result)
                 log(f"  round {round_no + 1} {phase:10} {len(result.latencies_ms) / result.seconds:8.1f} req/s")
+        log(f"each page and API URL alone, {args.alone_requests} times")
+        alone: dict[str, dict[str, float]] = {}
+        for phase in ("pages", "api-list", "api-detail"):
+            headers, phase_cookies = auth[phase]
+            figures = endpoint_latencies(
+                server.base_url, urls[phase], repeats=args.alone_requests, headers=headers, cookies=phase_cookies
+            )
+            alone.update(figures)
     except BenchError as exc:
         log(f"load bench: {exc}")
         return 2
@@ -717,12 +750,18 @@ def main() -> int:
         f"ratio api-list/api-bare (same SQL and JSON, no API code): throughput {api['rps_ratio_to_bare']}x "
         f"(goal >= 0.5x), p99 latency {api['p99_ratio_to_bare']}x (goal <= 2x)"
     )
+    slowest = sorted(alone.items(), key=lambda item: -item[1]["p99_ms"])
+    over = [url for url, figures in slowest if figures["p99_ms"] > 1000]
+    print(f"URLs alone ({args.alone_requests} requests each), slowest first: p50 / p99 ms")
+    for url, figures in slowest[:8]:
+        print(f"  {url:44} {figures['p50_ms']:8.1f} {figures['p99_ms']:8.1f}")
+    print(f"URLs whose p99 alone exceeds 1 s: {', '.join(over) if over else 'none'} (of {len(alone)})")
     print(
         json.dumps(
             {
                 "load_bench": {
                     "backend": args.backend, "workers": options.workers, "threads": options.threads,
-                    "clients": args.clients, "seeded": seeded.counts, "phases": summary,
+                    "clients": args.clients, "seeded": seeded.counts, "phases": summary, "alone": alone,
                 }
             }
         )
