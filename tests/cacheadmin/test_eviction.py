@@ -21,6 +21,7 @@ from django.utils import timezone
 from cacheadmin.models import (
     AuditEvent,
     CacheNamespace,
+    Engine,
     EvictionAction,
     EvictionRun,
     JobStatus,
@@ -433,3 +434,28 @@ def test_an_orphan_prefix_that_belongs_to_a_namespace_again_is_not_purged(world,
         eviction_run_approve(run=run, actor="bob", reason="go")
     assert EvictionRun.objects.get(pk=run.pk).status == "planned"
     assert sorted(p.name for p in (root / "ns-orphan-old" / ("a" * 64)).iterdir()) == sorted(f"{x}.safetensors" for x in LAYERS)
+
+
+def test_an_engine_that_came_to_hold_a_leaving_namespace_after_the_plan_refuses_it(world, kv) -> None:
+    """Planned while the engine was still starting: the plan resets no engine of v2's namespace.
+    Ready by the time the run is approved or executes, it would keep serving v2 from memory."""
+    v2 = world["ns"]["v2"]
+    engine = Engine.objects.create(
+        name="late", model_version=v2.model_version, namespace=v2, base_url="http://127.0.0.1:9", status=Engine.Status.STARTING
+    )
+    run = eviction_plan(actor="alice", reason="weekly review")
+    assert not run.actions.filter(kind="reset_engine").exists()
+    Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.READY)
+    late = f"engine {engine.pk} (late) holds namespace {v2.pk} (v2) now; the plan does not reset it"
+    with pytest.raises(EvictionRefused) as refused:
+        eviction_run_approve(run=run, actor="bob", reason="go")
+    assert str(refused.value) == f"premises changed since the plan (plan again): {late}"
+    # Approved while it was starting, as a scheduled run is: refused whole at execution.
+    Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.STARTING)
+    eviction_run_approve(run=run, actor="bob", reason="go")
+    Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.READY)
+    assert eviction_run_execute(run_id=run.pk) == "failed"
+    run.refresh_from_db()
+    assert run.error == f"premises changed since the plan (plan again): {late}"
+    assert set(run.actions.values_list("status", flat=True)) == {"skipped"}
+    assert all(kv_exists(world, label) for label in ("v0", "v1", "v2", "v3"))

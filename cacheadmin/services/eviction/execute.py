@@ -23,7 +23,7 @@ from cacheadmin.models import (
 )
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.eviction.common import EvictionNotConfirmed
-from cacheadmin.services.eviction.plan import namespace_targets
+from cacheadmin.services.eviction.plan import engines_of, namespace_targets
 from cacheadmin.services.eviction.probe import engine_probe
 from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.serving import serving_routes
@@ -165,9 +165,23 @@ def changed_premises(run: EvictionRun) -> list[str]:
         CacheNamespace.objects.filter(storage_prefix__in=prefixes).order_by("pk").values_list("storage_prefix", "pk")
     ):
         changed.append(f"prefix {prefix}, planned as an orphan, belongs to namespace {pk} now")
+    pending_moves = list(
+        run.actions.filter(kind=Kind.SET_RESIDENCY).exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
+    )
+    # Engines: a namespace leaving the hot tiers has every engine that may hold it in memory
+    # reset; one that came to hold it since the plan (started, attached) would keep serving it.
+    leaving = {a.namespace_id for a in pending_moves if a.detail.get("residency") != Residency.HOT}
+    resets = set(run.actions.filter(kind=Kind.RESET_ENGINE, namespace_id__in=leaving).values_list("namespace_id", "engine_id"))
+    for ns in CacheNamespace.objects.filter(pk__in=leaving).select_related("model_version").order_by("pk"):
+        for engine in engines_of(ns):
+            if (ns.pk, engine.pk) not in resets:
+                changed.append(
+                    f"engine {engine.pk} ({engine.name}) holds namespace {ns.pk} ({ns.model_version.label}) now; "
+                    "the plan does not reset it"
+                )
     moves = {
         a.namespace_id: a.detail.get("residency")
-        for a in run.actions.filter(kind=Kind.SET_RESIDENCY).exclude(status__in=[ActionStatus.DONE, ActionStatus.SKIPPED])
+        for a in pending_moves
         if not a.detail.get("purge")  # an operator's purge holds whatever the version policy says
     }
     if not moves:

@@ -90,8 +90,8 @@ def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, 
     return targets
 
 
-def _engines_of(ns: CacheNamespace) -> list[Engine]:
-    """Ready engines whose memory may hold the namespace's state."""
+def engines_of(ns: CacheNamespace) -> list[Engine]:
+    """Ready engines whose memory may hold the namespace's state (by id)."""
     owned = Engine.objects.filter(status=Engine.Status.READY, namespace=ns)
     attached = Engine.objects.filter(status=Engine.Status.READY, attached_namespaces=ns)
     return list((owned | attached).distinct().select_related("model_version").order_by("id"))
@@ -152,7 +152,7 @@ def _leave_hot(ns: CacheNamespace, to: str, why: str, tiers: Tiers, sizes: _Size
             continue  # the gateway's answer caches: planned only where the namespace has answers cached
         actions.append(_Planned(Kind.DELETE_PREFIX, kind, ns, prefix, why, held))
     # After the hot tiers: a connector would reload the state from them on the probe.
-    for engine in _engines_of(ns):
+    for engine in engines_of(ns):
         actions.append(_Planned(Kind.RESET_ENGINE, Tier.ENGINE, ns, prefix, why, engine=engine))
     return actions
 
