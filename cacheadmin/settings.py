@@ -349,6 +349,9 @@ else:
         "data_folder_in": str(CELERY_BROKER_DIR),
         "data_folder_out": str(CELERY_BROKER_DIR),
         "control_folder": str(CELERY_BROKER_DIR / "control"),
+        # kombu polls a virtual transport every 1 s by default, and a worker takes one
+        # message per poll: at most 1 task/s (bench/queue_wait.py: 200 tasks of 50 ms took 201 s).
+        "polling_interval": 0.1,
     }
     (CELERY_BROKER_DIR / "control").mkdir(parents=True, exist_ok=True)
 # Job rows carry every result the pages read; no result backend.

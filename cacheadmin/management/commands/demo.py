@@ -358,6 +358,7 @@ class Command(ControlPlaneCommand):
         multiproc_clear(settings.METRICS_MULTIPROC_DIR)
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
         summary: dict[str, Any] | None = None
+        interrupted = False
         try:
             worker.start()
         except RuntimeError as exc:
@@ -436,9 +437,10 @@ class Command(ControlPlaneCommand):
             if not summary["ok"]:
                 sys.exit(EXIT_CHECK_FAILED)
         except KeyboardInterrupt:
+            # Said at once: stopping engines takes seconds, and a silent terminal looks hung.
+            log("interrupted; stopping engines, worker, KV-event consumer, gateway and server")
             if summary is None:  # interrupted during the main job, not while serving
-                log("interrupted; engines, worker and server stopped")
-                sys.exit(EXIT_INTERRUPTED)
+                interrupted = True
         finally:
             stack.close()
             worker.stop()
@@ -447,7 +449,11 @@ class Command(ControlPlaneCommand):
                 server.stop()
             # Every engine of the deployment stops with the demo: the ones it kept serving and the
             # ones started from its pages and API while it served (detached: nothing else ends them).
-            engines_stop_all(actor="demo", reason="the demo stopped")
+            stopped = engines_stop_all(actor="demo", reason="the demo stopped")
+            if stopped:
+                log(f"stopped {len(stopped)} engine(s): {', '.join(stopped)}")
+        if interrupted:
+            sys.exit(EXIT_INTERRUPTED)
 
     def _serve(self, server: DashboardServer, log: Any) -> None:
         password = self._ensure_admin()
