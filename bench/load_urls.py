@@ -1,4 +1,5 @@
-"""URLs of ``bench/load.py``'s server: the control plane's, and ``/api/bench-bare/<n>/`` (under /api/: the pages' sign-in does not apply),
+"""URLs of ``bench/load.py``'s server: the control plane's, and ``/api/bench-bare/<n>/``
+(under /api/: the pages' sign-in does not apply),
 the baseline of the ``api-bare`` phase.
 
 A bare view is a plain Django view behind the same middleware that runs the SQL
