@@ -14,10 +14,12 @@ started, one prewarm probe. The wait is from the probe's send to its start.
 Usage (from the project root)::
 
     .venv/bin/python bench/queue_wait.py                       # filesystem broker
-    .venv/bin/python bench/queue_wait.py --broker redis://127.0.0.1:6379/12 --backlog 200 --shadow-ms 50
+    .venv/bin/python bench/queue_wait.py --broker redis://127.0.0.1:6379/9 --backlog 200 --shadow-ms 50
 
-Prints each mode's wait (seconds) and their ratio, then one JSON line.
-Exit status: 0; 2 when the worker did not start or a probe never ran.
+The Redis database must be empty (the bench refuses another's data) and is
+emptied at the end. Prints each mode's wait (seconds) and their ratio, then one
+JSON line. Exit status: 0; 2 when the Redis database holds keys, the worker did
+not start or a probe never ran.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def main() -> int:
     for name in ("DATABASE_URL", "CELERY_BROKER_URL"):
         os.environ.pop(name, None)
     if args.broker:
+        import redis
+
+        held = redis.Redis.from_url(args.broker).dbsize()
+        if held:
+            print(f"{args.broker} holds {held} keys: give the bench a Redis database of its own", file=sys.stderr)
+            return 2
         os.environ["CELERY_BROKER_URL"] = args.broker
     import django
 
@@ -111,6 +119,10 @@ def main() -> int:
             os.killpg(worker.pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(var_dir, ignore_errors=True)
+        if args.broker:
+            import redis
+
+            redis.Redis.from_url(args.broker).flushdb()  # it was empty: what is there now is the bench's queues
     broker = "redis" if args.broker else "filesystem"
     ratio = waits["one queue"] / waits["queues"] if waits["queues"] > 0 else float("inf")
     print(f"{broker} broker, shadow checks of {args.shadow_ms:g} ms: the queues cut a prewarm's wait {ratio:.1f}x")
