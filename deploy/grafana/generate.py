@@ -416,6 +416,14 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 width=6,
             ),
             Panel(
+                "Connections refused",
+                "Connections the gateway closed before their request was read, per second by reason: per_client_cap "
+                "(429, GATEWAY_CONNECTIONS_PER_CLIENT), header_timeout and body_timeout (408, slow clients).",
+                "reqps",
+                (q(f"sum by (reason) (rate(kvcp_gateway_connections_refused_total[{RI}]))", "{{reason}}"),),
+                stacked=True,
+            ),
+            Panel(
                 "Routing suspended",
                 "Namespaces whose routing is suspended after a deceptive hit.",
                 "bool_yes_no",
