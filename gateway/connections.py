@@ -34,6 +34,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.metrics import families
+
 #: Why a connection was closed before its request was read (the metric's ``reason`` label).
 REASONS = ("per_client_cap", "header_timeout", "body_timeout")
 
@@ -54,8 +56,6 @@ open_by_client: Counter[str] = Counter()
 
 
 def _refused_counter() -> Any:
-    from gateway.metrics import families
-
     return families()["connections_refused"]
 
 

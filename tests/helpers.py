@@ -11,8 +11,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 from django.conf import settings
 from django.db import connection
+
+from inference.engines.launcher import free_port
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -135,10 +138,6 @@ def running_gateway(env: dict[str, str], log_path: Path, *, workers: int = 1) ->
         Its base URL (``http://127.0.0.1:PORT``), once ``/health`` answers; stopped with SIGTERM
         (killed past 20 s) when the block ends.
     """
-    import httpx
-
-    from inference.engines.launcher import free_port
-
     port = free_port()
     with log_path.open("w") as log:
         proc = subprocess.Popen(

@@ -12,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cacheadmin.metrics.catalogue import METRICS
+from cacheadmin.models import CacheNamespace, GatewayStat
+from cacheadmin.services.gateway import gateway_flush
 from gateway.metrics import SPECS
 from tests.gateway.harness import call, chat
 
@@ -112,9 +114,6 @@ def test_the_gateway_names_its_families_as_the_catalogue_does() -> None:
 
 
 def test_a_flush_is_written_whole_or_not_at_all_and_a_retry_counts_once(setup) -> None:  # noqa: F811
-    from cacheadmin.models import CacheNamespace, GatewayStat
-    from cacheadmin.services.gateway import gateway_flush
-
     assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
     assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "response"
     recorder = setup["runtime"].recorder

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from phonenumbers import Leniency, PhoneNumberMatcher
 
+import gateway.pii.contact as contact
 from gateway.canonical import canonical_request, response_cache_key
 from gateway.pii import (
     DEFAULT_PHONE_REGIONS,
@@ -267,8 +268,6 @@ PROSE = (
 def test_a_2000_character_prompt_without_personal_data_never_reaches_libphonenumber(monkeypatch) -> None:
     """What keeps the scan cheap (``bench/pii.py`` times it): handing every number to
     libphonenumber cost about 4,000 us per prompt; numbers too short for a phone never get there."""
-    import gateway.pii.contact as contact
-
     asked: list[str] = []
     matcher = contact.PhoneNumberMatcher
 
@@ -307,8 +306,6 @@ def test_numbers_past_the_scan_budget_are_redacted_unchecked() -> None:
 def test_the_budget_bounds_what_libphonenumber_reads_on_a_table_of_numbers(monkeypatch) -> None:
     """Unbounded, libphonenumber took about 0.6 s on this table (``bench/pii.py`` times it):
     it reads one window of at most the budget's characters, once per region."""
-    import gateway.pii.contact as contact
-
     asked: list[str] = []
     matcher = contact.PhoneNumberMatcher
     monkeypatch.setattr(contact, "PhoneNumberMatcher", lambda window, *a, **k: asked.append(window) or matcher(window, *a, **k))
