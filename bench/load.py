@@ -372,20 +372,27 @@ def capture_bare(urls: list[str], key: str) -> list[dict[str, Any]]:
     token ``key``): the SQL it ran, as executed, and the JSON it answered.
 
     Raises:
-        BenchError: a URL did not answer 200.
+        BenchError: a URL did not answer 200, or ran anything but a SELECT.
     """
     from django.db import connection
     from django.test import Client
     from django.test.utils import CaptureQueriesContext
 
     client = Client(HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Bearer {key}")
+    # One request first: it writes the token's last_used_at, which a baseline
+    # replaying it on every request would turn into a write per read.
+    client.get(urls[0])
     captured = []
     for url in urls:
         with CaptureQueriesContext(connection) as queries:
             response = client.get(url)
         if response.status_code != 200:
             raise BenchError(f"{url} answered {response.status_code} while its SQL was captured")
-        captured.append({"url": url, "sql": [q["sql"] for q in queries.captured_queries], "payload": response.json()})
+        statements = [q["sql"] for q in queries.captured_queries]
+        writes = [sql for sql in statements if not sql.lstrip().upper().startswith("SELECT")]
+        if writes:
+            raise BenchError(f"{url} ran {writes[0][:80]!r}: the baseline replays reads only")
+        captured.append({"url": url, "sql": statements, "payload": response.json()})
     return captured
 
 

@@ -4,11 +4,11 @@ web worker's warm imports, side by side in one run.
 ``POST /api/model-versions/`` runs :func:`inference.identity.identity_precheck`
 in the request (config as vLLM parses it, the tokenizer, the layout) before it
 queues the hashing job. Its imports (vLLM, torch, transformers, mistral_common)
-are the cost; a gunicorn worker imports them once at start, in a thread
-(``post_worker_init`` in ``cacheadmin/metrics/gunicorn_config.py``).
+are the cost; gunicorn's arbiter imports them once before it forks its workers
+(``cacheadmin/wsgi.py``, loaded with ``--preload``), so every worker starts warm.
 
 Each sample is a fresh interpreter (as a new worker is):
-- cold: the precheck alone, as the first registration a worker served paid it;
+- cold: the precheck alone, as the first registration a cold worker served paid it;
 - warm: :func:`inference.identity.warm_imports` first (timed apart), then the precheck.
 
 Usage::

@@ -134,7 +134,7 @@ def database_from_url(url: str) -> dict:
             "PASSWORD": unquote(parsed.password or ""),
             "HOST": parsed.hostname or "",
             "PORT": str(parsed.port or ""),
-            "CONN_MAX_AGE": 0,
+            **persistent_connections(),
             "OPTIONS": {"options": f"-c lock_timeout={lock_ms} -c statement_timeout={statement_ms}"},
         }
     if parsed.scheme == "sqlite":
@@ -143,6 +143,23 @@ def database_from_url(url: str) -> dict:
             raise ImproperlyConfigured(f"DATABASE_URL {url!r} names no file")
         return sqlite_database(Path(path))
     raise ImproperlyConfigured(f"DATABASE_URL scheme {parsed.scheme!r} is not supported (postgres, sqlite)")
+
+
+def persistent_connections() -> dict:
+    """``CONN_MAX_AGE`` and ``CONN_HEALTH_CHECKS`` of every database: a web or
+    worker process keeps its connection for ``DATABASE_CONN_MAX_AGE`` seconds
+    (300; 0 opens one per request), checked before each request reuses it.
+
+    One connection per request cost every API read ~2 ms of its worker's CPU
+    (SQLite: a new connection and its PRAGMAs; PostgreSQL: a new backend), and
+    on SQLite under load a connection opened while the last one closed (which
+    checkpoints and removes the WAL) answered "database is locked" (503) or
+    waited in SQLite's busy handler: seconds in the p99 of ``bench/load.py``.
+
+    Raises:
+        ImproperlyConfigured: ``DATABASE_CONN_MAX_AGE`` is not an integer ≥ 0.
+    """
+    return {"CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 300, minimum=0), "CONN_HEALTH_CHECKS": True}
 
 
 def sqlite_database(path: Path) -> dict:
@@ -155,6 +172,7 @@ def sqlite_database(path: Path) -> dict:
     return {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(path),
+        **persistent_connections(),
         "OPTIONS": {
             "timeout": 30,
             "transaction_mode": "IMMEDIATE",

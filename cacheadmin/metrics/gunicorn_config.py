@@ -1,4 +1,4 @@
-"""gunicorn settings of the control plane's web server: its metrics and a warm start
+"""gunicorn settings of the control plane's web server: its metrics
 (``gunicorn -c python:cacheadmin.metrics.gunicorn_config``, which
 :func:`cacheadmin.management.commands.demo.gunicorn_command` passes).
 
@@ -34,23 +34,35 @@ def child_exit(server: Any, worker: Any) -> None:
     mark_process_dead(worker.pid)
 
 
-def post_worker_init(worker: Any) -> None:
-    """gunicorn hook: a worker is ready; import what a registration's precheck needs
-    (vLLM's config parsing, the tokenizers: ~7 s on 2 cores) in a thread, so no web
-    request pays it (it did: 3 of 3 registrations ran past gunicorn's 30 s timeout
-    on a loaded machine, each killing its worker). A request arriving meanwhile waits
-    on the import lock for the rest of it, never longer."""
+def worker_exit(server: Any, worker: Any) -> None:
+    """gunicorn hook: a worker is exiting (it logged so); it ends now, with the
+    exit status it was leaving with, without the interpreter's teardown.
+
+    The workers inherit vLLM's imports from the arbiter (``cacheadmin/wsgi.py``),
+    frozen out of the collector's reach; a teardown would only print, per
+    worker, a page of triton's nanobind "leaked type" warnings (burying the log
+    lines around a stop) after work nobody needs. Logs and standard streams are
+    flushed first; the database connection and the metrics files need nothing
+    (the server closes the socket; the files are written as values change).
+    """
     import logging
-    import threading
+    import sys
 
-    def warm() -> None:
-        from inference.identity import warm_imports
+    leaving = sys.exc_info()[1]  # the SystemExit this hook runs under (gunicorn calls it in a finally)
+    if not isinstance(leaving, SystemExit):
+        return  # any other way out keeps Python's own handling
+    code = leaving.code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
-        try:
-            seconds = warm_imports()
-        except Exception:  # a broken install shows in the request that needs it, with its own error
-            logging.getLogger("cacheadmin").exception("warm imports failed in worker %s", worker.pid)
-            return
-        logging.getLogger("cacheadmin").info("worker %s: precheck imports warm in %.1f s", worker.pid, seconds)
 
-    threading.Thread(target=warm, name="warm-imports", daemon=True).start()
+def on_exit(server: Any) -> None:
+    """gunicorn hook: the arbiter is about to exit. What ``cacheadmin/wsgi.py``
+    froze goes back to the collector, so the teardown frees vLLM's imports
+    instead of leaving them to triton's nanobind, which would print a page of
+    "leaked type" warnings after "Shutting down: Master". One collection, once."""
+    import gc
+
+    gc.unfreeze()

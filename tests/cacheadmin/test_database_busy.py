@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from rest_framework.test import APIClient
 
@@ -134,3 +135,16 @@ def test_postgresql_connections_carry_lock_and_statement_timeouts(monkeypatch) -
     monkeypatch.setenv("DATABASE_LOCK_TIMEOUT_MS", "250")
     monkeypatch.setenv("DATABASE_STATEMENT_TIMEOUT_MS", "0")
     assert database_from_url("postgres://u@db/kvcp")["OPTIONS"] == {"options": "-c lock_timeout=250 -c statement_timeout=0"}
+
+
+@pytest.mark.parametrize("url", ["postgres://u@db/kvcp", "sqlite:////tmp/kvcp.sqlite3"])
+def test_connections_persist_with_health_checks(monkeypatch, url) -> None:
+    monkeypatch.delenv("DATABASE_CONN_MAX_AGE", raising=False)
+    entry = database_from_url(url)
+    assert (entry["CONN_MAX_AGE"], entry["CONN_HEALTH_CHECKS"]) == (300, True)
+    monkeypatch.setenv("DATABASE_CONN_MAX_AGE", "0")
+    assert database_from_url(url)["CONN_MAX_AGE"] == 0
+    for bad in ("-1", "5m", ""):
+        monkeypatch.setenv("DATABASE_CONN_MAX_AGE", bad)
+        with pytest.raises(ImproperlyConfigured, match="DATABASE_CONN_MAX_AGE"):
+            database_from_url(url)
