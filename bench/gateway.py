@@ -90,6 +90,8 @@ LITELLM_VENV = ROOT / "bench" / ".venv-litellm"
 
 import httpx  # noqa: E402
 
+from inference.child_env import die_with_parent  # noqa: E402
+
 #: The stub's answer, one SSE chunk per word (9 tokens).
 ANSWER_WORDS = ("The", " capital", " of", " France", " is", " Paris,", " as", " atlases", " say.")
 ANSWER = "".join(ANSWER_WORDS)
@@ -274,13 +276,6 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _preexec() -> None:
-    from inference.engines.launcher import die_with_parent
-
-    die_with_parent()
-    os.setsid()
-
-
 def start_server(name: str, command: Sequence[str], port: int, ready_path: str, *, env: dict[str, str] | None = None,
                  headers: dict[str, str] | None = None, timeout_s: float = 180.0) -> Server:  # fmt: skip
     """Start ``command`` and wait until ``GET ready_path`` answers 200.
@@ -292,8 +287,8 @@ def start_server(name: str, command: Sequence[str], port: int, ready_path: str, 
     log_path = OUT / f"gateway-bench-{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, preexec_fn=_preexec,
-            cwd=ROOT,
+            list(command), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True, preexec_fn=die_with_parent, cwd=ROOT,
         )  # fmt: skip
     server = Server(name, proc.pid, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + timeout_s

@@ -99,6 +99,7 @@ OUT = ROOT / "bench" / "out"
 
 import zmq  # noqa: E402
 
+from inference.child_env import die_with_parent  # noqa: E402
 from inference.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -277,6 +278,7 @@ def start_publisher(path: Path, endpoint: str, topic: str) -> subprocess.Popen[s
         [sys.executable, __file__, "--publish", str(path), "--endpoint", endpoint, "--topic", topic],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_parent,
     )
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from inference.child_env import die_with_parent  # noqa: E402 - after the path above
+
 
 def main() -> int:
     """Run both modes against one worker; print the waits."""
@@ -78,6 +80,7 @@ def main() -> int:
         [sys.executable, "-m", "celery", "-A", "bench.queue_tasks", "worker", "-c", "1", "--loglevel=INFO",
          "-Q", ",".join(q.name for q in settings.CELERY_TASK_QUEUES)],
         cwd=ROOT, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=die_with_parent,
     )  # fmt: skip
     waits: dict[str, float] = {}
     try:

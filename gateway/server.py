@@ -611,16 +611,16 @@ class Gateway:
                                headers={"retry-after": str(max(1, round(wait + 0.5)))})  # fmt: skip
 
     async def health(self, request: Request) -> Response:
-        """Liveness, with the routing snapshot's epoch and the layers' kill switches:
-        ``{"status": "ok", "epoch": N, "layers": {layer: on}}``.
+        """Liveness, with the layers' kill switches: ``{"status": "ok", "layers": {layer: on}}``.
 
         Anyone who reaches the port may ask, so it says nothing of engines,
-        tenants or traffic (per-engine breakers and in-flight counts were a
-        side channel on other tenants' load); those are in ``/metrics``,
-        behind the metrics token.
+        tenants or traffic: per-engine breakers and in-flight counts were a
+        side channel on other tenants' load, and the routing epoch moved with
+        every tenant's routing change (a key issued, a release step). Those
+        are in ``/metrics``, behind the metrics token, or the control plane.
         """
         snap = self.rt.snapshot()
-        return JSONResponse({"status": "ok", "epoch": snap.epoch, "layers": dict(snap.layers)})
+        return JSONResponse({"status": "ok", "layers": dict(snap.layers)})
 
     def _namespace_key(self, namespace_pk: int) -> str | None:
         target = self.rt.snapshot().namespaces.get(namespace_pk)

@@ -15,7 +15,9 @@ as its own, and the values its starter sets, nothing else.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 from collections.abc import Iterable, Mapping
 
 #: What any program expects from its session: the search path, the user, the
@@ -54,3 +56,17 @@ def child_environment(values: Mapping[str, str] | None = None, *, inherit: Itera
     env = {name: value for name, value in os.environ.items() if name in wanted or name.startswith("LC_")}
     env.update(values or {})
     return env
+
+
+#: prctl(2)'s option that sets the signal a child gets when its parent thread ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for child processes that must not outlive their parent.
+
+    Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: a killed demo or test run would
+    otherwise leave engines holding GiBs and ports, or a worker consuming jobs.
+    """
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

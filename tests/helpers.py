@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import httpx
 from django.conf import settings
 from django.db import connection
 
+from inference.child_env import die_with_parent
 from inference.engines.launcher import free_port
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -142,7 +145,7 @@ def running_gateway(env: dict[str, str], log_path: Path, *, workers: int = 1) ->
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "manage.py", "gateway", "--addr", f"127.0.0.1:{port}", "--workers", str(workers)],
-            cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
 
@@ -161,3 +164,43 @@ def running_gateway(env: dict[str, str], log_path: Path, *, workers: int = 1) ->
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+class Forwarder:
+    """A TCP forwarder on ``127.0.0.2`` to a server on ``127.0.0.1``: the same
+    engine reached at another address, as a load balancer or NAT would show it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.2", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from inference.child_env import die_with_parent
+
 PROMETHEUS_BIN = Path("/usr/bin/prometheus")
 
 
@@ -91,7 +93,7 @@ def prometheus_running(folder: Path, config: dict[str, Any]) -> Iterator[Prometh
         process = subprocess.Popen(
             [str(PROMETHEUS_BIN), f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
              f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
         )  # fmt: skip
     server = Prometheus(f"http://127.0.0.1:{port}", process, log_path)
     try:

@@ -12,6 +12,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+#: An access-log line (when one is asked for: ``--access-logfile``) names the
+#: path without its query string or referrer: list filters and the pages a
+#: caller came from may carry personal data (``?name=`` an e-mail address),
+#: and the log is a store like any other. gunicorn's atoms: %(U)s is the path
+#: alone, %(M)s the duration in ms.
+access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
+
 
 def _multiproc_setup() -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

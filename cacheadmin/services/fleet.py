@@ -176,9 +176,18 @@ def _refuse_salt_blind_tier(url: str, model_version: ModelVersion) -> None:
 
 
 def _refuse_same_engine(url: str, model_version: ModelVersion) -> None:
-    """Probe a would-be serving engine against every live engine of the same
-    identity: it must read none of their prefix caches (it would be that
+    """Probe a would-be serving engine against every live adopted engine of the
+    same identity: it must read none of their prefix caches (it would be that
     engine under another address, or share its KV tier).
+
+    Engines this control plane started are not probed: each requires its
+    incarnation's API key on every route (:func:`cacheadmin.services.addresses.engine_api_key`),
+    which the adoption's requests do not carry, so a candidate that is one of
+    them under another address answers 401 and is refused before any probe.
+    Probing them anyway would let any caller who may adopt write probe KV into
+    another tenant's engine and its persistent tier (on a disk tier, each
+    probe's blocks land under that namespace's storage prefix and count
+    against its budget).
 
     Raises:
         EngineRefused: it answered from a live engine's cache, or does not report cached tokens.
@@ -187,7 +196,10 @@ def _refuse_same_engine(url: str, model_version: ModelVersion) -> None:
     secret = settings.CACHE_SALT_SECRET
     with _candidate(url, model_version) as candidate:
         known = Engine.objects.filter(
-            status=Engine.Status.READY, prefix_caching=True, model_version__identity=model_version.identity
+            status=Engine.Status.READY,
+            prefix_caching=True,
+            model_version__identity=model_version.identity,
+            origin=Engine.Origin.ADOPTED,
         ).select_related("model_version")
         for engine in known:
             try:

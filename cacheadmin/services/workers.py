@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cacheadmin.env import control_plane_environment
-from inference.engines.launcher import die_with_parent
+from inference.child_env import die_with_parent
 
 
 class WorkerProcess:

@@ -21,7 +21,6 @@ the scheduler shares the cores (bench/engine_threads.py measures both).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -33,13 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.child_env import ENGINE_ENV_NAMES, child_environment
+from inference.child_env import ENGINE_ENV_NAMES, child_environment, die_with_parent
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
 from inference.layout import engine_version
 from inference.paths import has_mistral_tokenizer
-
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -296,16 +293,6 @@ def refuse_unlaunchable(layout: dict[str, Any], *, model_path: Path, kv_storage_
         raise EngineError(f"the local launcher runs the ExampleConnector disk tier only, not {connector}")
     if connector and layout.get("kv_storage_format") != f"{connector}@{installed}":
         raise EngineError(f"kv_storage_format {layout.get('kv_storage_format')!r} is not what {installed}'s {connector} writes")
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for child processes that must not outlive their parent.
-
-    Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: a killed demo or test run would
-    otherwise leave engines holding GiBs and ports, or a worker consuming jobs.
-    """
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _engine_preexec() -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from inference.child_env import die_with_parent
 from inference.tiers import _scan
 from inference.tiers.base import (
     TierEntry,
@@ -605,6 +606,7 @@ def _start_worker(root: str, prefixes: list[str], shard: int, nshards: int) -> s
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # a failed worker is redone in-process, where errors surface
+            preexec_fn=die_with_parent,  # a killed scan leaves no worker behind
         )
     except OSError:
         return None

@@ -71,6 +71,7 @@ from cacheadmin.services.namespaces import (
 from cacheadmin.services.releases import release_collect_tokenization_evidence, release_create
 from cacheadmin.services.workers import WorkerProcess
 from cacheadmin.templatetags.cacheadmin_tags import iec_bytes
+from inference.child_env import die_with_parent
 from inference.engines.launcher import free_port
 from inference.identity import LayoutOptions
 from tests.cacheadmin.test_eviction import write_entry
@@ -217,7 +218,13 @@ def _run_flows(server: DashboardServer, world: dict, artifacts: Path) -> tuple[i
         "ENGINE_READY_TIMEOUT_S": str(settings.ENGINE_START_TIMEOUT_S),
     }
     proc = subprocess.Popen(
-        ["node", str(FLOWS)], cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ["node", str(FLOWS)],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=die_with_parent,
     )
     # Killed at the deadline even when it hangs without printing.
     watchdog = threading.Timer(FLOW_TIMEOUT_S, proc.kill)

@@ -6,8 +6,6 @@ cache; a namespace is refused on a tier that serves KV across salts."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,51 +27,12 @@ from inference.engines.probes import reads_across_salts
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import Refused
 from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id, storage_prefix
+from tests.helpers import Forwarder
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.vllm, pytest.mark.slow]
 
 LAYOUT = LayoutOptions(dtype="float32", kv_connector="ExampleConnector")
 ACME_KEY = "c" * 32
-
-
-class Forwarder:
-    """A TCP forwarder on ``127.0.0.2`` to a server on ``127.0.0.1``: the same
-    engine reached at another address, as a load balancer or NAT would show it."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = ("127.0.0.1", target_port)
-        self.listener = socket.create_server(("127.0.0.2", 0))
-        self.port = self.listener.getsockname()[1]
-        self.closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.closed.set()
-        self.listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +51,7 @@ def salt_blind_engine(demo_checkpoints) -> Iterator[LocalEngine]:
     engine.stop()
 
 
-def _world(demo_checkpoints: dict[str, Any], engine: LocalEngine) -> tuple[Any, Any, Engine]:
+def _world(demo_checkpoints: dict[str, Any], engine: LocalEngine, origin: str = Engine.Origin.LOCAL) -> tuple[Any, Any, Engine]:
     version, _ = model_version_register(
         path=demo_checkpoints["tiny-v1"], label="tiny-v1", served_name="tiny", layout=LAYOUT, actor="alice"
     )
@@ -103,7 +62,7 @@ def _world(demo_checkpoints: dict[str, Any], engine: LocalEngine) -> tuple[Any, 
     )
     assert namespace_storage_path(namespace) == engine.spec.kv_storage_path
     row = Engine.objects.create(
-        name="v1-local", model_version=version, namespace=namespace, base_url=engine.base_url, pid=engine.pid,
+        name="v1-known", origin=origin, model_version=version, namespace=namespace, base_url=engine.base_url, pid=engine.pid,
         kv_connector="ExampleConnector", kv_storage_path=str(engine.spec.kv_storage_path), status=Engine.Status.READY,
         verification=Engine.Verification.VERIFIED,
     )  # fmt: skip
@@ -111,7 +70,9 @@ def _world(demo_checkpoints: dict[str, Any], engine: LocalEngine) -> tuple[Any, 
 
 
 def test_the_same_engine_under_another_spelling_or_address_is_refused(demo_checkpoints, salt_blind_engine) -> None:
-    version, namespace, known = _world(demo_checkpoints, salt_blind_engine)
+    # Known as an adopted engine: one a caller reaches without the control plane's key (the
+    # engines it starts answer 401 to a keyless adoption, tests/cacheadmin/test_fleet.py).
+    version, namespace, known = _world(demo_checkpoints, salt_blind_engine, origin=Engine.Origin.ADOPTED)
     port = salt_blind_engine.spec.port
     before = Engine.objects.count()
     # The example: the engine at 127.0.0.1 adopted again as localhost (and as IPv4-mapped IPv6).

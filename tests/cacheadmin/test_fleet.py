@@ -29,7 +29,7 @@ from cacheadmin.services.addresses import engine_headers
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.engine_verification import VerificationRefused
 from cacheadmin.services.engines import engine_attach_namespace, engine_stop
-from cacheadmin.services.fleet import engine_adopt, engines_health, engines_restart_due
+from cacheadmin.services.fleet import _refuse_same_engine, engine_adopt, engines_health, engines_restart_due
 from cacheadmin.services.kv_events import REFRESH_S, reset_observed, residency_now
 from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import (
@@ -40,11 +40,13 @@ from cacheadmin.services.namespaces import (
 )
 from cacheadmin.services.prewarm import JobRefused, prewarm_job_create
 from cacheadmin.services.workers import WorkerProcess
+from inference.child_env import die_with_parent
 from inference.corpus import load_corpus
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
+from inference.errors import Refused
 from inference.identity import LayoutOptions
 from inference.kv_events import salt_digest
-from tests.helpers import PROJECT, manage, subprocess_env, wait_for, worker_log
+from tests.helpers import PROJECT, Forwarder, manage, subprocess_env, wait_for, worker_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 LAYOUT = LayoutOptions(dtype="float32", kv_connector="ExampleConnector")
@@ -65,7 +67,12 @@ def _consumer(env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
     (settings.VAR_DIR / "logs").mkdir(parents=True, exist_ok=True)
     log = (settings.VAR_DIR / "logs" / f"{name}.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "manage.py", "kv_events"], cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "manage.py", "kv_events"],
+        cwd=PROJECT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=die_with_parent,
     )
 
 
@@ -154,6 +161,19 @@ def test_a_started_engine_is_verified_watched_reset_restarted_and_revived(demo_c
             expected = sum(_chat(engine, _text(n), salt) for n in range(6))
             expected += _chat(engine, _text(100), None)  # no salt on a one-namespace engine: its namespace's
             wait_for(lambda: _resident(engine) == {acme.pk: expected * 32}, timeout=30, what=f"{expected} blocks resident")
+
+            # Adopting it again behind another address for globex sends nothing into it: the
+            # keyless adoption gets 401, and the sameness probe goes to adopted engines only
+            # (found: every attempt cached a probe prompt here, and on a disk tier under acme's prefix).
+            forwarder = Forwarder(int(engine.base_url.rsplit(":", 1)[1]))
+            try:
+                with pytest.raises(Refused, match="answered 401"):
+                    engine_adopt(url=f"http://127.0.0.2:{forwarder.port}", model_version=v1, namespace=globex, actor="m")
+                _refuse_same_engine(f"http://127.0.0.2:{forwarder.port}", v1)
+            finally:
+                forwarder.close()
+            time.sleep(2 * 2 + 1)  # past two of the consumer's 2 s checkpoints
+            assert _resident(engine) == {acme.pk: expected * 32}
 
             # Killed mid-stream: requests go on while it is down; it resumes from
             # its checkpoint, replays what it missed and converges.

@@ -15,6 +15,7 @@ from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from cacheadmin.models import CacheNamespace, RetentionOwner, Tenant
+from inference.child_env import die_with_parent
 from tests.cacheadmin.conftest import make_version
 from tests.helpers import PROJECT, manage, subprocess_env, wait_for
 from tests.prometheus import free_port
@@ -37,7 +38,7 @@ def test_metrics_serve_answers_without_a_token_on_its_own_address() -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "manage.py", "metrics_serve", "--addr", f"127.0.0.1:{port}"], cwd=PROJECT, env=subprocess_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -184,7 +185,7 @@ def test_metrics_serve_listens_on_ipv6_and_answers_head_and_other_methods() -> N
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "manage.py", "metrics_serve", "--addr", f"[::1]:{port}"], cwd=PROJECT, env=subprocess_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
         assert proc.stdout is not None

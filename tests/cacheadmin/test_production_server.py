@@ -25,7 +25,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from cacheadmin.management.commands.demo import DashboardServer, ServerOptions
-from tests.helpers import subprocess_env
+from tests.helpers import subprocess_env, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server's workers must see committed rows
 
@@ -49,6 +49,7 @@ def _server(name: str) -> DashboardServer:
         log_path=settings.VAR_DIR / "logs" / f"{name}.log",
         options=OPTIONS,
         env=subprocess_env(),  # this run's test database; VAR_DIR and the rest inherited
+        access_log=True,  # as the demo serves
     )
 
 
@@ -68,6 +69,17 @@ def test_healthz_answers_what_it_answers_in_process(server: DashboardServer) -> 
     assert served.status_code == in_process.status_code == 200
     assert served.headers["content-type"] == in_process.headers["Content-Type"] == "application/json"
     assert served.json() == in_process.json() == {"status": "ok", "database": {"read": True, "write": True}}
+
+
+def test_the_access_log_names_paths_without_their_query_strings(server: DashboardServer) -> None:
+    """A list filter may carry personal data, and the log is a store like any other
+    (found: ``?name=`` with an e-mail address kept verbatim in the demo's log)."""
+    with server.client() as client:
+        answered = client.get("/api/prompt-templates/?name=leak.test%40example.net", headers={"Referer": "/x?q=leak"})
+    assert answered.status_code == 401
+    line = '"GET /api/prompt-templates/ HTTP/1.1" 401 '
+    wait_for(lambda: line in server.log_path.read_text(), timeout=10, what="the request's access-log line")
+    assert "leak" not in server.log_path.read_text()
 
 
 def test_dashboard_is_served_to_a_signed_in_user_only(server: DashboardServer) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from inference.child_env import die_with_parent
 from tests.helpers import PROJECT
 
 PRINT_SECRETS = (
@@ -27,6 +28,7 @@ def start(var_dir: Path, **env: str) -> subprocess.Popen[str]:
         env={**clean, "VAR_DIR": str(var_dir), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent,
         text=True,
     )
 

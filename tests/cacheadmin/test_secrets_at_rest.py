@@ -18,9 +18,12 @@ from drf_spectacular.generators import SchemaGenerator
 
 from cacheadmin.api.idempotency import SECRETS_ATTR
 from cacheadmin.env import persistent_secret, write_private_file
-from cacheadmin.models import AuditEvent
+from cacheadmin.management.commands.demo import DEMO_GATEWAY_KEY_NAME
+from cacheadmin.management.commands.demo import Command as DemoCommand
+from cacheadmin.models import AuditEvent, GatewayKey, Tenant
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.gateway_stores import response_store
+from gateway.routing import key_hash
 from tests.helpers import rows_holding
 
 #: Top-level answer fields that name a secret.
@@ -122,3 +125,19 @@ def test_the_embedded_gateway_stores_folder_is_owner_only(settings, tmp_path: Pa
     os.chmod(settings.GATEWAY_DIR, 0o755)  # loosened by hand: tightened again at the next start
     response_store()
     assert settings.GATEWAY_DIR.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.django_db
+def test_each_served_demo_run_leaves_one_valid_demo_key(settings, tmp_path: Path) -> None:
+    """The demo prints and keeps a gateway key of acme; a later run revokes the key
+    an earlier one issued (found: every run's key stayed valid, the older ones
+    known to nobody but the terminals that printed them)."""
+    settings.VAR_DIR = tmp_path
+    Tenant.objects.create(slug="acme", name="Acme", key="a" * 32)
+    first = DemoCommand()._gateway_key()
+    second = DemoCommand()._gateway_key()
+    keys = GatewayKey.objects.filter(tenant__slug="acme", name=DEMO_GATEWAY_KEY_NAME).order_by("pk")
+    assert [k.revoked_at is None for k in keys] == [False, True]
+    assert key_hash(first) == keys[0].key_hash and key_hash(second) == keys[1].key_hash
+    assert (tmp_path / "gateway-key").read_text() == second
+    assert (tmp_path / "gateway-key").stat().st_mode & 0o777 == 0o600

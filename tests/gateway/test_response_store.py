@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from gateway.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore, StoreUnavailable
+from inference.child_env import die_with_parent
 from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierUnavailable, TierUsage
 
@@ -385,7 +386,7 @@ def test_a_full_redis_is_store_unavailable_and_still_serves_reads(tmp_path: Path
     server = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--maxmemory", "3mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
         store = RedisResponseStore.from_url(f"redis://127.0.0.1:{port}/0", key_prefix="rc", timeout_s=0.5)

@@ -26,15 +26,15 @@ from django.core.wsgi import get_wsgi_application
 from cacheadmin.env import control_plane_environment, env_int, env_str, private_file, write_private_file
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
 from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
-from cacheadmin.models import Tenant
+from cacheadmin.models import GatewayKey, Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
 from cacheadmin.services.demo import HOLD_S, TRAFFIC_RATE_PER_S, Stage, demo_run
 from cacheadmin.services.demo_release import ApiCallFailed
 from cacheadmin.services.engines import engines_stop_all
-from cacheadmin.services.gateway import gateway_key_issue
+from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke
 from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
-from inference.engines.launcher import die_with_parent
+from inference.child_env import die_with_parent
 from inference.errors import CheckpointError
 
 EXIT_CHECK_FAILED = 1
@@ -47,6 +47,8 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 #: Where the dashboard is served when neither ``--addr`` nor ``GUNICORN_BIND`` says.
 DEFAULT_BIND = "127.0.0.1:8000"
+#: The gateway key each served demo run issues to tenant acme (and revokes from the run before).
+DEMO_GATEWAY_KEY_NAME = "demo"
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 
 
@@ -471,11 +473,15 @@ class Command(ControlPlaneCommand):
         )
 
     def _gateway_key(self) -> str:
-        """A gateway key of tenant acme for trying the gateway (one per demo run; the last one is kept in var/)."""
+        """A gateway key of tenant acme for trying the gateway: one per demo run,
+        kept in var/; the key an earlier run issued is revoked first, so only the
+        kept one is valid (an earlier run's key was printed and kept too)."""
         tenant = Tenant.objects.filter(slug="acme").first()
         if tenant is None:
             return "(no tenant acme)"
-        _, key = gateway_key_issue(tenant=tenant, name="demo", actor="demo")
+        for earlier in GatewayKey.objects.filter(tenant=tenant, name=DEMO_GATEWAY_KEY_NAME, revoked_at__isnull=True):
+            gateway_key_revoke(key=earlier, actor="demo")
+        _, key = gateway_key_issue(tenant=tenant, name=DEMO_GATEWAY_KEY_NAME, actor="demo")
         # Owner-only even over a file an earlier run left (which may be 0644): the key is a credential.
         write_private_file(settings.VAR_DIR / "gateway-key", key)
         return key
