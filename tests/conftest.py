@@ -29,6 +29,12 @@ REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"}
 #: real-engine tests (fleet, engine trust, the browser flows) exercise the engines; their
 #: database and broker paths are the ones the suite's engine-free tests cover on both.
 ENGINE_SCALE_OUT_FILES = frozenset({"test_vllm_jobs.py", "test_gateway_vllm.py"})
+#: pytest-django's fixtures that open the test database: a test with none of them (and no
+#: ``django_db`` marker) reads no row, and its commands run without one.
+DATABASE_FIXTURES = frozenset(
+    {"db", "transactional_db", "django_db_setup", "django_db_reset_sequences", "django_db_serialized_rollback",
+     "live_server", "client", "admin_client", "admin_user", "django_user_model"}
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,8 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``embedded_default`` (the demo, the embedded default's main job by definition),
     ``tests/deploy`` (promtool on the rule and dashboard files) and
     ``tests/browser`` (what the pages show does not depend on the database;
-    their queries run on PostgreSQL in the page tests) and the real-engine
-    tests outside :data:`ENGINE_SCALE_OUT_FILES`.
+    their queries run on PostgreSQL in the page tests), the real-engine
+    tests outside :data:`ENGINE_SCALE_OUT_FILES` and tests that open neither
+    the database (:data:`DATABASE_FIXTURES`, the ``django_db`` marker) nor Redis.
     """
     if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
         inference = Path(__file__).parent / "inference"
@@ -61,6 +68,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 or item.get_closest_marker("embedded_default") is not None
                 or any(folder in path.parents for folder in elsewhere)
                 or (item.get_closest_marker("vllm") is not None and path.name not in ENGINE_SCALE_OUT_FILES)
+                # Neither the database nor Redis: what it tests (a command's checkpoint hashing,
+                # bad input, settings, pure functions) is the same on both runs.
+                or (
+                    item.get_closest_marker("django_db") is None
+                    and not set(getattr(item, "fixturenames", ())) & (DATABASE_FIXTURES | REDIS_FIXTURES)
+                    and item.get_closest_marker("redis") is None
+                )
             )
             (dropped if independent else kept).append(item)
         if dropped:
