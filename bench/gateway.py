@@ -177,8 +177,8 @@ def gateway_app(config: dict[str, Any]) -> Any:
             namespace with a ``cache_salt``; response cache on (Redis),
             semantic layer off, shadow sampling off, limits far above the load.
     """
+    from gateway.layers.response.redis_store import RedisResponseStore
     from gateway.records import Recorder
-    from gateway.response_store import RedisResponseStore
     from gateway.routing import (
         EngineTarget,
         KeyTarget,

@@ -115,9 +115,9 @@ def run(texts: Sequence[tuple[str, Sequence[str]]], *, policy: str = "skip") -> 
     )
     from cacheadmin.services.gateway_stores import response_store, semantic_store
     from cacheadmin.services.shadow import shadow_check_enqueue
+    from gateway.layers.semantic.embedder import default_embedder
+    from gateway.layers.semantic.layer import SemanticLayer
     from gateway.records import Recorder
-    from gateway.semantic.embedder import default_embedder
-    from gateway.semantic.layer import SemanticLayer
     from gateway.server import Gateway, Limits, Runtime
 
     logs = io.StringIO()

@@ -1,10 +1,10 @@
 """Precision and recall of the semantic cache's matching on a hand-labelled set of question pairs.
 
-Reads ``gateway/semantic/data/pairs.jsonl`` (one ``{"a", "b", "label": "hit"|"miss", "kind"}``
+Reads ``gateway/layers/semantic/data/pairs.jsonl`` (one ``{"a", "b", "label": "hit"|"miss", "kind"}``
 object per line), embeds every text with the real embedder
-(:func:`gateway.semantic.embedder.default_embedder`, all-MiniLM-L6-v2 on CPU),
-puts each pair on the one scale (:func:`gateway.semantic.matching.similarity`)
-and decides it with :func:`gateway.semantic.matching.match` — the code path the
+(:func:`gateway.layers.semantic.embedder.default_embedder`, all-MiniLM-L6-v2 on CPU),
+puts each pair on the one scale (:func:`gateway.layers.semantic.matching.similarity`)
+and decides it with :func:`gateway.layers.semantic.matching.match` — the code path the
 gateway runs, the template guard embedding the differing parts with the same
 embedder.
 
@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from gateway.semantic.matching import (  # noqa: E402
+from gateway.layers.semantic.matching import (  # noqa: E402
     DEFAULT_GUARDS,
     SHIPPED_THRESHOLD,
     MatchVerdict,
@@ -71,7 +71,7 @@ from gateway.semantic.matching import (  # noqa: E402
     similarities,
 )
 
-PAIRS = ROOT / "gateway" / "semantic" / "data" / "pairs.jsonl"
+PAIRS = ROOT / "gateway" / "layers" / "semantic" / "data" / "pairs.jsonl"
 LABELS = ("hit", "miss")
 KINDS = ("paraphrase", "other_entity", "other_number", "reversed_meaning", "template_other_user_text", "unrelated")
 #: Thresholds of the sweep: 0.70, 0.72, ..., 0.98.
@@ -309,7 +309,7 @@ def _timing(calls: int) -> dict[str, Any]:
     """Load, single-text latency and batch throughput with 1 and 2 torch threads (interleaved), threaded callers."""
     import torch
 
-    from gateway.semantic.embedder import Embedder
+    from gateway.layers.semantic.embedder import Embedder
 
     embedder = Embedder()
     started = time.perf_counter()
@@ -386,7 +386,7 @@ def main() -> int:
     except PairsError as exc:
         print(exc, file=sys.stderr)
         return 2
-    from gateway.semantic.embedder import default_embedder
+    from gateway.layers.semantic.embedder import default_embedder
 
     embedder = default_embedder()
     started = time.perf_counter()

@@ -78,14 +78,9 @@ if str(PROJECT_ROOT) not in sys.path:
 
 import faiss  # noqa: E402
 
-from gateway.semantic.store import (  # noqa: E402
-    HNSW_EF_CONSTRUCTION,
-    HNSW_EF_SEARCH,
-    HNSW_M,
-    HNSW_THRESHOLD,
-    SemanticEntry,
-    SqliteSemanticStore,
-)
+from gateway.layers.semantic.entries import SemanticEntry  # noqa: E402
+from gateway.layers.semantic.index import HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH, HNSW_M, HNSW_THRESHOLD  # noqa: E402
+from gateway.layers.semantic.sqlite_store import SqliteSemanticStore  # noqa: E402
 
 OUT = PROJECT_ROOT / "bench" / "out"
 PREFIX = "ns-bench"

@@ -114,8 +114,8 @@ def create_app() -> Starlette:
     semantic = None
     if settings.GATEWAY_SEMANTIC:
         # Lazy: torch and sentence-transformers load only where the semantic layer is on.
-        from gateway.semantic.embedder import default_embedder
-        from gateway.semantic.layer import SemanticLayer
+        from gateway.layers.semantic.embedder import default_embedder
+        from gateway.layers.semantic.layer import SemanticLayer
 
         semantic = SemanticLayer(semantic_store(), default_embedder(), rules=semantic_rules())
     runtime = Runtime(

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, TypeVar
 
-from gateway.response_store import ResponseStore, StoreUnavailable, check_key, check_store_prefix
+from gateway.layers.response.store import ResponseStore, StoreUnavailable, check_key, check_store_prefix
 from inference.errors import InvalidField
 
 __all__ = [

@@ -44,6 +44,8 @@ from gateway.canonical import (
     response_admission,
     response_cache_key,
 )
+from gateway.layers.response.store import ResponseStore
+from gateway.layers.response.store import StoreUnavailable as ResponseStoreUnavailable
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, token_refusal
 from gateway.metrics import exposition as metrics_exposition
@@ -51,8 +53,6 @@ from gateway.pii import personal_data_kinds
 from gateway.pii.gate import answer_text, gate
 from gateway.protection import FillBreaker, Overloaded, TokenBucket
 from gateway.records import Recorder
-from gateway.response_store import ResponseStore
-from gateway.response_store import StoreUnavailable as ResponseStoreUnavailable
 from gateway.routing import (
     EngineTarget,
     NamespaceTarget,

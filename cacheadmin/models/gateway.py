@@ -148,7 +148,7 @@ class TenantGatewayPolicy(models.Model):
     #: Any sampled answer may be reused (one sample stands for all).
     allow_sampling = models.BooleanField(default=False)
     semantic_cache = models.BooleanField(default=True)
-    #: Similarity a semantic hit needs, on the scale of ``gateway.semantic.matching`` (0..1).
+    #: Similarity a semantic hit needs, on the scale of ``gateway.layers.semantic.matching`` (0..1).
     semantic_threshold = models.FloatField(null=True, blank=True, help_text="empty: the shipped threshold")
     #: Share of requests that reported cached tokens replayed by shadow verification (0..1).
     shadow_sample_rate = models.FloatField(default=0.05)

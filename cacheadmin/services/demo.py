@@ -56,6 +56,7 @@ from cacheadmin.services.demo_release import (
     tooling_token,
     traffic_figures,
 )
+from cacheadmin.services.demo_traffic import TrafficRunner, TrafficStats, demo_workload
 from cacheadmin.services.engines import engine_create, engine_stop, engines_boot, engines_reconcile
 from cacheadmin.services.eviction.resume import eviction_sweep
 from cacheadmin.services.gateway import gateway_key_issue, tenant_gateway_policy_update
@@ -70,7 +71,6 @@ from cacheadmin.services.namespaces import (
 )
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.releases import release_rollback
-from gateway.traffic import TrafficRunner, TrafficStats, demo_workload
 from inference.checkpoints import ensure_demo_checkpoints
 from inference.identity import LayoutOptions
 

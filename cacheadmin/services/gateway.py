@@ -58,6 +58,7 @@ from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.canonical import InvalidRequest
+from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from gateway.pii.gate import PERSONAL_DATA_POLICIES
 from gateway.records import layer_figures
 from gateway.routing import (
@@ -71,7 +72,6 @@ from gateway.routing import (
     key_hash,
     model_fingerprint,
 )
-from gateway.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from inference.errors import InvalidField, Refused
 from inference.identity import cache_salt
 from inference.netpolicy import AddressRefused
@@ -542,7 +542,7 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any]) -
     """
     # Lazy: the gateway's request path (starlette, httpx, libphonenumber: ~190 ms) is
     # not loaded by every process that imports the services, only by explain.
-    from gateway.semantic.layer import SemanticLayer
+    from gateway.layers.semantic.layer import SemanticLayer
     from gateway.server import explain
 
     if endpoint not in ("chat", "completions"):

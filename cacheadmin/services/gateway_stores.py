@@ -8,8 +8,12 @@ from __future__ import annotations
 from django.conf import settings
 
 from cacheadmin.env import private_dir
-from gateway.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore
-from gateway.semantic.store import RedisSemanticStore, SemanticStore, SqliteSemanticStore
+from gateway.layers.response.redis_store import RedisResponseStore
+from gateway.layers.response.sqlite_store import SqliteResponseStore
+from gateway.layers.response.store import ResponseStore
+from gateway.layers.semantic.redis_store import RedisSemanticStore
+from gateway.layers.semantic.sqlite_store import SqliteSemanticStore
+from gateway.layers.semantic.store import SemanticStore
 
 
 def response_store() -> ResponseStore:

@@ -15,8 +15,8 @@ import cacheadmin.services.namespaces  # noqa: F401
 import cacheadmin.services.prewarm  # noqa: F401
 import cacheadmin.services.quotas  # noqa: F401
 import cacheadmin.services.releases  # noqa: F401
-import gateway.response_store  # noqa: F401
-import gateway.semantic.store  # noqa: F401
+import gateway.layers.response.store  # noqa: F401
+import gateway.layers.semantic.entries  # noqa: F401
 from cacheadmin.api.exceptions import api_exception_handler
 from cacheadmin.management.base import ControlPlaneCommand
 from inference.errors import ControlPlaneError, Refused

@@ -23,10 +23,10 @@ from cacheadmin.services.gateway import (
 )
 from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
 from gateway.canonical import canonical_request, response_cache_key
-from gateway.response_store import RedisResponseStore
+from gateway.layers.response.redis_store import RedisResponseStore
+from gateway.layers.semantic.embedder import default_embedder
+from gateway.layers.semantic.layer import SemanticLayer
 from gateway.routing import sticky_bucket
-from gateway.semantic.embedder import default_embedder
-from gateway.semantic.layer import SemanticLayer
 from gateway.server import explain, request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version

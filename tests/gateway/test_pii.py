@@ -13,6 +13,7 @@ import pytest
 from phonenumbers import Leniency, PhoneNumberMatcher
 
 import gateway.pii.contact as contact
+from cacheadmin.services.demo_traffic import demo_workload
 from gateway.canonical import canonical_request, response_cache_key
 from gateway.pii import (
     DEFAULT_PHONE_REGIONS,
@@ -27,7 +28,6 @@ from gateway.pii import (
     redact_json,
 )
 from gateway.pii.contact import PHONE_PUNCTUATION
-from gateway.traffic import demo_workload
 
 
 def spans(text: str, **kwargs: Any) -> list[tuple[str, str]]:

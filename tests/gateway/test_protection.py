@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.layers.response.redis_store import RedisResponseStore
+from gateway.layers.response.sqlite_store import SqliteResponseStore
+from gateway.layers.response.store import StoreUnavailable
 from gateway.protection import FillBreaker, FillOutcome, Overloaded, SingleFlight, TokenBucket, fill_once
-from gateway.response_store import RedisResponseStore, SqliteResponseStore, StoreUnavailable
 from inference.errors import InvalidField
 
 # fork: children start in milliseconds, and each opens the SQLite file on its own as a gateway worker does.

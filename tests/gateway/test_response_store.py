@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore, StoreUnavailable
+from gateway.layers.response.redis_store import RedisResponseStore
+from gateway.layers.response.sqlite_store import SqliteResponseStore
+from gateway.layers.response.store import ResponseStore, StoreUnavailable
 from inference.child_env import die_with_parent
 from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierUnavailable, TierUsage

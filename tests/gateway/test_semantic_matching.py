@@ -17,15 +17,15 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from gateway.semantic.admission import (
+from gateway.layers.semantic.admission import (
     DEFAULT_RULES,
     AdmissionConfigError,
     Rule,
     rules_from_config,
     semantic_admission,
 )
-from gateway.semantic.embedder import Embedder, EmbedderInputError, EmbedderLoadError, default_embedder
-from gateway.semantic.matching import (
+from gateway.layers.semantic.embedder import Embedder, EmbedderInputError, EmbedderLoadError, default_embedder
+from gateway.layers.semantic.matching import (
     DEFAULT_GUARDS,
     REASONS,
     SHIPPED_THRESHOLD,
@@ -48,7 +48,7 @@ from gateway.semantic.matching import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = ROOT / "gateway" / "semantic" / "data" / "pairs.jsonl"
+PAIRS = ROOT / "gateway" / "layers" / "semantic" / "data" / "pairs.jsonl"
 
 #: A long instruction, shared by both texts of a template pair (the labelled set's T4, abridged to what matters).
 TEMPLATE = (

@@ -22,17 +22,14 @@ import numpy as np
 import pytest
 import redis
 
-from gateway.semantic import store as store_module
-from gateway.semantic.store import (
-    Candidate,
-    RedisSemanticStore,
-    SemanticEntry,
-    SemanticStore,
-    SqliteSemanticStore,
-    StoreUnavailable,
-    new_entry_id,
-    similarity,
-)
+from gateway.layers.semantic import index as index_module
+from gateway.layers.semantic import redis_store as redis_module
+from gateway.layers.semantic import sqlite_store as sqlite_module
+from gateway.layers.semantic.entries import Candidate, SemanticEntry, StoreUnavailable, new_entry_id
+from gateway.layers.semantic.matching import similarity
+from gateway.layers.semantic.redis_store import RedisSemanticStore
+from gateway.layers.semantic.sqlite_store import SqliteSemanticStore
+from gateway.layers.semantic.store import SemanticStore
 from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierEntry, TierUnavailable, TierUsage
 
@@ -428,14 +425,14 @@ def test_replica_switches_to_hnsw_finds_near_duplicates_and_rebuilds_past_the_de
 def gated_builds(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Background index builds wait for the event (set it to let them finish)."""
     gate = threading.Event()
-    real = store_module._new_index
+    real = index_module._new_index
 
     def gated(dim: int, count: int, threshold: int) -> Any:
         if threading.current_thread().name == "semantic-index-build":
             assert gate.wait(30)
         return real(dim, count, threshold)
 
-    monkeypatch.setattr(store_module, "_new_index", gated)
+    monkeypatch.setattr(index_module, "_new_index", gated)
     yield gate
     gate.set()
 
@@ -483,7 +480,7 @@ def test_hnsw_is_built_in_the_background_while_the_current_index_answers(
 def test_a_large_delta_turns_an_hnsw_replica_exact_until_its_graph_is_rebuilt(
     make_store: Callable[..., SemanticStore], gated_builds: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "HNSW_MAX_INLINE_ADDS", 10)
+    monkeypatch.setattr(index_module, "HNSW_MAX_INLINE_ADDS", 10)
     store = make_store(hnsw_threshold=64)
     vectors = clustered(130, 32, seed=6)
     for i in range(100):
@@ -532,8 +529,8 @@ def test_a_background_build_of_a_state_the_replica_left_is_thrown_away(
 def test_a_trimmed_removal_log_is_caught_by_the_count_check(
     make_store: Callable[..., SemanticStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "SQLITE_REMOVAL_LOG", 2)
-    monkeypatch.setattr(store_module, "REDIS_REMOVAL_LOG", 4)
+    monkeypatch.setattr(sqlite_module, "SQLITE_REMOVAL_LOG", 2)
+    monkeypatch.setattr(redis_module, "REDIS_REMOVAL_LOG", 4)
     store = make_store()
     vectors = clustered(20, 8, seed=3)
     for i in range(20):

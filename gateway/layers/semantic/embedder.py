@@ -6,7 +6,7 @@ directory inside site-packages). It maps a text to 384 float32 numbers; inputs
 longer than its ``max_seq_length`` (256 word pieces, from the model's
 ``sentence_bert_config.json``) are truncated by the model, so two texts that
 differ only after that point embed identically — the template guard in
-:mod:`gateway.semantic.matching` exists for that case among others.
+:mod:`gateway.layers.semantic.matching` exists for that case among others.
 
 Measured on the 2-core development host (bench/semantic_eval.py --timing and
 an interleaved 1-vs-2-thread run; numbers in the README, "Semantic matching, guards and admission"):

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from gateway.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
-from gateway.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match
-from gateway.semantic.store import SemanticEntry, SemanticStore, StoreUnavailable
+from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
+from gateway.layers.semantic.entries import SemanticEntry, StoreUnavailable
+from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match
+from gateway.layers.semantic.store import SemanticStore
 
 
 class SemanticLayer:
@@ -46,7 +47,7 @@ class SemanticLayer:
         )
 
     def admission(self, text: str, *, personal_data: bool) -> tuple[bool, str]:
-        """(admitted, reason) of a question (see :func:`gateway.semantic.admission.semantic_admission`)."""
+        """(admitted, reason) of a question (see :func:`gateway.layers.semantic.admission.semantic_admission`)."""
         return semantic_admission(text, rules=self.rules, personal_data=personal_data)
 
     def lookup(self, prefix: str, partition: str, text: str, threshold: float | None) -> tuple[np.ndarray, dict[str, Any] | None]:

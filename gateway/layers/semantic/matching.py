@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 
 #: Similarity at or above which a candidate may hit (before guards). Chosen by bench/semantic_eval.py on the tuning half
-#: of gateway/semantic/data/pairs.jsonl: the sweep threshold (0.70..0.98, step 0.02) with the highest precision among
+#: of gateway/layers/semantic/data/pairs.jsonl: the sweep threshold (0.70..0.98, step 0.02) with the highest precision among
 #: those keeping recall >= 0.5, ties going to the higher threshold (precision first, recall only has to be useful).
 SHIPPED_THRESHOLD: float = 0.84
 
@@ -61,7 +61,7 @@ REASONS: frozenset[str] = frozenset(
     }
 )
 
-#: Embeds n texts into an (n, dim) array of L2-normalized rows, e.g. :meth:`gateway.semantic.embedder.Embedder.embed`.
+#: Embeds n texts into an (n, dim) array of L2-normalized rows, e.g. :meth:`gateway.layers.semantic.embedder.Embedder.embed`.
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 
 

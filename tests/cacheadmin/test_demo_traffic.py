@@ -17,16 +17,8 @@ from typing import Any
 
 import pytest
 
-import gateway.traffic
-from gateway.canonical import canonical_request, response_admission
-from gateway.pii import personal_data_kinds
-from gateway.routing import sticky_id
-from gateway.semantic.admission import semantic_admission
-from gateway.semantic.embedder import default_embedder
-from gateway.semantic.layer import SemanticLayer
-from gateway.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, similarity
-from gateway.server import FINGERPRINT_HEADER, SERVED_BY_HEADER, VERSION_HEADER, check_body, last_user_text
-from gateway.traffic import (
+import cacheadmin.services.demo_traffic as demo_traffic
+from cacheadmin.services.demo_traffic import (
     CROSS_VERSION_EXAMPLES,
     DEMO_TAIL_NUMBERS,
     DEMO_TEMPLATES,
@@ -38,6 +30,14 @@ from gateway.traffic import (
     demo_workload,
     format_stats_line,
 )
+from gateway.canonical import canonical_request, response_admission
+from gateway.layers.semantic.admission import semantic_admission
+from gateway.layers.semantic.embedder import default_embedder
+from gateway.layers.semantic.layer import SemanticLayer
+from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, similarity
+from gateway.pii import personal_data_kinds
+from gateway.routing import sticky_id
+from gateway.server import FINGERPRINT_HEADER, SERVED_BY_HEADER, VERSION_HEADER, check_body, last_user_text
 
 N_DRAWS = 5000
 
@@ -508,7 +508,7 @@ def test_the_log_line_and_ratios_of_a_known_stats() -> None:
 
 
 def test_the_runner_reads_the_gateway_s_own_header_names() -> None:
-    names = (gateway.traffic.SERVED_BY_HEADER, gateway.traffic.VERSION_HEADER, gateway.traffic.FINGERPRINT_HEADER)
+    names = (demo_traffic.SERVED_BY_HEADER, demo_traffic.VERSION_HEADER, demo_traffic.FINGERPRINT_HEADER)
     assert names == (SERVED_BY_HEADER, VERSION_HEADER, FINGERPRINT_HEADER)
 
 

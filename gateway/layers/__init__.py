@@ -1,0 +1,1 @@
+"""The gateway's cache layers, one package each, run in order by the pipeline."""

@@ -1,0 +1,1 @@
+"""The response cache layer: whole answers served again for the same canonical request."""
