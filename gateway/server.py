@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import random
 import time
-import unicodedata
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,16 +39,16 @@ from gateway.canonical import (
     canonical_bytes,
     canonical_request,
     normalized_body,
-    response_admission,
-    response_cache_key,
 )
+from gateway.layers import build_layers
+from gateway.layers.base import CacheLayer
 from gateway.layers.response.store import ResponseStore
-from gateway.layers.response.store import StoreUnavailable as ResponseStoreUnavailable
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, token_refusal
 from gateway.metrics import exposition as metrics_exposition
 from gateway.pii import personal_data_kinds
-from gateway.pii.gate import answer_text, gate
+from gateway.pii.gate import gate
+from gateway.pipeline import Hit, Missed, Pipeline, RequestContext, explain_layers
 from gateway.protection import FillBreaker, Overloaded, TokenBucket
 from gateway.records import Recorder
 from gateway.routing import (
@@ -178,6 +176,7 @@ class Runtime:
         snapshot: the current routing snapshot (swapped whole by the owner).
         response_store: the response cache's store, or None (layer off here).
         semantic: the semantic layer, or None (layer off here).
+        layers: the cache layers, when not the ones built from the fields above.
         recorder: figures and heat, drained off the hot path.
         shadow: called (off the hot path, in a thread) with each sampled request.
         limits: protection settings.
@@ -193,6 +192,8 @@ class Runtime:
     transport: httpx.AsyncBaseTransport | None = None
     #: Engine choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
     engine_choice: str = "affinity"
+    #: The cache layers in order; None: :func:`gateway.layers.build_layers` of this runtime (the deployment's).
+    layers: Sequence[CacheLayer] | None = None
 
 
 # --- cached answers ----------------------------------------------------------
@@ -446,69 +447,6 @@ def route_request(snap: RoutingSnapshot, tenant: TenantTarget, body: Mapping[str
     return Routed(tenant, route, namespace)
 
 
-def last_user_text(body: Mapping[str, Any]) -> str | None:
-    """The text of a chat request's last message when it is the user's (what
-    the semantic layer compares), else None."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], Mapping):
-        return None
-    last = messages[-1]
-    if last.get("role") != "user":
-        return None
-    content = last.get("content")
-    if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, Mapping)]
-        if not all(isinstance(t, str) for t in texts) or any(p.get("type") != "text" for p in content if isinstance(p, Mapping)):
-            return None
-        content = "\n".join(texts)  # type: ignore[arg-type]
-    return unicodedata.normalize("NFC", content) if isinstance(content, str) and content.strip() else None
-
-
-def semantic_bypass(
-    snap: RoutingSnapshot, tenant: TenantTarget, layer: Any, text: str | None, canonical: Mapping[str, Any], personal: bool
-) -> str | None:
-    """Why a request bypasses the semantic layer, or None when it may look up and store
-    there: the one decision the live path and :func:`explain` both take.
-
-    A reused answer is a reproduced one whichever layer serves it, so the response
-    cache's reproducibility rule (:func:`gateway.canonical.response_admission`: greedy,
-    seeded or sampled as the tenant's policy allows) admits here too: a sampled answer
-    served again from the semantic layer would repeat one draw as if it were the only one.
-
-    Returns:
-        ``kill_switch``, ``tenant_policy``, ``not_configured``, ``not_a_user_question``,
-        ``n_choices``, a refused reason of :data:`gateway.canonical.ADMISSION_REASONS`
-        (``sampling``, ``seed_not_guaranteed``), the layer's own refusal
-        (``personal_data``...), or None.
-    """
-    if not snap.layers.get("semantic", True):
-        return "kill_switch"
-    if not tenant.policy.semantic_cache:
-        return "tenant_policy"
-    if layer is None:
-        return "not_configured"
-    if text is None:
-        return "not_a_user_question"
-    if int(canonical.get("n", 1)) != 1:
-        return "n_choices"
-    verdict = response_admission(canonical, allow_seeded=tenant.policy.allow_seeded, allow_sampling=tenant.policy.allow_sampling)
-    if not verdict.admitted:
-        return verdict.reason
-    admitted, why = layer.admission(text, personal_data=personal)
-    return None if admitted else why
-
-
-def semantic_partition(tenant: TenantTarget, namespace: NamespaceTarget, endpoint: str, canonical: Mapping[str, Any]) -> str:
-    """The partition a semantic lookup is confined to, before any similarity:
-    the tenant, the namespace, and everything of the request but its last
-    message's text (parameters, system prompt, earlier turns), keyed with the
-    tenant's secret."""
-    context = dict(canonical)
-    context["messages"] = list(canonical.get("messages", []))[:-1]
-    payload = b"\0".join([namespace.key.encode("ascii"), endpoint.encode("ascii"), canonical_bytes(context)])
-    return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
-
-
 def request_tags(values: list[str]) -> tuple[str, ...]:
     """Tags from every ``X-Cache-Tags`` header of a request (comma separated;
     repeated headers add up, as HTTP lists do), read as UTF-8.
@@ -544,8 +482,9 @@ class Gateway:
             runtime.limits.engine_max_in_flight, runtime.limits.breaker_failures, runtime.limits.breaker_cooldown_s
         )
         self.in_flight: dict[int, int] = {}
-        self.fills: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
         self._round_robin = 0
+        #: The cache layers every request meets, in order.
+        self.pipeline = Pipeline(runtime.layers if runtime.layers is not None else build_layers(runtime), runtime.recorder)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -693,138 +632,37 @@ class Gateway:
             tags = request_tags(request.headers.getlist(TAGS_HEADER))
             routed = route_request(snap, tenant, body)
             templates.classify(snap.templates, tenant.id, routed.namespace.pk, routed.namespace.key, body)
-            return await self._through_layers(snap, routed, endpoint, body, canonical, upstream, tags, started)
+            ctx = RequestContext(snap, tenant, endpoint, body, canonical, upstream, tags, routed, started)
+            found = await self.pipeline.lookup(ctx)
+            if isinstance(found, Hit):
+                return self._from_cache(ctx, found)
+            return await self._fill(ctx, found)
         except GatewayError as exc:
             return exc.response()
         except ClientDisconnect:
             # The caller left while sending its body: nobody reads an answer, nothing was started.
             return Response(status_code=400)
 
-    async def _through_layers(
-        self, snap: RoutingSnapshot, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any],
-        upstream: dict[str, Any], tags: tuple[str, ...], started: float,
-    ) -> Response:  # fmt: skip
-        ns, tenant, rec = routed.namespace, routed.tenant, self.rt.recorder
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
-        model = str(body["model"])
-        # Layer 1: the response cache.
-        rkey: str | None = None
-        reason = self._response_bypass(snap, tenant, tags)
-        admission = None
-        if reason is None:
-            admission = response_admission(
-                canonical, allow_seeded=tenant.policy.allow_seeded, allow_sampling=tenant.policy.allow_sampling
-            )
-            reason = None if admission.admitted else admission.reason
-        if reason is not None:
-            rec.bypass(ns.pk, "response", reason)
-        else:
-            rkey = response_cache_key(canonical, namespace_key=ns.key, tenant_secret=tenant.secret)
-            looked = time.perf_counter()
-            try:
-                hit = await asyncio.to_thread(self.rt.response_store.get, ns.storage_prefix, rkey)  # type: ignore[union-attr]
-            except ResponseStoreUnavailable:
-                rec.bypass(ns.pk, "response", "store_unavailable")
-                rkey = None
-            else:
-                lookup_ms = (time.perf_counter() - looked) * 1000
-                if hit is not None:
-                    record = json.loads(hit)
-                    return self._from_cache(
-                        routed, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
-                    )
-                if rkey in self.fills:  # an identical request is being filled in this process: wait for it
-                    record = await self._await_fill(rkey)
-                    if record is not None:
-                        return self._from_cache(
-                            routed, "response", record, endpoint, model, stream, include_usage, started, lookup_ms
-                        )
-                rec.add(ns.pk, "response", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
-        # Past the exact layer only: a response-cache hit never needs the personal-data scan.
-        personal = bool(personal_data_kinds(canonical))
-        # Layer 2: the semantic cache.
-        semantic = await self._semantic_lookup(
-            snap, routed, endpoint, body, canonical, personal, stream, include_usage, model, started
-        )
-        if isinstance(semantic, Response):
-            return semantic
-        # The engine.
-        return await self._fill(routed, endpoint, body, canonical, upstream, rkey, semantic, tags, personal, stream,
-                                include_usage, model, started)  # fmt: skip
-
-    def _response_bypass(self, snap: RoutingSnapshot, tenant: TenantTarget, tags: tuple[str, ...] = ()) -> str | None:
-        if not snap.layers.get("response", True):
-            return "kill_switch"
-        if tags:
-            # A tagged answer depends on data that can change: it is kept where a tag can
-            # invalidate it (the semantic layer), never as an exact answer.
-            return "tagged"
-        if not tenant.policy.response_cache:
-            return "tenant_policy"
-        if self.rt.response_store is None:
-            return "not_configured"
-        return None
-
-    async def _semantic_lookup(
-        self, snap: RoutingSnapshot, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any],
-        personal: bool, stream: bool, include_usage: bool, model: str, started: float,
-    ) -> Response | tuple[str, Any, str] | None:  # fmt: skip
-        """A semantic hit as a response; else what a fill needs to store the answer
-        (partition, vector, text), or None when the layer was bypassed."""
-        ns, tenant, rec, layer = routed.namespace, routed.tenant, self.rt.recorder, self.rt.semantic
-        text = last_user_text(body) if endpoint == "chat" else None
-        reason = semantic_bypass(snap, tenant, layer, text, canonical, personal)
-        if reason is not None:
-            rec.bypass(ns.pk, "semantic", reason)
-            return None
-        partition = semantic_partition(tenant, ns, endpoint, canonical)
-        looked = time.perf_counter()
-        try:
-            found = await asyncio.to_thread(layer.lookup, ns.storage_prefix, partition, text, tenant.policy.semantic_threshold)  # type: ignore[union-attr]
-        except layer.Unavailable:  # type: ignore[union-attr]
-            rec.bypass(ns.pk, "semantic", "store_unavailable")
-            return None
-        lookup_ms = (time.perf_counter() - looked) * 1000
-        vector, record = found
-        if record is not None:
-            return self._from_cache(routed, "semantic", record, endpoint, model, stream, include_usage, started, lookup_ms)
-        rec.add(ns.pk, "semantic", requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
-        return partition, vector, text  # type: ignore[return-value]
-
-    def _from_cache(
-        self, routed: Routed, layer: str, record: Mapping[str, Any], endpoint: str, model: str, stream: bool,
-        include_usage: bool, started: float, lookup_ms: float,
-    ) -> Response:  # fmt: skip
-        ns = routed.namespace
-        usage = record.get("usage") or {}
-        ttft_ms = (time.perf_counter() - started) * 1000
+    def _from_cache(self, ctx: RequestContext, hit: Hit) -> Response:
+        assert ctx.routed is not None
+        usage = hit.record.get("usage") or {}
+        ttft_ms = (time.perf_counter() - ctx.started) * 1000
         templates.count(self.rt.recorder.templates, warm=True)
         self.rt.recorder.add(
-            ns.pk, layer, requests=1, hits=1, lookup_ms_sum=lookup_ms, lookup_count=1, ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1,
-            prompt_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0),
+            ctx.namespace.pk, hit.layer.name, requests=1, hits=1, lookup_ms_sum=hit.lookup_ms, lookup_count=1,
+            ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1, prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            output_tokens=int(usage.get("completion_tokens") or 0),
         )  # fmt: skip
-        headers = _served_headers(routed, layer)
-        if not stream:
-            return JSONResponse(_answer_from_record(record, endpoint, model), headers=headers)
-        events = _stream_record(record, endpoint, model, include_usage)
+        headers = _served_headers(ctx.routed, hit.layer.name)
+        if not ctx.stream:
+            return JSONResponse(_answer_from_record(hit.record, ctx.endpoint, ctx.model), headers=headers)
+        events = _stream_record(hit.record, ctx.endpoint, ctx.model, ctx.include_usage)
 
         async def replay() -> AsyncIterator[bytes]:
             for event in events:
                 yield event
 
         return _ProxyStream(replay(), headers)
-
-    async def _await_fill(self, rkey: str) -> dict[str, Any] | None:
-        """The answer an identical request in flight in this process stores, or
-        None when it ends without one or takes over ``fill_wait_s`` (this one then fills itself)."""
-        flight = self.fills.get(rkey)
-        if flight is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(flight), self.rt.limits.fill_wait_s)
-        except TimeoutError:
-            return None
 
     def _engine(self, ns: NamespaceTarget, body: Mapping[str, Any], avoid: set[int]) -> EngineTarget:
         engines = [e for e in ns.engines if e.id not in avoid]
@@ -840,46 +678,26 @@ class Gateway:
             return engines[self._round_robin % len(engines)]
         return choose_engine(engines, prompt_affinity_text(body), self.in_flight)
 
-    async def _fill(
-        self, routed: Routed, endpoint: str, body: dict[str, Any], canonical: dict[str, Any], upstream: dict[str, Any],
-        rkey: str | None, semantic: tuple[str, Any, str] | None, tags: tuple[str, ...], personal: bool, stream: bool,
-        include_usage: bool, model: str, started: float,
-    ) -> Response:  # fmt: skip
-        ns = routed.namespace
-        store = self.rt.response_store
-        future: asyncio.Future[dict[str, Any] | None] | None = None
-        if rkey is not None:
-            # Single flight across processes: the lease holder fills; others wait for its entry.
-            leased = await self._lease(ns, rkey)
-            record = await self._wait_entry(ns, rkey) if not leased else await self._stored_after_lease(ns, rkey)
-            if record is not None:
-                return self._from_cache(routed, "response", record, endpoint, model, stream, include_usage, started, 0.0)
-            future = asyncio.get_running_loop().create_future()
-            self.fills[rkey] = future
-        payload = {**upstream, "cache_salt": ns.cache_salt, "stream": True, "stream_options": {"include_usage": True}}
+    async def _fill(self, ctx: RequestContext, missed: list[Missed]) -> Response:
+        hit = await self.pipeline.guard(ctx, missed)
+        if hit is not None:
+            return self._from_cache(ctx, hit)
+        assert ctx.routed is not None and ctx.upstream is not None
+        ns, endpoint, stream, include_usage = ctx.namespace, ctx.endpoint, ctx.stream, ctx.include_usage
+        payload = {**ctx.upstream, "cache_salt": ns.cache_salt, "stream": True, "stream_options": {"include_usage": True}}
         tried: set[int] = set()
 
         async def finish(record: dict[str, Any] | None, engine: EngineTarget | None) -> None:
-            """Store a complete answer in both layers, record, release the flight."""
+            """Store a complete answer in the missed layers, record, release the flight."""
             try:
                 if record is not None and engine is not None:
-                    await self._after_answer(
-                        routed, endpoint, canonical, upstream, record, engine, rkey, semantic, tags, personal
-                    )
+                    await self._after_answer(ctx, missed, record, engine)
             finally:
-                if rkey is not None:
-                    self.fills.pop(rkey, None)
-                    if future is not None and not future.done():
-                        future.set_result(record)
-                    if store is not None:
-                        try:
-                            await asyncio.to_thread(store.release_lease, ns.storage_prefix, rkey)
-                        except ResponseStoreUnavailable:
-                            pass
+                await self.pipeline.release(ctx, missed, record)
 
         while True:
             try:
-                engine = self._engine(ns, body, tried)
+                engine = self._engine(ns, ctx.body, tried)
             except GatewayError as exc:
                 await finish(None, None)
                 return exc.response()
@@ -952,26 +770,11 @@ class Gateway:
                 self._done(engine, ok=complete or bool(refused))
                 record = assembler.record() if complete else None
                 if record is not None:
-                    first = assembler.first_token_at or time.perf_counter()
-                    usage = record.get("usage") or {}
-                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                    ttft = (first - started) * 1000
-                    side = "hit" if cached else "miss"
-                    templates.count(self.rt.recorder.templates, warm=bool(cached))
-                    self.rt.recorder.add(
-                        ns.pk, "prefix", requests=1, hits=1 if cached else 0, misses=0 if cached else 1,
-                        prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_prompt_tokens=cached,
-                        output_tokens=int(usage.get("completion_tokens") or 0),
-                        **{f"ttft_{side}_ms_sum": ttft, f"ttft_{side}_count": 1},
-                    )  # fmt: skip
-                    if self.rt.recorder.metrics is not None:
-                        # The layers looked up and missed: this answer is their cold TTFT.
-                        missed = (("response",) if rkey is not None else ()) + (("semantic",) if semantic is not None else ())
-                        self.rt.recorder.metrics.went_past(ns.pk, missed, ttft / 1000)
+                    self._answered(ctx, missed, record, assembler.first_token_at or time.perf_counter())
                 await asyncio.shield(finish(record, engine))
 
         if stream:
-            return _ProxyStream(relay(), _served_headers(routed, "engine", engine))
+            return _ProxyStream(relay(), _served_headers(ctx.routed, "engine", engine))
         async for _ in relay():
             pass
         if refused:
@@ -980,8 +783,24 @@ class Gateway:
             return GatewayError(
                 502, f"engine {engine.name} failed before answering", type_="server_error", code="engine_failed"
             ).response()
-        answer = _answer_from_record(assembler.record(), endpoint, model)
-        return JSONResponse(answer, headers=_served_headers(routed, "engine", engine))
+        answer = _answer_from_record(assembler.record(), endpoint, ctx.model)
+        return JSONResponse(answer, headers=_served_headers(ctx.routed, "engine", engine))
+
+    def _answered(self, ctx: RequestContext, missed: list[Missed], record: Mapping[str, Any], first: float) -> None:
+        """Count an engine's complete answer: the prefix layer's figures and the missed layers' cold TTFT."""
+        usage = record.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        ttft = (first - ctx.started) * 1000
+        side = "hit" if cached else "miss"
+        templates.count(self.rt.recorder.templates, warm=bool(cached))
+        self.rt.recorder.add(
+            ctx.namespace.pk, "prefix", requests=1, hits=1 if cached else 0, misses=0 if cached else 1,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_prompt_tokens=cached,
+            output_tokens=int(usage.get("completion_tokens") or 0),
+            **{f"ttft_{side}_ms_sum": ttft, f"ttft_{side}_count": 1},
+        )  # fmt: skip
+        # The layers looked up and missed: this answer is their cold TTFT.
+        self.pipeline.went_past(ctx, missed, ttft / 1000)
 
     async def _open(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response | Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
@@ -1011,78 +830,17 @@ class Gateway:
         if self.rt.recorder.metrics is not None:
             self.rt.recorder.metrics.breaker(engine.name, self.breaker.state(str(engine.id)) != "closed")
 
-    async def _lease(self, ns: NamespaceTarget, rkey: str) -> bool:
-        try:
-            return await asyncio.to_thread(self.rt.response_store.lease, ns.storage_prefix, rkey, self.rt.limits.fill_wait_s)  # type: ignore[union-attr]
-        except ResponseStoreUnavailable:
-            return True  # no shared store: fill without the cross-process flight
-
-    async def _wait_entry(self, ns: NamespaceTarget, rkey: str) -> dict[str, Any] | None:
-        """Poll the store while another process fills the same key (up to ``fill_wait_s``)."""
-        deadline = time.monotonic() + self.rt.limits.fill_wait_s
-        store = self.rt.response_store
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-            try:
-                value = await asyncio.to_thread(store.get, ns.storage_prefix, rkey)  # type: ignore[union-attr]
-                if value is not None:
-                    return json.loads(value)
-                if await asyncio.to_thread(store.lease, ns.storage_prefix, rkey, self.rt.limits.fill_wait_s):  # type: ignore[union-attr]
-                    # The leader ended between the read above and this lease: it may have
-                    # stored its answer just before releasing, so look once more.
-                    return await self._stored_after_lease(ns, rkey)
-            except ResponseStoreUnavailable:
-                return None
-        return None
-
-    async def _stored_after_lease(self, ns: NamespaceTarget, rkey: str) -> dict[str, Any] | None:
-        """The entry of ``rkey`` read after this process took its fill lease, or None.
-
-        A request's cache lookup and its lease are two steps: an identical
-        request's leader can store its answer and release the lease between
-        them, and the lease alone would then send a second call to the engine.
-        When the entry is there the lease is given back and the entry served;
-        when it is not (or the store cannot answer) this process fills, holding
-        the lease.
-        """
-        store = self.rt.response_store
-        if store is None:
-            return None
-        try:
-            value = await asyncio.to_thread(store.get, ns.storage_prefix, rkey)
-            if value is None:
-                return None
-            await asyncio.to_thread(store.release_lease, ns.storage_prefix, rkey)
-        except ResponseStoreUnavailable:
-            return None
-        return json.loads(value)  # type: ignore[no-any-return]
-
     async def _after_answer(
-        self, routed: Routed, endpoint: str, canonical: dict[str, Any], upstream: dict[str, Any], record: dict[str, Any],
-        engine: EngineTarget, rkey: str | None, semantic: tuple[str, Any, str] | None, tags: tuple[str, ...], personal: bool,
-    ) -> None:  # fmt: skip
-        ns, tenant = routed.namespace, routed.tenant
+        self, ctx: RequestContext, missed: list[Missed], record: dict[str, Any], engine: EngineTarget
+    ) -> None:
+        ns, tenant, endpoint, canonical = ctx.namespace, ctx.tenant, ctx.endpoint, ctx.canonical
+        upstream = ctx.upstream or {}
         value = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         # One gate for every store: a request or answer with personal data is kept
         # nowhere verbatim; heat and shadow samples keep it redacted only by policy.
+        await self.pipeline.keep(ctx, missed, record, value)
         policy = tenant.policy.personal_data
-        answered = personal_data_kinds(answer_text(record))
-        if personal or answered:
-            rkey = semantic = None  # both caches serve what they keep verbatim: nothing of it is kept
-        if rkey is not None and self.rt.response_store is not None:
-            try:
-                await asyncio.to_thread(
-                    self.rt.response_store.put, ns.storage_prefix, rkey, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes
-                )
-            except ResponseStoreUnavailable:
-                pass
-        if semantic is not None and self.rt.semantic is not None:
-            partition, vector, text = semantic
-            try:
-                await asyncio.to_thread(self.rt.semantic.store, ns, tenant, partition, vector, text, value, tags)
-            except self.rt.semantic.Unavailable:
-                pass
-        kinds = personal_data_kinds(canonical) if personal else frozenset()
+        kinds = personal_data_kinds(canonical) if ctx.personal else frozenset()
         if endpoint == "chat":
             conversation = {"messages": upstream.get("messages"), "tools": upstream.get("tools")}
             heat = gate("heat", conversation, policy=policy, kinds=kinds)
@@ -1102,14 +860,20 @@ class Gateway:
 
 
 def explain(
-    snap: RoutingSnapshot, tenant_id: int, endpoint: str, body: Mapping[str, Any], *, semantic: Any | None = None
-) -> dict[str, Any]:
-    """Why a request would be served the way it is, without sending it.
+    snap: RoutingSnapshot, tenant_id: int, endpoint: str, body: Mapping[str, Any], *, layers: Sequence[CacheLayer],
+    tags: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """Why a request would be served the way it is, without sending it: the live
+    path's chain of layer decisions (:func:`gateway.pipeline.explain_layers`) without a read.
+
+    Args:
+        layers: the layers as the deployment's gateway builds them (:func:`gateway.layers.build_layers`).
+        tags: the request's ``X-Cache-Tags``, sorted and unique.
 
     Returns:
-        ``{"route": {...} | {"error": ...}, "canonical_request": {...},
-        "response_cache": {"admitted", "reason", "key"}, "semantic_cache": {"admitted", "reason"}}``;
-        the key is computed even when no engine is up.
+        ``{"route": {...} | {"error": ...}, "canonical_request": {...}, "<layer>_cache":
+        {"admitted", "reason", ...}}`` per layer in order (the response cache adds its ``key``,
+        computed even when no engine is up).
 
     Raises:
         InvalidRequest: a malformed body (the caller answers 400 / exit 2).
@@ -1135,23 +899,6 @@ def explain(
             "engine": {"id": engine.id, "name": engine.name} if engine else None,
             "engine_reason": None if engine else "no engine in service (ready and verified) serves this namespace",
         }  # fmt: skip
-    personal = bool(personal_data_kinds(canonical))
-    response: dict[str, Any] = {"admitted": False, "reason": None, "key": None}
-    if not snap.layers.get("response", True):
-        response["reason"] = "kill_switch"
-    elif not tenant.policy.response_cache:
-        response["reason"] = "tenant_policy"
-    else:
-        verdict = response_admission(
-            canonical, allow_seeded=tenant.policy.allow_seeded, allow_sampling=tenant.policy.allow_sampling
-        )
-        response.update(admitted=verdict.admitted, reason=verdict.reason)
-    if routed is not None:
-        response["key"] = response_cache_key(canonical, namespace_key=routed.namespace.key, tenant_secret=tenant.secret)
-    out["response_cache"] = response
-    text = last_user_text(body) if endpoint == "chat" else None
-    why = semantic_bypass(snap, tenant, semantic, text, canonical, personal)
-    # Admitted: the layer's own reason for admitting (its admission rule) is what it says.
-    admitted_why = semantic.admission(text, personal_data=personal)[1] if why is None else why  # type: ignore[union-attr, arg-type]
-    out["semantic_cache"] = {"admitted": why is None, "reason": admitted_why}
+    ctx = RequestContext(snap, tenant, endpoint, body, canonical, None, tags, routed)
+    out.update(explain_layers(layers, ctx))
     return out

@@ -130,7 +130,8 @@ class GatewayExplainView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView
     @extend_schema(request=s.ExplainSerializer, responses={200: s.ExplainAnswerSerializer})
     def post(self, request: Request) -> Response:
         data = validated(request, s.ExplainSerializer)
-        return Response(gateway_explain(tenant=data["tenant"], endpoint=data["endpoint"], body=data["request"]))
+        explained = gateway_explain(tenant=data["tenant"], endpoint=data["endpoint"], body=data["request"], tags=data["tags"])
+        return Response(explained)
 
 
 class SemanticInvalidateView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView):

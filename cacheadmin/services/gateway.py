@@ -534,23 +534,35 @@ def semantic_rules() -> tuple[Rule, ...]:
         raise ImproperlyConfigured(f"GATEWAY_SEMANTIC_RULES: {exc}") from exc
 
 
-def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """How the gateway would serve ``body`` for ``tenant`` now (see :func:`gateway.server.explain`).
+def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], tags: Iterable[str] = ()) -> dict[str, Any]:
+    """How the gateway would serve ``body`` for ``tenant`` now, with the request's ``X-Cache-Tags``
+    ``tags`` (see :func:`gateway.server.explain`): the deployment's layers, in its order.
 
     Raises:
-        InvalidField: an unknown endpoint or a malformed body, naming the parameter (400, exit 2).
+        InvalidField: an unknown endpoint, a malformed body or bad tags, naming the parameter (400, exit 2).
     """
     # Lazy: the gateway's request path (starlette, httpx, libphonenumber: ~190 ms) is
     # not loaded by every process that imports the services, only by explain.
+    from cacheadmin.services.gateway_stores import response_store
+    from gateway.layers import build_layers
     from gateway.layers.semantic.layer import SemanticLayer
-    from gateway.server import explain
+    from gateway.records import Recorder
+    from gateway.server import GatewayError, Runtime, explain, request_tags
 
     if endpoint not in ("chat", "completions"):
         raise InvalidField("endpoint", "must be chat or completions")
-    # Admission needs the rules only: no store is opened and no model loaded.
-    semantic = SemanticLayer(None, None, rules=semantic_rules()) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
     try:
-        return explain(routing_snapshot_build(), tenant.pk, endpoint, body, semantic=semantic)
+        # One reading of tags for both: as the gateway reads its header (UTF-8 text, comma separated).
+        cache_tags = request_tags([",".join(tags).encode("utf-8", "surrogatepass").decode("latin-1")])
+    except GatewayError as exc:
+        raise InvalidField("tags", exc.message.split(": ", 1)[-1]) from None
+    snap = routing_snapshot_build()
+    # The layers as the deployment's gateway builds them (gateway.asgi); admission needs the
+    # semantic rules only: no semantic store is opened and no model loaded.
+    semantic = SemanticLayer(None, None, rules=semantic_rules()) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
+    runtime = Runtime(snapshot=lambda: snap, response_store=response_store(), semantic=semantic, recorder=Recorder())
+    try:
+        return explain(snap, tenant.pk, endpoint, body, layers=build_layers(runtime), tags=cache_tags)
     except InvalidRequest as exc:
         raise InvalidField(exc.param or "body", exc.message) from exc
 

@@ -139,6 +139,17 @@ def test_explain_through_the_api_and_the_cli_answers_the_same(served, tmp_path: 
         served["clients"]["alice"].post("/api/gateway/explain/", {"tenant": "acme", "request": sampled}, format="json").json()
     )
     assert (answer["response_cache"]["admitted"], answer["response_cache"]["reason"]) == (False, "sampling")
+    # The request's X-Cache-Tags: a tagged answer is kept where a tag can invalidate it, never as an exact one.
+    asked = {"tenant": "acme", "request": BODY, "tags": ["order-17"]}
+    tagged = served["clients"]["alice"].post("/api/gateway/explain/", asked, format="json").json()
+    assert tagged["response_cache"] == {"admitted": False, "reason": "tagged", "key": out["response_cache"]["key"]}
+    cli = manage("gateway", "explain", "--tenant", "acme", "--request", str(request), "--tags", "order-17", "--json",
+                 env=subprocess_env())  # fmt: skip
+    assert json.loads(cli.stdout)["response_cache"] == tagged["response_cache"]
+    refused = served["clients"]["alice"].post("/api/gateway/explain/", {**asked, "tags": ["a\tb"]}, format="json")
+    assert refused.status_code == 400 and refused.json()["error"]["fields"]["tags"] == [
+        "at most 32 printable tags of at most 200 characters"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -150,6 +161,7 @@ def test_explain_through_the_api_and_the_cli_answers_the_same(served, tmp_path: 
         (["--tenant", "acme", "--request", "{salted}"], "cache_salt"),
         # The API refuses a duplicate key; the CLI twin must not keep the last value.
         (["--tenant", "acme", "--request", "{twice}"], "duplicate key 'model'"),
+        (["--tenant", "acme", "--request", "{path}", "--tags", "a\tb"], "tags: at most 32 printable tags"),
     ],
 )
 def test_explain_cli_refuses_bad_input_with_exit_2(served, tmp_path: Path, args, message) -> None:

@@ -12,6 +12,11 @@ import pytest
 from cacheadmin.models import CacheNamespace, Engine, RetentionOwner, Tenant
 from cacheadmin.services.gateway import gateway_key_issue, routing_snapshot_build
 from cacheadmin.services.gateway_stores import response_store as deployment_response_store
+from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
+from gateway.layers import build_layers
+from gateway.layers.semantic.embedder import default_embedder
+from gateway.layers.semantic.layer import SemanticLayer
+from gateway.pipeline import Pipeline
 from gateway.records import Recorder
 from gateway.server import Gateway, Limits, Runtime
 from tests.cacheadmin.conftest import make_version
@@ -46,3 +51,22 @@ def setup(tmp_path: Path) -> dict[str, Any]:
     gateway = Gateway(runtime)
     return {"acme": acme, "ns": ns, "engine": engine, "key": key, "globex_key": globex_key, "fake": fake, "store": store,
             "holder": holder, "gateway": gateway, "runtime": runtime, "v1": v1}  # fmt: skip
+
+
+@pytest.fixture
+def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """The same gateway with the semantic layer: the real embedding model and the deployment's entry store
+    (SQLite in the embedded default, Redis in scale-out)."""
+
+    store = deployment_semantic_store()
+    store.delete_prefix("ns-acme")
+    setup["runtime"].semantic = SemanticLayer(store, default_embedder())
+    rebuild_layers(setup)
+    setup["semantic_store"] = store
+    return setup
+
+
+def rebuild_layers(setup: dict[str, Any]) -> None:
+    """Build the gateway's layers again from its runtime, after a test changed the runtime's stores."""
+    runtime = setup["runtime"]
+    setup["gateway"].pipeline = Pipeline(build_layers(runtime), runtime.recorder)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,15 +20,13 @@ from cacheadmin.services.gateway import (
     tenant_gateway_policy_update,
     tenant_secret,
 )
-from cacheadmin.services.gateway_stores import semantic_store as deployment_semantic_store
 from gateway.canonical import canonical_request, response_cache_key
 from gateway.layers.response.redis_store import RedisResponseStore
-from gateway.layers.semantic.embedder import default_embedder
-from gateway.layers.semantic.layer import SemanticLayer
 from gateway.routing import sticky_bucket
 from gateway.server import explain, request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version
+from tests.gateway.fixtures import rebuild_layers
 from tests.gateway.harness import call, chat, refresh
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -221,18 +218,6 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
     assert 0 < sum(1 for s in salts.values() if s == cache_salt(settings.CACHE_SALT_SECRET, "b" * 64)) < 60
 
 
-@pytest.fixture
-def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    """The same gateway with the semantic layer: the real embedding model and the deployment's entry store
-    (SQLite in the embedded default, Redis in scale-out)."""
-
-    store = deployment_semantic_store()
-    store.delete_prefix("ns-acme")
-    setup["runtime"].semantic = SemanticLayer(store, default_embedder())
-    setup["semantic_store"] = store
-    return setup
-
-
 def _asked(content: str) -> dict[str, Any]:
     # Greedy: both layers admit it; each paraphrase is new to the response cache.
     return chat(content, temperature=0, max_tokens=16)
@@ -269,7 +254,7 @@ def test_sampled_answers_are_not_reused_by_the_semantic_layer_either(semantic_se
     }  # fmt: skip
     # What the live path decided, explain says.
     body = chat("How do I reset my password?", temperature=1.0, max_tokens=16)
-    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", body, semantic=s["runtime"].semantic)
+    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", body, layers=s["gateway"].pipeline.layers)
     assert (explained["response_cache"]["reason"], explained["semantic_cache"]) == (
         "sampling", {"admitted": False, "reason": "sampling"},
     )  # fmt: skip
@@ -292,6 +277,7 @@ def test_time_dependent_and_personal_questions_bypass_the_semantic_layer_with_th
 def test_a_response_store_that_is_down_is_bypassed_and_the_request_still_served(setup) -> None:
 
     setup["runtime"].response_store = RedisResponseStore.from_url("redis://127.0.0.1:1/0")
+    rebuild_layers(setup)
     answer = call(setup, chat(temperature=0))
     assert answer.status_code == 200 and answer.headers["x-kvcp-served-by"] == "engine"
     rows, _ = setup["runtime"].recorder.drain()

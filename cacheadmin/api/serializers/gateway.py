@@ -96,6 +96,8 @@ class ExplainSerializer(StrictFieldsMixin, serializers.Serializer):
     tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
     endpoint = serializers.ChoiceField(choices=["chat", "completions"], default="chat")
     request = serializers.DictField()
+    #: The request's ``X-Cache-Tags`` (a tagged request bypasses the response cache).
+    tags = serializers.ListField(child=StrictCharField(max_length=200), max_length=32, default=list)
 
 
 class ExplainAnswerSerializer(serializers.Serializer):

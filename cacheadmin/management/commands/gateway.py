@@ -52,6 +52,7 @@ class Command(ControlPlaneCommand):
         explain.add_argument("--tenant", required=True, help="tenant slug")
         explain.add_argument("--request", required=True, help="file with the JSON request body ('-': stdin)")
         explain.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+        explain.add_argument("--tags", default="", help="the request's X-Cache-Tags (comma separated)")
         explain.add_argument("--json", action="store_true")
         layer = sub.add_parser("layer", help="turn a cache layer on or off for all traffic (kill switch)")
         layer.add_argument("layer", choices=list(SWITCHED_LAYERS))
@@ -136,7 +137,7 @@ class Command(ControlPlaneCommand):
             raise self.bad_input(f"--request is nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(body, dict):
             raise self.bad_input("--request must hold a JSON object (the request body)")
-        out = gateway_explain(tenant=tenant, endpoint=opts["endpoint"], body=body)
+        out = gateway_explain(tenant=tenant, endpoint=opts["endpoint"], body=body, tags=opts["tags"].split(","))
         if opts["json"]:
             self.stdout.write(json.dumps(out, ensure_ascii=False, default=str))
             return

@@ -4,18 +4,26 @@ the guards) and storing an answer."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
 import json
 import secrets
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import numpy as np
 
+from gateway.canonical import canonical_bytes
+from gateway.layers.base import Lookup
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import SemanticEntry, StoreUnavailable
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match
 from gateway.layers.semantic.store import SemanticStore
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
 
 
 class SemanticLayer:
@@ -94,3 +102,104 @@ class SemanticLayer:
         self.store_answer(
             ns.storage_prefix, str(tenant.id), partition, vector, text, value, tags, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes
         )
+
+
+#: Why a request bypasses the semantic cache, besides the reproducibility rule's refusals
+#: (:data:`gateway.canonical.ADMISSION_REASONS`), the admission rules' own
+#: (:mod:`gateway.layers.semantic.admission`) and ``store_unavailable``.
+BYPASS_REASONS: Final = ("kill_switch", "tenant_policy", "not_configured", "not_a_user_question", "n_choices")
+
+
+def semantic_partition(tenant: Any, namespace: Any, endpoint: str, canonical: Mapping[str, Any]) -> str:
+    """The partition a semantic lookup is confined to, before any similarity:
+    the tenant, the namespace, and everything of the request but its last
+    message's text (parameters, system prompt, earlier turns), keyed with the
+    tenant's secret (64 lowercase hex digits)."""
+    context = dict(canonical)
+    context["messages"] = list(canonical.get("messages", []))[:-1]
+    payload = b"\0".join([namespace.key.encode("ascii"), endpoint.encode("ascii"), canonical_bytes(context)])
+    return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
+
+
+class SemanticCacheLayer:
+    """The semantic cache as a layer of the pipeline: the last user message of a chat,
+    matched by meaning inside its partition (:func:`semantic_partition`).
+
+    Args:
+        semantic: this process's :class:`SemanticLayer`, or None (not configured here). Only its
+            admission rules are used by ``explain``: a layer built on no store serves it.
+    """
+
+    name: ClassVar[str] = "semantic"
+
+    def __init__(self, semantic: SemanticLayer | None) -> None:
+        self.semantic = semantic
+        #: The wrapped layer's store error (a test's layer may bring its own).
+        self.Unavailable: type[Exception] = semantic.Unavailable if semantic is not None else StoreUnavailable
+
+    def bypass(self, ctx: RequestContext) -> str | None:
+        """``kill_switch``, ``tenant_policy``, ``not_configured``, ``not_a_user_question``,
+        ``n_choices``, a refusal of the reproducibility rule (a sampled answer served again
+        would repeat one draw as if it were the only one), the admission rules' refusal
+        (``time_dependent``, ``personal_data``...), or None."""
+        if not ctx.snap.layers.get(self.name, True):
+            return "kill_switch"
+        if not ctx.tenant.policy.semantic_cache:
+            return "tenant_policy"
+        if self.semantic is None:
+            return "not_configured"
+        if ctx.user_text is None:
+            return "not_a_user_question"
+        if int(ctx.canonical.get("n", 1)) != 1:
+            return "n_choices"
+        verdict = ctx.reproducibility
+        if not verdict.admitted:
+            return verdict.reason
+        admitted, why = self.semantic.admission(ctx.user_text, personal_data=ctx.personal)
+        return None if admitted else why
+
+    def admitted(self, ctx: RequestContext) -> str:
+        """The admission rules' reason for admitting the question."""
+        assert self.semantic is not None and ctx.user_text is not None
+        return self.semantic.admission(ctx.user_text, personal_data=ctx.personal)[1]
+
+    def describe(self, ctx: RequestContext) -> dict[str, Any]:
+        """Nothing besides the decision."""
+        return {}
+
+    async def lookup(self, ctx: RequestContext) -> Lookup:
+        """A stored answer to the same question in the request's partition; else a miss whose
+        pending value is ``(partition, vector, text)``, what storing the answer needs.
+
+        Raises:
+            StoreUnavailable: the store cannot answer.
+        """
+        assert self.semantic is not None and ctx.user_text is not None
+        ns, text = ctx.namespace, ctx.user_text
+        partition = semantic_partition(ctx.tenant, ns, ctx.endpoint, ctx.canonical)
+        vector, record = await asyncio.to_thread(
+            self.semantic.lookup, ns.storage_prefix, partition, text, ctx.tenant.policy.semantic_threshold
+        )
+        return Lookup(record) if record is not None else Lookup(None, (partition, vector, text))
+
+    async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
+        """No single flight of its own (the response layer's covers identical requests)."""
+        return None
+
+    async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
+        """Keep the answer with the request's tags (invalidated by any of them).
+
+        Raises:
+            StoreUnavailable: the store cannot answer.
+        """
+        assert self.semantic is not None
+        partition, vector, text = pending
+        await asyncio.to_thread(self.semantic.store, ctx.namespace, ctx.tenant, partition, vector, text, value, ctx.tags)
+
+    async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
+        """Nothing taken."""
+
+
+def build(runtime: Any) -> SemanticCacheLayer:
+    """The layer of a :class:`gateway.server.Runtime`: its semantic layer (None: not configured)."""
+    return SemanticCacheLayer(runtime.semantic)

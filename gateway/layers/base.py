@@ -1,0 +1,85 @@
+"""What a cache layer of the gateway is: the protocol every layer package implements.
+
+A request meets the layers in order (:data:`gateway.layers.LAYERS`). For each
+one, :func:`gateway.pipeline.lookup` asks :meth:`CacheLayer.bypass` why the
+request may not use it; when nothing forbids it, :meth:`CacheLayer.lookup`
+reads the layer's store. A hit ends the request there. A miss leaves
+:attr:`Lookup.pending`, what the layer needs to keep the engine's answer: the
+pipeline hands it back to :meth:`CacheLayer.fill_guard` before the engine is
+called, to :meth:`CacheLayer.store` with the complete answer and to
+:meth:`CacheLayer.release` when the request ends. ``explain`` runs the same
+chain of :meth:`CacheLayer.bypass` without reading anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What one layer's read found.
+
+    Attributes:
+        record: the cached answer (``{"object", "choices", "usage", "system_fingerprint"}``) on a hit, else None.
+        pending: on a miss, what the layer needs to guard the fill and store the answer (layer-specific).
+    """
+
+    record: dict[str, Any] | None
+    pending: Any = None
+
+
+class CacheLayer(Protocol):
+    """One cache layer between the caller and the engines.
+
+    Attributes:
+        name: the layer's one name: in records, metrics, the served-by header and the control plane's layer choices.
+        Unavailable: the error the layer's store raises when it cannot answer in time; the
+            pipeline then records the bypass reason ``store_unavailable`` and goes on without the layer.
+    """
+
+    name: ClassVar[str]
+    Unavailable: type[Exception]
+
+    def bypass(self, ctx: RequestContext) -> str | None:
+        """Why the request may neither read nor fill this layer (a reason of the layer's
+        ``BYPASS_REASONS``), or None when it may. Reads nothing: ``explain`` calls it too."""
+        ...
+
+    def admitted(self, ctx: RequestContext) -> str:
+        """Why a request the layer does not bypass is admitted (its admission rule's reason), for ``explain``."""
+        ...
+
+    def describe(self, ctx: RequestContext) -> dict[str, Any]:
+        """What ``explain`` shows of the layer besides ``admitted`` and ``reason`` (the response cache: its key)."""
+        ...
+
+    async def lookup(self, ctx: RequestContext) -> Lookup:
+        """Read the layer for ``ctx`` (called only when :meth:`bypass` said None).
+
+        Raises:
+            Unavailable: the store cannot answer.
+        """
+        ...
+
+    async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
+        """Before the engine is called: an answer another request stored meanwhile (then it is served as
+        this layer's hit), or None when this request fills. Never raises :attr:`Unavailable`."""
+        ...
+
+    async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
+        """Keep the engine's complete answer (``value``: the record as UTF-8 JSON).
+
+        Raises:
+            Unavailable: the store cannot answer (the answer is then not kept).
+        """
+        ...
+
+    async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
+        """The request ended (``record``: its answer, None when it failed): give back what
+        :meth:`fill_guard` took. Never raises :attr:`Unavailable`."""
+        ...

@@ -1,0 +1,225 @@
+"""One request's way through the cache layers: its context, the lookups in
+order, the fill guards, the stores, and ``explain``, the same chain of
+decisions without a read.
+
+The live path and :func:`explain_layers` ask each layer the same question,
+:meth:`gateway.layers.base.CacheLayer.bypass`, in the same order, so what the
+control plane explains is what the gateway does (a test holds them equal on
+a grid of requests for every layer and reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from gateway.canonical import Admission, response_admission
+from gateway.layers.base import CacheLayer
+from gateway.pii import personal_data_kinds
+from gateway.pii.gate import answer_text
+from gateway.records import Recorder
+from gateway.routing import NamespaceTarget, RoutingSnapshot, TenantTarget
+
+if TYPE_CHECKING:
+    from gateway.server import Routed
+
+
+def last_user_text(body: Mapping[str, Any]) -> str | None:
+    """The text of a chat request's last message when it is the user's (what
+    the semantic layer compares), else None."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], Mapping):
+        return None
+    last = messages[-1]
+    if last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, Mapping)]
+        if not all(isinstance(t, str) for t in texts) or any(p.get("type") != "text" for p in content if isinstance(p, Mapping)):
+            return None
+        content = "\n".join(texts)  # type: ignore[arg-type]
+    return unicodedata.normalize("NFC", content) if isinstance(content, str) and content.strip() else None
+
+
+@dataclass
+class RequestContext:
+    """Everything one request carries through the layers and to the engine.
+
+    Attributes:
+        snap: the routing snapshot the request was served under (read once per request).
+        tenant: the caller's tenant.
+        endpoint: ``"chat"`` or ``"completions"``.
+        body: the request body as the caller sent it (checked).
+        canonical: its canonical form (:func:`gateway.canonical.canonical_request`): what keys and partitions hash.
+        upstream: what is sent to the engine (:func:`gateway.canonical.normalized_body`); None in ``explain``.
+        tags: the caller's ``X-Cache-Tags``, sorted and unique.
+        routed: tenant, route and namespace; None in ``explain`` when the request has no route.
+        started: ``time.perf_counter()`` when the request arrived (TTFT counts from it).
+        timings: milliseconds per step (``lookup_<layer>``), for records and metrics.
+    """
+
+    snap: RoutingSnapshot
+    tenant: TenantTarget
+    endpoint: str
+    body: Mapping[str, Any]
+    canonical: dict[str, Any]
+    upstream: dict[str, Any] | None = None
+    tags: tuple[str, ...] = ()
+    routed: Routed | None = None
+    started: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def namespace(self) -> NamespaceTarget:
+        """The routed namespace (a live request always has one)."""
+        assert self.routed is not None, "a request served without a route"
+        return self.routed.namespace
+
+    @property
+    def stream(self) -> bool:
+        """Whether the caller asked for server-sent events."""
+        return bool(self.body.get("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return bool((self.body.get("stream_options") or {}).get("include_usage")) if self.stream else False
+
+    @property
+    def model(self) -> str:
+        """The served name the caller asked for (echoed in answers)."""
+        return str(self.body["model"])
+
+    @cached_property
+    def user_text(self) -> str | None:
+        """The chat request's last user message (what the semantic layer compares), else None."""
+        return last_user_text(self.body) if self.endpoint == "chat" else None
+
+    @cached_property
+    def personal(self) -> bool:
+        """Whether the request holds personal data: scanned once, and only when a layer past
+        the exact one asks (a response-cache hit never needs the scan)."""
+        return bool(personal_data_kinds(self.canonical))
+
+    @cached_property
+    def reproducibility(self) -> Admission:
+        """The one reproducibility rule every layer admits by (greedy, seeded or sampled,
+        as the tenant's policy allows): a reused answer is a reproduced one whichever layer serves it."""
+        policy = self.tenant.policy
+        return response_admission(self.canonical, allow_seeded=policy.allow_seeded, allow_sampling=policy.allow_sampling)
+
+
+@dataclass
+class Missed:
+    """A layer the request looked up and missed, with what it needs to store the answer."""
+
+    layer: CacheLayer
+    pending: Any
+
+
+@dataclass
+class Hit:
+    """A layer that holds the answer."""
+
+    layer: CacheLayer
+    record: dict[str, Any]
+    lookup_ms: float
+
+
+class Pipeline:
+    """The cache layers of one gateway process, run in order for every request.
+
+    Args:
+        layers: the layers, in the order a request meets them (names unique).
+        recorder: where bypasses and misses are counted (hits are counted by whoever serves them).
+
+    Raises:
+        ValueError: two layers of one name.
+    """
+
+    def __init__(self, layers: Sequence[CacheLayer], recorder: Recorder) -> None:
+        names = [layer.name for layer in layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layers: a name twice in {names}")
+        self.layers = tuple(layers)
+        self.recorder = recorder
+
+    async def lookup(self, ctx: RequestContext) -> Hit | list[Missed]:
+        """The first layer that holds the answer, or the layers looked up and missed.
+
+        A layer bypassed (its reason) or whose store cannot answer (``store_unavailable``)
+        is counted and passed; a miss is counted with its lookup time.
+        """
+        missed: list[Missed] = []
+        ns = ctx.namespace
+        for layer in self.layers:
+            reason = layer.bypass(ctx)
+            if reason is not None:
+                self.recorder.bypass(ns.pk, layer.name, reason)
+                continue
+            looked = time.perf_counter()
+            try:
+                found = await layer.lookup(ctx)
+            except layer.Unavailable:
+                self.recorder.bypass(ns.pk, layer.name, "store_unavailable")
+                continue
+            lookup_ms = (time.perf_counter() - looked) * 1000
+            ctx.timings[f"lookup_{layer.name}"] = lookup_ms
+            if found.record is not None:
+                return Hit(layer, found.record, lookup_ms)
+            self.recorder.add(ns.pk, layer.name, requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
+            missed.append(Missed(layer, found.pending))
+        return missed
+
+    async def guard(self, ctx: RequestContext, missed: Sequence[Missed]) -> Hit | None:
+        """Before the engine is called: an answer stored meanwhile by an identical request
+        (served as that layer's hit), or None when this request fills every missed layer."""
+        for at, miss in enumerate(missed):
+            record = await miss.layer.fill_guard(ctx, miss.pending)
+            if record is not None:
+                await self.release(ctx, missed[:at], None)
+                return Hit(miss.layer, record, 0.0)
+        return None
+
+    async def keep(self, ctx: RequestContext, missed: Sequence[Missed], record: dict[str, Any], value: bytes) -> None:
+        """Store a complete answer in every missed layer, unless the request or the answer
+        holds personal data: the cache layers serve what they keep verbatim, so nothing of it
+        is kept (:mod:`gateway.pii.gate`)."""
+        if ctx.personal or personal_data_kinds(answer_text(record)):
+            return
+        for miss in missed:
+            try:
+                await miss.layer.store(ctx, miss.pending, value)
+            except miss.layer.Unavailable:
+                pass
+
+    async def release(self, ctx: RequestContext, missed: Sequence[Missed], record: dict[str, Any] | None) -> None:
+        """The request ended: every missed layer gives back what its fill guard took."""
+        for miss in missed:
+            await asyncio.shield(miss.layer.release(ctx, miss.pending, record))
+
+    def went_past(self, ctx: RequestContext, missed: Sequence[Missed], ttft_s: float) -> None:
+        """The engine answered a request these layers missed: their cold TTFT."""
+        if self.recorder.metrics is not None:
+            self.recorder.metrics.went_past(ctx.namespace.pk, tuple(m.layer.name for m in missed), ttft_s)
+
+
+def explain_layers(layers: Sequence[CacheLayer], ctx: RequestContext) -> dict[str, dict[str, Any]]:
+    """The live path's decisions without a read: ``{"<layer>_cache": {"admitted", "reason", ...}}``
+    per layer, in order; ``reason`` is the bypass reason, or the admission rule's reason when
+    admitted; each layer adds what it shows (:meth:`CacheLayer.describe`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        reason = layer.bypass(ctx)
+        out[f"{layer.name}_cache"] = {
+            "admitted": reason is None,
+            "reason": layer.admitted(ctx) if reason is None else reason,
+            **layer.describe(ctx),
+        }
+    return out

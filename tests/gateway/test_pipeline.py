@@ -1,0 +1,118 @@
+"""One decision chain: for a grid of requests and deployments covering every layer and
+every bypass reason, what ``explain`` says of each layer is what the live gateway did
+(the reason it recorded, or a lookup where explain admits)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from cacheadmin.services.gateway import layer_switch_set, tenant_gateway_policy_update
+from gateway.layers import LAYERS
+from gateway.server import explain
+from tests.gateway.fixtures import rebuild_layers
+from tests.gateway.harness import call, chat, refresh
+
+pytestmark = pytest.mark.django_db
+
+#: (name, endpoint, body builder taking a unique case number, X-Cache-Tags).
+REQUESTS: list[tuple[str, str, Any, str | None]] = [
+    ("greedy", "chat", lambda n: chat(f"How do I reset my password, case {n}?", temperature=0), None),
+    ("sampled", "chat", lambda n: chat(f"How do I change my plan, case {n}?", temperature=1.0), None),
+    ("seeded", "chat", lambda n: chat(f"How do I close my account, case {n}?", temperature=0.8, seed=7), None),
+    ("two_choices", "chat", lambda n: chat(f"How do I add a user, case {n}?", temperature=0.7, seed=3, n=2), None),
+    ("tagged", "chat", lambda n: chat(f"What does order {n} contain?", temperature=0), "order-17"),
+    ("personal", "chat", lambda n: chat(f"Please email invoice {n} to jane.doe@example.com", temperature=0), None),
+    ("time_dependent", "chat", lambda n: chat(f"What is the weather in Paris today, case {n}?", temperature=0), None),
+    ("not_a_question", "completions", lambda n: {"model": "tiny", "prompt": f"Once upon a time {n}", "temperature": 0}, None),
+]
+#: Deployments: (name, change to make before the requests).
+DEPLOYMENTS = ["default", "no_semantic", "no_response_store", "tenant_policy_off", "kill_switches", "seeded_and_sampling_allowed"]
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def _deploy(s: dict[str, Any], name: str) -> None:
+    if name == "no_semantic":
+        s["runtime"].semantic = None
+    elif name == "no_response_store":
+        s["runtime"].response_store = None
+    elif name == "tenant_policy_off":
+        tenant_gateway_policy_update(tenant=s["acme"], actor="test", changes={"response_cache": False, "semantic_cache": False})
+    elif name == "kill_switches":
+        for layer in LAYERS:
+            layer_switch_set(layer=layer, enabled=False, actor="test", reason="grid")
+    elif name == "seeded_and_sampling_allowed":
+        tenant_gateway_policy_update(tenant=s["acme"], actor="test", changes={"allow_seeded": True, "allow_sampling": True})
+    rebuild_layers(s)
+    refresh(s)
+
+
+def _live(s: dict[str, Any]) -> dict[str, str]:
+    """Per layer, what the live path did: its recorded bypass reason, or ``looked`` (a hit or a miss)."""
+    rows, _ = s["runtime"].recorder.drain()
+    done: dict[str, str] = {}
+    for _, layer, _, counters, reasons in rows:
+        if layer not in LAYERS:
+            continue
+        looked = counters.get("hits", 0) + counters.get("misses", 0)
+        assert (len(reasons), looked) in ((1, 0), (0, 1)), (layer, counters, reasons)
+        done[layer] = next(iter(reasons)) if reasons else "looked"
+    return done
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_explain_says_what_the_live_path_does_for_every_layer_and_reason(semantic_setup, deployment: str) -> None:
+    s = semantic_setup
+    _deploy(s, deployment)
+    seen: set[tuple[str, str]] = set()
+    for n, (name, endpoint, make, tags) in enumerate(REQUESTS):
+        body = make(n)
+        headers = {"x-cache-tags": tags} if tags else None
+        answer = call(s, body, path=PATHS[endpoint], headers=headers)
+        assert answer.status_code == 200, (name, answer.text)
+        live = _live(s)
+        explained = explain(
+            s["holder"]["snap"], s["acme"].pk, endpoint, body, layers=s["gateway"].pipeline.layers,
+            tags=(tags,) if tags else (),
+        )  # fmt: skip
+        for layer in LAYERS:
+            said = explained[f"{layer}_cache"]
+            # A layer a hit ended the request before is not reached: explain still decides it.
+            if layer not in live:
+                assert said["admitted"], (deployment, name, layer, said)
+                continue
+            expected = "looked" if said["admitted"] else said["reason"]
+            assert live[layer] == expected, (deployment, name, layer, live, said)
+            seen.add((layer, expected))
+    assert seen == EXPECTED[deployment]
+
+
+#: What both layers meet in the grid under the default policy: the reproducibility rule's refusals.
+_REFUSED = {(layer, reason) for layer in ("response", "semantic") for reason in ("sampling", "seed_not_guaranteed")}
+#: What the semantic layer alone refuses in the grid when configured and on.
+_SEMANTIC_OWN = {("semantic", r) for r in ("n_choices", "personal_data", "time_dependent", "not_a_user_question")}
+#: Per deployment, the (layer, decision) pairs the grid must have met: every bypass reason of every layer is one.
+EXPECTED: dict[str, set[tuple[str, str]]] = {
+    "default": {("response", "looked"), ("response", "tagged"), ("semantic", "looked"), *_REFUSED, *_SEMANTIC_OWN},
+    "no_semantic": {("response", "looked"), ("response", "tagged"), ("semantic", "not_configured"),
+                    *(r for r in _REFUSED if r[0] == "response")},
+    "no_response_store": {("response", "not_configured"), ("response", "tagged"), ("semantic", "looked"),
+                          *(r for r in _REFUSED if r[0] == "semantic"), *_SEMANTIC_OWN},
+    "tenant_policy_off": {("response", "tenant_policy"), ("response", "tagged"), ("semantic", "tenant_policy")},
+    "kill_switches": {("response", "kill_switch"), ("semantic", "kill_switch")},
+    "seeded_and_sampling_allowed": {("response", "looked"), ("response", "tagged"), ("semantic", "looked"), *_SEMANTIC_OWN},
+}  # fmt: skip
+
+
+def test_the_grid_meets_every_bypass_reason_of_every_layer() -> None:
+    """The grid above is complete: each layer's own reasons and the reproducibility rule's refusals all occur."""
+    from gateway.canonical import ADMISSION_REASONS
+    from gateway.layers.response.layer import BYPASS_REASONS as RESPONSE_REASONS
+    from gateway.layers.semantic.layer import BYPASS_REASONS as SEMANTIC_REASONS
+
+    met = set(itertools.chain.from_iterable(EXPECTED.values()))
+    refusals = {r for r in ADMISSION_REASONS if r in ("sampling", "seed_not_guaranteed")}
+    assert {("response", r) for r in (*RESPONSE_REASONS, *refusals)} <= met
+    assert {("semantic", r) for r in (*SEMANTIC_REASONS, *refusals, "personal_data", "time_dependent")} <= met
