@@ -2,6 +2,7 @@
 arbiter before it forks its workers: ``--preload``)."""
 
 import gc
+import importlib
 import logging
 import os
 
@@ -31,6 +32,9 @@ def _warm_precheck_imports() -> None:
 
 
 _warm_precheck_imports()
+# The personal-data detectors load on first use (commands skip them); a web server scans
+# heat reports and shadow samples, so its arbiter loads them once for every worker.
+importlib.import_module("gateway.pii.detect")
 # Everything loaded so far lives as long as the process: moving it out of the
 # collector's reach spares each worker a full collection of it at exit (seconds
 # of CPU per worker on a busy 2-core host, delaying a graceful stop) and keeps

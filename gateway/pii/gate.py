@@ -33,7 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway.pii import personal_data_kinds, redact_json
+# The module, not its names: the detectors load on the first scan (see gateway.pii).
+from gateway import pii
 
 #: The tenant policies (``TenantGatewayPolicy.personal_data``).
 PERSONAL_DATA_POLICIES: Final = ("skip", "redact")
@@ -81,11 +82,11 @@ def gate(store: str, value: Any, *, policy: str = DEFAULT_POLICY, kinds: frozens
         raise ValueError(f"unknown store {store!r}; stores: {', '.join(STORES)}")
     if policy not in PERSONAL_DATA_POLICIES:
         raise ValueError(f"unknown personal-data policy {policy!r}; policies: {', '.join(PERSONAL_DATA_POLICIES)}")
-    found = personal_data_kinds(value) if kinds is None else kinds
+    found = pii.personal_data_kinds(value) if kinds is None else kinds
     if not found:
         return Verdict(True, value, found)
     if store in OUTPUT_STORES or (policy == "redact" and store not in VERBATIM_STORES):
-        return Verdict(True, redact_json(value), found)
+        return Verdict(True, pii.redact_json(value), found)
     return Verdict(False, None, found)
 
 
