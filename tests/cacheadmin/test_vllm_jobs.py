@@ -55,7 +55,7 @@ def _spec(path: Path, name: str, *, prefix_caching: bool, storage: Path | None) 
     )
 
 
-#: Tenant acme's boundary key, fixed here so that the session's engines can be
+#: Tenant acme's boundary key, fixed here so that the module's engines can be
 #: started on its namespace's disk tier before the test database has the tenant.
 ACME_KEY = "a" * 32
 
@@ -65,7 +65,7 @@ def _storage_for(path: Path, tenant: str = "acme") -> Path:
     return settings.KV_STORE_ROOT / storage_prefix(namespace_id(identity, f"tenant:{tenant}:{ACME_KEY}"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def v1_engine(demo_checkpoints) -> Iterator[LocalEngine]:
     """tiny-v1 serving tenant acme's namespace with the ExampleConnector disk tier."""
     engine = _start(
@@ -75,7 +75,7 @@ def v1_engine(demo_checkpoints) -> Iterator[LocalEngine]:
     engine.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def v2_reference(demo_checkpoints) -> Iterator[LocalEngine]:
     """tiny-v2 with no prefix caching and no connector."""
     engine = _start(_spec(demo_checkpoints["tiny-v2"], "v2-ref", prefix_caching=False, storage=None))
