@@ -21,7 +21,13 @@ SLOW_FIXTURES = frozenset({"api", "server", "worker"})
 #: Fixtures that talk to the Redis server as a KV tier: their tests are ``redis``.
 #: tests/gateway files that run on the scale-out suite too (they use the deployment's stores).
 GATEWAY_SCALE_OUT_FILES = frozenset(
-    {"test_gateway_app.py", "test_gateway_vllm.py", "test_gateway_templates.py", "test_gateway_personal_data.py"}
+    {
+        "test_gateway_app.py",
+        "test_gateway_vllm.py",
+        "test_gateway_templates.py",
+        "test_gateway_personal_data.py",
+        "test_pipeline.py",
+    }
 )
 REDIS_FIXTURES = frozenset({"rclient", "stray_redis", "kv", "tiers_with_strays"})
 #: Real-engine test files that run on the scale-out suite too: their jobs go through a
@@ -52,12 +58,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     their queries run on PostgreSQL in the page tests), the real-engine
     tests outside :data:`ENGINE_SCALE_OUT_FILES` and tests that open neither
     the database (:data:`DATABASE_FIXTURES`, the ``django_db`` marker) nor Redis.
+    On either run, ``KVCP_SUITE_PART`` (``rest`` or ``engines``) keeps the tests
+    without or with real engines (the ``vllm`` marker) only.
     """
+    kept, dropped = list(items), []
     if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
         inference = Path(__file__).parent / "inference"
         gateway = Path(__file__).parent / "gateway"
         elsewhere = (Path(__file__).parent / "deploy", Path(__file__).parent / "browser")
-        kept, dropped = [], []
+        kept = []
         for item in items:
             path = Path(item.path)
             independent = (
@@ -77,9 +86,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
             )
             (dropped if independent else kept).append(item)
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
+    # scripts/test runs each suite in two parts, on two lanes: the tests with real engines
+    # on one, the others on the other (engines of two suites never share the memory).
+    part = os.environ.get("KVCP_SUITE_PART", "")
+    if part in ("rest", "engines"):
+        engines = [item.get_closest_marker("vllm") is not None for item in kept]
+        dropped += [item for item, real in zip(kept, engines, strict=True) if real != (part == "engines")]
+        kept = [item for item, real in zip(kept, engines, strict=True) if real == (part == "engines")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("vllm") is not None or used & SLOW_FIXTURES:
