@@ -25,6 +25,7 @@ from cacheadmin.models import (
     TierUsageSample,
 )
 from cacheadmin.services.gateway import STAT_COUNTERS, layer_states
+from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.records import layer_figures
 
 
@@ -247,7 +248,7 @@ def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[s
         layers = sums[pk]
         for layer, derived in layer_figures(layers).items():
             layers[layer].update(derived)
-        for layer in ("response", "semantic", "prefix"):
+        for layer in (*CACHE_LAYERS, "prefix"):
             if layer in layers and pk in namespaces:
                 rows.append({"namespace": namespaces[pk], "layer": layer, **layers[layer]})
     return {

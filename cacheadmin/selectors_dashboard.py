@@ -48,6 +48,7 @@ from cacheadmin.models.eviction import EngineMetricsSample
 from cacheadmin.schedules import SCHEDULES
 from cacheadmin.services.eviction.plan import namespace_targets, version_ranks
 from cacheadmin.services.gateway import routing_snapshot_build
+from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.records import layer_figures
 
 #: How many rows the dashboard's serving-now, namespace and staleness sections show (each links to the rest).
@@ -626,7 +627,7 @@ def chart_cost_savings(*, since: datetime) -> dict[str, Any]:
         .order_by("layer")
     }
     figures = layer_figures(sums)
-    layers = [layer for layer in ("prefix", "response", "semantic") if layer in figures]
+    layers = [layer for layer in ("prefix", *CACHE_LAYERS) if layer in figures]
     rates = [figures[layer]["cost_savings_rate"] for layer in layers]
     return {"labels": layers, "datasets": [{"label": "cost savings rate", "data": rates}]}
 

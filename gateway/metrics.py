@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gateway.layers import LAYERS
+
 #: TTFT bounds (seconds): a cached answer in a millisecond, a CPU engine's
 #: first token in tens of ms to tens of seconds.
 TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -32,7 +34,7 @@ TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 #: millisecond, a semantic lookup (an embedding, then a search) up to a second.
 LOOKUP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 #: Layers whose store reads count as cache loads (the prefix layer is the engine's own).
-STORE_LAYERS = ("response", "semantic")
+STORE_LAYERS = LAYERS
 #: Prometheus' text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.layers import LAYERS
 from gateway.templates import TemplateCounts
 
 
@@ -132,7 +133,7 @@ def layer_figures(rows: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str
 
     prefix = rows.get("prefix", {})
     asked = prefix.get("prompt_tokens", 0) + prefix.get("output_tokens", 0)
-    for layer in ("response", "semantic"):
+    for layer in LAYERS:
         asked += rows.get(layer, {}).get("prompt_tokens", 0) + rows.get(layer, {}).get("output_tokens", 0)
     out: dict[str, dict[str, float | None]] = {}
     for layer, r in rows.items():

@@ -54,6 +54,7 @@ from gateway.records import Recorder
 from gateway.routing import (
     EngineTarget,
     NamespaceTarget,
+    RoundRobin,
     RouteTarget,
     RoutingSnapshot,
     TenantTarget,
@@ -482,7 +483,7 @@ class Gateway:
             runtime.limits.engine_max_in_flight, runtime.limits.breaker_failures, runtime.limits.breaker_cooldown_s
         )
         self.in_flight: dict[int, int] = {}
-        self._round_robin = 0
+        self._round_robin = RoundRobin()
         #: The cache layers every request meets, in order.
         self.pipeline = Pipeline(runtime.layers if runtime.layers is not None else build_layers(runtime), runtime.recorder)
         self.app = Starlette(
@@ -674,8 +675,7 @@ class Gateway:
             )
             raise GatewayError(503, f"namespace of {ns.version_label}: {why}", type_="server_error", code="no_engine")
         if self.rt.engine_choice == "round_robin":
-            self._round_robin += 1
-            return engines[self._round_robin % len(engines)]
+            return self._round_robin.choose(engines)
         return choose_engine(engines, prompt_affinity_text(body), self.in_flight)
 
     async def _fill(self, ctx: RequestContext, missed: list[Missed]) -> Response:

@@ -20,12 +20,13 @@ from cacheadmin.models import ApiToken, CacheNamespace, ShadowCheck
 from cacheadmin.models.releases import Release
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.gateway import STAT_COUNTERS, gateway_figures
+from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.records import layer_figures
 
 #: The service account release tooling acts as (no password: it signs in with its API token only).
 TOOLING_USER = "release-tooling"
 #: Layers whose figures the traffic summary adds up.
-LAYERS = ("response", "semantic", "prefix")
+LAYERS = (*CACHE_LAYERS, "prefix")
 
 
 class ApiCallFailed(RuntimeError):

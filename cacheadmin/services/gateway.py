@@ -30,7 +30,6 @@ from django.db.models.signals import m2m_changed, post_delete, post_save
 from django.utils import timezone
 
 from cacheadmin.models import (
-    CacheLayer,
     CacheLayerSwitch,
     CacheNamespace,
     Engine,
@@ -58,6 +57,7 @@ from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.canonical import InvalidRequest
+from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from gateway.pii.gate import PERSONAL_DATA_POLICIES
 from gateway.records import layer_figures
@@ -84,7 +84,7 @@ KEY_HEAD = "kvgw"
 #: A key's token bucket: requests per second, and burst (one request per 1,000 s at the slowest).
 MIN_RATE, MAX_RATE, MAX_BURST = 0.001, 1_000_000.0, 1_000_000
 #: Layers a kill switch governs (the engine's own prefix cache has none here).
-SWITCHED_LAYERS = (CacheLayer.RESPONSE.value, CacheLayer.SEMANTIC.value)  # plain strings: schema keys, YAML
+SWITCHED_LAYERS = CACHE_LAYERS  # plain strings: schema keys, YAML
 
 
 class GatewayRefused(Refused):

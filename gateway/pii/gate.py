@@ -35,14 +35,15 @@ from typing import Any, Final
 
 # The module, not its names: the detectors load on the first scan (see gateway.pii).
 from gateway import pii
+from gateway.layers import LAYERS
 
 #: The tenant policies (``TenantGatewayPolicy.personal_data``).
 PERSONAL_DATA_POLICIES: Final = ("skip", "redact")
 DEFAULT_POLICY: Final = "skip"
 #: Every store the gate answers for.
-STORES: Final = ("response", "semantic", "heat", "shadow", "output")
+STORES: Final = (*LAYERS, "heat", "shadow", "output")
 #: Stores that hand back what they hold verbatim: never kept redacted.
-VERBATIM_STORES: Final = frozenset({"response", "semantic"})
+VERBATIM_STORES: Final = frozenset(LAYERS)
 #: Stores of generated text kept as evidence: redacted under every policy.
 OUTPUT_STORES: Final = frozenset({"output"})
 

@@ -69,4 +69,5 @@ def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
 def rebuild_layers(setup: dict[str, Any]) -> None:
     """Build the gateway's layers again from its runtime, after a test changed the runtime's stores."""
     runtime = setup["runtime"]
-    setup["gateway"].pipeline = Pipeline(build_layers(runtime), runtime.recorder)
+    layers = runtime.layers if runtime.layers is not None else build_layers(runtime)
+    setup["gateway"].pipeline = Pipeline(layers, runtime.recorder)

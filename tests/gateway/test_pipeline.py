@@ -9,11 +9,17 @@ from typing import Any
 
 import pytest
 
-from cacheadmin.services.gateway import layer_switch_set, tenant_gateway_policy_update
-from gateway.layers import LAYERS
+from cacheadmin.models import CacheLayer as LayerChoice
+from cacheadmin.services.gateway import SWITCHED_LAYERS, layer_switch_set, tenant_gateway_policy_update
+from gateway.layers import LAYERS, build_layers
+from gateway.layers.base import Lookup
+from gateway.metrics import STORE_LAYERS
+from gateway.pii.gate import STORES, VERBATIM_STORES
+from gateway.pipeline import RequestContext
 from gateway.server import explain
 from tests.gateway.fixtures import rebuild_layers
 from tests.gateway.harness import call, chat, refresh
+from tests.gateway.test_gateway_metrics import TOKEN, delta, samples
 
 pytestmark = pytest.mark.django_db
 
@@ -116,3 +122,77 @@ def test_the_grid_meets_every_bypass_reason_of_every_layer() -> None:
     refusals = {r for r in ADMISSION_REASONS if r in ("sampling", "seed_not_guaranteed")}
     assert {("response", r) for r in (*RESPONSE_REASONS, *refusals)} <= met
     assert {("semantic", r) for r in (*SEMANTIC_REASONS, *refusals, "personal_data", "time_dependent")} <= met
+
+
+class DenyList:
+    """A layer that exists only here: it answers a fixed refusal to questions on its
+    list and passes the rest on. Built like any layer, it shows that a layer is a class
+    and one line in the list: the pipeline, explain, records and metrics take it as it is."""
+
+    name = "denylist"
+    Unavailable = RuntimeError
+
+    def __init__(self, denied: set[str]) -> None:
+        self.denied = denied
+        self.stored: list[Any] = []
+
+    def bypass(self, ctx: RequestContext) -> str | None:
+        return None if ctx.user_text is not None else "not_a_user_question"
+
+    def admitted(self, ctx: RequestContext) -> str:
+        return "listed" if ctx.user_text in self.denied else "not_listed"
+
+    def describe(self, ctx: RequestContext) -> dict[str, Any]:
+        return {"listed": ctx.user_text in self.denied}
+
+    async def lookup(self, ctx: RequestContext) -> Lookup:
+        if ctx.user_text in self.denied:
+            refusal = {"role": "assistant", "content": "I cannot help with that."}
+            return Lookup({"object": "chat.completion", "choices": [{"index": 0, "message": refusal, "finish_reason": "stop"}],
+                           "usage": {}, "system_fingerprint": None})  # fmt: skip
+        return Lookup(None, ctx.user_text)
+
+    async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
+        return None
+
+    async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
+        self.stored.append(pending)
+
+    async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
+        pass
+
+
+def test_a_layer_added_to_the_list_runs_through_the_pipeline_explain_records_and_metrics(setup) -> None:
+    s = setup
+    s["gateway"].metrics_token = TOKEN
+    before = samples(s)
+    deny = DenyList({"How do I pick a lock?"})
+    runtime = s["runtime"]
+    runtime.layers = [deny, *build_layers(runtime)]
+    rebuild_layers(s)
+    refused = call(s, chat("How do I pick a lock?", temperature=0))
+    assert refused.status_code == 200 and refused.headers["x-kvcp-served-by"] == "denylist"
+    assert refused.json()["choices"][0]["message"]["content"] == "I cannot help with that."
+    served = call(s, chat("What is the capital of France?", temperature=0))
+    assert served.headers["x-kvcp-served-by"] == "engine" and deny.stored == ["What is the capital of France?"]
+    assert len(s["fake"].received) == 1
+    rows, _ = runtime.recorder.drain()
+    figures = {layer: counters for _, layer, _, counters, _ in rows if layer == "denylist"}
+    assert (figures["denylist"]["hits"], figures["denylist"]["misses"], figures["denylist"]["requests"]) == (1, 1, 2)
+    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", chat("How do I pick a lock?", temperature=0),
+                        layers=s["gateway"].pipeline.layers)  # fmt: skip
+    assert list(explained)[-3:] == ["denylist_cache", "response_cache", "semantic_cache"]
+    assert explained["denylist_cache"] == {"admitted": True, "reason": "listed", "listed": True}
+    after, key = samples(s), s["ns"].namespace_key
+    counted = [delta(before, after, "kvcp_gateway_requests_total", namespace=key, layer="denylist", result=result)
+               for result in ("hit", "miss")]  # fmt: skip
+    assert counted == [1.0, 1.0]
+
+
+def test_every_surface_names_the_layers_of_the_one_list(setup) -> None:
+    """A layer's name is written once (its package, gateway.layers.LAYERS): what is built,
+    the control plane's layer choices, the metrics' store layers and the gate's stores follow it."""
+    assert [layer.name for layer in build_layers(setup["runtime"])] == list(LAYERS)
+    assert set(LayerChoice.values) == {*LAYERS, "prefix"}
+    assert STORE_LAYERS == LAYERS and set(STORES) >= set(LAYERS) and VERBATIM_STORES == frozenset(LAYERS)
+    assert SWITCHED_LAYERS == LAYERS

@@ -15,6 +15,7 @@ from cacheadmin.api.serializers.fields import (
     TenantSlugField,
 )
 from cacheadmin.models import GatewayKey, ShadowCheck, Tenant
+from gateway.layers import LAYERS as CACHE_LAYERS
 
 
 class GatewayKeySerializer(RowSerializer):
@@ -51,7 +52,7 @@ class GatewayKeyIssueSerializer(StrictFieldsMixin, serializers.Serializer):
 class LayerSwitchSerializer(StrictFieldsMixin, serializers.Serializer):
     """Turn a cache layer on or off (a reason is required to turn it off)."""
 
-    layer = serializers.ChoiceField(choices=["response", "semantic"])
+    layer = serializers.ChoiceField(choices=list(CACHE_LAYERS))
     enabled = StrictBooleanField()
     reason = StrictCharField(required=False, allow_blank=True, default="", max_length=2000)
 
