@@ -25,7 +25,7 @@ Each run alternates (bare, consumer, bare, consumer, ... ``--rounds`` each):
   (Django, a scratch SQLite database in a temporary ``VAR_DIR``) owns an
   ``Engine`` row whose ``kv_events_endpoint`` it binds, and runs
   ``run(should_stop=...)`` until the last batch is applied: sequence checks,
-  ``Residency.apply``, and its checkpoint/sample flush every 2 s (part of the
+  ``EngineResidency.apply``, and its checkpoint/sample flush every 2 s (part of the
   real cost) all run inside the timed window.
 
 The publisher (``zmq.XPUB``, wire-identical to PUB for a subscriber) waits for
@@ -37,9 +37,9 @@ send to the subscriber's last applied batch (``time.monotonic``, one clock for
 the whole host). Reported: events/s per run, median per method, the ratio
 consumer/bare (goal >= 0.8x), how long the publisher itself took to send (a
 bare rate close to it is publisher-bound), an in-process breakdown without
-sockets (decode only, decode + ``Residency.apply``, ``KvEventConsumer.handle``),
+sockets (decode only, decode + ``EngineResidency.apply``, ``KvEventConsumer.handle``),
 and a check that the consumer's final residency, its checkpoint in the
-database and its latest samples equal what a pure ``Residency`` fed the same
+database and its latest samples equal what a pure ``EngineResidency`` fed the same
 batches computes.
 
 Part 2, end-to-end lag (``--engine``). Starts a real vLLM engine on the demo
@@ -104,8 +104,8 @@ from inference.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineResidency,
     KVEventBatch,
-    Residency,
     decode_batch,
     encode_batch,
     seq_of,
@@ -419,9 +419,9 @@ def make_engine(world: World, name: str, endpoint: str, topic: str, base_url: st
     return engine
 
 
-def reference_residency(world: World, payloads: list[bytes]) -> Residency:
-    """A pure ``Residency`` fed the same batches, in order."""
-    ref = Residency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
+def reference_residency(world: World, payloads: list[bytes]) -> EngineResidency:
+    """A pure ``EngineResidency`` fed the same batches, in order."""
+    ref = EngineResidency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
     for p in payloads:
         ref.apply(decode_batch(p))
     return ref
@@ -488,7 +488,7 @@ def run_consumer(
     return result, stream, engine
 
 
-def check_residency(work: Workload, ref: Residency, stream: Any, engine: Any) -> list[str]:
+def check_residency(work: Workload, ref: EngineResidency, stream: Any, engine: Any) -> list[str]:
     """What differs between the consumer (in memory, checkpoint, samples) and the pure reference.
 
     Returns:
@@ -516,7 +516,7 @@ def check_residency(work: Workload, ref: Residency, stream: Any, engine: Any) ->
         problems.append(
             f"checkpoint row: events {saved.events}, last_seq {saved.last_seq}, gaps {saved.gaps}, complete {saved.complete}"
         )
-    restored = Residency(namespace_of_salt=lambda salt: None)
+    restored = EngineResidency(namespace_of_salt=lambda salt: None)
     restored.restore(bytes(saved.state))
     if restored.blocks != ref.blocks:
         problems.append("the saved checkpoint does not restore the reference blocks")
@@ -528,7 +528,7 @@ def check_residency(work: Workload, ref: Residency, stream: Any, engine: Any) ->
 
 
 def in_process(work: Workload, world: World) -> dict[str, float]:
-    """Events/s without sockets, one process: decode only; decode + ``Residency.apply``;
+    """Events/s without sockets, one process: decode only; decode + ``EngineResidency.apply``;
     ``KvEventConsumer.handle`` (sequence check, decode, apply, bookkeeping)."""
     from cacheadmin.services.kv_events import KvEventConsumer, Stream
 
@@ -537,7 +537,7 @@ def in_process(work: Workload, world: World) -> dict[str, float]:
     for p in payloads:
         decode_batch(p)
     decode_s = time.perf_counter() - started
-    ref = Residency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
+    ref = EngineResidency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
     started = time.perf_counter()
     for p in payloads:
         ref.apply(decode_batch(p))
@@ -545,7 +545,7 @@ def in_process(work: Workload, world: World) -> dict[str, float]:
     consumer = KvEventConsumer()
     stream = Stream(
         engine_id=0, engine_name="in-process", generation=0, endpoint="", bind=True, replay_endpoint="",
-        topic=TOPIC.encode(), residency=Residency(namespace_of_salt=consumer.salts, served=frozenset(world.salt_of)),
+        topic=TOPIC.encode(), residency=EngineResidency(namespace_of_salt=consumer.salts, served=frozenset(world.salt_of)),
     )  # fmt: skip
     topic = TOPIC.encode()
     frames = [[topic, seq.to_bytes(8, "big"), p] for seq, p in enumerate(payloads)]

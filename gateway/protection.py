@@ -19,7 +19,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, TypeVar
 
-from gateway.layers.response.store import ResponseStore, StoreUnavailable, check_key, check_store_prefix
+from gateway.layers.base import StoreUnavailable
+from gateway.layers.response.store import ResponseStore, check_key, check_store_prefix
 from inference.errors import InvalidField
 
 __all__ = [

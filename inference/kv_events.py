@@ -126,7 +126,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 
 def decode_for_residency(payload: bytes) -> Any:
-    """Decode one payload for :meth:`Residency.apply`: like :func:`decode_batch`
+    """Decode one payload for :meth:`EngineResidency.apply`: like :func:`decode_batch`
     (``ts``, ``events``) but ``BlockStored`` events carry no ``token_ids``.
 
     Raises:
@@ -185,7 +185,7 @@ class Incident:
 
 
 @dataclass
-class Residency:
+class EngineResidency:
     """What one engine holds, by namespace, as its event stream says.
 
     ``namespace_of_salt`` maps a cache_salt to a namespace id (> 0) or None;

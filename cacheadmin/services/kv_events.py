@@ -37,7 +37,7 @@ from inference.identity import cache_salt
 from inference.kv_events import (
     END_SEQ,
     PROBE,
-    Residency,
+    EngineResidency,
     SequenceVerdict,
     decode_for_residency,
     seq_bytes,
@@ -80,7 +80,7 @@ class Stream:
     endpoint: str
     replay_endpoint: str
     topic: bytes
-    residency: Residency
+    residency: EngineResidency
     #: The CURVE public key of the relay publishing an adopted engine's stream ("" for a local engine's IPC sockets).
     curve_key: str = ""
     sub: Any = None
@@ -247,7 +247,7 @@ class KvEventConsumer:
             endpoint=row.kv_events_endpoint,
             replay_endpoint=row.kv_events_replay_endpoint,
             topic=row.kv_events_topic.encode(),
-            residency=Residency(namespace_of_salt=self.salts),
+            residency=EngineResidency(namespace_of_salt=self.salts),
             curve_key=row.kv_events_key,
         )
         why = _transport_refusal(stream)

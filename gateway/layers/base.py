@@ -16,8 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from inference.tiers.base import TierUnavailable
+
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
+
+
+class StoreUnavailable(TierUnavailable):
+    """A cache layer's store cannot answer: Redis down, too slow (connection refused,
+    socket timeout), full (``OOM`` under ``noeviction``) or read-only; SQLite locked
+    past its busy timeout, or its file unreadable. The message names the backend and
+    the operation. The gateway serves the request without the layer (bypass reason
+    ``store_unavailable``); to the control plane it is a :class:`TierUnavailable`
+    (503, retry later)."""
+
+    code = "store_unavailable"
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ import cacheadmin.services.namespaces  # noqa: F401
 import cacheadmin.services.prewarm  # noqa: F401
 import cacheadmin.services.quotas  # noqa: F401
 import cacheadmin.services.releases  # noqa: F401
-import gateway.layers.response.store  # noqa: F401
-import gateway.layers.semantic.entries  # noqa: F401
+import gateway.layers.base  # noqa: F401
 from cacheadmin.api.exceptions import api_exception_handler
 from cacheadmin.management.base import ControlPlaneCommand
 from inference.errors import ControlPlaneError, Refused
@@ -45,7 +44,7 @@ EXPECTED = {
     "AddressRefused": (400, "address_refused", 2),
     # A tenant holds as many rows of a kind as its quota allows.
     "QuotaExceeded": (429, "quota_exceeded", 4),
-    # The response and semantic caches' stores (one name, two classes: both answered alike).
+    # A cache layer's store (gateway.layers.base: one class for every layer).
     "StoreUnavailable": (503, "store_unavailable", 3),
 }
 

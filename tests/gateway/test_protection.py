@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.redis_store import RedisResponseStore
 from gateway.layers.response.sqlite_store import SqliteResponseStore
-from gateway.layers.response.store import StoreUnavailable
 from gateway.protection import FillBreaker, FillOutcome, Overloaded, SingleFlight, TokenBucket, fill_once
 from inference.errors import InvalidField
 

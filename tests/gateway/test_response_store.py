@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.redis_store import RedisResponseStore
 from gateway.layers.response.sqlite_store import SqliteResponseStore
-from gateway.layers.response.store import ResponseStore, StoreUnavailable
+from gateway.layers.response.store import ResponseStore
 from inference.child_env import die_with_parent
 from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierUnavailable, TierUsage

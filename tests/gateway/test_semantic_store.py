@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 import redis
 
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.semantic import index as index_module
 from gateway.layers.semantic import redis_store as redis_module
 from gateway.layers.semantic import sqlite_store as sqlite_module
-from gateway.layers.semantic.entries import Candidate, SemanticEntry, StoreUnavailable, new_entry_id
+from gateway.layers.semantic.entries import Candidate, SemanticEntry, new_entry_id
 from gateway.layers.semantic.matching import similarity
 from gateway.layers.semantic.redis_store import RedisSemanticStore
 from gateway.layers.semantic.sqlite_store import SqliteSemanticStore

@@ -9,8 +9,8 @@ from inference.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineResidency,
     KVEventBatch,
-    Residency,
     SequenceVerdict,
     decode_batch,
     decode_for_residency,
@@ -38,8 +38,8 @@ def stored(hashes: list[int], *, parent: int | None = None, salt: str | None = N
     )  # fmt: skip
 
 
-def residency(served: frozenset[int] = frozenset({1, 2})) -> Residency:
-    return Residency(namespace_of_salt=SALTS.get, served=served)
+def residency(served: frozenset[int] = frozenset({1, 2})) -> EngineResidency:
+    return EngineResidency(namespace_of_salt=SALTS.get, served=served)
 
 
 def test_vllm_classes_and_ours_read_each_others_bytes() -> None:

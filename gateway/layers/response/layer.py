@@ -11,8 +11,8 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from gateway.canonical import response_cache_key
-from gateway.layers.base import Lookup
-from gateway.layers.response.store import ResponseStore, StoreUnavailable
+from gateway.layers.base import Lookup, StoreUnavailable
+from gateway.layers.response.store import ResponseStore
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext

@@ -18,12 +18,12 @@ from inference.tiers.redis_tier import redis_address
 # never needs it.
 if TYPE_CHECKING:
     import redis
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.store import (
     BATCH,
     KEY_PATTERN,
     PREFIX_PATTERN,
     ResponseStore,
-    StoreUnavailable,
     _check_max_bytes,
     _check_seconds,
     _check_ttl,

@@ -21,11 +21,11 @@ from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix, stray_pr
 # never needs it.
 if TYPE_CHECKING:
     pass
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.store import (
     BATCH,
     PREFIX_PATTERN,
     ResponseStore,
-    StoreUnavailable,
     _check_max_bytes,
     _check_seconds,
     _check_ttl,

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 from inference.errors import InvalidField
-from inference.tiers.base import TierEntry, TierUnavailable, TierUsage
+from inference.tiers.base import TierEntry, TierUsage
 
 # redis-py is imported where a Redis store is built: the embedded default
 # never needs it.
@@ -44,17 +44,6 @@ PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,200}")
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 #: Members handled per Lua call or pipeline: bounds how long one call holds Redis.
 BATCH = 1_000
-
-
-class StoreUnavailable(TierUnavailable):
-    """The store cannot answer: Redis down, too slow (connection refused,
-    socket timeout), full (``OOM`` under ``noeviction``) or read-only;
-    SQLite locked past its busy timeout, or its file unreadable. The message names the backend and the operation. The gateway
-    bypasses the response cache for the request (reason ``store_unavailable``)
-    and still serves it; to the control plane it is a :class:`TierUnavailable`
-    (503, retry later)."""
-
-    code = "store_unavailable"
 
 
 def check_store_prefix(prefix: str) -> str:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from inference.errors import InvalidField
-from inference.tiers.base import TierUnavailable
 
 # redis-py is imported where a Redis store is built: the embedded default never needs it.
 if TYPE_CHECKING:
@@ -43,16 +42,6 @@ MAX_K = 1000
 
 #: Entries handled per SQL ``IN`` list, Lua call or pipeline.
 BATCH = 1_000
-
-
-class StoreUnavailable(TierUnavailable):
-    """The store cannot answer: Redis down or too slow (connection refused,
-    socket timeout, any Redis error reply), or SQLite locked past its busy
-    timeout or its file unreadable. The message names the backend and the
-    operation. The gateway serves the request without the semantic layer; to
-    the control plane it is a :class:`TierUnavailable` (503, retry later)."""
-
-    code = "store_unavailable"
 
 
 def new_entry_id() -> str:

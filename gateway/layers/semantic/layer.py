@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import numpy as np
 
 from gateway.canonical import canonical_bytes
-from gateway.layers.base import Lookup
+from gateway.layers.base import Lookup, StoreUnavailable
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
-from gateway.layers.semantic.entries import SemanticEntry, StoreUnavailable
+from gateway.layers.semantic.entries import SemanticEntry
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match
 from gateway.layers.semantic.store import SemanticStore
 

@@ -21,11 +21,11 @@ from inference.tiers.redis_tier import redis_address
 if TYPE_CHECKING:
     import redis
 
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.semantic.entries import (
     BATCH,
     PartKey,
     SemanticEntry,
-    StoreUnavailable,
     _check_budget,
     _check_entry_id,
     _check_name,

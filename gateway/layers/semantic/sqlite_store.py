@@ -22,10 +22,10 @@ from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix
 if TYPE_CHECKING:
     pass
 
+from gateway.layers.base import StoreUnavailable
 from gateway.layers.semantic.entries import (
     PartKey,
     SemanticEntry,
-    StoreUnavailable,
     _check_budget,
     _check_entry_id,
     _check_name,
