@@ -11,6 +11,7 @@ a grid of requests for every layer and reason).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -24,9 +25,12 @@ from gateway.pii import personal_data_kinds
 from gateway.pii.gate import answer_text
 from gateway.records import Recorder
 from gateway.routing import NamespaceTarget, RoutingSnapshot, TenantTarget
+from inference.tiers.base import TierError
 
 if TYPE_CHECKING:
     from gateway.server import Routed
+
+log = logging.getLogger("gateway")
 
 
 def last_user_text(body: Mapping[str, Any]) -> str | None:
@@ -153,8 +157,9 @@ class Pipeline:
     async def lookup(self, ctx: RequestContext) -> Hit | list[Missed]:
         """The first layer that holds the answer, or the layers looked up and missed.
 
-        A layer bypassed (its reason) or whose store cannot answer (``store_unavailable``)
-        is counted and passed; a miss is counted with its lookup time.
+        A layer bypassed (its reason), whose store cannot answer (``store_unavailable``)
+        or answers an error (``store_error``, logged) is counted and passed: a cache never
+        fails a request. A miss is counted with its lookup time.
         """
         missed: list[Missed] = []
         ns = ctx.namespace
@@ -168,6 +173,10 @@ class Pipeline:
                 found = await layer.lookup(ctx)
             except layer.Unavailable:
                 self.recorder.bypass(ns.pk, layer.name, "store_unavailable")
+                continue
+            except TierError:
+                log.exception("cache layer %s: its store failed a lookup", layer.name)
+                self.recorder.bypass(ns.pk, layer.name, "store_error")
                 continue
             lookup_ms = (time.perf_counter() - looked) * 1000
             ctx.timings[f"lookup_{layer.name}"] = lookup_ms
@@ -198,6 +207,8 @@ class Pipeline:
                 await miss.layer.store(ctx, miss.pending, value)
             except miss.layer.Unavailable:
                 pass
+            except TierError:
+                log.exception("cache layer %s: its store failed to keep an answer", miss.layer.name)
 
     async def release(self, ctx: RequestContext, missed: Sequence[Missed], record: dict[str, Any] | None) -> None:
         """The request ended: every missed layer gives back what its fill guard took."""

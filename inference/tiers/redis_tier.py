@@ -28,7 +28,7 @@ import functools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -703,17 +703,38 @@ class RedisTier:
     def _address(self) -> str:
         return redis_address(self.client)
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        """Turn redis-py errors into tier errors naming the server and the operation."""
-        import redis  # loaded with the client; lazy for the start-up cost of every CLI/worker process
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return redis_errors(f"Redis at {self._address()}", doing)
 
-        try:
-            yield
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise TierUnavailable(f"Redis at {self._address()} unavailable ({doing}): {type(exc).__name__}: {exc}") from exc
-        except redis.exceptions.RedisError as exc:
-            raise TierError(f"Redis at {self._address()}: {doing} failed: {type(exc).__name__}: {exc}") from exc
+
+@contextmanager
+def redis_errors(what: str, doing: str, *, unavailable: type[TierUnavailable] = TierUnavailable) -> Iterator[None]:
+    """The one reading of redis-py's errors, for every store on Redis (the KV tier, the gateway's caches).
+
+    A server that cannot take the request now (down, refusing connections, too slow,
+    loading its data, full under ``noeviction``, a read-only replica) raises
+    ``unavailable``: retry later, or go on without the store. Any other error reply
+    (a script or a command refused, a key of the wrong type) raises
+    :class:`TierError`: the store is reachable and something is wrong with it.
+
+    Args:
+        what: the store and its address, for messages (``"Redis response store at host:port/db"``).
+        doing: the operation, for messages.
+        unavailable: the :class:`TierUnavailable` subclass the store raises for the first kind.
+    """
+    import redis  # loaded with the client; lazy for the start-up cost of every CLI/worker process
+
+    try:
+        yield
+    except (
+        redis.exceptions.ConnectionError,  # BusyLoadingError (LOADING) is one too
+        redis.exceptions.TimeoutError,
+        redis.exceptions.OutOfMemoryError,
+        redis.exceptions.ReadOnlyError,
+    ) as exc:
+        raise unavailable(f"{what} unavailable ({doing}): {type(exc).__name__}: {exc}") from exc
+    except redis.exceptions.RedisError as exc:
+        raise TierError(f"{what}: {doing} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def redis_address(client: redis.Redis) -> str:

@@ -27,7 +27,7 @@ from inference.child_env import die_with_parent
 from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierUnavailable, TierUsage
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
+REDIS_URL = os.environ.get("GATEWAY_TEST_STORE_REDIS_URL", "redis://127.0.0.1:6379/13")
 # fork: children start in milliseconds, and each opens the SQLite file on its own as a gateway worker does.
 PROCS = multiprocessing.get_context("fork")
 

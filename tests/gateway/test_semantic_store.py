@@ -8,6 +8,7 @@ between processes is checked with real OS processes (``spawn``).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import secrets
 import socket
 import sqlite3
@@ -34,7 +35,7 @@ from gateway.layers.semantic.store import SemanticStore
 from inference.errors import InvalidField
 from inference.tiers.base import HotTier, TierEntry, TierUnavailable, TierUsage
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
+REDIS_URL = os.environ.get("GATEWAY_TEST_STORE_REDIS_URL", "redis://127.0.0.1:6379/13")
 PART_A = "aa01"
 PART_B = "bb02"
 MODEL = "minilm-l6"

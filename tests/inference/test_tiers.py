@@ -562,3 +562,30 @@ def test_disk_and_redis_tiers_are_hot_tiers(tmp_path: Path, rclient: redis.Redis
     assert isinstance(DiskTier(tmp_path), HotTier) and isinstance(RedisTier(rclient), HotTier)
     # The cold tier archives; engines never read it, so it is not a hot tier.
     assert not isinstance(ColdTier(tmp_path), HotTier)
+
+
+@pytest.mark.parametrize(
+    ("error", "unavailable"),
+    [
+        (redis.exceptions.ConnectionError("refused"), True),
+        (redis.exceptions.BusyLoadingError("LOADING"), True),
+        (redis.exceptions.TimeoutError("slow"), True),
+        (redis.exceptions.OutOfMemoryError("OOM command not allowed"), True),
+        (redis.exceptions.ReadOnlyError("READONLY replica"), True),
+        (redis.exceptions.ResponseError("WRONGTYPE"), False),
+        (redis.exceptions.NoScriptError("NOSCRIPT"), False),
+    ],
+)
+def test_every_redis_store_reads_an_error_one_way(error: Exception, unavailable: bool) -> None:
+    """One mapping for the KV tier and both gateway caches: what the server cannot take now is
+    the store's own unavailability; any other error reply is a TierError."""
+    from gateway.layers.base import StoreUnavailable
+    from inference.tiers.redis_tier import redis_errors
+
+    for kind in (TierUnavailable, StoreUnavailable):
+        with pytest.raises(TierError) as raised, redis_errors("Redis at h:1/0", "get", unavailable=kind):
+            raise error
+        assert isinstance(raised.value, kind) is unavailable
+        assert str(raised.value).startswith(
+            "Redis at h:1/0 unavailable (get): " if unavailable else "Redis at h:1/0: get failed: "
+        )

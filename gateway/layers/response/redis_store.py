@@ -6,13 +6,13 @@ import re
 import secrets
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar
 
 from inference.errors import InvalidField
-from inference.tiers.base import TierEntry, TierError, TierUsage, is_stray_prefix, stray_prefix
-from inference.tiers.redis_tier import redis_address
+from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix, stray_prefix
+from inference.tiers.redis_tier import redis_address, redis_errors
 
 # redis-py is imported where a Redis store is built: the embedded default
 # never needs it.
@@ -337,22 +337,8 @@ class RedisResponseStore(ResponseStore):
     def _address(self) -> str:
         return redis_address(self.client)
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        import redis
-
-        try:
-            yield
-        except (
-            redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError,
-            # A full Redis (noeviction) or a read-only replica: the cache cannot take the request now.
-            redis.exceptions.OutOfMemoryError,
-            redis.exceptions.ReadOnlyError,
-        ) as exc:
-            raise StoreUnavailable(f"Redis response store at {self._address()}: {doing}: {type(exc).__name__}: {exc}") from exc
-        except redis.exceptions.RedisError as exc:
-            raise TierError(f"Redis response store at {self._address()}: {doing} failed: {type(exc).__name__}: {exc}") from exc
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return redis_errors(f"Redis response store at {self._address()}", doing, unavailable=StoreUnavailable)
 
     # -- the gateway's side ------------------------------------------------------
 

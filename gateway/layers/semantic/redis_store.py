@@ -7,15 +7,15 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, is_stray_prefix
-from inference.tiers.redis_tier import redis_address
+from inference.tiers.redis_tier import redis_address, redis_errors
 
 # redis-py is imported where a Redis store is built: the embedded default never needs it.
 if TYPE_CHECKING:
@@ -346,17 +346,8 @@ class RedisSemanticStore(SemanticStore):
     def _address(self) -> str:
         return redis_address(self.client)
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        import redis
-
-        try:
-            yield
-        except redis.exceptions.RedisError as exc:
-            # Down, slow, or refusing (OOM, READONLY, LOADING, BUSY): each means "serve without the layer now".
-            raise StoreUnavailable(
-                f"Redis semantic store at {self._address()} unavailable ({doing}): {type(exc).__name__}: {exc}"
-            ) from exc
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return redis_errors(f"Redis semantic store at {self._address()}", doing, unavailable=StoreUnavailable)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.key_prefix, *parts))
