@@ -91,3 +91,17 @@ def test_the_gateway_is_django_free_but_for_its_deployment_factory() -> None:
     imported = {i.split(".")[0] for m in modules for i in graph.find_modules_directly_imported_by(m)}
     assert "cacheadmin" not in imported and "django" not in imported
     assert {"faiss", "httpx", "starlette"} <= imported  # the graph does see the gateway's external packages
+
+
+def test_salts_are_computed_in_one_place() -> None:
+    """Only ``cacheadmin.services.namespaces`` takes ``inference.identity.cache_salt``, the
+    derivation of a namespace's ``cache_salt``: every other module asks it, through the
+    audited read or the control plane's own unaudited one (its docstring names who)."""
+    graph = _graph()
+    naming = {
+        module
+        for module in graph.modules
+        for detail in graph.get_import_details(importer=module, imported="inference.identity")
+        if "cache_salt" in detail["line_contents"]
+    }
+    assert naming == {"cacheadmin.services.namespaces"}

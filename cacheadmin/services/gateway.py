@@ -52,6 +52,7 @@ from cacheadmin.models.naming import validate_display_name
 from cacheadmin.services.addresses import engine_headers, engine_target
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.heat import prefix_heat_record
+from cacheadmin.services.namespaces import namespace_salts
 from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
 from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.serving import serving_routes
@@ -73,7 +74,6 @@ from gateway.routing import (
     model_fingerprint,
 )
 from inference.errors import InvalidField, Refused
-from inference.identity import cache_salt
 from inference.netpolicy import AddressRefused
 from inference.tiers.base import TierUnavailable
 
@@ -403,6 +403,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
         .select_related("model_version", "policy", "group", "routing")
         .order_by("id")
     )
+    salts = namespace_salts((ns.pk, ns.namespace_key) for ns in rows)
     for ns in rows:
         if ns.superseded:
             continue  # a member left its group since: its salt is not served again
@@ -412,7 +413,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
             pk=ns.pk,
             key=ns.namespace_key,
             storage_prefix=ns.storage_prefix,
-            cache_salt=cache_salt(settings.CACHE_SALT_SECRET, ns.namespace_key),
+            cache_salt=salts[ns.pk],
             version_id=ns.model_version_id,
             version_label=ns.model_version.label,
             # Only engines computing the namespace's state (their version's identity is

@@ -32,8 +32,8 @@ from django.utils import timezone
 from cacheadmin.metrics.catalogue import BY_NAME
 from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, KvEventStream, ResidentSample
 from cacheadmin.services.alarms import alarm_raise
+from cacheadmin.services.namespaces import namespace_salts
 from inference.engines.probes import PROBE_SALT_PREFIX, is_probe_salt
-from inference.identity import cache_salt
 from inference.kv_events import (
     END_SEQ,
     PROBE,
@@ -138,9 +138,8 @@ class SaltIndex:
 
     def reload(self) -> None:
         """Recompute every namespace's salt."""
-        secret = settings.CACHE_SALT_SECRET
         rows = list(CacheNamespace.objects.values_list("pk", "namespace_key"))
-        self._by_salt = {cache_salt(secret, key): pk for pk, key in rows}
+        self._by_salt = {salt: pk for pk, salt in namespace_salts(rows).items()}
         self._keys = dict(rows)
         self._loaded = time.monotonic()
 

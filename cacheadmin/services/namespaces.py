@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -345,9 +346,23 @@ def namespace_check_current(namespace: CacheNamespace) -> None:
         )
 
 
+def namespace_salts(keys: Iterable[tuple[int, str]]) -> dict[int, str]:
+    """The vLLM ``cache_salt`` of each namespace of ``keys`` ((pk, namespace key) pairs), by pk:
+    the one place a salt is computed (:func:`inference.identity.cache_salt` under
+    ``CACHE_SALT_SECRET``; a test holds every other module to it).
+
+    Unaudited, for the control plane's own processes only, where a salt never
+    leaves it: the gateways' routing snapshot and the KV-event consumer's map of
+    salts back to namespaces. A salt handed to anyone else (a router, a job's
+    engine, the CLI) is read through :func:`namespace_salt_read`, which audits it.
+    """
+    secret = settings.CACHE_SALT_SECRET
+    return {pk: cache_salt(secret, key) for pk, key in keys}
+
+
 def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, superseded_ok: bool = False) -> str:
-    """The namespace's vLLM ``cache_salt`` (HMAC under ``CACHE_SALT_SECRET``): the
-    one place a salt is computed, and every read is audited
+    """The namespace's vLLM ``cache_salt`` (:func:`namespace_salts`), for anyone outside
+    the control plane's own processes: every read is audited
     (``namespace.read_salt`` with ``{"purpose": purpose}``).
 
     Args:
@@ -365,7 +380,7 @@ def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, 
     if not superseded_ok:
         namespace_check_current(namespace)
     audit_record(actor=actor, action="namespace.read_salt", obj=namespace, after={"purpose": purpose})
-    return cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_key)
+    return namespace_salts([(namespace.pk, namespace.namespace_key)])[namespace.pk]
 
 
 def namespace_storage_path(namespace: CacheNamespace) -> Path:
