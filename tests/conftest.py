@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,8 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     their queries run on PostgreSQL in the page tests), the real-engine
     tests outside :data:`ENGINE_SCALE_OUT_FILES` and tests that open neither
     the database (:data:`DATABASE_FIXTURES`, the ``django_db`` marker) nor Redis.
-    On either run, ``KVCP_SUITE_PART`` (``rest`` or ``engines``) keeps the tests
-    without or with real engines (the ``vllm`` marker) only.
+    On either run, ``KVCP_SUITE_PART`` keeps one part (:func:`_in_part`).
     """
     kept, dropped = list(items), []
     if os.environ.get("KVCP_SCALE_OUT_RUN") == "1":
@@ -89,10 +89,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # scripts/test runs each suite in two parts, on two lanes: the tests with real engines
     # on one, the others on the other (engines of two suites never share the memory).
     part = os.environ.get("KVCP_SUITE_PART", "")
-    if part in ("rest", "engines"):
-        engines = [item.get_closest_marker("vllm") is not None for item in kept]
-        dropped += [item for item, real in zip(kept, engines, strict=True) if real != (part == "engines")]
-        kept = [item for item, real in zip(kept, engines, strict=True) if real == (part == "engines")]
+    if part:
+        wanted = [_in_part(item, part) for item in kept]
+        dropped += [item for item, keep in zip(kept, wanted, strict=True) if not keep]
+        kept = [item for item, keep in zip(kept, wanted, strict=True) if keep]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
@@ -102,6 +102,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if used & REDIS_FIXTURES:
             item.add_marker(pytest.mark.redis)
+
+
+def _in_part(item: pytest.Item, part: str) -> bool:
+    """Whether ``item`` belongs to ``part`` of a suite: ``engines`` (the ``vllm`` marker),
+    ``rest`` (the others) or ``rest:N/M`` (the others of every M-th test file, from the N-th:
+    a stable split by the file's path, so one file's fixtures stay in one part).
+
+    Raises:
+        pytest.UsageError: a part of another form.
+    """
+    engines = item.get_closest_marker("vllm") is not None
+    if part == "engines":
+        return engines
+    if part == "rest":
+        return not engines
+    try:
+        share, _, shares = part.removeprefix("rest:").partition("/")
+        n, m = int(share), int(shares)
+        assert part.startswith("rest:") and 0 <= n < m
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"KVCP_SUITE_PART: engines, rest or rest:N/M, got {part!r}") from None
+    path = Path(item.path).relative_to(Path(__file__).parent.parent).as_posix()
+    return not engines and zlib.crc32(path.encode()) % m == n
 
 
 @pytest.fixture(scope="session")
