@@ -760,7 +760,11 @@ def release_rollback(*, release: Release, actor: str, reason: str) -> Release:
         tiers = tiers_configured()
         restored = tier_load_counted(
             namespace_key=namespace.namespace_key, tier="cold",
-            read=lambda: tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis),
+            # replace: an engine still serving the namespace may have written blocks to its hot
+            # prefix after the demotion (found: the demo's rollback answered 500 on such a write).
+            # Only engines of this namespace write there, under its salt: the same state as the
+            # archive's, so same-named entries are overwritten and others kept.
+            read=lambda: tiers.cold.restore(namespace.storage_prefix, disk=tiers.disk, redis=tiers.redis, replace=True),
         )  # fmt: skip
     seen = namespace.residency
     with transaction.atomic():
