@@ -11,8 +11,11 @@ import pytest
 
 from cacheadmin.models import CacheLayer as LayerChoice
 from cacheadmin.services.gateway import SWITCHED_LAYERS, layer_switch_set, tenant_gateway_policy_update
+from gateway.canonical import ADMISSION_REASONS
 from gateway.layers import LAYERS, build_layers
 from gateway.layers.base import Lookup
+from gateway.layers.response.layer import BYPASS_REASONS as RESPONSE_REASONS
+from gateway.layers.semantic.layer import BYPASS_REASONS as SEMANTIC_REASONS
 from gateway.metrics import STORE_LAYERS
 from gateway.pii.gate import STORES, VERBATIM_STORES
 from gateway.pipeline import RequestContext
@@ -114,10 +117,6 @@ EXPECTED: dict[str, set[tuple[str, str]]] = {
 
 def test_the_grid_meets_every_bypass_reason_of_every_layer() -> None:
     """The grid above is complete: each layer's own reasons and the reproducibility rule's refusals all occur."""
-    from gateway.canonical import ADMISSION_REASONS
-    from gateway.layers.response.layer import BYPASS_REASONS as RESPONSE_REASONS
-    from gateway.layers.semantic.layer import BYPASS_REASONS as SEMANTIC_REASONS
-
     met = set(itertools.chain.from_iterable(EXPECTED.values()))
     refusals = {r for r in ADMISSION_REASONS if r in ("sampling", "seed_not_guaranteed")}
     assert {("response", r) for r in (*RESPONSE_REASONS, *refusals)} <= met

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.layers.base import StoreUnavailable
 from inference.tiers import disk as disk_module
 from inference.tiers.base import HotTier, TierEntry, TierError, TierUnavailable, TierUsage, TierWriteFailed
 from inference.tiers.cold import ColdTier
 from inference.tiers.disk import DiskTier
 from inference.tiers.policy import VersionFacts, lru_k_order, select_victims, size_aware_ttl, version_ranks
-from inference.tiers.redis_tier import RedisTier
+from inference.tiers.redis_tier import RedisTier, redis_errors
 
 REDIS_URL = os.environ.get("KV_REDIS_URL", "redis://127.0.0.1:6379/14")
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -579,9 +580,6 @@ def test_disk_and_redis_tiers_are_hot_tiers(tmp_path: Path, rclient: redis.Redis
 def test_every_redis_store_reads_an_error_one_way(error: Exception, unavailable: bool) -> None:
     """One mapping for the KV tier and both gateway caches: what the server cannot take now is
     the store's own unavailability; any other error reply is a TierError."""
-    from gateway.layers.base import StoreUnavailable
-    from inference.tiers.redis_tier import redis_errors
-
     for kind in (TierUnavailable, StoreUnavailable):
         with pytest.raises(TierError) as raised, redis_errors("Redis at h:1/0", "get", unavailable=kind):
             raise error
