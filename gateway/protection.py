@@ -3,7 +3,8 @@ fills, per-key token buckets and a breaker on fills per engine or namespace.
 
 Everything here is in-process (one asyncio event loop per gateway worker);
 what must hold across the worker processes goes through the response store's
-fill lease (:func:`fill_once`).
+fill lease (:func:`fill_once`, the one single flight of response fills: the
+response cache layer runs every engine call it guards through it).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from inference.errors import InvalidField
 __all__ = [
     "BreakerState",
     "FillBreaker",
-    "FillOutcome",
+    "FillResult",
     "Overloaded",
     "SingleFlight",
     "TokenBucket",
     "fill_once",
+    "flight_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,22 @@ class SingleFlight:
                 flight.task.cancel()
         return result, led
 
+    async def result_of(self, key: str, timeout_s: float) -> T | None:
+        """The result of the flight of ``key`` running now, without starting one.
+
+        Returns:
+            Its result; None when no flight of ``key`` runs, when it raises, or
+            when it takes over ``timeout_s`` seconds (the caller then goes its
+            own way; the flight goes on).
+        """
+        flight = self._flights.get(key)
+        if flight is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(flight.task), timeout_s)
+        except Exception:  # TimeoutError or the fill's own error: the latter is its callers', not this onlooker's
+            return None
+
     def _forget(self, key: str, task: asyncio.Future) -> None:
         flight = self._flights.get(key)
         if flight is not None and flight.task is task:
@@ -133,7 +151,7 @@ class SingleFlight:
                 self._forget(key, task)
 
 
-class FillOutcome(NamedTuple):
+class FillResult(NamedTuple):
     """What :func:`fill_once` returns.
 
     Attributes:
@@ -152,6 +170,11 @@ class FillOutcome(NamedTuple):
     store_unavailable: bool = False
 
 
+def flight_key(prefix: str, key: str) -> str:
+    """The key of a response fill's flight: its store prefix and entry key (what :func:`fill_once` runs under)."""
+    return f"{prefix}:{key}"
+
+
 #: The flight :func:`fill_once` uses when none is given: one per process.
 _PROCESS_FLIGHT = SingleFlight()
 
@@ -166,7 +189,7 @@ async def fill_once(
     wait_timeout_s: float,
     poll_s: float = 0.02,
     flight: SingleFlight | None = None,
-) -> FillOutcome:
+) -> FillResult:
     """Fill a missing response once across the processes sharing ``store``.
 
     Within the process, concurrent callers of one ``(prefix, key)`` share one
@@ -201,7 +224,7 @@ async def fill_once(
     may block up to the store's timeouts.
 
     Returns:
-        A :class:`FillOutcome`; callers that joined another caller's flight
+        A :class:`FillResult`; callers that joined another caller's flight
         get its value with ``how="joined"``.
 
     Raises:
@@ -215,7 +238,7 @@ async def fill_once(
     _positive(poll_s, "poll_s")
     chosen = _PROCESS_FLIGHT if flight is None else flight
 
-    async def across_processes() -> FillOutcome:
+    async def across_processes() -> FillResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_timeout_s
         while True:
@@ -230,21 +253,21 @@ async def fill_once(
             if taken:
                 return await _lead(store, prefix, key, fill)
             if value is not None:
-                return FillOutcome(value, "store")
+                return FillResult(value, "store")
             if loop.time() >= deadline:
-                return FillOutcome(await fill(), "filled")
+                return FillResult(await fill(), "filled")
             await asyncio.sleep(poll_s)
 
-    outcome, led = await chosen.run(f"{prefix}:{key}", across_processes)
+    outcome, led = await chosen.run(flight_key(prefix, key), across_processes)
     return outcome if led else outcome._replace(how="joined")
 
 
-async def _fill_without_store(prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], exc: StoreUnavailable) -> FillOutcome:
+async def _fill_without_store(prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], exc: StoreUnavailable) -> FillResult:
     log.warning("response store unavailable, filling %s/%s without the lease: %s", prefix, key, exc)
-    return FillOutcome(await fill(), "filled", store_unavailable=True)
+    return FillResult(await fill(), "filled", store_unavailable=True)
 
 
-async def _lead(store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]]) -> FillOutcome:
+async def _lead(store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]]) -> FillResult:
     """Holding the lease: the value if another process stored it meanwhile, else ``fill()``; the lease released after."""
     try:
         try:
@@ -252,8 +275,8 @@ async def _lead(store: ResponseStore, prefix: str, key: str, fill: Callable[[], 
         except StoreUnavailable as exc:
             return await _fill_without_store(prefix, key, fill, exc)
         if value is not None:
-            return FillOutcome(value, "store")
-        return FillOutcome(await fill(), "filled")
+            return FillResult(value, "store")
+        return FillResult(await fill(), "filled")
     finally:
         try:
             await asyncio.to_thread(store.release_lease, prefix, key)

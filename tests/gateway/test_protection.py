@@ -17,7 +17,7 @@ import pytest
 from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.redis_store import RedisResponseStore
 from gateway.layers.response.sqlite_store import SqliteResponseStore
-from gateway.protection import FillBreaker, FillOutcome, Overloaded, SingleFlight, TokenBucket, fill_once
+from gateway.protection import FillBreaker, FillResult, Overloaded, SingleFlight, TokenBucket, fill_once
 from inference.errors import InvalidField
 
 # fork: children start in milliseconds, and each opens the SQLite file on its own as a gateway worker does.
@@ -187,7 +187,7 @@ def test_fill_once_in_one_process_fills_once_and_stores(tmp_path: Path) -> None:
     here, elsewhere = SingleFlight(), SingleFlight()  # elsewhere: another process as far as the lease can tell
     filling = asyncio.Event()
 
-    async def main() -> list[FillOutcome]:
+    async def main() -> list[FillResult]:
         local = [fill_once(store, "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=5, flight=here) for _ in range(20)]
         started = asyncio.gather(*local)
         await filling.wait()  # the leader holds the lease
@@ -213,7 +213,7 @@ def _proc_fill_once(path: str, counter: str, start: multiprocessing.synchronize.
         store.put("ns-a", KEY, value, ttl_s=60, max_bytes=None)
         return value
 
-    async def main() -> FillOutcome:
+    async def main() -> FillResult:
         return await fill_once(store, "ns-a", KEY, fill, lease_ttl_s=10, wait_timeout_s=10)
 
     start.wait()
@@ -253,7 +253,7 @@ def test_when_the_leader_fails_a_waiting_process_fills(tmp_path: Path) -> None:
         calls.append("follower")
         return b"second try"
 
-    async def main() -> tuple[BaseException | FillOutcome, ...]:
+    async def main() -> tuple[BaseException | FillResult, ...]:
         leader = asyncio.ensure_future(
             fill_once(leader_store, "ns-a", KEY, failing, lease_ttl_s=10, wait_timeout_s=10, flight=SingleFlight())
         )
@@ -264,7 +264,7 @@ def test_when_the_leader_fails_a_waiting_process_fills(tmp_path: Path) -> None:
     started = time.monotonic()
     failed, outcome = run(main())
     assert isinstance(failed, RuntimeError) and str(failed) == "engine died"
-    assert outcome == FillOutcome(b"second try", "filled", False)
+    assert outcome == FillResult(b"second try", "filled", False)
     assert calls == ["leader", "follower"]
     # The released lease was taken at the next poll, not after the 10 s timeout (a loaded machine's margin below it).
     assert time.monotonic() - started < 4.0
@@ -280,7 +280,7 @@ def test_when_the_leader_dies_its_lease_expires_and_a_waiter_fills(tmp_path: Pat
 
     started = time.monotonic()
     outcome = run(fill_once(SqliteResponseStore(path), "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=5, flight=SingleFlight()))
-    assert outcome == FillOutcome(b"v", "filled", False)
+    assert outcome == FillResult(b"v", "filled", False)
     assert 0.25 < time.monotonic() - started < 3.0  # the dead lease's 0.3 s, not the 5 s wait timeout
 
 
@@ -295,7 +295,7 @@ def test_past_wait_timeout_the_waiter_fills_without_the_lease(tmp_path: Path) ->
     outcome = run(
         fill_once(SqliteResponseStore(path), "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=0.2, flight=SingleFlight())
     )
-    assert outcome == FillOutcome(b"v", "filled", False)
+    assert outcome == FillResult(b"v", "filled", False)
     assert 0.2 <= time.monotonic() - started < 3.0  # the 0.2 s wait timeout, not the 30 s lease
 
 
@@ -306,7 +306,7 @@ def test_a_value_stored_meanwhile_is_read_not_filled(tmp_path: Path) -> None:
     async def fill() -> bytes:
         raise AssertionError("must not fill")
 
-    assert run(fill_once(store, "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=5)) == FillOutcome(b"already", "store", False)
+    assert run(fill_once(store, "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=5)) == FillResult(b"already", "store", False)
 
 
 def _closed_port() -> int:
@@ -325,12 +325,12 @@ def test_with_the_store_down_the_fill_runs_without_the_lease() -> None:
         await asyncio.sleep(0.02)
         return b"v"
 
-    async def main() -> list[FillOutcome]:
+    async def main() -> list[FillResult]:
         return await asyncio.gather(*(fill_once(store, "ns-a", KEY, fill, lease_ttl_s=5, wait_timeout_s=5) for _ in range(5)))
 
     outcomes = run(main())
     assert calls == 1
-    assert sorted(outcomes) == [FillOutcome(b"v", "filled", True)] + [FillOutcome(b"v", "joined", True)] * 4
+    assert sorted(outcomes) == [FillResult(b"v", "filled", True)] + [FillResult(b"v", "joined", True)] * 4
 
 
 def test_a_store_error_raised_by_the_fill_itself_is_not_filled_again(tmp_path: Path) -> None:

@@ -1,18 +1,20 @@
 """The response cache as a layer of the pipeline: the same canonical request of the
 same tenant in the same namespace gets the stored answer, and identical requests
-in flight share one fill (in this process by a future, across processes by the
-store's fill lease)."""
+in flight share one fill: the engine call runs as the fill of
+:func:`gateway.protection.fill_once` (in this process by its flight, across
+processes by the store's fill lease)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from gateway.canonical import response_cache_key
 from gateway.layers.base import Lookup, StoreUnavailable
 from gateway.layers.response.store import ResponseStore
+from gateway.protection import FillResult, SingleFlight, fill_once, flight_key
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
@@ -20,6 +22,31 @@ if TYPE_CHECKING:
 #: Why a request bypasses the response cache, besides the reproducibility rule's refusals
 #: (:data:`gateway.canonical.ADMISSION_REASONS`) and ``store_unavailable``.
 BYPASS_REASONS: Final = ("kill_switch", "tagged", "tenant_policy", "not_configured")
+
+#: Rounds of joining a flight whose leader ends without an answer before a request fills
+#: without the single flight (each round is a real engine call that failed).
+_JOIN_ROUNDS: Final = 3
+
+
+class NoAnswer(Exception):
+    """The leader's engine call ended without a complete answer: the requests that joined its
+    flight go their own way (they look up again and one of them leads the next fill)."""
+
+
+@dataclass
+class PendingFill:
+    """A response-cache miss of one request: its entry's key and, once it leads the fill,
+    the answer its flight waits for and the flight itself.
+
+    Attributes:
+        key: the entry's key (64 hex).
+        answer: resolved with the answer's bytes (or :class:`NoAnswer`) when the request ends; None: not leading.
+        flight: the :func:`fill_once` task that holds the lease while the engine answers.
+    """
+
+    key: str
+    answer: asyncio.Future[bytes] | None = None
+    flight: asyncio.Future[FillResult] | None = None
 
 
 class ResponseCacheLayer:
@@ -33,11 +60,12 @@ class ResponseCacheLayer:
     name: ClassVar[str] = "response"
     Unavailable: ClassVar[type[Exception]] = StoreUnavailable
 
-    def __init__(self, store: ResponseStore | None, *, fill_wait_s: float) -> None:
+    def __init__(self, store: ResponseStore | None, *, fill_wait_s: float, answer_timeout_s: float = 300.0) -> None:
         self.store_ = store
         self.fill_wait_s = fill_wait_s
-        #: Fills in flight in this process: key → the answer when the fill ends (None when it failed).
-        self.fills: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
+        self.answer_timeout_s = answer_timeout_s
+        #: This process's fills in flight (:func:`fill_once`'s in-process half).
+        self.flight: SingleFlight[FillResult] = SingleFlight()
 
     def bypass(self, ctx: RequestContext) -> str | None:
         """``kill_switch``, ``tagged`` (a tagged answer depends on data that can change: it is kept
@@ -67,87 +95,67 @@ class ResponseCacheLayer:
         return response_cache_key(ctx.canonical, namespace_key=ctx.namespace.key, tenant_secret=ctx.tenant.secret)
 
     async def lookup(self, ctx: RequestContext) -> Lookup:
-        """The stored answer, or the one an identical request in flight in this process stores; else a miss
-        whose pending value is the entry's key.
+        """The stored answer, or the one an identical request in flight in this process is
+        filling (waited for up to ``fill_wait_s``); else a miss whose pending value is a
+        :class:`PendingFill`.
 
         Raises:
             StoreUnavailable: the store cannot answer.
         """
-        key = self.key(ctx)
-        hit = await asyncio.to_thread(self._store.get, ctx.namespace.storage_prefix, key)
-        if hit is not None:
-            return Lookup(json.loads(hit))
-        if key in self.fills:
-            record = await self._await_fill(key)
-            if record is not None:
-                return Lookup(record)
-        return Lookup(None, key)
+        key, prefix = self.key(ctx), ctx.namespace.storage_prefix
+        hit = await asyncio.to_thread(self._store.get, prefix, key)
+        if hit is None:
+            filled = await self.flight.result_of(flight_key(prefix, key), self.fill_wait_s)
+            hit = filled.value if filled is not None else None
+        return Lookup(json.loads(hit) if hit is not None else None, PendingFill(key))
 
     @property
     def _store(self) -> ResponseStore:
         assert self.store_ is not None, "looked up while not configured"
         return self.store_
 
-    async def _await_fill(self, key: str) -> dict[str, Any] | None:
-        """The answer an identical request in flight in this process stores, or None when it
-        ends without one or takes over ``fill_wait_s`` (this one then fills itself)."""
-        flight = self.fills.get(key)
-        if flight is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(flight), self.fill_wait_s)
-        except TimeoutError:
-            return None
-
     async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
-        """Single flight across processes: the holder of the store's fill lease fills, the others
-        wait for its entry (up to ``fill_wait_s``); a store that cannot answer lets this one fill."""
-        key: str = pending
-        prefix = ctx.namespace.storage_prefix
-        try:
-            leased = await asyncio.to_thread(self._store.lease, prefix, key, self.fill_wait_s)
-        except StoreUnavailable:
-            leased = True  # no shared store: fill without the cross-process flight
-        record = await self._stored_after_lease(prefix, key) if leased else await self._wait_entry(prefix, key)
-        if record is None:
-            self.fills[key] = asyncio.get_running_loop().create_future()
-        return record
+        """Join or lead the fill of this entry (:func:`fill_once`): an answer another request
+        filled meanwhile (in this process, or stored by another), or None when this request
+        leads: its engine call is then the flight's fill, until :meth:`release`.
 
-    async def _wait_entry(self, prefix: str, key: str) -> dict[str, Any] | None:
-        """Poll the store while another process fills the same key (up to ``fill_wait_s``)."""
-        deadline = time.monotonic() + self.fill_wait_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-            try:
-                value = await asyncio.to_thread(self._store.get, prefix, key)
-                if value is not None:
-                    return json.loads(value)  # type: ignore[no-any-return]
-                if await asyncio.to_thread(self._store.lease, prefix, key, self.fill_wait_s):
-                    # The leader ended between the read above and this lease: it may have
-                    # stored its answer just before releasing, so look once more.
-                    return await self._stored_after_lease(prefix, key)
-            except StoreUnavailable:
-                return None
-        return None
-
-    async def _stored_after_lease(self, prefix: str, key: str) -> dict[str, Any] | None:
-        """The entry of ``key`` read after this process took its fill lease, or None.
-
-        A request's cache lookup and its lease are two steps: an identical
-        request's leader can store its answer and release the lease between
-        them, and the lease alone would then send a second call to the engine.
-        When the entry is there the lease is given back and the entry served;
-        when it is not (or the store cannot answer) this process fills, holding
-        the lease.
+        A store that cannot answer lets this request fill without the lease; a flight whose
+        leader ends without an answer is joined again, up to three rounds, then this request
+        fills outside the single flight.
         """
-        try:
-            value = await asyncio.to_thread(self._store.get, prefix, key)
-            if value is None:
+        fill: PendingFill = pending
+        prefix = ctx.namespace.storage_prefix
+        for _ in range(_JOIN_ROUNDS):
+            answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+            leading = asyncio.Event()
+
+            async def engine_answer(answer: asyncio.Future[bytes] = answer, leading: asyncio.Event = leading) -> bytes:
+                leading.set()
+                # Bounded: a request that never reaches release() must not hold the flight for good.
+                return await asyncio.wait_for(asyncio.shield(answer), self.answer_timeout_s)
+
+            flight = asyncio.ensure_future(
+                fill_once(self._store, prefix, fill.key, engine_answer, lease_ttl_s=self.fill_wait_s,
+                          wait_timeout_s=self.fill_wait_s, flight=self.flight)
+            )  # fmt: skip
+            led = asyncio.ensure_future(leading.wait())
+            try:
+                await asyncio.wait({flight, led}, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                # Cancelled while its flight began: a flight it leads ends now, not at the answer timeout.
+                led.cancel()
+                if not answer.done():
+                    answer.set_exception(NoAnswer())
+                raise
+            if leading.is_set():
+                fill.answer, fill.flight = answer, flight
                 return None
-            await asyncio.to_thread(self._store.release_lease, prefix, key)
-        except StoreUnavailable:
-            return None
-        return json.loads(value)  # type: ignore[no-any-return]
+            led.cancel()
+            try:
+                return json.loads(flight.result().value)  # type: ignore[no-any-return]
+            except NoAnswer:
+                continue  # the leader's engine call failed: the next round has a new leader
+        return None
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
         """Keep the answer under the namespace's TTL and byte budget.
@@ -156,19 +164,28 @@ class ResponseCacheLayer:
             StoreUnavailable: the store cannot answer.
         """
         ns = ctx.namespace
-        await asyncio.to_thread(self._store.put, ns.storage_prefix, pending, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes)
+        key = pending.key
+        await asyncio.to_thread(self._store.put, ns.storage_prefix, key, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes)
 
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
-        """Wake the requests waiting in this process and give the fill lease back."""
-        future = self.fills.pop(pending, None)
-        if future is not None and not future.done():
-            future.set_result(record)
+        """End the flight this request leads: its joiners get the answer (or :class:`NoAnswer`),
+        and the fill lease is given back before this returns."""
+        fill: PendingFill = pending
+        if fill.answer is None or fill.flight is None:
+            return
+        if not fill.answer.done():
+            if record is None:
+                fill.answer.set_exception(NoAnswer())
+            else:
+                fill.answer.set_result(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
         try:
-            await asyncio.to_thread(self._store.release_lease, ctx.namespace.storage_prefix, pending)
-        except StoreUnavailable:
+            await asyncio.shield(fill.flight)
+        except Exception:  # NoAnswer or its timeout: the leader's own request already knows
             pass
 
 
 def build(runtime: Any) -> ResponseCacheLayer:
     """The layer of a :class:`gateway.server.Runtime`: its response store (None: not configured) and fill wait."""
-    return ResponseCacheLayer(runtime.response_store, fill_wait_s=runtime.limits.fill_wait_s)
+    return ResponseCacheLayer(
+        runtime.response_store, fill_wait_s=runtime.limits.fill_wait_s, answer_timeout_s=runtime.limits.upstream_timeout_s
+    )
