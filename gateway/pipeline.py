@@ -28,7 +28,7 @@ from gateway.routing import NamespaceTarget, RoutingSnapshot, TenantTarget
 from inference.tiers.base import TierError
 
 if TYPE_CHECKING:
-    from gateway.server import Routed
+    from gateway.routing import Routed
 
 log = logging.getLogger("gateway")
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 if TYPE_CHECKING:
-    from gateway.canonical import Endpoint
+    from gateway.param_specs import Endpoint
 
 __all__ = [
     "FIELD_CLASSES",

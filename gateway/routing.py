@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.errors import GatewayError
+
 #: Characters of the leading prompt text that decide engine affinity. vLLM
 #: caches whole blocks (16 tokens by default on GPUs, 32 or more on CPUs), and
 #: a token is about 4 characters of English text, so 512 characters cover the
@@ -303,3 +305,40 @@ class RoundRobin:
         engine = engines[self._next % len(engines)]
         self._next += 1
         return engine
+
+
+@dataclass
+class Routed:
+    """Where a request goes: its tenant, route and namespace (engines may be empty)."""
+
+    tenant: TenantTarget
+    route: RouteTarget
+    namespace: NamespaceTarget
+
+
+def route_request(snap: RoutingSnapshot, tenant: TenantTarget, body: Mapping[str, Any]) -> Routed:
+    """Served name → the tenant's routes → the conversation's route → its namespace.
+
+    Raises:
+        GatewayError: unknown model (404 ``model_not_found``), no namespace for
+            the route (503 ``no_namespace``), namespace suspended (503
+            ``namespace_suspended``).
+    """
+    model = body.get("model")
+    routes = snap.routes.get((tenant.id, model)) if isinstance(model, str) else None
+    if not routes:
+        raise GatewayError(404, f"The model `{model}` does not exist or tenant {tenant.slug} has no routing for it.",
+                           type_="invalid_request_error", code="model_not_found", param="model")  # fmt: skip
+    try:
+        route = choose_route(routes, sticky_bucket(tenant.secret, sticky_id(body)))
+    except ValueError:
+        raise GatewayError(503, f"no version of {model} carries traffic for tenant {tenant.slug}", type_="server_error",
+                           code="no_route") from None  # fmt: skip
+    namespace = snap.namespaces.get(route.namespace_pk) if route.namespace_pk is not None else None
+    if namespace is None:
+        raise GatewayError(503, f"{model} ({route.version_label}) has no live cache namespace for tenant {tenant.slug}",
+                           type_="server_error", code="no_namespace")  # fmt: skip
+    if namespace.suspended:
+        raise GatewayError(503, f"routing of {model} ({route.version_label}) is suspended for tenant {tenant.slug}: "
+                           f"{namespace.suspended}", type_="server_error", code="namespace_suspended")  # fmt: skip
+    return Routed(tenant, route, namespace)

@@ -1,15 +1,12 @@
-"""The OpenAI-compatible ASGI gateway: authenticate, route, salt, look up the
-response and semantic caches, pick an engine by prefix affinity, proxy (and
-stream), record.
+"""The gateway's HTTP surface: the OpenAI-compatible routes, authentication by
+gateway key, rate limits and body checks; then a request goes through the
+cache layers (:mod:`gateway.pipeline`) and, past them, to the engine proxy
+(:mod:`gateway.engine_proxy`).
 
 Django-free: everything it needs comes through a :class:`Runtime` (the
 routing snapshot, the stores, the recorder and the sinks the control plane
 drains off the hot path). ``gateway.asgi`` builds the runtime of a real
-deployment.
-
-Errors follow the OpenAI error format::
-
-    {"error": {"message": str, "type": str, "param": str | None, "code": str}}
+deployment. Errors are :class:`gateway.errors.GatewayError`'s one envelope.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import json
 import logging
 import random
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,42 +25,39 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from gateway import templates
-from gateway.canonical import (
-    InvalidRequest,
-    canonical_bytes,
-    canonical_request,
-    normalized_body,
-)
+from gateway.canonical import canonical_bytes, canonical_request, normalized_body
+from gateway.engine_proxy import EngineAnswer, EngineProxy, EngineRefused
+from gateway.errors import GatewayError, invalid
 from gateway.layers import build_layers
 from gateway.layers.base import CacheLayer
 from gateway.layers.response.store import ResponseStore
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, token_refusal
 from gateway.metrics import exposition as metrics_exposition
+from gateway.param_specs import InvalidRequest
 from gateway.pii import personal_data_kinds
 from gateway.pii.gate import gate
 from gateway.pipeline import Hit, Missed, Pipeline, RequestContext, explain_layers
-from gateway.protection import FillBreaker, Overloaded, TokenBucket
+from gateway.protection import TokenBucket
 from gateway.records import Recorder
+from gateway.replies import ProxyStream, answer_from_record, served_headers, stream_record
 from gateway.routing import (
     EngineTarget,
-    NamespaceTarget,
-    RoundRobin,
-    RouteTarget,
     RoutingSnapshot,
     TenantTarget,
     choose_engine,
-    choose_route,
     key_hash,
     prompt_affinity_text,
+    route_request,
     sticky_bucket,
     sticky_id,
 )
+
+__all__ = ["Gateway", "Limits", "Runtime", "ShadowSample", "check_body", "explain", "request_tags"]
 
 log = logging.getLogger("gateway")
 
@@ -72,12 +65,6 @@ log = logging.getLogger("gateway")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 #: Header callers tag an answer with (entity or slot values), for semantic-cache invalidation.
 TAGS_HEADER = "x-cache-tags"
-#: Header the gateway answers with: which layer served (``response``, ``semantic``, ``engine``).
-SERVED_BY_HEADER = "x-kvcp-served-by"
-#: Headers naming the model version a request was routed to and that version's
-#: ``system_fingerprint``: an answer whose body carries another fingerprint was
-#: computed by another model state (a cross-version answer; there must be none).
-VERSION_HEADER, FINGERPRINT_HEADER = "x-kvcp-version", "x-kvcp-fingerprint"
 #: Most tags one request may carry, and the longest tag.
 MAX_TAGS, MAX_TAG_CHARS = 32, 200
 #: Deepest nesting of a request body (OpenAI bodies need a handful of levels; deeper is an attack on the parser).
@@ -113,25 +100,6 @@ def check_body(body: Mapping[str, Any]) -> None:
         raise InvalidRequest("must be true or false", "stream")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise InvalidRequest("must be an object", "stream_options")
-
-
-class GatewayError(Exception):
-    """An error answered in the OpenAI error format."""
-
-    def __init__(self, status: int, message: str, *, type_: str, code: str, param: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = dict(headers or {})
-
-    def response(self) -> JSONResponse:
-        """The error as an HTTP response."""
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-def _invalid(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
-    return GatewayError(400, message, type_="invalid_request_error", code=code, param=param)
 
 
 @dataclass
@@ -197,257 +165,6 @@ class Runtime:
     layers: Sequence[CacheLayer] | None = None
 
 
-# --- cached answers ----------------------------------------------------------
-
-
-class _StreamAssembler:
-    """Rebuilds a complete answer from streamed chunks (content, tool calls,
-    finish reasons, logprobs, usage) so a streamed miss fills the cache like a
-    non-streamed one."""
-
-    def __init__(self, endpoint: str, fingerprint: str) -> None:
-        self.endpoint = endpoint
-        self.fingerprint = fingerprint
-        self.choices: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] = {}
-        self.first_token_at: float | None = None
-
-    def feed(self, chunk: Mapping[str, Any]) -> None:
-        """Fold one ``chat.completion.chunk`` / ``text_completion`` chunk in."""
-        if chunk.get("usage"):
-            self.usage = dict(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            index = int(choice.get("index", 0))
-            held = self.choices.setdefault(index, {"index": index, "finish_reason": None})
-            if choice.get("finish_reason") is not None:
-                held["finish_reason"] = choice["finish_reason"]
-            if self.endpoint == "completions":
-                if choice.get("text"):
-                    self._first()
-                held["text"] = held.get("text", "") + (choice.get("text") or "")
-                if choice.get("logprobs"):
-                    lp = held.setdefault("logprobs", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
-                    for name in lp:
-                        lp[name].extend(choice["logprobs"].get(name) or [])
-                continue
-            delta = choice.get("delta") or {}
-            message = held.setdefault("message", {"role": "assistant", "content": None})
-            if delta.get("content"):
-                self._first()
-                message["content"] = (message["content"] or "") + delta["content"]
-            for call in delta.get("tool_calls") or []:
-                self._first()
-                calls = message.setdefault("tool_calls", [])
-                at = int(call.get("index", 0))
-                while len(calls) <= at:
-                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                if call.get("id"):
-                    calls[at]["id"] = call["id"]
-                function = call.get("function") or {}
-                calls[at]["function"]["name"] += function.get("name") or ""
-                calls[at]["function"]["arguments"] += function.get("arguments") or ""
-            if choice.get("logprobs") and choice["logprobs"].get("content"):
-                held.setdefault("logprobs", {"content": []})["content"].extend(choice["logprobs"]["content"])
-
-    def _first(self) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-
-    def record(self) -> dict[str, Any]:
-        """The answer as a cache record: its object, choices, usage and the
-        ``system_fingerprint`` of the model state that computed it (ids and
-        times are made fresh for each caller)."""
-        obj = "text_completion" if self.endpoint == "completions" else "chat.completion"
-        return {
-            "object": obj, "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage,
-            "system_fingerprint": self.fingerprint,
-        }  # fmt: skip
-
-
-def _served_headers(routed: Routed, layer: str, engine: EngineTarget | None = None) -> dict[str, str]:
-    """The headers of an answer: the layer that served it, the version the request
-    was routed to (under a verified reuse, another version than the namespace's,
-    with the same identity) and its fingerprint, and the engine when one computed it now."""
-    headers = {
-        SERVED_BY_HEADER: layer, VERSION_HEADER: _header_text(routed.route.version_label),
-        FINGERPRINT_HEADER: routed.namespace.fingerprint,
-    }  # fmt: skip
-    if engine is not None:
-        headers["x-kvcp-engine"] = _header_text(engine.name)
-    return headers
-
-
-def _header_text(value: str) -> str:
-    """A label or name as a header value: percent-encoded UTF-8 (RFC 3986), since
-    header values are Latin-1 bytes and labels may be any script; ASCII names
-    without reserved characters pass unchanged."""
-    return urllib.parse.quote(value, safe=" !#$&'()*+,/:;=?@[]^`{|}~")
-
-
-def _completion_id(endpoint: str) -> str:
-    return ("cmpl-" if endpoint == "completions" else "chatcmpl-") + hashlib.blake2b(
-        random.randbytes(16), digest_size=12
-    ).hexdigest()
-
-
-def _client_error(chunk: Mapping[str, Any]) -> bool:
-    """Whether an error event inside an engine's stream is about the request (vLLM 0.32 streams
-    ``{"error": {"message", "type": "BadRequestError", "code": 400}}`` when it refuses a request
-    after the stream opened; ``vllm/entrypoints/generate/base/serving.py`` ``create_streaming_error_response``)."""
-    error = chunk.get("error")
-    if not isinstance(error, Mapping):
-        return False
-    code = error.get("code")
-    if isinstance(code, int) and not isinstance(code, bool):
-        return 400 <= code < 500
-    return error.get("type") in ("BadRequestError", "invalid_request_error", "NotFoundError")
-
-
-def _answer_from_record(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
-    return {
-        "id": _completion_id(endpoint),
-        "object": "text_completion" if endpoint == "completions" else "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        # The state that computed the answer, cached or not (None: an entry stored before fingerprints were kept).
-        "system_fingerprint": record.get("system_fingerprint"),
-        "choices": record.get("choices", []),
-        "usage": record.get("usage") or {},
-    }
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data, ensure_ascii=False).encode("utf-8")) + b"\n\n"
-
-
-def _stream_record(record: Mapping[str, Any], endpoint: str, model: str, include_usage: bool) -> list[bytes]:
-    """A cached answer as SSE events, in the shape the engine streams them."""
-    cid, created = _completion_id(endpoint), int(time.time())
-    fingerprint = record.get("system_fingerprint")
-    events: list[bytes] = []
-    if endpoint == "completions":
-        for choice in record.get("choices", []):
-            chunk = {"index": choice.get("index", 0), "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
-                     "finish_reason": choice.get("finish_reason")}  # fmt: skip
-            events.append(_sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "system_fingerprint": fingerprint, "choices": [chunk]}))  # fmt: skip
-    else:
-        head = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": fingerprint,
-        }
-        for choice in record.get("choices", []):
-            message = choice.get("message") or {}
-            index = choice.get("index", 0)
-            events.append(
-                _sse(
-                    {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-                )
-            )
-            delta: dict[str, Any] = {}
-            if message.get("content"):
-                delta["content"] = message["content"]
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            body: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": choice.get("finish_reason")}
-            if choice.get("logprobs"):
-                body["logprobs"] = choice["logprobs"]
-            events.append(_sse({**head, "choices": [body]}))
-    if include_usage:
-        obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
-        usage_chunk = {
-            "id": cid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "system_fingerprint": fingerprint,
-            "choices": [],
-            "usage": record.get("usage") or {},
-        }
-        events.append(_sse(usage_chunk))
-    events.append(b"data: [DONE]\n\n")
-    return events
-
-
-class _ProxyStream(StreamingResponse):
-    """A streamed answer that stops its source when the client goes away: the
-    body comes from an async generator pumped in its own task while another
-    task waits for ``http.disconnect``; the first to finish cancels the other,
-    and closing the generator closes the engine's connection (vLLM then aborts
-    the request)."""
-
-    def __init__(self, source: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
-        super().__init__(
-            source, status_code=200, headers={**headers, "cache-control": "no-cache"}, media_type="text/event-stream"
-        )
-        self.source = source
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.source:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        pumping, watching = asyncio.create_task(pump()), asyncio.create_task(gone())
-        try:
-            await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (pumping, watching):
-                task.cancel()
-            for outcome in await asyncio.gather(pumping, watching, return_exceptions=True):
-                if isinstance(outcome, Exception):
-                    log.error("stream ended by an error: %r", outcome, exc_info=outcome)
-            await self.source.aclose()  # type: ignore[attr-defined]
-
-
-# --- the request -------------------------------------------------------------
-
-
-@dataclass
-class Routed:
-    """Where a request goes: its tenant, route and namespace (engines may be empty)."""
-
-    tenant: TenantTarget
-    route: RouteTarget
-    namespace: NamespaceTarget
-
-
-def route_request(snap: RoutingSnapshot, tenant: TenantTarget, body: Mapping[str, Any]) -> Routed:
-    """Served name → the tenant's routes → the conversation's route → its namespace.
-
-    Raises:
-        GatewayError: unknown model (404 ``model_not_found``), no namespace for
-            the route (503 ``no_namespace``), namespace suspended (503
-            ``namespace_suspended``).
-    """
-    model = body.get("model")
-    routes = snap.routes.get((tenant.id, model)) if isinstance(model, str) else None
-    if not routes:
-        raise GatewayError(404, f"The model `{model}` does not exist or tenant {tenant.slug} has no routing for it.",
-                           type_="invalid_request_error", code="model_not_found", param="model")  # fmt: skip
-    try:
-        route = choose_route(routes, sticky_bucket(tenant.secret, sticky_id(body)))
-    except ValueError:
-        raise GatewayError(503, f"no version of {model} carries traffic for tenant {tenant.slug}", type_="server_error",
-                           code="no_route") from None  # fmt: skip
-    namespace = snap.namespaces.get(route.namespace_pk) if route.namespace_pk is not None else None
-    if namespace is None:
-        raise GatewayError(503, f"{model} ({route.version_label}) has no live cache namespace for tenant {tenant.slug}",
-                           type_="server_error", code="no_namespace")  # fmt: skip
-    if namespace.suspended:
-        raise GatewayError(503, f"routing of {model} ({route.version_label}) is suspended for tenant {tenant.slug}: "
-                           f"{namespace.suspended}", type_="server_error", code="namespace_suspended")  # fmt: skip
-    return Routed(tenant, route, namespace)
-
-
 def request_tags(values: list[str]) -> tuple[str, ...]:
     """Tags from every ``X-Cache-Tags`` header of a request (comma separated;
     repeated headers add up, as HTTP lists do), read as UTF-8.
@@ -461,10 +178,10 @@ def request_tags(values: list[str]) -> tuple[str, ...]:
             # ASGI servers hand header values over as Latin-1; callers send UTF-8.
             raw.append(value.encode("latin-1").decode("utf-8"))
         except UnicodeError:
-            raise _invalid(f"{TAGS_HEADER}: not UTF-8 text", TAGS_HEADER) from None
+            raise invalid(f"{TAGS_HEADER}: not UTF-8 text", TAGS_HEADER) from None
     tags = tuple(sorted({t.strip() for value in raw for t in value.split(",") if t.strip()}))
     if len(tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS or not t.isprintable() for t in tags):
-        raise _invalid(f"{TAGS_HEADER}: at most {MAX_TAGS} printable tags of at most {MAX_TAG_CHARS} characters", TAGS_HEADER)
+        raise invalid(f"{TAGS_HEADER}: at most {MAX_TAGS} printable tags of at most {MAX_TAG_CHARS} characters", TAGS_HEADER)
     return tags
 
 
@@ -473,17 +190,12 @@ class Gateway:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
-        self.client = httpx.AsyncClient(
-            transport=runtime.transport,
-            timeout=httpx.Timeout(runtime.limits.upstream_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        limits = runtime.limits
+        #: The engines behind this process: their client, breakers and in-flight counts.
+        self.proxy = EngineProxy(runtime.recorder, transport=runtime.transport, timeout_s=limits.upstream_timeout_s,
+                                 max_in_flight=limits.engine_max_in_flight, breaker_failures=limits.breaker_failures,
+                                 breaker_cooldown_s=limits.breaker_cooldown_s, choice=runtime.engine_choice)  # fmt: skip
         self.buckets: dict[tuple[float, int], TokenBucket] = {}
-        self.breaker = FillBreaker(
-            runtime.limits.engine_max_in_flight, runtime.limits.breaker_failures, runtime.limits.breaker_cooldown_s
-        )
-        self.in_flight: dict[int, int] = {}
-        self._round_robin = RoundRobin()
         #: The cache layers every request meets, in order.
         self.pipeline = Pipeline(runtime.layers if runtime.layers is not None else build_layers(runtime), runtime.recorder)
         self.app = Starlette(
@@ -514,7 +226,7 @@ class Gateway:
         finally:
             for hook in self.on_stop:
                 hook()
-            await self.client.aclose()
+            await self.proxy.aclose()
 
     # --- plumbing ---
 
@@ -608,11 +320,11 @@ class Gateway:
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise _invalid(f"body is not JSON: {exc}", code="invalid_json") from None
+            raise invalid(f"body is not JSON: {exc}", code="invalid_json") from None
         except RecursionError:
-            raise _invalid(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+            raise invalid(f"body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
         if not isinstance(body, dict):
-            raise _invalid("body must be a JSON object", code="invalid_json")
+            raise invalid("body must be a JSON object", code="invalid_json")
         return body
 
     # --- the request path ---
@@ -629,7 +341,7 @@ class Gateway:
                 canonical = canonical_request(endpoint, body)  # type: ignore[arg-type]
                 upstream = normalized_body(endpoint, body)  # type: ignore[arg-type]
             except InvalidRequest as exc:
-                raise _invalid(exc.message, exc.param) from None
+                raise invalid(exc.message, exc.param) from None
             tags = request_tags(request.headers.getlist(TAGS_HEADER))
             routed = route_request(snap, tenant, body)
             templates.classify(snap.templates, tenant.id, routed.namespace.pk, routed.namespace.key, body)
@@ -654,137 +366,74 @@ class Gateway:
             ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1, prompt_tokens=int(usage.get("prompt_tokens") or 0),
             output_tokens=int(usage.get("completion_tokens") or 0),
         )  # fmt: skip
-        headers = _served_headers(ctx.routed, hit.layer.name)
+        headers = served_headers(ctx.routed, hit.layer.name)
         if not ctx.stream:
-            return JSONResponse(_answer_from_record(hit.record, ctx.endpoint, ctx.model), headers=headers)
-        events = _stream_record(hit.record, ctx.endpoint, ctx.model, ctx.include_usage)
+            return JSONResponse(answer_from_record(hit.record, ctx.endpoint, ctx.model), headers=headers)
+        events = stream_record(hit.record, ctx.endpoint, ctx.model, ctx.include_usage)
 
         async def replay() -> AsyncIterator[bytes]:
             for event in events:
                 yield event
 
-        return _ProxyStream(replay(), headers)
-
-    def _engine(self, ns: NamespaceTarget, body: Mapping[str, Any], avoid: set[int]) -> EngineTarget:
-        engines = [e for e in ns.engines if e.id not in avoid]
-        if not engines:
-            why = (
-                "every engine serving it failed this request"
-                if ns.engines
-                else "no engine in service (ready and verified) serves it"
-            )
-            raise GatewayError(503, f"namespace of {ns.version_label}: {why}", type_="server_error", code="no_engine")
-        if self.rt.engine_choice == "round_robin":
-            return self._round_robin.choose(engines)
-        return choose_engine(engines, prompt_affinity_text(body), self.in_flight)
+        return ProxyStream(replay(), headers)
 
     async def _fill(self, ctx: RequestContext, missed: list[Missed]) -> Response:
+        """Past every layer: the engine's answer, relayed as it streams or whole, and kept by the
+        missed layers; the layers' fill guards are released however the request ends."""
         hit = await self.pipeline.guard(ctx, missed)
         if hit is not None:
             return self._from_cache(ctx, hit)
-        assert ctx.routed is not None and ctx.upstream is not None
-        ns, endpoint, stream, include_usage = ctx.namespace, ctx.endpoint, ctx.stream, ctx.include_usage
-        payload = {**ctx.upstream, "cache_salt": ns.cache_salt, "stream": True, "stream_options": {"include_usage": True}}
-        tried: set[int] = set()
+        ended, handed_over = False, False
 
-        async def finish(record: dict[str, Any] | None, engine: EngineTarget | None) -> None:
-            """Store a complete answer in the missed layers, record, release the flight."""
+        async def end(answer: EngineAnswer, engine: EngineTarget | None) -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
             try:
-                if record is not None and engine is not None:
-                    await self._after_answer(ctx, missed, record, engine)
+                if answer.record is not None and engine is not None:
+                    self._answered(ctx, missed, answer.record, answer.first_token_at or time.perf_counter())
+                    await self._after_answer(ctx, missed, answer.record, engine)
             finally:
-                await self.pipeline.release(ctx, missed, record)
+                await self.pipeline.release(ctx, missed, answer.record)
 
-        while True:
-            try:
-                engine = self._engine(ns, ctx.body, tried)
-            except GatewayError as exc:
-                await finish(None, None)
-                return exc.response()
-            tried.add(engine.id)
-            try:
-                self.breaker.acquire(str(engine.id))
-            except Overloaded as exc:
-                if len(tried) < len(ns.engines):
-                    continue
-                await finish(None, None)
-                return GatewayError(503, f"engines of {ns.version_label} are at capacity ({exc.reason}); retry later",
-                                    type_="server_error", code="overloaded",
-                                    headers={"retry-after": str(max(1, round(exc.retry_after_s + 0.5)))}).response()  # fmt: skip
-            self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
-            try:
-                opened = await self._open(engine, endpoint, payload)
-            except (httpx.HTTPError, OSError) as exc:
-                self._done(engine, ok=False)
-                log.warning("engine %s unreachable: %r", engine.name, exc)
-                continue  # another engine, if any
-            if isinstance(opened, Response):  # the engine refused the request: its answer, as is
-                self._done(engine, ok=opened.status_code < 500)
-                await finish(None, None)
-                return opened
-            break
-        assembler = _StreamAssembler(endpoint, engine.fingerprint)
-        upstream_response = opened
-        # An error the engine reports inside the stream about the request itself (a 4xx: a token id
-        # outside the vocabulary) is the caller's, not a failing engine's: it never opens the breaker
-        # (one tenant's bad requests would otherwise take a shared engine from every tenant).
-        refused: list[dict[str, Any]] = []
+        try:
+            call = await self.proxy.open(ctx.namespace, ctx.endpoint, self._payload(ctx), ctx.body)
+            if ctx.stream:
+                events = self.proxy.relay(call, ctx.endpoint, include_usage=ctx.include_usage,
+                                          on_end=lambda answer: end(answer, call.engine))  # fmt: skip
 
-        async def relay() -> AsyncIterator[bytes]:
-            complete = False
-            try:
-                async for line in upstream_response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        complete = True
-                        if stream:
-                            yield b"data: [DONE]\n\n"
-                        # Read on to the end of the body: a response closed early loses its
-                        # keep-alive connection, and a new one per request runs out of ports.
-                        continue
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        continue
-                    if "error" in chunk and "choices" not in chunk:
-                        if _client_error(chunk):
-                            refused.append(chunk)
-                        if stream:
-                            yield _sse(chunk)
-                        break
-                    assembler.feed(chunk)
-                    # The engine's own chunks carry no fingerprint: the gateway names the state that computes them.
-                    chunk["system_fingerprint"] = engine.fingerprint
-                    if stream and (chunk.get("choices") or include_usage):
-                        yield _sse(chunk)
-            except (httpx.HTTPError, OSError) as exc:
-                # The engine died mid-stream: the client gets an error event, nothing is cached.
-                log.warning("engine %s failed mid-stream: %r", engine.name, exc)
-                if stream:
-                    yield _sse({"error": {"message": f"engine {engine.name} failed mid-stream", "type": "server_error",
-                                          "param": None, "code": "engine_failed"}})  # fmt: skip
-            finally:
-                await upstream_response.aclose()
-                self._done(engine, ok=complete or bool(refused))
-                record = assembler.record() if complete else None
-                if record is not None:
-                    self._answered(ctx, missed, record, assembler.first_token_at or time.perf_counter())
-                await asyncio.shield(finish(record, engine))
+                async def closed() -> None:  # a stream closed before it started still ends the call
+                    await self.proxy.finish(call, ok=True)
+                    await end(EngineAnswer(None), None)
 
-        if stream:
-            return _ProxyStream(relay(), _served_headers(ctx.routed, "engine", engine))
-        async for _ in relay():
-            pass
-        if refused:
-            return JSONResponse({"error": refused[0]["error"]}, status_code=400)
-        if not assembler.choices:
-            return GatewayError(
-                502, f"engine {engine.name} failed before answering", type_="server_error", code="engine_failed"
-            ).response()
-        answer = _answer_from_record(assembler.record(), endpoint, ctx.model)
-        return JSONResponse(answer, headers=_served_headers(ctx.routed, "engine", engine))
+                handed_over = True  # the stream ends the call, whenever the caller stops reading
+                return ProxyStream(events, served_headers(ctx.routed, "engine", call.engine), on_close=closed)  # type: ignore[arg-type]
+            answer = await self.proxy.complete(call, ctx.endpoint)
+            await asyncio.shield(end(answer, call.engine))
+        except GatewayError as exc:
+            return exc.response()
+        except EngineRefused as exc:
+            return exc.response()
+        finally:
+            if not handed_over:  # no engine, a refusal, or cancelled on the way: the guards are released all the same
+                await asyncio.shield(end(EngineAnswer(None), None))
+        if answer.record is None:
+            return GatewayError(502, f"engine {call.engine.name} failed before answering", type_="server_error",
+                                code="engine_failed").response()  # fmt: skip
+        return JSONResponse(answer_from_record(answer.record, ctx.endpoint, ctx.model),
+                            headers=served_headers(ctx.routed, "engine", call.engine))  # type: ignore[arg-type]  # fmt: skip
+
+    def _payload(self, ctx: RequestContext) -> dict[str, Any]:
+        """What the engine gets: the normalized body under the namespace's salt; a streamed
+        answer always carries its usage (the records need it), a non-streamed one is asked whole."""
+        assert ctx.upstream is not None
+        payload = {**ctx.upstream, "cache_salt": ctx.namespace.cache_salt, "stream": ctx.stream}
+        if ctx.stream:
+            payload["stream_options"] = {"include_usage": True}
+        else:
+            payload.pop("stream_options", None)
+        return payload
 
     def _answered(self, ctx: RequestContext, missed: list[Missed], record: Mapping[str, Any], first: float) -> None:
         """Count an engine's complete answer: the prefix layer's figures and the missed layers' cold TTFT."""
@@ -801,34 +450,6 @@ class Gateway:
         )  # fmt: skip
         # The layers looked up and missed: this answer is their cold TTFT.
         self.pipeline.went_past(ctx, missed, ttft / 1000)
-
-    async def _open(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response | Response:
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        request = self.client.build_request(
-            "POST", engine.base_url.rstrip("/") + path, json={**payload, "model": engine.served_model},
-            headers=dict(engine.headers),
-        )  # fmt: skip
-        response = await self.client.send(request, stream=True)
-        if response.status_code >= 400:
-            content = await response.aread()
-            await response.aclose()
-            try:
-                body = json.loads(content)
-                error = body.get("error") if isinstance(body, dict) else None
-            except ValueError:
-                error = None
-            if not isinstance(error, dict):
-                error = {"message": content.decode("utf-8", "replace")[:500], "type": "upstream_error", "param": None,
-                         "code": f"engine_{response.status_code}"}  # fmt: skip
-            status = response.status_code if response.status_code < 500 else 502
-            return JSONResponse({"error": error}, status_code=status)
-        return response
-
-    def _done(self, engine: EngineTarget, *, ok: bool) -> None:
-        self.in_flight[engine.id] = max(0, self.in_flight.get(engine.id, 1) - 1)
-        self.breaker.release(str(engine.id), ok)
-        if self.rt.recorder.metrics is not None:
-            self.rt.recorder.metrics.breaker(engine.name, self.breaker.state(str(engine.id)) != "closed")
 
     async def _after_answer(
         self, ctx: RequestContext, missed: list[Missed], record: dict[str, Any], engine: EngineTarget

@@ -57,9 +57,9 @@ from cacheadmin.services.prompt_templates import template_indexes, template_stat
 from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
-from gateway.canonical import InvalidRequest
 from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
+from gateway.param_specs import InvalidRequest
 from gateway.pii.gate import PERSONAL_DATA_POLICIES
 from gateway.records import layer_figures
 from gateway.routing import (
@@ -545,10 +545,11 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], t
     # Lazy: the gateway's request path (starlette, httpx, libphonenumber: ~190 ms) is
     # not loaded by every process that imports the services, only by explain.
     from cacheadmin.services.gateway_stores import response_store
+    from gateway.errors import GatewayError
     from gateway.layers import build_layers
     from gateway.layers.semantic.layer import SemanticLayer
     from gateway.records import Recorder
-    from gateway.server import GatewayError, Runtime, explain, request_tags
+    from gateway.server import Runtime, explain, request_tags
 
     if endpoint not in ("chat", "completions"):
         raise InvalidField("endpoint", "must be chat or completions")

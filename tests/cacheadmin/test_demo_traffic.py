@@ -37,8 +37,9 @@ from gateway.layers.semantic.layer import SemanticLayer
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, similarity
 from gateway.pii import personal_data_kinds
 from gateway.pipeline import last_user_text
+from gateway.replies import FINGERPRINT_HEADER, SERVED_BY_HEADER, VERSION_HEADER
 from gateway.routing import sticky_id
-from gateway.server import FINGERPRINT_HEADER, SERVED_BY_HEADER, VERSION_HEADER, check_body
+from gateway.server import check_body
 
 N_DRAWS = 5000
 

@@ -26,6 +26,8 @@ class FakeEngine:
         self.stream_error: dict[str, Any] | None = None
         self.down = False
         self.delay_s = 0.0
+        #: How many of the first calls fail mid-answer (as an engine that dies does).
+        self.fail_first = 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.down:
@@ -49,7 +51,9 @@ class FakeEngine:
         usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words),
                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
         chunks.append({"id": "c1", "object": "chat.completion.chunk", "model": body["model"], "choices": [], "usage": usage})
-        fail = self.fail_mid_stream
+        fail = self.fail_mid_stream or len(self.received) <= self.fail_first
+        if not body.get("stream"):
+            return self._whole(body, words, usage, fail)
         if self.stream_error is not None:
             chunks = [chunks[0], self.stream_error]
 
@@ -61,6 +65,25 @@ class FakeEngine:
             yield b"data: [DONE]\n\n"
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+
+    def _whole(self, body: dict[str, Any], words: list[str], usage: dict[str, Any], fail: bool) -> httpx.Response:
+        """A non-streamed answer, as vLLM sends one: the whole object, or its error with the error's status."""
+        if self.stream_error is not None:
+            return httpx.Response(int(self.stream_error["error"].get("code") or 400), json=self.stream_error)
+        message = {"role": "assistant", "content": " ".join(words), "tool_calls": []}
+        answer = {"id": "c1", "object": "chat.completion", "created": 1, "model": body["model"],
+                  "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop",
+                               "stop_reason": None}], "usage": usage}  # fmt: skip
+        raw = json.dumps(answer).encode()
+
+        async def cut_off():  # type: ignore[no-untyped-def]
+            yield raw[: len(raw) // 2]
+            raise httpx.ReadError("engine died")
+
+        if fail:
+            return httpx.Response(200, headers={"content-type": "application/json"}, content=cut_off())
+        return httpx.Response(200, headers={"content-type": "application/json"}, content=raw)
 
 
 def call(setup: dict[str, Any], body: Any, *, key: str | None = None, path: str = "/v1/chat/completions",

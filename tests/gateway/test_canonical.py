@@ -16,16 +16,14 @@ import pytest
 
 from gateway.canonical import (
     ADMISSION_REASONS,
-    ENGINE_DEFAULTED_PARAMETERS,
-    OUTPUT_DEFAULTS,
     Admission,
-    InvalidRequest,
     canonical_bytes,
     canonical_request,
     normalized_body,
     response_admission,
     response_cache_key,
 )
+from gateway.param_specs import ENGINE_DEFAULTED_PARAMETERS, OUTPUT_DEFAULTS, InvalidRequest
 from gateway.request_fields import fields_of
 
 SECRET = b"tenant-secret-0123456789abcdef"

@@ -39,7 +39,7 @@ def test_a_greedy_request_is_salted_served_and_then_answered_from_the_response_c
     assert first.json()["choices"][0]["message"]["content"] == "Paris is the capital."
     sent = setup["fake"].received[0]
     assert sent["cache_salt"] == cache_salt(settings.CACHE_SALT_SECRET, "a" * 64)
-    assert sent["model"] == "tiny" and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["model"] == "tiny" and sent["stream"] is False and "stream_options" not in sent  # asked whole
     second = call(setup, chat(temperature=0))
     assert second.status_code == 200
     assert second.headers["x-kvcp-served-by"] == "response"
@@ -93,6 +93,45 @@ def test_concurrent_identical_misses_make_one_engine_call(setup) -> None:
     assert [a.status_code for a in answers] == [200] * 10
     assert len(setup["fake"].received) == 1
     assert {a.json()["choices"][0]["message"]["content"] for a in answers} == {"Paris is the capital."}
+
+
+def concurrently(setup: dict[str, Any], bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=setup["gateway"].app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            h = {"authorization": f"Bearer {setup['key']}"}
+            return await asyncio.gather(*[client.post("/v1/chat/completions", json=b, headers=h) for b in bodies])
+
+    return asyncio.run(go())
+
+
+def test_when_the_leader_of_a_fill_fails_the_requests_that_joined_it_make_one_more_call(setup) -> None:
+    setup["fake"].delay_s, setup["fake"].fail_first = 0.3, 1
+    answers = concurrently(setup, [chat(temperature=0)] * 10)
+    assert sorted(a.status_code for a in answers) == [200] * 9 + [502]
+    assert len(setup["fake"].received) == 2  # the failed call and one more, not one per waiting request
+    (failed,) = [a for a in answers if a.status_code == 502]
+    assert failed.json()["error"]["code"] == "engine_failed"
+    assert {a.json()["choices"][0]["message"]["content"] for a in answers if a.status_code == 200} == {"Paris is the capital."}
+    layer = setup["gateway"].pipeline.layers[0]
+    assert layer.name == "response" and layer.flight.in_flight() == 0
+    key = response_cache_key(
+        canonical_request("chat", chat(temperature=0)), namespace_key="a" * 64, tenant_secret=tenant_secret(setup["acme"].key)
+    )
+    assert setup["store"].lease("ns-acme", key, 1.0) is True  # the fill lease was given back
+    assert setup["store"].get("ns-acme", key) is not None
+
+
+def test_a_non_streamed_answer_cut_off_is_a_502_cached_nowhere_and_counted_by_the_breaker(setup) -> None:
+    setup["fake"].fail_mid_stream = True
+    answer = call(setup, chat(temperature=0))
+    assert (answer.status_code, answer.json()["error"]["code"]) == (502, "engine_failed")
+    assert setup["gateway"].proxy.breaker.snapshot()[str(setup["engine"].pk)]["consecutive_failures"] == 1
+    setup["fake"].fail_mid_stream = False
+    again = call(setup, chat(temperature=0))
+    assert (again.status_code, again.headers["x-kvcp-served-by"]) == (200, "engine")
+    assert setup["gateway"].proxy.breaker.snapshot()[str(setup["engine"].pk)]["consecutive_failures"] == 0
+    assert setup["gateway"].proxy.in_flight == {setup["engine"].pk: 0}
 
 
 def test_an_answer_stored_between_the_lookup_and_the_lease_is_served_not_filled_again(setup) -> None:
@@ -468,7 +507,7 @@ def test_an_engine_refusing_a_request_inside_its_stream_never_opens_its_breaker(
             assert answer.status_code == 200 and json.dumps(refusal) in answer.text
         else:
             assert (answer.status_code, answer.json()) == (400, {"error": refusal["error"]})
-    assert setup["gateway"].breaker.snapshot()[str(setup["engine"].pk)]["state"] == "closed"
+    assert setup["gateway"].proxy.breaker.snapshot()[str(setup["engine"].pk)]["state"] == "closed"
     setup["fake"].stream_error = None
     assert call(setup, chat("What is the capital of France?", temperature=0)).status_code == 200
 

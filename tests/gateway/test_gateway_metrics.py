@@ -87,7 +87,7 @@ def test_a_miss_then_a_response_hit_counted_exactly(setup) -> None:  # noqa: F81
 
 def test_an_engine_failing_opens_its_breaker_gauge(setup) -> None:  # noqa: F811
     setup["gateway"].metrics_token = TOKEN
-    setup["gateway"].breaker.failure_threshold = 1
+    setup["gateway"].proxy.breaker.failure_threshold = 1
     setup["fake"].down = True
     assert call(setup, chat("down?", temperature=0)).status_code == 503
     assert samples(setup)[("kvcp_gateway_breaker_open", frozenset({("engine", "e1")}))] == 1

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.canonical import InvalidRequest, canonical_request, normalized_body
+from gateway.canonical import canonical_request, normalized_body
+from gateway.param_specs import InvalidRequest
 from gateway.request_fields import FIELD_CLASSES, REQUEST_FIELDS, field_refusal, fields_of
 from gateway.server import explain
 from tests.gateway.harness import call, chat
@@ -275,7 +276,8 @@ def test_the_gateway_answers_400_for_kv_transfer_params_and_no_engine_sees_the_r
     served = call(setup, chat(temperature=0, user="alice", stream_interval=2))
     assert served.status_code == 200, served.text
     (sent,) = setup["fake"].received
-    assert set(sent) == {"model", "messages", "temperature", "cache_salt", "stream", "stream_options"}
+    # Non-streamed: the engine is asked for its whole answer (no stream options).
+    assert set(sent) == {"model", "messages", "temperature", "cache_salt", "stream"} and sent["stream"] is False
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,0 +1,346 @@
+"""The engine proxy: choose an engine of the routed namespace, hold its breaker and
+in-flight slot, send the request, and relay its answer: server-sent events parsed
+with ``httpx-sse`` and folded into a complete answer as they pass (streamed
+callers), or the engine's one JSON answer (non-streamed callers).
+
+The HTTP surface (:mod:`gateway.server`) decides what is sent and what is done
+with a complete answer (cache layers, records); this module only talks to engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource, SSEError
+from starlette.responses import JSONResponse
+
+from gateway.errors import GatewayError
+from gateway.protection import FillBreaker, Overloaded
+from gateway.records import Recorder
+from gateway.replies import sse
+from gateway.routing import EngineTarget, NamespaceTarget, RoundRobin, choose_engine, prompt_affinity_text
+
+log = logging.getLogger("gateway")
+
+__all__ = ["EngineAnswer", "EngineCall", "EngineProxy", "EngineRefused", "StreamAssembler", "client_error"]
+
+
+@dataclass
+class EngineAnswer:
+    """How an engine call ended.
+
+    Attributes:
+        record: the complete answer as a cache record (:meth:`StreamAssembler.record`'s shape), or None.
+        first_token_at: ``time.perf_counter()`` of the first token (a non-streamed answer: when it arrived), or None.
+        refused: the engine's error object when it refused the request itself (a 4xx), else None.
+    """
+
+    record: dict[str, Any] | None
+    first_token_at: float | None = None
+    refused: dict[str, Any] | None = None
+
+
+class EngineRefused(Exception):
+    """The engine answered the request with an error status: its error, as the caller gets it
+    (a 5xx becomes 502: the gateway's upstream failed, not the gateway).
+
+    Attributes:
+        status: the HTTP status the caller gets.
+        error: the OpenAI-format error object.
+    """
+
+    def __init__(self, status: int, error: dict[str, Any]) -> None:
+        super().__init__(error.get("message"))
+        self.status, self.error = status, error
+
+    def response(self) -> JSONResponse:
+        """The error in the OpenAI envelope, its object as the engine wrote it."""
+        return JSONResponse({"error": self.error}, status_code=self.status)
+
+
+@dataclass
+class EngineCall:
+    """An engine's open answer: its response (headers read, body not yet), holding a breaker
+    and in-flight slot of the engine until :meth:`EngineProxy.finish`."""
+
+    engine: EngineTarget
+    response: httpx.Response
+    finished: bool = False
+
+
+class EngineProxy:
+    """The engines of one gateway process: one HTTP client, a breaker and in-flight count per engine.
+
+    Args:
+        recorder: where the breaker's state is shown (its metrics).
+        transport: httpx transport for engines (tests and benchmarks), or None.
+        timeout_s: an engine's whole answer, seconds.
+        max_in_flight, breaker_failures, breaker_cooldown_s: :class:`gateway.protection.FillBreaker`'s.
+        choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
+    """
+
+    def __init__(self, recorder: Recorder, *, transport: httpx.AsyncBaseTransport | None, timeout_s: float,
+                 max_in_flight: int, breaker_failures: int, breaker_cooldown_s: float, choice: str) -> None:  # fmt: skip
+        self.recorder = recorder
+        self.client = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.breaker = FillBreaker(max_in_flight, breaker_failures, breaker_cooldown_s)
+        #: Requests this process has open per engine id (the load-aware choice reads it).
+        self.in_flight: dict[int, int] = {}
+        self.choice = choice
+        self._round_robin = RoundRobin()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (the server stops)."""
+        await self.client.aclose()
+
+    def choose(self, ns: NamespaceTarget, body: Mapping[str, Any], avoid: set[int]) -> EngineTarget:
+        """An engine of ``ns`` not in ``avoid``.
+
+        Raises:
+            GatewayError: 503 ``no_engine`` when none is left.
+        """
+        engines = [e for e in ns.engines if e.id not in avoid]
+        if not engines:
+            why = (
+                "every engine serving it failed this request"
+                if ns.engines
+                else "no engine in service (ready and verified) serves it"
+            )
+            raise GatewayError(503, f"namespace of {ns.version_label}: {why}", type_="server_error", code="no_engine")
+        if self.choice == "round_robin":
+            return self._round_robin.choose(engines)
+        return choose_engine(engines, prompt_affinity_text(body), self.in_flight)
+
+    async def open(self, ns: NamespaceTarget, endpoint: str, payload: dict[str, Any], body: Mapping[str, Any]) -> EngineCall:
+        """Send ``payload`` to an engine of ``ns`` and return once its answer's headers arrive;
+        an engine that cannot be reached is passed for the next one.
+
+        Args:
+            endpoint: ``"chat"`` or ``"completions"``.
+            payload: the body sent (its ``stream`` says how the answer comes back).
+            body: the caller's body (the engine choice's prefix affinity reads it).
+
+        Raises:
+            GatewayError: 503 ``no_engine`` (none left), 503 ``overloaded`` (every engine at capacity, with ``retry-after``).
+            EngineRefused: the engine answered an error status.
+        """
+        tried: set[int] = set()
+        while True:
+            engine = self.choose(ns, body, tried)
+            tried.add(engine.id)
+            try:
+                self.breaker.acquire(str(engine.id))
+            except Overloaded as exc:
+                if len(tried) < len(ns.engines):
+                    continue
+                raise GatewayError(503, f"engines of {ns.version_label} are at capacity ({exc.reason}); retry later",
+                                   type_="server_error", code="overloaded",
+                                   headers={"retry-after": str(max(1, round(exc.retry_after_s + 0.5)))}) from None  # fmt: skip
+            self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
+            try:
+                response = await self._send(engine, endpoint, payload)
+            except (httpx.HTTPError, OSError) as exc:
+                self._release(engine, ok=False)
+                log.warning("engine %s unreachable: %r", engine.name, exc)
+                continue
+            if response.status_code >= 400:
+                refused = await _refusal(response)
+                self._release(engine, ok=response.status_code < 500)
+                raise refused
+            return EngineCall(engine, response)
+
+    async def _send(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        request = self.client.build_request(
+            "POST", engine.base_url.rstrip("/") + path, json={**payload, "model": engine.served_model},
+            headers=dict(engine.headers),
+        )  # fmt: skip
+        return await self.client.send(request, stream=True)
+
+    async def finish(self, call: EngineCall, *, ok: bool) -> None:
+        """Close the engine's response and give its slot back (once; later calls do nothing)."""
+        if call.finished:
+            return
+        call.finished = True
+        await call.response.aclose()
+        self._release(call.engine, ok=ok)
+
+    def _release(self, engine: EngineTarget, *, ok: bool) -> None:
+        self.in_flight[engine.id] = max(0, self.in_flight.get(engine.id, 1) - 1)
+        self.breaker.release(str(engine.id), ok)
+        if self.recorder.metrics is not None:
+            self.recorder.metrics.breaker(engine.name, self.breaker.state(str(engine.id)) != "closed")
+
+    async def complete(self, call: EngineCall, endpoint: str) -> EngineAnswer:
+        """Read a non-streamed answer whole: the engine's one JSON answer as a cache record
+        (its choices and usage, and the fingerprint of the state that computed it).
+
+        An answer cut off or not an answer object is the engine's failure (record None,
+        the breaker counts it)."""
+        engine = call.engine
+        ok = False
+        try:
+            answer = json.loads(await call.response.aread())
+            arrived = time.perf_counter()
+            if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
+                log.warning("engine %s answered no choices", engine.name)
+                return EngineAnswer(None)
+            ok = True
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("engine %s failed before answering: %r", engine.name, exc)
+            return EngineAnswer(None)
+        finally:
+            await self.finish(call, ok=ok)
+        obj = "text_completion" if endpoint == "completions" else "chat.completion"
+        record = {"object": obj, "choices": answer["choices"], "usage": answer.get("usage") or {},
+                  "system_fingerprint": engine.fingerprint}  # fmt: skip
+        return EngineAnswer(record, arrived)
+
+    async def relay(
+        self, call: EngineCall, endpoint: str, *, include_usage: bool, on_end: Callable[[EngineAnswer], Awaitable[None]]
+    ) -> AsyncIterator[bytes]:
+        """A streamed answer's events for the caller, each chunk stamped with the engine's
+        fingerprint (the engine's own chunks carry none), folded into a complete answer as
+        they pass; ``on_end`` gets that answer (record None unless the stream ended with
+        ``[DONE]``) when the stream ends, however it ends.
+
+        An error event about the request itself (a 4xx: a token id outside the vocabulary)
+        is the caller's, not a failing engine's: it never opens the breaker (one tenant's bad
+        requests would otherwise take a shared engine from every tenant). An engine that dies
+        mid-stream gives the caller an ``engine_failed`` error event, and nothing is cached.
+        """
+        engine = call.engine
+        assembler = StreamAssembler(endpoint, engine.fingerprint)
+        complete, refused = False, None
+        try:
+            async for event in EventSource(call.response).aiter_sse():
+                if event.data == "[DONE]":
+                    complete = True
+                    yield b"data: [DONE]\n\n"
+                    # Read on to the end of the body: a response closed early loses its
+                    # keep-alive connection, and a new one per request runs out of ports.
+                    continue
+                try:
+                    chunk = json.loads(event.data)
+                except ValueError:
+                    continue
+                if "error" in chunk and "choices" not in chunk:
+                    if client_error(chunk):
+                        refused = chunk["error"]
+                    yield sse(chunk)
+                    break
+                assembler.feed(chunk)
+                chunk["system_fingerprint"] = engine.fingerprint
+                if chunk.get("choices") or include_usage:
+                    yield sse(chunk)
+        except (httpx.HTTPError, OSError, SSEError) as exc:
+            log.warning("engine %s failed mid-stream: %r", engine.name, exc)
+            yield sse({"error": {"message": f"engine {engine.name} failed mid-stream", "type": "server_error",
+                                 "param": None, "code": "engine_failed"}})  # fmt: skip
+        finally:
+            await self.finish(call, ok=complete or refused is not None)
+            answer = EngineAnswer(assembler.record() if complete else None, assembler.first_token_at, refused)
+            await asyncio.shield(on_end(answer))
+
+
+async def _refusal(response: httpx.Response) -> EngineRefused:
+    """An engine's error status as the caller's error: its OpenAI error object when it sent one."""
+    content = await response.aread()
+    await response.aclose()
+    try:
+        body = json.loads(content)
+        error = body.get("error") if isinstance(body, dict) else None
+    except ValueError:
+        error = None
+    if not isinstance(error, dict):
+        error = {"message": content.decode("utf-8", "replace")[:500], "type": "upstream_error", "param": None,
+                 "code": f"engine_{response.status_code}"}  # fmt: skip
+    return EngineRefused(response.status_code if response.status_code < 500 else 502, error)
+
+
+class StreamAssembler:
+    """Rebuilds a complete answer from streamed chunks (content, tool calls,
+    finish reasons, logprobs, usage) so a streamed miss fills the cache like a
+    non-streamed one."""
+
+    def __init__(self, endpoint: str, fingerprint: str) -> None:
+        self.endpoint = endpoint
+        self.fingerprint = fingerprint
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] = {}
+        self.first_token_at: float | None = None
+
+    def feed(self, chunk: Mapping[str, Any]) -> None:
+        """Fold one ``chat.completion.chunk`` / ``text_completion`` chunk in."""
+        if chunk.get("usage"):
+            self.usage = dict(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            index = int(choice.get("index", 0))
+            held = self.choices.setdefault(index, {"index": index, "finish_reason": None})
+            if choice.get("finish_reason") is not None:
+                held["finish_reason"] = choice["finish_reason"]
+            if self.endpoint == "completions":
+                if choice.get("text"):
+                    self._first()
+                held["text"] = held.get("text", "") + (choice.get("text") or "")
+                if choice.get("logprobs"):
+                    lp = held.setdefault("logprobs", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+                    for name in lp:
+                        lp[name].extend(choice["logprobs"].get(name) or [])
+                continue
+            delta = choice.get("delta") or {}
+            message = held.setdefault("message", {"role": "assistant", "content": None})
+            if delta.get("content"):
+                self._first()
+                message["content"] = (message["content"] or "") + delta["content"]
+            for call in delta.get("tool_calls") or []:
+                self._first()
+                calls = message.setdefault("tool_calls", [])
+                at = int(call.get("index", 0))
+                while len(calls) <= at:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                if call.get("id"):
+                    calls[at]["id"] = call["id"]
+                function = call.get("function") or {}
+                calls[at]["function"]["name"] += function.get("name") or ""
+                calls[at]["function"]["arguments"] += function.get("arguments") or ""
+            if choice.get("logprobs") and choice["logprobs"].get("content"):
+                held.setdefault("logprobs", {"content": []})["content"].extend(choice["logprobs"]["content"])
+
+    def _first(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def record(self) -> dict[str, Any]:
+        """The answer as a cache record: its object, choices, usage and the
+        ``system_fingerprint`` of the model state that computed it (ids and
+        times are made fresh for each caller)."""
+        obj = "text_completion" if self.endpoint == "completions" else "chat.completion"
+        return {
+            "object": obj, "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage,
+            "system_fingerprint": self.fingerprint,
+        }  # fmt: skip
+
+
+def client_error(chunk: Mapping[str, Any]) -> bool:
+    """Whether an error event inside an engine's stream is about the request (vLLM 0.32 streams
+    ``{"error": {"message", "type": "BadRequestError", "code": 400}}`` when it refuses a request
+    after the stream opened; ``vllm/entrypoints/generate/base/serving.py`` ``create_streaming_error_response``)."""
+    error = chunk.get("error")
+    if not isinstance(error, Mapping):
+        return False
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return 400 <= code < 500
+    return error.get("type") in ("BadRequestError", "invalid_request_error", "NotFoundError")

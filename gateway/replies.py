@@ -1,0 +1,169 @@
+"""What the gateway answers with, whoever computed the answer: an answer object or its
+server-sent events from a cache record, the stream response that stops its source
+when the client goes away, and the headers naming the layer, version and engine."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from gateway.routing import EngineTarget, Routed
+
+log = logging.getLogger("gateway")
+
+#: Header the gateway answers with: which layer served (``response``, ``semantic``, ``engine``).
+SERVED_BY_HEADER = "x-kvcp-served-by"
+#: Headers naming the model version a request was routed to and that version's
+#: ``system_fingerprint``: an answer whose body carries another fingerprint was
+#: computed by another model state (a cross-version answer; there must be none).
+VERSION_HEADER, FINGERPRINT_HEADER = "x-kvcp-version", "x-kvcp-fingerprint"
+
+
+def served_headers(routed: Routed, layer: str, engine: EngineTarget | None = None) -> dict[str, str]:
+    """The headers of an answer: the layer that served it, the version the request
+    was routed to (under a verified reuse, another version than the namespace's,
+    with the same identity) and its fingerprint, and the engine when one computed it now."""
+    headers = {
+        SERVED_BY_HEADER: layer, VERSION_HEADER: header_text(routed.route.version_label),
+        FINGERPRINT_HEADER: routed.namespace.fingerprint,
+    }  # fmt: skip
+    if engine is not None:
+        headers["x-kvcp-engine"] = header_text(engine.name)
+    return headers
+
+
+def header_text(value: str) -> str:
+    """A label or name as a header value: percent-encoded UTF-8 (RFC 3986), since
+    header values are Latin-1 bytes and labels may be any script; ASCII names
+    without reserved characters pass unchanged."""
+    return urllib.parse.quote(value, safe=" !#$&'()*+,/:;=?@[]^`{|}~")
+
+
+def completion_id(endpoint: str) -> str:
+    """A fresh answer id: ``cmpl-`` or ``chatcmpl-`` and 24 hex (ids are made per caller, never cached)."""
+    return ("cmpl-" if endpoint == "completions" else "chatcmpl-") + hashlib.blake2b(
+        random.randbytes(16), digest_size=12
+    ).hexdigest()
+
+
+def answer_from_record(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+    """A cache record (or an engine's answer as one) as the OpenAI answer object the caller
+    gets: a fresh id and time, the served name it asked for, the record's fingerprint, choices and usage."""
+    return {
+        "id": completion_id(endpoint),
+        "object": "text_completion" if endpoint == "completions" else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        # The state that computed the answer, cached or not (None: an entry stored before fingerprints were kept).
+        "system_fingerprint": record.get("system_fingerprint"),
+        "choices": record.get("choices", []),
+        "usage": record.get("usage") or {},
+    }
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line (``data`` as JSON, or bytes as they are)."""
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data, ensure_ascii=False).encode("utf-8")) + b"\n\n"
+
+
+def stream_record(record: Mapping[str, Any], endpoint: str, model: str, include_usage: bool) -> list[bytes]:
+    """A cached answer as SSE events, in the shape the engine streams them."""
+    cid, created = completion_id(endpoint), int(time.time())
+    fingerprint = record.get("system_fingerprint")
+    events: list[bytes] = []
+    if endpoint == "completions":
+        for choice in record.get("choices", []):
+            chunk = {"index": choice.get("index", 0), "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
+                     "finish_reason": choice.get("finish_reason")}  # fmt: skip
+            events.append(sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                "system_fingerprint": fingerprint, "choices": [chunk]}))  # fmt: skip
+    else:
+        head = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+        }
+        for choice in record.get("choices", []):
+            message = choice.get("message") or {}
+            index = choice.get("index", 0)
+            events.append(
+                sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            )
+            delta: dict[str, Any] = {}
+            if message.get("content"):
+                delta["content"] = message["content"]
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            body: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": choice.get("finish_reason")}
+            if choice.get("logprobs"):
+                body["logprobs"] = choice["logprobs"]
+            events.append(sse({**head, "choices": [body]}))
+    if include_usage:
+        obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+        usage_chunk = {
+            "id": cid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [],
+            "usage": record.get("usage") or {},
+        }
+        events.append(sse(usage_chunk))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+class ProxyStream(StreamingResponse):
+    """A streamed answer that stops its source when the client goes away: the
+    body comes from an async generator pumped in its own task while another
+    task waits for ``http.disconnect``; the first to finish cancels the other,
+    and closing the generator closes the engine's connection (vLLM then aborts
+    the request)."""
+
+    def __init__(
+        self, source: AsyncIterator[bytes], headers: Mapping[str, str], *, on_close: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        super().__init__(
+            source, status_code=200, headers={**headers, "cache-control": "no-cache"}, media_type="text/event-stream"
+        )
+        self.source = source
+        #: Called once the source is closed: what a source closed before it ever ran must still end.
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.source:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        pumping, watching = asyncio.create_task(pump()), asyncio.create_task(gone())
+        try:
+            await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pumping, watching):
+                task.cancel()
+            for outcome in await asyncio.gather(pumping, watching, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.error("stream ended by an error: %r", outcome, exc_info=outcome)
+            await self.source.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                await self.on_close()
