@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -76,6 +77,85 @@ class SnapshotHolder:
         self._stop.set()
 
 
+class Flusher:
+    """What one gateway process hands the control plane off its hot path: its figures and
+    heat (:class:`gateway.records.Recorder`) and its shadow samples, flushed every few seconds.
+
+    Args:
+        recorder: the process's figures.
+        write: writes figures, heat and template rows in one transaction (``gateway_flush``).
+        enqueue: queues one shadow check (``shadow_check_enqueue``'s keywords).
+        reconnect: drops the database connections after a failure (``close_old_connections``).
+    """
+
+    def __init__(self, recorder: Recorder, write: Callable[..., object], enqueue: Callable[..., object],
+                 reconnect: Callable[[], None]) -> None:  # fmt: skip
+        self.recorder, self.write, self.enqueue, self.reconnect = recorder, write, enqueue, reconnect
+        self.samples: queue.Queue[ShadowSample] = queue.Queue(maxsize=1000)
+
+    def sample(self, sample: ShadowSample) -> None:
+        """Keep a live request for shadow verification (dropped when 1,000 wait: samples, not a record)."""
+        try:
+            self.samples.put_nowait(sample)
+        except queue.Full:
+            pass
+
+    def run(self, stop: threading.Event, every_s: float) -> None:
+        """Flush every ``every_s`` seconds until ``stop`` is set."""
+        while not stop.wait(every_s):
+            self.flush_once()
+
+    def flush_once(self) -> None:
+        """Write what was drained; a database outage loses nothing (kept for the next flush)."""
+        rows, heat = self.recorder.drain()
+        template_rows = self.recorder.templates.drain()
+        pending = []
+        while True:
+            try:
+                pending.append(self.samples.get_nowait())
+            except queue.Empty:
+                break
+        try:
+            self.write(rows, heat, template_rows)  # one transaction: written whole or not at all
+        except Exception:  # noqa: BLE001 - a database outage must not lose the figures: they wait for the next flush
+            log.exception("gateway figures not written; kept for the next flush")
+            self.recorder.restore(rows, heat)
+            self.recorder.templates.restore(template_rows)
+            self.reconnect()
+        # Apart from the figures: a sample that fails to queue must not put back figures already written.
+        self._enqueue(pending)
+
+    def _enqueue(self, pending: list[ShadowSample]) -> None:
+        for at, sample in enumerate(pending):
+            try:
+                self.enqueue(
+                    namespace_pk=sample.namespace_pk, engine_id=sample.engine_id, endpoint=sample.endpoint, body=sample.body,
+                    cached_tokens=sample.cached_tokens,
+                )  # fmt: skip
+            except Exception:  # noqa: BLE001 - kept for the next flush, as the figures are
+                log.exception("shadow samples not queued; kept for the next flush")
+                for kept in pending[at:]:
+                    try:
+                        self.samples.put_nowait(kept)
+                    except queue.Full:
+                        break  # the sampler's bound holds: the rest are dropped, as a full backlog drops
+                self.reconnect()
+                break
+
+
+def _semantic_layer(on: bool) -> Any:
+    """The deployment's semantic layer, or None when it is off here."""
+    if not on:
+        return None
+    # Lazy: torch and sentence-transformers load only where the semantic layer is on.
+    from cacheadmin.services.gateway import semantic_rules
+    from cacheadmin.services.gateway_stores import semantic_store
+    from gateway.layers.semantic.embedder import default_embedder
+    from gateway.layers.semantic.layer import SemanticLayer
+
+    return SemanticLayer(semantic_store(), default_embedder(), rules=semantic_rules())
+
+
 def create_app() -> Starlette:
     """The ASGI application of one gateway process (Django set up here)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cacheadmin.settings")
@@ -86,94 +166,31 @@ def create_app() -> Starlette:
     from django.conf import settings
     from django.db import close_old_connections
 
-    from cacheadmin.services.gateway import gateway_flush, routing_epoch, routing_snapshot_build, semantic_rules
-    from cacheadmin.services.gateway_stores import response_store, semantic_store
+    from cacheadmin.services.gateway import gateway_flush, routing_epoch, routing_snapshot_build
+    from cacheadmin.services.gateway_stores import response_store
     from cacheadmin.services.shadow import shadow_check_enqueue
 
     # This process's read deadlines and per-address cap (the protocol reads them per connection).
     connections.limits = connections.ConnectionLimits(
-        header_timeout_s=settings.GATEWAY_HEADER_TIMEOUT_S,
-        body_timeout_s=settings.GATEWAY_BODY_TIMEOUT_S,
+        header_timeout_s=settings.GATEWAY_HEADER_TIMEOUT_S, body_timeout_s=settings.GATEWAY_BODY_TIMEOUT_S,
         per_client=settings.GATEWAY_CONNECTIONS_PER_CLIENT,
-    )
-    holder = SnapshotHolder(
-        routing_snapshot_build,
-        routing_epoch,
-        poll_s=settings.GATEWAY_EPOCH_POLL_MS / 1000,
-        max_age_s=settings.GATEWAY_SNAPSHOT_MAX_AGE_S,
-    )
+    )  # fmt: skip
+    holder = SnapshotHolder(routing_snapshot_build, routing_epoch, poll_s=settings.GATEWAY_EPOCH_POLL_MS / 1000,
+                            max_age_s=settings.GATEWAY_SNAPSHOT_MAX_AGE_S)  # fmt: skip
     recorder = Recorder()
-    samples: queue.Queue[ShadowSample] = queue.Queue(maxsize=1000)
-
-    def shadow(sample: ShadowSample) -> None:
-        try:
-            samples.put_nowait(sample)
-        except queue.Full:  # shadow verification samples; dropping one under a burst is fine
-            pass
-
-    semantic = None
-    if settings.GATEWAY_SEMANTIC:
-        # Lazy: torch and sentence-transformers load only where the semantic layer is on.
-        from gateway.layers.semantic.embedder import default_embedder
-        from gateway.layers.semantic.layer import SemanticLayer
-
-        semantic = SemanticLayer(semantic_store(), default_embedder(), rules=semantic_rules())
-    runtime = Runtime(
-        snapshot=holder.current,
-        response_store=response_store(),
-        semantic=semantic,
-        recorder=recorder,
-        shadow=shadow,
-        limits=Limits(
-            rate_per_s=float(settings.GATEWAY_RATE_PER_S),
-            burst=settings.GATEWAY_BURST,
-            engine_max_in_flight=settings.GATEWAY_ENGINE_MAX_IN_FLIGHT,
-        ),
-    )
+    flusher = Flusher(recorder, gateway_flush, shadow_check_enqueue, close_old_connections)
+    semantic = _semantic_layer(settings.GATEWAY_SEMANTIC)
+    limits = Limits(rate_per_s=float(settings.GATEWAY_RATE_PER_S), burst=settings.GATEWAY_BURST,
+                    engine_max_in_flight=settings.GATEWAY_ENGINE_MAX_IN_FLIGHT)  # fmt: skip
+    runtime = Runtime(snapshot=holder.current, response_store=response_store(), semantic=semantic, recorder=recorder,
+                      shadow=flusher.sample, limits=limits)  # fmt: skip
     gateway = Gateway(runtime)
     gateway.metrics_token = settings.METRICS_TOKEN
     stop = threading.Event()
 
-    def flush_loop() -> None:
-        while not stop.wait(settings.GATEWAY_FLUSH_S):
-            flush_once()
-
-    def flush_once() -> None:
-        rows, heat = recorder.drain()
-        template_rows = recorder.templates.drain()
-        pending = []
-        while True:
-            try:
-                pending.append(samples.get_nowait())
-            except queue.Empty:
-                break
-        try:
-            gateway_flush(rows, heat, template_rows)  # one transaction: written whole or not at all
-        except Exception:  # noqa: BLE001 - a database outage must not lose the figures: they wait for the next flush
-            log.exception("gateway figures not written; kept for the next flush")
-            recorder.restore(rows, heat)
-            recorder.templates.restore(template_rows)
-            close_old_connections()
-        # Apart from the figures: a sample that fails to queue must not put back figures already written.
-        for at, sample in enumerate(pending):
-            try:
-                shadow_check_enqueue(
-                    namespace_pk=sample.namespace_pk, engine_id=sample.engine_id, endpoint=sample.endpoint, body=sample.body,
-                    cached_tokens=sample.cached_tokens,
-                )  # fmt: skip
-            except Exception:  # noqa: BLE001 - kept for the next flush, as the figures are
-                log.exception("shadow samples not queued; kept for the next flush")
-                for kept in pending[at:]:
-                    try:
-                        samples.put_nowait(kept)
-                    except queue.Full:
-                        break  # the sampler's bound holds: the rest are dropped, as a full backlog drops
-                close_old_connections()
-                break
-
     def start() -> None:
         threading.Thread(target=holder.run, name="routing-snapshot", daemon=True).start()
-        threading.Thread(target=flush_loop, name="gateway-flush", daemon=True).start()
+        threading.Thread(target=flusher.run, args=(stop, settings.GATEWAY_FLUSH_S), name="gateway-flush", daemon=True).start()
         if semantic is not None:
             # Load the embedding model now, not on the first semantic request.
             threading.Thread(target=lambda: semantic.embedder.embed(["warm up"]), name="embedder-load", daemon=True).start()
@@ -181,7 +198,7 @@ def create_app() -> Starlette:
     def shutdown() -> None:
         holder.stop()
         stop.set()
-        in_thread(flush_once)
+        in_thread(flusher.flush_once)
         # This process's live gauges (breakers) stop counting among the group's.
         from cacheadmin.metrics.multiproc import mark_process_dead
 

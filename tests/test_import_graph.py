@@ -7,6 +7,9 @@ command)."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import grimp
 
 PACKAGES = ("cacheadmin", "inference", "gateway")
@@ -105,3 +108,81 @@ def test_salts_are_computed_in_one_place() -> None:
         if "cache_salt" in detail["line_contents"]
     }
     assert naming == {"cacheadmin.services.namespaces"}
+
+
+#: The gateway's levels, lowest first: a module imports only modules of its own level or
+#: below (the longest matching prefix names a module's level). A third cache layer's
+#: package sits beside ``gateway.layers.response``: its stores at level 2, its layer at 4.
+GATEWAY_LEVELS: tuple[tuple[str, ...], ...] = (
+    ("gateway.errors", "gateway.request_fields", "gateway.sqlite_file", "gateway.templates", "gateway.layers",
+     "gateway.layers.base"),
+    ("gateway.param_specs", "gateway.pii"),
+    ("gateway.canonical", "gateway.routing", "gateway.records", "gateway.metrics", "gateway.layers.response",
+     "gateway.layers.semantic"),
+    ("gateway.protection",),
+    ("gateway.layers.response.layer", "gateway.layers.semantic.layer", "gateway.pipeline"),
+    ("gateway.replies", "gateway.engine_proxy", "gateway.connections"),
+    ("gateway.server",),
+    ("gateway.asgi", "gateway.__init__"),
+)  # fmt: skip
+#: Most lines of one gateway module, and of one function's code (its docstring not counted: that is its contract).
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 800, 60
+
+
+def _level(module: str) -> int:
+    if module == "gateway":
+        return len(GATEWAY_LEVELS) - 1
+    best, level = "", -1
+    for at, prefixes in enumerate(GATEWAY_LEVELS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, level = prefix, at
+    assert level >= 0, f"{module} has no level in GATEWAY_LEVELS"
+    return level
+
+
+def test_the_gateway_imports_only_downward() -> None:
+    graph = _graph()
+    gateway = sorted(m for m in graph.modules if m.split(".")[0] == "gateway")
+    upward = [
+        (m, i)
+        for m in gateway
+        for i in graph.find_modules_directly_imported_by(m)
+        if i.split(".")[0] == "gateway" and _level(i) > _level(m)
+    ]
+    assert upward == []
+    assert _level("gateway.layers.response.redis_store") == 2 and _level("gateway.layers.response.layer") == 4
+
+
+def _sizes(path: Path) -> tuple[int, list[tuple[str, int]]]:
+    """A module's lines, and each function's lines of code (from ``def`` to its end, less its docstring)."""
+    text = path.read_text()
+    functions = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0]
+            doc = (
+                first.end_lineno - first.lineno + 1  # type: ignore[operator]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+                else 0
+            )
+            functions.append((node.name, node.end_lineno - node.lineno + 1 - doc))  # type: ignore[operator]
+    return len(text.splitlines()), functions
+
+
+def test_no_gateway_module_or_function_is_too_long() -> None:
+    root = Path(__file__).resolve().parent.parent / "gateway"
+    long_modules, long_functions = [], []
+    for path in sorted(root.rglob("*.py")):
+        lines, functions = _sizes(path)
+        name = str(path.relative_to(root.parent))
+        if lines > MAX_MODULE_LINES:
+            long_modules.append((name, lines))
+        long_functions += [(name, f, n) for f, n in functions if n > MAX_FUNCTION_LINES]
+    assert long_modules == [] and long_functions == []
+
+
+def test_the_size_rule_measures_code_not_docstrings(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    (tmp_path / "m.py").write_text(f'def f():\n    """Doc\n\n    more.\n    """\n{body}\n\n\ndef g():\n    return 1\n')
+    assert _sizes(tmp_path / "m.py") == (70, [("f", 62), ("g", 2)])
