@@ -200,7 +200,7 @@ class Pipeline:
         """Store a complete answer in every missed layer, unless the request or the answer
         holds personal data: the cache layers serve what they keep verbatim, so nothing of it
         is kept (:mod:`gateway.pii.gate`)."""
-        if ctx.personal or personal_data_kinds(answer_text(record)):
+        if not missed or ctx.personal or personal_data_kinds(answer_text(record)):
             return
         for miss in missed:
             try:
