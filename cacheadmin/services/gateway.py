@@ -650,10 +650,9 @@ def gateway_figures(*, since: datetime, namespace_pks: Iterable[int] | None = No
             layer["bypass"][reason] = layer["bypass"].get(reason, 0) + count
     held = layers_not_paying()
     for pk, layers in sums.items():
-        for layer, derived in layer_figures(layers).items():
-            layers[layer].update(derived)
-            hold = held.get((pk, layer))
-            layers[layer]["not_paying_since"] = hold.opened_at if hold is not None else None
+        for name, derived in layer_figures(layers).items():
+            hold = held.get((pk, name))
+            layers[name].update(derived, not_paying_since=hold.opened_at if hold is not None else None)
     return sums
 
 
