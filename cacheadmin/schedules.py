@@ -36,6 +36,9 @@ SCHEDULES = (
     ScheduleSpec("engine-metrics-scrape", "cacheadmin.engine_metrics_scrape", 60, 50, "prefix-cache counters of ready engines"),
     ScheduleSpec("engines-health", "cacheadmin.engines_health", 20, 15, "crashed or silent engines, restarts by policy"),
     ScheduleSpec("engines-verify", "cacheadmin.engines_verify", 300, 240, "re-verify engines against their identity (drift)"),
+    ScheduleSpec(
+        "gateway-benefit-check", "cacheadmin.gateway_benefit_check", 60, 50, "bypass cache layers that do not pay (not_paying)"
+    ),
     ScheduleSpec("eviction-sweep", "cacheadmin.eviction_sweep", 600, 540, "version policy, budgets, orphans"),
     # Hourly: a key counts for IDEMPOTENCY_TTL_S (24 h) whatever the sweep does; this only bounds the table.
     ScheduleSpec(

@@ -15,6 +15,7 @@ from cacheadmin.models import (
     Engine,
     EvictionRun,
     GatewayStat,
+    LayerNotPaying,
     ModelVersion,
     NamespaceRouting,
     PrewarmJob,
@@ -200,7 +201,8 @@ GATEWAY_TOP_N = 10
 def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[str, object]:
     """What the dashboard shows of the gateway: the layers' kill switches, per
     namespace and layer the last ``minutes`` of figures (hit ratio, cost savings
-    rate, benefit ratio, bypass reasons) of the ``limit`` busiest namespaces,
+    rate, benefit ratio, bypass reasons, since when it is bypassed as not paying) of
+    the ``limit`` busiest namespaces, the open not-paying alarms (every namespace's),
     suspended namespaces and shadow checks.
 
     The counters are summed in SQL (the busiest namespaces picked there too), so
@@ -208,12 +210,13 @@ def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[s
     merged in Python for the rows shown only. Figures as
     :func:`cacheadmin.services.gateway.gateway_figures` computes them
     (:func:`gateway.records.layer_figures` over every layer of a namespace).
-    At most seven queries (five with no traffic), whatever the number of namespaces.
+    At most eight queries (six with no traffic), whatever the number of namespaces.
 
     Returns:
         ``{"layers": {layer: state}, "rows": [{"namespace", "layer", ...figures}] (busiest
         namespace first, then response, semantic, prefix), "namespaces_with_traffic": n,
-        "suspended": [NamespaceRouting], "shadow": {status: count}, "minutes": minutes, "limit": limit}``.
+        "not_paying": [open LayerNotPaying, with its namespace], "suspended": [NamespaceRouting],
+        "shadow": {status: count}, "minutes": minutes, "limit": limit}``.
     """
     since = timezone.now() - timedelta(minutes=minutes)
     recent = GatewayStat.objects.filter(minute__gte=since)
@@ -243,11 +246,19 @@ def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[s
             for reason, count in bypass.items():
                 merged[reason] = merged.get(reason, 0) + count
     namespaces = CacheNamespace.objects.select_related("model_version", "tenant", "group").in_bulk(top)
+    not_paying = list(
+        LayerNotPaying.objects.filter(cleared_at__isnull=True).select_related(
+            "namespace", "namespace__model_version", "namespace__tenant", "namespace__group"
+        )
+    )
+    held = {(hold.namespace_id, hold.layer): hold for hold in not_paying}
     rows = []
     for pk in top:
         layers = sums[pk]
         for layer, derived in layer_figures(layers).items():
             layers[layer].update(derived)
+            hold = held.get((pk, layer))
+            layers[layer]["not_paying_since"] = hold.opened_at if hold is not None else None
         for layer in (*CACHE_LAYERS, "prefix"):
             if layer in layers and pk in namespaces:
                 rows.append({"namespace": namespaces[pk], "layer": layer, **layers[layer]})
@@ -255,6 +266,7 @@ def gateway_overview(*, minutes: int = 60, limit: int = GATEWAY_TOP_N) -> dict[s
         "layers": layer_states(),
         "rows": rows,
         "namespaces_with_traffic": with_traffic,
+        "not_paying": not_paying,
         "suspended": list(NamespaceRouting.objects.filter(suspended_at__isnull=False).select_related("namespace")),
         "shadow": dict(ShadowCheck.objects.filter(created_at__gte=since).values_list("status").annotate(n=Count("id"))),
         "minutes": minutes,

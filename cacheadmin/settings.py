@@ -384,6 +384,7 @@ CELERY_TASK_ROUTES = {
             "engines_restart_due",
             "engines_verify",
             "idempotency_keys_expire",
+            "gateway_benefit_check",
         )
     },  # fmt: skip
     "cacheadmin.shadow_check": {"queue": "shadow"},

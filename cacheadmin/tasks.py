@@ -21,6 +21,7 @@ from cacheadmin.services.comparison import ComparisonRunner
 from cacheadmin.services.engines import ENGINE_BOOT_TASK, ENGINE_RESTART_DUE_TASK, engine_boot
 from cacheadmin.services.eviction import EvictionRunner, eviction_sweep
 from cacheadmin.services.fleet import engines_health, engines_restart_due, engines_verify_all
+from cacheadmin.services.gateway import gateway_benefit_check
 from cacheadmin.services.idempotency import idempotency_keys_expire
 from cacheadmin.services.jobs import jobs_recover_lost
 from cacheadmin.services.prewarm import PrewarmRunner
@@ -98,6 +99,13 @@ def engines_restart_due_task() -> None:
 def engines_verify_task() -> None:
     """Scheduled: re-verify every ready engine; drift takes it out of service with an alarm."""
     engines_verify_all()
+
+
+@shared_task(name="cacheadmin.gateway_benefit_check")
+def gateway_benefit_check_task() -> None:
+    """Scheduled: bypass the cache layers that do not pay in a namespace (benefit ratio under
+    the tenant's floor over its window), and bring back those whose sample pays again."""
+    gateway_benefit_check()
 
 
 @shared_task(name="cacheadmin.idempotency_keys_expire")

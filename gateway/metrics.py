@@ -53,6 +53,7 @@ SPECS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ttft": ("kvcp_gateway_ttft_seconds", ("namespace", "layer", "cache"),
              "time to first token; cache is warm when the layer served (or the engine reused a prefix), cold otherwise"),
     "lookup": ("kvcp_gateway_lookup_seconds", ("namespace", "layer"), "time spent looking a cache layer up"),
+    "store": ("kvcp_gateway_store_seconds", ("namespace", "layer"), "time spent storing an engine's answer in a cache layer"),
     "loads": ("kvcp_gateway_cache_loads", ("namespace", "layer"), "reads of a gateway cache store"),
     "load_failures": ("kvcp_gateway_cache_load_failures", ("namespace", "layer"), "reads of a gateway cache store that failed"),
     "breaker_open": ("kvcp_gateway_breaker_open", ("engine",), "1 while the gateway's fill breaker for an engine is open"),
@@ -71,7 +72,7 @@ def families() -> dict[str, Any]:
 
     Returns:
         short name → prometheus-client metric: ``requests``, ``bypasses``,
-        ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``,
+        ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``, ``store``,
         ``loads``, ``load_failures``, ``breaker_open``, ``connections_refused``.
     """
     if not _families:
@@ -90,6 +91,7 @@ def families() -> dict[str, Any]:
                     cached_prompt_tokens=Counter(**spec("cached_prompt_tokens")),
                     ttft=Histogram(**spec("ttft"), buckets=TTFT_BUCKETS_S),
                     lookup=Histogram(**spec("lookup"), buckets=LOOKUP_BUCKETS_S),
+                    store=Histogram(**spec("store"), buckets=LOOKUP_BUCKETS_S),
                     loads=Counter(**spec("loads")),
                     load_failures=Counter(**spec("load_failures")),
                     # The largest value among live processes: any process that saw the breaker open says so.
@@ -121,12 +123,15 @@ class GatewayMetrics:
         return child
 
     def added(self, namespace_pk: int, layer: str, counters: Mapping[str, float]) -> None:
-        """One ``Recorder.add`` call: requests (hit or miss), tokens, TTFT and lookup time.
+        """One ``Recorder.add`` call: requests (hit or miss), tokens, TTFT, lookup and store time.
 
         How the Recorder's names map (see ``gateway.records``): response and
         semantic hits carry the prompt tokens they avoided; the prefix row the
         engine's prompt tokens and its cached ones; ``ttft_hit_*`` is a warm
-        TTFT, ``ttft_miss_*`` a cold one; ``lookup_*`` a read of the layer's store.
+        TTFT, ``ttft_miss_*`` a cold one (for response and semantic: an engine's
+        answer to a request that missed the layer, what a hit saves against);
+        ``lookup_*`` a read of the layer's store, ``store_*`` a write of an answer
+        into it. The benefit ratio's recording rule reads them all.
         """
         key = self.namespace_key(namespace_pk)
         if key is None:
@@ -150,6 +155,8 @@ class GatewayMetrics:
             self._c("lookup", key, layer).observe(counters.get("lookup_ms_sum", 0) / 1000)
             if layer in STORE_LAYERS:
                 self._c("loads", key, layer).inc(counters["lookup_count"])
+        if counters.get("store_count"):
+            self._c("store", key, layer).observe(counters.get("store_ms_sum", 0) / 1000)
 
     def bypassed(self, namespace_pk: int, layer: str, reason: str) -> None:
         """One ``Recorder.bypass`` call; a store that could not be read is also a failed cache load."""
@@ -161,15 +168,6 @@ class GatewayMetrics:
         if reason == "store_unavailable" and layer in STORE_LAYERS:
             self._c("loads", key, layer).inc()
             self._c("load_failures", key, layer).inc()
-
-    def went_past(self, namespace_pk: int, layers: tuple[str, ...], ttft_s: float) -> None:
-        """An engine's answer to a request the cache ``layers`` looked up and
-        missed: a cold TTFT for each of them (their benefit is what a hit saves against it)."""
-        key = self.namespace_key(namespace_pk)
-        if key is None:
-            return
-        for layer in layers:
-            self._c("ttft", key, layer, "cold").observe(ttft_s)
 
     def breaker(self, engine: str, is_open: bool) -> None:
         """The fill breaker of ``engine`` (its name) after a fill: 1 from when it

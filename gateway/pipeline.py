@@ -3,15 +3,25 @@ order, the fill guards, the stores, and ``explain``, the same chain of
 decisions without a read.
 
 The live path and :func:`explain_layers` ask each layer the same question,
-:meth:`gateway.layers.base.CacheLayer.bypass`, in the same order, so what the
-control plane explains is what the gateway does (a test holds them equal on
-a grid of requests for every layer and reason).
+:func:`bypass_reason` (the layer's own :meth:`gateway.layers.base.CacheLayer.bypass`,
+then whether it pays), in the same order, so what the control plane explains is
+what the gateway does (a test holds them equal on a grid of requests for every
+layer and reason).
+
+A layer the control plane found not paying in a namespace (its benefit ratio,
+:func:`gateway.records.benefit_ratio`, stayed under the tenant's floor; the
+snapshot's ``not_paying``) is bypassed there with reason ``not_paying``, except
+for a random sample of the requests it would otherwise look up
+(:data:`gateway.routing.NOT_PAYING_SAMPLE`, one draw per request): those are looked up and
+stored as usual, so its figures keep coming and the control plane can see it
+pay again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -19,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from gateway import routing
 from gateway.canonical import Admission, response_admission
 from gateway.layers.base import CacheLayer
 from gateway.pii import personal_data_kinds
@@ -112,11 +123,28 @@ class RequestContext:
         return bool(personal_data_kinds(self.canonical))
 
     @cached_property
+    def measured(self) -> bool:
+        """Whether this request is in the sample a not-paying layer still looks up
+        (:data:`gateway.routing.NOT_PAYING_SAMPLE`, one draw per request). ``explain`` (no
+        upstream body) is never in it: it shows what the other requests get."""
+        return self.upstream is not None and random.random() < routing.NOT_PAYING_SAMPLE
+
+    @cached_property
     def reproducibility(self) -> Admission:
         """The one reproducibility rule every layer admits by (greedy, seeded or sampled,
         as the tenant's policy allows): a reused answer is a reproduced one whichever layer serves it."""
         policy = self.tenant.policy
         return response_admission(self.canonical, allow_seeded=policy.allow_seeded, allow_sampling=policy.allow_sampling)
+
+
+def bypass_reason(layer: CacheLayer, ctx: RequestContext) -> str | None:
+    """Why ``ctx`` does not use ``layer``: the layer's own :meth:`CacheLayer.bypass`, else
+    ``not_paying`` when the control plane found the layer not paying in the routed namespace
+    and the request is not in the measuring sample (:attr:`RequestContext.measured`); None: it does."""
+    reason = layer.bypass(ctx)
+    if reason is not None or ctx.routed is None or (ctx.namespace.pk, layer.name) not in ctx.snap.not_paying:
+        return reason
+    return None if ctx.measured else "not_paying"
 
 
 @dataclass
@@ -164,7 +192,7 @@ class Pipeline:
         missed: list[Missed] = []
         ns = ctx.namespace
         for layer in self.layers:
-            reason = layer.bypass(ctx)
+            reason = bypass_reason(layer, ctx)
             if reason is not None:
                 self.recorder.bypass(ns.pk, layer.name, reason)
                 continue
@@ -199,16 +227,21 @@ class Pipeline:
     async def keep(self, ctx: RequestContext, missed: Sequence[Missed], record: dict[str, Any], value: bytes) -> None:
         """Store a complete answer in every missed layer, unless the request or the answer
         holds personal data: the cache layers serve what they keep verbatim, so nothing of it
-        is kept (:mod:`gateway.pii.gate`)."""
+        is kept (:mod:`gateway.pii.gate`). Each store's time, failed ones included, is recorded
+        (``store_ms_sum``, ``store_count``): with the lookups, what the layer costs."""
         if not missed or ctx.personal or personal_data_kinds(answer_text(record)):
             return
         for miss in missed:
+            began = time.perf_counter()
             try:
                 await miss.layer.store(ctx, miss.pending, value)
             except miss.layer.Unavailable:
                 pass
             except TierError:
                 log.exception("cache layer %s: its store failed to keep an answer", miss.layer.name)
+            finally:
+                store_ms = (time.perf_counter() - began) * 1000
+                self.recorder.add(ctx.namespace.pk, miss.layer.name, store_ms_sum=store_ms, store_count=1)
 
     async def release(self, ctx: RequestContext, missed: Sequence[Missed], record: dict[str, Any] | None) -> None:
         """The request ended: every missed layer gives back what its fill guard took."""
@@ -216,9 +249,10 @@ class Pipeline:
             await asyncio.shield(miss.layer.release(ctx, miss.pending, record))
 
     def went_past(self, ctx: RequestContext, missed: Sequence[Missed], ttft_s: float) -> None:
-        """The engine answered a request these layers missed: their cold TTFT."""
-        if self.recorder.metrics is not None:
-            self.recorder.metrics.went_past(ctx.namespace.pk, tuple(m.layer.name for m in missed), ttft_s)
+        """The engine answered a request these layers missed: their cold TTFT, recorded as
+        each one's ``ttft_miss_*`` (the miss side of its benefit ratio; a cold TTFT in the metrics)."""
+        for miss in missed:
+            self.recorder.add(ctx.namespace.pk, miss.layer.name, ttft_miss_ms_sum=ttft_s * 1000, ttft_miss_count=1)
 
 
 def explain_layers(layers: Sequence[CacheLayer], ctx: RequestContext) -> dict[str, dict[str, Any]]:
@@ -227,7 +261,7 @@ def explain_layers(layers: Sequence[CacheLayer], ctx: RequestContext) -> dict[st
     admitted; each layer adds what it shows (:meth:`CacheLayer.describe`)."""
     out: dict[str, dict[str, Any]] = {}
     for layer in layers:
-        reason = layer.bypass(ctx)
+        reason = bypass_reason(layer, ctx)
         out[f"{layer.name}_cache"] = {
             "admitted": reason is None,
             "reason": layer.admitted(ctx) if reason is None else reason,

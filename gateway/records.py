@@ -11,8 +11,22 @@ hits, misses, bypasses by reason, tokens and times. How the figures are read:
 - cost savings rate of a layer = tokens it avoided / tokens asked for, where
   tokens asked for = every request's prompt and output tokens (served from a
   cache or not); the prefix layer avoids its cached prompt tokens;
-- benefit ratio of a layer = (mean TTFT of misses − mean TTFT of hits) / mean
-  lookup time: what a hit saves per unit of what looking up costs.
+- benefit ratio of a layer (response, semantic) = time its hits saved / time
+  it cost, over the same rows::
+
+      hits × (ttft_miss_ms_sum / ttft_miss_count − ttft_hit_ms_sum / ttft_hit_count)
+      ─────────────────────────────────────────────────────────────────────────────
+                          lookup_ms_sum + store_ms_sum
+
+  where the miss TTFT is that of the requests that looked the layer up, missed
+  and were answered by an engine (their cold TTFT), the hit TTFT that of its
+  hits, ``lookup_ms_sum`` the time of every lookup of it (hits and misses) and
+  ``store_ms_sum`` the time of every store of an engine's answer in it. It
+  weighs what a hit saves by how often one happens: 1 is break-even, under 1
+  the layer costs its requests more time than it saves them. None when there
+  is nothing to divide by or no hit or miss TTFT yet. The prefix layer is the
+  engines' own cache: it costs the gateway no lookup or store, so its benefit
+  ratio is None (not applicable).
 """
 
 from __future__ import annotations
@@ -117,6 +131,18 @@ class Recorder:
                     held[2] += hits
 
 
+def benefit_ratio(r: Mapping[str, float]) -> float | None:
+    """A layer's benefit ratio from its summed counters (see the module docstring):
+    hits × (mean miss TTFT − mean hit TTFT) / (lookup time + store time), all in ms;
+    None without a hit TTFT, a miss TTFT or any lookup or store time."""
+    hit_n, miss_n = r.get("ttft_hit_count", 0), r.get("ttft_miss_count", 0)
+    cost = r.get("lookup_ms_sum", 0) + r.get("store_ms_sum", 0)
+    if not hit_n or not miss_n or cost <= 0:
+        return None
+    saved_per_hit = r.get("ttft_miss_ms_sum", 0) / miss_n - r.get("ttft_hit_ms_sum", 0) / hit_n
+    return r.get("hits", 0) * saved_per_hit / cost
+
+
 def layer_figures(rows: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float | None]]:
     """Hit ratio, cost savings rate and benefit ratio per layer from summed figures.
 
@@ -124,8 +150,11 @@ def layer_figures(rows: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str
         rows: layer → summed ``GatewayStat`` counters (any subset of layers).
 
     Returns:
-        layer → ``{"hit_ratio", "cost_savings_rate", "benefit_ratio", "ttft_hit_ms", "ttft_miss_ms", "lookup_ms"}``
-        (None where there is nothing to divide by). See the module docstring.
+        layer → ``{"hit_ratio", "cost_savings_rate", "benefit_ratio", "ttft_hit_ms", "ttft_miss_ms", "lookup_ms",
+        "store_ms", "saved_ms", "cost_ms"}`` (None where there is nothing to divide by; the prefix layer's
+        ``benefit_ratio``, ``saved_ms`` and ``cost_ms`` always: it costs the gateway nothing). ``saved_ms`` is
+        hits × (mean miss TTFT − mean hit TTFT), ``cost_ms`` lookup time + store time: the benefit ratio's
+        two sides. See the module docstring.
     """
 
     def ratio(a: float, b: float) -> float | None:
@@ -141,14 +170,19 @@ def layer_figures(rows: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str
         avoided = r.get("cached_prompt_tokens", 0) if layer == "prefix" else r.get("prompt_tokens", 0) + r.get("output_tokens", 0)
         hit_ms = ratio(r.get("ttft_hit_ms_sum", 0), r.get("ttft_hit_count", 0))
         miss_ms = ratio(r.get("ttft_miss_ms_sum", 0), r.get("ttft_miss_count", 0))
-        lookup_ms = ratio(r.get("lookup_ms_sum", 0), r.get("lookup_count", 0))
-        benefit = (miss_ms - hit_ms) / lookup_ms if hit_ms is not None and miss_ms is not None and lookup_ms else None
+        benefit = None if layer == "prefix" else benefit_ratio(r)
+        cost = r.get("lookup_ms_sum", 0) + r.get("store_ms_sum", 0)
         out[layer] = {
             "hit_ratio": ratio(r.get("hits", 0), looked),
             "cost_savings_rate": ratio(avoided, asked),
             "benefit_ratio": benefit,
             "ttft_hit_ms": hit_ms,
             "ttft_miss_ms": miss_ms,
-            "lookup_ms": lookup_ms,
+            "lookup_ms": ratio(r.get("lookup_ms_sum", 0), r.get("lookup_count", 0)),
+            "store_ms": ratio(r.get("store_ms_sum", 0), r.get("store_count", 0)),
+            "saved_ms": r.get("hits", 0) * (miss_ms - hit_ms)
+            if layer != "prefix" and hit_ms is not None and miss_ms is not None
+            else None,
+            "cost_ms": cost if layer != "prefix" else None,
         }
     return out

@@ -37,6 +37,11 @@ def model_fingerprint(identity: str) -> str:
     return "fp_" + identity[:16]
 
 
+#: Share of the requests a layer bypassed as not paying (the snapshot's ``not_paying``) still
+#: looks up and stores, so its figures keep coming: 1 in 20, drawn at random per request
+#: (``gateway.pipeline.RequestContext.measured``); ``explain`` shows what the others get.
+NOT_PAYING_SAMPLE = 0.05
+
 #: An affinity choice stands while its engine has at most this many requests
 #: in flight above the least-loaded engine; past it the least-loaded wins.
 AFFINITY_SLACK = 4
@@ -158,6 +163,9 @@ class RoutingSnapshot:
         layers: cache layer → enabled (kill switches).
         templates: prompt templates' fingerprints (``gateway.templates.TemplateIndex``): tenant id →
             its own and the global ones, None → the global ones (tenants without templates of their own).
+        not_paying: (namespace pk, layer) pairs whose layer does not pay (its benefit ratio stayed under
+            the tenant's floor): bypassed with reason ``not_paying`` but for a measuring sample
+            (:data:`NOT_PAYING_SAMPLE`).
     """
 
     epoch: int
@@ -168,6 +176,7 @@ class RoutingSnapshot:
     references: Mapping[int, tuple[EngineTarget, ...]] = field(default_factory=dict)
     layers: Mapping[str, bool] = field(default_factory=dict)
     templates: Mapping[int | None, Any] = field(default_factory=dict)
+    not_paying: frozenset[tuple[int, str]] = frozenset()
 
     def served_names(self, tenant_id: int) -> list[str]:
         """The served model names a tenant has routes for, sorted."""

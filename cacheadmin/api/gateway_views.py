@@ -145,7 +145,17 @@ class SemanticInvalidateView(ControlPlaneSchemaMixin, IdempotentWritesMixin, API
 
 class GatewayFiguresView(ControlPlaneSchemaMixin, APIView):
     """Per namespace and layer over the last ``minutes`` (default 60, at most 10,080):
-    requests, hits, misses, bypass reasons, tokens, TTFT, hit ratio, cost savings rate, benefit ratio."""
+    requests, hits, misses, bypass reasons, tokens, TTFT, lookup and store time, hit ratio,
+    cost savings rate, benefit ratio, and ``not_paying_since`` while the layer is bypassed as
+    not paying.
+
+    Benefit ratio of the response or semantic layer = time its hits saved / time it cost:
+    ``hits × (ttft_miss_ms_sum / ttft_miss_count − ttft_hit_ms_sum / ttft_hit_count) /
+    (lookup_ms_sum + store_ms_sum)``, where the miss TTFT is that of the requests that missed
+    the layer and were answered by an engine, the lookup time that of every lookup of it and the
+    store time that of every answer stored in it (also ``saved_ms`` and ``cost_ms``). 1 is
+    break-even; null with nothing to divide by or no hit or miss TTFT yet. The prefix layer (the
+    engines' own cache) costs the gateway nothing: its benefit ratio is always null."""
 
     @extend_schema(
         parameters=[OpenApiParameter("minutes", int, required=False)],

@@ -131,6 +131,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvcp_routing_suspended", "gauge", NS, "1 while routing to a namespace is suspended after a deceptive hit", "control"
     ),
+    MetricSpec(
+        "kvcp_gateway_layer_not_paying",
+        "gauge",
+        ("namespace", "layer"),
+        "1 while a cache layer is bypassed in a namespace as not paying (benefit ratio under the tenant's floor)",
+        "control",
+    ),
     # --- Celery workers (multiprocess, served by the control plane) --------
     MetricSpec(
         "kvcp_task_runs", "counter", ("task", "outcome"), "Celery task runs by outcome (succeeded, failed, retried)", "worker"
@@ -176,6 +183,13 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "kvcp_gateway_lookup_seconds", "histogram", ("namespace", "layer"), "time spent looking a cache layer up", "gateway"
+    ),
+    MetricSpec(
+        "kvcp_gateway_store_seconds",
+        "histogram",
+        ("namespace", "layer"),
+        "time spent storing an engine's answer in a cache layer",
+        "gateway",
     ),
     MetricSpec("kvcp_gateway_cache_loads", "counter", ("namespace", "layer"), "reads of a gateway cache store", "gateway"),
     MetricSpec(

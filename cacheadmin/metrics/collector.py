@@ -37,6 +37,7 @@ from cacheadmin.models import (
     EvictionAction,
     EvictionRun,
     GatewayStat,
+    LayerNotPaying,
     ModelVersion,
     NamespaceRouting,
     PrewarmJob,
@@ -66,7 +67,7 @@ FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 #: checkpoint up to hours.
 JOB_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
 #: Queries one collection runs (whatever the row counts); a test pins it.
-QUERIES = 18
+QUERIES = 19
 
 
 @dataclass
@@ -366,3 +367,15 @@ class ControlPlaneCollector:
             if namespace_pk in keys:
                 suspended.add([keys[namespace_pk]], 0 if at is None else 1)
         yield suspended
+        # 1 while the pair's layer is bypassed as not paying, 0 once it pays again.
+        not_paying = _family("kvcp_gateway_layer_not_paying")
+        pairs = (
+            LayerNotPaying.objects.values("namespace_id", "layer")
+            .annotate(open=Count("id", filter=Q(cleared_at__isnull=True)))
+            .values_list("namespace_id", "layer", "open")
+            .order_by()
+        )
+        for namespace_pk, layer, open_ in pairs:
+            if namespace_pk in keys:
+                not_paying.add([keys[namespace_pk], layer], 1 if open_ else 0)
+        yield not_paying

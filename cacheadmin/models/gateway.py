@@ -161,6 +161,12 @@ class TenantGatewayPolicy(models.Model):
         max_length=8, choices=[("skip", "skip"), ("redact", "redact")], default="skip",
         help_text="skip: keep nothing of a request with personal data; redact: keep heat and shadow samples redacted",
     )  # fmt: skip
+    #: A layer whose benefit ratio (``gateway.records.layer_figures``) stays under this floor
+    #: over ``benefit_window_minutes``, with at least ``benefit_min_requests`` lookups of it there,
+    #: is bypassed for the namespace (reason ``not_paying``) but for a measuring sample.
+    benefit_floor = models.FloatField(default=1.0)
+    benefit_window_minutes = models.PositiveIntegerField(default=10)
+    benefit_min_requests = models.PositiveIntegerField(default=200)
     updated_by = models.CharField(max_length=200, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -169,6 +175,13 @@ class TenantGatewayPolicy(models.Model):
             models.CheckConstraint(
                 condition=models.Q(shadow_sample_rate__gte=0) & models.Q(shadow_sample_rate__lte=1),
                 name="gateway_policy_shadow_rate_0_1",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(benefit_floor__gte=0)
+                & models.Q(benefit_window_minutes__gte=1)
+                & models.Q(benefit_window_minutes__lte=1440)
+                & models.Q(benefit_min_requests__gte=1),
+                name="gateway_policy_benefit_bounds",
             ),
             models.CheckConstraint(
                 condition=models.Q(semantic_threshold__isnull=True)
@@ -225,6 +238,9 @@ class GatewayStat(models.Model):
     #: Time spent looking the layer up (its cost), hits and misses alike.
     lookup_ms_sum = models.FloatField(default=0)
     lookup_count = models.BigIntegerField(default=0)
+    #: Time spent storing engines' answers in the layer (the rest of its cost).
+    store_ms_sum = models.FloatField(default=0)
+    store_count = models.BigIntegerField(default=0)
 
     class Meta:
         ordering = ["-minute", "namespace_id", "layer"]
@@ -237,6 +253,45 @@ class GatewayStat(models.Model):
 
     def __str__(self) -> str:
         return f"{self.layer} of {self.namespace_id} at {self.minute:%H:%M}"
+
+
+class LayerNotPaying(models.Model):
+    """A cache layer that does not pay in a namespace: its benefit ratio stayed under
+    the tenant's floor over the policy's window (``TenantGatewayPolicy.benefit_*``).
+
+    An open row (``cleared_at`` None) is both the alarm operators see and the
+    decision gateways act on: the routing snapshot lists the open pairs, and
+    the layer is bypassed for the namespace (reason ``not_paying``) but for a
+    measuring sample of requests. The row is cleared when the sample shows the
+    layer paying again; a later relapse opens a new row. Opening and clearing
+    move the routing epoch (gateways rebuild their snapshot within a poll).
+    """
+
+    objects = RoutingQuerySet.as_manager()
+
+    namespace = models.ForeignKey("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="layers_not_paying")
+    layer = models.CharField(max_length=16, choices=CacheLayer.choices)
+    #: The benefit ratio and lookups of the window that decided (opened), then of the latest check.
+    benefit_ratio = models.FloatField(null=True, blank=True)
+    lookups = models.BigIntegerField(default=0)
+    floor = models.FloatField(default=1.0)
+    opened_at = models.DateTimeField(auto_now_add=True)
+    checked_at = models.DateTimeField(auto_now_add=True)
+    cleared_at = models.DateTimeField(null=True, blank=True)
+
+    #: A check rewrites these on every open row: no routing decision changes.
+    ROUTING_IGNORED_FIELDS = frozenset({"benefit_ratio", "lookups", "checked_at"})
+
+    class Meta:
+        ordering = ["-opened_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["namespace", "layer"], condition=models.Q(cleared_at__isnull=True), name="layer_not_paying_one_open"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.layer} not paying in {self.namespace_id}{' (cleared)' if self.cleared_at else ''}"
 
 
 class ShadowCheck(models.Model):

@@ -17,15 +17,16 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 from collections.abc import Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Sum
 from django.db.models.signals import m2m_changed, post_delete, post_save
 from django.utils import timezone
 
@@ -35,6 +36,7 @@ from cacheadmin.models import (
     Engine,
     GatewayKey,
     GatewayStat,
+    LayerNotPaying,
     ModelVersion,
     NamespaceRouting,
     Release,
@@ -61,8 +63,9 @@ from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
 from gateway.param_specs import InvalidRequest
 from gateway.pii.gate import PERSONAL_DATA_POLICIES
-from gateway.records import layer_figures
+from gateway.records import benefit_ratio, layer_figures
 from gateway.routing import (
+    NOT_PAYING_SAMPLE,
     EngineTarget,
     KeyTarget,
     NamespaceTarget,
@@ -107,6 +110,7 @@ _ROUTING_MODELS = (
     CacheNamespace,
     Engine,
     GatewayKey,
+    LayerNotPaying,
     ModelVersion,
     NamespaceRouting,
     Release,
@@ -234,7 +238,10 @@ def layer_states() -> dict[str, dict[str, Any]]:
 
 #: Fields of :class:`TenantGatewayPolicy` operators set, with their checks.
 POLICY_FIELDS = ("response_cache", "allow_seeded", "allow_sampling", "semantic_cache", "semantic_threshold", "shadow_sample_rate",
-                 "suspend_on_deceptive_hit", "personal_data")  # fmt: skip
+                 "suspend_on_deceptive_hit", "personal_data", "benefit_floor", "benefit_window_minutes",
+                 "benefit_min_requests")  # fmt: skip
+#: Bounds of the not-paying policy: the floor (a benefit ratio), the window (minutes), the minimum lookups.
+MAX_BENEFIT_FLOOR, MAX_BENEFIT_WINDOW_MINUTES, MAX_BENEFIT_MIN_REQUESTS = 1000.0, 1440, 1_000_000
 
 
 def tenant_gateway_policy(tenant: Tenant) -> TenantGatewayPolicy:
@@ -250,12 +257,21 @@ def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping
 
     Raises:
         InvalidField: an unknown field, a flag that is not a boolean, a
-            threshold or sample rate outside 0..1 (400, exit 2).
+            threshold or sample rate outside 0..1, a benefit floor outside
+            0..1000, a window outside 1..1440 minutes, a minimum of requests
+            outside 1..1,000,000 (400, exit 2).
     """
     for name, value in changes.items():
         if name not in POLICY_FIELDS:
             raise InvalidField(name, f"unknown policy field; known: {', '.join(POLICY_FIELDS)}")
-        if name in ("semantic_threshold", "shadow_sample_rate"):
+        if name == "benefit_floor":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= MAX_BENEFIT_FLOOR:
+                raise InvalidField(name, f"must be a number within 0..{MAX_BENEFIT_FLOOR:g}")
+        elif name in ("benefit_window_minutes", "benefit_min_requests"):
+            top = MAX_BENEFIT_WINDOW_MINUTES if name == "benefit_window_minutes" else MAX_BENEFIT_MIN_REQUESTS
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise InvalidField(name, f"must be an integer within 1..{top}")
+        elif name in ("semantic_threshold", "shadow_sample_rate"):
             if value is None and name == "semantic_threshold":
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
@@ -272,7 +288,9 @@ def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping
             setattr(
                 policy,
                 name,
-                float(value) if name in ("semantic_threshold", "shadow_sample_rate") and value is not None else value,
+                float(value)
+                if name in ("semantic_threshold", "shadow_sample_rate", "benefit_floor") and value is not None
+                else value,
             )
         policy.updated_by = actor
         policy.save()
@@ -444,6 +462,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
         references={k: tuple(v) for k, v in references.items()},
         layers=layers,
         templates=template_indexes(),
+        not_paying=frozenset(LayerNotPaying.objects.filter(cleared_at__isnull=True).values_list("namespace_id", "layer")),
     )
 
 
@@ -453,6 +472,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
 STAT_COUNTERS = (
     "requests", "hits", "misses", "bypasses", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
     "ttft_hit_ms_sum", "ttft_hit_count", "ttft_miss_ms_sum", "ttft_miss_count", "lookup_ms_sum", "lookup_count",
+    "store_ms_sum", "store_count",
 )  # fmt: skip
 
 
@@ -610,10 +630,12 @@ def gateway_caches_retire(*, namespace: CacheNamespace, actor: str, reason: str)
 
 def gateway_figures(*, since: datetime, namespace_pks: Iterable[int] | None = None) -> dict[int, dict[str, dict[str, Any]]]:
     """Summed per-minute figures since ``since``, per namespace and layer, with
-    hit ratio, cost savings rate and benefit ratio (:func:`gateway.records.layer_figures`).
+    hit ratio, cost savings rate and benefit ratio (:func:`gateway.records.layer_figures`)
+    and, for a layer bypassed as not paying now, ``not_paying_since``.
 
     Returns:
-        namespace pk → layer → summed counters, ``bypass`` map and the derived figures.
+        namespace pk → layer → summed counters, ``bypass`` map, the derived figures and
+        ``not_paying_since`` (when its open :class:`LayerNotPaying` opened; None when it pays).
     """
     rows = GatewayStat.objects.filter(minute__gte=since)
     if namespace_pks is not None:
@@ -627,7 +649,119 @@ def gateway_figures(*, since: datetime, namespace_pks: Iterable[int] | None = No
             layer[name] += getattr(stat, name)
         for reason, count in stat.bypass.items():
             layer["bypass"][reason] = layer["bypass"].get(reason, 0) + count
-    for layers in sums.values():
-        for layer, derived in layer_figures(layers).items():
-            layers[layer].update(derived)
+    held = layers_not_paying()
+    for pk, layers in sums.items():
+        for name, derived in layer_figures(layers).items():
+            hold = held.get((pk, name))
+            layers[name].update(derived, not_paying_since=hold.opened_at if hold is not None else None)
     return sums
+
+
+# --- layers that do not pay ----------------------------------------------------
+
+#: Who opens and clears the not-paying holds (audit).
+BENEFIT_ACTOR = "benefit check"
+
+
+def layers_not_paying() -> dict[tuple[int, str], LayerNotPaying]:
+    """The open not-paying holds: (namespace pk, layer) → its row (the alarm)."""
+    return {(row.namespace_id, row.layer): row for row in LayerNotPaying.objects.filter(cleared_at__isnull=True)}
+
+
+def benefit_window_start(now: datetime, minutes: int) -> datetime:
+    """The first minute of a window of ``minutes`` ending now: the current minute (partly
+    recorded) and the ``minutes - 1`` before it, as ``GatewayStat.minute`` values."""
+    return now.replace(second=0, microsecond=0) - timedelta(minutes=minutes - 1)
+
+
+def gateway_benefit_check(*, now: datetime | None = None) -> dict[str, list[tuple[int, str]]]:
+    """Decide, from every gateway process's ``GatewayStat`` rows, which (namespace, layer)
+    pairs do not pay, and open or clear their holds (:class:`LayerNotPaying`).
+
+    Per response or semantic layer of each namespace, over the tenant's
+    ``benefit_window_minutes`` (:func:`benefit_window_start`; a namespace of no
+    tenant, a shared group's, takes the defaults): lookups (hits + misses) and the
+    benefit ratio (:func:`gateway.records.benefit_ratio`; a window of lookups
+    without a single hit saved nothing: 0). A pair that pays opens a hold when
+    the window has at least ``benefit_min_requests`` lookups and a ratio under
+    ``benefit_floor``. A held pair is looked up by the measuring sample only
+    (:data:`gateway.routing.NOT_PAYING_SAMPLE`), so it is cleared on fewer: at
+    least ``benefit_min_requests × NOT_PAYING_SAMPLE`` lookups (rounded up) and a
+    ratio at or above the floor. Anything else leaves a pair as it is. Opening and
+    clearing are audited and move the routing epoch; the gateways act on the
+    snapshot they rebuild.
+
+    Returns:
+        ``{"opened": [(namespace pk, layer)], "cleared": [...], "held": [...]}`` (held: open after the check).
+    """
+    now = now or timezone.now()
+    namespaces = list(CacheNamespace.objects.values_list("pk", "tenant_id"))
+    defaults = TenantGatewayPolicy()
+    policies = {row.tenant_id: row for row in TenantGatewayPolicy.objects.all()}
+    policy_of = {pk: policies.get(tenant_id, defaults) for pk, tenant_id in namespaces}
+    by_window: dict[int, list[int]] = {}
+    for pk, policy in policy_of.items():
+        by_window.setdefault(policy.benefit_window_minutes, []).append(pk)
+    sums: dict[tuple[int, str], dict[str, float]] = {}
+    counters = ("hits", "misses", "ttft_hit_ms_sum", "ttft_hit_count", "ttft_miss_ms_sum", "ttft_miss_count",
+                "lookup_ms_sum", "store_ms_sum")  # fmt: skip
+    for minutes, pks in by_window.items():
+        rows = (
+            GatewayStat.objects.filter(
+                minute__gte=benefit_window_start(now, minutes), minute__lte=now, layer__in=CACHE_LAYERS, namespace_id__in=pks
+            )
+            .values("namespace_id", "layer")
+            .annotate(**{name: Sum(name) for name in counters})
+            .order_by()
+        )
+        for row in rows:
+            sums[(row.pop("namespace_id"), row.pop("layer"))] = row
+    held = layers_not_paying()
+    out: dict[str, list[tuple[int, str]]] = {"opened": [], "cleared": [], "held": []}
+    for pair in sorted(set(sums) | set(held)):
+        policy = policy_of.get(pair[0])
+        r = sums.get(pair)
+        hold = held.get(pair)
+        if policy is None or r is None:
+            if hold is not None:
+                out["held"].append(pair)
+            continue
+        lookups = int(r["hits"] + r["misses"])
+        ratio = benefit_ratio(r)
+        if ratio is None and lookups and not r["hits"] and r["lookup_ms_sum"] + r["store_ms_sum"] > 0:
+            ratio = 0.0  # looked up, never hit: it saved nothing
+        floor = policy.benefit_floor
+        if hold is None:
+            if ratio is not None and lookups >= policy.benefit_min_requests and ratio < floor:
+                with transaction.atomic():
+                    try:
+                        with transaction.atomic():
+                            row = LayerNotPaying.objects.create(
+                                namespace_id=pair[0], layer=pair[1], benefit_ratio=ratio, lookups=lookups, floor=floor
+                            )
+                    except IntegrityError:  # another check opened it meanwhile
+                        out["held"].append(pair)
+                        continue
+                    audit_record(
+                        actor=BENEFIT_ACTOR, action="gateway.layer_not_paying", obj=row.namespace,
+                        after={"layer": pair[1], "benefit_ratio": ratio, "lookups": lookups, "floor": floor,
+                               "window_minutes": policy.benefit_window_minutes},
+                    )  # fmt: skip
+                out["opened"].append(pair)
+                out["held"].append(pair)
+            continue
+        sample_minimum = math.ceil(policy.benefit_min_requests * NOT_PAYING_SAMPLE)
+        if ratio is not None and lookups >= sample_minimum and ratio >= floor:
+            with transaction.atomic():
+                if LayerNotPaying.objects.filter(pk=hold.pk, cleared_at__isnull=True).update(
+                    cleared_at=now, benefit_ratio=ratio, lookups=lookups, checked_at=now
+                ):
+                    audit_record(
+                        actor=BENEFIT_ACTOR, action="gateway.layer_pays_again", obj=hold.namespace,
+                        after={"layer": pair[1], "benefit_ratio": ratio, "lookups": lookups, "floor": floor},
+                    )  # fmt: skip
+            out["cleared"].append(pair)
+            continue
+        LayerNotPaying.objects.filter(pk=hold.pk).update(benefit_ratio=ratio, lookups=lookups, checked_at=now)
+        out["held"].append(pair)
+    return out

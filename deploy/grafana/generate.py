@@ -121,11 +121,27 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Benefit ratio",
-                "(mean cold TTFT - mean warm TTFT) / mean lookup time per namespace and layer; under 10 warns.",
+                "Time a layer's hits saved over the time the layer cost, per namespace and layer: hits x (mean cold "
+                "TTFT - mean warm TTFT) / (lookup + store time). 1 is break-even; under 1 the layer costs more than "
+                "it saves (the control plane bypasses it as not_paying below the tenant's floor).",
                 "none",
                 (q(f"kvcp:gateway_benefit_ratio:rate5m{{{NS}}}", "{{namespace}} {{layer}}"),),
-                thresholds=((None, "red"), (10, "green")),
+                thresholds=((None, "red"), (1, "green")),
                 options={"thresholdsStyle": "line"},
+            ),
+            Panel(
+                "Layers not paying",
+                "1 while the control plane bypasses a layer in a namespace as not paying (its benefit ratio stayed "
+                "under the tenant's floor); the requests bypassed so, per second (1 in 20 still measures the layer).",
+                "short",
+                (
+                    q(f"kvcp_gateway_layer_not_paying{{{NS}}}", "{{namespace}} {{layer}} not paying"),
+                    q(
+                        f'sum by (namespace, layer) (rate(kvcp_gateway_bypasses_total{{reason="not_paying", {NS}}}[{RI}]))',
+                        "{{namespace}} {{layer}} bypassed/s",
+                    ),
+                ),
+                min=0,
             ),
         ),
     ),

@@ -3,7 +3,8 @@
 A request meets the layers in order (:data:`gateway.layers.LAYERS`). For each
 one, :func:`gateway.pipeline.lookup` asks :meth:`CacheLayer.bypass` why the
 request may not use it; when nothing forbids it, :meth:`CacheLayer.lookup`
-reads the layer's store. A hit ends the request there. A miss leaves
+reads the layer's store (the pipeline adds one reason of its own for every
+layer, ``not_paying``: :func:`gateway.pipeline.bypass_reason`). A hit ends the request there. A miss leaves
 :attr:`Lookup.pending`, what the layer needs to keep the engine's answer: the
 pipeline hands it back to :meth:`CacheLayer.fill_guard` before the engine is
 called, to :meth:`CacheLayer.store` with the complete answer and to

@@ -72,7 +72,7 @@ def test_identity_variables_and_datasource(dashboard: dict[str, Any]) -> None:
 
 def test_panel_ids_are_unique_and_the_grid_has_no_overlap(dashboard: dict[str, Any]) -> None:
     ids = [panel["id"] for panel in dashboard["panels"]]
-    assert len(ids) == len(set(ids)) == 46
+    assert len(ids) == len(set(ids)) == 47
     taken: set[tuple[int, int]] = set()
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
@@ -84,7 +84,7 @@ def test_panel_ids_are_unique_and_the_grid_has_no_overlap(dashboard: dict[str, A
 
 def test_every_panel_has_targets_with_a_datasource_and_a_unit(dashboard: dict[str, Any]) -> None:
     panels = _panels(dashboard)
-    assert len(panels) == 39
+    assert len(panels) == 40
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
         assert panel["targets"], panel["title"]
@@ -135,7 +135,7 @@ def test_every_query_is_valid_promql(dashboard: dict[str, Any], promtool: str, t
     done = run_promtool(promtool, "check", "rules", rule_file)
     assert done.returncode == 0, done.stdout
     assert f"SUCCESS: {len(queries)} rules found" in done.stdout
-    assert len(queries) == 44
+    assert len(queries) == 46
 
 
 def test_every_exported_family_is_shown_or_alerted_on(dashboard: dict[str, Any]) -> None:
@@ -171,6 +171,7 @@ def test_required_panels(dashboard: dict[str, Any]) -> None:
         "Bypass reasons": "kvcp_gateway_bypasses_total",
         "Fill breakers open": "kvcp_gateway_breaker_open",
         "Kill switches": "kvcp_gateway_layer_enabled",
+        "Layers not paying": "kvcp_gateway_layer_not_paying",
     }
     for title, metric in required.items():
         assert re.search(rf"(?<![\w:]){re.escape(metric)}(?![\w:])", by_title[title]), title

@@ -72,6 +72,7 @@ def test_a_miss_then_a_response_hit_counted_exactly(setup) -> None:  # noqa: F81
     assert d("kvcp_gateway_ttft_seconds_count", layer="prefix", cache="cold") == 1
     assert d("kvcp_gateway_ttft_seconds_count", layer="semantic", cache="cold") == 0  # bypassed, not missed
     assert d("kvcp_gateway_lookup_seconds_count", layer="response") == 2
+    assert d("kvcp_gateway_store_seconds_count", layer="response") == 1  # the engine's answer kept
     assert d("kvcp_gateway_cache_loads_total", layer="response") == 2
     assert d("kvcp_gateway_cache_load_failures_total", layer="response") == 0
     # A prompt the engine has seen: its cached tokens count for the prefix layer (sampling bypasses the response cache).

@@ -1,6 +1,7 @@
 """One decision chain: for a grid of requests and deployments covering every layer and
 every bypass reason, what ``explain`` says of each layer is what the live gateway did
-(the reason it recorded, or a lookup where explain admits)."""
+(the reason it recorded, or a lookup where explain admits). A layer that does not pay
+is bypassed (``not_paying``) but for its measuring sample, whose figures keep coming."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import itertools
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from cacheadmin.models import CacheLayer as LayerChoice
+from cacheadmin.models import LayerNotPaying
 from cacheadmin.services.gateway import SWITCHED_LAYERS, layer_switch_set, tenant_gateway_policy_update
 from gateway.canonical import ADMISSION_REASONS
 from gateway.layers import LAYERS, build_layers
@@ -38,7 +41,8 @@ REQUESTS: list[tuple[str, str, Any, str | None]] = [
     ("not_a_question", "completions", lambda n: {"model": "tiny", "prompt": f"Once upon a time {n}", "temperature": 0}, None),
 ]
 #: Deployments: (name, change to make before the requests).
-DEPLOYMENTS = ["default", "no_semantic", "no_response_store", "tenant_policy_off", "kill_switches", "seeded_and_sampling_allowed"]
+DEPLOYMENTS = ["default", "no_semantic", "no_response_store", "tenant_policy_off", "kill_switches", "seeded_and_sampling_allowed",
+               "not_paying"]  # fmt: skip
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -54,15 +58,18 @@ def _deploy(s: dict[str, Any], name: str) -> None:
             layer_switch_set(layer=layer, enabled=False, actor="test", reason="grid")
     elif name == "seeded_and_sampling_allowed":
         tenant_gateway_policy_update(tenant=s["acme"], actor="test", changes={"allow_seeded": True, "allow_sampling": True})
+    elif name == "not_paying":  # the control plane found both layers not paying in the namespace
+        for layer in LAYERS:
+            LayerNotPaying.objects.create(namespace=s["ns"], layer=layer, benefit_ratio=0.1, lookups=200)
     rebuild_layers(s)
     refresh(s)
 
 
 def _live(s: dict[str, Any]) -> dict[str, str]:
     """Per layer, what the live path did: its recorded bypass reason, or ``looked`` (a hit or a miss)."""
-    rows, _ = s["runtime"].recorder.drain()
     done: dict[str, str] = {}
-    for _, layer, _, counters, reasons in rows:
+    # A request's figures may span two minutes (its lookup in one, its cold TTFT and store in the next).
+    for layer, (counters, reasons) in _rows(s).items():
         if layer not in LAYERS:
             continue
         looked = counters.get("hits", 0) + counters.get("misses", 0)
@@ -72,8 +79,9 @@ def _live(s: dict[str, Any]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
-def test_explain_says_what_the_live_path_does_for_every_layer_and_reason(semantic_setup, deployment: str) -> None:
+def test_explain_says_what_the_live_path_does_for_every_layer_and_reason(semantic_setup, deployment: str, monkeypatch) -> None:
     s = semantic_setup
+    monkeypatch.setattr("gateway.routing.NOT_PAYING_SAMPLE", 0.0)  # no request in a not-paying layer's sample
     _deploy(s, deployment)
     seen: set[tuple[str, str]] = set()
     for n, (name, endpoint, make, tags) in enumerate(REQUESTS):
@@ -112,6 +120,8 @@ EXPECTED: dict[str, set[tuple[str, str]]] = {
     "tenant_policy_off": {("response", "tenant_policy"), ("response", "tagged"), ("semantic", "tenant_policy")},
     "kill_switches": {("response", "kill_switch"), ("semantic", "kill_switch")},
     "seeded_and_sampling_allowed": {("response", "looked"), ("response", "tagged"), ("semantic", "looked"), *_SEMANTIC_OWN},
+    # A layer's own reasons come first; what it would have looked up, it bypasses as not paying.
+    "not_paying": {("response", "not_paying"), ("response", "tagged"), ("semantic", "not_paying"), *_REFUSED, *_SEMANTIC_OWN},
 }  # fmt: skip
 
 
@@ -195,3 +205,63 @@ def test_every_surface_names_the_layers_of_the_one_list(setup) -> None:
     assert set(LayerChoice.values) == {*LAYERS, "prefix"}
     assert STORE_LAYERS == LAYERS and set(STORES) >= set(LAYERS) and VERBATIM_STORES == frozenset(LAYERS)
     assert SWITCHED_LAYERS == LAYERS
+
+
+def _rows(s: dict[str, Any]) -> dict[str, tuple[dict[str, float], dict[str, int]]]:
+    """This process's drained figures per layer: (counters, bypass reasons)."""
+    rows, _ = s["runtime"].recorder.drain()
+    out: dict[str, tuple[dict[str, float], dict[str, int]]] = {}
+    for _, layer, _, counters, reasons in rows:
+        held = out.setdefault(layer, ({}, {}))
+        for name, value in counters.items():
+            held[0][name] = held[0].get(name, 0) + value
+        for reason, n in reasons.items():
+            held[1][reason] = held[1].get(reason, 0) + n
+    return out
+
+
+def test_a_layer_that_does_not_pay_is_bypassed_but_for_its_measuring_sample(setup, monkeypatch) -> None:
+    """The snapshot's not-paying pair: requests bypass the response layer as ``not_paying`` (in the live
+    records, the metrics and explain); a sampled request still looks it up, records its miss's cold TTFT
+    and its store time, and stores the answer a later sampled request is served from."""
+    s = setup
+    s["gateway"].metrics_token = TOKEN
+    before = samples(s)
+    LayerNotPaying.objects.create(namespace=s["ns"], layer="response", benefit_ratio=0.2, lookups=300)
+    refresh(s)
+    assert s["holder"]["snap"].not_paying == frozenset({(s["ns"].pk, "response")})
+    body = chat("How many moons has Mars?", temperature=0)
+
+    monkeypatch.setattr("gateway.routing.NOT_PAYING_SAMPLE", 0.0)  # no request sampled
+    for _ in range(2):
+        assert call(s, body).headers["x-kvcp-served-by"] == "engine"
+    response, reasons = _rows(s)["response"]
+    assert reasons == {"not_paying": 2} and response.get("misses", 0) == 0 and "store_count" not in response
+    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", body, layers=s["gateway"].pipeline.layers)
+    assert explained["response_cache"]["admitted"] is False and explained["response_cache"]["reason"] == "not_paying"
+    assert len(s["fake"].received) == 2
+
+    monkeypatch.setattr("gateway.routing.NOT_PAYING_SAMPLE", 1.0)  # every request sampled
+    assert call(s, body).headers["x-kvcp-served-by"] == "engine"
+    response, reasons = _rows(s)["response"]
+    assert reasons == {}
+    assert (response["misses"], response["lookup_count"], response["store_count"], response["ttft_miss_count"]) == (1, 1, 1, 1)
+    assert response["ttft_miss_ms_sum"] > 0 and response["store_ms_sum"] > 0 and response["lookup_ms_sum"] > 0
+    assert call(s, body).headers["x-kvcp-served-by"] == "response"  # stored by the sampled request
+    response, _ = _rows(s)["response"]
+    assert (response["hits"], response["ttft_hit_count"]) == (1, 1) and len(s["fake"].received) == 3
+    # explain is never in the sample: it says what the other requests get.
+    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", body, layers=s["gateway"].pipeline.layers)
+    assert explained["response_cache"]["reason"] == "not_paying"
+    after, key = samples(s), s["ns"].namespace_key
+    assert delta(before, after, "kvcp_gateway_bypasses_total", namespace=key, layer="response", reason="not_paying") == 2
+    assert delta(before, after, "kvcp_gateway_ttft_seconds_count", namespace=key, layer="response", cache="cold") == 1
+    assert delta(before, after, "kvcp_gateway_store_seconds_count", namespace=key, layer="response") == 1
+
+    # Paying again (the control plane cleared the hold): every request uses the layer.
+    monkeypatch.setattr("gateway.routing.NOT_PAYING_SAMPLE", 0.0)
+    LayerNotPaying.objects.update(cleared_at=timezone.now())
+    refresh(s)
+    assert call(s, body).headers["x-kvcp-served-by"] == "response"
+    explained = explain(s["holder"]["snap"], s["acme"].pk, "chat", body, layers=s["gateway"].pipeline.layers)
+    assert explained["response_cache"]["admitted"] is True

@@ -15,6 +15,7 @@ from cacheadmin.api.serializers.fields import (
     TenantSlugField,
 )
 from cacheadmin.models import GatewayKey, ShadowCheck, Tenant
+from cacheadmin.services.gateway import MAX_BENEFIT_FLOOR, MAX_BENEFIT_MIN_REQUESTS, MAX_BENEFIT_WINDOW_MINUTES
 from gateway.layers import LAYERS as CACHE_LAYERS
 
 
@@ -81,13 +82,29 @@ class GatewayPolicySerializer(StrictFieldsMixin, serializers.Serializer):
         help_text="a request with personal data: skip keeps nothing of it; redact keeps heat and shadow samples redacted",
     )  # fmt: skip
 
+    benefit_floor = serializers.FloatField(
+        required=False, min_value=0.0, max_value=MAX_BENEFIT_FLOOR,
+        help_text="a layer whose benefit ratio stays under this over the window is bypassed for the namespace (not_paying)",
+    )  # fmt: skip
+    benefit_window_minutes = serializers.IntegerField(
+        required=False, min_value=1, max_value=MAX_BENEFIT_WINDOW_MINUTES, help_text="the window the benefit ratio is read over"
+    )
+    benefit_min_requests = serializers.IntegerField(
+        required=False, min_value=1, max_value=MAX_BENEFIT_MIN_REQUESTS,
+        help_text="lookups of the layer the window needs before it is found not paying",
+    )  # fmt: skip
+
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         # Numbers as JSON numbers: "0.9" or true is a type error in the caller's pipeline.
         if isinstance(data, dict):
-            for name in ("semantic_threshold", "shadow_sample_rate"):
+            for name in ("semantic_threshold", "shadow_sample_rate", "benefit_floor"):
                 value = data.get(name)
                 if name in data and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
                     raise serializers.ValidationError({name: ["must be a JSON number"]})
+            for name in ("benefit_window_minutes", "benefit_min_requests"):
+                value = data.get(name)
+                if name in data and (isinstance(value, bool) or not isinstance(value, int)):
+                    raise serializers.ValidationError({name: ["must be a JSON integer"]})
         return super().to_internal_value(data)
 
 

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
 
 #: Why a request bypasses the response cache, besides the reproducibility rule's refusals
-#: (:data:`gateway.canonical.ADMISSION_REASONS`) and ``store_unavailable``.
-BYPASS_REASONS: Final = ("kill_switch", "tagged", "tenant_policy", "not_configured")
+#: (:data:`gateway.canonical.ADMISSION_REASONS`) and ``store_unavailable``; ``not_paying`` is
+#: decided for every layer by the pipeline (:func:`gateway.pipeline.bypass_reason`).
+BYPASS_REASONS: Final = ("kill_switch", "tagged", "tenant_policy", "not_configured", "not_paying")
 
 #: Rounds of joining a flight whose leader ends without an answer before a request fills
 #: without the single flight (each round is a real engine call that failed).

@@ -106,8 +106,9 @@ class SemanticLayer:
 
 #: Why a request bypasses the semantic cache, besides the reproducibility rule's refusals
 #: (:data:`gateway.canonical.ADMISSION_REASONS`), the admission rules' own
-#: (:mod:`gateway.layers.semantic.admission`) and ``store_unavailable``.
-BYPASS_REASONS: Final = ("kill_switch", "tenant_policy", "not_configured", "not_a_user_question", "n_choices")
+#: (:mod:`gateway.layers.semantic.admission`) and ``store_unavailable``; ``not_paying`` is
+#: decided for every layer by the pipeline (:func:`gateway.pipeline.bypass_reason`).
+BYPASS_REASONS: Final = ("kill_switch", "tenant_policy", "not_configured", "not_a_user_question", "n_choices", "not_paying")
 
 
 def semantic_partition(tenant: Any, namespace: Any, endpoint: str, canonical: Mapping[str, Any]) -> str:
