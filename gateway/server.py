@@ -358,7 +358,7 @@ def _stream_record(record: Mapping[str, Any], endpoint: str, model: str, include
             events.append(_sse({**head, "choices": [body]}))
     if include_usage:
         obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
-        usage_chunk = {
+        usage_chunk: dict[str, Any] = {
             "id": cid,
             "object": obj,
             "created": created,
