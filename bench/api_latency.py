@@ -24,11 +24,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DB_NAME = "kvcp_bench"
-PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres"}
+PG: dict[str, Any] = {"host": "127.0.0.1", "port": 5432, "user": "postgres"}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -56,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DB_NAME = "kvcp_bench_dashboard"
-PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres"}
+PG: dict[str, Any] = {"host": "127.0.0.1", "port": 5432, "user": "postgres"}
 #: Minutes of gateway figures per namespace with traffic, and how many namespaces have traffic.
 TRAFFIC_MINUTES = 60
 TRAFFIC_NAMESPACES = 300

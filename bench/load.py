@@ -122,7 +122,11 @@ def prepare_environment(args: argparse.Namespace, var_dir: Path) -> None:
         raise BenchError(f"database {name!r} does not start with {PG_NAME_PREFIX!r}: the bench drops and recreates it")
     import psycopg
 
-    conninfo = {"host": url.hostname or "127.0.0.1", "port": url.port or 5432, "user": unquote(url.username or "postgres")}
+    conninfo: dict[str, Any] = {
+        "host": url.hostname or "127.0.0.1",
+        "port": url.port or 5432,
+        "user": unquote(url.username or "postgres"),
+    }
     if url.password:
         conninfo["password"] = unquote(url.password)
     try:
@@ -139,7 +143,11 @@ def drop_postgres(database_url: str) -> None:
     import psycopg
 
     url = urlparse(database_url)
-    conninfo = {"host": url.hostname or "127.0.0.1", "port": url.port or 5432, "user": unquote(url.username or "postgres")}
+    conninfo: dict[str, Any] = {
+        "host": url.hostname or "127.0.0.1",
+        "port": url.port or 5432,
+        "user": unquote(url.username or "postgres"),
+    }
     if url.password:
         conninfo["password"] = unquote(url.password)
     with psycopg.connect(dbname="postgres", autocommit=True, connect_timeout=5, **conninfo) as admin:

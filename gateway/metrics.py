@@ -185,7 +185,7 @@ def exposition() -> bytes:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         registry = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(registry, path=folder)
+        MultiProcessCollector(registry, path=folder)  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
         return generate_latest(registry)
     return generate_latest(REGISTRY)
 

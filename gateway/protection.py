@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.store import ResponseStore, check_key, check_store_prefix
@@ -63,7 +63,7 @@ def _name(value: str, field: str) -> str:
 
 @dataclass
 class _Flight:
-    task: asyncio.Task
+    task: asyncio.Task[Any]
     waiters: int = 0
 
 
@@ -135,7 +135,7 @@ class SingleFlight:
         except Exception:  # TimeoutError or the fill's own error: the latter is its callers', not this onlooker's
             return None
 
-    def _forget(self, key: str, task: asyncio.Future) -> None:
+    def _forget(self, key: str, task: asyncio.Future[Any]) -> None:
         flight = self._flights.get(key)
         if flight is not None and flight.task is task:
             del self._flights[key]
@@ -532,7 +532,7 @@ class FillBreaker:
             raise
         self._end(scope, True)
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, dict[str, Any]]:
         """Every scope seen, sorted: ``{scope: {"state": ..., "in_flight": int,
         "consecutive_failures": int}}`` (for metrics and pages)."""
         with self._lock:

@@ -77,7 +77,8 @@ class Recorder:
         with self._lock:
             cell = self._cells[(namespace_pk, layer, self._minute(now))]
             for name, value in counters.items():
-                cell.counters[name] += value
+                # Counter holds any numbers (TTFT seconds here); typeshed types its counts as int.
+                cell.counters[name] += value  # type: ignore[assignment]
         if self.metrics is not None:
             self.metrics.added(namespace_pk, layer, counters)
 
@@ -112,7 +113,7 @@ class Recorder:
         with self._lock:
             cells, self._cells = self._cells, defaultdict(_Cell)
             heat, self._heat = self._heat, {}
-        rows = [(ns, layer, minute, dict(c.counters), dict(c.bypass)) for (ns, layer, minute), c in cells.items()]
+        rows: list[Row] = [(ns, layer, minute, dict(c.counters), dict(c.bypass)) for (ns, layer, minute), c in cells.items()]
         return rows, [(ns, digest, m, t, n) for (ns, digest), (m, t, n) in heat.items()]
 
     def restore(self, rows: list[Row], heat: list[tuple[int, str, Any, Any, int]]) -> None:

@@ -41,7 +41,8 @@ class SqliteFile:
             local.conn, local.pid = conn, pid
             with self._lock:
                 self._connections.append(conn)
-        return local.conn
+        current: sqlite3.Connection = local.conn
+        return current
 
     def close(self) -> None:
         """Close every connection opened in this process."""

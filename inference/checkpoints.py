@@ -138,11 +138,13 @@ def build_tiny_mistral(target: Path, spec: TinyMistralSpec, *, served_name: str 
         sliding_window=None,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        # transformers 5 names it dtype and still takes torch_dtype (same config.json); 4.x, which requirements allow, needs it.
+        torch_dtype="float32",  # type: ignore[call-arg]
     )
     config._name_or_path = served_name
     torch.manual_seed(spec.seed)
-    model = MistralForCausalLM(config).to(torch.float32)
+    # transformers leaves the model's __init__ unannotated, and its wrapper of .to() types self as an argument.
+    model = MistralForCausalLM(config).to(torch.float32)  # type: ignore[no-untyped-call, arg-type]
     tmp = target.with_name(target.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)

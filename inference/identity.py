@@ -34,7 +34,9 @@ import blake3
 
 from inference.digest_cache import FileDigestCache
 from inference.errors import CheckpointError
-from inference.layout import LayoutOptions, engine_version, resolve_dtype, resolve_layout  # noqa: F401  (engine_version: re-exported)
+from inference.layout import LayoutOptions as LayoutOptions  # re-exported
+from inference.layout import engine_version as engine_version  # re-exported
+from inference.layout import resolve_dtype, resolve_layout
 from inference.model_config import (
     excluded_values,
     has_sliding_window,

@@ -129,11 +129,11 @@ def key_pair(path: Path) -> tuple[str, str]:
     """
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.exists():
-        public, secret = zmq.curve_keypair()
+        _, new_secret = zmq.curve_keypair()
         temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, secret + b"\n")
+            os.write(fd, new_secret + b"\n")
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -153,14 +153,14 @@ def key_pair(path: Path) -> tuple[str, str]:
     return public, secret_text
 
 
-def curve_client(sock: zmq.Socket, *, server_key: str, public: str, secret: str) -> None:
+def curve_client(sock: zmq.Socket[bytes], *, server_key: str, public: str, secret: str) -> None:
     """Make ``sock`` a CURVE client of the server whose public key is ``server_key`` (before connecting)."""
     sock.curve_serverkey = server_key.encode("ascii")
     sock.curve_publickey = public.encode("ascii")
     sock.curve_secretkey = secret.encode("ascii")
 
 
-def _curve_server(sock: zmq.Socket, *, public: str, secret: str) -> zmq.Socket:
+def _curve_server(sock: zmq.Socket[bytes], *, public: str, secret: str) -> zmq.Socket[bytes]:
     sock.curve_server = True
     sock.curve_secretkey = secret.encode("ascii")
     sock.curve_publickey = public.encode("ascii")
@@ -248,7 +248,7 @@ def relay(
         ctx.term()
 
 
-def _relay_replay(ctx: zmq.Context, router: zmq.Socket, engine_replay: str) -> None:
+def _relay_replay(ctx: zmq.Context[zmq.Socket[bytes]], router: zmq.Socket[bytes], engine_replay: str) -> None:
     """Answer one replay request from the consumer with the engine's own replay, frame for frame."""
     request = router.recv_multipart()
     if len(request) != 3:

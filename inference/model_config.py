@@ -28,6 +28,7 @@ import functools
 import json
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +248,8 @@ def excluded_values(raw: dict[str, Any], config: Any) -> dict[str, Any]:
         sub = raw.get(key)
         if isinstance(sub, dict):
             out.update({f"{key}.{k}": sub[k] for k in sorted(sub) if is_excluded_key(k)})
-    return _json_ready(out)
+    ready: dict[str, Any] = _json_ready(out)
+    return ready
 
 
 def declared_dtype(config: Any) -> str | None:
@@ -274,7 +276,7 @@ def declared_dtype(config: Any) -> str | None:
     return None
 
 
-def iter_rope_parameters(config: Any) -> Any:
+def iter_rope_parameters(config: Any) -> Iterator[dict[str, Any]]:
     """Each layer type's RoPE parameters (vLLM ``iter_rope_parameters``)."""
     from vllm.transformers_utils.config import iter_rope_parameters as vllm_iter
 

@@ -90,7 +90,8 @@ def resolve(host: str, port: int | None = None) -> frozenset[IPAddress]:
     except ValueError:
         pass
     infos = socket.getaddrinfo(literal, port, type=socket.SOCK_STREAM)
-    return frozenset(_plain(ipaddress.ip_address(info[4][0].split("%", 1)[0])) for info in infos)
+    # str(): typeshed also allows an int first item (AF_UNIX-less builds); for IP families it is the address text.
+    return frozenset(_plain(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])) for info in infos)
 
 
 @dataclass(frozen=True)

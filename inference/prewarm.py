@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from inference.corpus import Conversation
 from inference.engines.vllm_http import ChatResult
@@ -24,7 +24,12 @@ class ChatEngine(Protocol):
     """What prewarm and comparison need from an engine client."""
 
     def chat(
-        self, messages: list[dict], *, cache_salt: str | None, max_tokens: int, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        cache_salt: str | None,
+        max_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ChatResult: ...
 
     def reset_prefix_cache(self) -> None: ...

@@ -117,7 +117,7 @@ class MistralChatTokenizer:
         from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
         try:
-            self._mistral: MistralTokenizer = MistralTokenizer.from_file(str(path))
+            self._mistral: MistralTokenizer[Any, Any, Any, Any, Any] = MistralTokenizer.from_file(str(path))
         # The parsers behind from_file (sentencepiece's C++ loader, json,
         # tiktoken, mistral_common's own checks) raise unrelated exception types.
         except Exception as exc:
@@ -215,18 +215,23 @@ class HFChatTokenizer:
         try:
             ids = self._hf.apply_chat_template(
                 messages,
-                tools=copy.deepcopy(conversation.tools),
+                # transformers types tools as list[dict | Callable] (an invariant list: a list[dict[str, Any]] is refused).
+                tools=copy.deepcopy(conversation.tools),  # type: ignore[arg-type]
                 tokenize=True,
                 add_generation_prompt=True,
                 return_dict=False,
             )
         except (TemplateError, ValueError, KeyError, TypeError) as exc:
             raise ChatEncodingError(self.describe(), conversation.id, str(exc)) from exc
-        return [int(i) for i in ids]
+        # transformers types the result as any of str, list[int], list[str], list[list[int]] and BatchEncoding;
+        # with tokenize=True and return_dict=False it is one conversation's list of ids.
+        return [int(i) for i in ids]  # type: ignore[arg-type]
 
     def decode(self, ids: Sequence[int]) -> str:
         """See :meth:`ChatTokenizer.decode`."""
-        return self._hf.decode(list(ids), skip_special_tokens=False)
+        text = self._hf.decode(list(ids), skip_special_tokens=False)
+        assert isinstance(text, str)  # one flat list of ids decodes to one string
+        return text
 
     def describe(self) -> str:
         """E.g. ``"HF tokenizer.json (my-model, transformers 5.19.0)"``."""

@@ -335,7 +335,7 @@ def _pickle_tensors(path: Path, on_bytes: Callable[[int], None] | None) -> list[
             raise CheckpointError(f"{path}: entry {name!r} is not a tensor")
         dtype = _TORCH_TO_SAFETENSORS.get(str(tensor.dtype), str(tensor.dtype))
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        out.append(Tensor(str(name), dtype, tuple(tensor.shape), _hash_view(memoryview(raw), on_bytes)))
+        out.append(Tensor(str(name), dtype, tuple(tensor.shape), _hash_view(raw.data, on_bytes)))
     return out
 
 

@@ -4,35 +4,34 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cacheadmin', '0015_prompt_template_unique_names_and_fixed_text'),
+        ("cacheadmin", "0015_prompt_template_unique_names_and_fixed_text"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='accountingscan',
-            name='corpus_digests',
+            model_name="accountingscan",
+            name="corpus_digests",
             field=models.JSONField(blank=True, default=list),
         ),
         migrations.AddField(
-            model_name='comparisonjob',
-            name='corpus_digests',
+            model_name="comparisonjob",
+            name="corpus_digests",
             field=models.JSONField(blank=True, default=list),
         ),
         migrations.AddField(
-            model_name='evictionrun',
-            name='corpus_digests',
+            model_name="evictionrun",
+            name="corpus_digests",
             field=models.JSONField(blank=True, default=list),
         ),
         migrations.AddField(
-            model_name='prewarmjob',
-            name='corpus_digests',
+            model_name="prewarmjob",
+            name="corpus_digests",
             field=models.JSONField(blank=True, default=list),
         ),
         migrations.AddField(
-            model_name='registrationjob',
-            name='corpus_digests',
+            model_name="registrationjob",
+            name="corpus_digests",
             field=models.JSONField(blank=True, default=list),
         ),
     ]

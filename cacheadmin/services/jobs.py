@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeVar
 
 from celery import shared_task
@@ -230,7 +230,7 @@ def job_finish(job: Job, status: JobStatus, *, error: str = "", line: str = "", 
         _send_finished(type(job), job.pk)
 
 
-def _is_lost(job: Job, now: timezone.datetime) -> bool:
+def _is_lost(job: Job, now: datetime) -> bool:
     host, _, pid = job.worker.rpartition(":")
     if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
         return True

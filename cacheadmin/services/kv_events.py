@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import msgspec
@@ -704,5 +705,5 @@ def reset_observed(engine: Engine, namespace: CacheNamespace, *, since: Any, tim
 
 def consumer_running(engine: Engine) -> bool:
     """Whether a consumer saved this engine's stream in the last :data:`CONSUMER_STALE_S` seconds."""
-    cutoff = timezone.now() - timezone.timedelta(seconds=CONSUMER_STALE_S)
+    cutoff = timezone.now() - timedelta(seconds=CONSUMER_STALE_S)
     return KvEventStream.objects.filter(engine=engine, heartbeat_at__gte=cutoff).exists()

@@ -12,19 +12,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.pii.detect import (
-        DEFAULT_PHONE_REGIONS,
-        EMAIL_PATTERN,
-        PHONE_SCAN_BUDGET,
-        PII_KINDS,
-        REDACTION_MARKERS,
-        Finding,
-        InvalidInput,
-        find_personal_data,
-        personal_data_kinds,
-        redact,
-        redact_json,
-    )
+    # For type checkers, each name from the module that defines it (gateway.pii.detect only imports some).
+    from gateway.pii.base import PII_KINDS, REDACTION_MARKERS, Finding, InvalidInput
+    from gateway.pii.contact import DEFAULT_PHONE_REGIONS, EMAIL_PATTERN, PHONE_SCAN_BUDGET
+    from gateway.pii.detect import find_personal_data, personal_data_kinds, redact, redact_json
 
 __all__ = [
     "DEFAULT_PHONE_REGIONS",

@@ -16,9 +16,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+#: A character trie: each character maps to the trie of what may follow it; "" marks a word's end.
+_Trie = dict[str, "_Trie"]
 
-def _trie(words: Iterable[str]) -> dict[str, dict]:
-    root: dict[str, dict] = {}
+
+def _trie(words: Iterable[str]) -> _Trie:
+    root: _Trie = {}
     for word in words:
         node = root
         for ch in word:
@@ -35,7 +38,7 @@ def _char(ch: str) -> str:
     return re.escape(ch)
 
 
-def _pattern(node: dict[str, dict]) -> str:
+def _pattern(node: _Trie) -> str:
     branches = [_char(ch) + _pattern(child) for ch, child in sorted(node.items()) if ch]
     if not branches:
         return ""

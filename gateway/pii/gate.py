@@ -99,7 +99,8 @@ def answer_text(record: Mapping[str, Any]) -> list[str]:
     for choice in record.get("choices") or []:
         if not isinstance(choice, Mapping):
             continue
-        message = choice.get("message") if isinstance(choice.get("message"), Mapping) else {}
+        found = choice.get("message")
+        message: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
         for value in (choice.get("text"), message.get("content"), message.get("reasoning"), message.get("reasoning_content")):
             if isinstance(value, str) and value:
                 out.append(value)

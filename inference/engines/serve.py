@@ -28,4 +28,4 @@ authenticate.GUARDED_PREFIX = ("/",)  # type: ignore[assignment]
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main
 
-    main()
+    main()  # type: ignore[no-untyped-call]  # unannotated in vLLM

@@ -488,7 +488,7 @@ def compare_identity(
             )
             observed = f"{len(seen_ids)} tokens, first difference at token {at}"
         elif ok:
-            observed = f"{len(seen_ids)} tokens, identical"
+            observed = f"{len(want_ids)} tokens, identical"  # seen_ids == want_ids
         read = isinstance(seen_ids, list)
         checks.append(Check(f"tokenizer:{conv.id}", "/tokenize", f"{len(want_ids)} tokens", observed, ok, readable=read))
     if reference_output is not None:

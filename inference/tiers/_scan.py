@@ -35,7 +35,13 @@ from operator import attrgetter
 #: Partial usage of one prefix: [logical bytes, allocated bytes, entries,
 #: oldest entry mtime, newest entry mtime, last file access]; times are
 #: seconds since the epoch or None.
-Aggregate = list
+TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing (most of this script's ~20 ms start)
+if TYPE_CHECKING:
+    from typing import Any
+
+    Aggregate = list[Any]
+else:
+    Aggregate = list
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Entries per aggregation step: the sums run over one list of stat results

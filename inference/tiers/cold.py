@@ -366,7 +366,8 @@ class ColdTier:
             raise _WriteError(exc) from exc
         try:
             sink = _Sink(raw, f"{prefix}{SUFFIX}")
-            with tarfile.open(fileobj=sink, mode="w:gz", compresslevel=COMPRESSLEVEL, format=tarfile.PAX_FORMAT) as tar:
+            # typeshed asks w:gz's fileobj for read, seek, tell and close too; gzip's writer only calls write and flush.
+            with tarfile.open(fileobj=sink, mode="w:gz", compresslevel=COMPRESSLEVEL, format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
                 _add_bytes(tar, MANIFEST, json.dumps(manifest, sort_keys=True).encode(), hasher)
                 for entry in disk_entries:
                     assert disk is not None
@@ -411,7 +412,7 @@ class ColdTier:
             info.pax_headers = {"atime": repr(file.atime)}
             _hash_header(hasher, member, file.size)
             try:
-                tar.addfile(info, _HashingReader(source, hasher))  # type: ignore[arg-type]
+                tar.addfile(info, _HashingReader(source, hasher))
                 grew = source.read(1)
             except _WriteError:
                 raise

@@ -555,7 +555,7 @@ class DiskTier:
             first = partials[0].get(prefix)
             if first is None:
                 continue  # vanished or not a directory
-            parts = [first] + [p[prefix] for p in partials[1:] if p.get(prefix) is not None]
+            parts = [first] + [part for p in partials[1:] if (part := p.get(prefix)) is not None]
             usages[prefix] = TierUsage(
                 prefix=prefix,
                 bytes=sum(p[0] for p in parts),
@@ -620,7 +620,7 @@ def _start_worker(root: str, prefixes: list[str], shard: int, nshards: int) -> s
     return proc
 
 
-def _finish_worker(proc: subprocess.Popen[bytes] | None) -> dict[str, list] | None:
+def _finish_worker(proc: subprocess.Popen[bytes] | None) -> dict[str, _scan.Aggregate | None] | None:
     """A worker's aggregates, or None if it did not start or failed."""
     if proc is None:
         return None
@@ -631,9 +631,10 @@ def _finish_worker(proc: subprocess.Popen[bytes] | None) -> dict[str, list] | No
     if proc.wait() != 0:
         return None
     try:
-        return json.loads(out)
+        aggregates: dict[str, _scan.Aggregate | None] = json.loads(out)
     except ValueError:
         return None
+    return aggregates
 
 
 def _stop_worker(proc: subprocess.Popen[bytes] | None) -> None:

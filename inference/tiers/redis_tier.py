@@ -222,7 +222,7 @@ class RedisTier:
     )
     keeps_access_history = True
 
-    def __init__(self, client: redis.Redis, *, history_k: int = 2) -> None:
+    def __init__(self, client: redis.Redis[bytes], *, history_k: int = 2) -> None:
         if history_k < 1:
             raise ValueError(f"history_k must be >= 1, got {history_k}")
         if client.connection_pool.connection_kwargs.get("decode_responses"):
@@ -316,10 +316,11 @@ class RedisTier:
         self._check_key(key)
         stamp = repr(time.time() if now is None else float(now))
         with self._errors(f"get {prefix}:{key}"):
-            return self._get_script(
+            value: bytes | None = self._get_script(
                 keys=[self._redis_key(prefix, key), self.meta_key(prefix)],
                 args=[f"h:{key}", stamp, self.history_k],
             )
+            return value
 
     # -- reading -------------------------------------------------------------
 
@@ -536,13 +537,13 @@ class RedisTier:
             for batch in _chunks(keys, BATCH):
                 pipe = self.client.pipeline(transaction=False)
                 if no_touch:
-                    pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
+                    pipe.execute_command("CLIENT", "NO-TOUCH", "ON")  # type: ignore[no-untyped-call]  # unannotated in types-redis
                 for raw in batch:
                     pipe.dump(raw)
                     pipe.pttl(raw)
                     pipe.strlen(raw)
                 if no_touch:
-                    pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
+                    pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")  # type: ignore[no-untyped-call]  # unannotated in types-redis
                 replies = pipe.execute(raise_on_error=False)
                 if no_touch:
                     replies = replies[1:-1]
@@ -614,14 +615,14 @@ class RedisTier:
             names = [raw[cut:].decode("utf-8", "surrogateescape") for raw in batch]
             pipe = self.client.pipeline(transaction=False)
             if no_touch:
-                pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
+                pipe.execute_command("CLIENT", "NO-TOUCH", "ON")  # type: ignore[no-untyped-call]  # unannotated in types-redis
             for raw in batch:
                 pipe.object("idletime", raw)
             for raw in batch:
                 pipe.strlen(raw)
             pipe.hmget(meta, [f"c:{n}" for n in names] + [f"h:{n}" for n in names])
             if no_touch:
-                pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
+                pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")  # type: ignore[no-untyped-call]  # unannotated in types-redis
             replies = pipe.execute(raise_on_error=False)
             if no_touch:
                 replies = replies[1:-1]
@@ -729,7 +730,7 @@ def redis_errors(what: str, doing: str, *, unavailable: type[TierUnavailable] = 
     except (
         redis.exceptions.ConnectionError,  # BusyLoadingError (LOADING) is one too
         redis.exceptions.TimeoutError,
-        redis.exceptions.OutOfMemoryError,
+        redis.exceptions.OutOfMemoryError,  # type: ignore[attr-defined]  # in redis, missing from types-redis 4.6
         redis.exceptions.ReadOnlyError,
     ) as exc:
         raise unavailable(f"{what} unavailable ({doing}): {type(exc).__name__}: {exc}") from exc
@@ -737,7 +738,7 @@ def redis_errors(what: str, doing: str, *, unavailable: type[TierUnavailable] = 
         raise TierError(f"{what}: {doing} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def redis_address(client: redis.Redis) -> str:
+def redis_address(client: redis.Redis[Any]) -> str:
     """Where a client talks to, for messages: ``host:port/db`` or ``unix:path/db``."""
     kw = client.connection_pool.connection_kwargs
     if "path" in kw:

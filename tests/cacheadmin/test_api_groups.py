@@ -3,6 +3,8 @@ must not depend on whether another tenant's row exists."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.conf import settings
 from django.utils import timezone
@@ -236,7 +238,7 @@ def test_token_last_used_is_written_at_most_once_a_minute(world, django_assert_n
     with django_assert_num_queries(4 + (2 if connection.vendor == "sqlite" else 0)):
         world["clients"]["alice"].get("/api/tenants/")
     first = ApiToken.objects.get(pk=token.pk).last_used_at
-    assert first is not None and timezone.now() - first < timezone.timedelta(seconds=30)
+    assert first is not None and timezone.now() - first < timedelta(seconds=30)
     with django_assert_num_queries(3):  # token, count, page
         world["clients"]["alice"].get("/api/tenants/")
     assert ApiToken.objects.get(pk=token.pk).last_used_at == first

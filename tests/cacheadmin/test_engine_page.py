@@ -37,7 +37,12 @@ def fleet(world: dict[str, Any]) -> dict[str, Any]:
     """world's ready engine e-acme, a reference engine and a stopped local engine."""
     v1 = world["v1"]
     reference = Engine.objects.create(
-        name="ref", role="reference", model_version=v1, base_url="http://127.0.0.1:2", status="ready", prefix_caching=False,
+        name="ref",
+        role="reference",
+        model_version=v1,
+        base_url="http://127.0.0.1:2",
+        status="ready",
+        prefix_caching=False,
         verification="verified",
     )
     stopped = Engine.objects.create(

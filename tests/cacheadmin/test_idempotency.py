@@ -8,6 +8,7 @@ import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.apps import apps
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.django_db
 ISSUE = {"tenant": "acme", "name": "support-bot"}
 
 
-def _issue(world: dict, key: str, body: dict | None = None) -> object:
+def _issue(world: dict, key: str, body: dict | None = None) -> Any:
     return world["clients"]["alice"].post("/api/gateway-keys/", body or ISSUE, format="json", HTTP_IDEMPOTENCY_KEY=key)
 
 

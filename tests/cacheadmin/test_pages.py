@@ -3,6 +3,8 @@ dashboard's query count does not grow with the number of rows."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.utils import timezone
 
@@ -264,9 +266,7 @@ def test_engine_page_shows_verification_and_alarms_and_refuses_bad_actions(admin
 
     Engine.objects.filter(pk=engine.pk).update(kv_events_endpoint="tcp://gpu-7:5557")
     now = timezone.now()
-    ResidentSample.objects.create(
-        engine=engine, namespace=ns, sampled_at=now - timezone.timedelta(seconds=30), blocks=1, tokens=32
-    )
+    ResidentSample.objects.create(engine=engine, namespace=ns, sampled_at=now - timedelta(seconds=30), blocks=1, tokens=32)
     ResidentSample.objects.create(engine=engine, namespace=ns, sampled_at=now, blocks=5, tokens=160)
     dashboard = admin_client.get("/").content.decode()
     assert "<h1>Resident in engine memory</h1>" in dashboard

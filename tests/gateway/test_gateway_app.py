@@ -413,9 +413,7 @@ def test_every_answer_names_the_routed_version_and_the_state_that_computed_it(se
     engine = call(s, chat(temperature=0))
     cached = call(s, chat(temperature=0))
     streamed = call(s, chat(temperature=0, stream=True, stream_options={"include_usage": True}))
-    fresh_stream = call(
-        s, chat("Which river crosses Paris?", temperature=0, stream=True, stream_options={"include_usage": True})
-    )
+    fresh_stream = call(s, chat("Which river crosses Paris?", temperature=0, stream=True, stream_options={"include_usage": True}))
     paraphrased = call(s, chat("Which river flows through Paris?", temperature=0))
     answers = (engine, cached, streamed, fresh_stream, paraphrased)
     assert [a.headers["x-kvcp-served-by"] for a in answers] == ["engine", "response", "response", "engine", "semantic"]

@@ -269,7 +269,7 @@ def test_a_2000_character_prompt_without_personal_data_never_reaches_libphonenum
     """What keeps the scan cheap (``bench/pii.py`` times it): handing every number to
     libphonenumber cost about 4,000 us per prompt; numbers too short for a phone never get there."""
     asked: list[str] = []
-    matcher = contact.PhoneNumberMatcher
+    matcher = PhoneNumberMatcher
 
     def counting(window: str, *args: object, **kwargs: object) -> object:
         asked.append(window)
@@ -307,7 +307,7 @@ def test_the_budget_bounds_what_libphonenumber_reads_on_a_table_of_numbers(monke
     """Unbounded, libphonenumber took about 0.6 s on this table (``bench/pii.py`` times it):
     it reads one window of at most the budget's characters, once per region."""
     asked: list[str] = []
-    matcher = contact.PhoneNumberMatcher
+    matcher = PhoneNumberMatcher
     monkeypatch.setattr(contact, "PhoneNumberMatcher", lambda window, *a, **k: asked.append(window) or matcher(window, *a, **k))
     table = ", ".join(f"{10_000_000 + 7919 * i}" for i in range(2000))  # 20,000 characters
     find_personal_data(table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from inference.child_env import ENGINE_ENV_NAMES, SYSTEM_NAMES, child_environment
 from inference.engines.launcher import EngineSpec
@@ -30,7 +31,13 @@ def test_an_engine_started_by_a_web_worker_gets_none_of_its_environment(tmp_path
         "HF_HUB_OFFLINE": "0", "PYTHONPATH": "/elsewhere",
     }.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-    base = {"model_path": tmp_path, "served_name": "tiny", "dtype": "float32", "log_path": tmp_path / "log", "port": 1}
+    base: dict[str, Any] = {
+        "model_path": tmp_path,
+        "served_name": "tiny",
+        "dtype": "float32",
+        "log_path": tmp_path / "log",
+        "port": 1,
+    }
     env = EngineSpec(**base, api_key="k-1").environment()
     own = {
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -538,7 +539,13 @@ def test_engines_run_unbound_threads_unless_told_to_keep_vllms_binding(tmp_path:
     # An operator's own binding must not leak into an engine that keeps vLLM's default.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
-    base = {"model_path": tmp_path, "served_name": "tiny", "dtype": "float32", "log_path": tmp_path / "log", "port": 1}
+    base: dict[str, Any] = {
+        "model_path": tmp_path,
+        "served_name": "tiny",
+        "dtype": "float32",
+        "log_path": tmp_path / "log",
+        "port": 1,
+    }
     env = EngineSpec(**base).environment()
     assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("nobind", "1")
     env = EngineSpec(**base, cpu_threads=2).environment()

@@ -270,7 +270,7 @@ class RedisResponseStore(ResponseStore):
 
     access_time_source: ClassVar[str] = "response-cache get hits and puts by any gateway process (the Redis server's TIME)"
 
-    def __init__(self, client: redis.Redis, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+    def __init__(self, client: redis.Redis[bytes], key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
         if not isinstance(key_prefix, str) or _KEY_PREFIX_PATTERN.fullmatch(key_prefix) is None:
             raise InvalidField("key_prefix", f"must be 1-64 characters out of [A-Za-z0-9_.:-], got {_show(key_prefix)}")
         kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
@@ -282,7 +282,7 @@ class RedisResponseStore(ResponseStore):
             value = kwargs.get(field)
             if value is None or not 0 < value <= MAX_SOCKET_TIMEOUT_S:
                 raise InvalidField(f"client.{field}", f"must be set and at most {MAX_SOCKET_TIMEOUT_S} s, got {value!r}")
-        retry = client.get_retry()
+        retry = client.get_retry()  # type: ignore[attr-defined]  # Redis.get_retry exists in redis, missing from types-redis 4.6
         if retry is not None and retry.get_retries() > 0:
             raise InvalidField("client.retry", f"must make no retries (a slow store is bypassed), got {retry.get_retries()}")
         self.client = client
@@ -352,7 +352,8 @@ class RedisResponseStore(ResponseStore):
         check_store_prefix(prefix)
         check_key(key)
         with self._errors(f"get {prefix}/{key}"):
-            return self._get(keys=[self._k("lru", prefix), self._k("v", prefix, key)], args=[key])
+            value: bytes | None = self._get(keys=[self._k("lru", prefix), self._k("v", prefix, key)], args=[key])
+            return value
 
     def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
         """See :meth:`ResponseStore.put`: one Lua call purges the prefix's

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.sqlite_file import SqliteFile
 from inference.errors import InvalidField
@@ -258,7 +258,7 @@ class SqliteResponseStore(ResponseStore):
 
     # -- the control plane's side -----------------------------------------------
 
-    def _read(self, doing: str, sql: str, params: Sequence[object]) -> list[tuple]:
+    def _read(self, doing: str, sql: str, params: Sequence[object]) -> list[tuple[Any, ...]]:
         with self._errors(doing):
             return self._conn().execute(sql, params).fetchall()
 

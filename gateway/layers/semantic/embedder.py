@@ -226,7 +226,8 @@ class Embedder:
         """Embed one text: float32 array of shape (:attr:`dim`,), L2 norm 1. Errors as :meth:`embed`."""
         if not isinstance(text, str):
             raise EmbedderInputError(f"text must be a string, got {type(text).__name__}")
-        return self.embed([text])[0]
+        vector: np.ndarray = self.embed([text])[0]
+        return vector
 
 
 _default: Embedder | None = None

@@ -194,6 +194,7 @@ class _Replica:
             self.index, self.kind = _new_index(self.dim, 0, self.threshold)
         elif self.kind == "hnsw" and self.background and len(seqs) > HNSW_MAX_INLINE_ADDS:
             # Exact meanwhile (a copy of the vectors, no graph work); maintain() starts the build.
+            assert self.dim is not None  # set with the index
             flat = faiss.IndexFlatIP(self.dim)
             flat.add(self.index.reconstruct_n(0, self.size))
             self.index, self.kind = flat, "flat"
@@ -364,7 +365,8 @@ class _Replica:
                 self._bits = np.packbits(self.alive, bitorder="little")
             selector = faiss.IDSelectorBitmap(self.size, faiss.swig_ptr(self._bits))
         if self.kind == "hnsw":
-            params: Any = faiss.SearchParametersHNSW(efSearch=max(HNSW_EF_SEARCH, kk))
+            # In faiss's SWIG module, missing from the .pyi it ships.
+            params: Any = faiss.SearchParametersHNSW(efSearch=max(HNSW_EF_SEARCH, kk))  # type: ignore[attr-defined]
         else:
             params = faiss.SearchParameters()
         if selector is not None:
@@ -372,4 +374,5 @@ class _Replica:
         with _one_omp_thread():
             _, labels = self.index.search(query.reshape(1, -1), kk, params=params)
         found = labels[0][labels[0] >= 0]
-        return self.seqs[found].tolist()
+        seqs: list[int] = self.seqs[found].tolist()
+        return seqs

@@ -114,7 +114,8 @@ def similarities(query: np.ndarray, matrix: np.ndarray) -> np.ndarray:
     # Row by row, not a BLAS matrix-vector product: its summation order depends on the number of rows, and one pair
     # must get the very same value from similarity() and from a lookup over many candidates.
     cosines = (m * q).sum(axis=1) / (m_norms * q_norm)
-    return np.clip(cosines, 0.0, 1.0)
+    clipped: np.ndarray = np.clip(cosines, 0.0, 1.0)
+    return clipped
 
 
 def similarity(a: np.ndarray, b: np.ndarray) -> float:

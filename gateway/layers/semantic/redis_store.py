@@ -290,7 +290,7 @@ class RedisSemanticStore(SemanticStore):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis[bytes],
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
         max_replicas: int = DEFAULT_MAX_REPLICAS,
