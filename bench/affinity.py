@@ -380,7 +380,7 @@ async def run_phase(
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - started
-    await gw.client.aclose()
+    await gw.proxy.aclose()
     return Phase(mode, round_, seconds, [a for a in answers if a is not None], recorder.ttft_ms)
 
 

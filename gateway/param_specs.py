@@ -356,7 +356,7 @@ def _tools(param: str, value: Any) -> list[Any]:
     if not value:
         # vLLM refuses an empty array, as OpenAI does (check_tool_usage).
         raise InvalidRequest("must not be an empty array; omit it instead", param)
-    out = nfc_json(param, value)
+    out: list[Any] = nfc_json(param, value)
     for i, tool in enumerate(out):
         where = f"{param}[{i}]"
         if not isinstance(tool, dict):
@@ -369,10 +369,11 @@ def _tools(param: str, value: Any) -> list[Any]:
 
 def _tool_choice(param: str, value: Any) -> str | dict[str, Any]:
     if isinstance(value, str):
-        return _enum(*_TOOL_CHOICE_MODES)(param, value)
+        mode: str = _enum(*_TOOL_CHOICE_MODES)(param, value)
+        return mode
     if not isinstance(value, Mapping):
         raise InvalidRequest(f'must be "none", "auto", "required" or a named function, got {type_name(value)}', param)
-    out = nfc_json(param, value)
+    out: dict[str, Any] = nfc_json(param, value)
     function = out.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
         raise InvalidRequest('must name a function: {"type": "function", "function": {"name": ...}}', f"{param}.function.name")

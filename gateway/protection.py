@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.store import ResponseStore, check_key, check_store_prefix
@@ -67,7 +67,7 @@ class _Flight:
     waiters: int = 0
 
 
-class SingleFlight:
+class SingleFlight(Generic[T]):
     """Concurrent callers with the same key share one call of ``fill``.
 
     The first caller of a key starts ``fill()`` as its own task and every
@@ -176,7 +176,7 @@ def flight_key(prefix: str, key: str) -> str:
 
 
 #: The flight :func:`fill_once` uses when none is given: one per process.
-_PROCESS_FLIGHT = SingleFlight()
+_PROCESS_FLIGHT: SingleFlight[FillResult] = SingleFlight()
 
 
 async def fill_once(
@@ -188,7 +188,7 @@ async def fill_once(
     lease_ttl_s: float,
     wait_timeout_s: float,
     poll_s: float = 0.02,
-    flight: SingleFlight | None = None,
+    flight: SingleFlight[FillResult] | None = None,
 ) -> FillResult:
     """Fill a missing response once across the processes sharing ``store``.
 

@@ -113,7 +113,7 @@ def stream_record(record: Mapping[str, Any], endpoint: str, model: str, include_
             events.append(sse({**head, "choices": [body]}))
     if include_usage:
         obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
-        usage_chunk = {
+        usage_chunk: dict[str, Any] = {
             "id": cid,
             "object": obj,
             "created": created,

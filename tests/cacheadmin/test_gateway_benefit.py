@@ -182,6 +182,7 @@ def test_a_layer_under_the_floor_with_enough_lookups_is_not_paying(world: dict, 
     assert RoutingEpoch.objects.get(pk=1).value > epoch
     assert routing_snapshot_build().not_paying == frozenset({(acme.pk, "semantic")})
     event = AuditEvent.objects.get(action="gateway.layer_not_paying")
+    assert event.after is not None
     assert event.after["layer"] == "semantic" and event.after["lookups"] == 200 and event.after["window_minutes"] == 10
     # The alarm as a metric: 1 while open.
     family = next(f for f in ControlPlaneCollector().families() if f.name == "kvcp_gateway_layer_not_paying")

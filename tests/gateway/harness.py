@@ -66,7 +66,6 @@ class FakeEngine:
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
 
-
     def _whole(self, body: dict[str, Any], words: list[str], usage: dict[str, Any], fail: bool) -> httpx.Response:
         """A non-streamed answer, as vLLM sends one: the whole object, or its error with the error's status."""
         if self.stream_error is not None:
