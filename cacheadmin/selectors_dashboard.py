@@ -162,7 +162,7 @@ def _serving_now_build() -> list[dict[str, Any]]:
                     "version_url": version_url(t.version_id),
                     "percent": t.percent,
                     "namespace_pk": t.namespace_pk,
-                    "namespace_key": ns.key[:12] if ns else None,
+                    "namespace_key": ns.namespace_key[:12] if ns else None,
                     "namespace_url": namespace_url(t.namespace_pk) if t.namespace_pk is not None else None,
                     "storage_prefix": ns.storage_prefix if ns else None,
                     "release_id": t.release_id,

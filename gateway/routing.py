@@ -78,7 +78,7 @@ class NamespaceTarget:
     """A cache namespace as the gateway needs it.
 
     Attributes:
-        pk, key: the namespace's primary key and ``namespace_key``.
+        pk, namespace_key: the namespace's primary key and its stable key (64 hex).
         storage_prefix: its name in every tier (response and semantic caches too).
         cache_salt: the vLLM ``cache_salt`` the gateway adds to each request.
         version_id, version_label: the model version it belongs to.
@@ -91,7 +91,7 @@ class NamespaceTarget:
     """
 
     pk: int
-    key: str
+    namespace_key: str
     storage_prefix: str
     cache_salt: str
     version_id: int

@@ -276,7 +276,7 @@ class Gateway:
 
     def _namespace_key(self, namespace_pk: int) -> str | None:
         target = self.rt.snapshot().namespaces.get(namespace_pk)
-        return target.key if target is not None else None
+        return target.namespace_key if target is not None else None
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: every process's figures in Prometheus' text format, for the metrics token."""
@@ -344,7 +344,7 @@ class Gateway:
                 raise invalid(exc.message, exc.param) from None
             tags = request_tags(request.headers.getlist(TAGS_HEADER))
             routed = route_request(snap, tenant, body)
-            templates.classify(snap.templates, tenant.id, routed.namespace.pk, routed.namespace.key, body)
+            templates.classify(snap.templates, tenant.id, routed.namespace.pk, routed.namespace.namespace_key, body)
             ctx = RequestContext(snap, tenant, endpoint, body, canonical, upstream, tags, routed, started)
             found = await self.pipeline.lookup(ctx)
             if isinstance(found, Hit):
@@ -515,7 +515,7 @@ def explain(
         engine = choose_engine(engines, prompt_affinity_text(body), {}) if engines else None
         out["route"] = {
             "served_name": body.get("model"), "model_version": routed.route.version_id, "label": routed.route.version_label,
-            "percent": routed.route.percent, "release": routed.route.release_id, "namespace": ns.pk, "namespace_key": ns.key,
+            "percent": routed.route.percent, "release": routed.route.release_id, "namespace": ns.pk, "namespace_key": ns.namespace_key,
             "bucket": sticky_bucket(tenant.secret, sticky_id(body)),
             "engine": {"id": engine.id, "name": engine.name} if engine else None,
             "engine_reason": None if engine else "no engine in service (ready and verified) serves this namespace",

@@ -581,7 +581,7 @@ def fingerprint_checkpoint(
     )
 
 
-def namespace_id(identity: str, boundary: str) -> str:
+def namespace_key(identity: str, boundary: str) -> str:
     """Stable id of the cache namespace for (state identity, tenant boundary).
 
     Args:

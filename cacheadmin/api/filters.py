@@ -165,13 +165,13 @@ class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
 
 
 class CacheNamespaceFilterSet(ControlPlaneFilterSet):
-    """Namespace list filters; ``namespace_id`` is the API's name of the model's ``namespace_key``."""
+    """Namespace list filters (``namespace_key``: the namespace's stable key, 64 hex)."""
 
-    namespace_id = django_filters.CharFilter(field_name="namespace_key", help_text="the namespace's stable id (64 hex)")
+    namespace_key = django_filters.CharFilter(help_text="the namespace's stable key (64 hex)")
 
     class Meta(ControlPlaneFilterSet.Meta):
         model = CacheNamespace
-        fields = ("tenant__slug", "group__slug", "model_version", "namespace_id", "residency")
+        fields = ("tenant__slug", "group__slug", "model_version", "namespace_key", "residency")
 
 
 class TierUsageFilterSet(ControlPlaneFilterSet):

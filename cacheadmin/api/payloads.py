@@ -135,7 +135,7 @@ class RouteSerializer(serializers.Serializer):
     label = serializers.CharField(help_text="model version label")
     percent = serializers.IntegerField(min_value=0, max_value=100, help_text="share of traffic")
     namespace = serializers.IntegerField(help_text="namespace id")
-    namespace_id = serializers.CharField(help_text="the namespace's stable identifier")
+    namespace_key = serializers.CharField(help_text="the namespace's stable key (64 hex)")
     cache_salt = serializers.CharField(help_text="send as vLLM's cache_salt with every request routed here")
 
 
@@ -156,7 +156,7 @@ class OrphanNamespaceSerializer(serializers.Serializer):
     """A namespace still holding state that nothing serves any more, and why."""
 
     id = serializers.IntegerField()
-    namespace_id = serializers.CharField()
+    namespace_key = serializers.CharField(help_text="the namespace's stable key (64 hex)")
     storage_prefix = serializers.CharField()
     boundary = serializers.CharField(help_text="the tenant, or the shared group and its generation")
     residency = serializers.ChoiceField(choices=Residency.choices)

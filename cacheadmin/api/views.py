@@ -311,7 +311,7 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
         salt = namespace_salt_read(namespace, actor=actor_of(request), purpose="router")
         return Response(
             {
-                "namespace_id": namespace.namespace_key,
+                "namespace_key": namespace.namespace_key,
                 "cache_salt": salt,
                 "storage_prefix": namespace.storage_prefix,
             }

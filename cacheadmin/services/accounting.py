@@ -232,7 +232,7 @@ def orphans_report(*, now: datetime | None = None) -> dict[str, list[dict[str, A
         else:
             continue
         namespaces.append(
-            {"id": ns.pk, "namespace_id": ns.namespace_key, "storage_prefix": ns.storage_prefix,
+            {"id": ns.pk, "namespace_key": ns.namespace_key, "storage_prefix": ns.storage_prefix,
              "boundary": ns.boundary_label, "residency": ns.residency, "why": why}
         )  # fmt: skip
     cutoff = now - timedelta(days=settings.ADAPTER_UNUSED_DAYS)

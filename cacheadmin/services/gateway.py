@@ -429,7 +429,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
         hold = getattr(ns, "routing", None)
         namespaces[ns.pk] = NamespaceTarget(
             pk=ns.pk,
-            key=ns.namespace_key,
+            namespace_key=ns.namespace_key,
             storage_prefix=ns.storage_prefix,
             cache_salt=salts[ns.pk],
             version_id=ns.model_version_id,

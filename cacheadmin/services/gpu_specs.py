@@ -41,7 +41,7 @@ def engine_gpu_spec(*, model_version: ModelVersion, namespace: CacheNamespace, c
             layout=model_version.inputs["layout"],
             served_name=model_version.served_name,
             model_ref=model_version.path,
-            namespace_key=namespace.storage_prefix,
+            storage_prefix=namespace.storage_prefix,
             cache_salt=salt,
             storage_root=str(settings.KV_STORE_ROOT),
             connector=connector,

@@ -25,7 +25,7 @@ from cacheadmin.models.naming import NOT_DIFFERENT, name_key, validate_display_n
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.quotas import quota_check
 from inference.errors import InvalidField, Refused
-from inference.identity import cache_salt, namespace_id, storage_prefix
+from inference.identity import cache_salt, namespace_key, storage_prefix
 
 
 def tenant_get_or_create(*, slug: str, name: str, actor: str) -> Tenant:
@@ -180,8 +180,8 @@ def namespace_get_or_create(
         raise ValidationError(problems)
     boundary = tenant.boundary if tenant is not None else group.boundary
     where = {"tenant": tenant} if tenant is not None else {"group": group, "group_generation": group.generation}
-    ns_id = namespace_id(model_version.identity, boundary)
-    existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_key=ns_id).first()
+    new_key = namespace_key(model_version.identity, boundary)
+    existing = CacheNamespace.objects.select_related("tenant", "group", "model_version").filter(namespace_key=new_key).first()
     if existing:
         return _same_owner_or_refuse(existing, model_version, where), False
     if model_version.status == ModelVersion.Status.RETIRED:
@@ -190,16 +190,16 @@ def namespace_get_or_create(
     if stale is not None:
         raise NamespaceConflict(
             f"{boundary} already has namespace {stale.namespace_key[:12]}… for {model_version.label}, "
-            f"but its identity and boundary now derive {ns_id[:12]}… (was the tenant renamed?); resolve that first"
+            f"but its identity and boundary now derive {new_key[:12]}… (was the tenant renamed?); resolve that first"
         )
     try:
         with transaction.atomic():
             quota_check(tenant=tenant, kind="namespaces")
             namespace = CacheNamespace.objects.create(
-                namespace_key=ns_id,
+                namespace_key=new_key,
                 model_version=model_version,
                 retention_owner=retention_owner,
-                storage_prefix=storage_prefix(ns_id),
+                storage_prefix=storage_prefix(new_key),
                 **where,
             )
             RetentionPolicy.objects.create(namespace=namespace, **policy.as_dict())
@@ -208,7 +208,7 @@ def namespace_get_or_create(
                 action="namespace.create",
                 obj=namespace,
                 after={
-                    "namespace_id": ns_id,
+                    "namespace_key": new_key,
                     "model_version": model_version.label,
                     "boundary": boundary,
                     "retention_owner": retention_owner.name,
@@ -216,7 +216,7 @@ def namespace_get_or_create(
                 },
             )
     except IntegrityError:  # a concurrent caller created it first
-        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_key=ns_id), model_version, where), False
+        return _same_owner_or_refuse(CacheNamespace.objects.get(namespace_key=new_key), model_version, where), False
     return namespace, True
 
 

@@ -56,7 +56,7 @@ from cacheadmin.services.serving import (
 from cacheadmin.services.tiers import tiers_configured
 from inference.corpus import load_corpus
 from inference.errors import InvalidField, Refused
-from inference.identity import identity_diff, namespace_id
+from inference.identity import identity_diff, namespace_key
 from inference.tiers.base import TierError, TierUnavailable
 from inference.tokenization import load_chat_tokenizer, serialized_inputs_digest, summary, tokenization_diff
 
@@ -688,14 +688,14 @@ def release_routing(release: Release, *, actor: str) -> list[dict[str, Any]]:
         salt = namespace_salt_read(namespace, actor=actor, purpose=f"routing of release #{release.pk}")
         out.append({
             "model_version": version.pk, "label": version.label, "percent": route.percent, "namespace": namespace.pk,
-            "namespace_id": namespace.namespace_key, "cache_salt": salt,
+            "namespace_key": namespace.namespace_key, "cache_salt": salt,
         })  # fmt: skip
     return out
 
 
 def _check_identity(namespace: CacheNamespace, version: ModelVersion, tenant: Tenant) -> None:
     """Refuse to expose a namespace whose identity differs from the version served with it."""
-    if namespace.namespace_key != namespace_id(version.identity, tenant.boundary):
+    if namespace.namespace_key != namespace_key(version.identity, tenant.boundary):
         raise ReleaseRefused(
             f"namespace {namespace.namespace_key[:12]}… does not derive from {version.label}'s identity for "
             f"{tenant.slug}; refusing to route it"

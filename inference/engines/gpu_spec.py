@@ -84,7 +84,7 @@ LMCACHE_CONFIG_DOCS = "https://docs.lmcache.ai/api_reference/configurations.html
 
 #: One path segment: the namespace's folder under ``storage_root``. No ``/``,
 #: no leading dot (the disk tier owns hidden names), no ``..``.
-_NAMESPACE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_STORAGE_PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: vLLM 0.32 refuses a request whose ``cache_salt`` is longer or holds one of
 #: these (``entrypoints/generate/base/protocol.py`` ``validate_cache_salt``).
 _MAX_CACHE_SALT = 128
@@ -98,8 +98,8 @@ class GpuEngineSpec:
 
     Attributes:
         connector: ``"example"``, ``"offloading"`` or ``"lmcache"``.
-        namespace_key: the namespace's folder name under the storage root.
-        storage_path: ``{storage_root}/{namespace_key}``, the connector's
+        storage_prefix: the namespace's folder name under the storage root.
+        storage_path: ``{storage_root}/{storage_prefix}``, the connector's
             persistent tier for this namespace and no other.
         cache_salt: what every request of this namespace sends as ``cache_salt``.
         argv: the server's command line, ``["vllm", "serve", model_ref, ...]``.
@@ -114,7 +114,7 @@ class GpuEngineSpec:
     """
 
     connector: str
-    namespace_key: str
+    storage_prefix: str
     storage_path: str
     cache_salt: str
     argv: list[str]
@@ -128,13 +128,13 @@ class GpuEngineSpec:
         """The spec as a JSON-ready dict.
 
         Returns:
-            ``{"connector", "namespace_key", "storage_path", "cache_salt",
+            ``{"connector", "storage_prefix", "storage_path", "cache_salt",
             "argv", "relay", "env", "files", "notes"}`` in that order, ``env`` and
             ``files`` sorted by key, so two runs print the same bytes.
         """
         return {
             "connector": self.connector,
-            "namespace_key": self.namespace_key,
+            "storage_prefix": self.storage_prefix,
             "storage_path": self.storage_path,
             "cache_salt": self.cache_salt,
             "argv": list(self.argv),
@@ -161,7 +161,7 @@ class GpuEngineSpec:
             ValueError: a file's content does not end with a newline, or holds
                 the here-document end marker line (it would end the file early).
         """
-        lines = ["#!/bin/sh", f"# vLLM GPU engine: namespace {self.namespace_key}, connector {self.connector}"]
+        lines = ["#!/bin/sh", f"# vLLM GPU engine: namespace {self.storage_prefix}, connector {self.connector}"]
         for note in self.notes:
             lines.append("# - " + " ".join(note.split()))  # one comment line per note, whatever it contains
         lines += ["set -eu", f"mkdir -p -- {shlex.quote(self.storage_path)}"]
@@ -192,7 +192,7 @@ def gpu_engine_spec(
     layout: dict[str, Any],
     served_name: str,
     model_ref: str,
-    namespace_key: str,
+    storage_prefix: str,
     cache_salt: str,
     storage_root: str,
     connector: str,
@@ -209,7 +209,7 @@ def gpu_engine_spec(
     disk_cache_gib: int = 64,
 ) -> GpuEngineSpec:
     """The GPU engine that computes what ``layout`` says and keeps one
-    namespace's KV under ``{storage_root}/{namespace_key}``.
+    namespace's KV under ``{storage_root}/{storage_prefix}``.
 
     Args:
         layout: the identity's resolved layout (``inputs["layout"]``, see
@@ -219,7 +219,7 @@ def gpu_engine_spec(
         model_ref: ``vllm serve``'s model: an absolute checkpoint path on the
             GPU host or a hub id (the server runs in a fresh working directory,
             so a relative path would not resolve).
-        namespace_key: the namespace's storage folder name (one path segment,
+        storage_prefix: the namespace's storage folder name (one path segment,
             e.g. :func:`inference.identity.storage_prefix`).
         cache_salt: the namespace's salt (:func:`inference.identity.cache_salt`);
             carried in the spec for the clients that send it, checked against
@@ -228,13 +228,13 @@ def gpu_engine_spec(
             namespace's persistent tier.
         connector: ``"example"``, ``"offloading"`` or ``"lmcache"``.
         kv_events_endpoint: ZMQ endpoint of the KV event publisher; default
-            ``ipc://{kv_events_dir}/{namespace_key}.pub``, which the engine binds
+            ``ipc://{kv_events_dir}/{storage_prefix}.pub``, which the engine binds
             in a directory only its user can enter (vLLM's publisher has no
             authentication: a TCP endpoint would take anyone's frames or serve
             anyone the prompts' token ids).
         kv_events_replay_endpoint: ZMQ endpoint answering replay requests for
             missed event batches; ``""`` (default) for
-            ``ipc://{kv_events_dir}/{namespace_key}.replay``, None for none.
+            ``ipc://{kv_events_dir}/{storage_prefix}.replay``, None for none.
         kv_events_dir: the private directory of the default endpoints.
         consumer_key: the control plane's KV-event consumer public key (CURVE,
             Z85); with it the spec runs :mod:`inference.kv_transport`'s relay
@@ -270,9 +270,9 @@ def gpu_engine_spec(
         raise ValueError("served_name is empty")
     if not isinstance(model_ref, str) or not model_ref.strip():
         raise ValueError("model_ref is empty")
-    if not isinstance(namespace_key, str) or not _NAMESPACE_KEY.match(namespace_key):
+    if not isinstance(storage_prefix, str) or not _STORAGE_PREFIX.match(storage_prefix):
         raise ValueError(
-            f"namespace_key {namespace_key!r} is not one path segment of letters, digits, '.', '_' or '-' "
+            f"storage_prefix {storage_prefix!r} is not one path segment of letters, digits, '.', '_' or '-' "
             "(at most 128, not starting with '.')"
         )
     _check_cache_salt(cache_salt)
@@ -286,9 +286,9 @@ def gpu_engine_spec(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if kv_events_endpoint is None:
-        kv_events_endpoint = f"ipc://{posixpath.join(kv_events_dir, namespace_key)}.pub"
+        kv_events_endpoint = f"ipc://{posixpath.join(kv_events_dir, storage_prefix)}.pub"
     if kv_events_replay_endpoint == "":
-        kv_events_replay_endpoint = f"ipc://{posixpath.join(kv_events_dir, namespace_key)}.replay"
+        kv_events_replay_endpoint = f"ipc://{posixpath.join(kv_events_dir, storage_prefix)}.replay"
     if not kv_events_endpoint:
         raise ValueError("kv_events_endpoint is empty")
     if not isinstance(kv_events_dir, str) or not posixpath.isabs(kv_events_dir) or "\x00" in kv_events_dir:
@@ -311,7 +311,7 @@ def gpu_engine_spec(
             f"an engine with the {connector} connector would write KV in a format this identity does not describe"
         )
     layout_argv, layout_env = layout_arguments(layout)
-    storage_path = posixpath.join(posixpath.normpath(storage_root), namespace_key)
+    storage_path = posixpath.join(posixpath.normpath(storage_root), storage_prefix)
 
     argv = [
         "vllm",
@@ -329,7 +329,7 @@ def gpu_engine_spec(
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--kv-events-config",
-        json.dumps(kv_events_config(kv_events_endpoint, kv_events_replay_endpoint, topic=namespace_key)),
+        json.dumps(kv_events_config(kv_events_endpoint, kv_events_replay_endpoint, topic=storage_prefix)),
     ]
     env = {
         # POST /reset_prefix_cache exists only in dev mode (entrypoints/launchers/api_server/routers.py).
@@ -350,7 +350,7 @@ def gpu_engine_spec(
             block_size=int(layout["block_size"]),
             cpu_gib=cpu_cache_gib,
             disk_gib=disk_cache_gib,
-            namespace_key=namespace_key,
+            storage_prefix=storage_prefix,
         )
         # Relative: resolved in the server's working directory, where files are written.
         env["LMCACHE_CONFIG_FILE"] = LMCACHE_CONFIG_NAME
@@ -358,7 +358,7 @@ def gpu_engine_spec(
     notes = common_notes(layout) + CONNECTOR_NOTES[connector](storage_path) + _kv_event_notes(relay, relay_key_file)
     return GpuEngineSpec(
         connector=connector,
-        namespace_key=namespace_key,
+        storage_prefix=storage_prefix,
         storage_path=storage_path,
         cache_salt=cache_salt,
         argv=argv,
@@ -522,7 +522,7 @@ def lmcache_chunk_size(block_size: int) -> int:
     return -(-LMCACHE_DEFAULT_CHUNK_SIZE // block_size) * block_size
 
 
-def lmcache_config_yaml(*, storage_path: str, block_size: int, cpu_gib: int, disk_gib: int, namespace_key: str) -> str:
+def lmcache_config_yaml(*, storage_path: str, block_size: int, cpu_gib: int, disk_gib: int, storage_prefix: str) -> str:
     """The LMCache YAML of one namespace's engine.
 
     Keys from LMCache's configuration reference (:data:`LMCACHE_CONFIG_DOCS`,
@@ -538,7 +538,7 @@ def lmcache_config_yaml(*, storage_path: str, block_size: int, cpu_gib: int, dis
     """
     return "\n".join(
         [
-            f"# LMCache configuration of namespace {namespace_key} ({LMCACHE_CONFIG_DOCS})",
+            f"# LMCache configuration of namespace {storage_prefix} ({LMCACHE_CONFIG_DOCS})",
             "# chunk_size: LMCache's default 256 rounded up to whole vLLM blocks; changing it",
             "# changes every chunk key, so what is stored becomes unreachable (not wrong).",
             f"chunk_size: {lmcache_chunk_size(block_size)}",

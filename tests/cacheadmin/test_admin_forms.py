@@ -228,7 +228,7 @@ def test_namespace_policy_changes_go_through_the_policy_service(admin_client) ->
 
     # Fields no service changes keep their values.
     forged = _submit(
-        admin_client, url, {"retention_owner": other_owner.pk, "residency": "dropped", "namespace_id": "f" * 64, "tenant": ""}
+        admin_client, url, {"retention_owner": other_owner.pk, "residency": "dropped", "namespace_key": "f" * 64, "tenant": ""}
     )
     assert forged.status_code == 302
     namespace.refresh_from_db()

@@ -250,10 +250,10 @@ def test_creating_a_namespace_needs_an_owner_and_a_policy(world) -> None:
     ns = created.json()
     assert (ns["tenant"], ns["model_version_label"], ns["retention_owner"]) == ("acme", "v2", "platform")
     assert {k: ns["policy"][k] for k in POLICY} == POLICY and ns["policy"]["pinned"] is False
-    from inference.identity import namespace_id
+    from inference.identity import namespace_key
 
     acme = world["acme"]
-    assert len(acme.key) == 32 and ns["namespace_id"] == namespace_id("2" * 64, f"tenant:acme:{acme.key}")
+    assert len(acme.key) == 32 and ns["namespace_key"] == namespace_key("2" * 64, f"tenant:acme:{acme.key}")
     again = c["bob"].post("/api/namespaces/", body, format="json")
     assert again.json()["id"] == ns["id"] and CacheNamespace.objects.count() == 3
 
@@ -284,7 +284,7 @@ def test_cache_salt_needs_operate_scope_and_the_right_tenant(world) -> None:
     c, ns = world["clients"], world["ns"]
     response = c["bob"].get(f"/api/namespaces/{ns['acme'].pk}/cache-salt/")
     assert response.json() == {
-        "namespace_id": ns["acme"].namespace_key,
+        "namespace_key": ns["acme"].namespace_key,
         "cache_salt": cache_salt(settings.CACHE_SALT_SECRET, ns["acme"].namespace_key),
         "storage_prefix": "ns-acme",
     }

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from cacheadmin.models import ApiToken, AuditEvent, CacheNamespace, Engine, PrewarmJob, RetentionOwner, SharedGroup
 from cacheadmin.services.namespaces import namespace_salt_read
-from inference.identity import cache_salt, namespace_id
+from inference.identity import cache_salt, namespace_key
 
 pytestmark = pytest.mark.django_db
 
@@ -49,8 +49,8 @@ def test_a_group_namespace_is_shared_by_its_members_only(world) -> None:
     assert (ns["group"], ns["tenant"], ns["group_generation"], ns["superseded"]) == ("partners", None, 1, False)
     # The id is derived from the group boundary: never equal to a member tenant's own namespace.
     key = SharedGroup.objects.get(slug="partners").key
-    assert len(key) == 32 and ns["namespace_id"] == namespace_id(world["v1"].identity, f"group:partners:{key}:1")
-    assert ns["namespace_id"] != world["ns"]["acme"].namespace_key
+    assert len(key) == 32 and ns["namespace_key"] == namespace_key(world["v1"].identity, f"group:partners:{key}:1")
+    assert ns["namespace_key"] != world["ns"]["acme"].namespace_key
     # acme (bob) sees its own namespace and the group's; globex (charlie) neither.
     assert sorted(n["id"] for n in bob.get("/api/namespaces/").json()["results"]) == sorted([ns["id"], world["ns"]["acme"].pk])
     assert [n["id"] for n in charlie.get("/api/namespaces/").json()["results"]] == [world["ns"]["globex"].pk]
@@ -114,10 +114,10 @@ def test_leaving_a_group_supersedes_its_namespaces(world) -> None:
     new = alice.post("/api/namespaces/", body, format="json")
     assert new.status_code == 201
     key = SharedGroup.objects.get(slug="partners").key
-    assert new.json()["namespace_id"] == namespace_id(world["v1"].identity, f"group:partners:{key}:2")
+    assert new.json()["namespace_key"] == namespace_key(world["v1"].identity, f"group:partners:{key}:2")
     assert new.json()["storage_prefix"] != old["storage_prefix"]
     assert namespace_salt_read(CacheNamespace.objects.get(pk=new.json()["id"]), actor="ci", purpose="test") != cache_salt(
-        settings.CACHE_SALT_SECRET, old["namespace_id"]
+        settings.CACHE_SALT_SECRET, old["namespace_key"]
     )
     # globex no longer sees any group namespace.
     assert [n["id"] for n in world["clients"]["charlie"].get("/api/namespaces/").json()["results"]] == [world["ns"]["globex"].pk]

@@ -134,7 +134,7 @@ def test_shared_groups_from_the_cli() -> None:
     assert (left["generation"], left["members"]) == (2, ["acme"])
     one_line_error(run("namespace", "salt", str(shared["id"])), 4, "a member left")
     renewed = json.loads(run(*base, "--group", "partners", *policy).stdout)
-    assert renewed["namespace_id"] != shared["namespace_id"]
+    assert renewed["namespace_key"] != shared["namespace_key"]
     assert run("namespace", "salt", str(renewed["id"])).returncode == 0
     assert [e.action for e in AuditEvent.objects.order_by("id")].count("shared_group.join") == 2
 

@@ -14,7 +14,7 @@ from cacheadmin.models import AuditEvent, ModelVersion, Tenant
 from cacheadmin.models.naming import name_key
 from cacheadmin.services.model_versions import RegistrationConflict, model_version_register
 from inference.errors import CheckpointError
-from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id
+from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_key
 from tests.helpers import manage, subprocess_env
 
 
@@ -30,7 +30,7 @@ def test_fingerprint_json_prints_every_digest_and_namespace(demo_checkpoints) ->
     expected = fingerprint_checkpoint(path, layout=LayoutOptions(block_size=64, dtype="bfloat16"))
     for key, value in expected.digests().items():
         assert out[key] == value
-    assert out["namespace"] == namespace_id(expected.identity, f"tenant:acme:{acme.key}")
+    assert out["namespace_key"] == namespace_key(expected.identity, f"tenant:acme:{acme.key}")
     assert len(out["identity"]) == 64 and len(acme.key) == 32
     missing = manage(*args, "--tenant", "globex", env=subprocess_env())
     assert (missing.returncode, missing.stderr.strip()) == (2, "CommandError: --tenant 'globex': no such tenant")

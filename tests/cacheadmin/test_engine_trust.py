@@ -26,7 +26,7 @@ from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.engines.probes import reads_across_salts
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import Refused
-from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id, storage_prefix
+from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_key, storage_prefix
 from tests.helpers import Forwarder
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.vllm, pytest.mark.slow]
@@ -39,7 +39,7 @@ ACME_KEY = "c" * 32
 def salt_blind_engine(demo_checkpoints) -> Iterator[LocalEngine]:
     """tiny-v1 on acme's namespace with the ExampleConnector disk tier (keys KV by token ids alone)."""
     identity = fingerprint_checkpoint(demo_checkpoints["tiny-v1"], layout=LAYOUT).identity
-    storage = settings.KV_STORE_ROOT / storage_prefix(namespace_id(identity, f"tenant:acme:{ACME_KEY}"))
+    storage = settings.KV_STORE_ROOT / storage_prefix(namespace_key(identity, f"tenant:acme:{ACME_KEY}"))
     spec = EngineSpec(
         model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=free_port(),
         prefix_caching=True, kv_storage_path=storage, log_path=settings.ENGINE_LOG_DIR / "test-trust.log",

@@ -404,7 +404,7 @@ def test_a_purge_release_through_the_client(api: ModuleType, client: Any, versio
     new = CacheNamespace.objects.get(pk=ready.to_namespace)
     assert [r.to_dict() for r in routes] == [
         {"model_version": versions["v2"].pk, "label": "tiny-v2", "percent": 100, "namespace": new.pk,
-         "namespace_id": new.namespace_key, "cache_salt": namespace_salt_read(new, actor="ci", purpose="test")},
+         "namespace_key": new.namespace_key, "cache_salt": namespace_salt_read(new, actor="ci", purpose="test")},
     ]  # fmt: skip
 
     back = _module(f"{r}rollback_create").sync_detailed(
@@ -476,7 +476,7 @@ def test_a_query_parameter_the_route_does_not_take_is_refused(world: dict) -> No
     """A misspelt filter would otherwise answer every row; a sub-list is answered whole and takes no page bounds."""
     alice = world["clients"]["alice"]
     listed = alice.get("/api/namespaces/?tenant=acme")
-    takes = "group__slug, limit, model_version, namespace_id, offset, ordering, residency, tenant__slug"
+    takes = "group__slug, limit, model_version, namespace_key, offset, ordering, residency, tenant__slug"
     assert (listed.status_code, listed.json()) == (
         400,
         {

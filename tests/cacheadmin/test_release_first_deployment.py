@@ -102,7 +102,7 @@ def _rows() -> dict[str, int]:
 def _route(version: ModelVersion, namespace: CacheNamespace, percent: int) -> dict:
     return {
         "model_version": version.pk, "label": version.label, "percent": percent, "namespace": namespace.pk,
-        "namespace_id": namespace.namespace_key, "cache_salt": cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_key),
+        "namespace_key": namespace.namespace_key, "cache_salt": cache_salt(settings.CACHE_SALT_SECRET, namespace.namespace_key),
     }  # fmt: skip
 
 

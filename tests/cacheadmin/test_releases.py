@@ -228,7 +228,7 @@ def test_gray_release_keeps_each_version_on_its_own_namespace(versions) -> None:
     assert statuses == {"tiny-v1": "active", "tiny-v2": "active"}
     routes = release_routing(gray, actor="ci")
     assert [(r["label"], r["percent"]) for r in routes] == [("tiny-v1", 80), ("tiny-v2", 20)]
-    assert routes[0]["namespace_id"] != routes[1]["namespace_id"] and routes[0]["cache_salt"] != routes[1]["cache_salt"]
+    assert routes[0]["namespace_key"] != routes[1]["namespace_key"] and routes[0]["cache_salt"] != routes[1]["cache_salt"]
     # Every salt handed out is audited with who read it and why.
     reads = AuditEvent.objects.filter(action="namespace.read_salt", actor="ci").order_by("id")
     assert [(int(r.object_id), r.after) for r in reads] == [

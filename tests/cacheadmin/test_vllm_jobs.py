@@ -28,7 +28,7 @@ from inference.corpus import load_corpus
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
-from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_id, storage_prefix
+from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_key, storage_prefix
 from tests.helpers import subprocess_env, wait_for, worker_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -62,7 +62,7 @@ ACME_KEY = "a" * 32
 
 def _storage_for(path: Path, tenant: str = "acme") -> Path:
     identity = fingerprint_checkpoint(path, layout=LAYOUT).identity
-    return settings.KV_STORE_ROOT / storage_prefix(namespace_id(identity, f"tenant:{tenant}:{ACME_KEY}"))
+    return settings.KV_STORE_ROOT / storage_prefix(namespace_key(identity, f"tenant:{tenant}:{ACME_KEY}"))
 
 
 @pytest.fixture(scope="module")

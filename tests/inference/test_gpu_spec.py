@@ -71,7 +71,7 @@ def spec_for(connector: str, layout: dict[str, Any], **kwargs: Any) -> GpuEngine
         "layout": layout,
         "served_name": "tiny",
         "model_ref": "/models/tiny-v1",
-        "namespace_key": NAMESPACE,
+        "storage_prefix": NAMESPACE,
         "cache_salt": SALT,
         "storage_root": ROOT,
         "connector": connector,
@@ -212,8 +212,8 @@ def test_unknown_connector_is_refused_with_the_choices() -> None:
         ({"layout": "unknown-field"}, "rope_scaling have no engine flag"),
         ({"layout": "no-dtype"}, "layout lacks dtype"),
         ({"layout": "cpu-backend"}, "CPU_ATTN is a CPU backend"),
-        ({"namespace_key": "../other"}, "not one path segment"),
-        ({"namespace_key": ".deleting-ns"}, "not one path segment"),
+        ({"storage_prefix": "../other"}, "not one path segment"),
+        ({"storage_prefix": ".deleting-ns"}, "not one path segment"),
         ({"storage_root": "kv"}, "not an absolute path"),
         ({"cache_salt": "a/b"}, "cache_salt must be at most 128"),
         ({"cache_salt": "x" * 129}, "cache_salt must be at most 128"),
@@ -241,7 +241,7 @@ def test_to_json_is_stable_and_to_shell_round_trips(connector: str) -> None:
     spec = spec_for(connector, layout, model_ref="/models/it's here")  # a quote the shell must survive
     data = spec.to_json()
     assert list(data) == [
-        "connector", "namespace_key", "storage_path", "cache_salt", "argv", "relay", "env", "files", "notes",
+        "connector", "storage_prefix", "storage_path", "cache_salt", "argv", "relay", "env", "files", "notes",
     ]  # fmt: skip
     assert list(data["env"]) == sorted(spec.env)
     assert json.dumps(data) == json.dumps(spec_for(connector, layout, model_ref="/models/it's here").to_json())

@@ -24,7 +24,7 @@ from inference.identity import (
     fingerprint_checkpoint,
     frame,
     hash_file,
-    namespace_id,
+    namespace_key,
     storage_prefix,
 )
 from inference.paths import resolve_checkpoint_dir
@@ -172,14 +172,14 @@ def test_namespace_changes_with_every_field_and_tenant(demo_checkpoints, checkpo
     (adapter / "adapter_config.json").write_text("{}")
     (adapter / "adapter_model.bin").write_bytes(b"w")
     variants["adapters"] = fingerprint_checkpoint(path, adapters={"l": adapter})
-    ids = {namespace_id(base.identity, "tenant:acme")}
+    ids = {namespace_key(base.identity, "tenant:acme")}
     for field_name, report in variants.items():
         assert field_name in changed_fields(base, report)
-        ids.add(namespace_id(report.identity, "tenant:acme"))
-    ids.add(namespace_id(base.identity, "tenant:globex"))
-    ids.add(namespace_id(base.identity, "group:acme"))
+        ids.add(namespace_key(report.identity, "tenant:acme"))
+    ids.add(namespace_key(base.identity, "tenant:globex"))
+    ids.add(namespace_key(base.identity, "group:acme"))
     assert len(ids) == 8
-    assert namespace_id(base.identity, "tenant:acme") == namespace_id(fingerprint_checkpoint(path).identity, "tenant:acme")
+    assert namespace_key(base.identity, "tenant:acme") == namespace_key(fingerprint_checkpoint(path).identity, "tenant:acme")
 
 
 def test_cache_salt_is_keyed_and_storage_prefix_per_namespace() -> None:

@@ -74,12 +74,12 @@ class CacheNamespaceSerializer(RowSerializer):
     model_version_label = serializers.CharField(source="model_version.label", read_only=True)
     retention_owner = serializers.CharField(source="retention_owner.name", read_only=True)
     policy = RetentionPolicySerializer(read_only=True)
-    namespace_id = serializers.CharField(source="namespace_key", read_only=True, help_text="the namespace's stable id (64 hex)")
+    namespace_key = serializers.CharField(read_only=True, help_text="the namespace's stable key (64 hex)")
 
     class Meta:
         model = CacheNamespace
         fields = (
-            "id", "namespace_id", "storage_prefix", "model_version", "model_version_label", "tenant", "group",
+            "id", "namespace_key", "storage_prefix", "model_version", "model_version_label", "tenant", "group",
             "group_generation", "superseded", "retention_owner", "policy", "residency", "residency_changed_at", "created_at",
         )  # fmt: skip
 
@@ -129,6 +129,6 @@ class PrefixHeatSerializer(RowSerializer):
 class CacheSaltSerializer(serializers.Serializer):
     """What a router needs to send a namespace's requests."""
 
-    namespace_id = serializers.CharField()
+    namespace_key = serializers.CharField(help_text="the namespace's stable key (64 hex)")
     cache_salt = serializers.CharField(help_text="send as vLLM's cache_salt with every request of this namespace")
     storage_prefix = serializers.CharField()

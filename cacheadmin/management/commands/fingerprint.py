@@ -18,7 +18,7 @@ from cacheadmin.management.base import (
 )
 from cacheadmin.models.tenancy import Tenant, slug_validator
 from cacheadmin.services.model_versions import checkpoint_fingerprint, checkpoint_verify_cache
-from inference.identity import namespace_id
+from inference.identity import namespace_key
 
 #: Exit code when --verify found files whose cached digest was wrong.
 EXIT_CACHE_MISMATCH = 3
@@ -61,7 +61,7 @@ class Command(ControlPlaneCommand):
         if opts["verify"]:
             out["cache_mismatches"] = mismatches
         if tenant is not None:
-            out["namespace"] = namespace_id(report.identity, tenant.boundary)
+            out["namespace_key"] = namespace_key(report.identity, tenant.boundary)
         if opts["json"]:
             out.update(
                 path=str(root), total_bytes=report.total_bytes, hashed_bytes=report.hashed_bytes, seconds=round(report.seconds, 4)

@@ -98,7 +98,7 @@ class Command(ControlPlaneCommand):
         policy = namespace.policy
         out = {
             "id": namespace.pk,
-            "namespace_id": namespace.namespace_key,
+            "namespace_key": namespace.namespace_key,
             "storage_prefix": namespace.storage_prefix,
             "tenant": namespace.tenant.slug if namespace.tenant_id else None,
             "group": namespace.group.slug if namespace.group_id else None,

@@ -93,7 +93,7 @@ class ResponseCacheLayer:
 
     def key(self, ctx: RequestContext) -> str:
         """The entry's key: :func:`gateway.canonical.response_cache_key` in the routed namespace, with the tenant's secret."""
-        return response_cache_key(ctx.canonical, namespace_key=ctx.namespace.key, tenant_secret=ctx.tenant.secret)
+        return response_cache_key(ctx.canonical, namespace_key=ctx.namespace.namespace_key, tenant_secret=ctx.tenant.secret)
 
     async def lookup(self, ctx: RequestContext) -> Lookup:
         """The stored answer, or the one an identical request in flight in this process is

@@ -118,7 +118,7 @@ def semantic_partition(tenant: Any, namespace: Any, endpoint: str, canonical: Ma
     tenant's secret (64 lowercase hex digits)."""
     context = dict(canonical)
     context["messages"] = list(canonical.get("messages", []))[:-1]
-    payload = b"\0".join([namespace.key.encode("ascii"), endpoint.encode("ascii"), canonical_bytes(context)])
+    payload = b"\0".join([namespace.namespace_key.encode("ascii"), endpoint.encode("ascii"), canonical_bytes(context)])
     return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
 
 
