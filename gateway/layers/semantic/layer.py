@@ -18,8 +18,8 @@ import numpy as np
 from gateway.canonical import canonical_bytes
 from gateway.layers.base import Lookup, StoreUnavailable
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
-from gateway.layers.semantic.entries import SemanticEntry
-from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match
+from gateway.layers.semantic.entries import Candidate, SemanticEntry
+from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
 
 if TYPE_CHECKING:
@@ -70,13 +70,52 @@ class SemanticLayer:
         """
         vector = self.embedder.embed([text])[0]
         limit = self.threshold if threshold is None else threshold
-        for candidate in self.entries.search(prefix, partition, self.embedder.model_id, vector, k=self.k):
+        candidates = self.entries.search(prefix, partition, self.embedder.model_id, vector, k=self.k)
+        self._prefetch_template_parts(text, candidates, limit)
+        for candidate in candidates:
             verdict = match(
                 text, candidate.entry.text, candidate.similarity, threshold=limit, guards=self.guards, embed=self.embedder.embed
             )
             if verdict.hit:
                 return vector, json.loads(candidate.entry.response)
         return vector, None
+
+    def _prefetch_template_parts(self, text: str, candidates: Sequence[Candidate], limit: float) -> None:
+        """Embed, in one forward pass, the template guard's parts of every candidate that would reach it.
+
+        :func:`match` runs the guards candidate by candidate and the template guard
+        embeds its two parts in a call of its own: with several template-shaped
+        candidates (one template, several cached questions) a lookup made that
+        many forward passes. Here the candidates :func:`match` would examine (up to
+        the first that hits without the template guard) and whose text passes the
+        other guards and is template-shaped have their parts embedded together; the
+        embedder's cache then answers the guard's calls. Verdicts are unchanged (the
+        same texts are embedded, batched differently: float rounding only, ~1e-7).
+        Nothing is done for fewer than two such candidates (the guard's own call is
+        then the one forward pass) or an embedder without a cache.
+        """
+        cache = getattr(self.embedder, "cache", None)
+        if "template" not in self.guards or not getattr(cache, "max_entries", 0) or not 0.0 < limit < 1.0:
+            return
+        others = tuple(g for g in self.guards if g != "template")
+        query = normalize_text(text)
+        parts: list[str] = []
+        shaped = 0
+        for candidate in candidates:
+            if query == normalize_text(candidate.entry.text):
+                break  # an exact hit: match() stops here
+            if (
+                candidate.similarity < limit
+                or not match(text, candidate.entry.text, candidate.similarity, threshold=limit, guards=others).hit
+            ):
+                continue
+            pair = template_parts(text, candidate.entry.text)
+            if pair is None:
+                break  # hits without the template guard: match() stops here
+            parts.extend(pair)
+            shaped += 1
+        if shaped >= 2:
+            self.embedder.embed(list(dict.fromkeys(parts)))
 
     def store_answer(
         self, prefix: str, tenant: str, partition: str, vector: np.ndarray, text: str, value: bytes, tags: Sequence[str],
