@@ -267,7 +267,8 @@ def routing_snapshot(engines: Sequence[tuple[str, str]], *, salt: str, key: str)
         raise BenchInputError("salt must be 1-128 lowercase hexadecimal characters")
     targets = tuple(EngineTarget(id=i, name=name, base_url=url, served_model=MODEL) for i, (name, url) in enumerate(engines, 1))
     namespace = NamespaceTarget(
-        pk=1, namespace_key="bench-affinity", storage_prefix="bench-affinity", cache_salt=salt, version_id=1, version_label="tiny-v1",
+        pk=1, namespace_key="bench-affinity", storage_prefix="bench-affinity", cache_salt=salt, version_id=1,
+        version_label="tiny-v1",
         engines=targets,
     )  # fmt: skip
     policy = TenantPolicy(response_cache=False, semantic_cache=False, shadow_sample_rate=0.0)

@@ -197,7 +197,8 @@ def gateway_app(config: dict[str, Any]) -> Any:
     for pk, (served, url) in enumerate(((STUB_MODEL, config["stub_url"]), (ENGINE_MODEL, config["engine_url"])), start=1):
         engine = EngineTarget(pk, f"{served}-engine", url, served)
         namespaces[pk] = NamespaceTarget(
-            pk=pk, namespace_key=f"{pk:064x}", storage_prefix=f"bench-{served}", cache_salt=secrets.token_urlsafe(32), version_id=pk,
+            pk=pk, namespace_key=f"{pk:064x}", storage_prefix=f"bench-{served}", cache_salt=secrets.token_urlsafe(32),
+            version_id=pk,
             version_label=f"{served}-v1", engines=(engine,), ttl_s=3600.0,
         )  # fmt: skip
         routes[(tenant.id, served)] = (RouteTarget(pk, f"{served}-v1", 100, pk, None),)

@@ -225,12 +225,15 @@ def bench_size(
     key = (PREFIX, partition, embedder.model_id)
     replica = store._replicas[key]  # the bench reads the replica's own index for the bare search
     info = store.replica_info(*key)
+    assert info is not None and replica.index is not None, "the partition's replica is built after the fill"
     print(f"\n== {size:,} entries: filled in {fill_s:.1f} s ({size / fill_s:,.0f} adds/s), replica {info.kind}, "
           f"first search {build_s:.1f} s", flush=True)  # fmt: skip
     exact = faiss.IndexFlatIP(dim)
     exact.add(np.ascontiguousarray(vectors))
     if replica.kind == "hnsw":
-        params: Any = faiss.SearchParametersHNSW(efSearch=max(HNSW_EF_SEARCH, K))
+        params: Any = faiss.SearchParametersHNSW(  # type: ignore[attr-defined]  # faiss builds it from SWIG: absent from its stubs
+            efSearch=max(HNSW_EF_SEARCH, K)
+        )
     else:
         params = faiss.SearchParameters()
     model = embedder._model
@@ -247,9 +250,10 @@ def bench_size(
         passes["n"] += 1
         return model_encode(*args, **kwargs)
 
+    index = replica.index
     steps: dict[str, Callable[[str, np.ndarray], Any]] = {
         "bare embed": lambda text, q: bare_embed(text),
-        "bare search": lambda text, q: replica.index.search(q, K, params=params),
+        "bare search": lambda text, q: index.search(q, K, params=params),
         "bare exact": lambda text, q: exact.search(q, K),
         "whole lookup": lambda text, q: layer.lookup(PREFIX, partition, text, None),
     }

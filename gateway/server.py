@@ -515,7 +515,8 @@ def explain(
         engine = choose_engine(engines, prompt_affinity_text(body), {}) if engines else None
         out["route"] = {
             "served_name": body.get("model"), "model_version": routed.route.version_id, "label": routed.route.version_label,
-            "percent": routed.route.percent, "release": routed.route.release_id, "namespace": ns.pk, "namespace_key": ns.namespace_key,
+            "percent": routed.route.percent, "release": routed.route.release_id, "namespace": ns.pk,
+            "namespace_key": ns.namespace_key,
             "bucket": sticky_bucket(tenant.secret, sticky_id(body)),
             "engine": {"id": engine.id, "name": engine.name} if engine else None,
             "engine_reason": None if engine else "no engine in service (ready and verified) serves this namespace",

@@ -297,56 +297,53 @@ class SqliteSemanticStore(SemanticStore):
                 return 0
             old = conn.execute("SELECT seq FROM semantic_entries WHERE entry_id = ?", (entry.entry_id,)).fetchall()
             self._delete_seqs(conn, [s for (s,) in old])
-            conn.execute(
-                "INSERT INTO semantic_partitions (prefix, partition, model_id, present) VALUES (?, ?, ?, 0)"
-                " ON CONFLICT (prefix, partition, model_id) DO NOTHING",
-                (entry.prefix, entry.partition, entry.model_id),
-            )
-            (pid,) = conn.execute(
-                "SELECT pid FROM semantic_partitions WHERE prefix = ? AND partition = ? AND model_id = ?",
-                (entry.prefix, entry.partition, entry.model_id),
-            ).fetchone()
-            (seq,) = conn.execute(
-                "INSERT INTO semantic_entries (entry_id, pid, prefix, partition, tenant, model_id, text, vector, response,"
-                " tags, created_at, expires_at, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
-                (
-                    entry.entry_id,
-                    pid,
-                    entry.prefix,
-                    entry.partition,
-                    entry.tenant,
-                    entry.model_id,
-                    entry.text,
-                    _vector_bytes(entry.vector),
-                    entry.response,
-                    json.dumps(list(entry.tags)),
-                    entry.created_at,
-                    entry.expires_at,
-                    size,
-                ),
-            ).fetchone()
-            conn.executemany(
-                "INSERT INTO semantic_tags (tenant, tag, seq) VALUES (?, ?, ?)", [(entry.tenant, t, seq) for t in entry.tags]
-            )
+            seq = self._insert(conn, entry, size)
             if budget_n is None and budget_b is None:
                 return 0
-            (count, total) = conn.execute(
-                "SELECT entries, bytes FROM semantic_totals WHERE prefix = ?", (entry.prefix,)
-            ).fetchone()
-            victims: list[int] = []
-            if (budget_n is not None and count > budget_n) or (budget_b is not None and total > budget_b):
-                cursor = conn.execute(
-                    "SELECT seq, bytes FROM semantic_entries WHERE prefix = ? AND seq != ? ORDER BY created_at, seq",
-                    (entry.prefix, seq),
-                )
-                for victim, victim_bytes in cursor:
-                    victims.append(victim)
-                    count -= 1
-                    total -= victim_bytes
-                    if (budget_n is None or count <= budget_n) and (budget_b is None or total <= budget_b):
-                        break
-                cursor.close()
-            return self._delete_seqs(conn, victims)[0]
+            return self._delete_seqs(conn, self._over_budget(conn, entry.prefix, seq, budget_n, budget_b))[0]
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, entry: SemanticEntry, size: int) -> int:
+        """Insert the entry (its partition row first, then the entry and its tags); its ``seq``."""
+        conn.execute(
+            "INSERT INTO semantic_partitions (prefix, partition, model_id, present) VALUES (?, ?, ?, 0)"
+            " ON CONFLICT (prefix, partition, model_id) DO NOTHING",
+            (entry.prefix, entry.partition, entry.model_id),
+        )
+        (pid,) = conn.execute(
+            "SELECT pid FROM semantic_partitions WHERE prefix = ? AND partition = ? AND model_id = ?",
+            (entry.prefix, entry.partition, entry.model_id),
+        ).fetchone()
+        (seq,) = conn.execute(
+            "INSERT INTO semantic_entries (entry_id, pid, prefix, partition, tenant, model_id, text, vector, response,"
+            " tags, created_at, expires_at, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+            (entry.entry_id, pid, entry.prefix, entry.partition, entry.tenant, entry.model_id, entry.text,
+             _vector_bytes(entry.vector), entry.response, json.dumps(list(entry.tags)), entry.created_at,
+             entry.expires_at, size),
+        ).fetchone()  # fmt: skip
+        conn.executemany(
+            "INSERT INTO semantic_tags (tenant, tag, seq) VALUES (?, ?, ?)", [(entry.tenant, t, seq) for t in entry.tags]
+        )
+        return int(seq)
+
+    @staticmethod
+    def _over_budget(conn: sqlite3.Connection, prefix: str, keep: int, budget_n: int | None, budget_b: int | None) -> list[int]:
+        """The oldest entries of ``prefix`` but ``keep`` (ties by insertion order) whose deletion brings it within budget."""
+        (count, total) = conn.execute("SELECT entries, bytes FROM semantic_totals WHERE prefix = ?", (prefix,)).fetchone()
+        victims: list[int] = []
+        if (budget_n is None or count <= budget_n) and (budget_b is None or total <= budget_b):
+            return victims
+        cursor = conn.execute(
+            "SELECT seq, bytes FROM semantic_entries WHERE prefix = ? AND seq != ? ORDER BY created_at, seq", (prefix, keep)
+        )
+        for victim, victim_bytes in cursor:
+            victims.append(victim)
+            count -= 1
+            total -= victim_bytes
+            if (budget_n is None or count <= budget_n) and (budget_b is None or total <= budget_b):
+                break
+        cursor.close()
+        return victims
 
     def get(self, entry_id: str, *, now: float | None = None) -> SemanticEntry | None:
         """See :meth:`SemanticStore.get`."""
