@@ -100,7 +100,7 @@ def drop_keys(client: redis.Redis, key_prefix: str) -> None:
 
 @pytest.fixture
 def rclient() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0, retry=None)
     yield client
     client.close()
 
@@ -112,7 +112,11 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Calla
     backend = request.param
     key_prefix = new_key_prefix()
     made: list[SemanticStore] = []
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0) if backend == "redis" else None
+    client = (
+        redis.Redis.from_url(REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0, retry=None)
+        if backend == "redis"
+        else None
+    )
 
     def make(**kwargs: Any) -> SemanticStore:
         if backend == "sqlite":
@@ -796,10 +800,13 @@ def test_bad_search_arguments_and_clients_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidField, match=r"^busy_timeout_s: must be a finite number of seconds > 0"):
         SqliteSemanticStore(tmp_path / "s.sqlite3", busy_timeout_s=0)
     # A client that could block a request for seconds, or that decodes bytes, is refused.
-    with pytest.raises(InvalidField, match=r"^client: socket_timeout must be set to at most 1.0 s, got 5$"):
+    with pytest.raises(InvalidField, match=r"^client.socket_timeout: must be set and at most 1.0 s, got 5$"):
         RedisSemanticStore(redis.Redis(host="127.0.0.1", port=6379, db=13))
     with pytest.raises(InvalidField, match=r"^client: must not decode responses"):
         RedisSemanticStore(redis.Redis(db=13, decode_responses=True, socket_timeout=0.5, socket_connect_timeout=0.5))
+    # A client that retries turns one slow store call into several (the response store refuses it too).
+    with pytest.raises(InvalidField, match=r"^client.retry: must make no retries"):
+        RedisSemanticStore(redis.Redis(db=13, socket_timeout=0.5, socket_connect_timeout=0.5))
     with pytest.raises(InvalidField, match=r"^key_prefix: must be 1-64 characters"):
         RedisSemanticStore.from_url(REDIS_URL, "bad prefix")
     with pytest.raises(InvalidField, match=r"^url: is not a Redis URL"):

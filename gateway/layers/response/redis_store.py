@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 import threading
 from collections import defaultdict
@@ -19,6 +18,7 @@ from inference.tiers.redis_tier import redis_address, redis_errors
 if TYPE_CHECKING:
     import redis
 from gateway.layers.base import StoreUnavailable
+from gateway.layers.redis_client import KEY_PREFIX_PATTERN, MAX_SOCKET_TIMEOUT_S, check_redis_client
 from gateway.layers.response.store import (
     BATCH,
     KEY_PATTERN,
@@ -35,10 +35,6 @@ from gateway.layers.response.store import (
 
 #: Head of every Redis key a :class:`RedisResponseStore` writes, by default.
 DEFAULT_KEY_PREFIX = "kvcp:rc"
-_KEY_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-#: Longest socket and connect timeout accepted for a Redis client, seconds:
-#: a slow store must cost a request little more than a miss.
-MAX_SOCKET_TIMEOUT_S = 1.0
 #: Keys examined per SCAN round trip.
 SCAN_COUNT = 10_000
 
@@ -271,20 +267,9 @@ class RedisResponseStore(ResponseStore):
     access_time_source: ClassVar[str] = "response-cache get hits and puts by any gateway process (the Redis server's TIME)"
 
     def __init__(self, client: redis.Redis[bytes], key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
-        if not isinstance(key_prefix, str) or _KEY_PREFIX_PATTERN.fullmatch(key_prefix) is None:
+        if not isinstance(key_prefix, str) or KEY_PREFIX_PATTERN.fullmatch(key_prefix) is None:
             raise InvalidField("key_prefix", f"must be 1-64 characters out of [A-Za-z0-9_.:-], got {_show(key_prefix)}")
-        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
-        if not isinstance(kwargs, dict):
-            raise InvalidField("client", f"must be a redis.Redis, got {_show(client)}")
-        if kwargs.get("decode_responses"):
-            raise InvalidField("client", "must not decode responses (values are bytes): decode_responses=False")
-        for field in ("socket_timeout", "socket_connect_timeout"):
-            value = kwargs.get(field)
-            if value is None or not 0 < value <= MAX_SOCKET_TIMEOUT_S:
-                raise InvalidField(f"client.{field}", f"must be set and at most {MAX_SOCKET_TIMEOUT_S} s, got {value!r}")
-        retry = client.get_retry()  # type: ignore[attr-defined]  # Redis.get_retry exists in redis, missing from types-redis 4.6
-        if retry is not None and retry.get_retries() > 0:
-            raise InvalidField("client.retry", f"must make no retries (a slow store is bypassed), got {retry.get_retries()}")
+        check_redis_client(client)
         self.client = client
         self.key_prefix = key_prefix
         self._kp = key_prefix.encode()

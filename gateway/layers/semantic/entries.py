@@ -27,7 +27,7 @@ PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,200}")
 PARTITION_PATTERN = re.compile(r"[0-9a-f]{1,128}")
 #: An entry's id: its key in the tier's accounting (:attr:`TierEntry.key`).
 ENTRY_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_KEY_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
 #: Longest tenant, model id or tag, in characters.
 MAX_NAME_CHARS = 200
 #: Most tags one entry may carry.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
     import redis
 
 from gateway.layers.base import StoreUnavailable
+from gateway.layers.redis_client import KEY_PREFIX_PATTERN, MAX_SOCKET_TIMEOUT_S, check_redis_client
 from gateway.layers.semantic.entries import (
     BATCH,
     PartKey,
@@ -42,14 +42,10 @@ from gateway.layers.semantic.entries import (
 from gateway.layers.semantic.index import DEFAULT_MAX_REPLICAS, HNSW_THRESHOLD, _Delta, _empty_delta
 from gateway.layers.semantic.store import SemanticStore
 
-_KEY_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: Removals each Redis partition keeps in its log, at most; trimmed to half when passed.
 REDIS_REMOVAL_LOG = 4_096
 #: Head of every Redis key a :class:`RedisSemanticStore` writes, by default.
 DEFAULT_KEY_PREFIX = "kvcp:sem"
-#: Longest socket and connect timeout accepted for a Redis client, seconds:
-#: a slow store must cost a request little more than a miss.
-MAX_SOCKET_TIMEOUT_S = 1.0
 
 # -- Redis ----------------------------------------------------------------------------
 
@@ -298,16 +294,8 @@ class RedisSemanticStore(SemanticStore):
         background_builds: bool = True,
     ) -> None:
         super().__init__(max_replicas=max_replicas, hnsw_threshold=hnsw_threshold, background_builds=background_builds)
-        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
-        if not isinstance(kwargs, dict):
-            raise InvalidField("client", f"must be a redis.Redis, got {type(client).__name__}")
-        if kwargs.get("decode_responses"):
-            raise InvalidField("client", "must not decode responses (decode_responses=False): vectors and responses are bytes")
-        for name in ("socket_timeout", "socket_connect_timeout"):
-            value = kwargs.get(name)
-            if value is None or not 0 < value <= MAX_SOCKET_TIMEOUT_S:
-                raise InvalidField("client", f"{name} must be set to at most {MAX_SOCKET_TIMEOUT_S} s, got {value!r}")
-        self.key_prefix = _check_pattern("key_prefix", key_prefix, _KEY_PREFIX_PATTERN, "1-64 characters out of [A-Za-z0-9_.:-]")
+        check_redis_client(client)
+        self.key_prefix = _check_pattern("key_prefix", key_prefix, KEY_PREFIX_PATTERN, "1-64 characters out of [A-Za-z0-9_.:-]")
         self.client = client
         self._add_script = client.register_script(_LUA_ADD)
         self._invalidate_script = client.register_script(_LUA_INVALIDATE)
