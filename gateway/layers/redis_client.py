@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from inference.errors import InvalidField
 
-__all__ = ["KEY_PREFIX_PATTERN", "MAX_SOCKET_TIMEOUT_S", "check_redis_client"]
+__all__ = ["KEY_PREFIX_PATTERN", "MAX_SOCKET_TIMEOUT_S", "check_redis_client", "redis_client"]
 
 #: Longest socket and connect timeout accepted for a Redis client, seconds.
 MAX_SOCKET_TIMEOUT_S: Final = 1.0
@@ -37,3 +37,21 @@ def check_redis_client(client: Any) -> None:
     retry = client.get_retry()  # Redis.get_retry exists in redis, missing from types-redis 4.6
     if retry is not None and retry.get_retries() > 0:
         raise InvalidField("client.retry", f"must make no retries (a slow store is bypassed), got {retry.get_retries()}")
+
+
+def redis_client(url: str, timeout_s: float) -> Any:
+    """A new client for ``url`` (``redis://host:port/db``) that a store accepts: ``timeout_s``
+    as socket and connect timeout and no retries, so a Redis that is down costs a request
+    at most about ``timeout_s``.
+
+    Raises:
+        InvalidField: ``timeout_s`` not a number in (0, :data:`MAX_SOCKET_TIMEOUT_S`]; ``url`` not a Redis URL.
+    """
+    import redis  # loaded with the first Redis store: the embedded default never needs it
+
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s <= MAX_SOCKET_TIMEOUT_S:
+        raise InvalidField("timeout_s", f"must be > 0 and at most {MAX_SOCKET_TIMEOUT_S} s, got {timeout_s!r}")
+    try:
+        return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
+    except (ValueError, TypeError) as exc:
+        raise InvalidField("url", f"is not a Redis URL ({exc})") from exc

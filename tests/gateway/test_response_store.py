@@ -435,6 +435,9 @@ def test_a_redis_client_that_could_hang_is_refused() -> None:
         RedisResponseStore.from_url(REDIS_URL, key_prefix="rc*")
     with pytest.raises(InvalidField, match="^timeout_s: "):
         RedisResponseStore.from_url(REDIS_URL, timeout_s=5)
+    # A URL redis-py cannot read is the caller's bad input, named as the semantic store names it.
+    with pytest.raises(InvalidField, match="^url: is not a Redis URL"):
+        RedisResponseStore.from_url("http://127.0.0.1:6379/0")
     store = RedisResponseStore(redis.Redis(socket_timeout=0.5, socket_connect_timeout=0.5, retry=None))
     assert store.key_prefix == "kvcp:rc"
 

@@ -18,7 +18,7 @@ from inference.tiers.redis_tier import redis_address, redis_errors
 if TYPE_CHECKING:
     import redis
 from gateway.layers.base import StoreUnavailable
-from gateway.layers.redis_client import KEY_PREFIX_PATTERN, MAX_SOCKET_TIMEOUT_S, check_redis_client
+from gateway.layers.redis_client import KEY_PREFIX_PATTERN, check_redis_client, redis_client
 from gateway.layers.response.store import (
     BATCH,
     KEY_PATTERN,
@@ -290,15 +290,9 @@ class RedisResponseStore(ResponseStore):
         ``timeout_s`` socket and connect timeouts and no retries.
 
         Raises:
-            InvalidField: bad ``timeout_s`` (> 0, at most :data:`MAX_SOCKET_TIMEOUT_S`) or ``key_prefix``.
-            ValueError: a URL redis-py cannot parse.
+            InvalidField: bad ``timeout_s`` (> 0, at most :data:`MAX_SOCKET_TIMEOUT_S`), ``url`` or ``key_prefix``.
         """
-        import redis
-
-        if _check_seconds(timeout_s, "timeout_s") > MAX_SOCKET_TIMEOUT_S:
-            raise InvalidField("timeout_s", f"must be > 0 and at most {MAX_SOCKET_TIMEOUT_S} s, got {_show(timeout_s)}")
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
-        return cls(client, key_prefix)
+        return cls(redis_client(url, timeout_s), key_prefix)
 
     def __repr__(self) -> str:
         return f"RedisResponseStore({self._address()}, key_prefix={self.key_prefix!r})"

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import redis
 
 from gateway.layers.base import StoreUnavailable
-from gateway.layers.redis_client import KEY_PREFIX_PATTERN, MAX_SOCKET_TIMEOUT_S, check_redis_client
+from gateway.layers.redis_client import KEY_PREFIX_PATTERN, check_redis_client, redis_client
 from gateway.layers.semantic.entries import (
     BATCH,
     PartKey,
@@ -35,7 +35,6 @@ from gateway.layers.semantic.entries import (
     _chunks,
     _Loaded,
     _now,
-    _show,
     _vector_bytes,
     _vector_from,
 )
@@ -318,15 +317,7 @@ class RedisSemanticStore(SemanticStore):
         Raises:
             InvalidField: a bad URL, timeout or argument.
         """
-        import redis  # loaded with the first Redis store: the embedded default never needs it
-
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s <= MAX_SOCKET_TIMEOUT_S:
-            raise InvalidField("timeout_s", f"must be > 0 and at most {MAX_SOCKET_TIMEOUT_S} s, got {_show(timeout_s)}")
-        try:
-            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
-        except (ValueError, TypeError) as exc:
-            raise InvalidField("url", f"is not a Redis URL ({exc})") from exc
-        return cls(client, key_prefix, **kwargs)
+        return cls(redis_client(url, timeout_s), key_prefix, **kwargs)
 
     def __repr__(self) -> str:
         return f"RedisSemanticStore({self._address()}, {self.key_prefix!r})"
