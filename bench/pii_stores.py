@@ -53,24 +53,30 @@ def _setup_django(var_dir: Path) -> None:
 
 
 def _echo_engine() -> Any:
-    import httpx
+    import httpx2
 
     seen: set[str] = set()
 
-    async def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: httpx2.Request) -> httpx2.Response:
         body = json.loads(request.content)
         text = body["messages"][-1]["content"]
         cached = 32 if text in seen else 0
         seen.add(text)
         answer = f"Noted: {text}"
+        usage = {"prompt_tokens": 64, "completion_tokens": 8, "total_tokens": 72,
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        if not body.get("stream"):  # the gateway asks a non-streamed request's answer whole
+            message = {"role": "assistant", "content": answer}
+            return httpx2.Response(200, json={"id": "c", "object": "chat.completion", "model": body["model"],
+                                              "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                                              "usage": usage})  # fmt: skip
         chunks = [
             {"id": "c", "object": "chat.completion.chunk", "model": body["model"],
              "choices": [{"index": 0, "delta": {"role": "assistant", "content": answer}, "finish_reason": None}]},
             {"id": "c", "object": "chat.completion.chunk", "model": body["model"],
              "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
             {"id": "c", "object": "chat.completion.chunk", "model": body["model"], "choices": [],
-             "usage": {"prompt_tokens": 64, "completion_tokens": 8, "total_tokens": 72,
-                       "prompt_tokens_details": {"cached_tokens": cached}}},
+             "usage": usage},
         ]  # fmt: skip
 
         async def stream():  # type: ignore[no-untyped-def]
@@ -78,9 +84,9 @@ def _echo_engine() -> Any:
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
 
-    return httpx.MockTransport(handler)
+    return httpx2.MockTransport(handler)
 
 
 def _texts_of_sqlite(path: Path) -> Iterable[str]:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2
 from httpx_sse import EventSource, SSEError
 from starlette.responses import JSONResponse
 
@@ -71,7 +71,7 @@ class EngineCall:
     and in-flight slot of the engine until :meth:`EngineProxy.finish`."""
 
     engine: EngineTarget
-    response: httpx.Response
+    response: httpx2.Response
     finished: bool = False
 
 
@@ -80,22 +80,22 @@ class EngineProxy:
 
     Args:
         recorder: where the breaker's state is shown (its metrics).
-        transport: httpx transport for engines (tests and benchmarks), or None.
+        transport: an ``httpx2`` transport for engines (tests and benchmarks), or None.
         timeout_s: an engine's whole answer, seconds.
         max_in_flight, breaker_failures, breaker_cooldown_s: :class:`gateway.protection.FillBreaker`'s.
         choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
     """
 
-    def __init__(self, recorder: Recorder, *, transport: httpx.AsyncBaseTransport | None, timeout_s: float,
+    def __init__(self, recorder: Recorder, *, transport: httpx2.AsyncBaseTransport | None, timeout_s: float,
                  max_in_flight: int, breaker_failures: int, breaker_cooldown_s: float, choice: str) -> None:  # fmt: skip
         self.recorder = recorder
-        # The transport itself, not an httpx.AsyncClient over it: an engine call needs no cookies,
+        # The transport itself, not an httpx2.AsyncClient over it: an engine call needs no cookies,
         # redirects or auth flow, and the client's per-request work for them was a fifth of the
         # gateway's own time on a non-streamed request (bench/gateway.py).
-        self.transport = transport or httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.transport = transport or httpx2.AsyncHTTPTransport(
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256)
         )
-        self._timeout = httpx.Timeout(timeout_s, connect=5.0).as_dict()
+        self._timeout = httpx2.Timeout(timeout_s, connect=5.0).as_dict()
         self.breaker = FillBreaker(max_in_flight, breaker_failures, breaker_cooldown_s)
         #: Requests this process has open per engine id (the load-aware choice reads it).
         self.in_flight: dict[int, int] = {}
@@ -152,7 +152,7 @@ class EngineProxy:
             self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
             try:
                 response = await self._send(engine, endpoint, payload)
-            except (httpx.HTTPError, OSError) as exc:
+            except (httpx2.HTTPError, OSError) as exc:
                 self._release(engine, ok=False)
                 log.warning("engine %s unreachable: %r", engine.name, exc)
                 continue
@@ -162,10 +162,10 @@ class EngineProxy:
                 raise refused
             return EngineCall(engine, response)
 
-    async def _send(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx.Response:
+    async def _send(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx2.Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         content = json.dumps({**payload, "model": engine.served_model}, ensure_ascii=False).encode("utf-8")
-        request = httpx.Request(
+        request = httpx2.Request(
             "POST", engine.base_url.rstrip("/") + path, content=content,
             headers=[*engine.headers, ("content-type", "application/json")], extensions={"timeout": self._timeout},
         )  # fmt: skip
@@ -202,7 +202,7 @@ class EngineProxy:
                 log.warning("engine %s answered no choices", engine.name)
                 return EngineAnswer(None)
             ok = True
-        except (httpx.HTTPError, OSError, ValueError) as exc:
+        except (httpx2.HTTPError, OSError, ValueError) as exc:
             log.warning("engine %s failed before answering: %r", engine.name, exc)
             return EngineAnswer(None)
         finally:
@@ -229,7 +229,8 @@ class EngineProxy:
         assembler = StreamAssembler(endpoint, engine.fingerprint)
         complete, refused = False, None
         try:
-            async for event in EventSource(call.response).aiter_sse():
+            # httpx-sse reads a response through aiter_lines and its headers, which httpx2's keeps.
+            async for event in EventSource(call.response).aiter_sse():  # type: ignore[arg-type]
                 if event.data == "[DONE]":
                     complete = True
                     yield b"data: [DONE]\n\n"
@@ -249,7 +250,7 @@ class EngineProxy:
                 chunk["system_fingerprint"] = engine.fingerprint
                 if chunk.get("choices") or include_usage:
                     yield sse(chunk)
-        except (httpx.HTTPError, OSError, SSEError) as exc:
+        except (httpx2.HTTPError, OSError, SSEError) as exc:
             log.warning("engine %s failed mid-stream: %r", engine.name, exc)
             yield sse({"error": {"message": f"engine {engine.name} failed mid-stream", "type": "server_error",
                                  "param": None, "code": "engine_failed"}})  # fmt: skip
@@ -259,7 +260,7 @@ class EngineProxy:
             await asyncio.shield(on_end(answer))
 
 
-async def _refusal(response: httpx.Response) -> EngineRefused:
+async def _refusal(response: httpx2.Response) -> EngineRefused:
     """An engine's error status as the caller's error: its OpenAI error object when it sent one."""
     content = await response.aread()
     await response.aclose()

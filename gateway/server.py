@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -149,7 +149,7 @@ class Runtime:
         recorder: figures and heat, drained off the hot path.
         shadow: called (off the hot path, in a thread) with each sampled request.
         limits: protection settings.
-        transport: httpx transport for engines (tests and benchmarks), or None.
+        transport: an ``httpx2`` transport for engines (tests and benchmarks), or None.
     """
 
     snapshot: Callable[[], RoutingSnapshot]
@@ -158,7 +158,7 @@ class Runtime:
     recorder: Recorder
     shadow: Callable[[ShadowSample], None] | None = None
     limits: Limits = field(default_factory=Limits)
-    transport: httpx.AsyncBaseTransport | None = None
+    transport: httpx2.AsyncBaseTransport | None = None
     #: Engine choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
     engine_choice: str = "affinity"
     #: The cache layers in order; None: :func:`gateway.layers.build_layers` of this runtime (the deployment's).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 from cacheadmin.models import CacheNamespace, Engine, RetentionOwner, Tenant
@@ -46,7 +46,7 @@ def setup(tmp_path: Path) -> dict[str, Any]:
     holder = {"snap": routing_snapshot_build()}
     runtime = Runtime(
         snapshot=lambda: holder["snap"], response_store=store, semantic=None, recorder=Recorder(),
-        transport=httpx.MockTransport(fake), limits=Limits(rate_per_s=1000, burst=1000),
+        transport=httpx2.MockTransport(fake), limits=Limits(rate_per_s=1000, burst=1000),
     )  # fmt: skip
     gateway = Gateway(runtime)
     return {"acme": acme, "ns": ns, "engine": engine, "key": key, "globex_key": globex_key, "fake": fake, "store": store,

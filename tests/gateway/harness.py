@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import httpx
+import httpx2
 
 from cacheadmin.services.gateway import routing_snapshot_build
 
@@ -29,9 +30,9 @@ class FakeEngine:
         #: How many of the first calls fail mid-answer (as an engine that dies does).
         self.fail_first = 0
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
         if self.down:
-            raise httpx.ConnectError("connection refused", request=request)
+            raise httpx2.ConnectError("connection refused", request=request)
         body = json.loads(request.content)
         self.received.append(body)
         if self.delay_s:
@@ -60,16 +61,16 @@ class FakeEngine:
         async def stream():  # type: ignore[no-untyped-def]
             for n, chunk in enumerate(chunks):
                 if fail and n == 2:
-                    raise httpx.ReadError("engine died")
+                    raise httpx2.ReadError("engine died")
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
 
-    def _whole(self, body: dict[str, Any], words: list[str], usage: dict[str, Any], fail: bool) -> httpx.Response:
+    def _whole(self, body: dict[str, Any], words: list[str], usage: dict[str, Any], fail: bool) -> httpx2.Response:
         """A non-streamed answer, as vLLM sends one: the whole object, or its error with the error's status."""
         if self.stream_error is not None:
-            return httpx.Response(int(self.stream_error["error"].get("code") or 400), json=self.stream_error)
+            return httpx2.Response(int(self.stream_error["error"].get("code") or 400), json=self.stream_error)
         message = {"role": "assistant", "content": " ".join(words), "tool_calls": []}
         answer = {"id": "c1", "object": "chat.completion", "created": 1, "model": body["model"],
                   "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop",
@@ -78,11 +79,11 @@ class FakeEngine:
 
         async def cut_off():  # type: ignore[no-untyped-def]
             yield raw[: len(raw) // 2]
-            raise httpx.ReadError("engine died")
+            raise httpx2.ReadError("engine died")
 
         if fail:
-            return httpx.Response(200, headers={"content-type": "application/json"}, content=cut_off())
-        return httpx.Response(200, headers={"content-type": "application/json"}, content=raw)
+            return httpx2.Response(200, headers={"content-type": "application/json"}, content=cut_off())
+        return httpx2.Response(200, headers={"content-type": "application/json"}, content=raw)
 
 
 def call(setup: dict[str, Any], body: Any, *, key: str | None = None, path: str = "/v1/chat/completions",
