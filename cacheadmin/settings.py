@@ -248,6 +248,8 @@ GATEWAY_WORKERS = env_int("GATEWAY_WORKERS", 2, minimum=1)
 GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", "")
 #: The embedded stores' folder.
 GATEWAY_DIR = Path(env_str("GATEWAY_DIR", str(VAR_DIR / "gateway"))).resolve()
+#: The semantic layer's embedding model exported to ONNX (once per host and versions; ~90 MB), reused by every gateway process.
+GATEWAY_EMBEDDER_DIR = GATEWAY_DIR / "embedder"
 #: The semantic cache layer in this deployment (it loads an embedding model, ~90 MB, in each gateway process).
 GATEWAY_SEMANTIC = env_bool("GATEWAY_SEMANTIC", True)
 #: The semantic layer's admission rules, as JSON: a list of {"name", "pattern"} (a

