@@ -93,7 +93,7 @@ def test_the_gateway_is_django_free_but_for_its_deployment_factory() -> None:
     modules = {m for m in graph.modules if m.split(".")[0] == "gateway" and m != "gateway.asgi"}
     imported = {i.split(".")[0] for m in modules for i in graph.find_modules_directly_imported_by(m)}
     assert "cacheadmin" not in imported and "django" not in imported
-    assert {"faiss", "httpx", "starlette"} <= imported  # the graph does see the gateway's external packages
+    assert {"faiss", "httpx2", "httpx_sse", "starlette"} <= imported  # the graph does see the gateway's external packages
 
 
 def test_salts_are_computed_in_one_place() -> None:

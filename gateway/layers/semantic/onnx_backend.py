@@ -337,37 +337,7 @@ class OnnxLoader:
             want = np.asarray(
                 st_model.encode(list(PROBE_TEXTS), convert_to_numpy=True, normalize_embeddings=True), dtype=np.float32
             )
-            # An example with padding, so the traced graph keeps the attention mask's every use.
-            rows = ([[101, 2019, 2742, 102], [101, 102, 0, 0]], [[1, 1, 1, 1], [1, 1, 0, 0]], [[0] * 4] * 2)
-            example = tuple(torch.tensor(r, dtype=torch.int64) for r in rows)
-
-            class LastHiddenState(torch.nn.Module):
-                def __init__(self, inner: Any) -> None:
-                    super().__init__()
-                    self.inner = inner
-
-                def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
-                    return self.inner(
-                        input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-                    ).last_hidden_state
-
-            axes = {name: {0: "batch", 1: "sequence"} for name in (*_INPUTS, "last_hidden_state")}
-            with tempfile.TemporaryDirectory(dir=self.onnx_dir) as scratch:
-                target = Path(scratch) / "model.onnx"
-                # The tracer's warnings name branches on shapes that hold for every input here (the probes check).
-                with torch.no_grad(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    torch.onnx.export(
-                        LastHiddenState(transformer),
-                        example,
-                        str(target),
-                        dynamo=False,
-                        input_names=list(_INPUTS),
-                        output_names=["last_hidden_state"],
-                        dynamic_axes=axes,
-                        opset_version=OPSET,
-                    )
-                data = target.read_bytes()
+            data = self._trace(torch, transformer)
         except Exception as exc:  # noqa: BLE001 - whatever torch's exporter raises, the backend is unavailable
             raise OnnxBackendError(f"exporting {self.model_dir} to ONNX failed: {exc}") from exc
         try:
@@ -391,3 +361,30 @@ class OnnxLoader:
             log.warning("embedder: ONNX export not stored in %s (%s); used in this process only", self.onnx_dir, exc)
         self.exported = True
         return model
+
+    def _trace(self, torch: Any, transformer: Any) -> bytes:
+        """The transformer (input ids, attention mask, token types → last hidden state) as ONNX bytes."""
+        # An example with padding, so the traced graph keeps the attention mask's every use.
+        rows = ([[101, 2019, 2742, 102], [101, 102, 0, 0]], [[1, 1, 1, 1], [1, 1, 0, 0]], [[0] * 4] * 2)
+        example = tuple(torch.tensor(r, dtype=torch.int64) for r in rows)
+
+        class LastHiddenState(torch.nn.Module):  # type: ignore[misc]
+            def __init__(self, inner: Any) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+                out = self.inner(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+                return out.last_hidden_state
+
+        axes = {name: {0: "batch", 1: "sequence"} for name in (*_INPUTS, "last_hidden_state")}
+        with tempfile.TemporaryDirectory(dir=self.onnx_dir) as scratch:
+            target = Path(scratch) / "model.onnx"
+            # The tracer's warnings name branches on shapes that hold for every input here (the probes check).
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(
+                    LastHiddenState(transformer), example, str(target), dynamo=False, input_names=list(_INPUTS),
+                    output_names=["last_hidden_state"], dynamic_axes=axes, opset_version=OPSET,
+                )  # fmt: skip
+            return target.read_bytes()
