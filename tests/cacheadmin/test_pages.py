@@ -78,15 +78,16 @@ def _rows(n: int) -> None:
 
 def test_dashboard_runs_a_constant_number_of_queries(admin_client, django_assert_num_queries) -> None:
     _rows(1)
-    # session, user, activity; serving now (the routing snapshot's queries and unverified engines);
+    # session, user, activity; serving now (the routing snapshot's queries, its layers not paying among
+    # them, and unverified engines);
     # engines, alarms, prewarm and comparison jobs, releases, eviction runs; staleness (schedules,
     # scan, count, page ids, page rows, ranks); cleanup (notices, orphans 2: schedules and scan read
     # once for the page); namespaces (count, page ids, page rows, latest usage 2, shared groups 2);
-    # versions; gateway busiest namespaces (with their number), switches, holds, shadow
-    with django_assert_num_queries(41):
+    # versions; gateway busiest namespaces (with their number), switches, holds, layers not paying, shadow
+    with django_assert_num_queries(43):
         assert admin_client.get("/").status_code == 200
     _rows(15)
-    with django_assert_num_queries(41):
+    with django_assert_num_queries(43):
         page = admin_client.get("/").content.decode()
     assert page.count('<tr class="status-succeeded') == 2 * 16
 
