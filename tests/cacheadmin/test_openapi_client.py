@@ -160,7 +160,7 @@ def test_tenant_owner_and_namespace_through_the_client(api: ModuleType, client: 
     assert (tenant.slug, tenant.name, tenant.id, tenant.additional_properties) == ("acme", "Acme", row.tenant_id, {})
     assert (owner.name, owner.email, owner.additional_properties) == ("platform", "platform@example.com", {})
     assert (namespace.tenant, namespace.group, namespace.group_generation, namespace.superseded) == ("acme", None, None, False)
-    assert (namespace.namespace_id, namespace.storage_prefix) == (row.namespace_key, row.storage_prefix)
+    assert (namespace.namespace_key, namespace.storage_prefix) == (row.namespace_key, row.storage_prefix)
     assert (namespace.model_version, namespace.model_version_label, namespace.retention_owner) == (
         versions["v1"].pk,
         "tiny-v1",
@@ -197,7 +197,7 @@ def test_tenant_owner_and_namespace_through_the_client(api: ModuleType, client: 
     assert (listed.count, [n.id for n in listed.results], listed.previous) == (1, [namespace.id], None)
 
     salt = _module("api.namespaces.namespaces_cache_salt_retrieve").sync(client=client, id=namespace.id)
-    assert (salt.namespace_id, salt.cache_salt) == (row.namespace_key, namespace_salt_read(row, actor="ci", purpose="test"))
+    assert (salt.namespace_key, salt.cache_salt) == (row.namespace_key, namespace_salt_read(row, actor="ci", purpose="test"))
 
     # Errors come back parsed, in the envelope.
     duplicate = _module("api.tenants.tenants_create").sync_detailed(
@@ -297,9 +297,9 @@ def test_a_verified_reuse_release_through_the_client(api: ModuleType, client: An
     # Verified reuse: both versions share the old namespace, and so its salt.
     assert [r.to_dict() for r in routes] == [
         {"model_version": v1.pk, "label": "tiny-v1", "percent": 80, "namespace": namespace.id,
-         "namespace_id": namespace.namespace_id, "cache_salt": salt},
+         "namespace_key": namespace.namespace_key, "cache_salt": salt},
         {"model_version": gen.pk, "label": "tiny-v1-gen", "percent": 20, "namespace": namespace.id,
-         "namespace_id": namespace.namespace_id, "cache_salt": salt},
+         "namespace_key": namespace.namespace_key, "cache_salt": salt},
     ]  # fmt: skip
 
     back = _module(f"{r}rollback_create").sync(
