@@ -33,9 +33,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 from inference.errors import EngineError
+
+#: Reads under fresh salts before a tier is taken to honour the salt, and the wait between them (s).
+READ_ACROSS_ATTEMPTS = 3
+READ_ACROSS_WAIT_S = 0.5
 
 if TYPE_CHECKING:
     from inference.engines.vllm_http import VllmHttpClient
@@ -115,13 +120,25 @@ def shares_prefix_cache(known: VllmHttpClient, candidate: VllmHttpClient, *, sec
 def reads_across_salts(client: VllmHttpClient, *, secret: str, block_size: int) -> int:
     """Tokens the engine served under one salt from KV computed under another.
 
+    The prompt is cached under one fresh salt, then read under another: up to
+    :data:`READ_ACROSS_ATTEMPTS` times, :data:`READ_ACROSS_WAIT_S` apart, each
+    under a salt of its own, until a read finds KV.
+
     Returns:
-        The cached tokens of the second request (0 for an engine whose every
-        tier honours ``cache_salt``).
+        The cached tokens of the first read that found any (0 for an engine
+        whose every tier honours ``cache_salt``).
 
     Raises:
         EngineError: the engine did not answer, or does not report cached tokens.
     """
     prompt = probe_prompt(block_size)
     _cached(client, prompt, mint_probe_salt(secret))
-    return _cached(client, prompt, mint_probe_salt(secret))
+    # A persistent tier may store the first request's KV after its answer (vLLM's connectors save
+    # on their own schedule): read it under fresh salts a few times, so a salt-blind tier is not
+    # passed because its write had not landed yet.
+    for attempt in range(READ_ACROSS_ATTEMPTS):
+        across = _cached(client, prompt, mint_probe_salt(secret))
+        if across or attempt == READ_ACROSS_ATTEMPTS - 1:
+            return across
+        time.sleep(READ_ACROSS_WAIT_S)
+    return 0
