@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import threading
@@ -59,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.layers.semantic.onnx_backend import OnnxBackendError, OnnxLoader
+from gateway.layers.semantic.onnx_backend import OnnxBackendError, OnnxLoader, config_int
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +271,7 @@ class Embedder:
             EmbedderLoadError: the directory has no readable ``1_Pooling/config.json``.
         """
         if self._dim is None:
-            pooling = self.model_dir / "1_Pooling" / "config.json"
-            try:
-                dim = json.loads(pooling.read_text(encoding="utf-8"))["word_embedding_dimension"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise EmbedderLoadError(f"cannot read the embedding dimension from {pooling}: {exc}") from exc
-            if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
-                raise EmbedderLoadError(f"{pooling}: word_embedding_dimension must be a positive integer, got {dim!r}")
-            self._dim = dim
+            self._dim = config_int(self.model_dir / "1_Pooling" / "config.json", "word_embedding_dimension", EmbedderLoadError)
         return self._dim
 
     def load(self) -> None:

@@ -103,15 +103,23 @@ def export_key(model_dir: Path, model_id: str) -> tuple[str, dict[str, Any]]:
     return f"{safe}-{digest}", identity
 
 
-def _max_seq_length(model_dir: Path) -> int:
-    path = model_dir / "sentence_bert_config.json"
+def config_int(path: Path, key: str, error: type[Exception]) -> int:
+    """A positive integer ``key`` of a model's JSON config file.
+
+    Raises:
+        error: the file is unreadable, not JSON, lacks ``key``, or its value is not an integer > 0.
+    """
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))["max_seq_length"]
+        value = json.loads(path.read_text(encoding="utf-8"))[key]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OnnxBackendError(f"cannot read max_seq_length from {path}: {exc}") from exc
+        raise error(f"cannot read {key} from {path}: {exc}") from exc
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise OnnxBackendError(f"{path}: max_seq_length must be a positive integer, got {value!r}")
+        raise error(f"{path}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _max_seq_length(model_dir: Path) -> int:
+    return config_int(model_dir / "sentence_bert_config.json", "max_seq_length", OnnxBackendError)
 
 
 def _check_modules(model_dir: Path) -> None:
