@@ -8,10 +8,12 @@ each increment here. Nothing here queries the database or holds a lock across
 I/O: a labelled counter's ``inc`` is a dictionary look-up and, in
 multiprocess mode, a write into a memory-mapped file.
 
-Processes of one gateway share ``GATEWAY_METRICS_DIR`` (prometheus-client's
-multiprocess mode, set by ``manage.py gateway`` before uvicorn starts its
-workers); a process outside it (a test) keeps the values in memory in
-prometheus-client's default registry. Families are created once per process.
+Processes of one gateway share a folder of their own under
+``GATEWAY_METRICS_DIR`` (prometheus-client's multiprocess mode, set by
+``manage.py gateway`` before uvicorn starts its workers), each writing files
+named by its pid and start time (:mod:`inference.metrics_files`); a process
+outside it (a test) keeps the values in memory in prometheus-client's default
+registry. Families are created once per process.
 
 Label ``namespace`` is the namespace's ``namespace_key`` (never a salt, a
 prompt, a key or a user), ``engine`` the engine's name.
@@ -23,9 +25,11 @@ import hmac
 import os
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from gateway.layers import LAYERS
+from inference.metrics_files import identify, reap
 
 #: TTFT bounds (seconds): a cached answer in a millisecond, a CPU engine's
 #: first token in tens of ms to tens of seconds.
@@ -79,6 +83,9 @@ def families() -> dict[str, Any]:
         with _lock:
             if not _families:
                 from prometheus_client import Counter, Gauge, Histogram
+
+                if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                    identify()  # a spawned worker: its files by pid and start time, before its first metric
 
                 def spec(short: str) -> dict[str, Any]:
                     name, labels, help_ = SPECS[short]
@@ -177,13 +184,18 @@ class GatewayMetrics:
 
 def exposition() -> bytes:
     """Every gateway process's families in Prometheus' text format 0.0.4: the
-    multiprocess folder's when this process has one, else this process's own."""
+    multiprocess folder's when this process has one, else this process's own.
+
+    The live gauges of processes that died without saying so (a killed worker)
+    are removed first: they count only while their process runs.
+    """
     from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
     folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if folder:
         from prometheus_client.multiprocess import MultiProcessCollector
 
+        reap(Path(folder))
         registry = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(registry, path=folder)  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
         return generate_latest(registry)

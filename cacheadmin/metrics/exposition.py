@@ -16,7 +16,7 @@ from typing import Any
 
 from cacheadmin.metrics.catalogue import METRICS
 from cacheadmin.metrics.collector import ControlPlaneCollector
-from cacheadmin.metrics.multiproc import multiproc_active
+from cacheadmin.metrics.multiproc import multiproc_active, multiproc_reap
 
 #: The worker families' names, as prometheus-client names counter families (without ``_total``).
 WORKER_FAMILIES = frozenset(m.name for m in METRICS if m.source == "worker")
@@ -57,7 +57,8 @@ def control_plane_exposition(multiproc_dir: Path) -> bytes:
 
     Args:
         multiproc_dir: where the control plane's processes write the worker
-            families (read when it exists).
+            families (read when it exists; the live gauges of processes that
+            died without saying so are removed first).
 
     Raises:
         django.db.Error: the database cannot be read.
@@ -68,6 +69,7 @@ def control_plane_exposition(multiproc_dir: Path) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlPlaneCollector())
     if multiproc_dir.is_dir():
+        multiproc_reap(multiproc_dir)
         MultiProcessCollector(registry, path=str(multiproc_dir))
     if not multiproc_active():
         registry.register(InProcessWorkerCollector())

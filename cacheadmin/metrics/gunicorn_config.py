@@ -22,6 +22,9 @@ access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
 
 def _multiproc_setup() -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from inference.metrics_files import identify
+
+        identify()  # the workers forked from here name their files by pid and start time
         return
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cacheadmin.settings")
     from django.conf import settings

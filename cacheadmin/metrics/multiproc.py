@@ -4,39 +4,50 @@ gateway's process groups.
 prometheus-client decides at its first import whether a process writes its
 values to files (``PROMETHEUS_MULTIPROC_DIR`` set) or keeps them in memory,
 so each entry point sets the folder before anything imports it (the project
-imports prometheus-client lazily: the variable is always in time). The folder
-is emptied when a process group starts (the demo, the gateway command),
-never by one process of a running group: that would drop its siblings' counts.
+imports prometheus-client lazily: the variable is always in time).
+
+Several processes share a folder (the web workers and every Celery worker of
+a deployment share ``METRICS_MULTIPROC_DIR``); each writes files of its own,
+named by its pid and start time, and a process removes only files of
+processes that are dead (:mod:`inference.metrics_files`, where what happens
+to each metric type is written down). A gateway gets a folder of its own
+under ``GATEWAY_METRICS_DIR`` (:func:`inference.metrics_files.instance_dir`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
+
+from inference.metrics_files import drop_live_gauges, identify, instance_dir, reap
+from inference.processes import process_token
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+__all__ = ["ENV", "instance_dir", "mark_process_dead", "multiproc_active", "multiproc_dir", "multiproc_reap", "multiproc_use"]
 
-def multiproc_use(directory: Path, *, clear: bool = False) -> Path:
+
+def multiproc_use(directory: Path, *, reap_dead: bool = False) -> Path:
     """Make this process (and the children it starts from now on) write its
-    metrics under ``directory``, created if missing; ``clear`` first removes
-    the files of an earlier run of the group.
+    metrics under ``directory``, created if missing, in files named by its pid
+    and start time (:func:`inference.metrics_files.identify`).
 
     Args:
-        directory: the group's folder (``METRICS_MULTIPROC_DIR`` or ``GATEWAY_METRICS_DIR``).
-        clear: empty it (only where the whole group starts).
+        directory: the group's folder (``METRICS_MULTIPROC_DIR``, or a gateway's own folder).
+        reap_dead: first remove the files of dead processes (every type: see
+            :func:`multiproc_reap`); a live process's files are never removed.
 
     Returns:
         ``directory``.
 
     Raises:
-        OSError: the folder cannot be created or emptied.
+        OSError: the folder cannot be created or a dead process's file removed.
     """
-    if clear:
-        multiproc_clear(directory)
+    if reap_dead:
+        multiproc_reap(directory, every_type=True)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ[ENV] = str(directory)
+    identify()
     return directory
 
 
@@ -50,19 +61,18 @@ def multiproc_dir(directory: Path) -> Path:
     return directory
 
 
-def multiproc_clear(directory: Path) -> None:
-    """Remove every metrics file under ``directory`` (the folder stays).
+def multiproc_reap(directory: Path, *, every_type: bool = False) -> list[str]:
+    """Remove dead processes' metrics files under ``directory``: their live
+    gauges, and with ``every_type`` (a process group's start: an earlier run's
+    totals) their counters and histograms too. See :func:`inference.metrics_files.reap`.
+
+    Returns:
+        The file names removed, sorted.
 
     Raises:
         OSError: a file cannot be removed.
     """
-    if not directory.is_dir():
-        return
-    for entry in directory.iterdir():
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink(missing_ok=True)
+    return reap(directory, every_type=every_type)
 
 
 def multiproc_active() -> bool:
@@ -71,10 +81,20 @@ def multiproc_active() -> bool:
 
 
 def mark_process_dead(pid: int) -> None:
-    """Drop the live-gauge files of a process that exited (gunicorn's ``child_exit``,
-    uvicorn's worker restarts): its ``livesum``/``livemax`` gauges no longer count."""
-    if not multiproc_active():
-        return
-    from prometheus_client import multiprocess
+    """Drop the live-gauge files of process ``pid`` once it exited (gunicorn's
+    ``child_exit``): its ``livesum``/``livemax`` gauges no longer count. For
+    another process, the live gauges of every process that is dead (pid and
+    start time) go, ``pid``'s among them, never a live one's; for this very
+    process (``pid == os.getpid()``: a process about to exit), its own go.
 
-    multiprocess.mark_process_dead(pid)
+    Raises:
+        OSError: a file cannot be removed.
+    """
+    folder = os.environ.get(ENV)
+    if not folder:
+        return
+    directory = Path(folder)
+    if pid == os.getpid():
+        drop_live_gauges(directory, process_token())
+        return
+    reap(directory)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from cacheadmin.metrics.catalogue import BY_NAME
+from cacheadmin.metrics.multiproc import multiproc_active
+from inference.metrics_files import identify
 
 T = TypeVar("T")
 
@@ -38,6 +40,9 @@ def families() -> dict[str, Any]:
         with _lock:
             if not _families:
                 from prometheus_client import Counter, Histogram
+
+                if multiproc_active():
+                    identify()  # files by pid and start time, whichever entry point set the folder
 
                 def spec(name: str) -> dict[str, Any]:
                     return {"name": name, "documentation": BY_NAME[name].help, "labelnames": BY_NAME[name].labels}

@@ -20,11 +20,12 @@ from cacheadmin.services.engine_verification import EngineUnreachable, Verificat
 from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
-from inference.engines.launcher import EngineSpec, LocalEngine, free_port, pid_alive, process_started, stop_process_group
+from inference.engines.launcher import EngineSpec, LocalEngine, free_port, stop_process_group
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
 from inference.kv_transport import TransportError, local_endpoints, private_socket_dir
 from inference.netpolicy import AddressRefused
+from inference.processes import pid_alive, process_started
 
 #: Engines this process launched, by Engine pk (handles to their subprocesses).
 _LAUNCHED: dict[int, LocalEngine] = {}

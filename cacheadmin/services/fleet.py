@@ -32,13 +32,13 @@ from cacheadmin.services.engines import (
 )
 from cacheadmin.services.namespaces import namespace_check_current
 from cacheadmin.services.quotas import quota_check
-from inference.engines.launcher import pid_alive
 from inference.engines.probes import CachedTokensUnreported, reads_across_salts, shares_prefix_cache
 from inference.engines.verify import drift_baseline
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError, InvalidField, Refused
 from inference.kv_transport import check_public_key
 from inference.netpolicy import AddressPolicy, ServerOrigin, same_origin, server_origin
+from inference.processes import pid_alive
 
 #: Consecutive silent health checks before a running engine is failed (with the
 #: schedule every 20 s, a silent engine is failed within a minute).

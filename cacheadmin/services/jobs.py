@@ -40,8 +40,8 @@ from cacheadmin.models.jobs import Job
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.db import database_busy
 from cacheadmin.services.model_versions import LifecycleError
-from inference.engines.launcher import pid_alive
 from inference.errors import storable_text
+from inference.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 J = TypeVar("J", bound=Job)

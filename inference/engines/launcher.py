@@ -37,6 +37,7 @@ from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
 from inference.layout import engine_version
 from inference.paths import has_mistral_tokenizer
+from inference.processes import process_started
 
 
 def free_port() -> int:
@@ -406,50 +407,6 @@ class LocalEngine:
             self._proc.wait(timeout=5)
         except ChildProcessError:
             pass  # reaped while the group was waited on
-
-
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """``/proc/PID/stat`` after ``(comm)``: field 3 (state) first, as proc(5) numbers them; None when unreadable."""
-    try:
-        # "pid (comm) state ...": comm may hold spaces and parentheses.
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def process_started(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat``
-    field 22, ``starttime``, proc(5)), or None when no such process is readable.
-
-    A pid is reused once its process is gone; the pair (pid, start time) names
-    one process for the machine's uptime, so a recorded engine is never confused
-    with whatever runs under its old pid now.
-    """
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[19]) if fields else None  # field 22 is the 20th after "(comm)"
-    except (IndexError, ValueError):
-        return None
-
-
-def pid_alive(pid: int, started: int | None = None) -> bool:
-    """True if a process with this pid exists and is not a zombie (it may
-    belong to another user) and, when ``started`` is given, is the process
-    that started then (:func:`process_started`): a reused pid is not it. A
-    detached engine's parent may be an init that never reaps it: its zombie
-    must not count as a running engine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return started is None
-    fields = _stat_fields(pid)
-    if fields is None:
-        return started is None
-    if fields[0] in (b"Z", b"X"):
-        return False
-    return started is None or process_started(pid) == started
 
 
 def _group_running(pgid: int) -> bool:

@@ -16,8 +16,8 @@ from cacheadmin.models import Engine, EngineAlarm
 from cacheadmin.services import engine_verification
 from cacheadmin.services.engine_verification import VerificationRefused, engine_verify
 from cacheadmin.services.workers import GatewayProcess, WorkerProcess
-from inference.engines.launcher import process_started
 from inference.engines.verify import DRIFT_CACHE_LABELS, drift_baseline
+from inference.processes import process_started
 from tests.helpers import manage, subprocess_env
 
 

@@ -12,7 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from inference.engines.launcher import pid_alive, process_started, stop_process_group
+from inference.engines.launcher import stop_process_group
+from inference.processes import pid_alive, process_started
 
 PROJECT = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,7 @@ from django.core.wsgi import get_wsgi_application
 
 from cacheadmin.env import control_plane_environment, env_int, env_str, private_file, write_private_file
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
-from cacheadmin.metrics.multiproc import multiproc_clear, multiproc_dir
+from cacheadmin.metrics.multiproc import multiproc_dir, multiproc_reap
 from cacheadmin.models import GatewayKey, Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
@@ -356,8 +356,9 @@ class Command(ControlPlaneCommand):
             except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
         log = (lambda line: self.stderr.write(line)) if not serve else (lambda line: self.stdout.write(line))
-        # The demo starts the whole process group: metrics files of an earlier run are not this one's.
-        multiproc_clear(settings.METRICS_MULTIPROC_DIR)
+        # The demo starts a process group: the metrics files of an earlier run's dead processes are not this
+        # run's; a live process's (a worker or a server still running on this VAR_DIR) stay, totals included.
+        multiproc_reap(settings.METRICS_MULTIPROC_DIR, every_type=True)
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
         summary: dict[str, Any] | None = None
         interrupted = False

@@ -17,7 +17,7 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, positive_int
-from cacheadmin.metrics.multiproc import multiproc_use
+from cacheadmin.metrics.multiproc import instance_dir, multiproc_use
 from cacheadmin.models import CacheNamespace, Tenant
 from cacheadmin.services.gateway import (
     POLICY_FIELDS,
@@ -110,8 +110,9 @@ class Command(ControlPlaneCommand):
             # create_server() appends "(while attempting to bind on address ...)": the address is said already.
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise self.failed(f"cannot listen on {addr}: {reason}", EXIT_CONFLICT) from exc
-        # The processes about to start share one metrics folder; what an earlier run left there is not theirs.
-        multiproc_use(settings.GATEWAY_METRICS_DIR, clear=True)
+        # This gateway's processes share a metrics folder of its own (its /metrics shows them alone): another
+        # gateway on the same VAR_DIR keeps its own, and only dead gateways' folders are removed.
+        multiproc_use(instance_dir(settings.GATEWAY_METRICS_DIR))
         self.stdout.write(f"gateway on http://{addr}/v1 ({workers} process{'es' if workers > 1 else ''})")
         self.stdout.flush()
         # access_log off: request lines carry no prompt, but the figures are what operators read.
