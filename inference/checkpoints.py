@@ -19,6 +19,8 @@ from pathlib import Path
 
 import mistral_common
 
+from inference.processes import process_token, token_alive
+
 #: Tokenizer files shipped inside mistral_common, by short name.
 MISTRAL_COMMON_TOKENIZERS: dict[str, str] = {
     "v1": "tokenizer.model.v1",
@@ -145,19 +147,47 @@ def build_tiny_mistral(target: Path, spec: TinyMistralSpec, *, served_name: str 
     torch.manual_seed(spec.seed)
     # transformers leaves the model's __init__ unannotated, and its wrapper of .to() types self as an argument.
     model = MistralForCausalLM(config).to(torch.float32)  # type: ignore[no-untyped-call, arg-type]
-    tmp = target.with_name(target.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    # This build's own folder: another process building the same checkpoint (a second demo on the same
+    # VAR_DIR) writes its own, and only the folders of builders that died are removed.
+    partials_reap(target)
+    tmp = target.with_name(f"{target.name}{PARTIAL}{process_token()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # this very process's own, from a build that raised
     model.save_pretrained(tmp, safe_serialization=True)
     shutil.copyfile(tokenizer_file, tmp / tokenizer_target_name(tokenizer_file))
     (tmp / SPEC_MARKER).write_text(json.dumps(asdict(spec), sort_keys=True))
     # Written last and renamed into place so a killed build never leaves a
     # half-written checkpoint that looks complete.
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        target.rmdir()
-    tmp.rename(target)
+    try:
+        if target.exists():
+            target.rmdir()
+        tmp.rename(target)
+    except OSError:
+        if not (target / SPEC_MARKER).is_file():
+            raise
+        shutil.rmtree(tmp)  # another builder finished first; same spec, same seed: the same bytes
     return target
+
+
+#: Infix of a checkpoint being built: ``<target>.partial-<pid>-<start>`` (the builder's token).
+PARTIAL = ".partial-"
+
+
+def partials_reap(target: Path) -> list[str]:
+    """Remove the partial folders of ``target`` whose builder is dead (pid and
+    start time, :func:`inference.processes.token_alive`); a running build's is kept.
+
+    Returns:
+        The names removed, sorted.
+    """
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for path in sorted(target.parent.glob(f"{target.name}{PARTIAL}*")):
+        if not token_alive(path.name[len(target.name) + len(PARTIAL) :]):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 #: The two demo checkpoints: same tokenizer, config and served name; only the

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import stat
 import sys
@@ -130,7 +131,8 @@ def key_pair(path: Path) -> tuple[str, str]:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.exists():
         _, new_secret = zmq.curve_keypair()
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # A name no other process uses: a pid alone is reused, and a dead process's leftover would refuse it.
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, new_secret + b"\n")

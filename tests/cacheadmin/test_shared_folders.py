@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference.child_env import die_with_parent
+from inference.kv_transport import key_pair
 from inference.metrics_files import instance_dir, reap
 from inference.processes import process_started
 from tests.gateway.harness import chat
@@ -134,3 +135,56 @@ def test_a_process_names_its_metrics_files_by_pid_and_start_time(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"counter_{token}.db", f"gauge_livemax_{token}.db"]
     # Its process has exited: its live gauge goes, its counter keeps counting.
     assert reap(tmp_path) == [f"gauge_livemax_{token}.db"]
+
+
+BUILD = """
+import sys
+sys.path.insert(0, {project!r})
+from pathlib import Path
+from inference.checkpoints import TinyMistralSpec, build_tiny_mistral
+from inference.processes import process_token
+print(process_token(), flush=True)
+sys.stdin.readline()  # both builders start together
+build_tiny_mistral(Path({target!r}), TinyMistralSpec(seed=1))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_building_one_checkpoint_both_succeed_and_a_dead_builders_partial_goes(tmp_path: Path) -> None:
+    target = tmp_path / "tiny-v1"
+    dead = _sleeper()
+    dead_partial = tmp_path / f"tiny-v1.partial-{dead.pid}-{process_started(dead.pid)}"
+    os.killpg(dead.pid, signal.SIGKILL)
+    dead.wait()
+    dead_partial.mkdir()
+    code = BUILD.format(project=str(PROJECT), target=str(target))
+    builders = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    for builder in builders:
+        assert builder.stdout is not None and builder.stdout.readline().strip()
+    for builder in builders:
+        assert builder.stdin is not None
+        builder.stdin.write("go\n")
+        builder.stdin.flush()
+    results = [builder.communicate(timeout=300) for builder in builders]
+    assert [b.returncode for b in builders] == [0, 0], [err[-2000:] for _, err in results]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v1"]
+    assert (target / "model.safetensors").is_file() and (target / ".build-spec.json").is_file()
+
+
+def test_a_dead_processs_leftover_temp_file_does_not_stop_the_kv_events_key_from_being_created(tmp_path: Path) -> None:
+    path = tmp_path / "kv-events-consumer.key"
+    # What a process with this pid left when it died between writing its temporary file and linking it.
+    (tmp_path / f".{path.name}.{os.getpid()}.tmp").write_text("left by a dead process")
+    public, secret = key_pair(path)
+    assert len(public) == 40 and path.read_text().strip() == secret
+    assert key_pair(path) == (public, secret)
