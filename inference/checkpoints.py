@@ -180,7 +180,7 @@ def partials_reap(target: Path) -> list[str]:
     Returns:
         The names removed, sorted.
     """
-    removed = []
+    removed: list[str] = []
     if not target.parent.is_dir():
         return removed
     for path in sorted(target.parent.glob(f"{target.name}{PARTIAL}*")):
