@@ -27,24 +27,20 @@ ENV = "PROMETHEUS_MULTIPROC_DIR"
 __all__ = ["ENV", "instance_dir", "mark_process_dead", "multiproc_active", "multiproc_dir", "multiproc_reap", "multiproc_use"]
 
 
-def multiproc_use(directory: Path, *, reap_dead: bool = False) -> Path:
+def multiproc_use(directory: Path) -> Path:
     """Make this process (and the children it starts from now on) write its
     metrics under ``directory``, created if missing, in files named by its pid
     and start time (:func:`inference.metrics_files.identify`).
 
     Args:
         directory: the group's folder (``METRICS_MULTIPROC_DIR``, or a gateway's own folder).
-        reap_dead: first remove the files of dead processes (every type: see
-            :func:`multiproc_reap`); a live process's files are never removed.
 
     Returns:
         ``directory``.
 
     Raises:
-        OSError: the folder cannot be created or a dead process's file removed.
+        OSError: the folder cannot be created.
     """
-    if reap_dead:
-        multiproc_reap(directory, every_type=True)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ[ENV] = str(directory)
     identify()
