@@ -181,7 +181,9 @@ def answer_chunks(record: Mapping[str, Any], *, endpoint: str, model: str, cid: 
         role = {"index": index, "delta": {"role": message.get("role", "assistant"), "content": ""}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
         chunks.append({**head, **(first if not chunks else {}), "choices": [role]})
-        delta = {k: v for k, v in message.items() if k != "role" and v is not None and v != "" and v != []}
+        # Every field of the message but its role (sent on the role chunk), nulls too (a whole
+        # answer's ``refusal: null``), so the chunks fold back into the very record.
+        delta = {k: v for k, v in message.items() if k not in ("role", "tool_calls")}
         if message.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         chunks.append({**head, "choices": [{"index": index, "delta": delta, **rest}]})
