@@ -85,7 +85,8 @@ class ReasoningEngine:
         ids = iter(self.token_ids())
         out = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}], "prompt_token_ids": PROMPT_IDS}]  # fmt: skip
-        pieces = [{self.reasoning_field: r} for r in self.reasoning] + [{"content": c} for c in self.content]
+        pieces: list[dict[str, Any]] = [{self.reasoning_field: r} for r in self.reasoning]
+        pieces += [{"content": c} for c in self.content]
         if self.tool_call is not None:
             pieces.append({"tool_calls": [{"id": "chatcmpl-tool-1", "type": "function", "index": 0, "function": self.tool_call}]})
         for delta in pieces:

@@ -20,7 +20,7 @@ from tests.gateway.reasoning_stub import PROMPT_IDS, ReasoningEngine
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+STREAM: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
 
 
 def _engine(setup: dict[str, Any], **script: Any) -> ReasoningEngine:
@@ -138,7 +138,7 @@ def test_a_paraphrase_served_by_the_semantic_layer_carries_every_field_too(seman
 
 
 #: Every way a stream ends that is no finished answer: (engine script, what the caller's stream ends with).
-UNFINISHED_STREAMS = {
+UNFINISHED_STREAMS: dict[str, tuple[dict[str, Any], str | None]] = {
     "early_close": ({"ending": "cut"}, "engine_failed"),
     "error_event": ({"ending": "error"}, "KV load failed"),
     "flat_error_event": ({"ending": "flat_error"}, "KV load failed"),
@@ -191,7 +191,7 @@ def test_answers_cut_at_max_tokens_are_kept_where_the_tenant_admits_length(setup
     tenant_gateway_policy_update(tenant=setup["acme"], actor="t", changes={"admit_length": True})
     refresh(setup)
     engine = _engine(setup, finish="length")
-    params = STREAM if stream else {}
+    params: dict[str, Any] = STREAM if stream else {}
     assert call(setup, chat(temperature=0, **params)).headers["x-kvcp-served-by"] == "engine"
     again = call(setup, chat(temperature=0, **params))
     assert again.headers["x-kvcp-served-by"] == "response" and len(engine.received) == 1
@@ -201,7 +201,7 @@ def test_answers_cut_at_max_tokens_are_kept_where_the_tenant_admits_length(setup
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_finished_tool_call_is_kept_and_replayed_whole(setup, stream: bool) -> None:
     engine = _engine(setup, content=[], finish="tool_calls", tool_call={"name": "weather", "arguments": '{"city": "Paris"}'})
-    params = STREAM if stream else {}
+    params: dict[str, Any] = STREAM if stream else {}
     first = call(setup, chat(temperature=0, **params))
     again = call(setup, chat(temperature=0, **params))
     assert again.headers["x-kvcp-served-by"] == "response" and len(engine.received) == 1
