@@ -21,6 +21,7 @@ import httpx2
 from httpx_sse import EventSource, SSEError
 from starlette.responses import JSONResponse
 
+from gateway.answers import AnswerAssembler, record_of_answer
 from gateway.errors import GatewayError
 from gateway.protection import FillBreaker, Overloaded
 from gateway.records import Recorder
@@ -189,7 +190,8 @@ class EngineProxy:
 
     async def complete(self, call: EngineCall, endpoint: str) -> EngineAnswer:
         """Read a non-streamed answer whole: the engine's one JSON answer as a cache record
-        (its choices and usage, and the fingerprint of the state that computed it).
+        (every field but its id, time and model name, with the fingerprint of the state that
+        computed it: :func:`gateway.answers.record_of_answer`).
 
         An answer cut off or not an answer object is the engine's failure (record None,
         the breaker counts it)."""
@@ -207,18 +209,19 @@ class EngineProxy:
             return EngineAnswer(None)
         finally:
             await self.finish(call, ok=ok)
-        obj = "text_completion" if endpoint == "completions" else "chat.completion"
-        record = {"object": obj, "choices": answer["choices"], "usage": answer.get("usage") or {},
-                  "system_fingerprint": engine.fingerprint}  # fmt: skip
-        return EngineAnswer(record, arrived)
+        return EngineAnswer(record_of_answer(answer, endpoint, engine.fingerprint), arrived)
 
     async def relay(
-        self, call: EngineCall, endpoint: str, *, include_usage: bool, on_end: Callable[[EngineAnswer], Awaitable[None]]
-    ) -> AsyncIterator[bytes]:
+        self, call: EngineCall, endpoint: str, *, model: str, include_usage: bool,
+        on_end: Callable[[EngineAnswer], Awaitable[None]],
+    ) -> AsyncIterator[bytes]:  # fmt: skip
         """A streamed answer's events for the caller, each chunk stamped with the engine's
-        fingerprint (the engine's own chunks carry none), folded into a complete answer as
-        they pass; ``on_end`` gets that answer (record None unless the stream ended with
-        ``[DONE]``) when the stream ends, however it ends.
+        fingerprint (the engine's own chunks carry none) and the served name the caller asked
+        for (``model``, as every answer of the gateway), folded into a complete answer as they
+        pass; ``on_end`` gets that answer (record None unless the stream ended with ``[DONE]``
+        and no error event came) when the stream ends, however it ends. Whether the answer
+        finished so that it may be kept is the caller's to judge
+        (:func:`gateway.answers.unkept_reason`).
 
         An error event about the request itself (a 4xx: a token id outside the vocabulary)
         is the caller's, not a failing engine's: it never opens the breaker (one tenant's bad
@@ -241,13 +244,13 @@ class EngineProxy:
                     chunk = json.loads(event.data)
                 except ValueError:
                     continue
-                if "error" in chunk and "choices" not in chunk:
-                    if client_error(chunk):
+                if _error_event(chunk):
+                    if isinstance(chunk, dict) and client_error(chunk):
                         refused = chunk["error"]
                     yield sse(chunk)
                     break
                 assembler.feed(chunk)
-                chunk["system_fingerprint"] = engine.fingerprint
+                chunk["model"], chunk["system_fingerprint"] = model, engine.fingerprint
                 if chunk.get("choices") or include_usage:
                     yield sse(chunk)
         except (httpx2.HTTPError, OSError, SSEError) as exc:
@@ -258,6 +261,16 @@ class EngineProxy:
             await self.finish(call, ok=complete or refused is not None)
             answer = EngineAnswer(assembler.record() if complete else None, assembler.first_token_at, refused)
             await asyncio.shield(on_end(answer))
+
+
+def _error_event(chunk: Any) -> bool:
+    """Whether a streamed event ends the answer as an error: vLLM's ``{"error": {...}}``
+    (``vllm/entrypoints/serve/engine/protocol.py`` ``ErrorResponse``), the flat
+    ``{"object": "error", "message": ...}`` of older OpenAI-compatible servers, or anything
+    that is no chunk object at all."""
+    if not isinstance(chunk, dict):
+        return True
+    return ("error" in chunk or chunk.get("object") == "error") and "choices" not in chunk
 
 
 async def _refusal(response: httpx2.Response) -> EngineRefused:
@@ -276,67 +289,30 @@ async def _refusal(response: httpx2.Response) -> EngineRefused:
 
 
 class StreamAssembler:
-    """Rebuilds a complete answer from streamed chunks (content, tool calls,
-    finish reasons, logprobs, usage) so a streamed miss fills the cache like a
-    non-streamed one."""
+    """Rebuilds a streamed answer as the object the engine would have sent whole, every field
+    of every chunk carried (:class:`gateway.answers.AnswerAssembler`), so a streamed miss fills
+    the cache like a non-streamed one; and when its first generated token arrived.
+
+    Args:
+        endpoint: ``"chat"`` or ``"completions"``.
+        fingerprint: the ``system_fingerprint`` of the model state that computes the answer.
+    """
 
     def __init__(self, endpoint: str, fingerprint: str) -> None:
         self.endpoint = endpoint
         self.fingerprint = fingerprint
-        self.choices: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] = {}
+        self.fold = AnswerAssembler(endpoint)
         self.first_token_at: float | None = None
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         """Fold one ``chat.completion.chunk`` / ``text_completion`` chunk in."""
-        if chunk.get("usage"):
-            self.usage = dict(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            index = int(choice.get("index", 0))
-            held = self.choices.setdefault(index, {"index": index, "finish_reason": None})
-            if choice.get("finish_reason") is not None:
-                held["finish_reason"] = choice["finish_reason"]
-            if self.endpoint == "completions":
-                if choice.get("text"):
-                    self._first()
-                held["text"] = held.get("text", "") + (choice.get("text") or "")
-                if choice.get("logprobs"):
-                    lp = held.setdefault("logprobs", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
-                    for name in lp:
-                        lp[name].extend(choice["logprobs"].get(name) or [])
-                continue
-            delta = choice.get("delta") or {}
-            message = held.setdefault("message", {"role": "assistant", "content": None})
-            if delta.get("content"):
-                self._first()
-                message["content"] = (message["content"] or "") + delta["content"]
-            for call in delta.get("tool_calls") or []:
-                self._first()
-                calls = message.setdefault("tool_calls", [])
-                at = int(call.get("index", 0))
-                while len(calls) <= at:
-                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                if call.get("id"):
-                    calls[at]["id"] = call["id"]
-                function = call.get("function") or {}
-                calls[at]["function"]["name"] += function.get("name") or ""
-                calls[at]["function"]["arguments"] += function.get("arguments") or ""
-            if choice.get("logprobs") and choice["logprobs"].get("content"):
-                held.setdefault("logprobs", {"content": []})["content"].extend(choice["logprobs"]["content"])
-
-    def _first(self) -> None:
-        if self.first_token_at is None:
+        if self.fold.feed(chunk):
             self.first_token_at = time.perf_counter()
 
     def record(self) -> dict[str, Any]:
-        """The answer as a cache record: its object, choices, usage and the
-        ``system_fingerprint`` of the model state that computed it (ids and
-        times are made fresh for each caller)."""
-        obj = "text_completion" if self.endpoint == "completions" else "chat.completion"
-        return {
-            "object": obj, "choices": [self.choices[i] for i in sorted(self.choices)], "usage": self.usage,
-            "system_fingerprint": self.fingerprint,
-        }  # fmt: skip
+        """The answer as a cache record (:func:`gateway.answers.record_of_answer`): ids and
+        times are made fresh for each caller."""
+        return record_of_answer(self.fold.answer(), self.endpoint, self.fingerprint)
 
 
 def client_error(chunk: Mapping[str, Any]) -> bool:

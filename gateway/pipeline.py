@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from gateway import routing
+from gateway.answers import unkept_reason
 from gateway.canonical import Admission, response_admission
 from gateway.layers.base import CacheLayer
 from gateway.pii import personal_data_kinds
@@ -224,12 +225,26 @@ class Pipeline:
                 return Hit(miss.layer, record, 0.0)
         return None
 
+    def unkept(self, ctx: RequestContext, record: Mapping[str, Any]) -> str | None:
+        """Why an engine's answer to ``ctx`` must not be kept by any layer (nor handed to the
+        requests waiting on its fill): it did not finish by itself, or by ``length`` where the
+        tenant's policy admits it, with its output whole (:func:`gateway.answers.unkept_reason`); None: it may."""
+        return unkept_reason(record, endpoint=ctx.endpoint, n=int(ctx.canonical.get("n", 1)),
+                             admit_length=ctx.tenant.policy.admit_length)  # fmt: skip
+
     async def keep(self, ctx: RequestContext, missed: Sequence[Missed], record: dict[str, Any], value: bytes) -> None:
-        """Store a complete answer in every missed layer, unless the request or the answer
-        holds personal data: the cache layers serve what they keep verbatim, so nothing of it
-        is kept (:mod:`gateway.pii.gate`). Each store's time, failed ones included, is recorded
-        (``store_ms_sum``, ``store_count``): with the lookups, what the layer costs."""
-        if not missed or ctx.personal or personal_data_kinds(answer_text(record)):
+        """Store a complete answer in every missed layer, unless it did not finish
+        (:meth:`unkept`, logged) or the request or the answer holds personal data: the cache
+        layers serve what they keep verbatim, so nothing of it is kept (:mod:`gateway.pii.gate`).
+        Each store's time, failed ones included, is recorded (``store_ms_sum``, ``store_count``):
+        with the lookups, what the layer costs."""
+        if not missed:
+            return
+        why = self.unkept(ctx, record)
+        if why is not None:
+            log.info("answer not kept by %s: %s", ",".join(m.layer.name for m in missed), why)
+            return
+        if ctx.personal or personal_data_kinds(answer_text(record)):
             return
         for miss in missed:
             began = time.perf_counter()

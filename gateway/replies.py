@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.answers import answer_chunks, answer_object, served_usage
+
 if TYPE_CHECKING:
     from gateway.routing import EngineTarget, Routed
 
@@ -57,19 +59,15 @@ def completion_id(endpoint: str) -> str:
     ).hexdigest()
 
 
-def answer_from_record(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+def answer_from_record(record: Mapping[str, Any], endpoint: str, model: str, *, cached: bool) -> dict[str, Any]:
     """A cache record (or an engine's answer as one) as the OpenAI answer object the caller
-    gets: a fresh id and time, the served name it asked for, the record's fingerprint, choices and usage."""
-    return {
-        "id": completion_id(endpoint),
-        "object": "text_completion" if endpoint == "completions" else "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        # The state that computed the answer, cached or not (None: an entry stored before fingerprints were kept).
-        "system_fingerprint": record.get("system_fingerprint"),
-        "choices": record.get("choices", []),
-        "usage": record.get("usage") or {},
-    }
+    gets: a fresh id and time, the served name it asked for, and every other field of the
+    answer as the engine wrote it (:func:`gateway.answers.answer_object`); ``usage`` says what
+    was computed for this request: the engine's own when it computed the answer now, all of
+    it cached on a cache layer's hit (``cached``: :func:`gateway.answers.served_usage`)."""
+    usage = record.get("usage") or {}
+    return answer_object(record, endpoint=endpoint, model=model, cid=completion_id(endpoint), created=int(time.time()),
+                         usage=served_usage(usage) if cached else usage)  # fmt: skip
 
 
 def sse(data: Any) -> bytes:
@@ -78,53 +76,13 @@ def sse(data: Any) -> bytes:
 
 
 def stream_record(record: Mapping[str, Any], endpoint: str, model: str, include_usage: bool) -> list[bytes]:
-    """A cached answer as SSE events, in the shape the engine streams them."""
-    cid, created = completion_id(endpoint), int(time.time())
-    fingerprint = record.get("system_fingerprint")
-    events: list[bytes] = []
-    if endpoint == "completions":
-        for choice in record.get("choices", []):
-            chunk = {"index": choice.get("index", 0), "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
-                     "finish_reason": choice.get("finish_reason")}  # fmt: skip
-            events.append(sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "system_fingerprint": fingerprint, "choices": [chunk]}))  # fmt: skip
-    else:
-        head = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": fingerprint,
-        }
-        for choice in record.get("choices", []):
-            message = choice.get("message") or {}
-            index = choice.get("index", 0)
-            events.append(
-                sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            )
-            delta: dict[str, Any] = {}
-            if message.get("content"):
-                delta["content"] = message["content"]
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            body: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": choice.get("finish_reason")}
-            if choice.get("logprobs"):
-                body["logprobs"] = choice["logprobs"]
-            events.append(sse({**head, "choices": [body]}))
-    if include_usage:
-        obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
-        usage_chunk: dict[str, Any] = {
-            "id": cid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "system_fingerprint": fingerprint,
-            "choices": [],
-            "usage": record.get("usage") or {},
-        }
-        events.append(sse(usage_chunk))
-    events.append(b"data: [DONE]\n\n")
-    return events
+    """A cached answer as SSE events, in the shape the engine streams them, every field of the
+    answer carried (:func:`gateway.answers.answer_chunks`), its usage chunk (when asked for)
+    saying that nothing was computed for this request (:func:`gateway.answers.served_usage`)."""
+    usage = served_usage(record.get("usage") or {}) if include_usage else None
+    chunks = answer_chunks(record, endpoint=endpoint, model=model, cid=completion_id(endpoint), created=int(time.time()),
+                           usage=usage)  # fmt: skip
+    return [*(sse(chunk) for chunk in chunks), b"data: [DONE]\n\n"]
 
 
 class ProxyStream(StreamingResponse):

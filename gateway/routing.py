@@ -121,6 +121,8 @@ class TenantPolicy:
     response_cache: bool = True
     allow_seeded: bool = False
     allow_sampling: bool = False
+    #: Answers cut at ``max_tokens`` (``finish_reason: length``) may be kept (:func:`gateway.answers.unkept_reason`).
+    admit_length: bool = False
     semantic_cache: bool = True
     semantic_threshold: float | None = None
     shadow_sample_rate: float = 0.05

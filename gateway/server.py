@@ -368,7 +368,7 @@ class Gateway:
         )  # fmt: skip
         headers = served_headers(ctx.routed, hit.layer.name)
         if not ctx.stream:
-            return JSONResponse(answer_from_record(hit.record, ctx.endpoint, ctx.model), headers=headers)
+            return JSONResponse(answer_from_record(hit.record, ctx.endpoint, ctx.model, cached=True), headers=headers)
         events = stream_record(hit.record, ctx.endpoint, ctx.model, ctx.include_usage)
 
         async def replay() -> AsyncIterator[bytes]:
@@ -390,17 +390,20 @@ class Gateway:
             if ended:
                 return
             ended = True
+            record = answer.record if engine is not None else None
             try:
-                if answer.record is not None and engine is not None:
-                    self._answered(ctx, missed, answer.record, answer.first_token_at or time.perf_counter())
-                    await self._after_answer(ctx, missed, answer.record, engine)
+                if record is not None and engine is not None:
+                    self._answered(ctx, missed, record, answer.first_token_at or time.perf_counter())
+                    await self._after_answer(ctx, missed, record, engine)
             finally:
-                await self.pipeline.release(ctx, missed, answer.record)
+                # Requests waiting on this fill get only an answer a layer may keep; else they ask the engine.
+                kept = record if record is not None and self.pipeline.unkept(ctx, record) is None else None
+                await self.pipeline.release(ctx, missed, kept)
 
         try:
             call = await self.proxy.open(ctx.namespace, ctx.endpoint, self._payload(ctx), ctx.body)
             if ctx.stream:
-                events = self.proxy.relay(call, ctx.endpoint, include_usage=ctx.include_usage,
+                events = self.proxy.relay(call, ctx.endpoint, model=ctx.model, include_usage=ctx.include_usage,
                                           on_end=lambda answer: end(answer, call.engine))  # fmt: skip
 
                 async def closed() -> None:  # a stream closed before it started still ends the call
@@ -421,7 +424,7 @@ class Gateway:
         if answer.record is None:
             return GatewayError(502, f"engine {call.engine.name} failed before answering", type_="server_error",
                                 code="engine_failed").response()  # fmt: skip
-        return JSONResponse(answer_from_record(answer.record, ctx.endpoint, ctx.model),
+        return JSONResponse(answer_from_record(answer.record, ctx.endpoint, ctx.model, cached=False),
                             headers=served_headers(ctx.routed, "engine", call.engine))  # type: ignore[arg-type]  # fmt: skip
 
     def _payload(self, ctx: RequestContext) -> dict[str, Any]:

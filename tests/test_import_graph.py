@@ -117,7 +117,7 @@ GATEWAY_LEVELS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.request_fields", "gateway.sqlite_file", "gateway.templates", "gateway.layers",
      "gateway.layers.base"),
     ("gateway.param_specs", "gateway.pii"),
-    ("gateway.canonical", "gateway.routing", "gateway.records", "gateway.metrics", "gateway.layers.response",
+    ("gateway.canonical", "gateway.routing", "gateway.records", "gateway.metrics", "gateway.answers", "gateway.layers.response",
      "gateway.layers.semantic"),
     ("gateway.protection",),
     ("gateway.layers.response.layer", "gateway.layers.semantic.layer", "gateway.pipeline"),

@@ -147,6 +147,11 @@ class TenantGatewayPolicy(models.Model):
     allow_seeded = models.BooleanField(default=False)
     #: Any sampled answer may be reused (one sample stands for all).
     allow_sampling = models.BooleanField(default=False)
+    #: An answer cut at ``max_tokens`` (finish reason ``length``) is kept by the cache layers
+    #: too; by default only answers that finished by themselves are (``gateway.answers``).
+    admit_length = models.BooleanField(
+        default=False, help_text="keep answers cut at max_tokens (finish_reason length) in the cache layers"
+    )
     semantic_cache = models.BooleanField(default=True)
     #: Similarity a semantic hit needs, on the scale of ``gateway.layers.semantic.matching`` (0..1).
     semantic_threshold = models.FloatField(null=True, blank=True, help_text="empty: the shipped threshold")

@@ -237,9 +237,9 @@ def layer_states() -> dict[str, dict[str, Any]]:
 
 
 #: Fields of :class:`TenantGatewayPolicy` operators set, with their checks.
-POLICY_FIELDS = ("response_cache", "allow_seeded", "allow_sampling", "semantic_cache", "semantic_threshold", "shadow_sample_rate",
-                 "suspend_on_deceptive_hit", "personal_data", "benefit_floor", "benefit_window_minutes",
-                 "benefit_min_requests")  # fmt: skip
+POLICY_FIELDS = ("response_cache", "allow_seeded", "allow_sampling", "admit_length", "semantic_cache", "semantic_threshold",
+                 "shadow_sample_rate", "suspend_on_deceptive_hit", "personal_data", "benefit_floor",
+                 "benefit_window_minutes", "benefit_min_requests")  # fmt: skip
 #: Bounds of the not-paying policy: the floor (a benefit ratio), the window (minutes), the minimum lookups.
 MAX_BENEFIT_FLOOR, MAX_BENEFIT_WINDOW_MINUTES, MAX_BENEFIT_MIN_REQUESTS = 1000.0, 1440, 1_000_000
 
@@ -349,7 +349,7 @@ def _policy_target(row: TenantGatewayPolicy | None) -> TenantPolicy:
         return TenantPolicy()
     return TenantPolicy(
         response_cache=row.response_cache, allow_seeded=row.allow_seeded, allow_sampling=row.allow_sampling,
-        semantic_cache=row.semantic_cache, semantic_threshold=row.semantic_threshold,
+        admit_length=row.admit_length, semantic_cache=row.semantic_cache, semantic_threshold=row.semantic_threshold,
         shadow_sample_rate=row.shadow_sample_rate, personal_data=row.personal_data,
     )  # fmt: skip
 

@@ -39,7 +39,8 @@ class Lookup:
     """What one layer's read found.
 
     Attributes:
-        record: the cached answer (``{"object", "choices", "usage", "system_fingerprint"}``) on a hit, else None.
+        record: the cached answer on a hit (every field of the engine's answer but its id, time and
+            model name: :mod:`gateway.answers`), else None.
         pending: on a miss, what the layer needs to guard the fill and store the answer (layer-specific).
     """
 

@@ -203,6 +203,23 @@ def test_a_tenant_policy_is_read_and_patched_with_checked_values(served) -> None
     assert (policy.allow_seeded, policy.semantic_threshold) == (True, 0.9)
 
 
+def test_keeping_answers_cut_at_max_tokens_is_off_by_default_and_switched_through_the_api_and_the_cli(served) -> None:
+    alice = served["clients"]["alice"]
+    acme = served["acme"].pk
+    assert alice.get(f"/api/tenants/{acme}/gateway-policy/").json()["admit_length"] is False
+    assert routing_snapshot_build().tenants[acme].policy.admit_length is False
+    for wrong in ("true", 1, None):
+        bad = alice.patch(f"/api/tenants/{acme}/gateway-policy/", {"admit_length": wrong}, format="json")
+        assert bad.status_code == 400 and "admit_length" in bad.json()["error"]["fields"], wrong
+    assert routing_snapshot_build().tenants[acme].policy.admit_length is False  # refused: nothing changed
+    ok = alice.patch(f"/api/tenants/{acme}/gateway-policy/", {"admit_length": True}, format="json")
+    assert ok.status_code == 200 and ok.json()["admit_length"] is True
+    assert routing_snapshot_build().tenants[acme].policy.admit_length is True
+    result = manage("gateway", "policy", "--tenant", "acme", "--set", "admit_length=false", env=subprocess_env())
+    assert result.returncode == 0 and json.loads(result.stdout)["admit_length"] is False, result.stderr
+    assert routing_snapshot_build().tenants[acme].policy.admit_length is False
+
+
 def test_figures_are_summed_across_processes_and_derived(served) -> None:
     ns = served["ns"]["acme"].pk
     minute = timezone.now().replace(second=0, microsecond=0)

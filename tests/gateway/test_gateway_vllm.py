@@ -20,6 +20,7 @@ from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke, t
 from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
 from cacheadmin.services.shadow import shadow_check_run
+from gateway.answers import AnswerAssembler
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
 from tests.helpers import running_gateway, subprocess_env, wait_for
@@ -94,6 +95,9 @@ def _metric(engine: LocalEngine, name: str, **labels: str) -> float:
 def test_the_gateway_serves_salted_requests_caches_greedy_answers_and_records_figures(served: dict) -> None:
     models = httpx.get(f"{served['base']}/v1/models", headers={"authorization": f"Bearer {served['key']}"}, timeout=10)
     assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    # The tiny model's greedy answer runs to max_tokens: kept only where the tenant admits length.
+    tenant_gateway_policy_update(tenant=served["tenant"], actor="t", changes={"admit_length": True})
+    time.sleep(1.0)  # the gateways' snapshot picks the policy up
     greedy = {"model": "tiny", "messages": [{"role": "user", "content": "Name a colour."}], "temperature": 0, "max_tokens": 8}
     first = _post(served, greedy)
     assert first.status_code == 200, first.text
@@ -170,3 +174,63 @@ def test_shadow_verification_replays_a_live_cached_request_against_a_reference(s
     assert check.detail["tokens_equal"] is True and check.detail["reference_engine"] == "gw-reference"
     assert check.detail["replay_cached_tokens"] > 0
     assert shadow_check_run(check.pk) is None  # idempotent: judged once
+
+
+def _chunks(answer: httpx.Response) -> list[dict]:
+    assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n"), answer.text[-300:]
+    return [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+
+
+def _folded(answer: httpx.Response) -> dict:
+    fold = AnswerAssembler("chat")
+    for chunk in _chunks(answer):
+        fold.feed(chunk)
+    return fold.answer()
+
+
+def _but(answer: dict, *names: str) -> dict:
+    return {k: v for k, v in answer.items() if k not in names}
+
+
+def test_a_replay_carries_every_field_vllm_returned_and_a_cut_answer_is_kept_only_where_admitted(served: dict) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Name a city."}], "temperature": 0, "max_tokens": 6,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    # Cut at max_tokens: served, kept nowhere under the default policy, streamed or not.
+    for params in ({}, stream, {}):
+        assert _post(served, {**body, **params}).headers["x-kvcp-served-by"] == "engine"
+    tenant_gateway_policy_update(tenant=served["tenant"], actor="t", changes={"admit_length": True})
+    time.sleep(1.0)  # the gateways' snapshot picks the policy up
+    live = _post(served, body)
+    assert live.headers["x-kvcp-served-by"] == "engine"
+    original = live.json()
+    choice = original["choices"][0]
+    assert choice["finish_reason"] == "length" and "stop_reason" in choice and len(choice["token_ids"]) == 6
+    assert len(choice["logprobs"]["content"]) == 6 and len(original["prompt_token_ids"]) == original["usage"]["prompt_tokens"]
+    hit = _post(served, body)
+    assert hit.headers["x-kvcp-served-by"] == "response"
+    replay = hit.json()
+    assert _but(replay, "id", "created", "usage") == _but(original, "id", "created", "usage")
+    prompt = original["usage"]["prompt_tokens"]
+    assert replay["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt
+    assert replay["usage"]["completion_tokens_details"]["cached_tokens"] == replay["usage"]["completion_tokens"] == 6
+    assert original["usage"]["prompt_tokens_details"]["cached_tokens"] < prompt  # the engine computed part of it
+    # The whole answer replayed as a stream: the same fields, on vLLM's chunks.
+    streamed = _post(served, {**body, **stream})
+    assert streamed.headers["x-kvcp-served-by"] == "response"
+    out = _chunks(streamed)[1]["choices"][0]
+    assert out["token_ids"] == choice["token_ids"] and out["stop_reason"] == choice["stop_reason"]
+    assert _chunks(streamed)[0]["prompt_token_ids"] == original["prompt_token_ids"]
+    assert _but(_folded(streamed), "usage") == _but(original, "id", "created", "model", "usage")
+    # A streamed answer of the engine, replayed streamed and whole.
+    other = {**body, "messages": [{"role": "user", "content": "Name a river."}], **stream}
+    live_stream = _post(served, other)
+    assert live_stream.headers["x-kvcp-served-by"] == "engine"
+    assert all("token_ids" in c["choices"][0] for c in _chunks(live_stream)[1:] if c["choices"])
+    first = _folded(live_stream)
+    assert len(first["choices"][0]["token_ids"]) == 6 and "stop_reason" in first["choices"][0]
+    again = _post(served, other)
+    assert again.headers["x-kvcp-served-by"] == "response"
+    assert _but(_folded(again), "usage") == _but(first, "usage")
+    whole = _post(served, {k: v for k, v in other.items() if k not in stream})
+    assert whole.headers["x-kvcp-served-by"] == "response" and whole.json()["choices"] == first["choices"]

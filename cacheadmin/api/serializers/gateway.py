@@ -73,6 +73,9 @@ class GatewayPolicySerializer(StrictFieldsMixin, serializers.Serializer):
     response_cache = StrictBooleanField(required=False)
     allow_seeded = StrictBooleanField(required=False)
     allow_sampling = StrictBooleanField(required=False)
+    admit_length = StrictBooleanField(
+        required=False, help_text="keep answers cut at max_tokens (finish_reason length) in the cache layers"
+    )
     semantic_cache = StrictBooleanField(required=False)
     semantic_threshold = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     shadow_sample_rate = serializers.FloatField(required=False, min_value=0.0, max_value=1.0)
