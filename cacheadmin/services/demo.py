@@ -298,7 +298,11 @@ def demo_run(
     owner = retention_owner_get_or_create(name="platform-team", email="platform@example.com", actor=ACTOR)
     ns1, _ = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=RELEASE_POLICY, actor=ACTOR)
     _policy_ensure(ns1)
-    tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": SHADOW_SAMPLE_RATE})
+    # admit_length: the demo's tiny models answer until max_tokens, so every answer ends with
+    # finish_reason "length"; without it the response cache would store none of them.
+    tenant_gateway_policy_update(
+        tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": SHADOW_SAMPLE_RATE, "admit_length": True}
+    )
     api = ControlPlaneApi(stage.api_client, tooling_token(actor=ACTOR))
 
     started: list[Engine] = []
