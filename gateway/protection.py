@@ -199,7 +199,8 @@ async def fill_once(
     1. take the store's fill lease (``lease_ttl_s``); when taken, look in the
        store once more (another process may have filled it just before), and
        return the value found (``"store"``) or run ``fill()`` (``"filled"``);
-       the lease is released when ``fill`` returns or raises;
+       while ``fill`` runs the lease is renewed every third of ``lease_ttl_s``,
+       and it is released when ``fill`` returns or raises;
     2. otherwise read the store: a value there is returned (``"store"``);
     3. once ``wait_timeout_s`` has passed since the flight began, run
        ``fill()`` without the lease (``"filled"``: a second fill, accepted
@@ -212,10 +213,14 @@ async def fill_once(
     what ``fill`` stored. When the leader's ``fill`` raises, the exception
     goes to every caller of its flight and the lease is released, so in
     other processes one poller takes the lease at its next poll and fills
-    itself; when the leader's process dies, its lease ends after
-    ``lease_ttl_s`` and a poller takes over then. A ``fill`` that outlives
-    ``lease_ttl_s`` lets a second process fill too: set it above the fill's
-    worst case (the upstream timeout).
+    itself; when the leader's process dies, its lease is no longer renewed
+    and ends within ``lease_ttl_s``, and a poller takes over then. A live
+    leader keeps its lease however long ``fill`` runs: without the renewal a
+    fill outliving ``lease_ttl_s`` let a poller of another process take the
+    expired lease, miss the entry not yet stored and call ``fill`` a second
+    time (a slow engine answer made two engine calls). Pollers give up
+    waiting at ``wait_timeout_s``: set it above the fill's worst case (the
+    upstream timeout) for one fill however slow the engine.
 
     When the store raises :class:`StoreUnavailable` (lease, read or
     release), the flight runs ``fill`` without the lease (outcome
@@ -251,7 +256,7 @@ async def fill_once(
             except StoreUnavailable as exc:
                 return await _fill_without_store(prefix, key, fill, exc)
             if taken:
-                return await _lead(store, prefix, key, fill)
+                return await _lead(store, prefix, key, fill, lease_ttl_s)
             if value is not None:
                 return FillResult(value, "store")
             if loop.time() >= deadline:
@@ -267,8 +272,11 @@ async def _fill_without_store(prefix: str, key: str, fill: Callable[[], Awaitabl
     return FillResult(await fill(), "filled", store_unavailable=True)
 
 
-async def _lead(store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]]) -> FillResult:
-    """Holding the lease: the value if another process stored it meanwhile, else ``fill()``; the lease released after."""
+async def _lead(
+    store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], lease_ttl_s: float
+) -> FillResult:
+    """Holding the lease: the value if another process stored it meanwhile, else ``fill()``
+    with the lease renewed while it runs; the lease released after."""
     try:
         try:
             value = await asyncio.to_thread(store.get, prefix, key)
@@ -276,12 +284,36 @@ async def _lead(store: ResponseStore, prefix: str, key: str, fill: Callable[[], 
             return await _fill_without_store(prefix, key, fill, exc)
         if value is not None:
             return FillResult(value, "store")
-        return FillResult(await fill(), "filled")
+        renewing = asyncio.ensure_future(_renew_lease(store, prefix, key, lease_ttl_s))
+        try:
+            return FillResult(await fill(), "filled")
+        finally:
+            # Renewals and the release are each one atomic compare-by-token: a renewal still
+            # running in its thread after this cannot bring back a released lease.
+            renewing.cancel()
     finally:
         try:
             await asyncio.to_thread(store.release_lease, prefix, key)
         except StoreUnavailable as exc:
             log.warning("response store unavailable, lease of %s/%s left to expire: %s", prefix, key, exc)
+
+
+async def _renew_lease(store: ResponseStore, prefix: str, key: str, ttl_s: float) -> None:
+    """Renew the fill lease every third of its TTL until cancelled (the fill ended) or lost.
+
+    A renewal the store cannot answer is tried again at the next one (two more before the
+    lease lapses); a lease found lapsed (renewed too late: a stalled process) is not taken
+    again, since another process may hold it now and fill too."""
+    while True:
+        await asyncio.sleep(ttl_s / 3)
+        try:
+            held = await asyncio.to_thread(store.renew_lease, prefix, key, ttl_s)
+        except StoreUnavailable as exc:
+            log.warning("response store unavailable, lease of %s/%s not renewed this time: %s", prefix, key, exc)
+            continue
+        if not held:
+            log.warning("fill lease of %s/%s lapsed before its fill ended: another process may fill it too", prefix, key)
+            return
 
 
 # -- token bucket ----------------------------------------------------------------

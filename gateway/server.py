@@ -113,8 +113,10 @@ class Limits:
         breaker_failures, breaker_cooldown_s: consecutive failed fills that
             open an engine's breaker, and how long it stays open.
         upstream_timeout_s: an engine's whole answer, seconds.
-        fill_wait_s: how long a request waits for an identical one in flight
-            (single flight) before calling the engine itself.
+        fill_wait_s: the single flight's fill lease TTL, renewed while the
+            leader's engine call runs (up to ``upstream_timeout_s``): how long
+            identical requests wait for a leader whose process died before one
+            of them calls the engine itself.
     """
 
     rate_per_s: float = 50.0

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
 from django.conf import settings
 
@@ -20,10 +21,12 @@ from cacheadmin.services.gateway import (
     tenant_gateway_policy_update,
     tenant_secret,
 )
+from cacheadmin.services.gateway_stores import response_store as deployment_response_store
 from gateway.canonical import canonical_request, response_cache_key
 from gateway.layers.response.redis_store import RedisResponseStore
+from gateway.records import Recorder
 from gateway.routing import sticky_bucket
-from gateway.server import explain, request_tags
+from gateway.server import Gateway, Limits, Runtime, explain, request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version
 from tests.gateway.fixtures import rebuild_layers
@@ -92,6 +95,38 @@ def test_concurrent_identical_misses_make_one_engine_call(setup) -> None:
     answers = asyncio.run(go())
     assert [a.status_code for a in answers] == [200] * 10
     assert len(setup["fake"].received) == 1
+    assert {a.json()["choices"][0]["message"]["content"] for a in answers} == {"Paris is the capital."}
+
+
+def test_an_engine_answer_slower_than_the_fill_lease_ttl_is_still_one_call_across_two_processes(setup) -> None:
+    """Two gateways on one store (two processes as far as the fill lease can tell), the engine
+    slower than the lease's TTL: the leader renews its lease and the other gateway's requests
+    wait for its stored answer instead of taking the lapsed lease (or giving up) and calling again."""
+    setup["fake"].delay_s = 1.2
+    limits = Limits(rate_per_s=1000, burst=1000, fill_wait_s=0.4, upstream_timeout_s=30)
+    gateways = []
+    for _ in range(2):
+        runtime = Runtime(
+            snapshot=lambda: setup["holder"]["snap"], response_store=deployment_response_store(), semantic=None,
+            recorder=Recorder(), transport=httpx2.MockTransport(setup["fake"]), limits=limits,
+        )  # fmt: skip
+        gateways.append(Gateway(runtime))
+
+    async def go() -> list[httpx.Response]:
+        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=g.app), base_url="http://gw") for g in gateways]
+        h = {"authorization": f"Bearer {setup['key']}"}
+        try:
+            return await asyncio.gather(
+                *[clients[i % 2].post("/v1/chat/completions", json=chat(temperature=0), headers=h) for i in range(6)]
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+
+    answers = asyncio.run(go())
+    assert [a.status_code for a in answers] == [200] * 6
+    assert len(setup["fake"].received) == 1
+    assert sorted(a.headers["x-kvcp-served-by"] for a in answers) == ["engine"] + ["response"] * 5
     assert {a.json()["choices"][0]["message"]["content"] for a in answers} == {"Paris is the capital."}
 
 

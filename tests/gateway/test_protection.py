@@ -7,22 +7,27 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import secrets
 import socket
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.redis_store import RedisResponseStore
 from gateway.layers.response.sqlite_store import SqliteResponseStore
+from gateway.layers.response.store import ResponseStore
 from gateway.protection import FillBreaker, FillResult, Overloaded, SingleFlight, TokenBucket, fill_once
 from inference.errors import InvalidField
 
 # fork: children start in milliseconds, and each opens the SQLite file on its own as a gateway worker does.
 PROCS = multiprocessing.get_context("fork")
 KEY = "ab" * 32
+REDIS_URL = os.environ.get("GATEWAY_TEST_STORE_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
 def run(coro: Awaitable[object]) -> object:
@@ -268,6 +273,85 @@ def test_when_the_leader_fails_a_waiting_process_fills(tmp_path: Path) -> None:
     assert calls == ["leader", "follower"]
     # The released lease was taken at the next poll, not after the 10 s timeout (a loaded machine's margin below it).
     assert time.monotonic() - started < 4.0
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def two_processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[ResponseStore, ResponseStore]]:
+    """Two store objects over one backend (a SQLite file, or a Redis key prefix of the test's own):
+    two processes as far as the lease can tell."""
+    if request.param == "sqlite":
+        stores: list[ResponseStore] = [SqliteResponseStore(tmp_path / "r.sqlite3") for _ in range(2)]
+    else:
+        kp = f"test-rc-{secrets.token_hex(6)}"
+        stores = [RedisResponseStore.from_url(REDIS_URL, key_prefix=kp, timeout_s=0.5) for _ in range(2)]
+    yield stores[0], stores[1]
+    if request.param == "redis":
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{kp}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+    for store in stores:
+        store.close()
+
+
+def test_a_fill_outliving_its_lease_ttl_keeps_the_lease_and_the_other_process_reads_its_answer(
+    two_processes: tuple[ResponseStore, ResponseStore],
+) -> None:
+    """The leak: a leader's fill outlives the lease's TTL; a poller of another process takes the
+    lapsed lease, misses the entry (not stored yet) and fills a second time. The leader's fill
+    here ends only once the poller was refused the lease past its first TTL (or 4 TTLs, or at
+    a second fill), so the interleaving happens on every run."""
+    leader_store, follower_store = two_processes
+    ttl = 1.0
+    calls: list[str] = []
+    taken_at: list[float] = []
+    refused_late = threading.Event()
+    real_lease, real_follower_lease = leader_store.lease, follower_store.lease
+
+    def leader_lease(prefix: str, key: str, ttl_s: float) -> bool:
+        taken = real_lease(prefix, key, ttl_s)
+        if taken:
+            taken_at.append(time.monotonic())
+        return taken
+
+    def follower_lease(prefix: str, key: str, ttl_s: float) -> bool:
+        taken = real_follower_lease(prefix, key, ttl_s)
+        if not taken and taken_at and time.monotonic() > taken_at[0] + ttl + 0.1:
+            refused_late.set()
+        return taken
+
+    leader_store.lease, follower_store.lease = leader_lease, follower_lease  # type: ignore[method-assign]
+
+    async def slow_leader() -> bytes:
+        calls.append("leader")
+        filling.set()
+        deadline = time.monotonic() + 4 * ttl
+        while not refused_late.is_set() and len(calls) == 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(leader_store.put, "ns-a", KEY, b"slow answer", ttl_s=60, max_bytes=None)
+        return b"slow answer"
+
+    async def follower() -> bytes:
+        calls.append("follower")
+        return b"second call"
+
+    filling = asyncio.Event()
+
+    async def main() -> tuple[FillResult, FillResult]:
+        leader = asyncio.ensure_future(
+            fill_once(leader_store, "ns-a", KEY, slow_leader, lease_ttl_s=ttl, wait_timeout_s=30, flight=SingleFlight())
+        )
+        await filling.wait()
+        other = await fill_once(follower_store, "ns-a", KEY, follower, lease_ttl_s=ttl, wait_timeout_s=30, flight=SingleFlight())
+        return await leader, other
+
+    led, followed = run(main())  # type: ignore[misc]
+    assert calls == ["leader"]
+    assert refused_late.is_set()
+    assert led == FillResult(b"slow answer", "filled", False)
+    assert followed == FillResult(b"slow answer", "store", False)
+    assert follower_store.lease("ns-a", KEY, 1.0) is True  # released by the leader, not left to lapse
 
 
 def test_when_the_leader_dies_its_lease_expires_and_a_waiter_fills(tmp_path: Path) -> None:

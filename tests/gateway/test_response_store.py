@@ -290,6 +290,36 @@ def test_a_lease_ends_at_its_ttl_and_a_late_release_keeps_the_next_holder(backen
     assert one.lease("ns-a", k(1), 5.0) is False
 
 
+def test_a_renewed_lease_outlives_its_first_ttl_and_only_its_holder_renews_it(backend: Callable[[], ResponseStore]) -> None:
+    one, two = backend(), backend()
+    assert one.lease("ns-a", k(1), 0.3) is True
+    assert two.renew_lease("ns-a", k(1), 5.0) is False  # not its lease
+    assert one.renew_lease("ns-a", k(1), 5.0) is True
+    time.sleep(0.4)  # past the first TTL
+    assert two.lease("ns-a", k(1), 5.0) is False
+    one.release_lease("ns-a", k(1))
+    assert one.renew_lease("ns-a", k(1), 5.0) is False  # released: nothing to renew
+    assert two.lease("ns-a", k(1), 5.0) is True
+
+
+def test_a_lapsed_lease_is_not_renewed_and_its_next_holder_keeps_it(backend: Callable[[], ResponseStore]) -> None:
+    one, two = backend(), backend()
+    assert one.lease("ns-a", k(1), 0.2) is True
+    time.sleep(0.3)
+    assert one.renew_lease("ns-a", k(1), 5.0) is False  # lapsed, though nobody took it yet
+    assert two.lease("ns-a", k(1), 0.3) is True
+    assert one.renew_lease("ns-a", k(1), 5.0) is False
+    time.sleep(0.4)
+    assert one.lease("ns-a", k(1), 5.0) is True  # two's lease ended at its own TTL, not renewed by one
+
+
+def test_renew_lease_refuses_bad_arguments(store: ResponseStore) -> None:
+    with pytest.raises(InvalidField, match="^ttl_s: "):
+        store.renew_lease("ns-a", k(1), 0)
+    with pytest.raises(InvalidField, match="^prefix: "):
+        store.renew_lease("ns:a", k(1), 1.0)
+
+
 # -- Redis specifics ---------------------------------------------------------------
 
 

@@ -55,7 +55,10 @@ class ResponseCacheLayer:
 
     Args:
         store: the store every gateway process shares, or None (the layer is not configured here).
-        fill_wait_s: how long a request waits for an identical one being filled before it calls the engine itself.
+        fill_wait_s: the fill lease's TTL (renewed while its fill runs): how long requests wait for an identical
+            one being filled by a process that died before one of them calls the engine itself; and how long a
+            lookup waits for this process's fill of the entry.
+        answer_timeout_s: how long a leader's engine call may take (the upstream timeout): the bound on every wait.
     """
 
     name: ClassVar[str] = "response"
@@ -135,9 +138,12 @@ class ResponseCacheLayer:
                 # Bounded: a request that never reaches release() must not hold the flight for good.
                 return await asyncio.wait_for(asyncio.shield(answer), self.answer_timeout_s)
 
+            # The leader renews its lease while the engine answers, so pollers in other processes
+            # wait as long as that may take (its answer timeout), as this process's joiners do; a
+            # leader whose process died stops renewing and a poller takes over within fill_wait_s.
             flight = asyncio.ensure_future(
                 fill_once(self._store, prefix, fill.key, engine_answer, lease_ttl_s=self.fill_wait_s,
-                          wait_timeout_s=self.fill_wait_s, flight=self.flight)
+                          wait_timeout_s=self.answer_timeout_s + self.fill_wait_s, flight=self.flight)
             )  # fmt: skip
             led = asyncio.ensure_future(leading.wait())
             try:

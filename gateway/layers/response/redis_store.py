@@ -211,6 +211,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# KEYS[1] lease key; ARGV[1] token, ARGV[2] ttl ms. Extends the lease only if it is still ours.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 # Sizes of stray keys: STRLEN of a string, MEMORY USAGE of anything else; -1 if gone.
 _STRAY_SIZES = """
 local out = {}
@@ -282,6 +288,7 @@ class RedisResponseStore(ResponseStore):
         self._delete_batch = client.register_script(_DELETE_BATCH)
         self._forget_ghosts = client.register_script(_FORGET_GHOSTS)
         self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
         self._stray_sizes = client.register_script(_STRAY_SIZES)
 
     @classmethod
@@ -369,6 +376,23 @@ class RedisResponseStore(ResponseStore):
             with self._lock:
                 self._held[(prefix, key)] = token
         return taken
+
+    def renew_lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """See :meth:`ResponseStore.renew_lease`: a compare-and-``PEXPIRE`` Lua call (an
+        expired lease is gone from Redis, so it cannot be renewed).
+
+        Raises:
+            InvalidField: bad argument. StoreUnavailable: Redis down or slow.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        ttl = _check_seconds(ttl_s, "ttl_s")
+        with self._lock:
+            token = self._held.get((prefix, key))
+        if token is None:
+            return False
+        with self._errors(f"renew lease {prefix}/{key}"):
+            return bool(self._renew(keys=[self._k("lease", prefix, key)], args=[token, _ttl_ms(ttl)]))
 
     def release_lease(self, prefix: str, key: str) -> None:
         """See :meth:`ResponseStore.release_lease`: a compare-and-delete Lua call.

@@ -223,6 +223,24 @@ class SqliteResponseStore(ResponseStore):
                 self._held[(prefix, key)] = token
         return taken
 
+    def renew_lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """See :meth:`ResponseStore.renew_lease`: moves the expiry of the row only while it
+        carries this store's token and has not expired (an expired row is anyone's to take)."""
+        check_store_prefix(prefix)
+        check_key(key)
+        ttl = _check_seconds(ttl_s, "ttl_s")
+        with self._lock:
+            token = self._held.get((prefix, key))
+        if token is None:
+            return False
+        now = time.time()
+        with self._errors(f"renew lease {prefix}/{key}"):
+            cursor = self._conn().execute(
+                "UPDATE response_leases SET expires_at = ? WHERE prefix = ? AND key = ? AND token = ? AND expires_at > ?",
+                (now + ttl, prefix, key, token, now),
+            )
+            return cursor.rowcount == 1
+
     def release_lease(self, prefix: str, key: str) -> None:
         """See :meth:`ResponseStore.release_lease`: deletes the row only if it still carries this store's token."""
         check_store_prefix(prefix)

@@ -183,6 +183,22 @@ class ResponseStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def renew_lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """Extend a lease this store object holds to ``ttl_s`` seconds from now: what a
+        leader whose fill outlives the lease's TTL calls while it runs, so the lease
+        lapses only when its process stops renewing it (dies), never under a live fill.
+
+        Returns:
+            True when extended; False when this store object holds no such lease: never
+            taken, released, or expired (then possibly taken since by another process,
+            which keeps it).
+
+        Raises:
+            InvalidField: (``prefix``, ``key``, ``ttl_s`` not > 0).
+            StoreUnavailable: the backend cannot answer in time (the lease keeps its expiry).
+        """
+
+    @abc.abstractmethod
     def release_lease(self, prefix: str, key: str) -> None:
         """Give back a lease this store object holds; nothing happens when it
         holds none or the lease expired (a lease taken since by another
