@@ -154,6 +154,15 @@ def unclassified_engine_files(root: Path) -> list[str]:
     return out
 
 
+def _read_into_config(root: Path) -> bool:
+    """True when vLLM's ``get_config`` reads ``hf_quant_config.json`` into the
+    config's ``quantization_config`` (``config.json`` has none), where the
+    identity's config already holds it."""
+    path = root / "config.json"
+    raw = read_json(path) if path.is_file() else None
+    return isinstance(raw, dict) and raw.get("quantization_config") is None
+
+
 def _pooling_module_files(root: Path, modules: Any) -> dict[str, str]:
     """Each file under a folder ``modules.json`` names, by BLAKE3 of its bytes
     (a Dense module's ``config.json`` and weights: ``try_get_dense_modules``)."""
@@ -201,7 +210,7 @@ def engine_files(root: Path) -> dict[str, Any]:
     for path in sorted(p for p in root.iterdir() if p.is_file()):
         name = path.name
         known = name if name in ENGINE_FILES else _quantization_file(name)
-        if known is None:
+        if known is None or (name == "hf_quant_config.json" and _read_into_config(root)):
             continue
         content = read_json(path)
         out[name] = version_metadata_dropped(content)

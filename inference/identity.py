@@ -375,6 +375,9 @@ GENERATION_OUTPUT_FIELDS: dict[str, str] = {
 #: top_p 1, top_k 0, min_p 0): they stay outside the identity, shown as a
 #: change without KV effect (a *compatible* release).
 GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+#: The value a request gets when no default is set (vllm/sampling_params.py
+#: ``SamplingParams``): a default equal to it changes nothing.
+GENERATION_NEUTRAL: dict[str, float] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def generation_defaults(root: Path) -> tuple[dict[str, Any], Any]:
@@ -407,7 +410,11 @@ def generation_defaults(root: Path) -> tuple[dict[str, Any], Any]:
     except Exception as exc:  # transformers' validation: ValueError, TypeError…
         raise CheckpointError(f"{path}: the engine cannot read it: {exc}") from exc
     diff = found.to_diff_dict() if found is not None else {}
-    output = {k: json_ready(diff[k]) for k in sorted(GENERATION_OUTPUT_FIELDS) if diff.get(k) is not None}
+    output = {
+        k: json_ready(diff[k])
+        for k in sorted(GENERATION_OUTPUT_FIELDS)
+        if diff.get(k) is not None and (k not in GENERATION_NEUTRAL or diff[k] != GENERATION_NEUTRAL[k])
+    }
     return output, rest
 
 
