@@ -5,8 +5,10 @@ Five fields, each digested on its own so a diff says *what* changed:
 - ``weights``: BLAKE3 of the full content of every weight file;
 - ``tokenizer``: tokenizer files, added/special tokens and the chat template
   (and, for mistral_common tokenizers, the library version that renders it);
-- ``config``: the model config as canonical JSON minus fields with no effect on
-  the computation (:data:`CONFIG_EXCLUDED_KEYS`);
+- ``config``: the model config as the engine parses it, derived fields resolved,
+  minus fields with no effect on the computation (:data:`CONFIG_EXCLUDED_KEYS`),
+  plus every other file the engine reads (:mod:`inference.engine_files`) and
+  the generation defaults that change greedy output (:func:`generation_defaults`);
 - ``layout``: engine and version, resolved dtype and KV-cache dtype, block
   size, tensor/pipeline parallel sizes, quantization, KV connector and its
   storage format;
