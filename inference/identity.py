@@ -35,7 +35,7 @@ from typing import Any
 import blake3
 
 from inference.digest_cache import FileDigestCache
-from inference.engine_files import engine_files
+from inference.engine_files import engine_files, quantization_file_names
 from inference.errors import CheckpointError
 from inference.layout import LayoutOptions as LayoutOptions  # re-exported
 from inference.layout import engine_version as engine_version  # re-exported
@@ -562,6 +562,7 @@ def warm_imports() -> float:
     from vllm.platforms import current_platform
 
     _ = current_platform.supported_dtypes  # platform detection happens on first attribute access
+    quantization_file_names()  # about 1 s: imports vLLM's quantization package and reads its sources
     return time.perf_counter() - started
 
 
