@@ -5,8 +5,10 @@ Five fields, each digested on its own so a diff says *what* changed:
 - ``weights``: BLAKE3 of the full content of every weight file;
 - ``tokenizer``: tokenizer files, added/special tokens and the chat template
   (and, for mistral_common tokenizers, the library version that renders it);
-- ``config``: the model config as canonical JSON minus fields with no effect on
-  the computation (:data:`CONFIG_EXCLUDED_KEYS`);
+- ``config``: the model config as the engine parses it, derived fields resolved,
+  minus fields with no effect on the computation (:data:`CONFIG_EXCLUDED_KEYS`),
+  plus every other file the engine reads (:mod:`inference.engine_files`) and
+  the generation defaults that change greedy output (:func:`generation_defaults`);
 - ``layout``: engine and version, resolved dtype and KV-cache dtype, block
   size, tensor/pipeline parallel sizes, quantization, KV connector and its
   storage format;
@@ -33,6 +35,7 @@ from typing import Any
 import blake3
 
 from inference.digest_cache import FileDigestCache
+from inference.engine_files import engine_files, quantization_file_names
 from inference.errors import CheckpointError
 from inference.layout import LayoutOptions as LayoutOptions  # re-exported
 from inference.layout import engine_version as engine_version  # re-exported
@@ -41,6 +44,7 @@ from inference.model_config import (
     excluded_values,
     has_sliding_window,
     iter_rope_parameters,
+    json_ready,
     known_model_type,
     normalized_config,
     parse_config,
@@ -53,7 +57,7 @@ from inference.paths import is_mistral_tokenizer_file
 from inference.weights import Tensor, engine_weight_files, file_tensors, gguf_metadata, read_safetensors_header
 
 #: Digest format version; bump when any encoding below changes.
-IDENTITY_SCHEME = "kvcp-identity/v2"
+IDENTITY_SCHEME = "kvcp-identity/v3"
 
 #: Suffixes of files that hold weights (used to confine adapters; which of a
 #: checkpoint's files the engine reads is :func:`inference.weights.engine_weight_files`).
@@ -348,31 +352,104 @@ def _tokenizer(tokenizer_dir: Path, gguf_path: Path | None, *, code_required: bo
     return digest_frames("tokenizer", frames), inputs
 
 
-def _generation_config(root: Path) -> Any:
-    """``generation_config.json`` as the engine reads it. vLLM 0.32
-    (``try_get_generation_config``) falls back to the model config's defaults
-    when transformers cannot read it (transformers turns invalid JSON into an
-    ``OSError``), so an unreadable file is recorded, not refused."""
+#: ``generation_config.json`` fields the engine applies by default that change
+#: what a greedy request outputs, with where vLLM 0.32 applies each: digested
+#: into the ``config`` field. Values equal to transformers' ``GenerationConfig``
+#: defaults are as good as absent (vLLM reads ``to_diff_dict()``).
+GENERATION_OUTPUT_FIELDS: dict[str, str] = {
+    **{
+        key: "vllm/config/model.py get_diff_sampling_param: the default of every request that omits it"
+        for key in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    },
+    "max_new_tokens": "vllm/config/model.py get_diff_sampling_param: the default max_tokens",
+    "eos_token_id": (
+        "vllm/v1/engine/input_processor.py, vllm/sampling_params.py update_from_generation_config: more stop tokens"
+    ),
+    "attn_temperature_tuning": "vllm/model_executor/models/llama4.py Llama4ForCausalLM: the attention computation",
+    "suppress_tokens": "vllm/model_executor/models/gemma4_mm.py, gemma4_unified.py, gemma4_mtp.py: tokens never output",
+    **{
+        key: "vllm/model_executor/models/diffusion_gemma.py: the denoising loop"
+        for key in ("max_denoising_steps", "stability_threshold", "sampler_config")
+    },
+}
+#: Sampling defaults vLLM also applies, which a greedy request resets
+#: (vllm/sampling_params.py ``SamplingParams.__post_init__``: temperature 0 sets
+#: top_p 1, top_k 0, min_p 0): they stay outside the identity, shown as a
+#: change without KV effect (a *compatible* release).
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+#: The value a request gets when no default is set (vllm/sampling_params.py
+#: ``SamplingParams``): a default equal to it changes nothing.
+GENERATION_NEUTRAL: dict[str, float] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def generation_defaults(root: Path) -> tuple[dict[str, Any], Any]:
+    """The generation defaults the engine applies, as vLLM 0.32 reads them
+    (``vllm.transformers_utils.config.try_get_generation_config`` then
+    ``to_diff_dict()``: ``generation_config.json``, else the config's defaults;
+    an unreadable file falls back to the latter, which transformers signals
+    with an ``OSError``).
+
+    Returns:
+        ``(output fields, rest)``: :data:`GENERATION_OUTPUT_FIELDS` found, and
+        what the identity records without digesting (the file as written, or
+        ``{"unreadable", "blake3"}``).
+
+    Raises:
+        CheckpointError: a file transformers refuses with another error (the
+            engine would not start either).
+    """
+    from vllm.transformers_utils.config import try_get_generation_config
+
     path = root / "generation_config.json"
-    if not path.is_file():
-        return None
     try:
-        return read_json(path)
+        rest = read_json(path) if path.is_file() else None
     except CheckpointError as exc:
-        return {"unreadable": str(exc).removeprefix(f"{path} "), "blake3": blake3.blake3(path.read_bytes()).hexdigest()}
+        rest = {"unreadable": str(exc).removeprefix(f"{path} "), "blake3": blake3.blake3(path.read_bytes()).hexdigest()}
+    try:
+        found = quiet_engine_logs(lambda: try_get_generation_config(str(root), trust_remote_code=False))
+    except OSError:
+        found = None
+    except Exception as exc:  # transformers' validation: ValueError, TypeError…
+        raise CheckpointError(f"{path}: the engine cannot read it: {exc}") from exc
+    diff = found.to_diff_dict() if found is not None else {}
+    output = {
+        k: json_ready(diff[k])
+        for k in sorted(GENERATION_OUTPUT_FIELDS)
+        if diff.get(k) is not None and (k not in GENERATION_NEUTRAL or diff[k] != GENERATION_NEUTRAL[k])
+    }
+    return output, rest
+
+
+def _engine_file_frames(root: Path) -> tuple[list[tuple[str, bytes]], dict[str, Any], Any]:
+    """Frames of the files besides ``config.json`` the engine computes with
+    (:func:`inference.engine_files.engine_files`) and of the generation
+    defaults that change greedy output (:func:`generation_defaults`).
+
+    Returns:
+        ``(frames, {file name: content}, generation_config.json as written)``.
+    """
+    files = engine_files(root)
+    output, rest = generation_defaults(root)
+    if output:
+        files["generation_config.json"] = output
+    frames: list[tuple[str, bytes]] = []
+    for name, content in sorted(files.items()):
+        frames += [("file", name.encode("utf-8")), ("content", canonical_json(content))]
+    return frames, dict(sorted(files.items())), rest
 
 
 def _config(
     root: Path, layout: LayoutOptions, gguf_path: Path | None, *, code_required: bool
-) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, Any]]:
-    """Digest of the configuration as the engine parses it and of the model code it runs.
+) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, str], dict[str, Any], dict[str, Any]]:
+    """Digest of the configuration as the engine parses it, of the model code it
+    runs, and of the other files it reads (:func:`_engine_file_frames`).
 
     Args:
         code_required: the engine cannot load this model type without the
             checkpoint's own code (see :func:`inference.model_config.remote_code_files`).
 
     Returns:
-        ``(digest, normalized config, resolved layout, code files, non-KV inputs)``.
+        ``(digest, normalized config, resolved layout, code files, non-KV inputs, engine files)``.
     """
     config_file = root / "config.json"
     frames: list[tuple[str, bytes]] = []
@@ -396,6 +473,8 @@ def _config(
     code = remote_code_files(root, ("config.json", "processor_config.json", "preprocessor_config.json"), required=code_required)
     for rel, digest in code.items():
         frames += [("code", rel.encode("utf-8")), ("content", digest.encode())]
+    file_frames, files, generation_rest = _engine_file_frames(root) if gguf_path is None else ([], {}, None)
+    frames += file_frames
     dtype = quiet_engine_logs(lambda: resolve_dtype(layout.dtype, parsed_config=parsed, model_id=str(root)))
     quant = None
     if parsed is not None:
@@ -416,8 +495,8 @@ def _config(
     layout_dict = resolve_layout(
         layout, dtype=dtype, quantization=quant, longrope_default_len=longrope_len, has_sliding_window=has_window
     )
-    non_kv = {"config_excluded": excluded, "generation_config": _generation_config(root)}
-    return digest_frames("config", frames), kept, layout_dict, code, non_kv
+    non_kv = {"config_excluded": excluded, "generation_config": generation_rest}
+    return digest_frames("config", frames), kept, layout_dict, code, non_kv, files
 
 
 def _adapters(adapters: dict[str, Path], cache: FileDigestCache | None) -> tuple[str, dict[str, Any]]:
@@ -483,6 +562,7 @@ def warm_imports() -> float:
     from vllm.platforms import current_platform
 
     _ = current_platform.supported_dtypes  # platform detection happens on first attribute access
+    quantization_file_names()  # about 1 s: imports vLLM's quantization package and reads its sources
     return time.perf_counter() - started
 
 
@@ -502,7 +582,7 @@ def identity_precheck(root: Path, *, layout: LayoutOptions) -> dict[str, Any]:
     gguf_path = root if root.is_file() else None
     base = root.parent if gguf_path is not None else root
     code_required = not known_model_type(base)
-    _, _, layout_dict, _, _ = _config(base, layout, gguf_path, code_required=code_required)
+    _, _, layout_dict, _, _, _ = _config(base, layout, gguf_path, code_required=code_required)
     _tokenizer(base, gguf_path, code_required=code_required)
     engine_weight_files(root)
     return layout_dict
@@ -543,7 +623,9 @@ def fingerprint_checkpoint(
     # file is hashed (and before the digest cache records anything).
     # Whether the model type needs the checkpoint's own code: read once, used by both fields.
     code_required = not known_model_type(base)
-    config_digest, config_kept, layout_dict, config_code, non_kv = _config(base, layout, gguf_path, code_required=code_required)
+    config_digest, config_kept, layout_dict, config_code, non_kv, config_files = _config(
+        base, layout, gguf_path, code_required=code_required
+    )
     tokenizer_digest, tokenizer_inputs = _tokenizer(base, gguf_path, code_required=code_required)
     weights_digest, tensors, weight_layout, total, hashed = _weights(root, cache, on_bytes)
     layout_digest = digest_frames("layout", [("layout", canonical_json(layout_dict))])
@@ -571,6 +653,7 @@ def fingerprint_checkpoint(
             "tokenizer": tokenizer_inputs,
             "config": config_kept,
             "config_code": config_code,
+            "config_files": config_files,
             "layout": layout_dict,
             "adapters": adapter_inputs,
             "non_kv": non_kv,
@@ -643,6 +726,7 @@ def _field_inputs(report: dict[str, Any], name: str) -> dict[str, Any]:
     if name == "config":
         flat = _flatten(value)
         flat.update({f"code:{rel}": digest for rel, digest in inputs.get("config_code", {}).items()})
+        flat.update({f"file:{key}": value for key, value in _flatten(inputs.get("config_files", {})).items() if key})
         return flat
     if name == "layout":
         return _flatten(value)

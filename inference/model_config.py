@@ -70,6 +70,41 @@ CONFIG_EXCLUDED_KEYS: dict[str, str] = {
     },
 }  # fmt: skip
 
+#: Keys that only record which tool, at which version, wrote a quantization
+#: config or another file the engine reads, by dotted path inside that config,
+#: with the reason each has no effect on the computation. Dropped wherever a
+#: quantization config is read (``config.json``'s ``quantization_config``,
+#: ``quantize_config.json``…) and from the files of :mod:`inference.engine_files`.
+VERSION_METADATA_KEYS: dict[str, str] = {
+    "transformers_version": "version of the library that wrote the file",
+    "quantizer": "the quantizing tools and versions (AutoGPTQ, GPTQModel, optimum); no vLLM quantization method reads it",
+    "meta.quantizer": "GPTQModel's tool versions; vLLM reads nothing under `meta`",
+    "meta.uri": "GPTQModel's project address; vLLM reads nothing under `meta`",
+    "autoround_version": "auto-round's version; vllm/model_executor/layers/quantization/inc/inc.py reads the scheme, not it",
+    "producer.version": "ModelOpt's version; vllm/model_executor/layers/quantization/modelopt.py checks only `producer.name`",
+    "version (compressed-tensors)": (
+        "the compressed-tensors library version; under other methods `version` is kept (AutoAWQ's GEMM/GEMV layout)"
+    ),
+}
+
+
+def version_metadata_dropped(value: Any) -> Any:
+    """``value`` (a quantization config or engine file, parsed JSON) without
+    :data:`VERSION_METADATA_KEYS`; a ``meta`` left empty goes too. Other values are returned as they are."""
+    if not isinstance(value, dict):
+        return value
+    out = {k: v for k, v in value.items() if k not in ("transformers_version", "quantizer", "autoround_version")}
+    method = str(out.get("quant_method", "")).lower().replace("_", "-")
+    if method == "compressed-tensors":
+        out.pop("version", None)
+    for parent, key in (("meta", "quantizer"), ("meta", "uri"), ("producer", "version")):
+        if isinstance(out.get(parent), dict) and key in out[parent]:
+            out[parent] = {k: v for k, v in out[parent].items() if k != key}
+    if out.get("meta") == {} and "meta" in value:
+        del out["meta"]
+    return out
+
+
 #: Suffixes of dropout keys (``attention_dropout``, ``resid_pdrop``,
 #: ``hidden_dropout_prob``…): dropout is off at inference.
 DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
@@ -194,10 +229,14 @@ def _sub_config_keys(config: Any) -> list[str]:
 
 def _canonical_rope(value: Any) -> Any:
     """Drop the legacy ``type`` where ``rope_type`` says the same (vLLM's
-    ``patch_legacy_rope_type`` treats them as one field)."""
+    ``patch_legacy_rope_type`` treats them as one field), and a
+    ``partial_rotary_factor`` of 1.0 (``get_rope``'s default)."""
     if isinstance(value, dict):
         if "rope_type" in value and "type" in value:
             value = {k: v for k, v in value.items() if k != "type"}
+        if "rope_type" in value and value.get("partial_rotary_factor") == 1.0:
+            # get_rope's default (vllm/model_executor/layers/rotary_embedding/__init__.py): written or not, one value.
+            value = {k: v for k, v in value.items() if k != "partial_rotary_factor"}
         return {k: _canonical_rope(v) for k, v in value.items()}
     return value
 
@@ -206,12 +245,12 @@ def _drop_excluded(mapping: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in mapping.items() if not is_excluded_key(k)}
 
 
-def _json_ready(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
     """Config values as plain JSON (torch dtypes and other objects as their text)."""
     if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
+        return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
+        return [json_ready(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -219,11 +258,125 @@ def _json_ready(value: Any) -> Any:
     return str(value)
 
 
+#: Fields vLLM derives when a config leaves them out (absent, or null), with
+#: where it derives each. Resolved to that effective value in the text
+#: config's scope before digesting, so writing the derived value out is the
+#: same identity; a written value that differs is kept as written.
+DERIVED_FIELDS: dict[str, str] = {
+    "head_dim": (
+        "vllm/transformers_utils/model_arch_config_convertor.py get_head_size (ModelConfig.get_head_size): "
+        "head_dim, else hidden_size_per_head, else hidden_size // num_attention_heads; "
+        "not for MLA models, whose head size is not a head_dim"
+    ),
+    "num_key_value_heads": (
+        "vllm/transformers_utils/model_arch_config_convertor.py get_total_num_kv_heads "
+        "(ModelConfig.get_total_num_kv_heads): n_head_kv, num_kv_heads, num_key_value_heads, "
+        "multi_query_group_num, num_attention_groups, else num_attention_heads"
+    ),
+    "intermediate_size": (
+        "vllm/model_executor/models/gpt2.py GPT2Block, gpt_j.py GPTJBlock: n_inner, else 4 * hidden_size; "
+        "otherwise the config class's intermediate_size or ffn_hidden_size"
+    ),
+}
+
+#: Keys a config class may leave undefined, with the value the engine computes
+#: with when they are absent and where it reads them. Written with exactly that
+#: value into a config whose class does not define the key, they are dropped.
+ABSENT_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "sliding_window": (None, "vllm/config/model.py get_sliding_window: getattr(hf_text_config, 'sliding_window', None)"),
+    "rope_scaling": (None, "vllm/transformers_utils/config.py patch_rope_parameters: none means the default RoPE"),
+    "rope_parameters": (None, "vllm/transformers_utils/config.py patch_rope_parameters: none means no RoPE parameters"),
+    "rope_theta": (None, "a model without RoPE reads none (vllm/transformers_utils/config.py patch_rope_parameters)"),
+    "partial_rotary_factor": (
+        1.0,
+        "vllm/model_executor/layers/rotary_embedding/__init__.py get_rope: rope_parameters.get('partial_rotary_factor', 1.0)",
+    ),
+    "attention_bias": (False, "vllm/model_executor/models/llama.py and others: getattr(config, 'attention_bias', False)"),
+    "mlp_bias": (False, "vllm/model_executor/models/llama.py and others: getattr(config, 'mlp_bias', False)"),
+    "use_sliding_window": (False, "read only by the config classes that define it (Qwen2 family); false is no window"),
+}
+
+
+def _text_scope(config: Any) -> str | None:
+    """The sub-config key holding the text model's config, or None when the root is it
+    (vLLM ``get_hf_text_config``)."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if text is config:
+        return None
+    return next((k for k in _sub_config_keys(config) if getattr(config, k, None) is text), None)
+
+
+@functools.lru_cache(maxsize=256)
+def _class_keys(cls: Any) -> frozenset[str] | None:
+    """The keys a config class writes when nothing is given (None if it cannot be built bare)."""
+    try:
+        return frozenset(quiet_engine_logs(lambda: cls().to_dict()))
+    except Exception:  # a class with required arguments: no key is known to be undefined
+        return None
+
+
+def _derived_values(config: Any) -> dict[str, Any]:
+    """The :data:`DERIVED_FIELDS` as vLLM computes them from the parsed ``config``
+    (zero or unknown values left out)."""
+    import vllm.config  # noqa: F401 - the convertor module is imported through vllm.config first (import cycle)
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
+
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(str(getattr(config, "model_type", "")), ModelArchConfigConvertorBase)
+    convertor = convertor_cls(config, text)
+    out: dict[str, Any] = {}
+    try:
+        if not convertor.is_deepseek_mla():
+            out["head_dim"] = convertor.get_head_size()
+        out["num_key_value_heads"] = convertor.get_total_num_kv_heads()
+    except (AttributeError, TypeError, ZeroDivisionError):  # a remote-code config without the usual names
+        pass
+    hidden = getattr(text, "hidden_size", None)
+    inner = next((getattr(text, n) for n in ("intermediate_size", "ffn_hidden_size", "n_inner") if getattr(text, n, None)), None)
+    if inner is None and getattr(text, "model_type", None) in ("gpt2", "gptj") and isinstance(hidden, int):
+        inner = 4 * hidden
+    out["intermediate_size"] = inner
+    return {k: v for k, v in out.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
+def _resolve_defaults(config: Any, kept: dict[str, Any]) -> None:
+    """Resolve :data:`DERIVED_FIELDS` and drop :data:`ABSENT_DEFAULTS` in place (see their docs)."""
+    scopes: list[tuple[Any, dict[str, Any]]] = [(config, kept)]
+    for key in _sub_config_keys(config):
+        if isinstance(kept.get(key), dict):
+            scopes.append((getattr(config, key, None), kept[key]))
+    for obj, mapping in scopes:
+        # The base class parses a remote-code config: its own class's defaults are unknown here.
+        cls: Any = type(obj)
+        defined = _class_keys(cls) if obj is not None and cls.__name__ != "PretrainedConfig" else None
+        if defined is None:
+            continue
+        for key, (default, _) in ABSENT_DEFAULTS.items():
+            if key not in defined and key in mapping and mapping[key] == default and type(mapping[key]) is type(default):
+                del mapping[key]
+        if "max_window_layers" not in defined and mapping.get("max_window_layers") == mapping.get("num_hidden_layers"):
+            # Qwen2 (vllm/model_executor/models/qwen2.py): layers from max_window_layers on slide; all means none.
+            mapping.pop("max_window_layers", None)
+    scope = _text_scope(config)
+    text = kept if scope is None else kept.get(scope)
+    if not isinstance(text, dict):
+        return
+    if text.get("sliding_window") == 0:
+        # vllm/config/model.py ModelConfig.__post_init__: a sliding_window of 0 is read as none.
+        text["sliding_window"] = None
+    for key, value in _derived_values(config).items():
+        if text.get(key) is None:
+            text[key] = value
+
+
 def normalized_config(config: Any) -> dict[str, Any]:
     """The identity's view of a parsed config: every value the engine reads,
     excluded keys dropped at the root and at each sub-config's root, RoPE
     parameters in one spelling, keys sorted by the canonical JSON encoder."""
-    data = _json_ready(config.to_dict())
+    data = json_ready(config.to_dict())
     kept = _drop_excluded(data)
     for key in _sub_config_keys(config):
         if isinstance(kept.get(key), dict):
@@ -237,6 +390,10 @@ def normalized_config(config: Any) -> dict[str, Any]:
             for rope_key in ("rope_parameters", "rope_scaling"):
                 if rope_key in sub:
                     sub[rope_key] = _canonical_rope(sub[rope_key])
+    for scope in [kept, *(kept[k] for k in _sub_config_keys(config) if isinstance(kept.get(k), dict))]:
+        if isinstance(scope.get("quantization_config"), dict):
+            scope["quantization_config"] = version_metadata_dropped(scope["quantization_config"])
+    _resolve_defaults(config, kept)
     return kept
 
 
@@ -248,7 +405,7 @@ def excluded_values(raw: dict[str, Any], config: Any) -> dict[str, Any]:
         sub = raw.get(key)
         if isinstance(sub, dict):
             out.update({f"{key}.{k}": sub[k] for k in sorted(sub) if is_excluded_key(k)})
-    ready: dict[str, Any] = _json_ready(out)
+    ready: dict[str, Any] = json_ready(out)
     return ready
 
 

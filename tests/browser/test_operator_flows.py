@@ -147,7 +147,9 @@ def _compatible_copy(demo_checkpoints: dict[str, Path], model_root: Path) -> Pat
     config = json.loads((copy / "config.json").read_text())
     config["transformers_version"] = "9.9.9"
     (copy / "config.json").write_text(json.dumps(config))
-    (copy / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.9}))
+    # Sampling defaults only (a greedy request resets them); its stop tokens stay.
+    generation = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.3, "top_p": 0.9}))
     return copy
 
 

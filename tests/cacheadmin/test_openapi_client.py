@@ -108,7 +108,9 @@ def versions(demo_checkpoints: dict[str, Path], model_root: Path, tmp_path: Path
     settings.KV_STORE_ROOT, settings.KV_COLD_ROOT, settings.KV_REDIS_URL = tmp_path / "kv", tmp_path / "cold", ""
     compat = model_root / f"tiny-v1-gen-{tmp_path.name}"
     shutil.copytree(demo_checkpoints["tiny-v1"], compat)
-    (compat / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.9}))
+    # Sampling defaults only (a greedy request resets them); its stop tokens stay.
+    generation = json.loads((compat / "generation_config.json").read_text())
+    (compat / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.3, "top_p": 0.9}))
 
     def register(path: Path, label: str) -> ModelVersion:
         return model_version_register(path=path, label=label, served_name="tiny", layout=LAYOUT, actor="setup")[0]
@@ -258,7 +260,7 @@ def test_a_verified_reuse_release_through_the_client(api: ModuleType, client: An
     assert (release.diff.identical, release.diff.differing, release.diff.fields.to_dict()) == (True, [], {})
     non_kv = release.diff.non_kv.additional_properties
     assert sorted(non_kv) == ["generation_config"]
-    assert non_kv["generation_config"].b == {"temperature": 0.3, "top_p": 0.9}
+    assert non_kv["generation_config"].b == {**non_kv["generation_config"].a, "temperature": 0.3, "top_p": 0.9}
     assert (release.from_namespace, release.to_namespace, release.tokenization_evidence) == (namespace.id, None, None)
     assert (release.tenant, release.additional_properties) == ("acme", {})
 

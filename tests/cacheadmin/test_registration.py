@@ -251,3 +251,17 @@ def test_adapters_are_confined_like_checkpoints(operator, demo_checkpoints, mode
         shutil.rmtree(linked)
         shutil.rmtree(hard)
         outside_root.unlink()
+
+
+@pytest.mark.slow
+def test_a_file_the_engine_reads_but_the_identity_cannot_cover_is_refused_at_registration(operator, checkpoint_copy) -> None:
+    path = checkpoint_copy()
+    (path / "audio_tokenizer_config.json").write_text(json.dumps({"audio_tokenizer_class": "DacModel"}))
+    response = operator.post("/api/model-versions/", {"path": str(path), "label": "x", "served_name": "tiny"}, format="json")
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert error["code"] == "bad_checkpoint" and "audio_tokenizer_config.json" in error["message"], error
+    assert RegistrationJob.objects.count() == 0 and ModelVersion.objects.count() == 0
+    cli = manage("register", str(path), "--label", "x", "--served-name", "tiny", env=subprocess_env())
+    assert cli.returncode == 2 and "audio_tokenizer_config.json: transformers/processing_utils.py" in cli.stderr, cli.stderr
+    assert ModelVersion.objects.count() == 0

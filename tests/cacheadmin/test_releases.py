@@ -77,7 +77,9 @@ def versions(demo_checkpoints, model_root: Path, tmp_path: Path, settings) -> di
     config = json.loads((compat / "config.json").read_text())
     config["transformers_version"] = "9.9.9"
     (compat / "config.json").write_text(json.dumps(config))
-    (compat / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.9}))
+    # Sampling defaults only: a greedy request resets them, so the identity keeps (its stop tokens stay).
+    generation = json.loads((compat / "generation_config.json").read_text())
+    (compat / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.3, "top_p": 0.9}))
 
     def register(path: Path, label: str) -> ModelVersion:
         return model_version_register(path=path, label=label, served_name="tiny", layout=LAYOUT, actor="alice")[0]
@@ -133,7 +135,7 @@ def test_each_classification(versions) -> None:
     written_by_transformers = json.loads((Path(versions["v1"].path) / "generation_config.json").read_text())
     assert compatible.diff["non_kv"]["generation_config"] == {
         "a": written_by_transformers,
-        "b": {"temperature": 0.3, "top_p": 0.9},
+        "b": {**written_by_transformers, "temperature": 0.3, "top_p": 0.9},
     }
     Release.objects.filter(pk=compatible.pk).update(status="rolled_back")
     incompatible = _release(versions, "v2")

@@ -176,3 +176,66 @@ def test_real_chat_template_moved_to_its_own_file_is_one_tokenizer(path: Path, c
     assert fingerprint_checkpoint(checkpoint).digests() == inline.digests()
     (checkpoint / "chat_template.jinja").write_text(template.replace("<｜Assistant｜>", "<｜Bot｜>", 1) + " ")
     assert fingerprint_checkpoint(checkpoint).tokenizer != inline.tokenizer
+
+
+def _derived(config: dict[str, Any], checkpoint: Path) -> tuple[str | None, dict[str, int]]:
+    """The text config's scope and the values vLLM derives for it: head size and
+    KV heads from vLLM's own ``ModelArchConfigConvertor`` (what ``ModelConfig.get_head_size``
+    and ``get_total_num_kv_heads`` return), the MLP width where vLLM's model code
+    derives it (gpt2.py, gpt_j.py: ``n_inner`` else 4 x hidden)."""
+    import vllm.config  # noqa: F401 - imported first, as vLLM does (the convertor module is in an import cycle)
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS, ModelArchConfigConvertorBase
+
+    if "auto_map" in config:
+        return None, {}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    parsed = get_config(str(checkpoint), trust_remote_code=False)
+    text = get_hf_text_config(parsed)
+    scope = "text_config" if text is not parsed and isinstance(config.get("text_config"), dict) else None
+    convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(parsed.model_type, ModelArchConfigConvertorBase)(parsed, text)
+    values = {"num_key_value_heads": convertor.get_total_num_kv_heads()}
+    if not convertor.is_deepseek_mla():  # an MLA model's head size is not its head_dim
+        values["head_dim"] = convertor.get_head_size()
+    if getattr(text, "intermediate_size", None):
+        values["intermediate_size"] = text.intermediate_size
+    elif text.model_type in ("gpt2", "gptj"):
+        values["intermediate_size"] = getattr(text, "n_inner", None) or 4 * text.hidden_size
+    return scope, values
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_derived_fields_written_out_keep_the_identity(path: Path, checkpoint_copy, digest_cache: FileDigestCache) -> None:
+    """``head_dim``, ``num_key_value_heads`` and ``intermediate_size`` written
+    with the value vLLM derives without them (or left out where written with
+    it) are one identity; written with another value, the config field moves."""
+    config = json.loads(path.read_text())["config"]
+    if path.stem in ENGINE_REFUSES:
+        return
+    checkpoint = checkpoint_copy()
+    _write_code(checkpoint, config)
+
+    def fingerprint(variant: dict[str, Any]) -> Any:
+        (checkpoint / "config.json").write_text(json.dumps(variant))
+        return fingerprint_checkpoint(checkpoint, cache=digest_cache)
+
+    base = fingerprint(config)
+    scope, _ = _derived(config, checkpoint)
+    compared = []
+    for key in ("head_dim", "num_key_value_heads", "intermediate_size"):
+        without = json.loads(json.dumps(config))
+        target = without if scope is None else without[scope]
+        written = target.pop(key, None)
+        value = _derived(without, checkpoint)[1].get(key)
+        if value is None or (written is not None and written != value):
+            continue  # nothing derived, or written with another value than vLLM's fallback
+        target[key] = value
+        assert fingerprint(without).digests() == base.digests(), ("written", key, value)
+        del target[key]
+        assert fingerprint(without).digests() == base.digests(), ("left out", key, value)
+        target[key] = value * 2
+        assert fingerprint(without).config != base.config, (key, value * 2)
+        compared.append(key)
+    text = config if scope is None else config[scope]
+    if "auto_map" not in config and "head_dim" not in text and not text.get("kv_lora_rank"):
+        assert "head_dim" in compared, path.stem  # the fault's own example was compared
