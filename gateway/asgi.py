@@ -130,7 +130,7 @@ class Flusher:
             try:
                 self.enqueue(
                     namespace_pk=sample.namespace_pk, engine_id=sample.engine_id, endpoint=sample.endpoint, body=sample.body,
-                    cached_tokens=sample.cached_tokens,
+                    cached_tokens=sample.cached_tokens, served=sample.served,
                 )  # fmt: skip
             except Exception:  # noqa: BLE001 - kept for the next flush, as the figures are
                 log.exception("shadow samples not queued; kept for the next flush")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from gateway import routing
 from gateway.answers import unkept_reason
 from gateway.canonical import Admission, response_admission
-from gateway.layers.base import CacheLayer
+from gateway.layers.base import CacheLayer, Provenance
 from gateway.pii import personal_data_kinds
 from gateway.pii.gate import answer_text
 from gateway.records import Recorder
@@ -78,6 +78,8 @@ class RequestContext:
         routed: tenant, route and namespace; None in ``explain`` when the request has no route.
         started: ``time.perf_counter()`` when the request arrived (TTFT counts from it).
         timings: milliseconds per step (``lookup_<layer>``), for records and metrics.
+        provenance: the engine that computed the answer and when, set once the engine's answer is
+            complete: what the layers keep beside it (None before, and for an answer served from a layer).
     """
 
     snap: RoutingSnapshot
@@ -90,6 +92,7 @@ class RequestContext:
     routed: Routed | None = None
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
+    provenance: Provenance | None = None
 
     @property
     def namespace(self) -> NamespaceTarget:
@@ -158,11 +161,18 @@ class Missed:
 
 @dataclass
 class Hit:
-    """A layer that holds the answer."""
+    """A layer that holds the answer.
+
+    Attributes:
+        entry: the layer's id of the entry served (:attr:`gateway.layers.base.Lookup.entry`), when known.
+        question: the text the served answer was computed for, when not this request's own.
+    """
 
     layer: CacheLayer
     record: dict[str, Any]
     lookup_ms: float
+    entry: str | None = None
+    question: str | None = None
 
 
 class Pipeline:
@@ -210,7 +220,7 @@ class Pipeline:
             lookup_ms = (time.perf_counter() - looked) * 1000
             ctx.timings[f"lookup_{layer.name}"] = lookup_ms
             if found.record is not None:
-                return Hit(layer, found.record, lookup_ms)
+                return Hit(layer, found.record, lookup_ms, found.entry, found.question)
             self.recorder.add(ns.pk, layer.name, requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
             missed.append(Missed(layer, found.pending))
         return missed

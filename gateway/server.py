@@ -33,14 +33,14 @@ from gateway.canonical import canonical_bytes, canonical_request, normalized_bod
 from gateway.engine_proxy import EngineAnswer, EngineProxy, EngineRefused
 from gateway.errors import GatewayError, invalid
 from gateway.layers import build_layers
-from gateway.layers.base import CacheLayer
+from gateway.layers.base import CacheLayer, Provenance
 from gateway.layers.response.store import ResponseStore
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, token_refusal
 from gateway.metrics import exposition as metrics_exposition
 from gateway.param_specs import InvalidRequest
 from gateway.pii import personal_data_kinds
-from gateway.pii.gate import gate
+from gateway.pii.gate import answer_text, gate
 from gateway.pipeline import Hit, Missed, Pipeline, RequestContext, explain_layers
 from gateway.protection import TokenBucket
 from gateway.records import Recorder
@@ -130,13 +130,39 @@ class Limits:
 
 @dataclass
 class ShadowSample:
-    """A live request picked for shadow verification (it reported cached tokens)."""
+    """A live request picked for shadow verification: an engine's answer that reported cached
+    tokens, or an answer served from a cache layer.
+
+    Attributes:
+        engine_id: the engine that computed the answer served.
+        body: the request the answer answers (a semantic hit's: the question it was computed for).
+        served: what was served, recorded as it was served: ``{"layer": "engine" | "<layer>",
+            "answer": served_answer(...) or None, "computed_at": s, "served_at": s}`` (seconds
+            since the epoch); ``answer`` is None when it cannot be judged token by token (a
+            sampled answer, several choices, tool calls, personal data in it).
+    """
 
     namespace_pk: int
     engine_id: int
     endpoint: str
     body: dict[str, Any]
     cached_tokens: int
+    served: dict[str, Any] | None = None
+
+
+def served_answer(record: Mapping[str, Any], endpoint: str) -> dict[str, Any] | None:
+    """What shadow verification judges of a served chat answer: ``{"text", "completion_tokens",
+    "finish_reason"}`` of its one choice; None for a completions answer, several choices, tool
+    calls or no text (those are judged by replaying the request)."""
+    choices = record.get("choices") or []
+    if endpoint != "chat" or len(choices) != 1 or not isinstance(choices[0], Mapping):
+        return None
+    message = choices[0].get("message")
+    if not isinstance(message, Mapping) or message.get("tool_calls") or not isinstance(message.get("content"), str):
+        return None
+    usage = record.get("usage") or {}
+    return {"text": message["content"], "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "finish_reason": choices[0].get("finish_reason")}  # fmt: skip
 
 
 @dataclass
@@ -218,6 +244,8 @@ class Gateway:
         self.metrics_token: str | None = None
         if runtime.recorder.metrics is None:
             runtime.recorder.metrics = GatewayMetrics(self._namespace_key)
+        #: Shadow samples of cache hits being recorded (kept so the loop does not drop them).
+        self._sampling: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -369,6 +397,12 @@ class Gateway:
             output_tokens=int(usage.get("completion_tokens") or 0),
         )  # fmt: skip
         headers = served_headers(ctx.routed, hit.layer.name)
+        rate = ctx.tenant.policy.shadow_sample_rate
+        sampled = rate > 0 and random.random() < rate
+        if sampled and hit.entry is not None and self.rt.shadow is not None and ctx.endpoint == "chat":
+            task = asyncio.get_running_loop().create_task(self._sample_hit(ctx, hit))
+            self._sampling.add(task)
+            task.add_done_callback(self._sampling.discard)
         if not ctx.stream:
             return JSONResponse(answer_from_record(hit.record, ctx.endpoint, ctx.model, cached=True), headers=headers)
         events = stream_record(hit.record, ctx.endpoint, ctx.model, ctx.include_usage)
@@ -462,6 +496,8 @@ class Gateway:
         ns, tenant, endpoint, canonical = ctx.namespace, ctx.tenant, ctx.endpoint, ctx.canonical
         upstream = ctx.upstream or {}
         value = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        # Recorded before the layers keep it: which engine computed the answer, and when.
+        ctx.provenance = computed = Provenance(engine.id, time.time())
         # One gate for every store: a request or answer with personal data is kept
         # nowhere verbatim; heat and shadow samples keep it redacted only by policy.
         await self.pipeline.keep(ctx, missed, record, value)
@@ -482,7 +518,40 @@ class Gateway:
             replayed = {k: v for k, v in upstream.items() if k not in ("stream", "stream_options")}
             shadow = gate("shadow", replayed, policy=policy, kinds=kinds)
             if shadow.keep:
-                await asyncio.to_thread(self.rt.shadow, ShadowSample(ns.pk, engine.id, endpoint, shadow.value, cached))
+                served = self._served(ctx, record, "engine", computed)
+                sample = ShadowSample(ns.pk, engine.id, endpoint, shadow.value, cached, served)
+                await asyncio.to_thread(self.rt.shadow, sample)
+
+    def _served(self, ctx: RequestContext, record: Mapping[str, Any], layer: str, provenance: Provenance) -> dict[str, Any]:
+        """What a shadow sample records of the answer served (see :class:`ShadowSample`): its text only
+        when it is greedy and holds no personal data (a sampled answer is no reference's to match)."""
+        judged = ctx.reproducibility.reason == "greedy" and not personal_data_kinds(answer_text(record))
+        return {"layer": layer, "answer": served_answer(record, ctx.endpoint) if judged else None,
+                "computed_at": provenance.computed_at, "served_at": time.time()}  # fmt: skip
+
+    async def _sample_hit(self, ctx: RequestContext, hit: Hit) -> None:
+        """Record a cache hit for shadow verification, off the request: the entry's provenance (an
+        entry stored without one is not sampled: no engine to judge), then the sample."""
+        assert self.rt.shadow is not None and hit.entry is not None and ctx.upstream is not None
+        try:
+            provenance = await asyncio.to_thread(hit.layer.provenance, ctx, hit.entry)
+        except Exception:  # noqa: BLE001 - a sample is never worth an error: the store is down or the entry gone
+            log.warning("cache layer %s: no provenance read for a shadow sample", hit.layer.name, exc_info=True)
+            return
+        if provenance is None:
+            return
+        replayed = {k: v for k, v in ctx.upstream.items() if k not in ("stream", "stream_options")}
+        if hit.question is not None:  # a paraphrase's answer is judged against the question it answers
+            replayed["messages"] = [*replayed.get("messages", [])[:-1], {"role": "user", "content": hit.question}]
+        kinds = personal_data_kinds(ctx.canonical) if ctx.personal else frozenset()
+        shadow = gate("shadow", replayed, policy=ctx.tenant.policy.personal_data, kinds=kinds)
+        if not shadow.keep:
+            return
+        usage = hit.record.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        served = self._served(ctx, hit.record, hit.layer.name, provenance)
+        sample = ShadowSample(ctx.namespace.pk, provenance.engine_id, ctx.endpoint, shadow.value, cached, served)
+        await asyncio.to_thread(self.rt.shadow, sample)
 
 
 def explain(

@@ -12,6 +12,7 @@ from cacheadmin.models.eviction import (
     TierUsageSample,
 )
 from cacheadmin.models.gateway import (
+    AnswerRetirement,
     CacheLayer,
     CacheLayerSwitch,
     GatewayKey,
@@ -37,6 +38,7 @@ from cacheadmin.models.tenancy import (
 )
 
 __all__ = [
+    "AnswerRetirement",
     "CacheLayer",
     "CacheLayerSwitch",
     "GatewayKey",

@@ -322,6 +322,14 @@ class ShadowCheck(models.Model):
     noise_divergence = models.IntegerField(null=True, blank=True, help_text="the control's (cold vs cold) first divergence")
     detail = models.JSONField(default=dict)
     error = models.TextField(blank=True, default="")
+    #: Where the answer the caller got came from: ``engine``, ``response`` or ``semantic`` ("" before this was kept).
+    served_layer = models.CharField(max_length=16, blank=True, default="")
+    #: The answer served, as served (``{"text", "completion_tokens", "finish_reason"}``): what the check
+    #: judges; None when it cannot be judged token by token (then the request is replayed and that judged).
+    served_answer = models.JSONField(null=True, blank=True)
+    #: When ``engine`` computed the answer served, and when it was served.
+    computed_at = models.DateTimeField(null=True, blank=True)
+    served_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     checked_at = models.DateTimeField(null=True, blank=True)
 
@@ -330,3 +338,33 @@ class ShadowCheck(models.Model):
 
     def __str__(self) -> str:
         return f"shadow check #{self.pk} ({self.status})"
+
+
+class AnswerRetirement(models.Model):
+    """The gateway's cached answers of a namespace that a suspect engine computed: recorded
+    (intent) with the deceptive hit that confirmed it, carried out at once in both cache
+    layers, and re-run before the namespace's routing resumes (resuming waits for it).
+
+    ``since`` is when the answer of the engine's last good check in the namespace was
+    computed (None: no good check, every answer of the engine goes); answers stored without
+    provenance since then go too. ``engine_ref`` is the engine's id as the stores keep it
+    (kept when the engine row is deleted).
+    """
+
+    namespace = models.ForeignKey("cacheadmin.CacheNamespace", on_delete=models.CASCADE, related_name="answer_retirements")
+    shadow_check = models.OneToOneField(ShadowCheck, on_delete=models.CASCADE, related_name="retirement")
+    engine_ref = models.PositiveIntegerField()
+    since = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    #: Set by the last run that reached every configured layer; None: not yet (a store was down).
+    completed_at = models.DateTimeField(null=True, blank=True)
+    #: Entries removed so far, per layer (summed over runs).
+    removed = models.JSONField(default=dict)
+    runs = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"retirement of engine {self.engine_ref}'s answers in {self.namespace_id}"

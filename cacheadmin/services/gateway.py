@@ -57,6 +57,7 @@ from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.namespaces import namespace_salts
 from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
 from cacheadmin.services.quotas import QuotaExceeded, quota_check
+from cacheadmin.services.retirement import answer_retirements_rerun
 from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.layers import LAYERS as CACHE_LAYERS
@@ -310,13 +311,29 @@ def namespace_routing_suspend(*, namespace: CacheNamespace, reason: str, actor: 
 
 
 def namespace_routing_resume(*, namespace: CacheNamespace, actor: str, reason: str) -> NamespaceRouting:
-    """Route a suspended namespace again: the operator's decision after a deceptive hit.
+    """Route a suspended namespace again: the operator's decision after a deceptive hit. The
+    retirements of cached answers recorded since the last resume are run again first
+    (:func:`cacheadmin.services.retirement.answer_retirements_rerun`); routing resumes only
+    once every one completed.
 
     Raises:
         InvalidField: no reason (400, exit 2).
-        GatewayRefused: the namespace is not suspended (409, exit 4).
+        GatewayRefused: the namespace is not suspended, or a retirement could not complete
+            (a cache store down; the hold stays) (409, exit 4).
     """
     reason_check(reason, required_for="resuming a suspended namespace")
+    hold = NamespaceRouting.objects.filter(namespace=namespace).first()
+    if hold is None or hold.suspended_at is None:
+        raise GatewayRefused(f"namespace {namespace.namespace_key[:12]}… is not suspended")
+    # The suspect engine's cached answers go before traffic comes back (again: a gateway that had
+    # not yet seen the suspension may have stored one since the first run).
+    left = answer_retirements_rerun(namespace=namespace, since=hold.resumed_at, actor=actor)
+    if left:
+        raise GatewayRefused(
+            f"namespace {namespace.namespace_key[:12]}… stays suspended: the cached answers of engine(s) "
+            f"{', '.join(sorted({str(r.engine_ref) for r in left}))} are not all retired ({'; '.join(r.error for r in left)}); "
+            "resume again once the gateway's cache stores answer"
+        )
     with transaction.atomic():
         hold = NamespaceRouting.objects.select_for_update().filter(namespace=namespace).first()
         if hold is None or hold.suspended_at is None:

@@ -1,15 +1,28 @@
-"""Shadow verification of live traffic: a sample of the requests that reported
-cached prompt tokens, replayed off the hot path, greedily, on the engine that
-served them (with the namespace's salt, so its cache is used) and on a
-reference engine of the same model version without cache (twice: the control
-measures numeric noise). A divergence beyond that noise is a deceptive hit on
-live traffic: an alarm on the engine, an audit event and, by the tenant's
-policy, the namespace stops being routed until an operator decides.
+"""Shadow verification of live traffic: a sample of the answers served that came
+from a cache (an engine's answer that reported cached prompt tokens, or a hit of
+the response or semantic cache), judged off the hot path.
+
+What is judged is the answer the caller got, recorded as it was served (its
+text, the layer, the engine that computed it and when): its tokens against a
+reference engine of the same model version without cache, run greedily twice,
+whose own divergence (the control) bounds the noise. An answer that cannot be
+judged token by token (sampled, tool calls) is judged as before: the request
+is replayed on the engine that computed it, under the namespace's salt, and
+that second answer compared.
+
+A divergence beyond the noise is a deceptive hit on live traffic: an alarm on
+the engine, an audit event; when a verified witness confirms it, every cached
+answer of the namespace the engine computed since its last good check is
+retired from both cache layers (:mod:`cacheadmin.services.retirement`) and, by
+the tenant's policy, the namespace stops being routed until an operator resumes
+it, which re-runs the retirement first.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import current_app
@@ -18,13 +31,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from cacheadmin.metrics.worker import families
-from cacheadmin.models import CacheNamespace, Engine, ShadowCheck
+from cacheadmin.models import AnswerRetirement, CacheNamespace, Engine, ShadowCheck
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.gateway import namespace_routing_suspend, tenant_gateway_policy
 from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_salt_read
+from cacheadmin.services.retirement import answer_retirement_record, answer_retirement_run, answer_retirements_recover
 from gateway.pii.gate import gate
 from inference.comparison import compare_prompt, first_divergence
 from inference.corpus import Conversation
@@ -34,6 +48,10 @@ from inference.errors import EngineError
 SHADOW_CHECK_TASK = "cacheadmin.shadow_check"
 #: Tokens generated per replay: a divergence shows in the first tokens, and replays must stay cheap.
 SHADOW_MAX_TOKENS = 16
+#: Most tokens of a served answer judged: the reference generates as many as the answer had, up to this.
+SHADOW_SERVED_MAX_TOKENS = 64
+#: Where an answer served comes from, as the gateway records it.
+SERVED_LAYERS = ("engine", "response", "semantic")
 #: A check claimed this long ago and still pending lost its worker: it is run again.
 SHADOW_STALE_S = 600
 #: Actor of what shadow verification does.
@@ -41,9 +59,15 @@ ACTOR = "shadow-verification"
 
 
 def shadow_check_enqueue(
-    *, namespace_pk: int, engine_id: int, endpoint: str, body: dict[str, Any], cached_tokens: int
-) -> ShadowCheck | None:
-    """Record a sampled request (intent first), then hand it to a worker once committed.
+    *, namespace_pk: int, engine_id: int, endpoint: str, body: dict[str, Any], cached_tokens: int,
+    served: Mapping[str, Any] | None = None,
+) -> ShadowCheck | None:  # fmt: skip
+    """Record a sampled request and the answer served (intent first), then hand it to a worker once committed.
+
+    Args:
+        served: what was served (:class:`gateway.server.ShadowSample`'s ``served``): ``layer``,
+            ``answer`` (``{"text", "completion_tokens", "finish_reason"}`` or None), ``computed_at``
+            and ``served_at`` (seconds since the epoch). A malformed one is kept as far as it is valid.
 
     Returns:
         The check, or None when ``SHADOW_BACKLOG_MAX`` checks already wait for a
@@ -55,14 +79,39 @@ def shadow_check_enqueue(
         families()["shadow_dropped"].inc()
         return None
     check = ShadowCheck.objects.create(
-        namespace_id=namespace_pk, engine_id=engine_id, endpoint=endpoint, request=body, cached_tokens=cached_tokens
-    )
+        namespace_id=namespace_pk, engine_id=engine_id, endpoint=endpoint, request=body, cached_tokens=cached_tokens,
+        **_served_fields(served),
+    )  # fmt: skip
     pk = check.pk
     send_after_commit(
         lambda: current_app.send_task(SHADOW_CHECK_TASK, args=(pk,)), what=f"shadow check #{pk}",
         recovered_by=f"shadow_checks_recover (pending checks older than {SHADOW_STALE_S} s)",
     )  # fmt: skip
     return check
+
+
+def _when(value: object) -> datetime | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e11:
+        return None
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def _served_fields(served: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The check's ``served_*`` fields from a sample's ``served`` (invalid parts left empty)."""
+    if not isinstance(served, Mapping):
+        return {}
+    answer = served.get("answer")
+    text = answer.get("text") if isinstance(answer, Mapping) else None
+    tokens = answer.get("completion_tokens") if isinstance(answer, Mapping) else None
+    # An answer with personal data is never judged token by token: the evidence would be kept redacted.
+    judged = isinstance(text, str) and isinstance(tokens, int) and tokens >= 0 and gate("output", text).value == text
+    layer = served.get("layer")
+    return {
+        "served_layer": layer if layer in SERVED_LAYERS else "",
+        "served_answer": {"text": text, "completion_tokens": tokens, "finish_reason": answer.get("finish_reason")}  # type: ignore[union-attr]
+        if judged else None,
+        "computed_at": _when(served.get("computed_at")), "served_at": _when(served.get("served_at")),
+    }  # fmt: skip
 
 
 def _reference_for(engine: Engine) -> Engine | None:
@@ -84,9 +133,23 @@ def _fail(check: ShadowCheck, error: str) -> None:
     ShadowCheck.objects.filter(pk=check.pk).update(status=ShadowCheck.Status.FAILED, error=error, checked_at=timezone.now())
 
 
+@dataclass
+class Judgement:
+    """One check's verdict: ``first_divergence`` of the answer judged from the reference,
+    ``noise`` the control's (cold vs cold) own, ``detail`` kept as evidence."""
+
+    deceptive: bool
+    first_divergence: int | None
+    noise: int | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
 def shadow_check_run(check_id: int) -> str | None:
-    """Replay one sampled request both ways and judge it (idempotent: a check
-    that is no longer pending, or is claimed by a live worker, is left alone).
+    """Judge one sampled answer (idempotent: a check that is no longer pending, or is
+    claimed by a live worker, is left alone): the answer served when it was recorded
+    (:func:`_judge_served`), else a replay of the request (:func:`_judge_replay`). A
+    deceptive hit confirmed by a verified witness retires the engine's cached answers
+    (recorded with the verdict, carried out once it is committed).
 
     Returns:
         The check's final status, or None when it was not claimed here.
@@ -103,47 +166,98 @@ def shadow_check_run(check_id: int) -> str | None:
     if check.endpoint != "chat":
         _fail(check, "only chat requests are replayed")
         return ShadowCheck.Status.FAILED
-    if engine is None or engine.unusable_reason() is not None:
-        _fail(check, f"serving engine gone: {engine.unusable_reason() if engine else 'deleted'}")
+    unusable = "deleted" if engine is None else engine.unusable_reason()
+    # A served answer is judged without its engine; a replay needs the engine in service.
+    if engine is None or (unusable is not None and check.served_answer is None):
+        _fail(check, f"serving engine gone: {unusable}")
         return ShadowCheck.Status.FAILED
     reference = _reference_for(engine)
     if reference is None:
         _fail(check, f"no reference engine in service (ready and verified) of {engine.model_version.label}")
         return ShadowCheck.Status.FAILED
-    messages, tools = check.request.get("messages"), check.request.get("tools")
-    salt = namespace_salt_read(check.namespace, actor=ACTOR, purpose=f"shadow check #{check.pk}")
-    conversation = Conversation(id=f"shadow-{check.pk}", messages=messages, tools=tools, note="live request")
     try:
-        with engine_client(engine) as served, engine_client(reference) as ref:
-            cold = ref.chat(messages, cache_salt=None, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
-            control = ref.chat(messages, cache_salt=None, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
-            cached = served.chat(messages, cache_salt=salt, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
+        verdict = _judge_served(check, reference) if check.served_answer is not None else _judge_replay(check, engine, reference)
     except EngineError as exc:
         _fail(check, str(exc))
         return ShadowCheck.Status.FAILED
-    outcome = compare_prompt(0, conversation, cold, control, cached)
-    # A replay that found nothing cached cannot judge the cache; the live request's report stands.
-    deceptive = outcome.deceptive
-    status = ShadowCheck.Status.DECEPTIVE if deceptive else ShadowCheck.Status.MATCHED
-    control_divergence = first_divergence(cold.token_ids, control.token_ids)
+    status = ShadowCheck.Status.DECEPTIVE if verdict.deceptive else ShadowCheck.Status.MATCHED
+    retirement = None
+    with transaction.atomic():
+        ShadowCheck.objects.filter(pk=check.pk).update(
+            status=status, reference_engine=reference, first_divergence=verdict.first_divergence,
+            noise_divergence=verdict.noise, detail={"reference_engine": reference.name, **verdict.detail},
+            checked_at=timezone.now(),
+        )  # fmt: skip
+        if verdict.deceptive:
+            retirement = _deceptive(check, engine, reference, verdict.first_divergence)
+    if retirement is not None:
+        answer_retirement_run(retirement=retirement, actor=ACTOR)
+    return status
+
+
+def _judge_served(check: ShadowCheck, reference: Engine) -> Judgement:
+    """The answer served, token by token, against the reference run twice greedily with as many
+    tokens as the answer had (up to :data:`SHADOW_SERVED_MAX_TOKENS`). Texts are tokenized by the
+    reference (the served answer's ids were not kept; equal texts give equal ids). An answer cut
+    shorter than it was (over the cap) is compared short of its last reference token, whose
+    tokenization may merge with what follows. Deceptive: it diverges before the control does.
+
+    Raises:
+        EngineError: from the reference.
+    """
+    answer: dict[str, Any] = check.served_answer  # type: ignore[assignment]
+    served_tokens = int(answer["completion_tokens"]) or SHADOW_MAX_TOKENS
+    wanted = min(max(served_tokens, 1), SHADOW_SERVED_MAX_TOKENS)
+    messages, tools = check.request.get("messages"), check.request.get("tools")
+    with engine_client(reference) as ref:
+        cold = ref.chat(messages, cache_salt=None, max_tokens=wanted, tools=tools)
+        control = ref.chat(messages, cache_salt=None, max_tokens=wanted, tools=tools)
+        cold_ids, control_ids, served_ids = (ref.tokenize(t) for t in (cold.text, control.text, answer["text"]))
+    if served_tokens > wanted:
+        span = max(len(cold_ids) - 1, 0)
+        cold_ids, control_ids, served_ids = cold_ids[:span], control_ids[:span], served_ids[:span]
+    divergence = first_divergence(cold_ids, served_ids)
+    noise = first_divergence(cold_ids, control_ids)
+    deceptive = divergence is not None and (noise is None or divergence < noise)
     detail = {
-        "reference_engine": reference.name, "replay_cached_tokens": outcome.cached_tokens, "tokens_equal": outcome.tokens_equal,
+        "judged": "served", "served_layer": check.served_layer, "compared_tokens": len(cold_ids),
+        "tokens_equal": divergence is None, "control_tokens_equal": noise is None,
+        # Generated text kept as evidence: its personal data is kept redacted (gateway.pii.gate).
+        "reference_text": gate("output", cold.text).value, "served_text": gate("output", answer["text"]).value,
+    }  # fmt: skip
+    return Judgement(deceptive, divergence, noise, detail)
+
+
+def _judge_replay(check: ShadowCheck, engine: Engine, reference: Engine) -> Judgement:
+    """The request replayed greedily on the engine that served it (under the namespace's salt)
+    and twice on the reference; judged by :func:`inference.comparison.compare_prompt`.
+
+    Raises:
+        EngineError: from either engine.
+    """
+    messages, tools = check.request.get("messages"), check.request.get("tools")
+    salt = namespace_salt_read(check.namespace, actor=ACTOR, purpose=f"shadow check #{check.pk}")
+    conversation = Conversation(id=f"shadow-{check.pk}", messages=messages, tools=tools, note="live request")
+    with engine_client(engine) as served, engine_client(reference) as ref:
+        cold = ref.chat(messages, cache_salt=None, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
+        control = ref.chat(messages, cache_salt=None, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
+        cached = served.chat(messages, cache_salt=salt, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
+    outcome = compare_prompt(0, conversation, cold, control, cached)
+    detail = {
+        "judged": "replay", "replay_cached_tokens": outcome.cached_tokens, "tokens_equal": outcome.tokens_equal,
         "max_logprob_delta": outcome.max_logprob_delta, "control_max_logprob_delta": outcome.control_max_logprob_delta,
         "tolerance": outcome.tolerance,
         # Generated text kept as evidence: its personal data is kept redacted (gateway.pii.gate).
         "reference_text": gate("output", cold.text).value, "cached_text": gate("output", cached.text).value,
     }  # fmt: skip
-    with transaction.atomic():
-        ShadowCheck.objects.filter(pk=check.pk).update(
-            status=status, reference_engine=reference, first_divergence=outcome.first_divergence,
-            noise_divergence=control_divergence, detail=detail, checked_at=timezone.now(),
-        )  # fmt: skip
-        if deceptive:
-            _deceptive(check, engine, reference, outcome.first_divergence)
-    return status
+    # A replay that found nothing cached cannot judge the cache; the live request's report stands.
+    return Judgement(outcome.deceptive, outcome.first_divergence, first_divergence(cold.token_ids, control.token_ids), detail)
 
 
-def _deceptive(check: ShadowCheck, engine: Engine, reference: Engine, divergence: int | None) -> None:
+def _deceptive(check: ShadowCheck, engine: Engine, reference: Engine, divergence: int | None) -> AnswerRetirement | None:
+    """Alarm and audit; when the witness is verified, record the retirement of the engine's
+    cached answers and, by the tenant's policy, suspend the namespace's routing (one transaction:
+    the caller's). Returns the retirement to carry out once committed (None: unconfirmed)."""
     namespace: CacheNamespace = check.namespace
     # Re-read at judgement time: a witness taken out of service meanwhile suspends nothing.
     witness = Engine.objects.filter(pk=reference.pk).values_list("status", "verification", "verified_at").first()
@@ -157,14 +271,18 @@ def _deceptive(check: ShadowCheck, engine: Engine, reference: Engine, divergence
     alarm_raise(engine=engine, kind="deceptive_hit", key=namespace.namespace_key[:64], detail=what, actor=ACTOR)
     audit_record(actor=ACTOR, action="shadow.deceptive_hit", obj=namespace, after={"check": check.pk, "engine": engine.name})
     if not verified:
-        return
+        return None
+    retirement = answer_retirement_record(check=check, engine=engine)
     if namespace.tenant is None or tenant_gateway_policy(namespace.tenant).suspend_on_deceptive_hit:
         namespace_routing_suspend(namespace=namespace, reason=what, actor=ACTOR)
+    return retirement
 
 
 def shadow_checks_recover() -> int:
     """Hand again to a worker the checks whose worker was lost (claimed over
-    :data:`SHADOW_STALE_S` ago, still pending) or never got them."""
+    :data:`SHADOW_STALE_S` ago, still pending) or never got them, and carry out the answer
+    retirements a lost worker left incomplete. Returns the checks handed again."""
+    answer_retirements_recover(actor=ACTOR)
     stale = timezone.now() - timedelta(seconds=SHADOW_STALE_S)
     lost = ShadowCheck.objects.filter(status=ShadowCheck.Status.PENDING, created_at__lt=stale).filter(
         checked_at__isnull=True

@@ -14,9 +14,11 @@ chain of :meth:`CacheLayer.bypass` without reading anything.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from inference.errors import InvalidField
 from inference.tiers.base import TierUnavailable
 
 if TYPE_CHECKING:
@@ -35,6 +37,53 @@ class StoreUnavailable(TierUnavailable):
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """Where a cached answer comes from: kept beside the answer in both layers' stores, so
+    the answers one engine computed over a span of time can be found and retired.
+
+    Attributes:
+        engine_id: the control plane's id of the engine that computed the answer (>= 1).
+        computed_at: when the engine's answer was complete, seconds since the epoch (the gateway host's clock).
+
+    Raises:
+        InvalidField: ``engine_id`` not an integer >= 1, ``computed_at`` not a finite number >= 0.
+    """
+
+    engine_id: int
+    computed_at: float
+
+    def __post_init__(self) -> None:
+        check_engine_id(self.engine_id)
+        at = self.computed_at
+        if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at) or at < 0:
+            raise InvalidField("computed_at", f"must be seconds since the epoch (>= 0), got {at!r}")
+
+
+def check_engine_id(engine_id: int) -> int:
+    """An engine's id: an integer >= 1.
+
+    Raises:
+        InvalidField: (field ``engine_id``) anything else.
+    """
+    if isinstance(engine_id, bool) or not isinstance(engine_id, int) or engine_id < 1:
+        raise InvalidField("engine_id", f"must be an integer >= 1, got {engine_id!r}")
+    return engine_id
+
+
+def check_since(since: float | None) -> float | None:
+    """A retirement's lower bound: None (every answer) or seconds since the epoch (>= 0).
+
+    Raises:
+        InvalidField: (field ``since``) anything else.
+    """
+    if since is None:
+        return None
+    if isinstance(since, bool) or not isinstance(since, int | float) or not math.isfinite(since) or since < 0:
+        raise InvalidField("since", f"must be seconds since the epoch (>= 0) or None, got {since!r}")
+    return float(since)
+
+
+@dataclass(frozen=True)
 class Lookup:
     """What one layer's read found.
 
@@ -42,10 +91,15 @@ class Lookup:
         record: the cached answer on a hit (every field of the engine's answer but its id, time and
             model name: :mod:`gateway.answers`), else None.
         pending: on a miss, what the layer needs to guard the fill and store the answer (layer-specific).
+        entry: on a hit, the layer's id of the entry served (for :meth:`CacheLayer.provenance`), when known.
+        question: on a hit of an answer computed for another text than the request's (a semantic
+            hit: the paraphrase it was stored for), that text; None when it answers this very request.
     """
 
     record: dict[str, Any] | None
     pending: Any = None
+    entry: str | None = None
+    question: str | None = None
 
 
 class CacheLayer(Protocol):
@@ -97,4 +151,14 @@ class CacheLayer(Protocol):
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
         """The request ended (``record``: its answer, None when it failed): give back what
         :meth:`fill_guard` took. Never raises :attr:`Unavailable`."""
+        ...
+
+    def provenance(self, ctx: RequestContext, entry: str) -> Provenance | None:
+        """Which engine computed the entry ``entry`` (:attr:`Lookup.entry`) of the routed
+        namespace, and when; None when the store holds no provenance for it (stored without,
+        or gone). Blocking: called off the event loop, only for a sampled hit.
+
+        Raises:
+            Unavailable: the store cannot answer.
+        """
         ...

@@ -168,6 +168,23 @@ class VllmHttpClient:
             return None
         return int(details["cached_tokens"])
 
+    def tokenize(self, text: str) -> list[int]:
+        """The token ids of ``text`` under the served model's tokenizer, without special tokens:
+        vLLM's ``POST /tokenize`` (``TokenizeCompletionRequest``: ``prompt``, ``add_special_tokens``;
+        answer ``{"tokens": [...], "count", "max_model_len"}``; vllm/entrypoints/serve/tokenize/).
+
+        Raises:
+            EngineError: unreachable, an error status, or an answer without a list of integer tokens.
+        """
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        try:
+            tokens = self._request("POST", "/tokenize", json=body).json().get("tokens")
+        except (ValueError, AttributeError):
+            tokens = None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise EngineError(f"engine at {self.base_url} answered /tokenize without a list of token ids")
+        return tokens
+
     def healthy(self) -> bool:
         """True when ``GET /health`` answers 200; never raises."""
         import httpx  # lazy: start-up cost of every CLI/worker process (see above)

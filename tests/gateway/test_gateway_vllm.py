@@ -15,12 +15,18 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cacheadmin.models import Engine, GatewayKey, GatewayStat, ShadowCheck, Tenant
-from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke, tenant_gateway_policy_update
+from cacheadmin.models import AnswerRetirement, Engine, GatewayKey, GatewayStat, ShadowCheck, Tenant
+from cacheadmin.services.gateway import (
+    gateway_key_issue,
+    gateway_key_revoke,
+    namespace_routing_resume,
+    tenant_gateway_policy_update,
+)
 from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
 from cacheadmin.services.shadow import shadow_check_run
 from gateway.answers import AnswerAssembler
+from gateway.layers.response.sqlite_store import SqliteResponseStore
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
 from tests.helpers import running_gateway, subprocess_env, wait_for
@@ -234,3 +240,48 @@ def test_a_replay_carries_every_field_vllm_returned_and_a_cut_answer_is_kept_onl
     assert _but(_folded(again), "usage") == _but(first, "usage")
     whole = _post(served, {k: v for k, v in other.items() if k not in stream})
     assert whole.headers["x-kvcp-served-by"] == "response" and whole.json()["choices"] == first["choices"]
+
+
+def test_shadow_verification_judges_the_answer_served_and_a_deceptive_hit_retires_it_before_resuming(
+    served: dict, reference: LocalEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(settings, "GATEWAY_DIR", tmp_path)  # the control plane's stores are the gateways'
+    Engine.objects.create(
+        name="gw-reference", model_version=served["version"], base_url=reference.base_url, pid=reference.pid,
+        prefix_caching=False, status=Engine.Status.READY, verification=Engine.Verification.VERIFIED, role=Engine.Role.REFERENCE,
+    )  # fmt: skip
+    tenant_gateway_policy_update(tenant=served["tenant"], actor="t", changes={"shadow_sample_rate": 1.0})
+    time.sleep(1.0)  # the gateways' snapshot picks the policy up
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which desk answers?"}]}  # fmt: skip
+    first = _post(served, body)
+    assert first.status_code == 200 and first.headers["x-kvcp-served-by"] == "engine"
+    truth = first.json()["choices"][0]["message"]["content"]
+    # The answer the engine computed is corrupted once, as it sits in the response cache.
+    store, prefix = SqliteResponseStore(tmp_path / "response-cache.sqlite3"), served["namespace"].storage_prefix
+    (entry,) = store.entries(prefix)
+    provenance = store.provenance(prefix, entry.key)
+    assert provenance is not None and provenance.engine_id == Engine.objects.get(name="gw-engine").pk
+    record = json.loads(store.get(prefix, entry.key) or b"{}")
+    record["choices"][0]["message"]["content"] = "Zebra zebra zebra"
+    store.put(prefix, entry.key, json.dumps(record).encode(), ttl_s=None, max_bytes=None, provenance=provenance)
+    second = _post(served, body)
+    assert second.headers["x-kvcp-served-by"] == "response"
+    assert second.json()["choices"][0]["message"]["content"] == "Zebra zebra zebra"
+    wait_for(lambda: ShadowCheck.objects.filter(served_layer="response").exists(), timeout=15, what="the hit sampled")
+    check = ShadowCheck.objects.get(served_layer="response")
+    assert (check.served_answer or {}).get("text") == "Zebra zebra zebra" and check.engine_id == provenance.engine_id
+    # Replaying the request would have matched (the engine answers right again); the answer served does not.
+    assert shadow_check_run(check.pk) == "deceptive"
+    check.refresh_from_db()
+    assert check.detail["judged"] == "served" and check.detail["reference_text"] == truth
+    assert check.first_divergence == 0 and check.noise_divergence is None
+    retirement = AnswerRetirement.objects.get(shadow_check=check)
+    assert retirement.completed_at is not None and retirement.removed == {"response": 1, "semantic": 0}
+    assert store.entries(prefix) == []
+    wait_for(lambda: _post(served, body).status_code == 503, timeout=5, what="the namespace suspended")
+    namespace_routing_resume(namespace=served["namespace"], actor="t", reason="engine checked")
+    wait_for(lambda: _post(served, body).status_code == 200, timeout=5, what="routing resumed")
+    again = _post(served, body)
+    assert again.json()["choices"][0]["message"]["content"] == truth
+    store.close()

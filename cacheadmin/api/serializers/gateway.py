@@ -149,5 +149,6 @@ class ShadowCheckSerializer(RowSerializer):
     class Meta:
         model = ShadowCheck
         fields = ("id", "namespace", "engine", "reference_engine", "endpoint", "cached_tokens", "status", "first_divergence",
-                  "noise_divergence", "error", "created_at", "checked_at")  # fmt: skip
+                  "noise_divergence", "error", "served_layer", "computed_at", "served_at", "created_at",
+                  "checked_at")  # fmt: skip
         read_only_fields = fields

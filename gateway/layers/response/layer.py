@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from gateway.canonical import response_cache_key
-from gateway.layers.base import Lookup, StoreUnavailable
+from gateway.layers.base import Lookup, Provenance, StoreUnavailable
 from gateway.layers.response.store import ResponseStore
 from gateway.protection import FillResult, SingleFlight, fill_once, flight_key
 
@@ -111,7 +111,7 @@ class ResponseCacheLayer:
         if hit is None:
             filled = await self.flight.result_of(flight_key(prefix, key), self.fill_wait_s)
             hit = filled.value if filled is not None else None
-        return Lookup(json.loads(hit) if hit is not None else None, PendingFill(key))
+        return Lookup(json.loads(hit) if hit is not None else None, PendingFill(key), entry=key if hit is not None else None)
 
     @property
     def _store(self) -> ResponseStore:
@@ -165,14 +165,24 @@ class ResponseCacheLayer:
         return None
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
-        """Keep the answer under the namespace's TTL and byte budget.
+        """Keep the answer under the namespace's TTL and byte budget, with its provenance
+        (:attr:`RequestContext.provenance`: which engine computed it, when).
 
         Raises:
             StoreUnavailable: the store cannot answer.
         """
         ns = ctx.namespace
         key = pending.key
-        await asyncio.to_thread(self._store.put, ns.storage_prefix, key, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes)
+        await asyncio.to_thread(self._store.put, ns.storage_prefix, key, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes,
+                                provenance=ctx.provenance)  # fmt: skip
+
+    def provenance(self, ctx: RequestContext, entry: str) -> Provenance | None:
+        """The provenance kept with the entry ``entry`` (its key) of the routed namespace.
+
+        Raises:
+            StoreUnavailable: the store cannot answer.
+        """
+        return self._store.provenance(ctx.namespace.storage_prefix, entry)
 
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
         """End the flight this request leads: its joiners get the answer (or :class:`NoAnswer`),

@@ -17,7 +17,7 @@ from inference.tiers.redis_tier import redis_address, redis_errors
 # never needs it.
 if TYPE_CHECKING:
     import redis
-from gateway.layers.base import StoreUnavailable
+from gateway.layers.base import Provenance, StoreUnavailable, check_engine_id, check_since
 from gateway.layers.redis_client import KEY_PREFIX_PATTERN, check_redis_client, redis_client
 from gateway.layers.response.store import (
     BATCH,
@@ -229,7 +229,18 @@ end
 return out
 """
 
-_META_KINDS = frozenset({b"lru", b"exp", b"size", b"ctime", b"bytes"})
+_META_KINDS = frozenset({b"lru", b"exp", b"size", b"ctime", b"bytes", b"prov"})
+
+
+def _provenance_from(raw: bytes | None) -> Provenance | None:
+    """A provenance field (``"<engine id> <computed at>"``), or None when absent or not of that shape."""
+    if raw is None:
+        return None
+    try:
+        engine, at = raw.split()
+        return Provenance(int(engine), float(at))
+    except ValueError:  # InvalidField is a ValueError too: a field nobody of this store wrote
+        return None
 
 
 class RedisResponseStore(ResponseStore):
@@ -242,6 +253,9 @@ class RedisResponseStore(ResponseStore):
     - ``{kp}:exp:{prefix}``: sorted set, key → expiry (µs) of entries with a TTL;
     - ``{kp}:size:{prefix}`` and ``{kp}:ctime:{prefix}``: hashes, key → bytes, creation (µs);
     - ``{kp}:bytes:{prefix}``: the prefix's total bytes; ``{kp}:prefixes``: set of prefixes;
+    - ``{kp}:prov:{prefix}``: hash, key → ``"<engine id> <computed at, s>"``, the answer's
+      provenance, written with the value in one ``MULTI`` (a field whose entry was evicted
+      meanwhile is dropped by the next retirement or prefix deletion);
     - ``{kp}:lease:{prefix}:{key}``: a fill lease (``SET NX PX``, a random token).
 
     ``get``, ``put``, deletes and purges are Lua scripts, so a value and its
@@ -341,10 +355,14 @@ class RedisResponseStore(ResponseStore):
             value: bytes | None = self._get(keys=[self._k("lru", prefix), self._k("v", prefix, key)], args=[key])
             return value
 
-    def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
+    def put(
+        self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
         """See :meth:`ResponseStore.put`: one Lua call purges the prefix's
         expired entries, writes the value (``PX`` of ``ttl_s`` rounded to
-        whole milliseconds, at least 1) and its accounting, and evicts.
+        whole milliseconds, at least 1) and its accounting, and evicts; the
+        provenance field is set (or dropped) in the same ``MULTI``.
 
         Raises:
             InvalidField: bad argument. StoreUnavailable: Redis down, slow, full or read-only.
@@ -355,10 +373,67 @@ class RedisResponseStore(ResponseStore):
         _check_value(value)
         ttl = _check_ttl(ttl_s)
         budget = _check_max_bytes(max_bytes)
+        if provenance is not None and not isinstance(provenance, Provenance):
+            raise InvalidField("provenance", f"must be a Provenance or None, got {_show(provenance)}")
         head = self._value_head(prefix)
         args = [head, prefix, key, value, 0 if ttl is None else _ttl_ms(ttl), -1 if budget is None else budget]
         with self._errors(f"put {prefix}/{key}"):
-            return int(self._put(keys=[*self._prefix_keys(prefix), head + key.encode()], args=args))
+            pipe = self.client.pipeline(transaction=True)
+            self._put(keys=[*self._prefix_keys(prefix), head + key.encode()], args=args, client=pipe)
+            if provenance is None:
+                pipe.hdel(self._k("prov", prefix), key)
+            else:
+                pipe.hset(self._k("prov", prefix), key, f"{provenance.engine_id} {provenance.computed_at!r}")
+            return int(pipe.execute()[0])
+
+    def provenance(self, prefix: str, key: str) -> Provenance | None:
+        """See :meth:`ResponseStore.provenance`: the value key's existence and the provenance field, in one ``MULTI``.
+
+        Raises:
+            InvalidField: bad prefix or key. StoreUnavailable: Redis down or slow.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        with self._errors(f"provenance {prefix}/{key}"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.exists(self._k("v", prefix, key))
+            pipe.hget(self._k("prov", prefix), key)
+            live, raw = pipe.execute()
+        return _provenance_from(raw) if live else None
+
+    def retire_computed(self, prefix: str, engine_id: int, since: float | None) -> int:
+        """See :meth:`ResponseStore.retire_computed`: the provenance and creation hashes read in
+        one ``MULTI``, then the chosen entries deleted as :meth:`delete_entries` does (an entry
+        stored meanwhile is left for the next call: retirement is re-run before routing resumes).
+
+        Raises:
+            InvalidField: bad prefix, engine id or since. StoreUnavailable: Redis down or slow.
+        """
+        check_store_prefix(prefix)
+        check_engine_id(engine_id)
+        lower = check_since(since)
+        floor_us = -1.0 if lower is None else lower * 1e6
+        with self._errors(f"retire answers of engine {engine_id} in {prefix}"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(self._k("prov", prefix))
+            pipe.hgetall(self._k("ctime", prefix))
+            provs, ctimes = pipe.execute()
+        chosen: list[str] = []
+        for member, created in ctimes.items():
+            prov = _provenance_from(provs.get(member))
+            if prov is None:
+                doomed = float(created) >= floor_us
+            else:
+                doomed = prov.engine_id == engine_id and prov.computed_at * 1e6 >= floor_us
+            if doomed:
+                chosen.append(member.decode())
+        stale = [m for m in provs if m not in ctimes]  # fields whose entry was evicted or expired
+        self.delete_entries(prefix, chosen)
+        with self._errors(f"retire answers of engine {engine_id} in {prefix}"):
+            fields = [m.encode() for m in chosen] + stale
+            for start in range(0, len(fields), BATCH):
+                self.client.hdel(self._k("prov", prefix), *fields[start : start + BATCH])
+        return len(chosen)
 
     def lease(self, prefix: str, key: str, ttl_s: float) -> bool:
         """See :meth:`ResponseStore.lease`: ``SET {kp}:lease:{prefix}:{key} <token> NX PX``.
@@ -571,6 +646,7 @@ class RedisResponseStore(ResponseStore):
                 freed += int(batch_freed)
                 if int(count) == 0:
                     break
+            self.client.unlink(self._k("prov", prefix))
             leftovers = list(self.client.scan_iter(match=head + b"*", count=SCAN_COUNT))
             for start in range(0, len(leftovers), BATCH):
                 batch = leftovers[start : start + BATCH]

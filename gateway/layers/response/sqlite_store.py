@@ -21,7 +21,7 @@ from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix, stray_pr
 # never needs it.
 if TYPE_CHECKING:
     pass
-from gateway.layers.base import StoreUnavailable
+from gateway.layers.base import Provenance, StoreUnavailable, check_engine_id, check_since
 from gateway.layers.response.store import (
     BATCH,
     PREFIX_PATTERN,
@@ -65,6 +65,17 @@ CREATE TRIGGER IF NOT EXISTS response_entries_del AFTER DELETE ON response_entri
 END;
 CREATE TRIGGER IF NOT EXISTS response_entries_upd AFTER UPDATE OF bytes ON response_entries BEGIN
     UPDATE response_totals SET bytes = bytes - old.bytes + new.bytes WHERE prefix = new.prefix;
+END;
+CREATE TABLE IF NOT EXISTS response_provenance (
+    prefix TEXT NOT NULL,
+    key TEXT NOT NULL,
+    engine_id INTEGER NOT NULL,
+    computed_at REAL NOT NULL,
+    PRIMARY KEY (prefix, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS response_provenance_engine ON response_provenance (prefix, engine_id, computed_at);
+CREATE TRIGGER IF NOT EXISTS response_entries_provenance_del AFTER DELETE ON response_entries BEGIN
+    DELETE FROM response_provenance WHERE prefix = old.prefix AND key = old.key;
 END;
 CREATE TABLE IF NOT EXISTS response_leases (
     prefix TEXT NOT NULL,
@@ -160,9 +171,13 @@ class SqliteResponseStore(ResponseStore):
             )
         return bytes(rows[0][0]) if rows else None
 
-    def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
+    def put(
+        self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
         """See :meth:`ResponseStore.put`: one transaction purges the prefix's
-        expired entries, upserts the entry, reads the prefix's total and
+        expired entries, upserts the entry and its provenance (a row of
+        ``response_provenance`` beside it), reads the prefix's total and
         deletes the least recently used others (ties by insertion order)
         until it fits."""
         check_store_prefix(prefix)
@@ -170,6 +185,8 @@ class SqliteResponseStore(ResponseStore):
         _check_value(value)
         ttl = _check_ttl(ttl_s)
         budget = _check_max_bytes(max_bytes)
+        if provenance is not None and not isinstance(provenance, Provenance):
+            raise InvalidField("provenance", f"must be a Provenance or None, got {_show(provenance)}")
         size = len(value)
         now = time.time()
         with self._write(f"put {prefix}/{key}") as conn:
@@ -183,6 +200,7 @@ class SqliteResponseStore(ResponseStore):
                 " expires_at = excluded.expires_at",
                 (prefix, key, value, size, now, now, None if ttl is None else now + ttl),
             )
+            _keep_provenance(conn, prefix, key, provenance)
             if budget is None:
                 return 0
             (total,) = conn.execute("SELECT bytes FROM response_totals WHERE prefix = ?", (prefix,)).fetchone()
@@ -201,6 +219,42 @@ class SqliteResponseStore(ResponseStore):
             cursor.close()
             conn.executemany("DELETE FROM response_entries WHERE prefix = ? AND key = ?", victims)
             return len(victims)
+
+    def provenance(self, prefix: str, key: str) -> Provenance | None:
+        """See :meth:`ResponseStore.provenance`: one read of the live entry's provenance row.
+
+        Raises:
+            InvalidField: bad prefix or key. StoreUnavailable: see the class.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        rows = self._read(
+            f"provenance {prefix}/{key}",
+            "SELECT p.engine_id, p.computed_at FROM response_provenance p JOIN response_entries e"
+            f" ON e.prefix = p.prefix AND e.key = p.key WHERE p.prefix = ? AND p.key = ? AND {_LIVE}",
+            (prefix, key, time.time()),
+        )
+        return Provenance(int(rows[0][0]), float(rows[0][1])) if rows else None
+
+    def retire_computed(self, prefix: str, engine_id: int, since: float | None) -> int:
+        """See :meth:`ResponseStore.retire_computed`: one transaction (an entry without
+        provenance is judged by its ``created_at``, the time it was stored).
+
+        Raises:
+            InvalidField: bad prefix, engine id or since. StoreUnavailable: see the class.
+        """
+        check_store_prefix(prefix)
+        check_engine_id(engine_id)
+        lower = check_since(since)
+        floor = -1.0 if lower is None else lower
+        with self._write(f"retire answers of engine {engine_id} in {prefix}") as conn:
+            return conn.execute(
+                "DELETE FROM response_entries AS e WHERE e.prefix = ? AND ("
+                " e.key IN (SELECT key FROM response_provenance WHERE prefix = ? AND engine_id = ? AND computed_at >= ?)"
+                " OR (e.created_at >= ? AND NOT EXISTS"
+                " (SELECT 1 FROM response_provenance p WHERE p.prefix = e.prefix AND p.key = e.key)))",
+                (prefix, prefix, engine_id, floor, floor),
+            ).rowcount
 
     def lease(self, prefix: str, key: str, ttl_s: float) -> bool:
         """See :meth:`ResponseStore.lease`: one upsert that takes the row when
@@ -404,6 +458,18 @@ class SqliteResponseStore(ResponseStore):
                 rows = conn.execute("DELETE FROM response_entries WHERE prefix = ? RETURNING bytes", (name,)).fetchall()
                 freed += sum(b for (b,) in rows)
         return freed
+
+
+def _keep_provenance(conn: sqlite3.Connection, prefix: str, key: str, provenance: Provenance | None) -> None:
+    """Write (or, without one, drop) the provenance row of the entry just stored, in its transaction."""
+    if provenance is None:
+        conn.execute("DELETE FROM response_provenance WHERE prefix = ? AND key = ?", (prefix, key))
+        return
+    conn.execute(
+        "INSERT INTO response_provenance (prefix, key, engine_id, computed_at) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT (prefix, key) DO UPDATE SET engine_id = excluded.engine_id, computed_at = excluded.computed_at",
+        (prefix, key, provenance.engine_id, provenance.computed_at),
+    )
 
 
 def _sqlite_stray(name: str) -> str | None:

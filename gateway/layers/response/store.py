@@ -27,6 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
+from gateway.layers.base import Provenance
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierUsage
 
@@ -148,7 +149,10 @@ class ResponseStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def put(self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None) -> int:
+    def put(
+        self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
         """Store ``value`` (replacing any entry under the same key), then evict
         the least recently used entries of ``prefix`` until the prefix's bytes
         are at most ``max_bytes``; the entry just stored is never evicted.
@@ -156,6 +160,8 @@ class ResponseStore(abc.ABC):
         Args:
             ttl_s: seconds the entry lives (> 0), None for no expiry.
             max_bytes: the prefix's byte budget (>= 0), None for none.
+            provenance: the engine that computed the answer and when, kept beside it
+                (written with the value in one step); None: none (an older one under the key is dropped).
 
         Returns:
             The number of other entries evicted. A value longer than
@@ -214,6 +220,29 @@ class ResponseStore(abc.ABC):
     def purge_expired(self, prefix: str | None = None) -> int:
         """Reclaim the storage of expired entries (of ``prefix``, or of every
         prefix when None) and of expired leases; returns the entries removed."""
+
+    @abc.abstractmethod
+    def provenance(self, prefix: str, key: str) -> Provenance | None:
+        """The provenance stored with the live entry ``(prefix, key)``, or None (absent,
+        expired, or stored without one). Records no access.
+
+        Raises:
+            InvalidField: (``prefix``, ``key``). StoreUnavailable: the backend cannot answer in time.
+        """
+
+    @abc.abstractmethod
+    def retire_computed(self, prefix: str, engine_id: int, since: float | None) -> int:
+        """Delete the entries of ``prefix`` that engine ``engine_id`` computed at or after
+        ``since`` (None: whenever), and, being unaccountable, those stored without provenance
+        at or after ``since``. Idempotent; entries of other engines are left alone.
+
+        Returns:
+            The number of entries deleted.
+
+        Raises:
+            InvalidField: (``prefix``, ``engine_id``, ``since``) before anything is deleted.
+            StoreUnavailable: the backend cannot answer in time.
+        """
 
     def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
         """Release connections held by the store (the store must not be used afterwards)."""

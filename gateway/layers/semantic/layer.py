@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import numpy as np
 
 from gateway.canonical import canonical_bytes
-from gateway.layers.base import Lookup, StoreUnavailable
+from gateway.layers.base import Lookup, Provenance, StoreUnavailable
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
@@ -68,6 +68,17 @@ class SemanticLayer:
         Raises:
             StoreUnavailable: the store is down.
         """
+        vector, candidate = self.lookup_candidate(prefix, partition, text, threshold)
+        return vector, json.loads(candidate.entry.response) if candidate is not None else None
+
+    def lookup_candidate(
+        self, prefix: str, partition: str, text: str, threshold: float | None
+    ) -> tuple[np.ndarray, Candidate | None]:
+        """:meth:`lookup`, with the entry that matched (its id, the text it answered) instead of its record.
+
+        Raises:
+            StoreUnavailable: the store is down.
+        """
         vector = self.embedder.embed([text])[0]
         limit = self.threshold if threshold is None else threshold
         candidates = self.entries.search(prefix, partition, self.embedder.model_id, vector, k=self.k)
@@ -77,7 +88,7 @@ class SemanticLayer:
                 text, candidate.entry.text, candidate.similarity, threshold=limit, guards=self.guards, embed=self.embedder.embed
             )
             if verdict.hit:
-                return vector, json.loads(candidate.entry.response)
+                return vector, candidate
         return vector, None
 
     def _prefetch_template_parts(self, text: str, candidates: Sequence[Candidate], limit: float) -> None:
@@ -119,9 +130,10 @@ class SemanticLayer:
 
     def store_answer(
         self, prefix: str, tenant: str, partition: str, vector: np.ndarray, text: str, value: bytes, tags: Sequence[str],
-        *, ttl_s: float | None, max_bytes: int | None,
+        *, ttl_s: float | None, max_bytes: int | None, provenance: Provenance | None = None,
     ) -> None:  # fmt: skip
-        """Keep an answer for later paraphrases of ``text`` (expires after ``ttl_s``; the namespace's budget applies).
+        """Keep an answer for later paraphrases of ``text`` (expires after ``ttl_s``; the namespace's budget
+        applies), with its provenance (the engine that computed it, when) beside it.
 
         Raises:
             StoreUnavailable: the store is down.
@@ -132,15 +144,17 @@ class SemanticLayer:
             text=text, vector=np.asarray(vector, dtype=np.float32), response=value, tags=tuple(tags), created_at=now,
             expires_at=now + ttl_s if ttl_s else None,
         )  # fmt: skip
-        self.entries.add(entry, max_bytes=max_bytes)
+        self.entries.add(entry, max_bytes=max_bytes, provenance=provenance)
 
     def store(
-        self, ns: Any, tenant: Any, partition: str, vector: np.ndarray, text: str, value: bytes, tags: Sequence[str]
-    ) -> None:
+        self, ns: Any, tenant: Any, partition: str, vector: np.ndarray, text: str, value: bytes, tags: Sequence[str],
+        provenance: Provenance | None = None,
+    ) -> None:  # fmt: skip
         """:meth:`store_answer` for a namespace and tenant target of the routing snapshot."""
         self.store_answer(
-            ns.storage_prefix, str(tenant.id), partition, vector, text, value, tags, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes
-        )
+            ns.storage_prefix, str(tenant.id), partition, vector, text, value, tags, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes,
+            provenance=provenance,
+        )  # fmt: skip
 
 
 #: Why a request bypasses the semantic cache, besides the reproducibility rule's refusals
@@ -217,10 +231,14 @@ class SemanticCacheLayer:
         assert self.semantic is not None and ctx.user_text is not None
         ns, text = ctx.namespace, ctx.user_text
         partition = semantic_partition(ctx.tenant, ns, ctx.endpoint, ctx.canonical)
-        vector, record = await asyncio.to_thread(
-            self.semantic.lookup, ns.storage_prefix, partition, text, ctx.tenant.policy.semantic_threshold
+        vector, found = await asyncio.to_thread(
+            self.semantic.lookup_candidate, ns.storage_prefix, partition, text, ctx.tenant.policy.semantic_threshold
         )
-        return Lookup(record) if record is not None else Lookup(None, (partition, vector, text))
+        if found is None:
+            return Lookup(None, (partition, vector, text))
+        # A paraphrase's answer: what it answers is the stored question, not this request's.
+        asked = None if found.entry.text == text else found.entry.text
+        return Lookup(json.loads(found.entry.response), entry=found.entry.entry_id, question=asked)
 
     async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
         """No single flight of its own (the response layer's covers identical requests)."""
@@ -234,7 +252,18 @@ class SemanticCacheLayer:
         """
         assert self.semantic is not None
         partition, vector, text = pending
-        await asyncio.to_thread(self.semantic.store, ctx.namespace, ctx.tenant, partition, vector, text, value, ctx.tags)
+        await asyncio.to_thread(
+            self.semantic.store, ctx.namespace, ctx.tenant, partition, vector, text, value, ctx.tags, ctx.provenance
+        )
+
+    def provenance(self, ctx: RequestContext, entry: str) -> Provenance | None:
+        """The provenance kept with the entry of id ``entry``.
+
+        Raises:
+            StoreUnavailable: the store cannot answer.
+        """
+        assert self.semantic is not None
+        return self.semantic.entries.provenance(entry)
 
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
         """Nothing taken."""

@@ -20,7 +20,7 @@ from inference.tiers.redis_tier import redis_address, redis_errors
 if TYPE_CHECKING:
     import redis
 
-from gateway.layers.base import StoreUnavailable
+from gateway.layers.base import Provenance, StoreUnavailable, check_engine_id, check_since
 from gateway.layers.redis_client import KEY_PREFIX_PATTERN, check_redis_client, redis_client
 from gateway.layers.semantic.entries import (
     BATCH,
@@ -88,7 +88,8 @@ end
 """
 
 # ARGV: kp, cap, id, prefix, part, mdig, tenant, model, text, vec, resp, tags, tk,
-# created, expires ('' for none), nb, dim, now, max_n (-1 none), max_b (-1 none).
+# created, expires ('' for none), nb, dim, now, max_n (-1 none), max_b (-1 none),
+# provenance ('<engine id> <computed at>', '' for none): kept as the entry hash's 'prov' field.
 # Returns {status, evicted, seq}: status 1 stored, 0 too big for max_b, -1 wrong dim (evicted = the model's dim).
 _LUA_ADD = (
     _LUA_DEL
@@ -108,6 +109,7 @@ local seq = tostring(redis.call('INCR', kp .. ':seq'))
 redis.call('HSET', kp .. ':e:' .. seq, 'id', id, 'prefix', prefix, 'part', part, 'mdig', mdig, 'tenant', ARGV[7],
   'model', ARGV[8], 'text', ARGV[9], 'vec', ARGV[10], 'resp', ARGV[11], 'tags', ARGV[12], 'tk', ARGV[13],
   'created', created, 'exp', expires, 'nb', nb, 'la', '')
+if ARGV[21] and ARGV[21] ~= '' then redis.call('HSET', kp .. ':e:' .. seq, 'prov', ARGV[21]) end
 local tail = prefix .. ':' .. part .. ':' .. mdig
 redis.call('ZADD', kp .. ':p:' .. tail, seq, seq)
 redis.call('ZADD', kp .. ':c:' .. prefix, created, seq)
@@ -216,6 +218,17 @@ def _text(raw: bytes | None) -> str:
 
 def _float(raw: bytes | None) -> float | None:
     return None if raw is None or raw == b"" else float(raw)
+
+
+def _provenance_from(raw: bytes | None) -> Provenance | None:
+    """An entry's ``prov`` field (``"<engine id> <computed at>"``), or None when absent or not of that shape."""
+    if not raw:
+        return None
+    try:
+        engine, at = raw.split()
+        return Provenance(int(engine), float(at))
+    except ValueError:  # InvalidField is a ValueError too: a field nobody of this store wrote
+        return None
 
 
 def _entry_from_fields(seq: int, values: Sequence[bytes | None]) -> _Loaded | None:
@@ -340,10 +353,16 @@ class RedisSemanticStore(SemanticStore):
 
     # -- the gateway's side -----------------------------------------------------------
 
-    def add(self, entry: SemanticEntry, *, max_entries: int | None = None, max_bytes: int | None = None) -> int:
-        """See :meth:`SemanticStore.add`: one Lua script (ties in age broken by sequence number as text)."""
+    def add(
+        self, entry: SemanticEntry, *, max_entries: int | None = None, max_bytes: int | None = None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
+        """See :meth:`SemanticStore.add`: one Lua script (ties in age broken by sequence number as
+        text); the provenance is the entry hash's ``prov`` field, gone with the entry."""
         if not isinstance(entry, SemanticEntry):
             raise InvalidField("entry", f"must be a SemanticEntry, got {type(entry).__name__}")
+        if provenance is not None and not isinstance(provenance, Provenance):
+            raise InvalidField("provenance", f"must be a Provenance or None, got {provenance!r}"[:120])
         budget_n = _check_budget("max_entries", max_entries, 1)
         budget_b = _check_budget("max_bytes", max_bytes, 0)
         dim = int(entry.vector.shape[0])
@@ -367,6 +386,7 @@ class RedisSemanticStore(SemanticStore):
             repr(time.time()),
             -1 if budget_n is None else budget_n,
             -1 if budget_b is None else budget_b,
+            "" if provenance is None else f"{provenance.engine_id} {provenance.computed_at!r}",
         ]
         with self._errors(f"add {entry.prefix}/{entry.entry_id}"):
             status, evicted, _seq = self._add_script(args=args)
@@ -391,6 +411,42 @@ class RedisSemanticStore(SemanticStore):
         at = _now(now)
         with self._errors(f"touch {entry_id}"):
             return bool(self._touch_script(args=[self.key_prefix, entry_id, repr(at)]))
+
+    def provenance(self, entry_id: str) -> Provenance | None:
+        """See :meth:`SemanticStore.provenance`: the id's sequence number, then its ``prov`` field."""
+        _check_entry_id(entry_id)
+        with self._errors(f"provenance {entry_id}"):
+            seq = self.client.get(self._k("id", entry_id))
+            raw = None if seq is None else self.client.hget(self._k("e", _text(seq)), "prov")
+        return _provenance_from(raw)
+
+    def retire_computed(self, prefix: str, engine_id: int, since: float | None) -> int:
+        """See :meth:`SemanticStore.retire_computed`: the prefix's entries read by pipelined
+        ``HMGET``, the chosen ones deleted as :meth:`delete_entries` does (an entry added
+        meanwhile is left for the next call: retirement is re-run before routing resumes)."""
+        _check_prefix(prefix)
+        check_engine_id(engine_id)
+        lower = check_since(since)
+        floor = -1.0 if lower is None else lower
+        chosen: list[str] = []
+        with self._errors(f"retire answers of engine {engine_id} in {prefix}"):
+            seqs = self.client.zrange(self._k("c", prefix), 0, -1)
+            for batch in _chunks(seqs):
+                pipe = self.client.pipeline(transaction=False)
+                for seq in batch:
+                    pipe.hmget(self._k("e", _text(seq)), ["id", "created", "prov"])
+                for eid, created, raw in pipe.execute():
+                    prov = _provenance_from(raw)
+                    if eid is None:
+                        continue
+                    if prov is None and (_float(created) or 0.0) >= floor:
+                        chosen.append(_text(eid))
+                    elif prov is not None and prov.engine_id == engine_id and prov.computed_at >= floor:
+                        chosen.append(_text(eid))
+            removed = 0
+            for ids in _chunks(chosen):
+                removed += int(self._delete_ids_script(args=[*self._cap(), prefix, *ids])[0])
+        return removed
 
     def invalidate_tags(self, tenant: str, tags: Iterable[str]) -> int:
         """See :meth:`SemanticStore.invalidate_tags`: one Lua script over the tags' sets."""

@@ -22,7 +22,7 @@ from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix
 if TYPE_CHECKING:
     pass
 
-from gateway.layers.base import StoreUnavailable
+from gateway.layers.base import Provenance, StoreUnavailable, check_engine_id, check_since
 from gateway.layers.semantic.entries import (
     PartKey,
     SemanticEntry,
@@ -112,6 +112,14 @@ CREATE TRIGGER IF NOT EXISTS semantic_entries_del AFTER DELETE ON semantic_entri
     DELETE FROM semantic_removals WHERE pid = old.pid
         AND (SELECT present FROM semantic_partitions WHERE pid = old.pid) <= 0;
     DELETE FROM semantic_partitions WHERE pid = old.pid AND present <= 0;
+END;
+CREATE TABLE IF NOT EXISTS semantic_provenance (
+    seq INTEGER PRIMARY KEY,
+    engine_id INTEGER NOT NULL,
+    computed_at REAL NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS semantic_entries_provenance_del AFTER DELETE ON semantic_entries BEGIN
+    DELETE FROM semantic_provenance WHERE seq = old.seq;
 END;
 """
 #: Schema version in ``PRAGMA user_version``; a file with another one is refused.
@@ -272,12 +280,18 @@ class SqliteSemanticStore(SemanticStore):
 
     # -- the gateway's side -----------------------------------------------------------
 
-    def add(self, entry: SemanticEntry, *, max_entries: int | None = None, max_bytes: int | None = None) -> int:
+    def add(
+        self, entry: SemanticEntry, *, max_entries: int | None = None, max_bytes: int | None = None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
         """See :meth:`SemanticStore.add`: one transaction checks the model's
-        dimension, purges the prefix's expired entries, replaces the entry and
-        deletes the oldest others (ties by insertion order) until the budget holds."""
+        dimension, purges the prefix's expired entries, replaces the entry (its
+        provenance in a row of ``semantic_provenance`` beside it) and deletes the
+        oldest others (ties by insertion order) until the budget holds."""
         if not isinstance(entry, SemanticEntry):
             raise InvalidField("entry", f"must be a SemanticEntry, got {type(entry).__name__}")
+        if provenance is not None and not isinstance(provenance, Provenance):
+            raise InvalidField("provenance", f"must be a Provenance or None, got {_show(provenance)}")
         budget_n = _check_budget("max_entries", max_entries, 1)
         budget_b = _check_budget("max_bytes", max_bytes, 0)
         size = entry.nbytes
@@ -298,6 +312,11 @@ class SqliteSemanticStore(SemanticStore):
             old = conn.execute("SELECT seq FROM semantic_entries WHERE entry_id = ?", (entry.entry_id,)).fetchall()
             self._delete_seqs(conn, [s for (s,) in old])
             seq = self._insert(conn, entry, size)
+            if provenance is not None:
+                conn.execute(
+                    "INSERT INTO semantic_provenance (seq, engine_id, computed_at) VALUES (?, ?, ?)",
+                    (seq, provenance.engine_id, provenance.computed_at),
+                )
             if budget_n is None and budget_b is None:
                 return 0
             return self._delete_seqs(conn, self._over_budget(conn, entry.prefix, seq, budget_n, budget_b))[0]
@@ -365,6 +384,31 @@ class SqliteSemanticStore(SemanticStore):
                 f"UPDATE semantic_entries SET last_access_at = ? WHERE entry_id = ? AND {_LIVE}", (at, entry_id, at)
             )
             return cursor.rowcount == 1
+
+    def provenance(self, entry_id: str) -> Provenance | None:
+        """See :meth:`SemanticStore.provenance`: one read."""
+        _check_entry_id(entry_id)
+        rows = self._read(
+            f"provenance {entry_id}",
+            "SELECT p.engine_id, p.computed_at FROM semantic_provenance p JOIN semantic_entries e ON e.seq = p.seq"
+            " WHERE e.entry_id = ?",
+            (entry_id,),
+        )
+        return Provenance(int(rows[0][0]), float(rows[0][1])) if rows else None
+
+    def retire_computed(self, prefix: str, engine_id: int, since: float | None) -> int:
+        """See :meth:`SemanticStore.retire_computed`: one transaction."""
+        _check_prefix(prefix)
+        check_engine_id(engine_id)
+        lower = check_since(since)
+        floor = -1.0 if lower is None else lower
+        with self._write(f"retire answers of engine {engine_id} in {prefix}") as conn:
+            rows = conn.execute(
+                "SELECT e.seq FROM semantic_entries e LEFT JOIN semantic_provenance p ON p.seq = e.seq WHERE e.prefix = ?"
+                " AND ((p.seq IS NULL AND e.created_at >= ?) OR (p.engine_id = ? AND p.computed_at >= ?))",
+                (prefix, floor, engine_id, floor),
+            ).fetchall()
+            return self._delete_seqs(conn, [s for (s,) in rows])[0]
 
     def invalidate_tags(self, tenant: str, tags: Iterable[str]) -> int:
         """See :meth:`SemanticStore.invalidate_tags`: one IMMEDIATE transaction."""

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from gateway.layers.base import Provenance
 from gateway.layers.semantic.matching import similarity
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix
@@ -150,9 +151,14 @@ class SemanticStore(abc.ABC):
     # -- the gateway's side -------------------------------------------------------
 
     @abc.abstractmethod
-    def add(self, entry: SemanticEntry, *, max_entries: int | None = None, max_bytes: int | None = None) -> int:
+    def add(
+        self, entry: SemanticEntry, *, max_entries: int | None = None, max_bytes: int | None = None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
         """Store ``entry`` (replacing an entry with the same id), then enforce
         the prefix's budget by evicting its oldest entries (by ``created_at``).
+        ``provenance`` (the engine that computed the response, and when) is kept
+        beside the entry, written in the same step, and goes with it.
 
         Expired entries of the prefix are purged first (not counted). The entry
         just added is never evicted; an entry whose :attr:`~SemanticEntry.nbytes`
@@ -261,6 +267,28 @@ class SemanticStore(abc.ABC):
 
         Raises:
             InvalidField: bad tenant or tags. StoreUnavailable: see the class.
+        """
+
+    @abc.abstractmethod
+    def provenance(self, entry_id: str) -> Provenance | None:
+        """The provenance stored with the entry, or None (absent, or stored without one).
+
+        Raises:
+            InvalidField: bad id. StoreUnavailable: see the class.
+        """
+
+    @abc.abstractmethod
+    def retire_computed(self, prefix: str, engine_id: int, since: float | None) -> int:
+        """Delete the entries of ``prefix`` whose response engine ``engine_id`` computed at or
+        after ``since`` (None: whenever), and, being unaccountable, those stored without
+        provenance at or after ``since`` (by ``created_at``). Idempotent; once it returns, no
+        search of any process returns them (hits are read back from the store).
+
+        Returns:
+            The number of entries deleted.
+
+        Raises:
+            InvalidField: bad prefix, engine id or since. StoreUnavailable: see the class.
         """
 
     @abc.abstractmethod
