@@ -11,9 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
 from django.utils import timezone
 
 from cacheadmin.models import EngineAlarm, KvEventStream, ResidentSample
+from cacheadmin.selectors_dashboard import chart_resident
 from cacheadmin.services.eviction.common import EvictionNotConfirmed
 from cacheadmin.services.eviction.probe import engine_probe
 from cacheadmin.services.kv_events import KvEventConsumer, reset_observed, residency_now
@@ -126,6 +129,11 @@ def test_a_reset_empties_engine_memory_and_offloaded_blocks_stay_until_removed(
     assert reset_observed(engine, globex, since=before, timeout_s=0) == {
         "kv_events": "AllBlocksCleared", "at": at, "kept": {"CPU": 1},
     }  # fmt: skip
+    # The engine page says what the clear left.
+    page = Client()
+    page.force_login(User.objects.create_user("viewer"))
+    live = page.get(f"/engines/{engine.pk}/live").content.decode()
+    assert "it empties engine memory (GPU) only" in live and "offloaded blocks of 2 namespaces stayed" in live
     # The consumer restarts from its checkpoint with the same view.
     again, resumed = consumer_of(engine)
     assert resumed.residency.totals() == stream.residency.totals() and resumed.cleared_kept == stream.cleared_kept
@@ -200,3 +208,22 @@ def test_a_purge_with_offloaded_blocks_left_is_not_complete(
         result = engine_probe(engine, acme, tiers)
         assert (result["cached_tokens"], result["kv_events"]) == (0, "AllBlocksCleared") and "kept" not in result
     assert fake.resets == 1
+
+
+def test_the_dashboard_charts_resident_tokens_per_medium(world) -> None:
+    """A block offloaded to CPU is also held in GPU: summing media double-counts, and a reset empties GPU alone."""
+    engine, acme = world["engine"], world["ns"]["acme"]
+    now = timezone.now()
+    for medium, tokens in (("GPU", 64), ("CPU", 96), ("STORAGE", 32)):
+        ResidentSample.objects.create(
+            engine=engine, namespace=acme, medium=medium, sampled_at=now, blocks=tokens // 32, tokens=tokens
+        )
+    ResidentSample.objects.create(engine=engine, namespace=None, medium="GPU", sampled_at=now, blocks=1, tokens=32)
+    assert chart_resident() == {
+        "labels": ["acme/v1", "unattributed"],
+        "datasets": [
+            {"label": "GPU tokens", "data": [64, 32]},
+            {"label": "CPU tokens", "data": [96, 0]},
+            {"label": "STORAGE tokens", "data": [32, 0]},
+        ],
+    }
