@@ -572,13 +572,18 @@ def chart_storage(scans: int = 30) -> dict[str, Any]:
 
 
 def chart_resident(*, window_s: int = 180) -> dict[str, Any]:
-    """Tokens each namespace holds in engine memory now, summed over engines and
-    media, from the KV-event consumer's latest sample per (engine, namespace,
-    medium) of the last ``window_s`` seconds (two queries).
+    """Tokens each namespace holds now, per medium (``GPU`` engine memory, an
+    offloading connector's ``CPU`` and ``STORAGE`` tiers), summed over engines,
+    from the KV-event consumer's latest sample per (engine, namespace, medium)
+    of the last ``window_s`` seconds (two queries). Media are kept apart: a
+    block offloaded to CPU is also held in GPU until evicted there, and a reset
+    empties GPU alone (vLLM 0.32, see :mod:`inference.kv_events`).
 
     Returns:
-        ``{"labels": ["<boundary>/<version>" or "unattributed"], "datasets": [{"label": "tokens", "data": [n]}]}``,
-        most tokens first, at most 20 namespaces.
+        ``{"labels": ["<boundary>/<version>" or "unattributed"], "datasets":
+        [{"label": "<medium> tokens", "data": [n]}]}``, one dataset per medium
+        seen (GPU first), namespaces by most tokens over all media first, at
+        most 20.
     """
     since = timezone.now() - timedelta(seconds=window_s)
     latest = (
@@ -587,22 +592,26 @@ def chart_resident(*, window_s: int = 180) -> dict[str, Any]:
         .annotate(last=Max("id"))
         .values("last")
     )
-    per_ns = list(
+    per: dict[int | None, dict[str, int]] = {}
+    for namespace_id, medium, tokens in (
         ResidentSample.objects.filter(id__in=Subquery(latest))
-        .values("namespace_id")
+        .values("namespace_id", "medium")
         .annotate(tokens=Sum("tokens"))
-        .order_by("-tokens", "namespace_id")[:20]
-    )
+        .values_list("namespace_id", "medium", "tokens")
+    ):
+        if tokens:
+            per.setdefault(namespace_id, {})[medium] = tokens
+    shown = sorted(per, key=lambda ns: (-sum(per[ns].values()), ns or 0))[:20]
     names = {
         ns.pk: f"{ns.boundary_label}/{ns.model_version.label}"
-        for ns in CacheNamespace.objects.filter(pk__in=[r["namespace_id"] for r in per_ns if r["namespace_id"]]).select_related(
+        for ns in CacheNamespace.objects.filter(pk__in=[ns for ns in shown if ns]).select_related(
             "model_version", "tenant", "group"
         )
     }
-    rows = [r for r in per_ns if r["tokens"]]
+    media = sorted({m for ns in shown for m in per[ns]}, key=lambda m: (m != "GPU", m))
     return {
-        "labels": [names.get(r["namespace_id"], "unattributed") for r in rows],
-        "datasets": [{"label": "tokens", "data": [r["tokens"] for r in rows]}],
+        "labels": [names.get(ns, "unattributed") if ns else "unattributed" for ns in shown],
+        "datasets": [{"label": f"{m} tokens", "data": [per[ns].get(m, 0) for ns in shown]} for m in media],
     }
 
 

@@ -20,7 +20,50 @@ format in a new vLLM fails a test instead of miscounting.
 Attribution: a request's chain of blocks is stored with only its *first*
 block carrying the ``cache_salt`` in ``extra_keys`` (seen on vLLM 0.32: later
 blocks link by ``parent_block_hash``), so a block's namespace is its salt's,
-or its parent's.
+or its parent's. An offloaded copy carries no salt (the OffloadingConnector
+publishes ``extra_keys=None``: ``offloading/events.py``
+``_build_event_metadata``), but its block hashes are the engine-memory
+blocks' own, which mix the salt in: a salt-less chain start, or a parent not
+held in its own medium, takes the namespace of the same hash in another medium.
+
+What each event clears, per medium (vLLM 0.32; paths under ``vllm/``):
+
+============================  ==========================================  ========================================
+Source (file, function)       Events and ``medium``                       What a reset clears
+============================  ==========================================  ========================================
+engine prefix cache           ``BlockStored``/``BlockRemoved``,           ``AllBlocksCleared`` (no ``medium``
+(``v1/core/block_pool.py``    ``"GPU"`` (``MEDIUM_GPU``, the pool's       field at all) from ``reset_prefix_cache``
+``BlockPool``)                default; says ``GPU`` on CPU builds too)    via ``KVCacheCoordinator``/
+                                                                          ``KVCacheManager``/``Scheduler``
+                                                                          ``.reset_prefix_cache``: every ``GPU``
+                                                                          block.
+OffloadingConnector CPU tier  ``BlockStored``/``BlockRemoved``, ``"CPU"``  Never ``AllBlocksCleared``: a plain
+(``kv_offload/cpu/manager.py``  (``offloading/events.py``                   reset keeps it. Only ``reset_external``
+``CPUOffloadingManager``)     ``_MEDIUM_TO_EVENT_STR``)                   (``Scheduler.reset_connector_cache`` ->
+                                                                          ``OffloadingConnector.reset_cache`` ->
+                                                                          ``CPUOffloadingManager.reset_cache``)
+                                                                          empties it, publishing nothing.
+OffloadingConnector file      ``BlockStored``/``BlockRemoved``,           Nothing: "persistent stores (FS,
+tier (``kv_offload/tiering/``  ``"STORAGE"``                               network) keep their data across resets"
+``fs/manager.py``)                                                        (``tiering/manager.py`` ``reset_cache``).
+SimpleCPUOffloadConnector     ``"CPU"`` or ``"STORAGE"``                  ``reset_external`` only: a second
+(``v1/simple_kv_offload/``                                                ``AllBlocksCleared`` from its own pool
+``manager.py``)                                                           (``reset`` -> ``cpu_block_pool.
+                                                                          reset_prefix_cache``), not told apart
+                                                                          on the wire from the engine's.
+HiSparse host pool            ``"CPU"`` (``SharedEventQueueBlockPool``)   The engine's ``AllBlocksCleared``
+(``v1/core/single_type_kv_``                                              (reset with the GPU pool in
+``cache_manager.py``)                                                     ``KVCacheCoordinator.reset_prefix_cache``).
+LMCacheConnectorV1            ``BlockStored`` only, LMCache's medium      Nothing is published.
+(``lmcache_connector.py``)    string
+============================  ==========================================  ========================================
+
+So :class:`EngineResidency` drops on ``AllBlocksCleared`` only the media in
+:data:`RESET_MEDIA` (``GPU``); offloaded (``CPU``, ``STORAGE``) residency stays
+until its own ``BlockRemoved`` or a new engine process. Where vLLM empties an
+offload tier without saying so (``reset_external``, SimpleCPUOffloadConnector,
+a HiSparse host pool) the counts overstate what is held, never understate it:
+a purge is then not confirmed, which is the safe side.
 """
 
 from __future__ import annotations
@@ -34,8 +77,18 @@ import msgspec
 
 #: Sequence number of the replay endpoint's end-of-replay frame.
 END_SEQ = -1
-#: ``medium`` of blocks in engine memory (vLLM says ``GPU`` on CPU too).
-MEDIUM_ENGINE = "GPU"
+#: ``medium`` strings vLLM 0.32 publishes (``vllm/distributed/kv_events.py``):
+#: engine memory (``GPU`` on CPU builds too), the offloading connectors' CPU
+#: tier, and their file/remote tiers.
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+#: ``medium`` of blocks in engine memory.
+MEDIUM_ENGINE = MEDIUM_GPU
+#: Media an ``AllBlocksCleared`` empties: the engine's own prefix cache, the
+#: only pool whose reset every vLLM 0.32 engine publishes it for
+#: (``v1/core/block_pool.py`` ``BlockPool.reset_prefix_cache``).
+RESET_MEDIA = frozenset({MEDIUM_GPU})
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -79,7 +132,8 @@ class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """The whole prefix cache was reset (``/reset_prefix_cache``)."""
+    """The engine's prefix cache was reset (``/reset_prefix_cache``): every
+    block of :data:`RESET_MEDIA`. vLLM 0.32 gives it no ``medium`` field."""
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -191,7 +245,12 @@ class EngineResidency:
     ``namespace_of_salt`` maps a cache_salt to a namespace id (> 0) or None;
     ``served`` is the set of namespace ids the engine may serve. Blocks are
     keyed by ``(medium, group_idx)`` then hash, so an offloaded copy and the
-    engine-memory copy of a block count in their own medium.
+    engine-memory copy of a block count in their own medium, and each goes
+    as the engine drops it: ``AllBlocksCleared`` empties :data:`RESET_MEDIA`
+    only (the module's table says why), ``BlockRemoved`` its own medium.
+    ``cleared`` counts the ``AllBlocksCleared`` applied; ``kept_at_clear``
+    is what the last one left: ``{namespace id: {medium: blocks}}`` of the
+    media it does not cover (empty when nothing survived).
     """
 
     namespace_of_salt: Callable[[str], int | None]
@@ -199,6 +258,7 @@ class EngineResidency:
     blocks: dict[tuple[str, int], dict[int, tuple[int, int]]] = field(default_factory=dict)
     incidents: list[Incident] = field(default_factory=list)
     cleared: int = 0
+    kept_at_clear: dict[int, dict[str, int]] = field(default_factory=dict)
     events: int = 0
 
     def apply(self, batch: Any) -> None:
@@ -210,19 +270,44 @@ class EngineResidency:
             if kind is BlockRemoved:
                 self._removed(event)
             elif kind is AllBlocksCleared:
-                self.clear()
+                self.all_blocks_cleared()
             else:
                 self._stored(event)
 
-    def clear(self) -> None:
-        """Everything dropped (``AllBlocksCleared``, or a new engine process)."""
-        self.blocks.clear()
+    def all_blocks_cleared(self) -> None:
+        """``AllBlocksCleared``: the blocks of :data:`RESET_MEDIA` are gone;
+        offloaded media keep theirs (vLLM resets only its block pool)."""
+        for tier in [tier for tier in self.blocks if tier[0] in RESET_MEDIA]:
+            del self.blocks[tier]
+        kept: dict[int, dict[str, int]] = {}
+        for (medium, _), table in self.blocks.items():
+            for namespace, _ in table.values():
+                per = kept.setdefault(namespace, {})
+                per[medium] = per.get(medium, 0) + 1
+        self.kept_at_clear = kept
         self.cleared += 1
+
+    def clear(self) -> None:
+        """Every medium dropped: a new engine process holds nothing of the old one."""
+        self.blocks.clear()
+
+    def _resident_elsewhere(self, block_hash: int, medium: str) -> int | None:
+        """The namespace of ``block_hash`` held in a medium other than ``medium``, or None."""
+        for (other, _), table in self.blocks.items():
+            if other != medium:
+                entry = table.get(block_hash)
+                if entry is not None:
+                    return entry[0]
+        return None
 
     def _namespace_of_chain(self, event: Any, table: dict[int, tuple[int, int]]) -> int:
         if event.parent_block_hash is not None:
             parent = table.get(event.parent_block_hash)
-            return parent[0] if parent is not None else UNATTRIBUTED
+            if parent is not None:
+                return parent[0]
+            # An offloaded chunk's parent may be held only in engine memory.
+            elsewhere = self._resident_elsewhere(event.parent_block_hash, event.medium or MEDIUM_ENGINE)
+            return UNATTRIBUTED if elsewhere is None else elsewhere
         namespace, incident = self._chain_start(event)
         if incident is not None:
             self.incidents.append(incident)
@@ -236,6 +321,12 @@ class EngineResidency:
         if event.lora_name is not None and salts and salts[0] == event.lora_name:
             salts = salts[1:]  # the LoRA name comes first when set
         n = len(event.block_hashes)
+        if not salts and event.block_hashes:
+            # An offloaded copy publishes no salt; its hash is the salted one
+            # of the engine-memory block it copies (vLLM 0.32 offloading/events.py).
+            elsewhere = self._resident_elsewhere(event.block_hashes[0], event.medium or MEDIUM_ENGINE)
+            if elsewhere is not None:
+                return elsewhere, None
         for salt in salts:
             namespace = self.namespace_of_salt(salt)
             if namespace == PROBE:

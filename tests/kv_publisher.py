@@ -8,7 +8,9 @@ buffer of ``(seq, payload)``, and answers a replay request ``[id, b"", start]``
 with every buffered batch from ``start`` as ``[id, b"", topic, seq, payload]``,
 then the end marker ``[id, b"", b"", -1, b""]``. Payloads are encoded with the
 project's mirror of vLLM's structs, which ``tests/inference/test_kv_events.py``
-checks against vLLM's own classes.
+checks against vLLM's own classes; events that are vLLM's own classes
+(``vllm.distributed.kv_events``) are sent in vLLM's own ``KVEventBatch``,
+encoded as ``ZmqEventPublisher`` does (``msgspec.msgpack.Encoder().encode``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
 from inference.kv_events import KVEventBatch, encode_batch, seq_bytes
@@ -52,7 +55,12 @@ class EnginePublisher:
 
     def frames(self, *events: Any) -> list[bytes]:
         """Record the next batch (as the engine would) and return its frames, without sending them."""
-        payload = encode_batch(KVEventBatch(ts=time.time(), events=list(events)))
+        if events and all(type(e).__module__ == "vllm.distributed.kv_events" for e in events):
+            from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+            payload = msgspec.msgpack.Encoder().encode(VllmBatch(ts=time.time(), events=list(events)))
+        else:
+            payload = encode_batch(KVEventBatch(ts=time.time(), events=list(events)))
         with self.lock:
             seq = self.seq
             self.seq += 1

@@ -312,7 +312,14 @@ class KvEventStream(models.Model):
     #: False after a gap no replay could fill: counts are a lower bound until
     #: the engine clears its cache.
     complete = models.BooleanField(default=True)
-    cleared_at = models.DateTimeField(null=True, blank=True, help_text="last AllBlocksCleared seen")
+    cleared_at = models.DateTimeField(
+        null=True, blank=True, help_text="last AllBlocksCleared seen (it empties engine memory, GPU, only)"
+    )
+    #: What that AllBlocksCleared left resident: ``{"<namespace id or 0>": {medium: blocks}}`` of
+    #: the offloaded media (CPU, STORAGE), which vLLM keeps across a reset (inference/kv_events.py).
+    cleared_kept = models.JSONField(
+        default=dict, blank=True, help_text="blocks per namespace and medium the last AllBlocksCleared did not drop"
+    )
     last_event_at = models.DateTimeField(null=True, blank=True)
     consumer = models.CharField(max_length=200, blank=True, default="", help_text="host:pid of the consumer")
     heartbeat_at = models.DateTimeField(null=True, blank=True)

@@ -11,6 +11,33 @@ process (its state is dropped); frames of another topic (an earlier
 incarnation of the engine) and frames that do not decode are counted, never
 applied. The state is checkpointed, so a consumer killed mid-stream resumes
 where its checkpoint ends and replays the rest.
+
+Residency is kept per namespace *and medium*, and each medium is emptied as
+vLLM 0.32 empties it (paths under ``vllm/``; the full table with the offload
+connectors' variants is in :mod:`inference.kv_events`):
+
+===========================  =======  ===============  ============================  ===========
+event                        GPU      CPU (offload)    STORAGE (offload file tier)   source
+===========================  =======  ===============  ============================  ===========
+``BlockStored``              adds     adds             adds                          per medium
+``BlockRemoved``             its own  its own          its own                       per medium
+``AllBlocksCleared``         all      kept             kept                          [1]
+``reset_external`` (no       --       emptied,         kept                          [2]
+event)                                unannounced
+new engine process           all      all              all (the consumer's view)     [3]
+===========================  =======  ===============  ============================  ===========
+
+[1] ``v1/core/block_pool.py`` ``BlockPool.reset_prefix_cache`` appends it, with
+no ``medium`` field, for the engine's own pool; the offloading connector's
+tiers never publish it. [2] ``OffloadingConnector.reset_cache`` ->
+``CPUOffloadingManager.reset_cache`` (``v1/kv_offload/cpu/manager.py``) and
+``TieringOffloadingManager.reset_cache`` ("secondary tiers are intentionally
+not reset"): the consumer keeps showing those CPU blocks, an overstatement. [3]
+the sequence starts over, or the engine's ``generation`` changes.
+
+So ``cleared_at`` is the last AllBlocksCleared and ``cleared_kept`` what it
+left per namespace in the offloaded media; an eviction's reset is confirmed
+only when it left nothing of the namespace (:func:`reset_observed`).
 """
 
 from __future__ import annotations
@@ -96,6 +123,8 @@ class Stream:
     unconfirmed: int = 0
     restarts_seen: int = 0
     cleared_at: Any = None
+    #: ``{"<namespace id>": {medium: blocks}}`` the last AllBlocksCleared left (offloaded media).
+    cleared_kept: dict[str, dict[str, int]] = field(default_factory=dict)
     last_event_at: Any = None
     dirty: bool = True
     urgent: bool = False
@@ -262,6 +291,7 @@ class KvEventConsumer:
                 stream.gaps, stream.garbage, stream.replays = saved.gaps, saved.garbage, saved.replays
                 stream.unconfirmed = saved.unconfirmed
                 stream.restarts_seen, stream.cleared_at = saved.restarts_seen, saved.cleared_at
+                stream.cleared_kept = saved.cleared_kept or {}
                 stream.base_events = saved.events
             except (msgspec.DecodeError, ValueError, TypeError):
                 log.warning("checkpoint of engine %s unreadable; starting from the engine's replay", row.name)
@@ -353,6 +383,7 @@ class KvEventConsumer:
         stream.dirty = True
         if stream.residency.cleared != cleared:
             stream.cleared_at = now
+            stream.cleared_kept = {str(ns): media for ns, media in stream.residency.kept_at_clear.items()}
             stream.urgent = True  # a purge waits for this: save it now
         if stream.residency.incidents:
             stream.urgent = True
@@ -527,6 +558,7 @@ class KvEventConsumer:
                 "restarts_seen": stream.restarts_seen,
                 "complete": stream.complete,
                 "cleared_at": stream.cleared_at,
+                "cleared_kept": stream.cleared_kept,
                 "last_event_at": stream.last_event_at,
                 "consumer": self.name,
                 "heartbeat_at": now,
@@ -635,7 +667,8 @@ def residency_now(engine: Engine) -> dict[str, Any]:
 
     Returns:
         ``{"consumer_running", "complete", "last_seq", "events", "gaps",
-        "heartbeat_at", "cleared_at", "namespaces": [{"namespace",
+        "heartbeat_at", "cleared_at", "cleared_kept" ({"<namespace id>":
+        {medium: blocks}} the last AllBlocksCleared left), "namespaces": [{"namespace",
         "namespace_key", "medium", "blocks", "tokens", "sampled_at"}]}``.
     """
     stream = KvEventStream.objects.filter(engine=engine).first()
@@ -651,6 +684,7 @@ def residency_now(engine: Engine) -> dict[str, Any]:
         "gaps": stream.gaps if stream else 0,
         "heartbeat_at": stream.heartbeat_at if stream else None,
         "cleared_at": stream.cleared_at if stream else None,
+        "cleared_kept": (stream.cleared_kept or {}) if stream else {},
         "namespaces": [
             {
                 "namespace": s.namespace_id,
@@ -668,13 +702,20 @@ def residency_now(engine: Engine) -> dict[str, Any]:
 
 def reset_observed(engine: Engine, namespace: CacheNamespace, *, since: Any, timeout_s: float = 10.0) -> dict[str, Any] | None:
     """Wait for the KV-event stream to show that ``engine`` dropped ``namespace``'s
-    blocks after ``since``: an ``AllBlocksCleared`` (vLLM publishes it with the
-    scheduler step after the reset, i.e. with the next request), or a sample of
-    the namespace at zero blocks.
+    blocks after ``since``, in every medium.
+
+    Shown by an ``AllBlocksCleared`` (vLLM publishes it with the scheduler step
+    after the reset, i.e. with the next request) that left none of the
+    namespace's blocks in an offloaded medium (it empties engine memory only:
+    see the module's table), or by a sample written after ``since`` with the
+    namespace at zero blocks in every medium.
 
     Returns:
-        ``{"kv_events": "AllBlocksCleared" | "blocks removed", "at": iso}``;
-        ``{"kv_events": "not published"}`` for an engine without a stream;
+        ``{"kv_events": "AllBlocksCleared" | "blocks removed", "at": iso}`` when
+        the namespace holds nothing; the same with ``"kept": {medium: blocks}``
+        when the AllBlocksCleared left offloaded blocks of it (not a complete
+        reset: those go only with their own ``BlockRemoved``);
+        ``{"kv_events": "not published…"}`` for an engine without a stream;
         None when the stream did not show it in ``timeout_s`` (or no consumer
         runs for the engine).
     """
@@ -683,24 +724,44 @@ def reset_observed(engine: Engine, namespace: CacheNamespace, *, since: Any, tim
     deadline = time.monotonic() + timeout_s
     while True:
         stream = KvEventStream.objects.filter(engine=engine).first()
-        if stream is not None and stream.cleared_at is not None and stream.cleared_at >= since:
-            return {"kv_events": "AllBlocksCleared", "at": stream.cleared_at.isoformat()}
-        zero = (
-            ResidentSample.objects.filter(engine=engine, namespace=namespace, sampled_at__gte=since, blocks=0)
-            .order_by("sampled_at")
-            .first()
-        )
-        if zero is not None:
+        seen = _clear_seen(stream, namespace, since)
+        if seen is not None:
+            return seen
+        zero_at = _zero_in_every_medium(engine, namespace, since)
+        if zero_at is not None:
             # The consumer saves the stream and its samples in one transaction:
             # a zero sample read after the stream may come from the same flush
             # as an AllBlocksCleared the first read missed. Read it again.
-            stream = KvEventStream.objects.filter(engine=engine).first()
-            if stream is not None and stream.cleared_at is not None and stream.cleared_at >= since:
-                return {"kv_events": "AllBlocksCleared", "at": stream.cleared_at.isoformat()}
-            return {"kv_events": "blocks removed", "at": zero.sampled_at.isoformat()}
+            seen = _clear_seen(KvEventStream.objects.filter(engine=engine).first(), namespace, since)
+            return seen if seen is not None else {"kv_events": "blocks removed", "at": zero_at.isoformat()}
         if time.monotonic() > deadline:
             return None
         time.sleep(0.25)
+
+
+def _clear_seen(stream: KvEventStream | None, namespace: CacheNamespace, since: Any) -> dict[str, Any] | None:
+    """The AllBlocksCleared of ``stream`` after ``since`` and what it left of ``namespace``, or None."""
+    if stream is None or stream.cleared_at is None or stream.cleared_at < since:
+        return None
+    seen: dict[str, Any] = {"kv_events": "AllBlocksCleared", "at": stream.cleared_at.isoformat()}
+    kept = {medium: blocks for medium, blocks in (stream.cleared_kept or {}).get(str(namespace.pk), {}).items() if blocks}
+    if kept:
+        seen["kept"] = kept
+    return seen
+
+
+def _zero_in_every_medium(engine: Engine, namespace: CacheNamespace, since: Any) -> Any | None:
+    """The first flush after ``since`` whose samples show ``namespace`` at zero
+    blocks in every medium (a flush writes every medium the namespace holds
+    blocks in, at one time), or None."""
+    by_flush: dict[Any, bool] = {}
+    for sampled_at, blocks in (
+        ResidentSample.objects.filter(engine=engine, namespace=namespace, sampled_at__gte=since)
+        .order_by("sampled_at")
+        .values_list("sampled_at", "blocks")
+    ):
+        by_flush[sampled_at] = by_flush.get(sampled_at, True) and blocks == 0
+    return next((at for at, zero in by_flush.items() if zero), None)
 
 
 def consumer_running(engine: Engine) -> bool:

@@ -503,7 +503,13 @@ def offloading_transfer_config(storage_path: str, *, cpu_bytes: int) -> dict[str
     ``type: "fs"`` is ``FileSystemTierManager(root_dir, n_read_threads,
     n_write_threads, enable_kv_events, locality)``
     (``v1/kv_offload/tiering/factory.py``, ``v1/kv_offload/tiering/fs/manager.py``);
-    ``enable_kv_events`` makes the file tier publish ``BlockStored`` too.
+    ``enable_kv_events`` makes the file tier publish ``BlockStored`` too;
+    ``self_describing_kv_events`` makes the connector's events carry each
+    block's hashes, parent and block size (``offloading/events.py``
+    ``OffloadingEventsTracker``; without it a ``BlockStored`` names one hash
+    per chunk with ``block_size`` 0, so the consumer would count no tokens
+    offloaded). Either way its ``extra_keys`` hold no ``cache_salt``: the
+    consumer attributes an offloaded block by its hash in engine memory.
     """
     return {
         "kv_connector": "OffloadingConnector",
@@ -511,6 +517,7 @@ def offloading_transfer_config(storage_path: str, *, cpu_bytes: int) -> dict[str
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": cpu_bytes,
+            "self_describing_kv_events": True,
             "secondary_tiers": [{"type": "fs", "root_dir": storage_path, "enable_kv_events": True}],
         },
     }
@@ -640,6 +647,11 @@ def _offloading_notes(storage_path: str) -> list[str]:
         "offloading_connector.py), but the tiering manager keeps secondary tiers: 'persistent stores (FS, network) "
         f"keep their data across resets' (vllm/v1/kv_offload/tiering/manager.py). The files under {storage_path} are "
         "the control plane's to delete, with the engine stopped; the fs tier has no size bound of its own.",
+        "KV events: the CPU tier publishes medium CPU and the file tier STORAGE; neither publishes AllBlocksCleared, "
+        "and the engine's AllBlocksCleared (vllm/v1/core/block_pool.py reset_prefix_cache) empties GPU only, so the "
+        "consumer keeps offloaded blocks until their own BlockRemoved. reset_external empties the CPU tier without "
+        "any event (vllm/v1/kv_offload/cpu/manager.py reset_cache): the consumer then overstates CPU residency until "
+        "the engine restarts, and a purge of a namespace with offloaded blocks is not confirmed.",
         "GPU only: the offloading worker asserts the KV tensors are CUDA or XPU (vllm/v1/kv_offload/cpu/gpu_worker.py). "
         "Generated here, not run.",
     ]

@@ -127,6 +127,7 @@ def test_every_layout_field_becomes_a_flag() -> None:
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": 8 << 30,
+            "self_describing_kv_events": True,
             "secondary_tiers": [{"type": "fs", "root_dir": f"{ROOT}/{NAMESPACE}", "enable_kv_events": True}],
         },
     }

@@ -168,3 +168,19 @@ def test_sequence_frames() -> None:
         seq_of(b"abc")
     with pytest.raises(msgspec.DecodeError):
         decode_batch(b"not msgpack at all")
+
+
+def test_all_blocks_cleared_empties_engine_memory_only() -> None:
+    """vLLM 0.32's AllBlocksCleared comes from the engine's block pool alone
+    (v1/core/block_pool.py reset_prefix_cache): offloaded media keep their blocks."""
+    r = residency()
+    cpu, storage = stored([1, 2], salt="salt-a"), stored([3], salt="salt-b")
+    cpu.medium, storage.medium = "CPU", "STORAGE"
+    r.apply(KVEventBatch(ts=0, events=[stored([1, 2], salt="salt-a"), cpu, storage]))
+    r.apply(KVEventBatch(ts=1, events=[AllBlocksCleared()]))
+    assert r.totals() == {("CPU", 1): (2, 64), ("STORAGE", 2): (1, 32)}
+    assert (r.cleared, r.kept_at_clear) == (1, {1: {"CPU": 2}, 2: {"STORAGE": 1}})
+    r.apply(KVEventBatch(ts=2, events=[BlockRemoved(block_hashes=[1, 2], medium="CPU")]))
+    assert r.totals() == {("STORAGE", 2): (1, 32)}
+    r.clear()  # a new engine process: nothing of the old one in any medium
+    assert r.totals() == {} and r.cleared == 1

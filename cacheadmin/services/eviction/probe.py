@@ -25,7 +25,12 @@ def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, 
     the namespace's salt: it must come back with zero cached tokens, and an
     engine that publishes KV events must show the reset in its stream
     (``AllBlocksCleared``, which vLLM publishes with the probe's scheduler
-    step, or the namespace's blocks removed).
+    step, or the namespace's blocks removed) with none of the namespace's
+    blocks left in any medium. ``AllBlocksCleared`` empties engine memory
+    only: an offloading connector's CPU and storage tiers keep their blocks
+    across the reset (vLLM 0.32 ``v1/core/block_pool.py`` ``reset_prefix_cache``;
+    ``v1/kv_offload/tiering/manager.py`` ``reset_cache``), so blocks it left
+    keep the purge unconfirmed until they are removed.
 
     The probe computes that prompt, so the engine caches it again, and an
     engine with a connector writes it to its persistent tier (measured with
@@ -33,8 +38,9 @@ def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, 
     probe's writes are removed and the engine reset once more.
 
     Raises:
-        EvictionNotConfirmed: the probe found cached tokens, or the engine's
-            KV-event stream did not show the reset (or no consumer reads it).
+        EvictionNotConfirmed: the probe found cached tokens, the engine's
+            KV-event stream did not show the reset (or no consumer reads it),
+            or the reset left the namespace's blocks in an offloaded medium.
         EngineError: the engine did not answer.
     """
     job = PrewarmJob.objects.filter(namespace=ns, status=JobStatus.SUCCEEDED).order_by("-id").first()
@@ -65,6 +71,12 @@ def engine_probe(engine: Engine, ns: CacheNamespace, tiers: Tiers) -> dict[str, 
             "its KV-event stream showed no AllBlocksCleared and no removal of the namespace's blocks"
         )  # fmt: skip
         raise EvictionNotConfirmed(f"engine {engine.name}: the reset is not confirmed: {why}")
+    if "kept" in stream:
+        held = ", ".join(f"{blocks} in {medium}" for medium, blocks in sorted(stream["kept"].items()))
+        raise EvictionNotConfirmed(
+            f"engine {engine.name}: AllBlocksCleared emptied engine memory but left blocks of the namespace "
+            f"offloaded ({held}); they go only with their own BlockRemoved"
+        )
     return {
         "probe": conversation.id, "corpus": corpus_name, "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens, "probe_bytes_removed": removed, **stream,
