@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("cacheadmin", "0022_layer_benefit"),
+        ("cacheadmin", "0024_shadow_served_answer_and_retirement"),
     ]
 
     operations = [
