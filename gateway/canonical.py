@@ -417,14 +417,29 @@ def response_cache_key(canonical: Mapping[str, Any], *, namespace_key: str, tena
 # Admission
 # ---------------------------------------------------------------------------
 
-ADMISSION_REASONS: Final = frozenset({"greedy", "seeded", "sampling_allowed", "sampling", "seed_not_guaranteed"})
+ADMISSION_REASONS: Final = frozenset(
+    {"greedy", "seeded", "sampling_allowed", "sampling", "seed_not_guaranteed", "sampling_defaults_unknown"}
+)
 """Every :attr:`Admission.reason` (a closed set, usable as a metric label).
 
 Admitted: ``greedy`` (temperature 0 or top_k 1), ``seeded`` (sampling with a
 fixed seed, tenant policy ``allow_seeded``), ``sampling_allowed`` (anything
 else, tenant policy ``allow_sampling``). Refused: ``sampling`` (temperature > 0,
 or omitted, without a seed), ``seed_not_guaranteed`` (sampling with a seed
-while the tenant does not vouch for seeded reproducibility)."""
+while the tenant does not vouch for seeded reproducibility),
+``sampling_defaults_unknown`` (sampling with a seed that leaves one of
+:data:`SEEDED_SAMPLING_PARAMETERS` to the engine's unknown default)."""
+
+SEEDED_SAMPLING_PARAMETERS: Final = ("temperature", "top_p", "top_k", "min_p")
+"""What a seeded answer depends on beyond the seed and the state identity.
+
+The model's ``generation_config.json`` defaults for these (applied to an
+omitted parameter: ``ModelConfig.get_diff_sampling_param``) are not part of
+the state identity, because they never change the KV state of a prompt and a
+greedy request ignores them (``vllm/sampling_params.py``
+``SamplingParams.__post_init__``). So a release that changes them keeps its
+namespace, and a seeded answer is reusable only when the request names each
+one itself (or the caller passed the engine's defaults)."""
 
 
 @dataclass(frozen=True)
@@ -454,7 +469,9 @@ def response_admission(
     - greedy decoding (``temperature`` 0, or ``top_k`` 1 whatever the temperature)
       is ``greedy``. An omitted temperature is the engine's default: the OpenAI
       default 1.0 unless ``engine_defaults`` says otherwise; never assumed greedy.
-    - sampling with a fixed ``seed`` is ``seeded`` only with ``allow_seeded``: vLLM
+    - sampling with a fixed ``seed`` is ``seeded`` only with ``allow_seeded``, and
+      only when every one of :data:`SEEDED_SAMPLING_PARAMETERS` is in the request
+      or ``engine_defaults`` is given (else ``sampling_defaults_unknown``): vLLM
       "does not guarantee the reproducibility of the results by default" and in
       online serving only batch invariance (``VLLM_BATCH_INVARIANT=1``, beta, some
       GPUs) makes outputs independent of batching
@@ -508,8 +525,11 @@ def response_admission(
         seed = check_seed("seed", seed)
     if temperature == 0.0 or top_k == 1:
         return Admission(True, "greedy")
-    if seed is not None and allow_seeded:
+    defaults_unknown = engine is None and any(name not in canonical for name in SEEDED_SAMPLING_PARAMETERS)
+    if seed is not None and allow_seeded and not defaults_unknown:
         return Admission(True, "seeded")
     if allow_sampling:
         return Admission(True, "sampling_allowed")
-    return Admission(False, "seed_not_guaranteed" if seed is not None else "sampling")
+    if seed is None:
+        return Admission(False, "sampling")
+    return Admission(False, "sampling_defaults_unknown" if allow_seeded else "seed_not_guaranteed")

@@ -494,6 +494,9 @@ def test_refusals_are_value_errors_with_the_openai_fields() -> None:
 
 # --- admission -------------------------------------------------------------------------------
 
+# Every sampling parameter whose omission means the model's generation_config default.
+_SEEDED = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+
 
 @pytest.mark.parametrize(
     ("params", "policy", "expected"),
@@ -503,11 +506,15 @@ def test_refusals_are_value_errors_with_the_openai_fields() -> None:
         ({"temperature": 0.9, "top_k": 1}, {}, Admission(True, "greedy")),
         ({"temperature": 0.7}, {}, Admission(False, "sampling")),
         ({"temperature": 0.7, "seed": 11}, {}, Admission(False, "seed_not_guaranteed")),
-        ({"temperature": 0.7, "seed": 11}, {"allow_seeded": True}, Admission(True, "seeded")),
-        ({"temperature": 0.7, "seed": 11, "n": 3}, {"allow_seeded": True}, Admission(True, "seeded")),
+        ({"temperature": 0.7, "seed": 11}, {"allow_seeded": True}, Admission(False, "sampling_defaults_unknown")),
+        ({"temperature": 0.7, "top_p": 0.9, "seed": 11}, {"allow_seeded": True}, Admission(False, "sampling_defaults_unknown")),
+        ({**_SEEDED, "seed": 11}, {"allow_seeded": True}, Admission(True, "seeded")),
+        ({**_SEEDED, "seed": 11, "n": 3}, {"allow_seeded": True}, Admission(True, "seeded")),
         ({"temperature": 0.7}, {"allow_seeded": True}, Admission(False, "sampling")),
         ({"temperature": 0.7}, {"allow_sampling": True}, Admission(True, "sampling_allowed")),
         ({"temperature": 0.7, "seed": 3}, {"allow_sampling": True}, Admission(True, "sampling_allowed")),
+        ({"temperature": 0.7, "seed": 3}, {"allow_seeded": True, "allow_sampling": True}, Admission(True, "sampling_allowed")),
+        ({**_SEEDED, "seed": 3}, {"allow_seeded": True, "allow_sampling": True}, Admission(True, "seeded")),
         ({"temperature": 0}, {"allow_sampling": True}, Admission(True, "greedy")),
         ({"seed": -1, "temperature": 0.7}, {"allow_seeded": True}, Admission(False, "sampling")),  # -1 is no seed
     ],
@@ -527,8 +534,23 @@ def test_admission_uses_known_engine_defaults_for_an_omitted_temperature() -> No
     assert response_admission(canonical, engine_defaults={}) == Admission(False, "sampling")
 
 
+def test_a_seeded_answer_is_reused_only_when_no_sampling_parameter_is_left_to_the_models_defaults() -> None:
+    # generation_config.json's temperature/top_p/top_k/min_p are not identity (they never change the KV
+    # state), so a seeded answer that left one of them to the engine may have been sampled differently.
+    for missing in ("temperature", "top_p", "top_k", "min_p"):
+        params = {k: v for k, v in _SEEDED.items() if k != missing}
+        canonical = canonical_request("chat", chat(**params, seed=5))
+        assert response_admission(canonical, allow_seeded=True) == Admission(False, "sampling_defaults_unknown")
+        known = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+        assert response_admission(canonical, allow_seeded=True, engine_defaults=known) == Admission(True, "seeded")
+    canonical = canonical_request("chat", chat(**_SEEDED, seed=5))
+    assert response_admission(canonical, allow_seeded=True) == Admission(True, "seeded")
+
+
 def test_admission_reasons_are_a_closed_set() -> None:
-    assert ADMISSION_REASONS == frozenset({"greedy", "seeded", "sampling_allowed", "sampling", "seed_not_guaranteed"})
+    assert ADMISSION_REASONS == frozenset(
+        {"greedy", "seeded", "sampling_allowed", "sampling", "seed_not_guaranteed", "sampling_defaults_unknown"}
+    )
 
 
 def test_admission_refuses_a_malformed_canonical() -> None:
