@@ -148,7 +148,16 @@ def test_normalize_text() -> None:
 
 
 def test_reasons_are_the_closed_set() -> None:
-    assert REASONS == {"hit", "below_threshold", "guard_numbers", "guard_negation", "guard_entities", "guard_template", "exact"}
+    assert REASONS == {
+        "hit",
+        "below_threshold",
+        "guard_numbers",
+        "guard_negation",
+        "guard_opposites",
+        "guard_entities",
+        "guard_template",
+        "exact",
+    }
     assert DEFAULT_GUARDS == ("numbers", "negation", "entities", "template")
 
 

@@ -17,6 +17,10 @@ thing everywhere:
   to "disable 2FA" and "flights to Paris" next to "flights to Rome". Each
   guard is a pure function of the two texts that returns None (no objection)
   or its reason; they run only for candidates that passed the threshold.
+- **Opposites** in English, German, French, Spanish and Chinese (sort order,
+  time of day, directions, reversed comparisons, negation in the other four
+  languages) are :mod:`gateway.layers.semantic.polarity`'s guard, its word
+  lists in ``data/opposites.json``.
 - **Verdict reasons** are a closed set (:data:`REASONS`), usable as a metric label.
 
 Wrong hits are worse than misses (a false hit serves another question's
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from gateway.layers.semantic.polarity import REASON_GUARD_OPPOSITES, guard_opposites
 
 #: Similarity at or above which a candidate may hit (before guards). Chosen by bench/semantic_eval.py on the tuning half
 #: of gateway/layers/semantic/data/pairs.jsonl: the sweep threshold (0.70..0.98, step 0.02) with the highest precision among
@@ -56,6 +62,7 @@ REASONS: frozenset[str] = frozenset(
         REASON_BELOW_THRESHOLD,
         REASON_GUARD_NUMBERS,
         REASON_GUARD_NEGATION,
+        REASON_GUARD_OPPOSITES,
         REASON_GUARD_ENTITIES,
         REASON_GUARD_TEMPLATE,
     }
@@ -679,10 +686,11 @@ class Guard(Protocol):
 GUARDS: Mapping[str, Guard] = {
     "numbers": lambda a, b, threshold, embed: guard_numbers(a, b),
     "negation": lambda a, b, threshold, embed: guard_negation(a, b),
+    "opposites": lambda a, b, threshold, embed: guard_opposites(a, b),
     "entities": lambda a, b, threshold, embed: guard_entities(a, b),
     "template": lambda a, b, threshold, embed: guard_template(a, b, threshold=threshold, embed=embed),
 }
-DEFAULT_GUARDS: tuple[str, ...] = ("numbers", "negation", "entities", "template")
+DEFAULT_GUARDS: tuple[str, ...] = ("numbers", "negation", "opposites", "entities", "template")
 
 
 def validate_guards(names: Sequence[str]) -> tuple[str, ...]:
