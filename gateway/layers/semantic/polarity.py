@@ -155,14 +155,15 @@ class SideIndex:
         for index, side, patterns in sides:
             for pattern in patterns:
                 folded = fold_pattern(pattern)
-                literal = _SYNTAX.split(folded, maxsplit=1)[0]
+                prefix = _SYNTAX.split(folded, maxsplit=1)[0]
+                run = re.match(r"[^\W_]*", prefix).group()  # type: ignore[union-attr] # matches the empty string
                 compiled = (index, side, re.compile(_bounded(pattern)))
-                if _CJK.search(folded) and literal == folded:
+                if _CJK.search(folded) and prefix == folded:
                     cjk.setdefault(folded[0], []).append((folded, index, side))
-                elif len(literal) >= _KEY and not _CJK.search(literal):
-                    by_key.setdefault(literal[:_KEY], []).append(compiled)
-                elif literal == folded and " " not in folded and not _CJK.search(folded):
-                    by_key.setdefault(folded, []).append(compiled)  # a short word: "up", "ne", "min"
+                elif len(run) >= _KEY and not _CJK.search(run):
+                    by_key.setdefault(run[:_KEY], []).append(compiled)
+                elif run and folded[len(run) : len(run) + 1] in ("", " ", "'", "-") and not _CJK.search(run):
+                    by_key.setdefault(run, []).append(compiled)  # a short first word: "up", "en semaine", "l'est"
                 else:
                     always.append(compiled)
         return cls(
@@ -186,11 +187,10 @@ class SideIndex:
             for at, char in enumerate(folded):
                 if at < covered or char not in self.cjk:
                     continue
-                for word, i, s in self.cjk[char]:
-                    if folded.startswith(word, at):
-                        found.add((i, s))
-                        covered = at + len(word)
-                        break
+                longest = next((w for w, _, _ in self.cjk[char] if folded.startswith(w, at)), None)
+                if longest is not None:  # one word can belong to several pairs (关闭: close and disable)
+                    found.update((i, s) for w, i, s in self.cjk[char] if w == longest)
+                    covered = at + len(longest)
         return frozenset(found)
 
 
@@ -245,7 +245,9 @@ class Lexicon:
         cjk_negation: the Chinese negation words as one alternation (counted as substrings).
         comparisons: per language (marker, patterns one of which must stand before it, or None).
         sources, targets, after_source: the direction markers of all languages.
-        stopwords: function words never taken as an operand.
+        stopwords: per language, function words never taken as an operand; a text uses the list of the language
+            whose function words it holds most of (:func:`stopwords_of`), so that French "thé" (folded "the") is
+            an operand though English "the" is a function word.
     """
 
     kinds: tuple[str, ...]
@@ -257,7 +259,7 @@ class Lexicon:
     sources: Words
     targets: Words
     after_source: Words
-    stopwords: frozenset[str]
+    stopwords: tuple[frozenset[str], ...]
 
 
 def _alternation(patterns: Iterable[str]) -> re.Pattern[str]:
@@ -306,7 +308,7 @@ def _load_language(lang: str, spec: Any, acc: dict[str, list[Any]]) -> None:
     acc["targets"] += _strings(direction.get("target"), f"languages.{lang}.direction.target")
     after = direction.get("after_source", [])
     acc["after_source"] += _strings(after, f"languages.{lang}.direction.after_source") if after else []
-    acc["stopwords"] += [fold_pattern(w) for w in spec.get("stopwords", [])]
+    acc["stopwords"].append(frozenset(fold_pattern(w) for w in spec.get("stopwords", [])))
 
 
 def load_lexicon(path: Path = DATA_FILE) -> Lexicon:
@@ -338,7 +340,7 @@ def load_lexicon(path: Path = DATA_FILE) -> Lexicon:
         sources=Words.build(acc["sources"]),
         targets=Words.build(acc["targets"]),
         after_source=Words.build(acc["after_source"]),
-        stopwords=frozenset(acc["stopwords"]),
+        stopwords=tuple(acc["stopwords"]),
     )
 
 
@@ -395,15 +397,30 @@ def _negations(folded: str, lex: Lexicon) -> int:
     return count
 
 
-def _grams(tokens: Sequence[str], stopwords: frozenset[str]) -> frozenset[str]:
-    """Operand grams of a window: words of alphabetic scripts (not stop words), and CJK character bigrams."""
+def _grams(tokens: Sequence[str], stopwords: frozenset[str], adjacent: int) -> frozenset[str]:
+    """Operand grams of a window: words of alphabetic scripts (not stop words), and CJK character bigrams.
+
+    ``adjacent`` (0 or -1) is the window's end next to the marker: a CJK character there counts alone as well,
+    since a one-character operand (猫 in 猫比狗聪明吗) has no bigram of its own.
+    """
     words = {t for t in tokens if not _CJK.fullmatch(t) and t not in stopwords and len(t) > 1}
     cjk = [t for t in tokens if _CJK.fullmatch(t)]
-    grams = {a + b for a, b in zip(cjk, cjk[1:], strict=False)} if len(cjk) > 1 else set(cjk)
+    grams = {a + b for a, b in zip(cjk, cjk[1:], strict=False)}
+    if tokens and _CJK.fullmatch(tokens[adjacent]):
+        grams.add(tokens[adjacent])
     return frozenset(words | grams)
 
 
-def _window(tokens: list[str], starts: list[int], at: int, after: bool, latin: int = _LATIN_WINDOW) -> list[str]:
+def stopwords_of(tokens: Sequence[str], lexicon: Lexicon | None = None) -> frozenset[str]:
+    """The function words of the language whose function words a text's tokens hold most of (the first on a tie)."""
+    lists = (lexicon or LEXICON).stopwords
+    counts = [sum(1 for t in tokens if t in words) for words in lists]
+    return lists[counts.index(max(counts))]
+
+
+def _window(
+    tokens: list[str], starts: list[int], at: int, after: bool, stopwords: frozenset[str], latin: int = _LATIN_WINDOW
+) -> list[str]:
     """The operand tokens just before offset ``at`` (after=False) or from it on (after=True).
 
     ``latin`` content words of an alphabetic script (stop words skipped), or :data:`_CJK_WINDOW` CJK characters.
@@ -413,15 +430,15 @@ def _window(tokens: list[str], starts: list[int], at: int, after: bool, latin: i
         ahead = tokens[index : index + _CJK_WINDOW]
         if ahead and _CJK.fullmatch(ahead[0]):
             return ahead
-        return [t for t in tokens[index : index + 2 * latin + 2] if t not in LEXICON.stopwords][:latin]
+        return [t for t in tokens[index : index + 2 * latin + 2] if t not in stopwords][:latin]
     behind = tokens[max(0, index - _CJK_WINDOW) : index]
     if behind and _CJK.fullmatch(behind[-1]):
         return behind
-    content = [t for t in tokens[max(0, index - 2 * latin - 2) : index] if t not in LEXICON.stopwords]
+    content = [t for t in tokens[max(0, index - 2 * latin - 2) : index] if t not in stopwords]
     return content[-latin:]
 
 
-def _directions(folded: str, tokens: list[str], starts: list[int], lex: Lexicon) -> tuple[Span, ...]:
+def _directions(folded: str, tokens: list[str], starts: list[int], lex: Lexicon, stop: frozenset[str]) -> tuple[Span, ...]:
     spans = []
     sources = lex.sources.spans(folded, tokens, starts)
     targets = [(t, False) for t in lex.targets.spans(folded, tokens, starts)]
@@ -434,21 +451,22 @@ def _directions(folded: str, tokens: list[str], starts: list[int], lex: Lexicon)
         elif needs_source:
             continue
         else:  # "X to Y" alone: only the words next to the marker are its operands
-            before, reach = _window(tokens, starts, start, after=False, latin=1), 1
-        after = _window(tokens, starts, end, after=True, latin=reach)
-        spans.append((_grams(before, lex.stopwords), _grams(after, lex.stopwords)))
+            before, reach = _window(tokens, starts, start, False, stop, latin=1), 1
+        after = _window(tokens, starts, end, True, stop, latin=reach)
+        spans.append((_grams(before, stop, -1), _grams(after, stop, 0)))
     return tuple(s for s in spans if s[0] and s[1])
 
 
-def _comparisons(folded: str, tokens: list[str], starts: list[int], lex: Lexicon) -> tuple[Span, ...]:
+def _comparisons(folded: str, tokens: list[str], starts: list[int], lex: Lexicon, stop: frozenset[str]) -> tuple[Span, ...]:
     spans = []
     for marker, before in lex.comparisons:
         for start, end in marker.spans(folded, tokens, starts):
-            left = _window(tokens, starts, start, after=False)
-            if before is not None and not any(before.has(t) for t in left[-4:]):
+            left = _window(tokens, starts, start, False, stop)
+            preceding = tokens[max(0, bisect.bisect_left(starts, start) - 4) : bisect.bisect_left(starts, start)]
+            if before is not None and not any(before.has(t) for t in preceding):
                 continue  # "que"/"als" that does not follow a comparative ("plus ... que", "größer als")
-            right = _window(tokens, starts, end, after=True)
-            spans.append((_grams(left, lex.stopwords), _grams(right, lex.stopwords)))
+            right = _window(tokens, starts, end, True, stop)
+            spans.append((_grams(left, stop, -1), _grams(right, stop, 0)))
     return tuple(s for s in spans if s[0] and s[1])
 
 
@@ -458,11 +476,12 @@ def facts(text: str) -> Facts:
     folded = fold(text)
     found = _TOKEN.findall(folded)
     starts = [m.start() for m in _TOKEN.finditer(folded)]
+    stop = stopwords_of(found)
     return Facts(
         sides=LEXICON.sides.find(folded),
         negations=negation_count(text),
-        comparisons=_comparisons(folded, found, starts, LEXICON),
-        directions=_directions(folded, found, starts, LEXICON),
+        comparisons=_comparisons(folded, found, starts, LEXICON, stop),
+        directions=_directions(folded, found, starts, LEXICON, stop),
     )
 
 
