@@ -67,7 +67,9 @@ _CJK = re.compile(f"[{_CJK_CHARS}]")
 _LATIN_WORD = f"[^\\W{_CJK_CHARS}]"
 _BEFORE, _AFTER = f"(?<!{_LATIN_WORD})", f"(?!{_LATIN_WORD})"
 # Tokens: one CJK character each, a run of other letters/digits, or an arrow.
-_TOKEN = re.compile(f"[{_CJK_CHARS}]|[^\\W_{_CJK_CHARS}]+|->|→")
+_TOKEN = re.compile(f"[{_CJK_CHARS}]|[^\\W_{_CJK_CHARS}]+(?:\\+\\+|#)?|->|→")  # "c++" and "c#" are names
+# English contracted negation ("don't", "can't"): the tokens split at the apostrophe.
+_CONTRACTED = re.compile(f"n't(?!{_LATIN_WORD})")
 # A run of letters/digits of an alphabetic script: where a Latin pattern may start.
 _LATIN_RUN = re.compile(f"[^\\W_{_CJK_CHARS}]+")
 #: Tokens of an alphabetic script taken on each side of a direction or comparison marker (operands are short noun
@@ -240,7 +242,9 @@ class Lexicon:
     Attributes:
         kinds: the kind of each pair ("sort_order", "antonym", "comparative", ...), by pair index.
         sides: the pair sides, indexed (:class:`SideIndex`).
-        negation: per language (negation words, concord words or None), whole words of the folded text.
+        negation: per language of :data:`LANGUAGES` (negation words, concord words), whole words (Chinese: empty).
+        prefixes: per language, negating prefixes ("un", "dis", "ent", "des"): "unlock" opposes "lock".
+        char_opposites: per CJK character, the characters of opposite meaning (上: 下): 上铺 opposes 下铺.
         negation_ignore: spans removed before negations are counted (n'importe, 非常, 能不能).
         cjk_negation: the Chinese negation words as one alternation (counted as substrings).
         comparisons: per language (marker, patterns one of which must stand before it, or None).
@@ -252,7 +256,9 @@ class Lexicon:
 
     kinds: tuple[str, ...]
     sides: SideIndex
-    negation: tuple[tuple[Words, Words | None], ...]
+    negation: tuple[tuple[frozenset[str], frozenset[str]], ...]
+    prefixes: tuple[tuple[str, ...], ...]
+    char_opposites: dict[str, str]
     negation_ignore: re.Pattern[str]
     cjk_negation: re.Pattern[str]
     comparisons: tuple[tuple[Words, Words | None], ...]
@@ -277,9 +283,16 @@ def _load_pairs(lang: str, pairs: Any, acc: dict[str, list[Any]]) -> None:
             raise OppositesDataError(f"{where}: must be {{kind, sides}}")
         if len(pair["sides"]) != 2:
             raise OppositesDataError(f"{where}.sides: must hold two sides")
-        acc["kinds"].append(pair["kind"])
+        family = pair.get("family")
+        if family is not None and family in acc["families"]:
+            number = acc["families"][family]  # one meaning spread over several pairs: rise/fall and up/down
+        else:
+            acc["kinds"].append(pair["kind"])
+            number = len(acc["kinds"]) - 1
+            if family is not None:
+                acc["families"][family] = number
         for side, patterns in enumerate(pair["sides"]):
-            acc["sides"].append((len(acc["kinds"]) - 1, side, _strings(patterns, f"{where}.sides[{side}]")))
+            acc["sides"].append((number, side, _strings(patterns, f"{where}.sides[{side}]")))
 
 
 def _load_language(lang: str, spec: Any, acc: dict[str, list[Any]]) -> None:
@@ -288,16 +301,21 @@ def _load_language(lang: str, spec: Any, acc: dict[str, list[Any]]) -> None:
         raise OppositesDataError(f"languages.{lang}: must be an object")
     _load_pairs(lang, spec.get("pairs"), acc)
     negation = spec.get("negation")
-    if negation is not None:
-        words = _strings(negation.get("words"), f"languages.{lang}.negation.words")
-        concord = negation.get("concord", [])
-        if concord:
-            concord = _strings(concord, f"languages.{lang}.negation.concord")
-        acc["ignore"] += _strings(negation.get("ignore", ["(?!)"]), f"languages.{lang}.negation.ignore")
-        if lang == "zh":
-            acc["cjk_negation"] += words
-        else:
-            acc["negation"].append((Words.build(words), Words.build(concord) if concord else None))
+    if not isinstance(negation, dict):
+        raise OppositesDataError(f"languages.{lang}.negation: must be an object")
+    words = _strings(negation.get("words"), f"languages.{lang}.negation.words")
+    concord = _strings(negation.get("concord") or ["(?!)"], f"languages.{lang}.negation.concord")
+    acc["ignore"] += _strings(negation.get("ignore") or ["(?!)"], f"languages.{lang}.negation.ignore")
+    if lang == "zh":
+        acc["cjk_negation"] += words
+        words = concord = []
+    acc["negation"].append((frozenset(fold_pattern(w) for w in words), frozenset(fold_pattern(w) for w in concord)))
+    found = _strings(spec.get("prefixes") or ["(?!)"], f"languages.{lang}.prefixes")
+    acc["prefixes"].append(tuple(sorted((fold_pattern(w) for w in found if w != "(?!)"), key=len, reverse=True)))
+    for pair in spec.get("char_opposites", []):
+        if not isinstance(pair, str) or len(pair) != 2 or not _CJK.fullmatch(pair[0]) or not _CJK.fullmatch(pair[1]):
+            raise OppositesDataError(f"languages.{lang}.char_opposites: {pair!r} is not two CJK characters")
+        acc["char_opposites"] += [pair]
     comparison, direction = spec.get("comparison"), spec.get("direction")
     if not isinstance(comparison, dict) or not isinstance(direction, dict):
         raise OppositesDataError(f"languages.{lang}: comparison and direction must be objects")
@@ -326,14 +344,22 @@ def load_lexicon(path: Path = DATA_FILE) -> Lexicon:
     languages = data.get("languages") if isinstance(data, dict) else None
     if not isinstance(languages, dict) or set(LANGUAGES) - set(languages):
         raise OppositesDataError(f"{path}: languages must cover {', '.join(LANGUAGES)}")
-    names = ("kinds", "sides", "negation", "ignore", "cjk_negation", "comparisons", "sources", "targets", "after_source")
-    acc: dict[str, list[Any]] = {k: [] for k in (*names, "stopwords")}
+    names: tuple[str, ...] = ("kinds", "sides", "negation", "ignore", "cjk_negation", "comparisons", "sources")
+    names += ("targets", "after_source", "prefixes", "char_opposites")
+    acc: dict[str, Any] = {k: [] for k in (*names, "stopwords")}
+    acc["families"] = {}
     for lang in LANGUAGES:
         _load_language(lang, languages[lang], acc)
     return Lexicon(
         kinds=tuple(acc["kinds"]),
         sides=SideIndex.build(acc["sides"]),
         negation=tuple(acc["negation"]),
+        prefixes=tuple(acc["prefixes"]),
+        char_opposites={
+            c: "".join(sorted({b for a, b in acc["char_opposites"] if a == c} | {a for a, b in acc["char_opposites"] if b == c}))
+            for pair in acc["char_opposites"]
+            for c in pair
+        },
         negation_ignore=_alternation(acc["ignore"]),
         cjk_negation=_alternation(acc["cjk_negation"]),
         comparisons=tuple(acc["comparisons"]),
@@ -363,23 +389,30 @@ class Facts:
         negations: number of negations (German, French, Spanish, Chinese).
         comparisons: operands of each comparison ("A larger than B": ({a}, {b})).
         directions: operands of each direction ("X to Y": ({x}, {y})).
+        words: the words of alphabetic scripts of four letters or more (for negating prefixes).
+        prefixes: the negating prefixes of the text's language(s) (:func:`languages_of`).
+        bigrams: adjacent CJK character pairs (for opposite characters).
     """
 
     sides: frozenset[tuple[int, int]]
     negations: int
     comparisons: tuple[Span, ...]
     directions: tuple[Span, ...]
+    words: frozenset[str]
+    prefixes: tuple[str, ...]
+    bigrams: frozenset[str]
 
 
 def negation_count(text: str, lexicon: Lexicon | None = None) -> int:
-    """Negations of a text in German, French, Spanish and Chinese.
+    """Negations of a text, in the language(s) its function words point to, and in Chinese.
 
-    Per language, each negation word counts once; its concord words ("pas" of
-    "ne ... pas", "nunca" of "no ... nunca") count only where the text has
-    none of its negation words ("c'est pas grave", "nunca funciona"). Chinese
-    negation characters count wherever they stand, after the spans of the
-    language's ignore list are removed (非常 "very", 不同 "different", 能不能 a
-    yes/no question).
+    The language is the one whose stop words the text holds most of (all
+    languages on a tie, each word counted once). Each negation word counts
+    once, and English "n't"; the language's concord words ("pas" of "ne ...
+    pas", "nunca" of "no ... nunca") count only where the text has no
+    negation word ("c'est pas grave", "nunca funciona"). Chinese negation
+    characters count wherever they stand, after the spans of the ignore list
+    are removed (非常 "very", 不同 "different", 能不能 a yes/no question).
     """
     lex = lexicon or LEXICON
     folded = fold(text)
@@ -391,10 +424,13 @@ def negation_count(text: str, lexicon: Lexicon | None = None) -> int:
 def _negations(folded: str, lex: Lexicon) -> int:
     tokens = _LATIN_RUN.findall(folded)
     count = len(lex.cjk_negation.findall(folded)) if _CJK.search(folded) else 0
-    for words, concord in lex.negation:
-        found = sum(1 for t in tokens if t in words.literals)
-        count += found if found or concord is None else sum(1 for t in tokens if t in concord.literals)
-    return count
+    chosen = languages_of(tokens, lex)
+    words = frozenset().union(*(lex.negation[i][0] for i in chosen))
+    concord = frozenset().union(*(lex.negation[i][1] for i in chosen))
+    found = sum(1 for t in tokens if t in words)
+    if LANGUAGES.index("en") in chosen:
+        found += len(_CONTRACTED.findall(folded))
+    return count + (found if found else sum(1 for t in tokens if t in concord))
 
 
 def _grams(tokens: Sequence[str], stopwords: frozenset[str], adjacent: int) -> frozenset[str]:
@@ -411,11 +447,16 @@ def _grams(tokens: Sequence[str], stopwords: frozenset[str], adjacent: int) -> f
     return frozenset(words | grams)
 
 
+def languages_of(tokens: Sequence[str], lexicon: Lexicon | None = None) -> tuple[int, ...]:
+    """Indices (in :data:`LANGUAGES`) of the languages whose function words a text's tokens hold most of (ties: all)."""
+    counts = [sum(1 for t in tokens if t in words) for words in (lexicon or LEXICON).stopwords]
+    return tuple(i for i, n in enumerate(counts) if n == max(counts))
+
+
 def stopwords_of(tokens: Sequence[str], lexicon: Lexicon | None = None) -> frozenset[str]:
-    """The function words of the language whose function words a text's tokens hold most of (the first on a tie)."""
-    lists = (lexicon or LEXICON).stopwords
-    counts = [sum(1 for t in tokens if t in words) for words in lists]
-    return lists[counts.index(max(counts))]
+    """The function words of the first language of :func:`languages_of`."""
+    lex = lexicon or LEXICON
+    return lex.stopwords[languages_of(tokens, lex)[0]]
 
 
 def _window(
@@ -482,6 +523,9 @@ def facts(text: str) -> Facts:
         negations=negation_count(text),
         comparisons=_comparisons(folded, found, starts, LEXICON, stop),
         directions=_directions(folded, found, starts, LEXICON, stop),
+        words=frozenset(t for t in found if len(t) >= 4 and not _CJK.match(t)),
+        prefixes=tuple(dict.fromkeys(p for i in languages_of(found) for p in LEXICON.prefixes[i])),
+        bigrams=frozenset(a + b for a, b in zip(found, found[1:], strict=False) if _CJK.fullmatch(a) and _CJK.fullmatch(b)),
     )
 
 
@@ -516,6 +560,46 @@ def reversed_pairs(a: Facts, b: Facts) -> set[int]:
     return found
 
 
+def _same_stem(word: str, other: str) -> bool:
+    """Whether two words share a stem: a common start of at least 4 letters, covering all but 3 of the shorter."""
+    common = 0
+    for x, y in zip(word, other, strict=False):
+        if x != y:
+            break
+        common += 1
+    return common >= max(4, min(len(word), len(other)) - 3)
+
+
+def prefixed(a: Facts, b: Facts) -> int:
+    """Words of ``a`` that are a word of ``b`` (absent from ``a``) behind a negating prefix: "unlock" for "lock".
+
+    Such a word negates like "not" ("unable" is "not able", "desbloquear" undoes "bloquear"), so the guard adds
+    it to the text's negations rather than refusing outright: "I'm unable to log in" / "I'm not able to log in" agree.
+    """
+    only_a, only_b = a.words - b.words, b.words - a.words
+    count = 0
+    for word in only_a:
+        for prefix in a.prefixes:
+            rest = word[len(prefix) :]
+            if word.startswith(prefix) and len(rest) >= 4 and any(_same_stem(rest, other) for other in only_b):
+                count += 1
+                break
+    return count
+
+
+def opposite_characters(a: Facts, b: Facts, lexicon: Lexicon | None = None) -> bool:
+    """Whether ``a`` has a CJK bigram and ``b`` only its twin with one character reversed (上铺 / 下铺, 开灯 / 关灯)."""
+    opposites = (lexicon or LEXICON).char_opposites
+    only_a, only_b = a.bigrams - b.bigrams, b.bigrams - a.bigrams
+    for gram in only_a:
+        for at in (0, 1):
+            for other in opposites.get(gram[at], ""):
+                twin = other + gram[1] if at == 0 else gram[0] + other
+                if twin in only_b and gram[1 - at] not in (gram[at], other):
+                    return True
+    return False
+
+
 def guard_opposites(a: str, b: str) -> str | None:
     """Refuse when two texts ask opposite things (see the module docstring for the four checks).
 
@@ -526,7 +610,9 @@ def guard_opposites(a: str, b: str) -> str | None:
         None, or :data:`REASON_GUARD_OPPOSITES`.
     """
     fa, fb = facts(a), facts(b)
-    if fa.negations % 2 != fb.negations % 2:
+    if (fa.negations + prefixed(fa, fb)) % 2 != (fb.negations + prefixed(fb, fa)) % 2:
+        return REASON_GUARD_OPPOSITES
+    if opposite_characters(fa, fb) or opposite_characters(fb, fa):
         return REASON_GUARD_OPPOSITES
     opposite = reversed_pairs(fa, fb)
     if swapped(fa.comparisons, fb.comparisons):
