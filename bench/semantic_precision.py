@@ -55,8 +55,8 @@ PAIRS = ROOT / "bench" / "data" / "opposites_pairs.jsonl"
 LANGS = ("en", "de", "fr", "es", "zh")
 HARD_KINDS = ("antonym", "negation", "comparison", "conversion", "time_of_day", "direction_word")
 HIT_KINDS = ("paraphrase", "paraphrase_synonym", "paraphrase_negation")
-#: Batches of the set: 1 was measured before the guard's fixes, 2 after them (the held-out number; see the file's header).
-BATCHES = (1, 2)
+#: Batches of the set, in the order they were written and measured; the last is the held-out one (see the file's header).
+BATCHES = (1, 2, 3)
 #: The goal: at most 1 false hit in 100 hits at the shipped threshold.
 PRECISION_GOAL = 0.99
 #: The guards of the baseline column: the defaults without the opposites guard.

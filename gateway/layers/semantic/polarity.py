@@ -75,6 +75,8 @@ _LATIN_RUN = re.compile(f"[^\\W_{_CJK_CHARS}]+")
 #: Tokens of an alphabetic script taken on each side of a direction or comparison marker (operands are short noun
 #: phrases: "Celsius", "the euro"), and CJK characters taken (operands are compared as bigrams: "北京", "人民币").
 _LATIN_WINDOW, _CJK_WINDOW = 3, 4
+#: Content words taken before "than" (the compared subject may stand a few words back: "Linux on old hardware faster than").
+_COMPARED_REACH = 5
 #: How far back (tokens) a direction's source marker may stand from its target marker ("from X ... to Y").
 _SOURCE_REACH = 7
 
@@ -502,7 +504,7 @@ def _comparisons(folded: str, tokens: list[str], starts: list[int], lex: Lexicon
     spans = []
     for marker, before in lex.comparisons:
         for start, end in marker.spans(folded, tokens, starts):
-            left = _window(tokens, starts, start, False, stop)
+            left = _window(tokens, starts, start, False, stop, latin=_COMPARED_REACH)
             preceding = tokens[max(0, bisect.bisect_left(starts, start) - 4) : bisect.bisect_left(starts, start)]
             if before is not None and not any(before.has(t) for t in preceding):
                 continue  # "que"/"als" that does not follow a comparative ("plus ... que", "größer als")
