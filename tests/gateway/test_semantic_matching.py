@@ -158,7 +158,7 @@ def test_reasons_are_the_closed_set() -> None:
         "guard_template",
         "exact",
     }
-    assert DEFAULT_GUARDS == ("numbers", "negation", "entities", "template")
+    assert DEFAULT_GUARDS == ("numbers", "negation", "opposites", "entities", "template")
 
 
 def test_threshold_one_hits_only_equal_texts_whatever_the_float() -> None:

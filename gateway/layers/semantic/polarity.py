@@ -579,8 +579,9 @@ def prefixed(a: Facts, b: Facts) -> int:
     it to the text's negations rather than refusing outright: "I'm unable to log in" / "I'm not able to log in" agree.
     """
     only_a, only_b = a.words - b.words, b.words - a.words
+    negations = frozenset().union(*(words for words, _ in LEXICON.negation))
     count = 0
-    for word in only_a:
+    for word in only_a - negations:  # "unable" counts once, as a negation word
         for prefix in a.prefixes:
             rest = word[len(prefix) :]
             if word.startswith(prefix) and len(rest) >= 4 and any(_same_stem(rest, other) for other in only_b):
