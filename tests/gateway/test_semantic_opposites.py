@@ -133,7 +133,7 @@ def test_every_hard_negative_kind_in_every_language_is_refused_by_the_match_func
     without = [
         p for p in pairs if not p.hit and match(p.b, p.a, 0.99, threshold=SHIPPED_THRESHOLD, guards=bench.BASELINE_GUARDS).hit
     ]
-    assert len(without) == 339  # of 408: the other guards alone refuse 69
+    assert len(without) == 352  # of 408: the other guards alone refuse 56
 
 
 def test_the_guard_refuses_no_paraphrase_of_the_labelled_set_but_two() -> None:
@@ -164,8 +164,8 @@ def test_labelled_set_make_up_and_bad_lines(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_precision_on_the_labelled_set_with_the_shipped_embedder() -> None:
-    """Measured (bench/semantic_precision.py): precision 100.0 % (228/228), recall 68.1 %; without the opposites guard
-    43.2 % (229 true, 301 false hits). The first run of each batch, before its misses were covered, is in the set's header."""
+    """Measured (bench/semantic_precision.py): precision 100.0 % (251/251), recall 74.9 %; without the opposites guard
+    44.6 % (252 true, 313 false hits). The first run of each batch, before its misses were covered, is in the set's header."""
     from gateway.layers.semantic.embedder import Embedder
 
     bench = _bench()
@@ -175,7 +175,7 @@ def test_precision_on_the_labelled_set_with_the_shipped_embedder() -> None:
     result = bench.evaluate(pairs, sims, embedder.embed)
     guarded, baseline = result["guarded"]["all"], result["baseline"]["all"]
     assert guarded["precision"] >= 0.99
-    assert guarded["recall"] >= 0.6
+    assert guarded["recall"] >= 0.7
     assert baseline["precision"] < 0.6
     for lang in LANGUAGES:
         assert result["guarded"]["by_lang"][lang]["precision"] >= 0.99, lang

@@ -491,7 +491,9 @@ def guard_negation(a: str, b: str) -> str | None:
 _QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”|‘([^’]+)’|`([^`]+)`|(?<!\w)'([^']+)'(?!\w)")
 # Letters-separator-digits ("SKU-123", "ord_77"), or a token mixing digits with at least one capital ("A320", "X1Carbon").
 _CODE = re.compile(r"\b[A-Za-z]+[-_]\d[\w-]*\b|\b(?=\w*\d)(?=\w*[A-Z])\w+\b")
-_TOKEN = re.compile(r"[^\W_][\w'’.+#-]*[\w+#]|[^\W_]")
+# Word characters of alphabetic scripts: a CJK ideograph ends a name ("把PDF转换成Word" names PDF and Word).
+_ALNUM = "[^\\W\u3400-\u9fff\uf900-\ufaff]"
+_TOKEN = re.compile(rf"(?!_){_ALNUM}(?:{_ALNUM}|['’.+#-])*(?:{_ALNUM}|[+#])|(?!_){_ALNUM}")
 _SENTENCE_BREAK = re.compile(r"(?:[.!?:;]+[\"')\]]*\s+|\n+|^\s*[-*•]\s+)")
 #: Capitalized words that name nothing.
 _NOT_ENTITIES = frozenset({"i", "i'm", "i've", "i'll", "i'd", "ok", "okay"})
@@ -525,7 +527,7 @@ def extract_entities(text: str) -> frozenset[str]:
         before = m.start()
         while before > 0 and text[before - 1] in " \t":
             before -= 1
-        at_start = m.start() in starts or before == 0 or text[before - 1] in '("“\n'
+        at_start = m.start() in starts or before == 0 or text[before - 1] in '("“¿¡\n'
         mixed = any(c.isupper() for c in word[1:])
         if (at_start and not mixed) or normalize_text(word) in _NOT_ENTITIES:
             continue
@@ -535,7 +537,8 @@ def extract_entities(text: str) -> frozenset[str]:
 
 def _mentioned(entity: str, normalized_text: str) -> bool:
     """Whether an entity occurs in a normalized text as a whole token (or, for a quoted phrase, as a substring)."""
-    pattern = (r"(?<![\w])" if entity[:1].isalnum() else "") + re.escape(entity) + (r"(?![\w])" if entity[-1:].isalnum() else "")
+    before, after = (f"(?<!{_ALNUM})", f"(?!{_ALNUM})")
+    pattern = (before if entity[:1].isalnum() else "") + re.escape(entity) + (after if entity[-1:].isalnum() else "")
     return re.search(pattern, normalized_text) is not None
 
 
