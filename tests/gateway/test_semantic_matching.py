@@ -148,8 +148,17 @@ def test_normalize_text() -> None:
 
 
 def test_reasons_are_the_closed_set() -> None:
-    assert REASONS == {"hit", "below_threshold", "guard_numbers", "guard_negation", "guard_entities", "guard_template", "exact"}
-    assert DEFAULT_GUARDS == ("numbers", "negation", "entities", "template")
+    assert REASONS == {
+        "hit",
+        "below_threshold",
+        "guard_numbers",
+        "guard_negation",
+        "guard_opposites",
+        "guard_entities",
+        "guard_template",
+        "exact",
+    }
+    assert DEFAULT_GUARDS == ("numbers", "negation", "opposites", "entities", "template")
 
 
 def test_threshold_one_hits_only_equal_texts_whatever_the_float() -> None:
@@ -282,6 +291,9 @@ def test_extract_entities() -> None:
     assert extract_entities(text) == {"iphone", "sku-123", "reset", "git rebase", "paris"}
     assert extract_entities("Does AWS support A320 manuals?") == {"aws", "a320"}
     assert extract_entities("How do I reset my password?") == frozenset()
+    # A CJK ideograph ends a name; "¿" and "¡" open a sentence.
+    assert extract_entities("怎么把PDF转换成Word？") == {"pdf", "word"}
+    assert extract_entities("¿Cuál es la capital de Australia?") == {"australia"}
 
 
 @pytest.mark.parametrize(
@@ -296,6 +308,10 @@ def test_extract_entities() -> None:
         ("Can I pay later?", "Can I pay at a later date?", None),
         ("Is the Kindle Paperwhite waterproof?", "Can the kindle paperwhite get wet?", None),
         ("How do I reset my password?", "I forgot my password, how can I reset it?", None),
+        ("怎么把PDF转换成Word？", "PDF怎么转成Word？", None),
+        ("Python比Java快吗？", "Python比Go快吗？", "guard_entities"),
+        ("¿Cuál es la capital de Australia?", "¿Qué ciudad es la capital de Australia?", None),
+        ("¿Cuál es la capital de Australia?", "¿Cuál es la capital de Austria?", "guard_entities"),
     ],
 )
 def test_guard_entities(a: str, b: str, reason: str | None) -> None:

@@ -17,6 +17,10 @@ thing everywhere:
   to "disable 2FA" and "flights to Paris" next to "flights to Rome". Each
   guard is a pure function of the two texts that returns None (no objection)
   or its reason; they run only for candidates that passed the threshold.
+- **Opposites** in English, German, French, Spanish and Chinese (sort order,
+  time of day, directions, reversed comparisons, negation in the other four
+  languages) are :mod:`gateway.layers.semantic.polarity`'s guard, its word
+  lists in ``data/opposites.json``.
 - **Verdict reasons** are a closed set (:data:`REASONS`), usable as a metric label.
 
 Wrong hits are worse than misses (a false hit serves another question's
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from gateway.layers.semantic.polarity import REASON_GUARD_OPPOSITES, guard_opposites
 
 #: Similarity at or above which a candidate may hit (before guards). Chosen by bench/semantic_eval.py on the tuning half
 #: of gateway/layers/semantic/data/pairs.jsonl: the sweep threshold (0.70..0.98, step 0.02) with the highest precision among
@@ -56,6 +62,7 @@ REASONS: frozenset[str] = frozenset(
         REASON_BELOW_THRESHOLD,
         REASON_GUARD_NUMBERS,
         REASON_GUARD_NEGATION,
+        REASON_GUARD_OPPOSITES,
         REASON_GUARD_ENTITIES,
         REASON_GUARD_TEMPLATE,
     }
@@ -484,7 +491,9 @@ def guard_negation(a: str, b: str) -> str | None:
 _QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”|‘([^’]+)’|`([^`]+)`|(?<!\w)'([^']+)'(?!\w)")
 # Letters-separator-digits ("SKU-123", "ord_77"), or a token mixing digits with at least one capital ("A320", "X1Carbon").
 _CODE = re.compile(r"\b[A-Za-z]+[-_]\d[\w-]*\b|\b(?=\w*\d)(?=\w*[A-Z])\w+\b")
-_TOKEN = re.compile(r"[^\W_][\w'’.+#-]*[\w+#]|[^\W_]")
+# Word characters of alphabetic scripts: a CJK ideograph ends a name ("把PDF转换成Word" names PDF and Word).
+_ALNUM = "[^\\W\u3400-\u9fff\uf900-\ufaff]"
+_TOKEN = re.compile(rf"(?!_){_ALNUM}(?:{_ALNUM}|['’.+#-])*(?:{_ALNUM}|[+#])|(?!_){_ALNUM}")
 _SENTENCE_BREAK = re.compile(r"(?:[.!?:;]+[\"')\]]*\s+|\n+|^\s*[-*•]\s+)")
 #: Capitalized words that name nothing.
 _NOT_ENTITIES = frozenset({"i", "i'm", "i've", "i'll", "i'd", "ok", "okay"})
@@ -518,7 +527,7 @@ def extract_entities(text: str) -> frozenset[str]:
         before = m.start()
         while before > 0 and text[before - 1] in " \t":
             before -= 1
-        at_start = m.start() in starts or before == 0 or text[before - 1] in '("“\n'
+        at_start = m.start() in starts or before == 0 or text[before - 1] in '("“¿¡\n'
         mixed = any(c.isupper() for c in word[1:])
         if (at_start and not mixed) or normalize_text(word) in _NOT_ENTITIES:
             continue
@@ -528,7 +537,8 @@ def extract_entities(text: str) -> frozenset[str]:
 
 def _mentioned(entity: str, normalized_text: str) -> bool:
     """Whether an entity occurs in a normalized text as a whole token (or, for a quoted phrase, as a substring)."""
-    pattern = (r"(?<![\w])" if entity[:1].isalnum() else "") + re.escape(entity) + (r"(?![\w])" if entity[-1:].isalnum() else "")
+    before, after = (f"(?<!{_ALNUM})", f"(?!{_ALNUM})")
+    pattern = (before if entity[:1].isalnum() else "") + re.escape(entity) + (after if entity[-1:].isalnum() else "")
     return re.search(pattern, normalized_text) is not None
 
 
@@ -679,10 +689,11 @@ class Guard(Protocol):
 GUARDS: Mapping[str, Guard] = {
     "numbers": lambda a, b, threshold, embed: guard_numbers(a, b),
     "negation": lambda a, b, threshold, embed: guard_negation(a, b),
+    "opposites": lambda a, b, threshold, embed: guard_opposites(a, b),
     "entities": lambda a, b, threshold, embed: guard_entities(a, b),
     "template": lambda a, b, threshold, embed: guard_template(a, b, threshold=threshold, embed=embed),
 }
-DEFAULT_GUARDS: tuple[str, ...] = ("numbers", "negation", "entities", "template")
+DEFAULT_GUARDS: tuple[str, ...] = ("numbers", "negation", "opposites", "entities", "template")
 
 
 def validate_guards(names: Sequence[str]) -> tuple[str, ...]:
