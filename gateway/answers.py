@@ -149,13 +149,51 @@ class AnswerAssembler:
         return {"object": object_name(self.endpoint), "choices": choices, **self.top, "usage": self.top.get("usage") or {}}
 
 
+#: Fields of vLLM 0.32's whole answer that default to null, per level: ``top``, ``choice``,
+#: ``message`` (``ChatCompletionResponse``/``ChatCompletionResponseChoice``/``ChatMessage`` in
+#: ``vllm/entrypoints/openai/chat_completion/protocol.py``; ``CompletionResponse``/
+#: ``CompletionResponseChoice`` in ``vllm/entrypoints/openai/completion/protocol.py``). A whole
+#: answer carries them all (``model_dump()``); a stream only those set (``exclude_unset``), so
+#: a streamed record replayed whole gets the ones its stream left out.
+WHOLE_ANSWER_NULLS: Final[Mapping[str, Mapping[str, tuple[str, ...]]]] = {
+    "chat": {
+        "top": ("service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids", "prompt_text",
+                "kv_transfer_params", "ec_transfer_params", "metrics"),
+        "choice": ("logprobs", "stop_reason", "token_ids", "routed_experts"),
+        "message": ("content", "refusal", "annotations", "audio", "function_call", "reasoning"),
+    },
+    "completions": {
+        "top": ("service_tier", "system_fingerprint", "kv_transfer_params", "ec_transfer_params", "metrics"),
+        "choice": ("logprobs", "stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts"),
+        "message": (),
+    },
+}  # fmt: skip
+
+
+#: Record field (hidden from callers, as every ``_`` field) marking a record folded from a stream.
+STREAMED: Final = "_streamed"
+
+
+def _with_nulls(value: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {**dict.fromkeys(names), **value}
+
+
 def answer_object(record: Mapping[str, Any], *, endpoint: str, model: str, cid: str, created: int,
                   usage: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
     """A record as the caller's answer object: a fresh id and time, the served name it asked
-    for, ``usage`` as given, every other field of the record as stored (but ``_``-prefixed ones)."""
+    for, ``usage`` as given, every other field of the record as stored (but ``_``-prefixed ones),
+    and, for a record folded from a stream (:data:`STREAMED`), each of :data:`WHOLE_ANSWER_NULLS`
+    it lacks as null, as the engine answers whole."""
+    nulls = WHOLE_ANSWER_NULLS[endpoint] if record.get(STREAMED) else {"top": (), "choice": (), "message": ()}
     body = {k: v for k, v in record.items() if not k.startswith("_") and k not in PER_CALL_FIELDS}
-    return {"id": cid, "object": object_name(endpoint), "created": created, "model": model, **body,
-            "choices": list(record.get("choices") or []), "usage": dict(usage)}  # fmt: skip
+    choices = []
+    for stored in record.get("choices") or []:
+        choice = _with_nulls(stored, nulls["choice"])
+        if "message" in choice:
+            choice["message"] = _with_nulls(choice["message"], nulls["message"])
+        choices.append(choice)
+    return {"id": cid, "object": object_name(endpoint), "created": created, "model": model,
+            **_with_nulls(body, nulls["top"]), "choices": choices, "usage": dict(usage)}  # fmt: skip
 
 
 def answer_chunks(record: Mapping[str, Any], *, endpoint: str, model: str, cid: str, created: int,

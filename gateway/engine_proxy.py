@@ -21,7 +21,7 @@ import httpx2
 from httpx_sse import EventSource, SSEError
 from starlette.responses import JSONResponse
 
-from gateway.answers import AnswerAssembler, record_of_answer
+from gateway.answers import STREAMED, AnswerAssembler, record_of_answer
 from gateway.errors import GatewayError
 from gateway.protection import FillBreaker, Overloaded
 from gateway.records import Recorder
@@ -311,8 +311,9 @@ class StreamAssembler:
 
     def record(self) -> dict[str, Any]:
         """The answer as a cache record (:func:`gateway.answers.record_of_answer`): ids and
-        times are made fresh for each caller."""
-        return record_of_answer(self.fold.answer(), self.endpoint, self.fingerprint)
+        times are made fresh for each caller; ``_streamed`` marks it folded from a stream, whose
+        unset fields a whole replay fills in (:func:`gateway.answers.answer_object`)."""
+        return {**record_of_answer(self.fold.answer(), self.endpoint, self.fingerprint), STREAMED: True}
 
 
 def client_error(chunk: Mapping[str, Any]) -> bool:

@@ -113,9 +113,18 @@ def test_a_streamed_answer_and_its_replays_carry_every_field_the_engine_streamed
     assert chunks[1]["choices"][0]["token_ids"] == [100, 101, 102, 103, 104] and "stop_reason" in chunks[1]["choices"][0]
     assert _but(_folded(replay), "usage") == _but(original, "usage")
     assert {c["model"] for c in chunks} == {c["model"] for c in live_chunks} == {"tiny"}
-    # The streamed answer replayed whole: the non-streamed shape of the same fields.
+    # The streamed answer replayed whole: the non-streamed shape of the same fields, with the
+    # fields vLLM's whole answer always carries and its stream leaves unset as null.
     whole = call(setup, chat(temperature=0)).json()
-    assert whole["object"] == "chat.completion" and whole["choices"] == original["choices"]
+    assert whole["object"] == "chat.completion" and whole["choices"] == [{
+        "index": 0, "message": {"role": "assistant", "content": "Paris is the capital.", field: "The user asks for a capital.",
+                                "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                                **({"reasoning": None} if field != "reasoning" else {})},
+        "logprobs": None, "finish_reason": "stop", "token_ids": [100, 101, 102, 103, 104], "stop_reason": None,
+        "routed_experts": None,
+    }]  # fmt: skip
+    assert (whole["service_tier"], whole["prompt_logprobs"], whole["prompt_text"], whole["ec_transfer_params"]) == (None,) * 4
+    assert whole["kv_transfer_params"] == {"remote_block_ids": [7]}
     assert whole["prompt_token_ids"] == PROMPT_IDS and whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
 
 
