@@ -417,6 +417,7 @@ class Gateway:
             answer = await self.proxy.complete(call, ctx.endpoint)
             await asyncio.shield(end(answer, call.engine))
         except GatewayError as exc:
+            ctx.failure = exc  # a flight this request leads hands its joiners a timeout's answer
             return exc.response()
         except EngineRefused as exc:
             return exc.response()

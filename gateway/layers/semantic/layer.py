@@ -11,6 +11,8 @@ import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import numpy as np
@@ -21,9 +23,14 @@ from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admi
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
+from gateway.protection import FillResult, Lead, SingleFlight, in_process, lead_or_join, shared_failure
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
+
+
+#: Rounds of joining a flight whose leader ends without an answer (as the response layer's).
+_JOIN_ROUNDS: Final = 3
 
 
 class SemanticLayer:
@@ -161,21 +168,66 @@ def semantic_partition(tenant: Any, namespace: Any, endpoint: str, canonical: Ma
     return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
 
 
+def semantic_flight_key(tenant: Any, partition: str, text: str) -> str:
+    """The key of a semantic fill's flight: the request's partition (:func:`semantic_partition`:
+    tenant, namespace, parameters and conversation before the last message) and its last user
+    message as the layer compares texts exactly (:func:`normalize_text`), keyed with the tenant's
+    secret (``"semantic:"`` and 64 hex digits).
+
+    Requests of one key would be served each other's answer by the layer itself (texts equal after
+    :func:`normalize_text` are an exact hit whatever the threshold and guards), so sharing the
+    leader's answer serves nothing a lookup after it was stored would not. Paraphrases that would
+    only match by similarity do not join: whether they hit depends on the threshold and guards
+    judged against a stored entry, and sharing them in flight would serve answers the layer may
+    refuse; each leads its own flight (a later one is then a hit)."""
+    payload = b"semantic-flight\0" + partition.encode("ascii") + b"\0" + normalize_text(text).encode("utf-8")
+    digest = hmac.new(tenant.secret, payload, hashlib.sha256)
+    return "semantic:" + digest.hexdigest()
+
+
+@dataclass
+class SemanticPending:
+    """A semantic-cache miss of one request.
+
+    Attributes:
+        partition: its partition (:func:`semantic_partition`).
+        text: its last user message.
+        flight_key: its flight's key (:func:`semantic_flight_key`).
+        vector: its embedding, for storing the answer; None when the lookup found the store unavailable.
+        lead: the flight this request leads (its engine call is the fill); None: not leading.
+    """
+
+    partition: str
+    text: str
+    flight_key: str
+    vector: np.ndarray | None = None
+    lead: Lead | None = None
+
+
 class SemanticCacheLayer:
     """The semantic cache as a layer of the pipeline: the last user message of a chat,
     matched by meaning inside its partition (:func:`semantic_partition`).
 
+    Concurrent misses of one question share one engine call (:meth:`fill_guard`, keyed by
+    :func:`semantic_flight_key`), within this process: the semantic store has no fill lease, so
+    gateway processes each make at most one call per burst, and a request arriving after the
+    answer was stored is a hit.
+
     Args:
         semantic: this process's :class:`SemanticLayer`, or None (not configured here). Only its
             admission rules are used by ``explain``: a layer built on no store serves it.
+        answer_timeout_s: how long a leader's engine call may take (the upstream timeout): how long joiners wait.
     """
 
     name: ClassVar[str] = "semantic"
 
-    def __init__(self, semantic: SemanticLayer | None) -> None:
+    def __init__(self, semantic: SemanticLayer | None, *, answer_timeout_s: float = 300.0) -> None:
         self.semantic = semantic
         #: The wrapped layer's store error (a test's layer may bring its own).
         self.Unavailable: type[Exception] = semantic.Unavailable if semantic is not None else StoreUnavailable
+        self.answer_timeout_s = answer_timeout_s
+        #: This process's fills in flight, by :func:`semantic_flight_key`.
+        self.flight: SingleFlight[FillResult] = SingleFlight()
 
     def bypass(self, ctx: RequestContext) -> str | None:
         """``kill_switch``, ``tenant_policy``, ``not_configured``, ``not_a_user_question``,
@@ -209,7 +261,7 @@ class SemanticCacheLayer:
 
     async def lookup(self, ctx: RequestContext) -> Lookup:
         """A stored answer to the same question in the request's partition; else a miss whose
-        pending value is ``(partition, vector, text)``, what storing the answer needs.
+        pending value is a :class:`SemanticPending` (what storing the answer and its flight need).
 
         Raises:
             StoreUnavailable: the store cannot answer.
@@ -220,11 +272,34 @@ class SemanticCacheLayer:
         vector, record = await asyncio.to_thread(
             self.semantic.lookup, ns.storage_prefix, partition, text, ctx.tenant.policy.semantic_threshold
         )
-        return Lookup(record) if record is not None else Lookup(None, (partition, vector, text))
+        if record is not None:
+            return Lookup(record)
+        return Lookup(None, SemanticPending(partition, text, semantic_flight_key(ctx.tenant, partition, text), vector))
+
+    def without_store(self, ctx: RequestContext) -> SemanticPending:
+        """The pending value of a request whose lookup found the store unavailable: its flight only
+        (identical questions of this process share one engine call), nothing to store."""
+        assert ctx.user_text is not None
+        partition = semantic_partition(ctx.tenant, ctx.namespace, ctx.endpoint, ctx.canonical)
+        return SemanticPending(partition, ctx.user_text, semantic_flight_key(ctx.tenant, partition, ctx.user_text))
 
     async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
-        """No single flight of its own (the response layer's covers identical requests)."""
-        return None
+        """Join or lead this process's flight of the question (:func:`semantic_flight_key`): the
+        answer of a request in flight that this one would be served from once stored, or None
+        when this request leads (its engine call is the flight's fill until :meth:`release`).
+        A leader that ends without an answer is followed by another round, up to three
+        (:func:`gateway.protection.lead_or_join`).
+
+        Raises:
+            GatewayError: the leader's engine call timed out (504 ``upstream_timeout``).
+        """
+        asked: SemanticPending = pending
+        start = partial(in_process, self.flight, asked.flight_key)
+        got = await lead_or_join(start, answer_timeout_s=self.answer_timeout_s, rounds=_JOIN_ROUNDS)
+        if isinstance(got, Lead):
+            asked.lead = got
+            return None
+        return json.loads(got) if got is not None else None
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
         """Keep the answer with the request's tags (invalidated by any of them).
@@ -233,13 +308,22 @@ class SemanticCacheLayer:
             StoreUnavailable: the store cannot answer.
         """
         assert self.semantic is not None
-        partition, vector, text = pending
-        await asyncio.to_thread(self.semantic.store, ctx.namespace, ctx.tenant, partition, vector, text, value, ctx.tags)
+        asked: SemanticPending = pending
+        assert asked.vector is not None, "stored by a request whose lookup found the store unavailable"
+        await asyncio.to_thread(
+            self.semantic.store, ctx.namespace, ctx.tenant, asked.partition, asked.vector, asked.text, value, ctx.tags
+        )
 
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
-        """Nothing taken."""
+        """End the flight this request leads: its joiners get the answer (or go another round,
+        or get the leader's timeout: ``ctx.failure``)."""
+        asked: SemanticPending = pending
+        if asked.lead is not None:
+            value = None if record is None else json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            await asked.lead.end(value, shared_failure(ctx.failure))
 
 
 def build(runtime: Any) -> SemanticCacheLayer:
-    """The layer of a :class:`gateway.server.Runtime`: its semantic layer (None: not configured)."""
-    return SemanticCacheLayer(runtime.semantic)
+    """The layer of a :class:`gateway.server.Runtime`: its semantic layer (None: not configured)
+    and the upstream timeout (how long its flight's joiners wait for the leader)."""
+    return SemanticCacheLayer(runtime.semantic, answer_timeout_s=runtime.limits.upstream_timeout_s)
