@@ -169,11 +169,17 @@ class Missed:
 
 @dataclass
 class Hit:
-    """A layer that holds the answer."""
+    """A layer that holds the answer.
+
+    Attributes:
+        unavailable: the answer came from the layer's in-process flight while its store could
+            not answer this request's lookup: the request is counted as that bypass, not as a hit.
+    """
 
     layer: CacheLayer
     record: dict[str, Any]
     lookup_ms: float
+    unavailable: bool = False
 
 
 class Pipeline:
@@ -254,7 +260,7 @@ class Pipeline:
                 raise
             if record is not None:
                 await self.release(ctx, missed[:at], None)
-                return Hit(miss.layer, record, 0.0)
+                return Hit(miss.layer, record, 0.0, unavailable=miss.unavailable)
         return None
 
     def unkept(self, ctx: RequestContext, record: Mapping[str, Any]) -> str | None:

@@ -366,6 +366,7 @@ class Lead:
         if not self.answer.done():
             if value is None:
                 self.answer.set_exception(NoAnswer(error))
+                self.answer.exception()  # read here: a flight that timed out no longer awaits it
             else:
                 self.answer.set_result(value)
         try:
