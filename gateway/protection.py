@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from gateway.errors import GatewayError
@@ -196,6 +197,7 @@ async def fill_once(
     wait_timeout_s: float,
     poll_s: float = 0.02,
     flight: SingleFlight[FillResult] | None = None,
+    read: Callable[[], bytes | None] | None = None,
 ) -> FillResult:
     """Fill a missing response once across the processes sharing ``store``.
 
@@ -213,6 +215,11 @@ async def fill_once(
        ``fill()`` without the lease (``"filled"``: a second fill, accepted
        rather than a request waiting longer);
     4. else sleep ``poll_s`` and go to 1.
+
+    ``read`` is how the value is looked for (steps 1 and 2; a blocking call, run in a worker
+    thread; it may raise :class:`StoreUnavailable`): by default ``store.get(prefix, key)``; a
+    layer keeping its values elsewhere (the semantic layer) reads its own store and uses
+    ``store`` for the lease only.
 
     ``fill`` must put its value into the store itself (with the namespace's
     TTL and budget) before it returns, when the value is cacheable: this
@@ -249,6 +256,7 @@ async def fill_once(
     _positive(wait_timeout_s, "wait_timeout_s")
     _positive(poll_s, "poll_s")
     chosen = _PROCESS_FLIGHT if flight is None else flight
+    look: Callable[[], bytes | None] = partial(store.get, prefix, key) if read is None else read
 
     async def across_processes() -> FillResult:
         loop = asyncio.get_running_loop()
@@ -259,11 +267,11 @@ async def fill_once(
             try:
                 taken = await asyncio.to_thread(store.lease, prefix, key, lease_ttl_s)
                 if not taken:
-                    value = await asyncio.to_thread(store.get, prefix, key)
+                    value = await asyncio.to_thread(look)
             except StoreUnavailable as exc:
                 return await _fill_without_store(prefix, key, fill, exc)
             if taken:
-                return await _lead(store, prefix, key, fill, lease_ttl_s)
+                return await _lead(store, prefix, key, fill, lease_ttl_s, look)
             if value is not None:
                 return FillResult(value, "store")
             if loop.time() >= deadline:
@@ -280,13 +288,14 @@ async def _fill_without_store(prefix: str, key: str, fill: Callable[[], Awaitabl
 
 
 async def _lead(
-    store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], lease_ttl_s: float
-) -> FillResult:
+    store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], lease_ttl_s: float,
+    look: Callable[[], bytes | None],
+) -> FillResult:  # fmt: skip
     """Holding the lease: the value if another process stored it meanwhile, else ``fill()``
     with the lease renewed while it runs; the lease released after."""
     try:
         try:
-            value = await asyncio.to_thread(store.get, prefix, key)
+            value = await asyncio.to_thread(look)
         except StoreUnavailable as exc:
             return await _fill_without_store(prefix, key, fill, exc)
         if value is not None:

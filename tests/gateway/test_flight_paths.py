@@ -123,6 +123,28 @@ def test_concurrent_tagged_questions_make_one_engine_call_through_the_semantic_l
     assert s["semantic_store"].usage("ns-acme").entries == 1
 
 
+def test_tagged_questions_split_between_two_gateways_make_one_engine_call(semantic_setup) -> None:
+    """Two gateways (two processes as far as the fill lease can tell) on one response and one
+    semantic store: the semantic flight takes the response store's fill lease, and the other
+    gateway's requests wait for the leader's stored answer (a semantic hit) instead of calling."""
+    s = semantic_setup
+    s["fake"].delay_s = 0.5
+    limits = Limits(rate_per_s=1000, burst=1000, fill_wait_s=2, upstream_timeout_s=30)
+    gateways = [
+        Gateway(Runtime(snapshot=lambda: s["holder"]["snap"], response_store=deployment_response_store(),
+                        semantic=s["runtime"].semantic, recorder=Recorder(), transport=httpx2.MockTransport(s["fake"]),
+                        limits=limits))
+        for _ in range(2)
+    ]  # fmt: skip
+    asked = [chat("How do I reset my password?", temperature=0, stream=i % 2 == 1) for i in range(12)]
+    answers = asyncio.run(_burst(gateways, s["key"], asked, {"x-cache-tags": "topic:password"}))
+    assert [a.status_code for a in answers] == [200] * 12
+    assert len(s["fake"].received) == 1
+    assert {_content(a) for a in answers} == {"Paris is the capital."}
+    served = [a.headers["x-kvcp-served-by"] for a in answers]
+    assert (served.count("engine"), served.count("semantic")) == (1, 11)
+
+
 def test_different_questions_in_one_partition_do_not_share_a_flight(semantic_setup) -> None:
     s = semantic_setup
     s["fake"].delay_s = 0.3

@@ -19,11 +19,22 @@ import numpy as np
 
 from gateway.canonical import canonical_bytes
 from gateway.layers.base import Lookup, StoreUnavailable
+from gateway.layers.response.store import ResponseStore
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
-from gateway.protection import FillResult, Lead, SingleFlight, in_process, lead_or_join, shared_failure
+from gateway.protection import (
+    FillResult,
+    FlightStart,
+    Lead,
+    SingleFlight,
+    fill_once,
+    flight_key,
+    in_process,
+    lead_or_join,
+    shared_failure,
+)
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
@@ -172,7 +183,8 @@ def semantic_flight_key(tenant: Any, partition: str, text: str) -> str:
     """The key of a semantic fill's flight: the request's partition (:func:`semantic_partition`:
     tenant, namespace, parameters and conversation before the last message) and its last user
     message as the layer compares texts exactly (:func:`normalize_text`), keyed with the tenant's
-    secret (``"semantic:"`` and 64 hex digits).
+    secret (64 lowercase hex digits: the key of its fill lease in the response store, whose own
+    keys are other HMACs of the tenant's secret).
 
     Requests of one key would be served each other's answer by the layer itself (texts equal after
     :func:`normalize_text` are an exact hit whatever the threshold and guards), so sharing the
@@ -182,7 +194,7 @@ def semantic_flight_key(tenant: Any, partition: str, text: str) -> str:
     refuse; each leads its own flight (a later one is then a hit)."""
     payload = b"semantic-flight\0" + partition.encode("ascii") + b"\0" + normalize_text(text).encode("utf-8")
     digest = hmac.new(tenant.secret, payload, hashlib.sha256)
-    return "semantic:" + digest.hexdigest()
+    return digest.hexdigest()
 
 
 @dataclass
@@ -209,20 +221,29 @@ class SemanticCacheLayer:
     matched by meaning inside its partition (:func:`semantic_partition`).
 
     Concurrent misses of one question share one engine call (:meth:`fill_guard`, keyed by
-    :func:`semantic_flight_key`), within this process: the semantic store has no fill lease, so
-    gateway processes each make at most one call per burst, and a request arriving after the
-    answer was stored is a hit.
+    :func:`semantic_flight_key`): in this process by the layer's flight, across the processes by
+    the fill lease of the response store they share (``lease_store``; the semantic store has no
+    lease of its own), its waiters looking the question up again in the semantic store. Without
+    a response store, or when the semantic store could not answer the lookup, the flight is this
+    process's alone.
 
     Args:
         semantic: this process's :class:`SemanticLayer`, or None (not configured here). Only its
             admission rules are used by ``explain``: a layer built on no store serves it.
         answer_timeout_s: how long a leader's engine call may take (the upstream timeout): how long joiners wait.
+        lease_store: the response store whose fill lease the flight takes across processes (None: this process only).
+        fill_wait_s: the lease's TTL (renewed while the leader's engine call runs), as the response layer's.
     """
 
     name: ClassVar[str] = "semantic"
 
-    def __init__(self, semantic: SemanticLayer | None, *, answer_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, semantic: SemanticLayer | None, *, answer_timeout_s: float = 300.0, lease_store: ResponseStore | None = None,
+        fill_wait_s: float = 120.0,
+    ) -> None:  # fmt: skip
         self.semantic = semantic
+        self.lease_store = lease_store
+        self.fill_wait_s = fill_wait_s
         #: The wrapped layer's store error (a test's layer may bring its own).
         self.Unavailable: type[Exception] = semantic.Unavailable if semantic is not None else StoreUnavailable
         self.answer_timeout_s = answer_timeout_s
@@ -294,12 +315,25 @@ class SemanticCacheLayer:
             GatewayError: the leader's engine call timed out (504 ``upstream_timeout``).
         """
         asked: SemanticPending = pending
-        start = partial(in_process, self.flight, asked.flight_key)
+        prefix = ctx.namespace.storage_prefix
+        start: FlightStart
+        if asked.vector is None or self.lease_store is None:
+            start = partial(in_process, self.flight, flight_key(prefix, asked.flight_key))
+        else:
+            read = partial(self._read, prefix, asked, ctx.tenant.policy.semantic_threshold)
+            start = partial(fill_once, self.lease_store, prefix, asked.flight_key, lease_ttl_s=self.fill_wait_s,
+                            wait_timeout_s=self.answer_timeout_s + self.fill_wait_s, flight=self.flight, read=read)  # fmt: skip
         got = await lead_or_join(start, answer_timeout_s=self.answer_timeout_s, rounds=_JOIN_ROUNDS)
         if isinstance(got, Lead):
             asked.lead = got
             return None
         return json.loads(got) if got is not None else None
+
+    def _read(self, prefix: str, asked: SemanticPending, threshold: float | None) -> bytes | None:
+        """The answer another process stored for ``asked`` meanwhile (a lookup again), as bytes; blocking."""
+        assert self.semantic is not None
+        _, record = self.semantic.lookup(prefix, asked.partition, asked.text, threshold)
+        return None if record is None else json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
         """Keep the answer with the request's tags (invalidated by any of them).
@@ -326,4 +360,6 @@ class SemanticCacheLayer:
 def build(runtime: Any) -> SemanticCacheLayer:
     """The layer of a :class:`gateway.server.Runtime`: its semantic layer (None: not configured)
     and the upstream timeout (how long its flight's joiners wait for the leader)."""
-    return SemanticCacheLayer(runtime.semantic, answer_timeout_s=runtime.limits.upstream_timeout_s)
+    limits = runtime.limits
+    return SemanticCacheLayer(runtime.semantic, answer_timeout_s=limits.upstream_timeout_s,
+                              lease_store=runtime.response_store, fill_wait_s=limits.fill_wait_s)  # fmt: skip
