@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 
 from gateway.answers import STREAMED, AnswerAssembler, record_of_answer
 from gateway.errors import GatewayError
-from gateway.protection import FillBreaker, Overloaded
+from gateway.protection import FillBreaker, Overloaded, upstream_timeout
 from gateway.records import Recorder
 from gateway.replies import sse
 from gateway.routing import EngineTarget, NamespaceTarget, RoundRobin, choose_engine, prompt_affinity_text
@@ -96,6 +96,7 @@ class EngineProxy:
         self.transport = transport or httpx2.AsyncHTTPTransport(
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256)
         )
+        self.timeout_s = timeout_s
         self._timeout = httpx2.Timeout(timeout_s, connect=5.0).as_dict()
         self.breaker = FillBreaker(max_in_flight, breaker_failures, breaker_cooldown_s)
         #: Requests this process has open per engine id (the load-aware choice reads it).
@@ -135,7 +136,8 @@ class EngineProxy:
             body: the caller's body (the engine choice's prefix affinity reads it).
 
         Raises:
-            GatewayError: 503 ``no_engine`` (none left), 503 ``overloaded`` (every engine at capacity, with ``retry-after``).
+            GatewayError: 503 ``no_engine`` (none left), 503 ``overloaded`` (every engine at capacity, with ``retry-after``),
+                504 ``upstream_timeout`` (an engine took the request and sent nothing for ``timeout_s``).
             EngineRefused: the engine answered an error status.
         """
         tried: set[int] = set()
@@ -155,6 +157,10 @@ class EngineProxy:
                 response = await self._send(engine, endpoint, payload)
             except (httpx2.HTTPError, OSError) as exc:
                 self._release(engine, ok=False)
+                if _timed_out(exc):
+                    # It took the request and stayed silent a whole upstream timeout: another engine would too.
+                    log.warning("engine %s did not answer within %g s", engine.name, self.timeout_s)
+                    raise upstream_timeout(self.timeout_s) from None
                 log.warning("engine %s unreachable: %r", engine.name, exc)
                 continue
             if response.status_code >= 400:
@@ -194,7 +200,10 @@ class EngineProxy:
         computed it: :func:`gateway.answers.record_of_answer`).
 
         An answer cut off or not an answer object is the engine's failure (record None,
-        the breaker counts it)."""
+        the breaker counts it).
+
+        Raises:
+            GatewayError: 504 ``upstream_timeout``: the answer stalled for ``timeout_s`` (the breaker counts it)."""
         engine = call.engine
         ok = False
         try:
@@ -205,6 +214,9 @@ class EngineProxy:
                 return EngineAnswer(None)
             ok = True
         except (httpx2.HTTPError, OSError, ValueError) as exc:
+            if _timed_out(exc):
+                log.warning("engine %s did not answer within %g s", engine.name, self.timeout_s)
+                raise upstream_timeout(self.timeout_s) from None
             log.warning("engine %s failed before answering: %r", engine.name, exc)
             return EngineAnswer(None)
         finally:
@@ -261,6 +273,12 @@ class EngineProxy:
             await self.finish(call, ok=complete or refused is not None)
             answer = EngineAnswer(assembler.record() if complete else None, assembler.first_token_at, refused)
             await asyncio.shield(on_end(answer))
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether an engine call failed by the upstream timeout once connected (a read or write that
+    waited ``timeout_s``), not by an engine that cannot be reached (a connect timeout)."""
+    return isinstance(exc, httpx2.TimeoutException) and not isinstance(exc, httpx2.ConnectTimeout)
 
 
 def _error_event(chunk: Any) -> bool:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from gateway import routing
 from gateway.answers import unkept_reason
 from gateway.canonical import Admission, response_admission
+from gateway.errors import GatewayError
 from gateway.layers.base import CacheLayer, Provenance
 from gateway.pii import personal_data_kinds
 from gateway.pii.gate import answer_text
@@ -80,6 +81,8 @@ class RequestContext:
         timings: milliseconds per step (``lookup_<layer>``), for records and metrics.
         provenance: the engine that computed the answer and when, set once the engine's answer is
             complete: what the layers keep beside it (None before, and for an answer served from a layer).
+        failure: the error the request was answered when its engine call failed so (a timeout),
+            set before the layers' guards are released: a flight it led hands it to its joiners.
     """
 
     snap: RoutingSnapshot
@@ -93,6 +96,7 @@ class RequestContext:
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
     provenance: Provenance | None = None
+    failure: GatewayError | None = None
 
     @property
     def namespace(self) -> NamespaceTarget:
@@ -153,10 +157,17 @@ def bypass_reason(layer: CacheLayer, ctx: RequestContext) -> str | None:
 
 @dataclass
 class Missed:
-    """A layer the request looked up and missed, with what it needs to store the answer."""
+    """A layer the request looked up and missed, with what it needs to store the answer.
+
+    Attributes:
+        unavailable: the layer's store could not answer the lookup (its bypass is recorded):
+            the layer only guards the fill (its in-process single flight), nothing is stored
+            there nor counted as its miss.
+    """
 
     layer: CacheLayer
     pending: Any
+    unavailable: bool = False
 
 
 @dataclass
@@ -166,6 +177,8 @@ class Hit:
     Attributes:
         entry: the layer's id of the entry served (:attr:`gateway.layers.base.Lookup.entry`), when known.
         question: the text the served answer was computed for, when not this request's own.
+        unavailable: the answer came from the layer's in-process flight while its store could
+            not answer this request's lookup: the request is counted as that bypass, not as a hit.
     """
 
     layer: CacheLayer
@@ -173,6 +186,7 @@ class Hit:
     lookup_ms: float
     entry: str | None = None
     question: str | None = None
+    unavailable: bool = False
 
 
 class Pipeline:
@@ -198,7 +212,9 @@ class Pipeline:
 
         A layer bypassed (its reason), whose store cannot answer (``store_unavailable``)
         or answers an error (``store_error``, logged) is counted and passed: a cache never
-        fails a request. A miss is counted with its lookup time.
+        fails a request. Such a store trouble still leaves the layer's single flight in this
+        process when it has one (:meth:`without_store`): identical requests that found the store
+        unavailable together make one engine call. A miss is counted with its lookup time.
         """
         missed: list[Missed] = []
         ns = ctx.namespace
@@ -212,10 +228,12 @@ class Pipeline:
                 found = await layer.lookup(ctx)
             except layer.Unavailable:
                 self.recorder.bypass(ns.pk, layer.name, "store_unavailable")
+                missed.extend(self.without_store(layer, ctx))
                 continue
             except TierError:
                 log.exception("cache layer %s: its store failed a lookup", layer.name)
                 self.recorder.bypass(ns.pk, layer.name, "store_error")
+                missed.extend(self.without_store(layer, ctx))
                 continue
             lookup_ms = (time.perf_counter() - looked) * 1000
             ctx.timings[f"lookup_{layer.name}"] = lookup_ms
@@ -225,14 +243,31 @@ class Pipeline:
             missed.append(Missed(layer, found.pending))
         return missed
 
+    @staticmethod
+    def without_store(layer: CacheLayer, ctx: RequestContext) -> list[Missed]:
+        """The layer as a guard only, for a request whose lookup its store could not answer:
+        its ``without_store(ctx)`` pending value (an optional method of a layer whose single flight
+        needs no store), or nothing for a layer without one."""
+        pending = getattr(layer, "without_store", None)
+        return [] if pending is None else [Missed(layer, pending(ctx), unavailable=True)]
+
     async def guard(self, ctx: RequestContext, missed: Sequence[Missed]) -> Hit | None:
         """Before the engine is called: an answer stored meanwhile by an identical request
-        (served as that layer's hit), or None when this request fills every missed layer."""
+        (served as that layer's hit), or None when this request fills every missed layer.
+
+        Raises:
+            GatewayError: a layer's flight answered its leader's error (an engine timeout);
+                the guards taken before it are released first.
+        """
         for at, miss in enumerate(missed):
-            record = await miss.layer.fill_guard(ctx, miss.pending)
+            try:
+                record = await miss.layer.fill_guard(ctx, miss.pending)
+            except BaseException:
+                await self.release(ctx, missed[:at], None)
+                raise
             if record is not None:
                 await self.release(ctx, missed[:at], None)
-                return Hit(miss.layer, record, 0.0)
+                return Hit(miss.layer, record, 0.0, unavailable=miss.unavailable)
         return None
 
     def unkept(self, ctx: RequestContext, record: Mapping[str, Any]) -> str | None:
@@ -248,6 +283,7 @@ class Pipeline:
         layers serve what they keep verbatim, so nothing of it is kept (:mod:`gateway.pii.gate`).
         Each store's time, failed ones included, is recorded (``store_ms_sum``, ``store_count``):
         with the lookups, what the layer costs."""
+        missed = [m for m in missed if not m.unavailable]
         if not missed:
             return
         why = self.unkept(ctx, record)
@@ -276,7 +312,7 @@ class Pipeline:
     def went_past(self, ctx: RequestContext, missed: Sequence[Missed], ttft_s: float) -> None:
         """The engine answered a request these layers missed: their cold TTFT, recorded as
         each one's ``ttft_miss_*`` (the miss side of its benefit ratio; a cold TTFT in the metrics)."""
-        for miss in missed:
+        for miss in (m for m in missed if not m.unavailable):
             self.recorder.add(ctx.namespace.pk, miss.layer.name, ttft_miss_ms_sum=ttft_s * 1000, ttft_miss_count=1)
 
 

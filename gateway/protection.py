@@ -18,8 +18,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
+from gateway.errors import GatewayError
 from gateway.layers.base import StoreUnavailable
 from gateway.layers.response.store import ResponseStore, check_key, check_store_prefix
 from inference.errors import InvalidField
@@ -28,11 +30,17 @@ __all__ = [
     "BreakerState",
     "FillBreaker",
     "FillResult",
+    "Lead",
+    "NoAnswer",
     "Overloaded",
     "SingleFlight",
     "TokenBucket",
     "fill_once",
     "flight_key",
+    "in_process",
+    "lead_or_join",
+    "shared_failure",
+    "upstream_timeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -189,6 +197,7 @@ async def fill_once(
     wait_timeout_s: float,
     poll_s: float = 0.02,
     flight: SingleFlight[FillResult] | None = None,
+    read: Callable[[], bytes | None] | None = None,
 ) -> FillResult:
     """Fill a missing response once across the processes sharing ``store``.
 
@@ -206,6 +215,11 @@ async def fill_once(
        ``fill()`` without the lease (``"filled"``: a second fill, accepted
        rather than a request waiting longer);
     4. else sleep ``poll_s`` and go to 1.
+
+    ``read`` is how the value is looked for (steps 1 and 2; a blocking call, run in a worker
+    thread; it may raise :class:`StoreUnavailable`): by default ``store.get(prefix, key)``; a
+    layer keeping its values elsewhere (the semantic layer) reads its own store and uses
+    ``store`` for the lease only.
 
     ``fill`` must put its value into the store itself (with the namespace's
     TTL and budget) before it returns, when the value is cacheable: this
@@ -242,6 +256,7 @@ async def fill_once(
     _positive(wait_timeout_s, "wait_timeout_s")
     _positive(poll_s, "poll_s")
     chosen = _PROCESS_FLIGHT if flight is None else flight
+    look: Callable[[], bytes | None] = partial(store.get, prefix, key) if read is None else read
 
     async def across_processes() -> FillResult:
         loop = asyncio.get_running_loop()
@@ -252,11 +267,11 @@ async def fill_once(
             try:
                 taken = await asyncio.to_thread(store.lease, prefix, key, lease_ttl_s)
                 if not taken:
-                    value = await asyncio.to_thread(store.get, prefix, key)
+                    value = await asyncio.to_thread(look)
             except StoreUnavailable as exc:
                 return await _fill_without_store(prefix, key, fill, exc)
             if taken:
-                return await _lead(store, prefix, key, fill, lease_ttl_s)
+                return await _lead(store, prefix, key, fill, lease_ttl_s, look)
             if value is not None:
                 return FillResult(value, "store")
             if loop.time() >= deadline:
@@ -273,13 +288,14 @@ async def _fill_without_store(prefix: str, key: str, fill: Callable[[], Awaitabl
 
 
 async def _lead(
-    store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], lease_ttl_s: float
-) -> FillResult:
+    store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], lease_ttl_s: float,
+    look: Callable[[], bytes | None],
+) -> FillResult:  # fmt: skip
     """Holding the lease: the value if another process stored it meanwhile, else ``fill()``
     with the lease renewed while it runs; the lease released after."""
     try:
         try:
-            value = await asyncio.to_thread(store.get, prefix, key)
+            value = await asyncio.to_thread(look)
         except StoreUnavailable as exc:
             return await _fill_without_store(prefix, key, fill, exc)
         if value is not None:
@@ -314,6 +330,137 @@ async def _renew_lease(store: ResponseStore, prefix: str, key: str, ttl_s: float
         if not held:
             log.warning("fill lease of %s/%s lapsed before its fill ended: another process may fill it too", prefix, key)
             return
+
+
+# -- a request's engine call as a flight's fill ---------------------------------------
+
+
+def upstream_timeout(timeout_s: float) -> GatewayError:
+    """The gateway's answer to a request whose engine call outlived the upstream timeout
+    (``timeout_s`` seconds): 504 ``upstream_timeout`` in the one error envelope."""
+    return GatewayError(504, f"the engine did not answer within {timeout_s:g} s", type_="server_error",
+                        code="upstream_timeout")  # fmt: skip
+
+
+class NoAnswer(Exception):
+    """A flight's leader ended without an answer its joiners may share.
+
+    Attributes:
+        error: the error the leader's request was answered and its joiners answer too (its
+            engine call timed out: :func:`upstream_timeout`; another round would wait as long
+            again); None: the joiners go another round (a failed engine call: one of them
+            leads the next fill).
+    """
+
+    def __init__(self, error: GatewayError | None = None) -> None:
+        super().__init__(error.message if error is not None else "the leader's engine call ended without an answer")
+        self.error = error
+
+
+@dataclass
+class Lead:
+    """A request leading a flight: its engine call is the flight's fill until :meth:`end`.
+
+    Attributes:
+        answer: resolved with the answer's bytes (or :class:`NoAnswer`) when the request ends.
+        flight: the flight's task (``fill_once`` or :func:`in_process`), awaited by :meth:`end`.
+    """
+
+    answer: asyncio.Future[bytes]
+    flight: asyncio.Future[Any]
+
+    async def end(self, value: bytes | None, error: GatewayError | None = None) -> None:
+        """Hand the joiners ``value`` (None: :class:`NoAnswer` carrying ``error``) and wait
+        for the flight to end (its fill lease given back). Never raises the flight's error."""
+        if not self.answer.done():
+            if value is None:
+                self.answer.set_exception(NoAnswer(error))
+                self.answer.exception()  # read here: a flight that timed out no longer awaits it
+            else:
+                self.answer.set_result(value)
+        try:
+            await asyncio.shield(self.flight)
+        except Exception:  # NoAnswer or the joiners' timeout: the leader's own request already knows
+            pass
+
+
+def shared_failure(error: GatewayError | None) -> GatewayError | None:
+    """The error of a leading request that its joiners answer too: its engine call's timeout
+    (504 ``upstream_timeout``: another round would wait as long again); None for any other
+    (a failed engine call: the joiners go another round, one of them leads it)."""
+    return error if error is not None and error.code == "upstream_timeout" else None
+
+
+#: Starts a flight whose fill is the given coroutine function (``fill_once`` bound to a store and key, or :func:`in_process`).
+FlightStart = Callable[[Callable[[], Awaitable[bytes]]], Awaitable[FillResult]]
+
+
+async def in_process(flight: SingleFlight[FillResult], key: str, fill: Callable[[], Awaitable[bytes]]) -> FillResult:
+    """``fill()`` shared by the concurrent callers of ``key`` in this process only (no store,
+    no lease: what a layer whose store cannot answer, or that has no lease, still coordinates).
+
+    Returns:
+        ``FillResult(value, "filled")`` for the caller that ran it, ``"joined"`` for the others.
+
+    Raises:
+        BaseException: whatever ``fill()`` raised, in every caller.
+    """
+
+    async def run() -> FillResult:
+        return FillResult(await fill(), "filled")
+
+    outcome, led = await flight.run(key, run)
+    return outcome if led else outcome._replace(how="joined")
+
+
+async def lead_or_join(start: FlightStart, *, answer_timeout_s: float, rounds: int = 3) -> Lead | bytes | None:
+    """Lead or join the flight ``start`` runs, whose fill is the leading request's own engine call.
+
+    Each round starts a flight whose fill waits for the answer the leading request hands over
+    (:meth:`Lead.end`), for at most ``answer_timeout_s`` (the upstream timeout; a request that
+    never ends must not hold the flight for good). The request whose fill runs leads; the
+    others get the leader's answer, or go another round when the leader ended without one
+    (:class:`NoAnswer` without an error: a failed engine call, the next round has a new leader).
+
+    Returns:
+        A :class:`Lead` (this request calls the engine and ends it), the answer's bytes (another
+        request's, or read from the store), or None after ``rounds`` rounds without an answer
+        (the request calls the engine outside the single flight).
+
+    Raises:
+        GatewayError: the leader's engine call timed out (504 ``upstream_timeout``): every joiner
+            answers the leader's error rather than an exception of the flight.
+    """
+    for _ in range(rounds):
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        leading = asyncio.Event()
+
+        async def engine_answer(answer: asyncio.Future[bytes] = answer, leading: asyncio.Event = leading) -> bytes:
+            leading.set()
+            try:
+                return await asyncio.wait_for(asyncio.shield(answer), answer_timeout_s)
+            except TimeoutError:
+                raise NoAnswer(upstream_timeout(answer_timeout_s)) from None
+
+        flight = asyncio.ensure_future(start(engine_answer))
+        led = asyncio.ensure_future(leading.wait())
+        try:
+            await asyncio.wait({flight, led}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled while its flight began: a flight it leads ends now, not at the answer timeout.
+            led.cancel()
+            if not answer.done():
+                answer.set_exception(NoAnswer())
+            raise
+        if leading.is_set():
+            return Lead(answer, flight)
+        led.cancel()
+        try:
+            return flight.result().value
+        except NoAnswer as exc:
+            if exc.error is not None:
+                raise exc.error from None
+    return None
 
 
 # -- token bucket ----------------------------------------------------------------

@@ -391,11 +391,12 @@ class Gateway:
         usage = hit.record.get("usage") or {}
         ttft_ms = (time.perf_counter() - ctx.started) * 1000
         templates.count(self.rt.recorder.templates, warm=True)
-        self.rt.recorder.add(
-            ctx.namespace.pk, hit.layer.name, requests=1, hits=1, lookup_ms_sum=hit.lookup_ms, lookup_count=1,
-            ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1, prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            output_tokens=int(usage.get("completion_tokens") or 0),
-        )  # fmt: skip
+        if not hit.unavailable:  # else counted as the layer's store_unavailable bypass already
+            self.rt.recorder.add(
+                ctx.namespace.pk, hit.layer.name, requests=1, hits=1, lookup_ms_sum=hit.lookup_ms, lookup_count=1,
+                ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1, prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                output_tokens=int(usage.get("completion_tokens") or 0),
+            )  # fmt: skip
         headers = served_headers(ctx.routed, hit.layer.name)
         rate = ctx.tenant.policy.shadow_sample_rate
         sampled = rate > 0 and random.random() < rate
@@ -451,6 +452,7 @@ class Gateway:
             answer = await self.proxy.complete(call, ctx.endpoint)
             await asyncio.shield(end(answer, call.engine))
         except GatewayError as exc:
+            ctx.failure = exc  # a flight this request leads hands its joiners a timeout's answer
             return exc.response()
         except EngineRefused as exc:
             return exc.response()

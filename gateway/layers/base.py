@@ -137,7 +137,12 @@ class CacheLayer(Protocol):
 
     async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
         """Before the engine is called: an answer another request stored meanwhile (then it is served as
-        this layer's hit), or None when this request fills. Never raises :attr:`Unavailable`."""
+        this layer's hit), or None when this request fills. Never raises :attr:`Unavailable`; may raise
+        :class:`gateway.errors.GatewayError` when the flight it joined answered its leader's error.
+
+        A layer may also have ``without_store(ctx) -> pending``: the pending value of a request whose
+        lookup its store could not answer, for a single flight that needs no store (the pipeline then
+        calls this guard and :meth:`release` with it, never :meth:`store`)."""
         ...
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:

@@ -1,7 +1,8 @@
-"""Single flight of response fills across real gateway processes: two
+"""Single flight of cache fills across real gateway processes: two
 ``manage.py gateway`` processes on one response store (the SQLite file of the
 embedded default, or Redis), bursts of identical greedy requests for a cold key
-split between them, and an engine that counts the calls it gets per prompt.
+split between them, through the response cache or (tagged) through the semantic
+cache, and an engine that counts the calls it gets per prompt.
 
 The engine is a test double at the HTTP level (an OpenAI-compatible server that
 answers each call with its own number): what is under test is the gateway's
@@ -29,6 +30,7 @@ import pytest
 from cacheadmin.models import CacheNamespace, Engine, RetentionOwner, Tenant
 from cacheadmin.services.gateway import gateway_key_issue
 from gateway.layers.response.redis_store import RedisResponseStore
+from gateway.layers.semantic.redis_store import RedisSemanticStore
 from tests.cacheadmin.conftest import make_version
 from tests.helpers import running_gateway, subprocess_env
 
@@ -135,10 +137,11 @@ def _routed_key(engine: CountingEngine) -> str:
     return gateway_key_issue(tenant=tenant, name="app", actor="test")[1]
 
 
-async def _bursts(bases: list[str], key: str, run: str) -> list[tuple[str, list[tuple[int, str, str]]]]:
+async def _bursts(bases: list[str], key: str, run: str, tags: dict[str, str]) -> list[tuple[str, list[tuple[int, str, str]]]]:
     """Fire the bursts one after another; each: PER_BURST concurrent identical requests for a new prompt,
-    alternately to each gateway. Returns per burst its prompt and each caller's (status, served-by, content)."""
-    headers = {"authorization": f"Bearer {key}"}
+    alternately to each gateway, with ``tags`` among their headers. Returns per burst its prompt and
+    each caller's (status, served-by, content)."""
+    headers = {"authorization": f"Bearer {key}", **tags}
     limits = httpx.Limits(max_connections=PER_BURST, max_keepalive_connections=PER_BURST)
     out = []
     spread = random.Random(0)  # the same start times on every run
@@ -170,26 +173,32 @@ def _content(answer: httpx.Response) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
+@pytest.mark.parametrize("layer", ["response", "semantic"])
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
 def test_every_burst_across_two_gateway_processes_makes_one_engine_call(
-    backend: str, engine: CountingEngine, tmp_path: Path
+    backend: str, layer: str, engine: CountingEngine, tmp_path: Path
 ) -> None:
+    """``layer``: through the response cache (untagged greedy requests, the semantic layer off), or
+    through the semantic cache (tagged requests skip the response cache; its flight takes the
+    response store's fill lease across the processes)."""
     key = _routed_key(engine)
     stores = {"GATEWAY_DIR": str(tmp_path / "store")} if backend == "sqlite" else {"GATEWAY_REDIS_URL": REDIS_URL}
     env = subprocess_env(
-        GATEWAY_SEMANTIC="0", GATEWAY_RATE_PER_S="100000", GATEWAY_BURST="100000", GATEWAY_CONNECTIONS_PER_CLIENT="0",
-        GATEWAY_FLUSH_S="60", **stores,
+        GATEWAY_SEMANTIC="1" if layer == "semantic" else "0", GATEWAY_RATE_PER_S="100000", GATEWAY_BURST="100000",
+        GATEWAY_CONNECTIONS_PER_CLIENT="0", GATEWAY_FLUSH_S="60", **stores,
     )  # fmt: skip
+    tags = {"x-cache-tags": "topic:flight"} if layer == "semantic" else {}
     run = uuid.uuid4().hex  # fresh cold keys, whatever a shared Redis holds
     try:
         with (
             running_gateway(env, tmp_path / "a.log") as a,
             running_gateway(env, tmp_path / "b.log") as b,
         ):
-            results = asyncio.run(_bursts([a, b], key, run))
+            results = asyncio.run(_bursts([a, b], key, run, tags))
     finally:
         if backend == "redis":
             RedisResponseStore.from_url(REDIS_URL).delete_prefix(PREFIX)
+            RedisSemanticStore.from_url(REDIS_URL).delete_prefix(PREFIX)
     leaks = {prompt: engine.calls[prompt] for prompt, _ in results if engine.calls[prompt] != 1}
     assert leaks == {}, f"{len(leaks)} of {BURSTS} bursts called the engine more than once: {leaks}"
     assert engine.total == BURSTS
@@ -198,4 +207,4 @@ def test_every_burst_across_two_gateway_processes_makes_one_engine_call(
         assert statuses == {200}, (prompt, got)
         assert {content for _, _, content in got} == {engine.answered[prompt]}, (prompt, got)
         served = Counter(by for _, by, _ in got)
-        assert served["engine"] == 1 and served["engine"] + served["response"] == PER_BURST, (prompt, got)
+        assert served["engine"] == 1 and served["engine"] + served[layer] == PER_BURST, (prompt, got)

@@ -9,12 +9,23 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from gateway.canonical import response_cache_key
 from gateway.layers.base import Lookup, Provenance, StoreUnavailable
 from gateway.layers.response.store import ResponseStore
-from gateway.protection import FillResult, SingleFlight, fill_once, flight_key
+from gateway.protection import (
+    FillResult,
+    FlightStart,
+    Lead,
+    SingleFlight,
+    fill_once,
+    flight_key,
+    in_process,
+    lead_or_join,
+    shared_failure,
+)
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
@@ -24,30 +35,26 @@ if TYPE_CHECKING:
 #: decided for every layer by the pipeline (:func:`gateway.pipeline.bypass_reason`).
 BYPASS_REASONS: Final = ("kill_switch", "tagged", "tenant_policy", "not_configured", "not_paying")
 
+__all__ = ["BYPASS_REASONS", "PendingFill", "ResponseCacheLayer", "build"]
+
 #: Rounds of joining a flight whose leader ends without an answer before a request fills
 #: without the single flight (each round is a real engine call that failed).
 _JOIN_ROUNDS: Final = 3
 
 
-class NoAnswer(Exception):
-    """The leader's engine call ended without a complete answer: the requests that joined its
-    flight go their own way (they look up again and one of them leads the next fill)."""
-
-
 @dataclass
 class PendingFill:
-    """A response-cache miss of one request: its entry's key and, once it leads the fill,
-    the answer its flight waits for and the flight itself.
+    """A response-cache miss of one request: its entry's key and, once it leads the fill, its lead.
 
     Attributes:
         key: the entry's key (64 hex).
-        answer: resolved with the answer's bytes (or :class:`NoAnswer`) when the request ends; None: not leading.
-        flight: the :func:`fill_once` task that holds the lease while the engine answers.
+        store_down: the lookup found the store unavailable: the flight is this process's only, nothing is stored.
+        lead: the flight this request leads (its engine call is the fill); None: not leading.
     """
 
     key: str
-    answer: asyncio.Future[bytes] | None = None
-    flight: asyncio.Future[FillResult] | None = None
+    store_down: bool = False
+    lead: Lead | None = None
 
 
 class ResponseCacheLayer:
@@ -123,46 +130,37 @@ class ResponseCacheLayer:
         filled meanwhile (in this process, or stored by another), or None when this request
         leads: its engine call is then the flight's fill, until :meth:`release`.
 
-        A store that cannot answer lets this request fill without the lease; a flight whose
-        leader ends without an answer is joined again, up to three rounds, then this request
-        fills outside the single flight.
+        A store that cannot answer lets this request fill without the lease (still within
+        this process's flight); a lookup that found the store unavailable
+        (:meth:`without_store`) runs this process's flight alone. A flight whose leader ends
+        without an answer is joined again, up to three rounds, then this request fills outside
+        the single flight (:func:`gateway.protection.lead_or_join`).
+
+        Raises:
+            GatewayError: the leader's engine call timed out (504 ``upstream_timeout``).
         """
         fill: PendingFill = pending
         prefix = ctx.namespace.storage_prefix
-        for _ in range(_JOIN_ROUNDS):
-            answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-            leading = asyncio.Event()
-
-            async def engine_answer(answer: asyncio.Future[bytes] = answer, leading: asyncio.Event = leading) -> bytes:
-                leading.set()
-                # Bounded: a request that never reaches release() must not hold the flight for good.
-                return await asyncio.wait_for(asyncio.shield(answer), self.answer_timeout_s)
-
+        start: FlightStart
+        if fill.store_down or self.store_ is None:
+            start = partial(in_process, self.flight, flight_key(prefix, fill.key))
+        else:
             # The leader renews its lease while the engine answers, so pollers in other processes
             # wait as long as that may take (its answer timeout), as this process's joiners do; a
             # leader whose process died stops renewing and a poller takes over within fill_wait_s.
-            flight = asyncio.ensure_future(
-                fill_once(self._store, prefix, fill.key, engine_answer, lease_ttl_s=self.fill_wait_s,
-                          wait_timeout_s=self.answer_timeout_s + self.fill_wait_s, flight=self.flight)
-            )  # fmt: skip
-            led = asyncio.ensure_future(leading.wait())
-            try:
-                await asyncio.wait({flight, led}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                # Cancelled while its flight began: a flight it leads ends now, not at the answer timeout.
-                led.cancel()
-                if not answer.done():
-                    answer.set_exception(NoAnswer())
-                raise
-            if leading.is_set():
-                fill.answer, fill.flight = answer, flight
-                return None
-            led.cancel()
-            try:
-                return json.loads(flight.result().value)  # type: ignore[no-any-return]
-            except NoAnswer:
-                continue  # the leader's engine call failed: the next round has a new leader
-        return None
+            start = partial(fill_once, self._store, prefix, fill.key, lease_ttl_s=self.fill_wait_s,
+                            wait_timeout_s=self.answer_timeout_s + self.fill_wait_s, flight=self.flight)  # fmt: skip
+        got = await lead_or_join(start, answer_timeout_s=self.answer_timeout_s, rounds=_JOIN_ROUNDS)
+        if isinstance(got, Lead):
+            fill.lead = got
+            return None
+        return json.loads(got) if got is not None else None
+
+    def without_store(self, ctx: RequestContext) -> PendingFill:
+        """The pending fill of a request whose lookup found the store unavailable: identical
+        requests of this process still share one engine call (the in-process flight needs no
+        store), and nothing is stored."""
+        return PendingFill(self.key(ctx), store_down=True)
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
         """Keep the answer under the namespace's TTL and byte budget, with its provenance
@@ -185,20 +183,13 @@ class ResponseCacheLayer:
         return self._store.provenance(ctx.namespace.storage_prefix, entry)
 
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
-        """End the flight this request leads: its joiners get the answer (or :class:`NoAnswer`),
-        and the fill lease is given back before this returns."""
+        """End the flight this request leads: its joiners get the answer, or :class:`gateway.protection.NoAnswer`
+        with the request's error when its engine call timed out (``ctx.failure``), and the fill
+        lease is given back before this returns."""
         fill: PendingFill = pending
-        if fill.answer is None or fill.flight is None:
-            return
-        if not fill.answer.done():
-            if record is None:
-                fill.answer.set_exception(NoAnswer())
-            else:
-                fill.answer.set_result(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
-        try:
-            await asyncio.shield(fill.flight)
-        except Exception:  # NoAnswer or its timeout: the leader's own request already knows
-            pass
+        if fill.lead is not None:
+            value = None if record is None else json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            await fill.lead.end(value, shared_failure(ctx.failure))
 
 
 def build(runtime: Any) -> ResponseCacheLayer:

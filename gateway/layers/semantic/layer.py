@@ -11,19 +11,37 @@ import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import numpy as np
 
 from gateway.canonical import canonical_bytes
 from gateway.layers.base import Lookup, Provenance, StoreUnavailable
+from gateway.layers.response.store import ResponseStore
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
+from gateway.protection import (
+    FillResult,
+    FlightStart,
+    Lead,
+    SingleFlight,
+    fill_once,
+    flight_key,
+    in_process,
+    lead_or_join,
+    shared_failure,
+)
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
+
+
+#: Rounds of joining a flight whose leader ends without an answer (as the response layer's).
+_JOIN_ROUNDS: Final = 3
 
 
 class SemanticLayer:
@@ -175,21 +193,76 @@ def semantic_partition(tenant: Any, namespace: Any, endpoint: str, canonical: Ma
     return hmac.new(tenant.secret, b"semantic\0" + payload, hashlib.sha256).hexdigest()
 
 
+def semantic_flight_key(tenant: Any, partition: str, text: str) -> str:
+    """The key of a semantic fill's flight: the request's partition (:func:`semantic_partition`:
+    tenant, namespace, parameters and conversation before the last message) and its last user
+    message as the layer compares texts exactly (:func:`normalize_text`), keyed with the tenant's
+    secret (64 lowercase hex digits: the key of its fill lease in the response store, whose own
+    keys are other HMACs of the tenant's secret).
+
+    Requests of one key would be served each other's answer by the layer itself (texts equal after
+    :func:`normalize_text` are an exact hit whatever the threshold and guards), so sharing the
+    leader's answer serves nothing a lookup after it was stored would not. Paraphrases that would
+    only match by similarity do not join: whether they hit depends on the threshold and guards
+    judged against a stored entry, and sharing them in flight would serve answers the layer may
+    refuse; each leads its own flight (a later one is then a hit)."""
+    payload = b"semantic-flight\0" + partition.encode("ascii") + b"\0" + normalize_text(text).encode("utf-8")
+    digest = hmac.new(tenant.secret, payload, hashlib.sha256)
+    return digest.hexdigest()
+
+
+@dataclass
+class SemanticPending:
+    """A semantic-cache miss of one request.
+
+    Attributes:
+        partition: its partition (:func:`semantic_partition`).
+        text: its last user message.
+        flight_key: its flight's key (:func:`semantic_flight_key`).
+        vector: its embedding, for storing the answer; None when the lookup found the store unavailable.
+        lead: the flight this request leads (its engine call is the fill); None: not leading.
+    """
+
+    partition: str
+    text: str
+    flight_key: str
+    vector: np.ndarray | None = None
+    lead: Lead | None = None
+
+
 class SemanticCacheLayer:
     """The semantic cache as a layer of the pipeline: the last user message of a chat,
     matched by meaning inside its partition (:func:`semantic_partition`).
 
+    Concurrent misses of one question share one engine call (:meth:`fill_guard`, keyed by
+    :func:`semantic_flight_key`): in this process by the layer's flight, across the processes by
+    the fill lease of the response store they share (``lease_store``; the semantic store has no
+    lease of its own), its waiters looking the question up again in the semantic store. Without
+    a response store, or when the semantic store could not answer the lookup, the flight is this
+    process's alone.
+
     Args:
         semantic: this process's :class:`SemanticLayer`, or None (not configured here). Only its
             admission rules are used by ``explain``: a layer built on no store serves it.
+        answer_timeout_s: how long a leader's engine call may take (the upstream timeout): how long joiners wait.
+        lease_store: the response store whose fill lease the flight takes across processes (None: this process only).
+        fill_wait_s: the lease's TTL (renewed while the leader's engine call runs), as the response layer's.
     """
 
     name: ClassVar[str] = "semantic"
 
-    def __init__(self, semantic: SemanticLayer | None) -> None:
+    def __init__(
+        self, semantic: SemanticLayer | None, *, answer_timeout_s: float = 300.0, lease_store: ResponseStore | None = None,
+        fill_wait_s: float = 120.0,
+    ) -> None:  # fmt: skip
         self.semantic = semantic
+        self.lease_store = lease_store
+        self.fill_wait_s = fill_wait_s
         #: The wrapped layer's store error (a test's layer may bring its own).
         self.Unavailable: type[Exception] = semantic.Unavailable if semantic is not None else StoreUnavailable
+        self.answer_timeout_s = answer_timeout_s
+        #: This process's fills in flight, by :func:`semantic_flight_key`.
+        self.flight: SingleFlight[FillResult] = SingleFlight()
 
     def bypass(self, ctx: RequestContext) -> str | None:
         """``kill_switch``, ``tenant_policy``, ``not_configured``, ``not_a_user_question``,
@@ -223,7 +296,7 @@ class SemanticCacheLayer:
 
     async def lookup(self, ctx: RequestContext) -> Lookup:
         """A stored answer to the same question in the request's partition; else a miss whose
-        pending value is ``(partition, vector, text)``, what storing the answer needs.
+        pending value is a :class:`SemanticPending` (what storing the answer and its flight need).
 
         Raises:
             StoreUnavailable: the store cannot answer.
@@ -235,14 +308,48 @@ class SemanticCacheLayer:
             self.semantic.lookup_candidate, ns.storage_prefix, partition, text, ctx.tenant.policy.semantic_threshold
         )
         if found is None:
-            return Lookup(None, (partition, vector, text))
+            return Lookup(None, SemanticPending(partition, text, semantic_flight_key(ctx.tenant, partition, text), vector))
         # A paraphrase's answer: what it answers is the stored question, not this request's.
         asked = None if found.entry.text == text else found.entry.text
         return Lookup(json.loads(found.entry.response), entry=found.entry.entry_id, question=asked)
 
+    def without_store(self, ctx: RequestContext) -> SemanticPending:
+        """The pending value of a request whose lookup found the store unavailable: its flight only
+        (identical questions of this process share one engine call), nothing to store."""
+        assert ctx.user_text is not None
+        partition = semantic_partition(ctx.tenant, ctx.namespace, ctx.endpoint, ctx.canonical)
+        return SemanticPending(partition, ctx.user_text, semantic_flight_key(ctx.tenant, partition, ctx.user_text))
+
     async def fill_guard(self, ctx: RequestContext, pending: Any) -> dict[str, Any] | None:
-        """No single flight of its own (the response layer's covers identical requests)."""
-        return None
+        """Join or lead this process's flight of the question (:func:`semantic_flight_key`): the
+        answer of a request in flight that this one would be served from once stored, or None
+        when this request leads (its engine call is the flight's fill until :meth:`release`).
+        A leader that ends without an answer is followed by another round, up to three
+        (:func:`gateway.protection.lead_or_join`).
+
+        Raises:
+            GatewayError: the leader's engine call timed out (504 ``upstream_timeout``).
+        """
+        asked: SemanticPending = pending
+        prefix = ctx.namespace.storage_prefix
+        start: FlightStart
+        if asked.vector is None or self.lease_store is None:
+            start = partial(in_process, self.flight, flight_key(prefix, asked.flight_key))
+        else:
+            read = partial(self._read, prefix, asked, ctx.tenant.policy.semantic_threshold)
+            start = partial(fill_once, self.lease_store, prefix, asked.flight_key, lease_ttl_s=self.fill_wait_s,
+                            wait_timeout_s=self.answer_timeout_s + self.fill_wait_s, flight=self.flight, read=read)  # fmt: skip
+        got = await lead_or_join(start, answer_timeout_s=self.answer_timeout_s, rounds=_JOIN_ROUNDS)
+        if isinstance(got, Lead):
+            asked.lead = got
+            return None
+        return json.loads(got) if got is not None else None
+
+    def _read(self, prefix: str, asked: SemanticPending, threshold: float | None) -> bytes | None:
+        """The answer another process stored for ``asked`` meanwhile (a lookup again), as bytes; blocking."""
+        assert self.semantic is not None
+        _, record = self.semantic.lookup(prefix, asked.partition, asked.text, threshold)
+        return None if record is None else json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     async def store(self, ctx: RequestContext, pending: Any, value: bytes) -> None:
         """Keep the answer with the request's tags (invalidated by any of them).
@@ -251,9 +358,18 @@ class SemanticCacheLayer:
             StoreUnavailable: the store cannot answer.
         """
         assert self.semantic is not None
-        partition, vector, text = pending
+        asked: SemanticPending = pending
+        assert asked.vector is not None, "stored by a request whose lookup found the store unavailable"
         await asyncio.to_thread(
-            self.semantic.store, ctx.namespace, ctx.tenant, partition, vector, text, value, ctx.tags, ctx.provenance
+            self.semantic.store,
+            ctx.namespace,
+            ctx.tenant,
+            asked.partition,
+            asked.vector,
+            asked.text,
+            value,
+            ctx.tags,
+            ctx.provenance,
         )
 
     def provenance(self, ctx: RequestContext, entry: str) -> Provenance | None:
@@ -266,9 +382,17 @@ class SemanticCacheLayer:
         return self.semantic.entries.provenance(entry)
 
     async def release(self, ctx: RequestContext, pending: Any, record: dict[str, Any] | None) -> None:
-        """Nothing taken."""
+        """End the flight this request leads: its joiners get the answer (or go another round,
+        or get the leader's timeout: ``ctx.failure``)."""
+        asked: SemanticPending = pending
+        if asked.lead is not None:
+            value = None if record is None else json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            await asked.lead.end(value, shared_failure(ctx.failure))
 
 
 def build(runtime: Any) -> SemanticCacheLayer:
-    """The layer of a :class:`gateway.server.Runtime`: its semantic layer (None: not configured)."""
-    return SemanticCacheLayer(runtime.semantic)
+    """The layer of a :class:`gateway.server.Runtime`: its semantic layer (None: not configured)
+    and the upstream timeout (how long its flight's joiners wait for the leader)."""
+    limits = runtime.limits
+    return SemanticCacheLayer(runtime.semantic, answer_timeout_s=limits.upstream_timeout_s,
+                              lease_store=runtime.response_store, fill_wait_s=limits.fill_wait_s)  # fmt: skip
