@@ -18,13 +18,18 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
+from django.db import transaction
+from django.utils import timezone
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from cacheadmin.metrics.multiproc import ENV, multiproc_use
-from cacheadmin.services.gateway import namespace_routing_resume, namespace_routing_suspend
+from cacheadmin.metrics.multiproc import ENV, multiproc_reap
+from cacheadmin.models import Engine, ShadowCheck
+from cacheadmin.services.gateway import namespace_routing_resume
 from cacheadmin.services.kv_events import KvEventConsumer
 from cacheadmin.services.namespaces import namespace_salt_read
+from cacheadmin.services.retirement import answer_retirement_run
+from cacheadmin.services.shadow import _deceptive
 from inference.identity import fingerprint_checkpoint
 from inference.kv_events import AllBlocksCleared, BlockStored
 from tests.cacheadmin.conftest import engine_stream, world  # noqa: F401  (fixtures)
@@ -195,12 +200,22 @@ def test_gonka_1722_a_stream_ending_done_without_finish_reason_is_not_replayed(s
 def test_kache_335_answers_of_a_namespace_caught_serving_deceptive_hits_are_not_served_again(setup) -> None:
     """https://github.com/kunobi-ninja/kache/issues/335: a cache hit that byte-verifies can
     still be a false hit; once a check finds a hit diverging from a fresh computation, the
-    divergent entries must be evicted, not kept. Here shadow verification's verdict is a
-    suspended namespace: while suspended no cached answer of it is served (503), and once an
-    operator resumes it the answers cached before the verdict are gone (the engine answers)."""
+    divergent entries must be evicted, not kept. Here shadow verification confirms a deceptive
+    hit of the engine that computed the cached answer (a verified reference as witness): the
+    namespace is suspended (503), and once an operator resumes it the answer that engine
+    cached is gone (the engine answers again)."""
     assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
     assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "response"
-    namespace_routing_suspend(namespace=setup["ns"], reason="shadow check #1: deceptive hit", actor="shadow-verification")
+    engine = setup["engine"]
+    reference = Engine.objects.create(
+        name="ref", role="reference", model_version=engine.model_version, base_url="http://127.0.0.1:4", status="ready",
+        prefix_caching=False, verification="verified", verified_at=timezone.now(),
+    )  # fmt: skip
+    check = ShadowCheck.objects.create(namespace=setup["ns"], engine=engine, request={}, status="pending")
+    with transaction.atomic():
+        retirement = _deceptive(check, engine, reference, 0)
+    assert retirement is not None
+    answer_retirement_run(retirement=retirement, actor="shadow-verification")
     refresh(setup)
     held = call(setup, chat(temperature=0))
     assert (held.status_code, held.json()["error"]["code"]) == (503, "namespace_suspended")
@@ -321,7 +336,7 @@ def test_prometheus_client_1167_a_second_group_starting_keeps_a_running_groups_m
     wipe ``PROMETHEUS_MULTIPROC_DIR`` before a group starts; where two groups share the
     folder, the second one's start deletes the files of the first one's live processes and
     their counters drop to nothing. A running process's files must survive another group's
-    start (``manage.py gateway`` calls ``multiproc_use(..., clear=True)``) and still count."""
+    start (a group's start reaps the folder: ``multiproc_reap(..., every_type=True)``) and still count."""
     folder = tmp_path / "metrics"
     folder.mkdir()
     monkeypatch.setenv(ENV, str(folder))  # restored after the test: multiproc_use sets it
@@ -331,7 +346,7 @@ def test_prometheus_client_1167_a_second_group_starting_keeps_a_running_groups_m
     try:
         assert running.stdout is not None and running.stdout.readline().strip() == "ready"
         assert (folder / f"counter_{running.pid}.db").is_file()
-        multiproc_use(folder, clear=True)
+        multiproc_reap(folder, every_type=True)
         assert (folder / f"counter_{running.pid}.db").is_file()
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=str(folder))
