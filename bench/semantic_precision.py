@@ -164,6 +164,7 @@ def evaluate(pairs: Sequence[Pair], sims: Sequence[float], embed: EmbedFn | None
         result[name] = {
             "all": scores(pairs, verdicts),
             "by_lang": by_lang,
+            "by_kind": by_kind(pairs, verdicts),
             "false_hits": dict(false_hits),
             "reasons": dict(reasons),
         }
@@ -171,6 +172,21 @@ def evaluate(pairs: Sequence[Pair], sims: Sequence[float], embed: EmbedFn | None
     above = sum(1 for p, s in zip(pairs, sims, strict=True) if not p.hit and s >= SHIPPED_THRESHOLD)
     result["negatives_above_threshold"] = above
     return result
+
+
+def by_kind(pairs: Sequence[Pair], verdicts: Sequence[MatchVerdict]) -> dict[str, dict[str, int]]:
+    """Per kind present in the set: ``{"pairs", "served"}``.
+
+    Served pairs are true hits for a paraphrase kind (recall) and false hits for a hard-negative kind.
+    """
+    kinds = [k for k in (*HIT_KINDS, *HARD_KINDS) if any(p.kind == k for p in pairs)]
+    return {
+        k: {
+            "pairs": sum(1 for p in pairs if p.kind == k),
+            "served": sum(1 for p, v in zip(pairs, verdicts, strict=True) if p.kind == k and v.hit),
+        }
+        for k in kinds
+    }
 
 
 def _fmt(value: float | None) -> str:
@@ -214,6 +230,11 @@ def report(pairs: Sequence[Pair], sims: Sequence[float], result: dict[str, Any],
     for kind in HARD_KINDS:
         cells = [f"{guarded.get(f'{kind}/{lang}', 0)}/{baseline.get(f'{kind}/{lang}', 0)}" for lang in LANGS]
         print(f"{kind:15}" + "".join(f"{c:>8}" for c in cells))
+    print("\nper kind, pairs served guarded | baseline (recall for paraphrase kinds, false-hit rate for hard ones):")
+    for kind, g in result["guarded"]["by_kind"].items():
+        b = result["baseline"]["by_kind"][kind]
+        rates = " | ".join(f"{c['served']:4}/{c['pairs']:<4} {_fmt(c['served'] / c['pairs'])}" for c in (g, b))
+        print(f"  {kind:20} {rates}")
     print("\nwrongly decided with the guards (label, verdict reason, similarity):")
     for p, s, v in zip(pairs, sims, result["guarded"]["verdicts"], strict=True):
         if v.hit != p.hit and (v.hit or s >= SHIPPED_THRESHOLD):
