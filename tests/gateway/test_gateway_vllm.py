@@ -250,7 +250,8 @@ def test_shadow_verification_judges_the_answer_served_and_a_deceptive_hit_retire
         name="gw-reference", model_version=served["version"], base_url=reference.base_url, pid=reference.pid,
         prefix_caching=False, status=Engine.Status.READY, verification=Engine.Verification.VERIFIED, role=Engine.Role.REFERENCE,
     )  # fmt: skip
-    tenant_gateway_policy_update(tenant=served["tenant"], actor="t", changes={"shadow_sample_rate": 1.0})
+    # admit_length: the tiny model answers until max_tokens, so its answer ends with "length".
+    tenant_gateway_policy_update(tenant=served["tenant"], actor="t", changes={"shadow_sample_rate": 1.0, "admit_length": True})
     time.sleep(1.0)  # the gateways' snapshot picks the policy up
     body = {"model": "tiny", "max_tokens": 6, "temperature": 0,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which desk answers?"}]}  # fmt: skip

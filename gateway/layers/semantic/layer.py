@@ -10,10 +10,10 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from gateway.layers.base import Lookup, Provenance, StoreUnavailable
 from gateway.layers.response.store import ResponseStore
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
+from gateway.layers.semantic.language import REASON_LANGUAGE, check_languages, outside
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
 from gateway.protection import (
@@ -54,6 +55,13 @@ class SemanticLayer:
         rules: admission rules (answers that depend on time, comparison, prediction bypass).
         guards: the guards every candidate must pass.
         k: candidates judged per lookup, best first.
+        languages: ISO 639-1 codes of the questions the layer admits
+            (:mod:`gateway.layers.semantic.language`); default the embedder's ``languages`` (the
+            bundled model's :data:`~gateway.layers.semantic.embedder.MODEL_LANGUAGES`; an embedder
+            without one admits any); None admits any.
+
+    Raises:
+        LanguageConfigError: ``languages`` names a code the detector does not know.
     """
 
     #: What the gateway catches to bypass the layer when the store is down.
@@ -62,7 +70,11 @@ class SemanticLayer:
     def __init__(
         self, store: SemanticStore, embedder: Any, *, threshold: float = SHIPPED_THRESHOLD,
         rules: Sequence[Rule] = DEFAULT_RULES, guards: Sequence[str] = DEFAULT_GUARDS, k: int = 4,
+        languages: Collection[str] | None | Literal["embedder"] = "embedder",
     ) -> None:  # fmt: skip
+        if languages == "embedder":
+            languages = getattr(embedder, "languages", None)
+        self.languages = None if languages is None else check_languages(languages)
         self.entries, self.embedder, self.threshold, self.rules, self.guards, self.k = (
             store,
             embedder,
@@ -73,8 +85,13 @@ class SemanticLayer:
         )
 
     def admission(self, text: str, *, personal_data: bool) -> tuple[bool, str]:
-        """(admitted, reason) of a question (see :func:`gateway.layers.semantic.admission.semantic_admission`)."""
-        return semantic_admission(text, rules=self.rules, personal_data=personal_data)
+        """(admitted, reason) of a question (see :func:`gateway.layers.semantic.admission.semantic_admission`);
+        a question outside :attr:`languages` is refused with ``language_unsupported`` once personal data
+        is ruled out (:func:`gateway.layers.semantic.language.outside`)."""
+        admitted, reason = semantic_admission(text, rules=self.rules, personal_data=personal_data)
+        if admitted and self.languages is not None and outside(text, self.languages):
+            return False, REASON_LANGUAGE
+        return admitted, reason
 
     def lookup(self, prefix: str, partition: str, text: str, threshold: float | None) -> tuple[np.ndarray, dict[str, Any] | None]:
         """Embed ``text`` and look for an answer to the same question in its partition.

@@ -455,6 +455,13 @@ def languages_of(tokens: Sequence[str], lexicon: Lexicon | None = None) -> tuple
     return tuple(i for i, n in enumerate(counts) if n == max(counts))
 
 
+def function_word_counts(text: str, lexicon: Lexicon | None = None) -> dict[str, int]:
+    """How many function words of each language of :data:`LANGUAGES` ``text`` holds, by code."""
+    lex = lexicon or LEXICON
+    tokens = _TOKEN.findall(fold(text))
+    return {code: sum(1 for t in tokens if t in words) for code, words in zip(LANGUAGES, lex.stopwords, strict=True)}
+
+
 def stopwords_of(tokens: Sequence[str], lexicon: Lexicon | None = None) -> frozenset[str]:
     """The function words of the first language of :func:`languages_of`."""
     lex = lexicon or LEXICON
