@@ -584,6 +584,7 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], t
     from cacheadmin.services.gateway_stores import response_store
     from gateway.errors import GatewayError
     from gateway.layers import build_layers
+    from gateway.layers.semantic.embedder import MODEL_LANGUAGES
     from gateway.layers.semantic.layer import SemanticLayer
     from gateway.records import Recorder
     from gateway.server import Runtime, explain, request_tags
@@ -597,8 +598,12 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], t
         raise InvalidField("tags", exc.message.split(": ", 1)[-1]) from None
     snap = routing_snapshot_build()
     # The layers as the deployment's gateway builds them (gateway.asgi); admission needs the
-    # semantic rules only: no semantic store is opened and no model loaded.
-    semantic = SemanticLayer(None, None, rules=semantic_rules()) if settings.GATEWAY_SEMANTIC else None  # type: ignore[arg-type]
+    # semantic rules and the bundled embedder's languages only: no semantic store is opened and no model loaded.
+    semantic = (
+        SemanticLayer(None, None, rules=semantic_rules(), languages=MODEL_LANGUAGES)  # type: ignore[arg-type]
+        if settings.GATEWAY_SEMANTIC
+        else None
+    )
     runtime = Runtime(snapshot=lambda: snap, response_store=response_store(), semantic=semantic, recorder=Recorder())
     try:
         return explain(snap, tenant.pk, endpoint, body, layers=build_layers(runtime), tags=cache_tags)

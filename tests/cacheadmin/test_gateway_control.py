@@ -146,6 +146,10 @@ def test_explain_through_the_api_and_the_cli_answers_the_same(served, tmp_path: 
     cli = manage("gateway", "explain", "--tenant", "acme", "--request", str(request), "--tags", "order-17", "--json",
                  env=subprocess_env())  # fmt: skip
     assert json.loads(cli.stdout)["response_cache"] == tagged["response_cache"]
+    # A question the bundled embedder does not read bypasses the semantic layer, as on the live path.
+    german = dict(BODY, messages=[{"role": "user", "content": "Wie sortiere ich die Tabelle absteigend?"}])
+    foreign = served["clients"]["alice"].post("/api/gateway/explain/", {"tenant": "acme", "request": german}, format="json")
+    assert foreign.json()["semantic_cache"] == {"admitted": False, "reason": "language_unsupported"}
     refused = served["clients"]["alice"].post("/api/gateway/explain/", {**asked, "tags": ["a\tb"]}, format="json")
     assert refused.status_code == 400 and refused.json()["error"]["fields"]["tags"] == [
         "at most 32 printable tags of at most 200 characters"

@@ -411,7 +411,14 @@ def test_rules_from_config() -> None:
         ([{"name": "a", "pattern": "b"}, {"name": "b", "pattern": "(unclosed"}], r"rules\[1\]\.pattern is not a valid regular"),
         ([{"name": "a", "pattern": "b"}, {"name": "a", "pattern": "c"}], r"rules\[1\]\.name: 'a' is already the name of rules"),
         ([{"name": "Time Dependent", "pattern": "b"}], r"rules\[0\]\.name must match"),
-        ([{"name": "personal_data", "pattern": "b"}], r"rules\[0\]\.name must match .* not be 'admitted' or 'personal_data'"),
+        (
+            [{"name": "personal_data", "pattern": "b"}],
+            r"rules\[0\]\.name must match .* not be one of 'admitted', 'personal_data'",
+        ),
+        (
+            [{"name": "language_unsupported", "pattern": "b"}],
+            r"not be one of .*'language_unsupported', got 'language_unsupported'",
+        ),
         ([{"name": "a", "pattern": ""}], r"rules\[0\]\.pattern must be a non-empty string"),
         ([{"name": "a", "pattern": 5}], r"rules\[0\]\.pattern must be a non-empty string"),
     ],
@@ -427,6 +434,8 @@ def test_rule_and_admission_refuse_bad_input() -> None:
         Rule("a", "[z-a]")
     with pytest.raises(AdmissionConfigError, match="reserved"):
         Rule("admitted", "x")
+    with pytest.raises(AdmissionConfigError, match="reserved"):
+        Rule("language_unsupported", "x")
     with pytest.raises(AdmissionConfigError, match="text must be a string"):
         semantic_admission(None)  # type: ignore[arg-type]
     with pytest.raises(AdmissionConfigError, match="personal_data must be a bool"):

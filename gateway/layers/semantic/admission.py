@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 
 REASON_ADMITTED = "admitted"
 REASON_PERSONAL_DATA = "personal_data"
+#: The reason of a question outside the embedder's languages (:mod:`gateway.layers.semantic.language`).
+REASON_LANGUAGE = "language_unsupported"
+#: Reasons the layer reports itself, which no configured rule may take.
+RESERVED_REASONS = (REASON_ADMITTED, REASON_PERSONAL_DATA, REASON_LANGUAGE)
 #: Rule names must look like metric label values: lower-case letters, digits and underscores.
 _RULE_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 
@@ -38,7 +42,7 @@ class Rule:
 
     Attributes:
         name: the reason reported, ``[a-z][a-z0-9_]*`` (at most 63 characters),
-            not ``"admitted"`` nor ``"personal_data"``.
+            not one of :data:`RESERVED_REASONS`.
         pattern: a regular expression (Python ``re`` syntax), searched case-insensitively.
 
     Raises:
@@ -52,7 +56,7 @@ class Rule:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _RULE_NAME.fullmatch(self.name):
             raise AdmissionConfigError(f"name must match [a-z][a-z0-9_]* (at most 63 characters), got {self.name!r}")
-        if self.name in (REASON_ADMITTED, REASON_PERSONAL_DATA):
+        if self.name in RESERVED_REASONS:
             raise AdmissionConfigError(f"name {self.name!r} is reserved for the admission's own reasons")
         if not isinstance(self.pattern, str) or not self.pattern:
             raise AdmissionConfigError(f"pattern of rule {self.name!r} must be a non-empty string, got {self.pattern!r}")
@@ -144,10 +148,10 @@ def rules_from_config(value: list[dict[str, str]]) -> tuple[Rule, ...]:
         if unknown:
             raise AdmissionConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
         name, pattern = entry["name"], entry["pattern"]
-        if not isinstance(name, str) or not _RULE_NAME.fullmatch(name) or name in (REASON_ADMITTED, REASON_PERSONAL_DATA):
+        if not isinstance(name, str) or not _RULE_NAME.fullmatch(name) or name in RESERVED_REASONS:
             raise AdmissionConfigError(
                 f"{where}.name must match [a-z][a-z0-9_]* (at most 63 characters) and not be"
-                f" 'admitted' or 'personal_data', got {name!r}"
+                f" one of {', '.join(repr(r) for r in RESERVED_REASONS)}, got {name!r}"
             )
         if name in seen:
             raise AdmissionConfigError(f"{where}.name: {name!r} is already the name of rules[{seen[name]}]")

@@ -35,9 +35,10 @@ from functools import lru_cache
 from typing import Any, Final
 
 from gateway.layers.semantic import polarity
+from gateway.layers.semantic.admission import REASON_LANGUAGE
 
-REASON_LANGUAGE: Final = "language_unsupported"
-"""Admission reason of a question outside the embedder's languages."""
+__all__ = ["REASON_LANGUAGE", "LanguageConfigError", "check_languages", "outside"]
+
 
 #: ISO 639-1 codes the detector tells apart, by lingua's name for each (Latin script).
 DETECTED: Final = {
