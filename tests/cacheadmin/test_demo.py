@@ -102,7 +102,7 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     # reads count exactly what the generator saw (plus the one request that waited for routing).
     traffic = summary["traffic"]
     assert traffic["cross_version_answers"] == 0
-    assert traffic["requests"] == traffic["answered"] > 100
+    assert traffic["requests"] == traffic["answered"] > 100, {k: traffic.get(k) for k in ("errors", "dropped", "phases")}
     served = {
         layer: sum(p["served_by"].get(layer, 0) for p in traffic["phases"].values())
         for layer in ("response", "semantic", "engine")

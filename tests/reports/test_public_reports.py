@@ -30,6 +30,7 @@ from cacheadmin.services.kv_events import KvEventConsumer
 from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.retirement import answer_retirement_run
 from cacheadmin.services.shadow import _deceptive
+from inference.child_env import die_with_parent
 from inference.identity import fingerprint_checkpoint
 from inference.kv_events import AllBlocksCleared, BlockStored
 from tests.cacheadmin.conftest import engine_stream, world  # noqa: F401  (fixtures)
@@ -341,7 +342,11 @@ def test_prometheus_client_1167_a_second_group_starting_keeps_a_running_groups_m
     folder.mkdir()
     monkeypatch.setenv(ENV, str(folder))  # restored after the test: multiproc_use sets it
     running = subprocess.Popen(
-        [sys.executable, "-c", WRITER], env={**os.environ, ENV: str(folder)}, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", WRITER],
+        env={**os.environ, ENV: str(folder)},
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=die_with_parent,
     )
     try:
         assert running.stdout is not None and running.stdout.readline().strip() == "ready"
