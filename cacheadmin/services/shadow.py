@@ -40,7 +40,7 @@ from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_salt_read
 from cacheadmin.services.retirement import answer_retirement_record, answer_retirement_run, answer_retirements_recover
 from gateway.pii.gate import gate
-from inference.comparison import compare_prompt, first_divergence
+from inference.comparison import NOISE_FACTOR, compare_prompt, first_divergence, max_logprob_delta
 from inference.corpus import Conversation
 from inference.errors import EngineError
 
@@ -195,6 +195,54 @@ def shadow_check_run(check_id: int) -> str | None:
     return status
 
 
+#: Candidates the reference reports per token, to tell a near tie (:func:`served_verdict`).
+SERVED_TIE_CANDIDATES = 5
+#: Smallest margin (nats) below which a greedy choice between two tokens is a tie that batching
+#: may flip: vLLM without batch invariance computes a live batch's logits in another order than
+#: a lone request's (https://docs.vllm.ai/en/latest/usage/reproducibility/), so the answer served
+#: under load and the reference's lone run may pick either of two tokens this close.
+SERVED_TIE_FLOOR_NATS = 0.01
+
+
+def served_verdict(
+    cold_ids: list[int],
+    control_ids: list[int],
+    served_ids: list[int],
+    candidates: list[dict[int, float]] | None,
+    control_delta: float,
+) -> tuple[bool, int | None, int | None, float | None]:
+    """Judge a served answer's token ids against the reference's run (``cold_ids``) and its
+    control (``control_ids``, the same request run again).
+
+    Args:
+        cold_ids, control_ids, served_ids: token ids of the three texts.
+        candidates: the reference run's ``{token id: logprob}`` per position, aligned with
+            ``cold_ids`` (None when they do not align: no tie is then recognised).
+        control_delta: the largest per-token logprob difference between the reference's two runs (nats).
+
+    Returns:
+        ``(deceptive, divergence, noise, tie_margin)``: deceptive when the served answer diverges
+        before the control does, unless at its first divergence the served token was a near tie
+        of the reference's (its logprob within ``max(NOISE_FACTOR x control_delta,``
+        :data:`SERVED_TIE_FLOOR_NATS` ``)`` of the reference's token: ``tie_margin``, None otherwise).
+    """
+    divergence = first_divergence(cold_ids, served_ids)
+    noise = first_divergence(cold_ids, control_ids)
+    if divergence is None or (noise is not None and divergence >= noise):
+        return False, divergence, noise, None
+    tie: float | None = None
+    if candidates is not None and divergence < min(len(candidates), len(served_ids), len(cold_ids)):
+        top = candidates[divergence]
+        chosen, served = top.get(cold_ids[divergence]), top.get(served_ids[divergence])
+        if (
+            chosen is not None
+            and served is not None
+            and chosen - served <= max(NOISE_FACTOR * control_delta, SERVED_TIE_FLOOR_NATS)
+        ):
+            tie = chosen - served
+    return tie is None, divergence, noise, tie
+
+
 def _judge_served(check: ShadowCheck, reference: Engine) -> Judgement:
     """The answer served, token by token, against the reference run twice greedily with as many
     tokens as the answer had (up to :data:`SHADOW_SERVED_MAX_TOKENS`). Texts are tokenized by the
@@ -210,16 +258,19 @@ def _judge_served(check: ShadowCheck, reference: Engine) -> Judgement:
     wanted = min(max(served_tokens, 1), SHADOW_SERVED_MAX_TOKENS)
     messages, tools = check.request.get("messages"), check.request.get("tools")
     with engine_client(reference) as ref:
-        cold = ref.chat(messages, cache_salt=None, max_tokens=wanted, tools=tools)
+        cold = ref.chat(messages, cache_salt=None, max_tokens=wanted, tools=tools, top_logprobs=SERVED_TIE_CANDIDATES)
         control = ref.chat(messages, cache_salt=None, max_tokens=wanted, tools=tools)
         cold_ids, control_ids, served_ids = (ref.tokenize(t) for t in (cold.text, control.text, answer["text"]))
     if served_tokens > wanted:
         span = max(len(cold_ids) - 1, 0)
         cold_ids, control_ids, served_ids = cold_ids[:span], control_ids[:span], served_ids[:span]
-    divergence = first_divergence(cold_ids, served_ids)
-    noise = first_divergence(cold_ids, control_ids)
-    deceptive = divergence is not None and (noise is None or divergence < noise)
+    # The candidates are per generated token: usable where the text's ids are the generated ones.
+    aligned = cold.top_logprobs if cold.token_ids[: len(cold_ids)] == cold_ids else None
+    deceptive, divergence, noise, tie = served_verdict(
+        cold_ids, control_ids, served_ids, aligned, max_logprob_delta(cold, control)
+    )
     detail = {
+        "near_tie_nats": tie,
         "judged": "served", "served_layer": check.served_layer, "compared_tokens": len(cold_ids),
         "tokens_equal": divergence is None, "control_tokens_equal": noise is None,
         # Generated text kept as evidence: its personal data is kept redacted (gateway.pii.gate).

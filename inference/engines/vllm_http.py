@@ -83,10 +83,13 @@ class ChatResult:
             connector tier) instead of computing them.
         ttft_ms: milliseconds from sending the request to the first token.
         total_ms: milliseconds to the end of the stream.
+        top_logprobs: per generated token, the most likely candidates' ``{token id: logprob}``
+            (empty unless asked for with ``top_logprobs``).
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -233,16 +236,17 @@ class VllmHttpClient:
         cache_salt: str | None,
         max_tokens: int,
         tools: list[dict[str, Any]] | None = None,
+        top_logprobs: int = 0,
     ) -> dict[str, Any]:
         """The JSON body of :meth:`chat`'s request: greedy, streamed with usage,
-        per-token logprobs with tokens as ids, ``cache_salt`` when given."""
+        per-token logprobs (and ``top_logprobs`` candidates) with tokens as ids, ``cache_salt`` when given."""
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "logprobs": True,
-            "top_logprobs": 0,
+            "top_logprobs": top_logprobs,
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_tokens_as_token_ids": True,
@@ -260,6 +264,7 @@ class VllmHttpClient:
         cache_salt: str | None,
         max_tokens: int,
         tools: list[dict[str, Any]] | None = None,
+        top_logprobs: int = 0,
     ) -> ChatResult:
         """Greedy chat completion, streamed so that TTFT is measured client-side.
 
@@ -268,6 +273,7 @@ class VllmHttpClient:
             cache_salt: the namespace's salt (vLLM ``cache_salt``), or None.
             max_tokens: tokens to generate (>= 1).
             tools: OpenAI tool definitions the conversation refers to.
+            top_logprobs: candidates kept per generated token (:attr:`ChatResult.top_logprobs`), 0-20.
 
         Raises:
             EngineError: unreachable, error status, malformed stream, or a
@@ -277,7 +283,7 @@ class VllmHttpClient:
         import httpx
         from httpx_sse import EventSource
 
-        body = self.chat_body(messages, cache_salt=cache_salt, max_tokens=max_tokens, tools=tools)
+        body = self.chat_body(messages, cache_salt=cache_salt, max_tokens=max_tokens, tools=tools, top_logprobs=top_logprobs)
         result = ChatResult()
         started = time.perf_counter()
         first: float | None = None
@@ -300,6 +306,10 @@ class VllmHttpClient:
                                 first = time.perf_counter()
                             result.token_ids.append(_token_id(entry["token"]))
                             result.logprobs.append(float(entry["logprob"]))
+                            if top_logprobs:
+                                result.top_logprobs.append(
+                                    {_token_id(c["token"]): float(c["logprob"]) for c in entry.get("top_logprobs") or []}
+                                )
         except httpx.HTTPError as exc:
             log.warning("engine at %s failed during chat: %r", self.base_url, exc)
             raise EngineError(f"engine at {self.base_url} failed during chat") from exc

@@ -19,7 +19,7 @@ from cacheadmin.models import AnswerRetirement, AuditEvent, Engine, NamespaceRou
 from cacheadmin.services.gateway import namespace_routing_resume
 from cacheadmin.services.gateway_stores import response_store, semantic_store
 from cacheadmin.services.retirement import answer_retirement_run
-from cacheadmin.services.shadow import _deceptive, shadow_checks_recover
+from cacheadmin.services.shadow import _deceptive, served_verdict, shadow_checks_recover
 from gateway.layers.base import Provenance
 from gateway.layers.semantic.entries import SemanticEntry
 from inference.errors import Refused
@@ -128,3 +128,33 @@ def test_an_unconfirmed_deceptive_hit_retires_nothing(suspect) -> None:
         assert _deceptive(check, suspect["engine"], suspect["witness"], 0) is None
     assert AnswerRetirement.objects.count() == 0
     assert len(suspect["responses"].entries(suspect["ns"]["acme"].storage_prefix)) == 3
+
+
+@pytest.mark.parametrize(
+    ("served", "candidates", "control_delta", "expected"),
+    [
+        # The same tokens: matched.
+        ([5, 6, 7], [{5: -0.1}, {6: -0.2}, {7: -0.3}], 0.0, (False, None, None, None)),
+        # Another token at 1, far below the reference's (2.0 nats): deceptive.
+        ([5, 9, 7], [{5: -0.1}, {6: -0.2, 9: -2.2}, {7: -0.3}], 0.0, (True, 1, None, None)),
+        # Another token at 1 that was not among the reference's candidates at all: deceptive.
+        ([5, 8, 7], [{5: -0.1}, {6: -0.2, 9: -2.2}, {7: -0.3}], 0.0, (True, 1, None, None)),
+        # A near tie (0.004 nats under the reference's token): batching may flip it, not deceptive.
+        ([5, 9, 7], [{5: -0.1}, {6: -0.7, 9: -0.704}, {7: -0.3}], 0.0, (False, 1, None, 0.004)),
+        # 0.05 nats apart: a tie only because the reference's own runs differ by 0.02 nats (x4 = 0.08).
+        ([5, 9, 7], [{5: -0.1}, {6: -0.7, 9: -0.75}, {7: -0.3}], 0.02, (False, 1, None, 0.05)),
+        ([5, 9, 7], [{5: -0.1}, {6: -0.7, 9: -0.75}, {7: -0.3}], 0.0, (True, 1, None, None)),
+        # Candidates not aligned with the ids: no tie recognised.
+        ([5, 9, 7], None, 0.0, (True, 1, None, None)),
+    ],
+)
+def test_served_verdict_tells_a_near_tie_from_a_deceptive_answer(served, candidates, control_delta, expected) -> None:
+    deceptive, divergence, noise, tie = served_verdict([5, 6, 7], [5, 6, 7], served, candidates, control_delta)
+    assert (deceptive, divergence, noise) == expected[:3]
+    assert (tie is None and expected[3] is None) or tie == pytest.approx(expected[3])
+
+
+def test_served_verdict_after_the_control_diverged_is_noise() -> None:
+    # The reference's own second run diverged at 1: a served divergence at 2 is within its noise.
+    assert served_verdict([5, 6, 7], [5, 8, 7], [5, 6, 9], None, 0.0) == (False, 2, 1, None)
+    assert served_verdict([5, 6, 7], [5, 6, 8], [5, 9, 7], None, 0.0) == (True, 1, 2, None)
