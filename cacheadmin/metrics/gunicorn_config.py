@@ -22,6 +22,7 @@ access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
 
 def _multiproc_setup() -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Imported here, once the folder is set: prometheus-client picks its value class at import.
         from inference.metrics_files import identify
 
         identify()  # the workers forked from here name their files by pid and start time

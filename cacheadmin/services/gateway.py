@@ -62,6 +62,7 @@ from cacheadmin.services.serving import serving_routes
 from cacheadmin.services.tiers import tiers_configured
 from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
+from gateway.layers.semantic.embedder import MODEL_LANGUAGES
 from gateway.param_specs import InvalidRequest
 from gateway.pii.gate import PERSONAL_DATA_POLICIES
 from gateway.records import benefit_ratio, layer_figures
@@ -584,7 +585,6 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], t
     from cacheadmin.services.gateway_stores import response_store
     from gateway.errors import GatewayError
     from gateway.layers import build_layers
-    from gateway.layers.semantic.embedder import MODEL_LANGUAGES
     from gateway.layers.semantic.layer import SemanticLayer
     from gateway.records import Recorder
     from gateway.server import Runtime, explain, request_tags
