@@ -243,6 +243,11 @@ DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "kv-cache-control-plane@local
 GATEWAY_ADDR = env_str("GATEWAY_ADDR", "127.0.0.1:8300")
 #: Gateway processes (uvicorn workers); they share the caches' stores.
 GATEWAY_WORKERS = env_int("GATEWAY_WORKERS", 2, minimum=1)
+#: Seconds a gateway process may leave uvicorn's supervisor's health ping unanswered before it is
+#: killed and replaced (with its open connections). uvicorn's default, 5, killed healthy processes
+#: on a loaded 2-core machine while a C extension held the GIL (lingua's models load in one call):
+#: 30 is gunicorn's worker timeout (https://docs.gunicorn.org/en/stable/settings.html#timeout).
+GATEWAY_WORKER_HEALTHCHECK_S = env_int("GATEWAY_WORKER_HEALTHCHECK_S", 30, minimum=1)
 #: Scale-out store of the response and semantic caches (its own Redis database:
 #: the KV Redis tier treats foreign keys in its database as strays). Empty: SQLite files under GATEWAY_DIR.
 GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", "")

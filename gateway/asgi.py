@@ -195,8 +195,8 @@ def create_app() -> Starlette:
         threading.Thread(target=holder.run, name="routing-snapshot", daemon=True).start()
         threading.Thread(target=flusher.run, args=(stop, settings.GATEWAY_FLUSH_S), name="gateway-flush", daemon=True).start()
         if semantic is not None:
-            # Load the embedding model now, not on the first semantic request.
-            threading.Thread(target=lambda: semantic.embedder.embed(["warm up"]), name="embedder-load", daemon=True).start()
+            # Load the embedding model and the language detector now, not on the first semantic request.
+            threading.Thread(target=semantic.load, name="semantic-load", daemon=True).start()
 
     def shutdown() -> None:
         holder.stop()

@@ -64,6 +64,19 @@ def worker_log(name: str) -> Path:
     return settings.VAR_DIR / "logs" / f"{name}.log"
 
 
+def purge_broker() -> int:
+    """Drop the messages waiting in this run's broker queues (the filesystem folder or the
+    Redis database of this part of the suite) and return how many there were.
+
+    For a test whose worker ran beat: beat may send a scheduled task (an accounting scan,
+    a sweep) just before the worker stops, and the next test's worker would run it
+    against that test's rows.
+    """
+    from cacheadmin.celery import app
+
+    return int(app.control.purge() or 0)
+
+
 def rows_holding(needle: str) -> list[tuple[str, str]]:
     """(table, column) of every stored value, in every table of the test database, whose text contains ``needle``.
 

@@ -62,6 +62,9 @@ FINGERPRINT_HEADER = "x-kvcp-fingerprint"
 CROSS_VERSION_EXAMPLES = 20
 #: Key of an answer without a served-by or version header.
 UNKNOWN = "unknown"
+#: Seconds a client reuses an idle kept-alive connection: under uvicorn's ``timeout_keep_alive`` (5 s),
+#: since a request sent as the server closes its idle connection fails (httpx: RemoteProtocolError).
+KEEPALIVE_S = 4.0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -787,7 +790,7 @@ class TrafficRunner:
             for _ in range(self.max_in_flight):
                 client = httpx.Client(
                     timeout=self.timeout_s, headers={"Authorization": f"Bearer {self.key}"},
-                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_S),
                 )  # fmt: skip
                 self._clients.append(client)
                 self._idle.put(client)

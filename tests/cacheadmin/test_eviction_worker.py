@@ -30,7 +30,7 @@ from cacheadmin.services.tiers import tiers_configured
 from cacheadmin.services.workers import WorkerProcess
 from tests.cacheadmin.conftest import make_version
 from tests.cacheadmin.test_eviction import REDIS_URL, write_entry
-from tests.helpers import subprocess_env, wait_for, worker_log
+from tests.helpers import purge_broker, subprocess_env, wait_for, worker_log
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -130,6 +130,7 @@ def test_a_worker_with_beat_runs_the_schedules_from_the_database(settings, tmp_p
         wait_for(lambda: AccountingScan.objects.filter(created_by="scheduler").count() >= 2, timeout=60, what="two scans")
     finally:
         worker.stop()
+        purge_broker()
     assert set(AccountingScan.objects.values_list("status", flat=True)) == {JobStatus.SUCCEEDED}
     # Nothing to evict in an empty deployment: each sweep's plan is recorded as done with nothing to do.
     sweeps = EvictionRun.objects.filter(trigger="scheduled")

@@ -115,10 +115,12 @@ class Command(ControlPlaneCommand):
         multiproc_use(instance_dir(settings.GATEWAY_METRICS_DIR))
         self.stdout.write(f"gateway on http://{addr}/v1 ({workers} process{'es' if workers > 1 else ''})")
         self.stdout.flush()
-        # access_log off: request lines carry no prompt, but the figures are what operators read.
+        # access_log off: request lines carry no prompt, but the figures are what operators read. Info level:
+        # the supervisor says so when it replaces a process ("Child process [pid] died").
         # The guarded protocol: read deadlines and a per-address cap (gateway.connections), which uvicorn lacks.
-        uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=10, http=GuardedHttpToolsProtocol)  # fmt: skip
+        uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
+                    access_log=False, timeout_graceful_shutdown=10, http=GuardedHttpToolsProtocol,
+                    timeout_worker_healthcheck=settings.GATEWAY_WORKER_HEALTHCHECK_S)  # fmt: skip
 
     def _explain(self, opts: dict[str, Any]) -> None:
         tenant = Tenant.objects.filter(slug=opts["tenant"]).first()

@@ -37,7 +37,7 @@ from typing import Any, Final
 from gateway.layers.semantic import polarity
 from gateway.layers.semantic.admission import REASON_LANGUAGE
 
-__all__ = ["REASON_LANGUAGE", "LanguageConfigError", "check_languages", "outside"]
+__all__ = ["REASON_LANGUAGE", "LanguageConfigError", "check_languages", "load", "outside"]
 
 
 #: ISO 639-1 codes the detector tells apart, by lingua's name for each (Latin script).
@@ -89,6 +89,12 @@ def _confidence(text: str, code: str) -> float:
 
     with _lock:  # lingua's detector is not documented as safe to share between threads
         return float(_detector().compute_language_confidence(text, getattr(Language, DETECTED[code])))
+
+
+def load() -> None:
+    """Load every detected language's model now (about 1 s here, holding the GIL throughout: lingua's
+    Rust code does not release it), so that no request waits for it on the event loop."""
+    _confidence("load the language models", "en")
 
 
 @lru_cache(maxsize=4096)

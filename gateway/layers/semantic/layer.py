@@ -23,6 +23,7 @@ from gateway.layers.response.store import ResponseStore
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
 from gateway.layers.semantic.language import REASON_LANGUAGE, check_languages, outside
+from gateway.layers.semantic.language import load as load_languages
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
 from gateway.protection import (
@@ -83,6 +84,13 @@ class SemanticLayer:
             tuple(guards),
             k,
         )
+
+    def load(self) -> None:
+        """Load the embedding model and, where languages are judged, the language detector (the
+        gateway runs this on a thread at start: the first semantic request would wait for both)."""
+        self.embedder.embed(["warm up"])
+        if self.languages is not None:
+            load_languages()
 
     def admission(self, text: str, *, personal_data: bool) -> tuple[bool, str]:
         """(admitted, reason) of a question (see :func:`gateway.layers.semantic.admission.semantic_admission`);
