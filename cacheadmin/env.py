@@ -92,6 +92,40 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return value
 
 
+def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    """Parse a finite number, optionally with a lower bound.
+
+    Raises:
+        ImproperlyConfigured: not a finite number, or below ``minimum``.
+    """
+    raw = _read(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from exc
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a finite number")
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={value:g} is below its minimum {minimum:g}")
+    return value
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices``.
+
+    Raises:
+        ImproperlyConfigured: any other value.
+    """
+    raw = _read(name)
+    if raw is None:
+        return default
+    if raw not in choices:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
+
+
 def env_paths(name: str, default: list[Path]) -> list[Path]:
     """Parse a ``:``-separated list of directories (relative ones are joined to the project by the caller).
 

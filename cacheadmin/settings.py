@@ -18,6 +18,8 @@ from kombu import Queue
 from cacheadmin.env import (
     database_from_url,
     env_bool,
+    env_choice,
+    env_float,
     env_int,
     env_names,
     env_networks,
@@ -266,6 +268,19 @@ GATEWAY_RATE_PER_S = env_int("GATEWAY_RATE_PER_S", 50, minimum=1)
 GATEWAY_BURST = env_int("GATEWAY_BURST", 100, minimum=1)
 #: Requests one gateway process keeps in flight per engine; past it, requests are shed with 503.
 GATEWAY_ENGINE_MAX_IN_FLIGHT = env_int("GATEWAY_ENGINE_MAX_IN_FLIGHT", 64, minimum=1)
+#: How a gateway picks an engine of a namespace: ``precise`` (by the blocks each engine holds, as its KV
+#: events say, against its load: gateway.prefix.router), or the baselines ``affinity`` (rendezvous hash of
+#: the prompt's start, load-aware) and ``round_robin``. Precise falls back to affinity per request when it
+#: cannot predict (and says why in x-kvcp-routing).
+GATEWAY_ENGINE_CHOICE = env_choice("GATEWAY_ENGINE_CHOICE", "precise", ("precise", "affinity", "round_robin"))
+#: How often (seconds) each gateway process reads the block index store for changed engines.
+GATEWAY_PREFIX_INDEX_POLL_S = env_float("GATEWAY_PREFIX_INDEX_POLL_S", 0.5, minimum=0.05)
+#: An engine's published blocks older than this (seconds; the consumer beats every FLUSH_S) are not used.
+GATEWAY_PREFIX_INDEX_STALE_S = env_float("GATEWAY_PREFIX_INDEX_STALE_S", 10.0, minimum=1.0)
+#: How long (seconds) a request's blocks count as held by the engine it was just routed to, before its events say so.
+GATEWAY_PREFIX_SPECULATIVE_TTL_S = env_float("GATEWAY_PREFIX_SPECULATIVE_TTL_S", 5.0, minimum=0.0)
+#: Weight of an engine's load against its cached blocks in the precise choice (gateway.prefix.router.cost).
+GATEWAY_ROUTING_LOAD_WEIGHT = env_float("GATEWAY_ROUTING_LOAD_WEIGHT", 0.5, minimum=0.0)
 #: How often (milliseconds) each gateway process reads the routing epoch.
 GATEWAY_EPOCH_POLL_MS = env_int("GATEWAY_EPOCH_POLL_MS", 250, minimum=10)
 #: A snapshot is rebuilt at least this often (seconds), whatever the epoch says.

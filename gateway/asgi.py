@@ -20,12 +20,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
 
 from gateway import connections
+from gateway.prefix.index import BlockIndex
+from gateway.prefix.router import PrefixRouter
 from gateway.records import Recorder
+from gateway.routing import RoutingSnapshot
 from gateway.server import Gateway, Limits, Runtime, ShadowSample
 
 log = logging.getLogger("gateway")
@@ -159,6 +163,27 @@ def _semantic_layer(on: bool) -> Any:
     return SemanticLayer(semantic_store(), embedder, rules=semantic_rules())
 
 
+def _prefix_router(settings: Any) -> PrefixRouter:
+    """The precise choice's router: this process's mirror of the deployment's block index."""
+    from cacheadmin.services.block_index import block_index_store
+
+    index = BlockIndex(block_index_store(), stale_s=settings.GATEWAY_PREFIX_INDEX_STALE_S,
+                       speculative_ttl_s=settings.GATEWAY_PREFIX_SPECULATIVE_TTL_S)  # fmt: skip
+    return PrefixRouter(index, load_weight=settings.GATEWAY_ROUTING_LOAD_WEIGHT)
+
+
+def _index_gauges(snapshot: Callable[[], RoutingSnapshot], recorder: Recorder, index: BlockIndex) -> None:
+    """The block index gauges of this process, per engine in service (by name; an engine gone leaves them)."""
+    if recorder.metrics is None:
+        return
+    names = {e.id: e.name for ns in snapshot().namespaces.values() for e in ns.engines}
+    now = time.time()
+    for engine, entry in list(index.engines.items()):
+        name = names.get(engine)
+        if name is not None:
+            recorder.metrics.index_state(name, len(entry.masks), now - entry.published_at, entry.lag_s)
+
+
 def create_app() -> Starlette:
     """The ASGI application of one gateway process (Django set up here)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cacheadmin.settings")
@@ -185,8 +210,10 @@ def create_app() -> Starlette:
     semantic = _semantic_layer(settings.GATEWAY_SEMANTIC)
     limits = Limits(rate_per_s=float(settings.GATEWAY_RATE_PER_S), burst=settings.GATEWAY_BURST,
                     engine_max_in_flight=settings.GATEWAY_ENGINE_MAX_IN_FLIGHT)  # fmt: skip
+    router = _prefix_router(settings) if settings.GATEWAY_ENGINE_CHOICE == "precise" else None
     runtime = Runtime(snapshot=holder.current, response_store=response_store(), semantic=semantic, recorder=recorder,
-                      shadow=flusher.sample, limits=limits)  # fmt: skip
+                      shadow=flusher.sample, limits=limits, engine_choice=settings.GATEWAY_ENGINE_CHOICE,
+                      router=router)  # fmt: skip
     gateway = Gateway(runtime)
     gateway.metrics_token = settings.METRICS_TOKEN
     stop = threading.Event()
@@ -194,6 +221,10 @@ def create_app() -> Starlette:
     def start() -> None:
         threading.Thread(target=holder.run, name="routing-snapshot", daemon=True).start()
         threading.Thread(target=flusher.run, args=(stop, settings.GATEWAY_FLUSH_S), name="gateway-flush", daemon=True).start()
+        if router is not None:
+            gauges = partial(_index_gauges, holder.current, recorder)
+            threading.Thread(target=router.index.follow, args=(stop, settings.GATEWAY_PREFIX_INDEX_POLL_S, gauges),
+                             name="block-index", daemon=True).start()  # fmt: skip
         if semantic is not None:
             # Load the embedding model and the language detector now, not on the first semantic request.
             threading.Thread(target=semantic.load, name="semantic-load", daemon=True).start()

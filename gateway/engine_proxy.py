@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse
 
 from gateway.answers import STREAMED, AnswerAssembler, record_of_answer
 from gateway.errors import GatewayError
+from gateway.prefix.router import APPROXIMATE, Decision, PrefixRouter
 from gateway.protection import FillBreaker, Overloaded, upstream_timeout
 from gateway.records import Recorder
 from gateway.replies import sse
@@ -74,6 +75,8 @@ class EngineCall:
     engine: EngineTarget
     response: httpx2.Response
     finished: bool = False
+    #: How the engine was chosen (precise or approximate, and what was predicted).
+    decision: Decision | None = None
 
 
 class EngineProxy:
@@ -84,11 +87,14 @@ class EngineProxy:
         transport: an ``httpx2`` transport for engines (tests and benchmarks), or None.
         timeout_s: an engine's whole answer, seconds.
         max_in_flight, breaker_failures, breaker_cooldown_s: :class:`gateway.protection.FillBreaker`'s.
-        choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
+        choice: ``"precise"`` (by what engines hold, :mod:`gateway.prefix.router`; needs ``router``),
+            ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baselines it is measured against).
+        router: the precise choice's router, or None.
     """
 
     def __init__(self, recorder: Recorder, *, transport: httpx2.AsyncBaseTransport | None, timeout_s: float,
-                 max_in_flight: int, breaker_failures: int, breaker_cooldown_s: float, choice: str) -> None:  # fmt: skip
+                 max_in_flight: int, breaker_failures: int, breaker_cooldown_s: float, choice: str,
+                 router: PrefixRouter | None = None) -> None:  # fmt: skip
         self.recorder = recorder
         # The transport itself, not an httpx2.AsyncClient over it: an engine call needs no cookies,
         # redirects or auth flow, and the client's per-request work for them was a fifth of the
@@ -101,15 +107,17 @@ class EngineProxy:
         self.breaker = FillBreaker(max_in_flight, breaker_failures, breaker_cooldown_s)
         #: Requests this process has open per engine id (the load-aware choice reads it).
         self.in_flight: dict[int, int] = {}
-        self.choice = choice
+        if choice == "precise" and router is None:
+            raise ValueError("the precise engine choice needs a router")
+        self.choice, self.router = choice, router
         self._round_robin = RoundRobin()
 
     async def aclose(self) -> None:
         """Close the engines' connections (the server stops)."""
         await self.transport.aclose()
 
-    def choose(self, ns: NamespaceTarget, body: Mapping[str, Any], avoid: set[int]) -> EngineTarget:
-        """An engine of ``ns`` not in ``avoid``.
+    def choose(self, ns: NamespaceTarget, endpoint: str, payload: Mapping[str, Any], avoid: set[int]) -> Decision:
+        """An engine of ``ns`` not in ``avoid``, and how it was chosen.
 
         Raises:
             GatewayError: 503 ``no_engine`` when none is left.
@@ -123,17 +131,18 @@ class EngineProxy:
             )
             raise GatewayError(503, f"namespace of {ns.version_label}: {why}", type_="server_error", code="no_engine")
         if self.choice == "round_robin":
-            return self._round_robin.choose(engines)
-        return choose_engine(engines, prompt_affinity_text(body), self.in_flight)
+            return Decision(self._round_robin.choose(engines), "round_robin")
+        if self.router is not None and self.choice == "precise":
+            return self.router.decide(ns, engines, endpoint, payload, self.in_flight)
+        return Decision(choose_engine(engines, prompt_affinity_text(payload), self.in_flight), APPROXIMATE, "configured")
 
-    async def open(self, ns: NamespaceTarget, endpoint: str, payload: dict[str, Any], body: Mapping[str, Any]) -> EngineCall:
+    async def open(self, ns: NamespaceTarget, endpoint: str, payload: dict[str, Any]) -> EngineCall:
         """Send ``payload`` to an engine of ``ns`` and return once its answer's headers arrive;
         an engine that cannot be reached is passed for the next one.
 
         Args:
             endpoint: ``"chat"`` or ``"completions"``.
-            payload: the body sent (its ``stream`` says how the answer comes back).
-            body: the caller's body (the engine choice's prefix affinity reads it).
+            payload: the body sent (its ``stream`` says how the answer comes back; the engine choice reads it).
 
         Raises:
             GatewayError: 503 ``no_engine`` (none left), 503 ``overloaded`` (every engine at capacity, with ``retry-after``),
@@ -142,7 +151,8 @@ class EngineProxy:
         """
         tried: set[int] = set()
         while True:
-            engine = self.choose(ns, body, tried)
+            decision = self.choose(ns, endpoint, payload, tried)
+            engine = decision.engine
             tried.add(engine.id)
             try:
                 self.breaker.acquire(str(engine.id))
@@ -167,7 +177,7 @@ class EngineProxy:
                 refused = await _refusal(response)
                 self._release(engine, ok=response.status_code < 500)
                 raise refused
-            return EngineCall(engine, response)
+            return EngineCall(engine, response, decision=decision)
 
     async def _send(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx2.Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"

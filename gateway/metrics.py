@@ -65,6 +65,28 @@ SPECS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "kvcp_gateway_connections_refused", ("reason",),
         "connections closed before their request was read: per_client_cap (429), header_timeout or body_timeout (408)",
     ),
+    "routing_decisions": (
+        "kvcp_gateway_routing_decisions", ("namespace", "mode", "reason"),
+        "engine choices: mode precise (by the blocks engines hold) or approximate (prefix affinity), reason why the "
+        "approximate choice stood (none for precise)",
+    ),
+    "routing_predictions": (
+        "kvcp_gateway_routing_predictions", ("namespace", "outcome"),
+        "precise choices by how the engine's reported cached prompt tokens compared with the prediction: exact, over "
+        "(fewer cached than predicted) or under (more)",
+    ),
+    "prefix_index_blocks": (
+        "kvcp_gateway_prefix_index_blocks", ("engine",), "blocks the gateway's block index holds for an engine",
+    ),
+    "prefix_index_age": (
+        "kvcp_gateway_prefix_index_age_seconds", ("engine",),
+        "seconds since the KV-event consumer last published an engine's blocks (staleness; past "
+        "GATEWAY_PREFIX_INDEX_STALE_S the engine is routed by affinity)",
+    ),
+    "prefix_index_lag": (
+        "kvcp_gateway_prefix_index_lag_seconds", ("engine",),
+        "seconds from an engine's newest KV event to the gateway's index holding it, at the last change",
+    ),
 }  # fmt: skip
 
 _families: dict[str, Any] = {}
@@ -77,7 +99,8 @@ def families() -> dict[str, Any]:
     Returns:
         short name → prometheus-client metric: ``requests``, ``bypasses``,
         ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``, ``store``,
-        ``loads``, ``load_failures``, ``breaker_open``, ``connections_refused``.
+        ``loads``, ``load_failures``, ``breaker_open``, ``connections_refused``, ``routing_decisions``,
+        ``routing_predictions``, ``prefix_index_blocks``, ``prefix_index_age``, ``prefix_index_lag``.
     """
     if not _families:
         with _lock:
@@ -104,6 +127,12 @@ def families() -> dict[str, Any]:
                     # The largest value among live processes: any process that saw the breaker open says so.
                     breaker_open=Gauge(**spec("breaker_open"), multiprocess_mode="livemax"),
                     connections_refused=Counter(**spec("connections_refused")),
+                    routing_decisions=Counter(**spec("routing_decisions")),
+                    routing_predictions=Counter(**spec("routing_predictions")),
+                    # Every process mirrors the same index: the largest figure among live ones.
+                    prefix_index_blocks=Gauge(**spec("prefix_index_blocks"), multiprocess_mode="livemax"),
+                    prefix_index_age=Gauge(**spec("prefix_index_age"), multiprocess_mode="livemax"),
+                    prefix_index_lag=Gauge(**spec("prefix_index_lag"), multiprocess_mode="livemax"),
                 )
     return _families
 
@@ -175,6 +204,27 @@ class GatewayMetrics:
         if reason == "store_unavailable" and layer in STORE_LAYERS:
             self._c("loads", key, layer).inc()
             self._c("load_failures", key, layer).inc()
+
+    def routed(self, namespace_pk: int, mode: str, reason: str | None) -> None:
+        """One engine choice (:class:`gateway.prefix.router.Decision`): its mode, and why an approximate one stood
+        (its kind only, e.g. ``unpredictable`` or ``index``, with its detail: a bounded set)."""
+        key = self.namespace_key(namespace_pk)
+        if key is not None:
+            self._c("routing_decisions", key, mode, reason or "none").inc()
+
+    def predicted(self, namespace_pk: int, predicted: int, reported: int) -> None:
+        """A precise choice's predicted cached prompt tokens against the engine's reported ones."""
+        key = self.namespace_key(namespace_pk)
+        if key is not None:
+            outcome = "exact" if predicted == reported else ("over" if predicted > reported else "under")
+            self._c("routing_predictions", key, outcome).inc()
+
+    def index_state(self, engine: str, blocks: int, age_s: float, lag_s: float | None) -> None:
+        """This process's mirror of one engine's blocks: their count, their age and (when it changed) its lag."""
+        self._c("prefix_index_blocks", engine).set(blocks)
+        self._c("prefix_index_age", engine).set(age_s)
+        if lag_s is not None:
+            self._c("prefix_index_lag", engine).set(lag_s)
 
     def breaker(self, engine: str, is_open: bool) -> None:
         """The fill breaker of ``engine`` (its name) after a fill: 1 from when it

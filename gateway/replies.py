@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.answers import answer_chunks, answer_object, served_usage
 
 if TYPE_CHECKING:
+    from gateway.prefix.router import Decision
     from gateway.routing import EngineTarget, Routed
 
 log = logging.getLogger("gateway")
@@ -30,18 +31,28 @@ SERVED_BY_HEADER = "x-kvcp-served-by"
 #: ``system_fingerprint``: an answer whose body carries another fingerprint was
 #: computed by another model state (a cross-version answer; there must be none).
 VERSION_HEADER, FINGERPRINT_HEADER = "x-kvcp-version", "x-kvcp-fingerprint"
+#: How the engine that computed an answer was chosen, and the cached prompt tokens a precise choice predicted.
+ROUTING_HEADER, PREDICTED_HEADER = "x-kvcp-routing", "x-kvcp-predicted-cached-tokens"
 
 
-def served_headers(routed: Routed, layer: str, engine: EngineTarget | None = None) -> dict[str, str]:
+def served_headers(
+    routed: Routed, layer: str, engine: EngineTarget | None = None, decision: Decision | None = None
+) -> dict[str, str]:
     """The headers of an answer: the layer that served it, the version the request
     was routed to (under a verified reuse, another version than the namespace's,
-    with the same identity) and its fingerprint, and the engine when one computed it now."""
+    with the same identity) and its fingerprint, and the engine when one computed it now,
+    with how it was chosen (:data:`ROUTING_HEADER`: ``precise``, or ``approximate; reason=...``)
+    and the cached prompt tokens a precise choice predicted (:data:`PREDICTED_HEADER`)."""
     headers = {
         SERVED_BY_HEADER: layer, VERSION_HEADER: header_text(routed.route.version_label),
         FINGERPRINT_HEADER: routed.namespace.fingerprint,
     }  # fmt: skip
     if engine is not None:
         headers["x-kvcp-engine"] = header_text(engine.name)
+    if decision is not None:
+        headers[ROUTING_HEADER] = decision.mode + (f"; reason={decision.reason}" if decision.reason else "")
+        if decision.mode == "precise":
+            headers[PREDICTED_HEADER] = str(decision.predicted_cached_tokens)
     return headers
 
 

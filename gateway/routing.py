@@ -61,6 +61,9 @@ class EngineTarget:
         fingerprint: that version's :func:`model_fingerprint` (what its answers carry).
         headers: sent with every request to it (``Host`` when ``base_url`` was
             pinned to the address the control plane checked).
+        block_size, hash_algorithm: its prefix cache's block size and
+            ``--prefix-caching-hash-algo`` as its verified metrics showed them
+            (0 and "" when unknown: precise routing then leaves it to affinity).
     """
 
     id: int
@@ -71,6 +74,8 @@ class EngineTarget:
     version_id: int = 0
     fingerprint: str = ""
     headers: tuple[tuple[str, str], ...] = ()
+    block_size: int = 0
+    hash_algorithm: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class NamespaceTarget:
         ttl_s: the retention policy's age limit since last hit (seconds), or None.
         max_bytes: its byte budget, or None.
         suspended: why routing is suspended (a deceptive hit on live traffic), or None.
+        tokenizer_path: the version's checkpoint folder, whose tokenizer and chat template
+            precise routing tokenizes requests with ("" when this host cannot read it).
     """
 
     pk: int
@@ -101,6 +108,7 @@ class NamespaceTarget:
     max_bytes: int | None = None
     suspended: str | None = None
     fingerprint: str = ""
+    tokenizer_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -263,7 +271,8 @@ def prompt_affinity_text(body: Mapping[str, Any]) -> str:
     return (prompt if isinstance(prompt, str) else repr(prompt))[:AFFINITY_CHARS]
 
 
-def _score(affinity: str, engine: EngineTarget) -> int:
+def rendezvous_score(affinity: str, engine: EngineTarget) -> int:
+    """The engine's rendezvous-hash weight for a prompt's leading text (higher wins)."""
     return int.from_bytes(
         hashlib.blake2b(f"{engine.id}\0{affinity}".encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big"
     )
@@ -290,7 +299,7 @@ def choose_engine(
     """
     if not engines:
         raise ValueError("no engine")
-    ranked = sorted(engines, key=lambda e: _score(affinity, e), reverse=True)
+    ranked = sorted(engines, key=lambda e: rendezvous_score(affinity, e), reverse=True)
     least = min(in_flight.get(e.id, 0) for e in engines)
     chosen = ranked[0]
     if in_flight.get(chosen.id, 0) > least + slack:

@@ -42,6 +42,7 @@ from gateway.param_specs import InvalidRequest
 from gateway.pii import personal_data_kinds
 from gateway.pii.gate import answer_text, gate
 from gateway.pipeline import Hit, Missed, Pipeline, RequestContext, explain_layers
+from gateway.prefix.router import PRECISE, Decision, PrefixRouter
 from gateway.protection import TokenBucket
 from gateway.records import Recorder
 from gateway.replies import ProxyStream, answer_from_record, served_headers, stream_record
@@ -187,8 +188,11 @@ class Runtime:
     shadow: Callable[[ShadowSample], None] | None = None
     limits: Limits = field(default_factory=Limits)
     transport: httpx2.AsyncBaseTransport | None = None
-    #: Engine choice: ``"affinity"`` (prefix affinity, load-aware) or ``"round_robin"`` (the baseline it is measured against).
+    #: Engine choice: ``"precise"`` (by the blocks engines hold; needs ``router``), ``"affinity"`` (prefix affinity,
+    #: load-aware) or ``"round_robin"`` (the baselines it is measured against).
     engine_choice: str = "affinity"
+    #: The precise choice's router (its block index mirror and the versions' tokenizers), or None.
+    router: PrefixRouter | None = None
     #: The cache layers in order; None: :func:`gateway.layers.build_layers` of this runtime (the deployment's).
     layers: Sequence[CacheLayer] | None = None
 
@@ -222,7 +226,8 @@ class Gateway:
         #: The engines behind this process: their client, breakers and in-flight counts.
         self.proxy = EngineProxy(runtime.recorder, transport=runtime.transport, timeout_s=limits.upstream_timeout_s,
                                  max_in_flight=limits.engine_max_in_flight, breaker_failures=limits.breaker_failures,
-                                 breaker_cooldown_s=limits.breaker_cooldown_s, choice=runtime.engine_choice)  # fmt: skip
+                                 breaker_cooldown_s=limits.breaker_cooldown_s, choice=runtime.engine_choice,
+                                 router=runtime.router)  # fmt: skip
         self.buckets: dict[tuple[float, int], TokenBucket] = {}
         #: The cache layers every request meets, in order.
         self.pipeline = Pipeline(runtime.layers if runtime.layers is not None else build_layers(runtime), runtime.recorder)
@@ -431,6 +436,7 @@ class Gateway:
             try:
                 if record is not None and engine is not None:
                     self._answered(ctx, missed, record, answer.first_token_at or time.perf_counter())
+                    self._predicted(ctx, call.decision, record)
                     await self._after_answer(ctx, missed, record, engine)
             finally:
                 # Requests waiting on this fill get only an answer a layer may keep; else they ask the engine.
@@ -438,7 +444,9 @@ class Gateway:
                 await self.pipeline.release(ctx, missed, kept)
 
         try:
-            call = await self.proxy.open(ctx.namespace, ctx.endpoint, self._payload(ctx), ctx.body)
+            call = await self.proxy.open(ctx.namespace, ctx.endpoint, self._payload(ctx))
+            if call.decision is not None and self.rt.recorder.metrics is not None:
+                self.rt.recorder.metrics.routed(ctx.namespace.pk, call.decision.mode, call.decision.reason)
             if ctx.stream:
                 events = self.proxy.relay(call, ctx.endpoint, model=ctx.model, include_usage=ctx.include_usage,
                                           on_end=lambda answer: end(answer, call.engine))  # fmt: skip
@@ -448,7 +456,7 @@ class Gateway:
                     await end(EngineAnswer(None), None)
 
                 handed_over = True  # the stream ends the call, whenever the caller stops reading
-                return ProxyStream(events, served_headers(ctx.routed, "engine", call.engine), on_close=closed)  # type: ignore[arg-type]
+                return ProxyStream(events, served_headers(ctx.routed, "engine", call.engine, call.decision), on_close=closed)  # type: ignore[arg-type]
             answer = await self.proxy.complete(call, ctx.endpoint)
             await asyncio.shield(end(answer, call.engine))
         except GatewayError as exc:
@@ -463,7 +471,7 @@ class Gateway:
             return GatewayError(502, f"engine {call.engine.name} failed before answering", type_="server_error",
                                 code="engine_failed").response()  # fmt: skip
         return JSONResponse(answer_from_record(answer.record, ctx.endpoint, ctx.model, cached=False),
-                            headers=served_headers(ctx.routed, "engine", call.engine))  # type: ignore[arg-type]  # fmt: skip
+                            headers=served_headers(ctx.routed, "engine", call.engine, call.decision))  # type: ignore[arg-type]  # fmt: skip
 
     def _payload(self, ctx: RequestContext) -> dict[str, Any]:
         """What the engine gets: the normalized body under the namespace's salt; a streamed
@@ -475,6 +483,14 @@ class Gateway:
         else:
             payload.pop("stream_options", None)
         return payload
+
+    def _predicted(self, ctx: RequestContext, decision: Decision | None, record: Mapping[str, Any]) -> None:
+        """A precise choice's prediction against the cached prompt tokens the engine reported."""
+        if decision is None or decision.mode != PRECISE or self.rt.recorder.metrics is None:
+            return
+        usage = record.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self.rt.recorder.metrics.predicted(ctx.namespace.pk, decision.predicted_cached_tokens, cached)
 
     def _answered(self, ctx: RequestContext, missed: list[Missed], record: Mapping[str, Any], first: float) -> None:
         """Count an engine's complete answer: the prefix layer's figures and the missed layers' cold TTFT."""

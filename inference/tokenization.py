@@ -89,6 +89,11 @@ class ChatTokenizer(Protocol):
         """
         ...
 
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a plain prompt as the engine's completions endpoint tokenizes it
+        (``add_special_tokens`` is that request field, default true there)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with control tokens written out (``[INST]``, ``<s>``...)."""
         ...
@@ -149,6 +154,12 @@ class MistralChatTokenizer:
         # pydantic's ValidationError is a ValueError.
         except (MistralCommonException, AssertionError, ValueError, KeyError, TypeError) as exc:
             raise ChatEncodingError(self.describe(), conversation.id, str(exc)) from exc
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """See :meth:`ChatTokenizer.encode_text`: mistral_common's ``encode(text, bos=add_special_tokens,
+        eos=False)``, as vLLM 0.32's ``MistralTokenizer.encode`` (``vllm/tokenizers/mistral.py``)."""
+        inner = self._mistral.instruct_tokenizer.tokenizer
+        return [int(i) for i in inner.encode(text, bos=add_special_tokens, eos=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """See :meth:`ChatTokenizer.decode`. SentencePiece text comes back as
@@ -226,6 +237,10 @@ class HFChatTokenizer:
         # transformers types the result as any of str, list[int], list[str], list[list[int]] and BatchEncoding;
         # with tokenize=True and return_dict=False it is one conversation's list of ids.
         return [int(i) for i in ids]  # type: ignore[arg-type]
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """See :meth:`ChatTokenizer.encode_text`: the HF tokenizer's ``encode``, as vLLM's renderer calls it."""
+        return [int(i) for i in self._hf.encode(text, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """See :meth:`ChatTokenizer.decode`."""

@@ -119,7 +119,7 @@ GATEWAY_LEVELS: tuple[tuple[str, ...], ...] = (
     ("gateway.param_specs", "gateway.pii"),
     ("gateway.canonical", "gateway.routing", "gateway.records", "gateway.metrics", "gateway.answers", "gateway.layers.response",
      "gateway.layers.semantic"),
-    ("gateway.protection",),
+    ("gateway.protection", "gateway.prefix"),
     ("gateway.layers.response.layer", "gateway.layers.semantic.layer", "gateway.pipeline"),
     ("gateway.replies", "gateway.engine_proxy", "gateway.connections"),
     ("gateway.server",),

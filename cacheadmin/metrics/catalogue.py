@@ -210,6 +210,44 @@ METRICS: tuple[MetricSpec, ...] = (
         "gateway",
     ),
     MetricSpec(
+        "kvcp_gateway_routing_decisions",
+        "counter",
+        ("namespace", "mode", "reason"),
+        "engine choices: mode precise (by the blocks engines hold) or approximate (prefix affinity), reason why the "
+        "approximate choice stood (none for precise)",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_routing_predictions",
+        "counter",
+        ("namespace", "outcome"),
+        "precise choices by how the engine's reported cached prompt tokens compared with the prediction: exact, over "
+        "(fewer cached than predicted) or under (more)",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_prefix_index_blocks",
+        "gauge",
+        ("engine",),
+        "blocks the gateway's block index holds for an engine",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_prefix_index_age_seconds",
+        "gauge",
+        ("engine",),
+        "seconds since the KV-event consumer last published an engine's blocks (staleness; past "
+        "GATEWAY_PREFIX_INDEX_STALE_S the engine is routed by affinity)",
+        "gateway",
+    ),
+    MetricSpec(
+        "kvcp_gateway_prefix_index_lag_seconds",
+        "gauge",
+        ("engine",),
+        "seconds from an engine's newest KV event to the gateway's index holding it, at the last change",
+        "gateway",
+    ),
+    MetricSpec(
         "kvcp_gateway_template_requests",
         "counter",
         ("namespace", "template", "result"),
@@ -224,6 +262,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("engine",),
         "batches that would clear state, alarm or open a gap, dropped because the engine's replay did not confirm them",
+        "kv_events",
+    ),
+    MetricSpec(
+        "kvcp_kv_event_index_publish_failures",
+        "counter",
+        (),
+        "flushes whose engines' block sets could not be published to the block index store (gateways then see them "
+        "age and route by affinity)",
         "kv_events",
     ),
     MetricSpec(

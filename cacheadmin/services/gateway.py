@@ -391,6 +391,18 @@ def _operator_routes(released: set[tuple[int, str]]) -> dict[tuple[int, str], tu
     return out
 
 
+def _hash_scheme(engine: Engine) -> tuple[int, str]:
+    """``(block_size, prefix_caching_hash_algo)`` of an engine as its verified ``/metrics`` showed them
+    (``cache_config_info``, :func:`inference.engines.verify.drift_baseline`), or ``(0, "")`` when unread:
+    precise routing then leaves the engine to affinity."""
+    cache = (engine.verified_facts or {}).get("cache_config") or {}
+    block, algo = cache.get("block_size"), cache.get("prefix_caching_hash_algo")
+    try:
+        return int(block), str(algo or "")
+    except (TypeError, ValueError):
+        return 0, ""
+
+
 def routing_snapshot_build() -> RoutingSnapshot:
     """Everything gateways route from, read in one pass (a handful of queries).
 
@@ -426,7 +438,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
         target = EngineTarget(
             engine.pk, engine.name, url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
             engine.model_version_id, model_fingerprint(engine.model_version.identity),
-            tuple({**headers, **engine_headers(engine)}.items()),
+            tuple({**headers, **engine_headers(engine)}.items()), *_hash_scheme(engine),
         )  # fmt: skip
         if target.reference:
             references.setdefault(engine.model_version_id, []).append(target)
@@ -461,6 +473,7 @@ def routing_snapshot_build() -> RoutingSnapshot:
             max_bytes=policy.max_bytes if policy else None,
             suspended=(hold.suspended_reason or "suspended") if hold is not None and hold.suspended_at else None,
             fingerprint=model_fingerprint(ns.model_version.identity),
+            tokenizer_path=ns.model_version.path,
         )
     labels = dict(ModelVersion.objects.values_list("pk", "label"))
     routes: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}

@@ -60,6 +60,7 @@ from django.utils import timezone
 from cacheadmin.metrics.catalogue import BY_NAME
 from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, KvEventStream, ResidentSample
 from cacheadmin.services.alarms import alarm_raise
+from cacheadmin.services.block_index import BlockIndexPublisher
 from cacheadmin.services.namespaces import namespace_salts
 from inference.engines.probes import PROBE_SALT_PREFIX, is_probe_salt
 from inference.kv_events import (
@@ -214,7 +215,10 @@ class KvEventConsumer:
         metrics: optional prometheus-client metrics (see :func:`consumer_metrics`).
     """
 
-    def __init__(self, *, partition: int = 0, partitions: int = 1, metrics: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, *, partition: int = 0, partitions: int = 1, metrics: dict[str, Any] | None = None,
+        index: BlockIndexPublisher | None = None,
+    ) -> None:  # fmt: skip
         if partitions < 1 or not 0 <= partition < partitions:
             raise ValueError(f"partition {partition} of {partitions}: need 0 <= partition < partitions")
         self.partition, self.partitions = partition, partitions
@@ -224,6 +228,8 @@ class KvEventConsumer:
         self.by_socket: dict[Any, Stream] = {}
         self.salts = SaltIndex()
         self.metrics = metrics or {}
+        #: Publishes each engine's resident blocks for the gateways' precise routing (:mod:`gateway.prefix.index`).
+        self.index = index or BlockIndexPublisher(failures=self.metrics.get("index_failures"))
         #: engine id → the label sets of its resident-token gauge now shown.
         self._resident_shown: dict[int, set[tuple[str, str, str]]] = {}
         self.name = f"{socket.gethostname()}:{os.getpid()}"
@@ -332,6 +338,7 @@ class KvEventConsumer:
 
     def _close(self, stream: Stream) -> None:
         self._flush_stream(stream)
+        self.index.drop(stream.engine_id)
         self.poller.unregister(stream.sub)
         self.by_socket.pop(stream.sub, None)
         stream.sub.close(linger=0)
@@ -533,6 +540,7 @@ class KvEventConsumer:
         raise alarms for incidents, and beat the heartbeat."""
         for stream in list(self.streams.values()):
             self._flush_stream(stream, force=force)
+        self.index.publish()
         self._flushed = time.monotonic()
 
     def _flush_stream(self, stream: Stream, *, force: bool = False) -> None:
@@ -592,6 +600,7 @@ class KvEventConsumer:
             for labels in self._resident_shown.get(stream.engine_id, set()) - set(shown):
                 gauge.remove(*labels)
             self._resident_shown[stream.engine_id] = set(shown)
+        self.index.stage(stream, changed=stream.dirty or force, now=now.timestamp())
         stream.dirty = stream.urgent = False
 
     # -- loop --------------------------------------------------------------
@@ -619,6 +628,7 @@ class KvEventConsumer:
                     self.burst_at = None
                     if stream.urgent:
                         self._flush_stream(stream)
+                        self.index.publish()
                 now = time.monotonic()
                 for stream in list(self.streams.values()):
                     if now >= stream.catch_up_at:
@@ -657,6 +667,7 @@ def consumer_metrics() -> dict[str, Any]:
             unconfirmed=Counter(**spec("kvcp_kv_event_unconfirmed")),
             alarms=Counter(**spec("kvcp_isolation_alarm_blocks")),
             resident=Gauge(**spec("kvcp_kv_event_resident_tokens")),
+            index_failures=Counter(**spec("kvcp_kv_event_index_publish_failures")),
         )
     return _consumer_metrics
 

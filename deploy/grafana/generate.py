@@ -404,6 +404,53 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         ),
     ),
     (
+        "Precise routing",
+        (
+            Panel(
+                "Routing decisions",
+                "Engine choices per second: precise (by the blocks engines hold) or approximate, with the reason the "
+                "approximate choice stood (unpredictable request, index stale or missing, unknown hash scheme).",
+                "reqps",
+                (q(f"sum by (mode, reason) (rate(kvcp_gateway_routing_decisions_total{{{NS}}}[{RI}]))", "{{mode}} {{reason}}"),),
+                stacked=True,
+            ),
+            Panel(
+                "Prediction accuracy",
+                "Share of precise decisions whose engine reported exactly the cached prompt tokens predicted "
+                "(KvcpRoutingPredictionsOff under 90 %).",
+                "percentunit",
+                (q(f"kvcp:routing_prediction_accuracy:rate10m{{{NS}}}", "{{namespace}}"),),
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "Block index size",
+                "Blocks the gateways' block index holds per engine (every medium).",
+                "short",
+                (q(f"max by (engine) (kvcp_gateway_prefix_index_blocks{{{ENG}}})", "{{engine}}"),),
+                width=8,
+            ),
+            Panel(
+                "Block index age and lag",
+                "Seconds since the consumer last published an engine's blocks (age), and from its newest event to the "
+                "gateways holding it (lag); KvcpPrefixIndexLagging past 30 s or 10 s.",
+                "s",
+                (
+                    q(f"max by (engine) (kvcp_gateway_prefix_index_age_seconds{{{ENG}}})", "{{engine}} age"),
+                    q(f"max by (engine) (kvcp_gateway_prefix_index_lag_seconds{{{ENG}}})", "{{engine}} lag"),
+                ),
+                width=8,
+            ),
+            Panel(
+                "Block index publish failures",
+                "Consumer flushes whose block sets could not be written to the block index store, per second.",
+                "reqps",
+                (q(f"sum (rate(kvcp_kv_event_index_publish_failures_total[{RI}]))", "failures"),),
+                width=8,
+            ),
+        ),
+    ),
+    (
         "Gateway protections",
         (
             Panel(

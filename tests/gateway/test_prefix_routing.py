@@ -1,0 +1,222 @@
+"""Precise prefix routing without engines: the block index stores (a real SQLite
+file and a real Redis), a gateway process's mirror with speculative entries and
+staleness, and the router's choice over it, with the demo checkpoint's real
+tokenizer. The hashes themselves are checked against a real engine in
+``tests/inference/test_block_hashes_engine.py``."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from gateway.prefix.index import (
+    MEDIUM_BITS,
+    BlockIndex,
+    IndexStore,
+    IndexUnavailable,
+    RedisIndexStore,
+    SqliteIndexStore,
+    block_set,
+    weighted,
+)
+from gateway.prefix.predict import Tokenizers, predict
+from gateway.prefix.router import APPROXIMATE, PRECISE, PrefixRouter, cost
+from gateway.routing import EngineTarget, NamespaceTarget
+from inference.block_hashes import HashScheme
+from inference.corpus import Conversation
+from inference.tokenization import load_chat_tokenizer
+
+REDIS_URL = os.environ.get("GATEWAY_TEST_STORE_REDIS_URL", "redis://127.0.0.1:6379/13")
+BLOCK = 32
+SALT = "salt-" + "b" * 27
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], IndexStore]]:
+    """Makes store objects over one backend (as the consumer and each gateway process open their own)."""
+    if request.param == "sqlite":
+        yield lambda: SqliteIndexStore(tmp_path / "blocks.sqlite3")
+        return
+    prefix = f"test-bi-{secrets.token_hex(6)}"
+    yield lambda: RedisIndexStore.from_url(REDIS_URL, prefix=prefix)
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def _residency(**media: list[int]) -> dict[tuple[str, int], dict[int, tuple[int, int]]]:
+    return {(medium, 0): {h: (1, BLOCK) for h in hashes} for medium, hashes in media.items()}
+
+
+def test_a_published_set_reaches_another_process_mirror_with_its_media(store: Callable[[], IndexStore]) -> None:
+    consumer, gateway = store(), store()
+    consumer.publish([block_set(7, 1, _residency(GPU=[1, 2, 3], CPU=[3, 4]), complete=True, now=1000.0)])
+    index = BlockIndex(gateway)
+    index.refresh()
+    assert index.engines[7].masks == {1: 1, 2: 1, 3: 1 | 2, 4: 2}
+    assert (index.engines[7].version, index.engines[7].generation, index.engines[7].published_at) == (1, 1, 1000.0)
+    # The run of leading blocks held stops at the first missing one; each block at its cheapest medium.
+    assert index.held(7, [1, 2, 3, 9, 4]) == [1, 1, 3]
+    assert index.held(7, [4, 1]) == [2, 1]
+    assert weighted(index.held(7, [4, 1])) == 0.75 + 1.0
+    # A heartbeat moves the age, not the version; a republication moves the version and replaces the set.
+    consumer.heartbeat({7: (1005.0, False)})
+    index.refresh()
+    assert (index.engines[7].version, index.engines[7].published_at, index.engines[7].complete) == (1, 1005.0, False)
+    consumer.publish([block_set(7, 2, _residency(GPU=[5]), complete=True, now=1010.0)])
+    index.refresh()
+    assert (index.engines[7].version, index.engines[7].generation, index.engines[7].masks) == (2, 2, {5: 1})
+    consumer.drop([7])
+    index.refresh()
+    assert index.engines == {}
+
+
+def test_staleness_gaps_and_missing_sets_make_an_engine_unusable(store: Callable[[], IndexStore]) -> None:
+    consumer = store()
+    consumer.publish([
+        block_set(1, 1, _residency(GPU=[1]), complete=True, now=1000.0),
+        block_set(2, 1, _residency(GPU=[1]), complete=False, now=1000.0),
+    ])  # fmt: skip
+    index = BlockIndex(store(), stale_s=10.0)
+    index.refresh()
+    assert [index.usable(e, now=1005.0) for e in (1, 2, 3)] == [None, "incomplete", "no_index"]
+    assert index.usable(1, now=1010.5) == "stale"
+
+
+def test_speculative_entries_count_as_engine_memory_until_they_expire(tmp_path: Path) -> None:
+    index = BlockIndex(SqliteIndexStore(tmp_path / "b.sqlite3"), speculative_ttl_s=5.0)
+    index.speculate(3, [10, 11], now=100.0)
+    assert index.held(3, [10, 11, 12], now=104.9) == [MEDIUM_BITS["GPU"], MEDIUM_BITS["GPU"]]
+    assert index.held(3, [10, 11], now=105.1) == []
+
+
+def test_a_store_that_cannot_be_read_raises_index_unavailable(tmp_path: Path) -> None:
+    closed = RedisIndexStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.2)
+    with pytest.raises(IndexUnavailable, match="Redis block index: reading versions failed"):
+        closed.versions()
+    index = BlockIndex(closed)
+    with pytest.raises(IndexUnavailable):
+        index.refresh()
+    assert index.engines == {}
+
+
+# --- the router ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(demo_checkpoints: dict[str, Path]) -> str:
+    return str(demo_checkpoints["tiny-v1"])
+
+
+def _engine(pk: int, *, block: int = BLOCK, algo: str = "sha256") -> EngineTarget:
+    return EngineTarget(pk, f"e{pk}", f"http://127.0.0.1:{9000 + pk}", "tiny", block_size=block, hash_algorithm=algo)
+
+
+def _ns(engines: tuple[EngineTarget, ...], tokenizer_path: str) -> NamespaceTarget:
+    return NamespaceTarget(1, "k" * 64, "p", SALT, 1, "v1", engines=engines, tokenizer_path=tokenizer_path)
+
+
+def _payload(words: int = 120) -> dict[str, Any]:
+    text = " ".join(f"w{i % 53}" for i in range(words))
+    return {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}], "cache_salt": SALT}
+
+
+def _router(tmp_path: Path, tokenizer_path: str) -> tuple[PrefixRouter, SqliteIndexStore]:
+    store = SqliteIndexStore(tmp_path / "b.sqlite3")
+    tokenizers = Tokenizers()
+    tokenizers.load(tokenizer_path)  # loaded before the first request, as a warm gateway has it
+    return PrefixRouter(BlockIndex(store), tokenizers), store
+
+
+def _hashes(tokenizer_path: str, payload: dict[str, Any]) -> list[int]:
+    tokenizer = load_chat_tokenizer(Path(tokenizer_path))
+    prediction = predict(tokenizer, "chat", payload)
+    assert prediction.token_ids == tuple(tokenizer.encode_chat(Conversation(id="x", messages=payload["messages"])))
+    return prediction.hashes(HashScheme(BLOCK), SALT)
+
+
+def test_the_engine_holding_the_longest_prefix_wins_and_load_moves_traffic_off_it(tmp_path: Path, tokenizer_path: str) -> None:
+    router, store = _router(tmp_path, tokenizer_path)
+    a, b = _engine(1), _engine(2)
+    payload = _payload()
+    hashes = _hashes(tokenizer_path, payload)
+    assert len(hashes) >= 4
+    store.publish([block_set(1, 1, _residency(GPU=hashes[:3]), complete=True),
+                   block_set(2, 1, _residency(GPU=hashes[:1], CPU=hashes[1:4]), complete=True)])  # fmt: skip
+    router.index.refresh()
+    ns = _ns((a, b), tokenizer_path)
+    decision = router.decide(ns, [a, b], "chat", payload, {}, speculate=False)
+    # b holds 4 leading blocks (1 in engine memory, 3 offloaded: 1 + 3 x 0.75 = 3.25) against a's 3 (3.0).
+    assert (decision.engine, decision.mode, decision.reason, decision.predicted_blocks) == (b, PRECISE, None, 4)
+    assert [(s.engine.id, s.blocks, s.weight) for s in decision.candidates] == [(2, 4, 3.25), (1, 3, 3.0)]
+    n = len(hashes)
+    assert decision.candidates[0].cost == cost(n, 3.25, 0, 0.5) == n - 3.25
+    prompt = decision.prompt_tokens
+    assert decision.predicted_cached_tokens == min(4, (prompt - 1) // BLOCK) * BLOCK
+    # One request in flight on b costs it half the request's blocks: a wins.
+    loaded = router.decide(ns, [a, b], "chat", payload, {2: 1}, speculate=False)
+    assert (loaded.engine, [c.engine.id for c in loaded.candidates]) == (a, [1, 2])
+
+
+def test_a_burst_of_a_new_prefix_follows_its_first_request(tmp_path: Path, tokenizer_path: str) -> None:
+    router, store = _router(tmp_path, tokenizer_path)
+    engines = [_engine(1), _engine(2), _engine(3)]
+    store.publish([block_set(e.id, 1, {}, complete=True) for e in engines])
+    router.index.refresh()
+    ns = _ns(tuple(engines), tokenizer_path)
+    first = router.decide(ns, engines, "chat", _payload(), {})
+    assert first.predicted_blocks == 0
+    # The next ones, before any KV event: the speculative entries point at the first one's engine.
+    later = [router.decide(ns, engines, "chat", _payload(), {}) for _ in range(5)]
+    assert {d.engine.id for d in later} == {first.engine.id}
+    assert all(d.predicted_blocks == first.blocks for d in later)
+
+
+@pytest.mark.parametrize(
+    ("setup", "reason"),
+    [
+        ("stale", "index:stale"),
+        ("missing", "index:no_index"),
+        ("image", "unpredictable:multimodal"),
+        ("continue", "unpredictable:render_options"),
+        ("xxhash", "hash_scheme"),
+        ("no_tokenizer", "unpredictable:no_tokenizer"),
+    ],
+)
+def test_what_cannot_be_predicted_is_routed_by_affinity_and_says_why(
+    tmp_path: Path, tokenizer_path: str, setup: str, reason: str
+) -> None:
+    router, store = _router(tmp_path, tokenizer_path)
+    algo = "xxhash" if setup == "xxhash" else "sha256"
+    engines = [_engine(1, algo=algo), _engine(2, algo=algo)]
+    if setup != "missing":
+        published = 1.0 if setup == "stale" else None
+        store.publish([block_set(e.id, 1, {}, complete=True, now=published) for e in engines])
+    router.index.refresh()
+    payload = _payload()
+    if setup == "image":
+        payload["messages"][1]["content"] = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+    if setup == "continue":
+        payload["continue_final_message"] = True
+    ns = _ns(tuple(engines), "" if setup == "no_tokenizer" else tokenizer_path)
+    decision = router.decide(ns, engines, "chat", payload, {})
+    assert (decision.mode, decision.reason, decision.candidates) == (APPROXIMATE, reason, ())
+
+
+def test_completions_prompts_as_text_and_as_tokens_predict_the_same_blocks(tokenizer_path: str) -> None:
+    tokenizer = load_chat_tokenizer(Path(tokenizer_path))
+    text = " ".join(f"word{i}" for i in range(200))
+    ids = tokenizer.encode_text(text)
+    as_text = predict(tokenizer, "completions", {"prompt": text})
+    as_ids = predict(tokenizer, "completions", {"prompt": ids})
+    assert as_text.token_ids == as_ids.token_ids == tuple(ids)
+    assert predict(tokenizer, "completions", {"prompt": ["a", "b"]}).reason == "several_prompts"
+    assert predict(None, "completions", {"prompt": text}).reason == "tokenizer_not_loaded"
