@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -80,13 +80,19 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     Raises:
         ImproperlyConfigured: not an integer, or below ``minimum``.
     """
+    return int(_number(name, default, int, "an integer", minimum))
+
+
+def _number(name: str, default: float, parse: Callable[[str], float], what: str, minimum: float | None) -> float:
     raw = _read(name)
     if raw is None:
         return default
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError as exc:
-        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from exc
+        raise ImproperlyConfigured(f"{name}={raw!r} is not {what}") from exc
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a finite number")
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name}={value} is below its minimum {minimum}")
     return value
@@ -98,18 +104,7 @@ def env_float(name: str, default: float, *, minimum: float | None = None) -> flo
     Raises:
         ImproperlyConfigured: not a finite number, or below ``minimum``.
     """
-    raw = _read(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from exc
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ImproperlyConfigured(f"{name}={raw!r} is not a finite number")
-    if minimum is not None and value < minimum:
-        raise ImproperlyConfigured(f"{name}={value:g} is below its minimum {minimum:g}")
-    return value
+    return _number(name, default, float, "a number", minimum)
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
