@@ -1,0 +1,76 @@
+"""The KV-event consumer publishes each engine's blocks to the block index the
+gateways route by (:mod:`cacheadmin.services.block_index`): real ZMQ frames in,
+the deployment's store (SQLite under GATEWAY_DIR here, Redis in scale-out)
+out, read back by a gateway process's mirror."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cacheadmin.models import Engine
+from cacheadmin.services.block_index import BlockIndexPublisher, block_index_store
+from cacheadmin.services.kv_events import KvEventConsumer
+from cacheadmin.services.namespaces import namespace_salt_read
+from gateway.prefix.index import MEDIUM_BITS, BlockIndex, RedisIndexStore
+from inference.kv_events import BlockStored
+
+pytestmark = pytest.mark.django_db(transaction=True)
+GPU, CPU = MEDIUM_BITS["GPU"], MEDIUM_BITS["CPU"]
+
+
+def _stored(hashes: list[int], salt: str | None = None, parent: int | None = None, medium: str = "GPU") -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=[1] * 32 * len(hashes), block_size=32, lora_id=None,
+        medium=medium, lora_name=None, extra_keys=[(salt,) if salt else None] + [None] * (len(hashes) - 1),
+    )  # fmt: skip
+
+
+def test_the_consumer_publishes_blocks_per_medium_beats_and_drops_a_stopped_engine(world, engine_stream) -> None:
+    engine, publisher = engine_stream
+    salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="block index test")
+    consumer = KvEventConsumer()
+    consumer.refresh()
+    stream = consumer.streams[engine.pk]
+    consumer.handle(stream, publisher.frames(_stored([11, 12], salt)))
+    consumer.handle(stream, publisher.frames(_stored([12, 13], medium="CPU", parent=11)))
+    consumer.flush()
+    index = BlockIndex(block_index_store())
+    index.refresh()
+    entry = index.engines[engine.pk]
+    assert (entry.masks, entry.generation, entry.complete, entry.version) == ({11: GPU, 12: GPU | CPU, 13: CPU}, 1, True, 1)
+    assert index.usable(engine.pk) is None
+    assert index.held(engine.pk, [11, 12, 13, 14]) == [GPU, GPU | CPU, CPU]
+
+    # Nothing changed: a heartbeat, not a new version.
+    before = entry.published_at
+    time.sleep(0.01)
+    consumer.flush()
+    index.refresh()
+    assert (index.engines[engine.pk].version, index.engines[engine.pk].published_at > before) == (1, True)
+
+    # The engine stops: the consumer stops following it and its set goes.
+    Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.STOPPED)
+    consumer.refresh()
+    index.refresh()
+    assert index.engines == {}
+    consumer.ctx.destroy(linger=0)
+
+
+def test_a_store_that_is_down_costs_the_consumer_nothing_and_loses_no_set(world, engine_stream) -> None:
+    engine, publisher = engine_stream
+    down = BlockIndexPublisher(RedisIndexStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.2))
+    consumer = KvEventConsumer(index=down)
+    consumer.refresh()
+    stream = consumer.streams[engine.pk]
+    consumer.handle(stream, publisher.frames(_stored([21])))
+    consumer.flush()  # logged, not raised
+    assert list(down._sets) == [engine.pk]  # staged again at the next flush
+    # The store is back: the staged set goes out with the next flush, though nothing changed since.
+    down._store = block_index_store()
+    consumer.flush()
+    index = BlockIndex(block_index_store())
+    index.refresh()
+    assert set(index.engines[engine.pk].masks) == {21}
+    consumer.ctx.destroy(linger=0)
