@@ -574,7 +574,7 @@ class Gateway:
 
 def explain(
     snap: RoutingSnapshot, tenant_id: int, endpoint: str, body: Mapping[str, Any], *, layers: Sequence[CacheLayer],
-    tags: tuple[str, ...] = (),
+    tags: tuple[str, ...] = (), router: PrefixRouter | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Why a request would be served the way it is, without sending it: the live
     path's chain of layer decisions (:func:`gateway.pipeline.explain_layers`) without a read.
@@ -582,6 +582,7 @@ def explain(
     Args:
         layers: the layers as the deployment's gateway builds them (:func:`gateway.layers.build_layers`).
         tags: the request's ``X-Cache-Tags``, sorted and unique.
+        router: the precise choice's router (the deployment's block index), or None for the affinity choice.
 
     Returns:
         ``{"route": {...} | {"error": ...}, "canonical_request": {...}, "<layer>_cache":
@@ -604,7 +605,10 @@ def explain(
     if routed is not None:
         ns = routed.namespace
         engines = list(ns.engines)
-        engine = choose_engine(engines, prompt_affinity_text(body), {}) if engines else None
+        decision = None
+        if engines and router is not None:
+            decision = router.decide(ns, engines, endpoint, {**body, "cache_salt": ns.cache_salt}, {}, speculate=False)
+        engine = decision.engine if decision else (choose_engine(engines, prompt_affinity_text(body), {}) if engines else None)
         out["route"] = {
             "served_name": body.get("model"), "model_version": routed.route.version_id, "label": routed.route.version_label,
             "percent": routed.route.percent, "release": routed.route.release_id, "namespace": ns.pk,
@@ -612,6 +616,7 @@ def explain(
             "bucket": sticky_bucket(tenant.secret, sticky_id(body)),
             "engine": {"id": engine.id, "name": engine.name} if engine else None,
             "engine_reason": None if engine else "no engine in service (ready and verified) serves this namespace",
+            "routing": decision.as_dict() if decision else None,
         }  # fmt: skip
     ctx = RequestContext(snap, tenant, endpoint, body, canonical, None, tags, routed)
     out.update(explain_layers(layers, ctx))

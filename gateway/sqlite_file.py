@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,16 +23,28 @@ class SqliteFile:
         busy_timeout_s: how long a statement waits for another process's lock, seconds.
         what: the store's name in error messages (``"SQLite response store"``).
         unavailable: the exception an outage raises (the store's ``StoreUnavailable``).
+        setup: run once on a connection before its first use (journal mode, schema), or None. Not at
+            construction: building a store contacts nothing, so a file locked or unwritable now fails
+            the operation that uses it (inside :meth:`errors`, as an outage), not whoever built it;
+            a setup that failed runs again at the next use.
     """
 
-    def __init__(self, path: Path, *, busy_timeout_s: float, what: str, unavailable: type[Exception]) -> None:
+    def __init__(
+        self, path: Path, *, busy_timeout_s: float, what: str, unavailable: type[Exception],
+        setup: Callable[[sqlite3.Connection], None] | None = None,
+    ) -> None:  # fmt: skip
         self.path, self.busy_timeout_s, self.what, self.unavailable = path, busy_timeout_s, what, unavailable
+        self._setup = setup
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: list[sqlite3.Connection] = []
 
     def conn(self) -> sqlite3.Connection:
-        """This thread's connection (opened on first use in this process)."""
+        """This thread's connection (opened on first use in this process, the file set up first).
+
+        Raises:
+            sqlite3.Error: the file cannot be opened or set up (use inside :meth:`errors`).
+        """
         local = self._local
         pid = os.getpid()
         if getattr(local, "pid", None) != pid:
@@ -42,6 +54,15 @@ class SqliteFile:
             with self._lock:
                 self._connections.append(conn)
         current: sqlite3.Connection = local.conn
+        if self._setup is not None:
+            with self._lock:
+                setup, self._setup = self._setup, None
+            if setup is not None:
+                try:
+                    setup(current)
+                except BaseException:
+                    self._setup = setup  # the next use tries again
+                    raise
         return current
 
     def close(self) -> None:

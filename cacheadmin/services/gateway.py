@@ -330,10 +330,13 @@ def namespace_routing_resume(*, namespace: CacheNamespace, actor: str, reason: s
     # not yet seen the suspension may have stored one since the first run).
     left = answer_retirements_rerun(namespace=namespace, since=hold.resumed_at, actor=actor)
     if left:
+        # The layers only: a store's own error (its file path, its address) is for the operators' log and
+        # the retirement's row, not for whoever asked (a tenant-bound token may resume its namespace).
+        layers = sorted({part.split(":", 1)[0] for r in left for part in r.error.split("; ") if part})
         raise GatewayRefused(
             f"namespace {namespace.namespace_key[:12]}… stays suspended: the cached answers of engine(s) "
-            f"{', '.join(sorted({str(r.engine_ref) for r in left}))} are not all retired ({'; '.join(r.error for r in left)}); "
-            "resume again once the gateway's cache stores answer"
+            f"{', '.join(sorted({str(r.engine_ref) for r in left}))} are not all retired (the {' and '.join(layers)} "
+            f"cache store{'s' if len(layers) > 1 else ''} did not answer); resume again once the gateway's cache stores answer"
         )
     with transaction.atomic():
         hold = NamespaceRouting.objects.select_for_update().filter(namespace=namespace).first()
@@ -586,6 +589,22 @@ def semantic_rules() -> tuple[Rule, ...]:
         raise ImproperlyConfigured(f"GATEWAY_SEMANTIC_RULES: {exc}") from exc
 
 
+def _explain_router() -> Any:
+    """The precise router as a gateway process has it, read once from the block index store
+    (None when the store cannot be read: the affinity choice is explained then)."""
+    from cacheadmin.services.block_index import block_index_store
+    from gateway.prefix.index import BlockIndex, IndexUnavailable
+    from gateway.prefix.router import PrefixRouter
+
+    index = BlockIndex(block_index_store(), stale_s=settings.GATEWAY_PREFIX_INDEX_STALE_S)
+    try:
+        index.refresh()
+    except IndexUnavailable as exc:
+        log.warning("explain: %s", exc)
+        return None
+    return PrefixRouter(index, load_weight=settings.GATEWAY_ROUTING_LOAD_WEIGHT)
+
+
 def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], tags: Iterable[str] = ()) -> dict[str, Any]:
     """How the gateway would serve ``body`` for ``tenant`` now, with the request's ``X-Cache-Tags``
     ``tags`` (see :func:`gateway.server.explain`): the deployment's layers, in its order.
@@ -618,8 +637,9 @@ def gateway_explain(*, tenant: Tenant, endpoint: str, body: Mapping[str, Any], t
         else None
     )
     runtime = Runtime(snapshot=lambda: snap, response_store=response_store(), semantic=semantic, recorder=Recorder())
+    router = _explain_router() if settings.GATEWAY_ENGINE_CHOICE == "precise" else None
     try:
-        return explain(snap, tenant.pk, endpoint, body, layers=build_layers(runtime), tags=cache_tags)
+        return explain(snap, tenant.pk, endpoint, body, layers=build_layers(runtime), tags=cache_tags, router=router)
     except InvalidRequest as exc:
         raise InvalidField(exc.param or "body", exc.message) from exc
 

@@ -131,15 +131,17 @@ CREATE TABLE IF NOT EXISTS block_sets (
 """
 
 
+def _setup(conn: Any) -> None:
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(_SCHEMA)
+
+
 class SqliteIndexStore:
     """The embedded default's store: one SQLite file (WAL) under ``GATEWAY_DIR``."""
 
     def __init__(self, path: Path, *, busy_timeout_s: float = 1.0) -> None:
-        self.file = SqliteFile(path, busy_timeout_s=busy_timeout_s, what="SQLite block index", unavailable=IndexUnavailable)
-        with self.file.errors("opening"):
-            conn = self.file.conn()
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(_SCHEMA)
+        self.file = SqliteFile(path, busy_timeout_s=busy_timeout_s, what="SQLite block index", unavailable=IndexUnavailable,
+                               setup=_setup)  # fmt: skip
 
     def publish(self, sets: Sequence[BlockSet]) -> None:
         """See :meth:`IndexStore.publish`."""

@@ -61,11 +61,14 @@ class Tokenizers:
         self._loading: set[str] = set()
         self._lock = threading.Lock()
 
-    def get(self, path: str) -> ChatTokenizer | None:
-        """The tokenizer of ``path`` when loaded; else None, and its loading starts."""
+    def get(self, path: str, *, wait: bool = False) -> ChatTokenizer | None:
+        """The tokenizer of ``path`` when loaded; else None, and its loading starts
+        (``wait``: load it now, on this thread, as ``gateway explain`` does)."""
         found = self._loaded.get(path)
         if found is not None or path in self._loaded:
             return found
+        if wait:
+            return self.load(path)
         with self._lock:
             if path in self._loading:
                 return None

@@ -140,12 +140,11 @@ class PrefixRouter:
         #: Engine id -> requests running and waiting as its own metrics last said (None: not read).
         self.engine_load: dict[int, int] = {}
 
-    def prediction(self, ns: NamespaceTarget, endpoint: str, payload: Mapping[str, Any]) -> Prediction:
-        """The request's tokens (the version's tokenizer, loaded in the background on first use)."""
-        tokenizer = self.tokenizers.get(ns.tokenizer_path) if ns.tokenizer_path else None
+    def prediction(self, ns: NamespaceTarget, endpoint: str, payload: Mapping[str, Any], *, wait: bool = False) -> Prediction:
+        """The request's tokens (the version's tokenizer, loaded in the background on first use, or now with ``wait``)."""
         if not ns.tokenizer_path:
             return Prediction(reason="no_tokenizer")
-        return predict(tokenizer, endpoint, payload)
+        return predict(self.tokenizers.get(ns.tokenizer_path, wait=wait), endpoint, payload)
 
     def decide(
         self, ns: NamespaceTarget, engines: Sequence[EngineTarget], endpoint: str, payload: Mapping[str, Any],
@@ -154,14 +153,15 @@ class PrefixRouter:
         """Choose among ``engines`` (non-empty) for ``payload``; see the module docstring.
 
         Args:
-            speculate: mark the request's blocks as held by the winner (live traffic; not ``explain``).
+            speculate: mark the request's blocks as held by the winner (live traffic); off for ``explain``,
+                which also loads the tokenizer before deciding rather than fall back while it loads.
         """
         affinity = prompt_affinity_text(payload)
 
         def approximate(reason: str) -> Decision:
             return Decision(choose_engine(engines, affinity, in_flight), APPROXIMATE, reason)
 
-        prediction = self.prediction(ns, endpoint, payload)
+        prediction = self.prediction(ns, endpoint, payload, wait=not speculate)
         if prediction.reason is not None:
             return approximate(f"unpredictable:{prediction.reason}")
         now_wall, now = time.time(), time.monotonic()

@@ -7,6 +7,7 @@ refuses while a store cannot complete it."""
 from __future__ import annotations
 
 import socket
+import sqlite3
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -23,6 +24,7 @@ from cacheadmin.services.shadow import _deceptive, served_verdict, shadow_checks
 from gateway.layers.base import Provenance
 from gateway.layers.semantic.entries import SemanticEntry
 from inference.errors import Refused
+from tests.helpers import manage, subprocess_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -119,6 +121,36 @@ def test_resume_refuses_while_a_store_cannot_retire_and_a_lost_worker_loses_noth
     assert [e.key for e in suspect["responses"].entries(prefix)] == [k(1), k(3)]
     namespace_routing_resume(namespace=ns, actor="t", reason="fixed")
     assert NamespaceRouting.objects.get(namespace=ns).suspended_at is None
+
+
+def test_resume_refuses_with_409_while_the_embedded_sqlite_store_is_locked_and_records_the_attempt(suspect) -> None:
+    """The embedded default: the semantic store's SQLite file held by another process's write lock.
+    Resume is refused as documented (409, exit 4), names no file path, counts the run and its error,
+    and goes through once the lock is released."""
+    ns = suspect["ns"]["acme"]
+    _confirm(suspect)
+    path = settings.GATEWAY_DIR / "semantic-cache.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        refused = suspect["clients"]["bob"].post(f"/api/namespaces/{ns.pk}/resume-routing/", {"reason": "x"}, format="json")
+        assert refused.status_code == 409, refused.json()
+        message = refused.json()["error"]["message"]
+        assert "(the semantic cache store did not answer)" in message and str(settings.GATEWAY_DIR) not in message
+        cli = manage(
+            "gateway", "resume", str(ns.pk), "--reason", "fixed", env=subprocess_env(GATEWAY_DIR=str(settings.GATEWAY_DIR))
+        )
+        assert cli.returncode == 4, cli.stderr
+        row = AnswerRetirement.objects.get()
+        assert (row.runs, row.completed_at) == (2, None) and row.error.startswith("semantic: ")
+        assert NamespaceRouting.objects.get(namespace=ns).suspended_at is not None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    resumed = suspect["clients"]["bob"].post(f"/api/namespaces/{ns.pk}/resume-routing/", {"reason": "x"}, format="json")
+    assert resumed.status_code == 200, resumed.json()
+    row = AnswerRetirement.objects.get()
+    assert (row.runs, row.error, row.removed) == (3, "", {"response": 1, "semantic": 1})
 
 
 def test_an_unconfirmed_deceptive_hit_retires_nothing(suspect) -> None:

@@ -417,7 +417,11 @@ def test_rules_from_config() -> None:
         ),
         (
             [{"name": "language_unsupported", "pattern": "b"}],
-            r"not be one of .*'language_unsupported', got 'language_unsupported'",
+            r"not be one of .*'language_unsupported', 'symbols_unsupported', got 'language_unsupported'",
+        ),
+        (
+            [{"name": "symbols_unsupported", "pattern": "b"}],
+            r"not be one of .*'symbols_unsupported', got 'symbols_unsupported'",
         ),
         ([{"name": "a", "pattern": ""}], r"rules\[0\]\.pattern must be a non-empty string"),
         ([{"name": "a", "pattern": 5}], r"rules\[0\]\.pattern must be a non-empty string"),

@@ -326,6 +326,26 @@ def test_questions_outside_the_embedders_languages_bypass_the_layer(semantic_set
     assert served == ["engine", "engine"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_questions_resting_on_symbols_the_embedder_cannot_read_bypass_the_layer(semantic_setup: dict[str, Any]) -> None:
+    """Emoji are one unknown token to the bundled embedder: 👍 and 👎 embed alike. A question holding
+    one, or nothing but punctuation, is never matched; currency signs and arithmetic are read."""
+    s = semantic_setup
+    layer = s["runtime"].semantic
+    embed = layer.embedder.embed
+    vectors = embed(["Is this movie 👍 for kids?", "Is this movie 👎 for kids?"])
+    assert similarity(vectors[0], vectors[1]) >= SHIPPED_THRESHOLD  # what the layer must not trust
+    for text in ("🔑🔄❓", "🍕🍔🍟", "👍", "❤️ or 💔", "Is this movie 👍 for kids?", "???", "Set it to 50°F"):
+        assert layer.admission(text, personal_data=False) == (False, "symbols_unsupported"), text
+    for text in ("Convert 100 US dollars to €", "What is 2+2?", "How do I write a loop in C++ or C#?"):
+        assert layer.admission(text, personal_data=False) == (True, "admitted"), text
+    # Through the gateway: the second emoji question is computed, not served the first one's answer.
+    served = [
+        call(s, _asked(t)).headers["x-kvcp-served-by"] for t in ("Is this movie 👍 for kids?", "Is this movie 👎 for kids?")
+    ]
+    assert served == ["engine", "engine"]
+
+
 def test_a_language_set_names_known_codes_only() -> None:
     assert check_languages(["en", "zh"]) == frozenset({"en", "zh"})
     for bad in ([], ["en", "xx"], ["EN"]):

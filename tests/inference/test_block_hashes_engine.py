@@ -38,7 +38,9 @@ def engine(demo_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathF
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    # vLLM binds a wildcard or ipc endpoint and connects to any other (kv_events.py _is_bind_endpoint):
+    # this loopback one is bound here, and the engine's publisher connects to it.
+    sub.bind(endpoint)
     running = LocalEngine(spec)
     running.start()
     try:

@@ -89,6 +89,12 @@ CREATE TABLE IF NOT EXISTS response_leases (
 _LIVE = "(expires_at IS NULL OR expires_at > ?)"
 
 
+def _setup(conn: sqlite3.Connection) -> None:
+    # The journal mode is a property of the file: set once, every later connection reads it.
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.executescript(_SCHEMA)
+
+
 class SqliteResponseStore(ResponseStore):
     """The embedded default: one SQLite file shared by every gateway process
     of the machine (stdlib ``sqlite3``, WAL journal so readers never wait for
@@ -124,15 +130,11 @@ class SqliteResponseStore(ResponseStore):
         self.path = Path(path)
         self.busy_timeout_s = _check_seconds(busy_timeout_s, "busy_timeout_s")
         self._db = SqliteFile(
-            self.path, busy_timeout_s=self.busy_timeout_s, what="SQLite response store", unavailable=StoreUnavailable
-        )
+            self.path, busy_timeout_s=self.busy_timeout_s, what="SQLite response store", unavailable=StoreUnavailable,
+            setup=_setup,
+        )  # fmt: skip
         self._lock = threading.Lock()  # guards the leases this store holds
         self._held: dict[tuple[str, str], str] = {}
-        with self._errors("open"):
-            conn = self._conn()
-            # The journal mode is a property of the file: set once, every later connection reads it.
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
 
     def __repr__(self) -> str:
         return f"SqliteResponseStore({str(self.path)!r})"

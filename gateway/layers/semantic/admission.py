@@ -26,8 +26,11 @@ REASON_ADMITTED = "admitted"
 REASON_PERSONAL_DATA = "personal_data"
 #: The reason of a question outside the embedder's languages (:mod:`gateway.layers.semantic.language`).
 REASON_LANGUAGE = "language_unsupported"
+#: The reason of a question whose meaning may rest on characters an embedder does not read
+#: (emoji, other symbols, nothing but punctuation: :func:`gateway.layers.semantic.language.unreadable`).
+REASON_SYMBOLS = "symbols_unsupported"
 #: Reasons the layer reports itself, which no configured rule may take.
-RESERVED_REASONS = (REASON_ADMITTED, REASON_PERSONAL_DATA, REASON_LANGUAGE)
+RESERVED_REASONS = (REASON_ADMITTED, REASON_PERSONAL_DATA, REASON_LANGUAGE, REASON_SYMBOLS)
 #: Rule names must look like metric label values: lower-case letters, digits and underscores.
 _RULE_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 

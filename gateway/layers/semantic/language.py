@@ -30,14 +30,21 @@ from __future__ import annotations
 
 import re
 import threading
+import unicodedata
 from collections.abc import Collection
 from functools import lru_cache
 from typing import Any, Final
 
 from gateway.layers.semantic import polarity
-from gateway.layers.semantic.admission import REASON_LANGUAGE
+from gateway.layers.semantic.admission import REASON_LANGUAGE, REASON_SYMBOLS
 
-__all__ = ["REASON_LANGUAGE", "LanguageConfigError", "check_languages", "load", "outside"]
+__all__ = ["REASON_LANGUAGE", "REASON_SYMBOLS", "LanguageConfigError", "check_languages", "load", "outside", "unreadable"]
+
+#: Unicode categories an embedder's vocabulary lacks or reads as one unknown token: other symbols
+#: (emoji, dingbats, pictographs: "So"), modifier symbols ("Sk", skin tones), private use ("Co")
+#: and unassigned code points ("Cn"). all-MiniLM-L6-v2's WordPiece vocabulary maps 👍 and 👎 alike
+#: to [UNK], so "Is this movie 👍 for kids?" and "... 👎 ..." embed the same.
+UNREAD_CATEGORIES: Final = frozenset({"So", "Sk", "Co", "Cn"})
 
 
 #: ISO 639-1 codes the detector tells apart, by lingua's name for each (Latin script).
@@ -89,6 +96,15 @@ def _confidence(text: str, code: str) -> float:
 
     with _lock:  # lingua's detector is not documented as safe to share between threads
         return float(_detector().compute_language_confidence(text, getattr(Language, DETECTED[code])))
+
+
+def unreadable(text: str) -> bool:
+    """Whether ``text`` holds a character of :data:`UNREAD_CATEGORIES`, or neither a letter nor a digit
+    (nothing but punctuation and symbols): what its embedding cannot tell from another's, so the
+    semantic layer bypasses it (reason :data:`REASON_SYMBOLS`)."""
+    if not any(c.isalnum() for c in text):
+        return True
+    return any(unicodedata.category(c) in UNREAD_CATEGORIES for c in text if not c.isascii())
 
 
 def load() -> None:

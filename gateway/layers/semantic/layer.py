@@ -22,7 +22,7 @@ from gateway.layers.base import Lookup, Provenance, StoreUnavailable
 from gateway.layers.response.store import ResponseStore
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, semantic_admission
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
-from gateway.layers.semantic.language import REASON_LANGUAGE, check_languages, outside
+from gateway.layers.semantic.language import REASON_LANGUAGE, REASON_SYMBOLS, check_languages, outside, unreadable
 from gateway.layers.semantic.language import load as load_languages
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, normalize_text, template_parts
 from gateway.layers.semantic.store import SemanticStore
@@ -95,8 +95,11 @@ class SemanticLayer:
     def admission(self, text: str, *, personal_data: bool) -> tuple[bool, str]:
         """(admitted, reason) of a question (see :func:`gateway.layers.semantic.admission.semantic_admission`);
         a question outside :attr:`languages` is refused with ``language_unsupported`` once personal data
-        is ruled out (:func:`gateway.layers.semantic.language.outside`)."""
+        is ruled out (:func:`gateway.layers.semantic.language.outside`), and one an embedder cannot read
+        whole with ``symbols_unsupported`` (:func:`gateway.layers.semantic.language.unreadable`)."""
         admitted, reason = semantic_admission(text, rules=self.rules, personal_data=personal_data)
+        if admitted and unreadable(text):
+            return False, REASON_SYMBOLS
         if admitted and self.languages is not None and outside(text, self.languages):
             return False, REASON_LANGUAGE
         return admitted, reason

@@ -207,26 +207,32 @@ class SqliteSemanticStore(SemanticStore):
         self.path = Path(path)
         self.busy_timeout_s = float(busy_timeout_s)
         self._db = SqliteFile(
-            self.path, busy_timeout_s=self.busy_timeout_s, what="SQLite semantic store", unavailable=StoreUnavailable
-        )
-        with self._errors("open"):
-            conn = self._conn()
-            # The journal mode is a property of the file: set once, every later connection reads it.
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                (version,) = conn.execute("PRAGMA user_version").fetchone()
-                if version not in (0, _SCHEMA_VERSION):
-                    raise StoreUnavailable(
-                        f"SQLite semantic store {self.path}: schema version {version}, this code reads {_SCHEMA_VERSION}"
-                    )
-                for statement in _split_schema(_SCHEMA):
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-            except BaseException:
-                conn.rollback()
-                raise
-            conn.execute("COMMIT")
+            self.path, busy_timeout_s=self.busy_timeout_s, what="SQLite semantic store", unavailable=StoreUnavailable,
+            setup=self._setup,
+        )  # fmt: skip
+
+    def _setup(self, conn: sqlite3.Connection) -> None:
+        """The file's journal mode and schema, on its first use in this process (see :class:`SqliteFile`).
+
+        Raises:
+            StoreUnavailable: the file holds a schema version this code does not read.
+        """
+        # The journal mode is a property of the file: set once, every later connection reads it.
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version not in (0, _SCHEMA_VERSION):
+                raise StoreUnavailable(
+                    f"SQLite semantic store {self.path}: schema version {version}, this code reads {_SCHEMA_VERSION}"
+                )
+            for statement in _split_schema(_SCHEMA):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        except BaseException:
+            conn.rollback()
+            raise
+        conn.execute("COMMIT")
 
     def __repr__(self) -> str:
         return f"SqliteSemanticStore({str(self.path)!r})"
