@@ -96,14 +96,22 @@ class CheckpointOutsideRoots(CheckpointError):
     #: The request field at fault, and what a remote caller is told about it.
     field: ClassVar[str] = "path"
     public_problem: ClassVar[str] = "not a checkpoint directory inside the model roots"
+    #: Set for a folder refused for one of its own entries: that entry, relative to the folder the caller
+    #: named, and why (the caller's own names; never where a link leads).
+    public_detail: str | None = None
+
+    def _public(self) -> str:
+        if self.public_detail is None:
+            return self.public_problem
+        return self.public_detail
 
     def fields(self) -> dict[str, list[str]]:
-        """``{field: [public_problem]}``."""
-        return {self.field: [self.public_problem]}
+        """``{field: [what the caller may be told]}``."""
+        return {self.field: [self._public()]}
 
     def api_message(self) -> str:
-        """``"<field>: <public_problem>"``: nothing about the server's directories."""
-        return f"{self.field}: {self.public_problem}"
+        """``"<field>: <problem>"``: nothing about the server's directories."""
+        return f"{self.field}: {self._public()}"
 
 
 class EngineError(RuntimeError):

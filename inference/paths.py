@@ -88,21 +88,35 @@ def confine_tree(resolved: Path, resolved_roots: list[Path], *, error: type[Chec
         ``error``: the first such entry, named.
     """
     for entry in resolved.rglob("*"):
-        _check_entry(entry, resolved_roots, error)
+        _check_entry(entry, resolved_roots, error, base=resolved)
 
 
-def _check_entry(entry: Path, resolved_roots: list[Path], error: type[CheckpointError]) -> None:
+def _refused(error: type[CheckpointError], message: str, entry: Path, base: Path | None, why: str) -> CheckpointError:
+    """``error(message)``; a caller of the API is told the entry, relative to the folder it named, and ``why``."""
+    exc = error(message)
+    if base is not None and isinstance(exc, CheckpointOutsideRoots) and entry.is_relative_to(base):
+        exc.public_detail = f"{storable_text(str(entry.relative_to(base)))} {why}"
+    return exc
+
+
+def _check_entry(entry: Path, resolved_roots: list[Path], error: type[CheckpointError], *, base: Path | None = None) -> None:
     if storable_text(entry.name) != entry.name:
         # Such a name cannot be stored, shown or sent back; it would become part of the identity.
         raise CheckpointError(f"{entry} has a file name that is not UTF-8; rename it")
     if entry.is_symlink():
-        target = entry.resolve()
-        if not target.exists():
-            raise error(f"{entry} links to {target}, which does not exist")
+        try:
+            target = entry.resolve(strict=True)
+        except RuntimeError as exc:  # a loop
+            raise _refused(error, f"{entry} is a link that loops: {exc}", entry, base, "is a link that loops") from exc
+        except OSError as exc:
+            raise _refused(error, f"{entry} links to {entry.resolve()}, which does not exist", entry, base,
+                           "is a link to nothing") from exc  # fmt: skip
         if not any(target.is_relative_to(root) for root in resolved_roots):
-            raise error(f"{entry} links to {target}, outside the model roots")
+            raise _refused(error, f"{entry} links to {target}, outside the model roots", entry, base,
+                           "is a link leading outside the model roots")  # fmt: skip
     elif entry.is_file() and entry.stat().st_nlink > 1:
-        raise error(f"{entry} has {entry.stat().st_nlink} hard links; copy it into the model roots instead")
+        raise _refused(error, f"{entry} has {entry.stat().st_nlink} hard links; copy it into the model roots instead",
+                       entry, base, "has several hard links; copy it instead")  # fmt: skip
 
 
 def resolve_adapter_dir(path: str | os.PathLike[str], roots: list[Path]) -> Path:

@@ -283,20 +283,24 @@ def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping
                 raise InvalidField(name, f"one of {', '.join(PERSONAL_DATA_POLICIES)}")
         elif not isinstance(value, bool):
             raise InvalidField(name, "must be true or false")
+    # As stored: numbers as floats (-0.0 as 0.0, what the database keeps), so the answer and the audit say what is kept.
+    after = {
+        name: float(value) + 0.0 if name in ("semantic_threshold", "shadow_sample_rate", "benefit_floor") and value is not None
+        else value
+        for name, value in changes.items()
+    }  # fmt: skip
     with transaction.atomic():
         policy = tenant_gateway_policy(tenant)
-        before = {name: getattr(policy, name) for name in changes}
-        for name, value in changes.items():
-            setattr(
-                policy,
-                name,
-                float(value)
-                if name in ("semantic_threshold", "shadow_sample_rate", "benefit_floor") and value is not None
-                else value,
-            )
+        before = {name: getattr(policy, name) for name in after}
+        changed = {name: value for name, value in after.items() if before[name] != value}
+        if not changed:
+            return policy  # nothing to change: no write, no audit event
+        for name, value in changed.items():
+            setattr(policy, name, value)
         policy.updated_by = actor
         policy.save()
-        audit_record(actor=actor, action="gateway.policy_update", obj=tenant, before=before, after=dict(changes))
+        audit_record(actor=actor, action="gateway.policy_update", obj=tenant,
+                     before={name: before[name] for name in changed}, after=changed)  # fmt: skip
     return policy
 
 

@@ -224,6 +224,23 @@ def test_keeping_answers_cut_at_max_tokens_is_off_by_default_and_switched_throug
     assert routing_snapshot_build().tenants[acme].policy.admit_length is False
 
 
+def test_a_policy_change_is_stored_as_said_and_a_change_to_the_same_value_writes_nothing(served) -> None:
+    acme = served["acme"]
+    audits = AuditEvent.objects.filter(action="gateway.policy_update")
+    twice = manage("gateway", "policy", "--tenant", "acme", "--set", "admit_length=false", "--set", "admit_length=true",
+                   env=subprocess_env())  # fmt: skip
+    assert (twice.returncode, twice.stderr.strip().splitlines()[-1]) == (2, "CommandError: --set admit_length: given twice")
+    assert audits.count() == 0
+    zero = manage("gateway", "policy", "--tenant", "acme", "--set", "benefit_floor=-0.0", env=subprocess_env())
+    assert zero.returncode == 0 and json.loads(zero.stdout)["benefit_floor"] == 0.0, zero.stderr
+    assert str(json.loads(zero.stdout)["benefit_floor"]) == "0.0"
+    (event,) = audits
+    assert event.after == {"benefit_floor": 0.0} and str(event.after["benefit_floor"]) == "0.0"
+    alice = served["clients"]["alice"]
+    same = alice.patch(f"/api/tenants/{acme.pk}/gateway-policy/", {"admit_length": False, "benefit_floor": 0}, format="json")
+    assert same.status_code == 200 and audits.count() == 1
+
+
 def test_figures_are_summed_across_processes_and_derived(served) -> None:
     ns = served["ns"]["acme"].pk
     minute = timezone.now().replace(second=0, microsecond=0)

@@ -4,6 +4,7 @@ its CLI twin; bad input refused before anything is written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,6 +122,41 @@ def test_a_path_outside_the_roots_is_named_without_the_servers_directories(opera
         },
     )
     assert RegistrationJob.objects.count() == 0
+
+
+def _loop(a: Path, b: Path) -> None:
+    os.symlink(b, a)
+    os.symlink(a, b)
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (
+            lambda d: os.symlink("/etc/passwd", d / "quantize_config.json"),
+            "quantize_config.json is a link leading outside the model roots",
+        ),
+        (
+            lambda d: _loop(d / "a.json", d / "b.json"),
+            "a.json is a link that loops",
+        ),
+        (lambda d: os.symlink(d / "gone", d / "extra.json"), "extra.json is a link to nothing"),
+        (
+            lambda d: os.link(d / "config.json", d / "config-copy.json"),
+            "config-copy.json has several hard links; copy it instead",
+        ),
+    ],
+)
+def test_a_checkpoint_refused_for_one_of_its_entries_names_that_entry_not_where_it_leads(
+    operator, checkpoint_copy, make, problem: str
+) -> None:  # type: ignore[no-untyped-def]
+    folder = checkpoint_copy()
+    make(folder)
+    response = operator.post("/api/model-versions/", {"path": str(folder), "label": "x", "served_name": "tiny"}, format="json")
+    assert (response.status_code, response.json()["error"]["message"], response.json()["error"]["fields"]) == (
+        400, f"path: {problem}", {"path": [problem]}
+    )  # fmt: skip
+    assert "/etc" not in response.content.decode() and RegistrationJob.objects.count() == 0
 
 
 @pytest.mark.slow

@@ -174,6 +174,9 @@ class Command(ControlPlaneCommand):
             name, sep, raw = item.partition("=")
             if not sep:
                 raise self.bad_input(f"--set {item[:80]!r}: use FIELD=JSON, e.g. allow_seeded=true")
+            if name in changes:
+                # As the API refuses a duplicate key: which of the two was meant is not the command's guess.
+                raise self.bad_input(f"--set {name[:60]}: given twice")
             try:
                 changes[name] = loads_unique(raw)
             except ValueError as exc:
