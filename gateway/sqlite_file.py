@@ -35,6 +35,7 @@ class SqliteFile:
     ) -> None:  # fmt: skip
         self.path, self.busy_timeout_s, self.what, self.unavailable = path, busy_timeout_s, what, unavailable
         self._setup = setup
+        self._setup_lock = threading.Lock()
         self._local = threading.local()
         self._lock = threading.Lock()
         self._connections: list[sqlite3.Connection] = []
@@ -55,15 +56,21 @@ class SqliteFile:
                 self._connections.append(conn)
         current: sqlite3.Connection = local.conn
         if self._setup is not None:
-            with self._lock:
-                setup, self._setup = self._setup, None
-            if setup is not None:
-                try:
-                    setup(current)
-                except BaseException:
-                    self._setup = setup  # the next use tries again
-                    raise
+            # Every thread waits for the one setting the file up; a setup that failed stays for the next use.
+            with self._setup_lock:
+                if self._setup is not None:
+                    self._setup(current)
+                    self._setup = None
         return current
+
+    def ready(self) -> None:
+        """Open and set the file up now rather than at its first use.
+
+        Raises:
+            ``unavailable``: it cannot be opened or set up.
+        """
+        with self.errors("open"):
+            self.conn()
 
     def close(self) -> None:
         """Close every connection opened in this process."""

@@ -227,7 +227,9 @@ def _proc_fill_once(path: str, counter: str, start: multiprocessing.synchronize.
 
 def test_fill_once_across_two_processes_fills_once(tmp_path: Path) -> None:
     path, counter = tmp_path / "r.sqlite3", tmp_path / "fills.txt"
-    SqliteResponseStore(path).close()
+    made = SqliteResponseStore(path)
+    made.open()  # the file set up before the processes share it
+    made.close()
     counter.write_text("")
     start, out = PROCS.Barrier(2), PROCS.Queue()
     procs = [PROCS.Process(target=_proc_fill_once, args=(str(path), str(counter), start, out)) for _ in range(2)]

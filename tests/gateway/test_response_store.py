@@ -499,8 +499,14 @@ def test_sqlite_locked_past_its_timeout_is_store_unavailable(tmp_path: Path) -> 
 
 
 def test_sqlite_file_that_cannot_be_opened_is_store_unavailable(tmp_path: Path) -> None:
+    # Building the store contacts nothing: the operation that uses it meets the outage, and the
+    # same store works once the file can be opened (its setup runs again at the next use).
+    store = SqliteResponseStore(tmp_path / "missing-folder" / "r.sqlite3")
     with pytest.raises(StoreUnavailable, match="unable to open"):
-        SqliteResponseStore(tmp_path / "missing-folder" / "r.sqlite3")
+        store.get("ns-a", k(1))
+    (tmp_path / "missing-folder").mkdir()
+    store.put("ns-a", k(1), b"v", ttl_s=None, max_bytes=None)
+    assert store.get("ns-a", k(1)) == b"v"
     with pytest.raises(InvalidField, match="^busy_timeout_s: "):
         SqliteResponseStore(tmp_path / "r.sqlite3", busy_timeout_s=0)
 
@@ -604,7 +610,9 @@ def _run(target: Callable[..., None], args_list: list[tuple]) -> list[object]:
 
 def test_two_processes_share_entries_through_one_sqlite_file(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
-    SqliteResponseStore(path).close()
+    made = SqliteResponseStore(path)
+    made.open()  # the file set up before the processes share it
+    made.close()
     results = _run(_proc_put_and_get, [(str(path), 1, 2), (str(path), 2, 1)])
     (pid_a, value_a), (pid_b, value_b) = results
     assert {value_a, value_b} == {b"from %d" % pid_a, b"from %d" % pid_b} and pid_a != pid_b
@@ -613,14 +621,18 @@ def test_two_processes_share_entries_through_one_sqlite_file(tmp_path: Path) -> 
 
 def test_one_of_several_processes_gets_the_lease(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
-    SqliteResponseStore(path).close()
+    made = SqliteResponseStore(path)
+    made.open()  # the file set up before the processes share it
+    made.close()
     start = PROCS.Barrier(4)
     assert sorted(_run(_proc_lease, [(str(path), start)] * 4)) == [False, False, False, True]
 
 
 def test_processes_filling_one_prefix_keep_its_budget_exactly(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
-    SqliteResponseStore(path).close()
+    made = SqliteResponseStore(path)
+    made.open()  # the file set up before the processes share it
+    made.close()
     start = PROCS.Barrier(2)
     assert sum(_run(_proc_fill_budget, [(str(path), 0, start), (str(path), 50, start)])) == 90
     usage = SqliteResponseStore(path).usage("ns-a")

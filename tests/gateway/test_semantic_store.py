@@ -709,6 +709,7 @@ def test_redis_down_is_store_unavailable_quickly() -> None:
 def test_sqlite_locked_past_the_busy_timeout_is_store_unavailable(tmp_path: Path) -> None:
     path = tmp_path / "locked.sqlite3"
     store = SqliteSemanticStore(path, busy_timeout_s=0.1)
+    assert store.search("ns-one", PART_A, MODEL, e(0)) == []  # the file is set up on its first use
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
@@ -731,8 +732,11 @@ def test_a_file_of_another_schema_version_is_refused(tmp_path: Path) -> None:
     conn = sqlite3.connect(path)
     conn.execute("PRAGMA user_version = 7")
     conn.close()
+    store = SqliteSemanticStore(path)  # building it reads nothing; its first use does, and refuses
     with pytest.raises(StoreUnavailable, match=r"schema version 7, this code reads 1$"):
-        SqliteSemanticStore(path)
+        store.search("ns-one", PART_A, MODEL, e(0))
+    with pytest.raises(StoreUnavailable, match=r"schema version 7, this code reads 1$"):
+        store.add(entry("a", e(0)))
 
 
 @pytest.mark.parametrize(

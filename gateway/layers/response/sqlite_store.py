@@ -144,6 +144,14 @@ class SqliteResponseStore(ResponseStore):
     def _conn(self) -> sqlite3.Connection:
         return self._db.conn()
 
+    def open(self) -> None:
+        """Set the file up now (otherwise its first use does).
+
+        Raises:
+            StoreUnavailable: it cannot be opened, or holds another schema version.
+        """
+        self._db.ready()
+
     def close(self) -> None:
         """Close every connection this store opened in this process."""
         self._db.close()

@@ -242,6 +242,14 @@ class SqliteSemanticStore(SemanticStore):
     def _conn(self) -> sqlite3.Connection:
         return self._db.conn()
 
+    def open(self) -> None:
+        """Set the file up now (otherwise its first use does).
+
+        Raises:
+            StoreUnavailable: it cannot be opened, or holds another schema version.
+        """
+        self._db.ready()
+
     def close(self) -> None:
         """Drop the replicas and close every connection this store opened in this process."""
         super().close()
