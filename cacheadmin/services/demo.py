@@ -241,7 +241,8 @@ def _sweep(namespace: CacheNamespace, *, log: Callable[[str], None], finish: Cal
 def _phase_summary(stats: TrafficStats) -> dict[str, Any]:
     """One step's traffic as the generator saw it: counts, layers, versions, ratios, latency per layer."""
     out = stats.as_dict()
-    for name in ("phase", "cross_version_examples", "engine_prompt_tokens", "engine_cached_tokens", "completion_tokens"):
+    for name in ("phase", "cross_version_examples", "engine_prompt_tokens", "engine_cached_tokens", "completion_tokens",
+                 "routing", "predictions", "prediction_accuracy"):  # fmt: skip
         out.pop(name)
     for name in ("response_hit_ratio", "semantic_hit_ratio", "prefix_cached_token_ratio", "duration_s", "rate_per_s"):
         out[name] = round(out[name], 4)
@@ -477,6 +478,11 @@ def demo_run(
             **shadow_figures([ns1, ns2], since=since),
             "cross_version_answers": stats.cross_version,
             "cross_version_examples": [vars(e).copy() for e in stats.cross_version_examples],
+            # How the gateway chose engines (precise by what they hold, or affinity and why), and how often
+            # a precise choice's predicted cached tokens were exactly what the engine reported.
+            "routing": stats.routing,
+            "predictions": stats.predictions,
+            "prediction_accuracy": None if stats.prediction_accuracy is None else round(stats.prediction_accuracy, 4),
             "phases": {phase: _phase_summary(traffic.stats(phase)) for phase in traffic.phases},
         },
     }

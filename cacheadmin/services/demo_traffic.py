@@ -58,6 +58,8 @@ SERVED_BY_HEADER = "x-kvcp-served-by"
 VERSION_HEADER = "x-kvcp-version"
 #: Fingerprint of that version (``fp_`` and 16 hex digits).
 FINGERPRINT_HEADER = "x-kvcp-fingerprint"
+#: How the gateway chose the engine, and the cached prompt tokens a precise choice predicted (gateway.replies).
+ROUTING_HEADER, PREDICTED_HEADER = "x-kvcp-routing", "x-kvcp-predicted-cached-tokens"
 #: Cross-version answers kept as examples, per phase and overall (the first ones to complete).
 CROSS_VERSION_EXAMPLES = 20
 #: Key of an answer without a served-by or version header.
@@ -526,6 +528,9 @@ class TrafficStats:
             whole answer, or to a stream's first content chunk.
         duration_s: seconds from the phase's start to its end (or to the snapshot while it runs).
         rate_per_s: ``sent / duration_s`` (0 for a zero duration).
+        routing: engine answers by how their engine was chosen: ``precise``, or ``approximate:<reason>``.
+        predictions: precise choices by how the engine's reported cached tokens compared with the prediction:
+            ``exact``, ``over`` (fewer cached than predicted), ``under`` (more).
     """
 
     phase: str | None
@@ -545,6 +550,8 @@ class TrafficStats:
     latency_ms: dict[str, dict[str, float]]
     duration_s: float
     rate_per_s: float
+    routing: dict[str, int] = field(default_factory=dict)
+    predictions: dict[str, int] = field(default_factory=dict)
 
     @property
     def error_count(self) -> int:
@@ -560,6 +567,12 @@ class TrafficStats:
     def semantic_hit_ratio(self) -> float:
         """Share of 200 answers served by the semantic cache (0 without answers)."""
         return self.served_by.get("semantic", 0) / self.answered if self.answered else 0.0
+
+    @property
+    def prediction_accuracy(self) -> float | None:
+        """Share of precise choices whose engine reported exactly the predicted cached tokens (None: no precise choice)."""
+        total = sum(self.predictions.values())
+        return self.predictions.get("exact", 0) / total if total else None
 
     @property
     def prefix_cached_token_ratio(self) -> float:
@@ -590,6 +603,9 @@ class TrafficStats:
             "response_hit_ratio": self.response_hit_ratio,
             "semantic_hit_ratio": self.semantic_hit_ratio,
             "prefix_cached_token_ratio": self.prefix_cached_token_ratio,
+            "routing": dict(self.routing),
+            "predictions": dict(self.predictions),
+            "prediction_accuracy": self.prediction_accuracy,
         }
         return out
 
@@ -633,6 +649,8 @@ class _Tally:
         self.examples: list[CrossVersionAnswer] = []
         self.tokens: Counter[str] = Counter()
         self.latencies: dict[str, list[float]] = {}
+        self.routing: Counter[str] = Counter()
+        self.predictions: Counter[str] = Counter()
 
     def add(self, outcome: _Outcome) -> None:
         if outcome.error is not None:
@@ -649,6 +667,11 @@ class _Tally:
         if layer == "engine":
             self.tokens["engine_prompt"] += outcome.prompt_tokens
             self.tokens["engine_cached"] += outcome.cached_tokens
+            if outcome.routing is not None:
+                self.routing[outcome.routing.replace("; reason=", ":")] += 1
+            if outcome.predicted is not None:
+                predicted, reported = outcome.predicted, outcome.cached_tokens
+                self.predictions["exact" if predicted == reported else "over" if predicted > reported else "under"] += 1
         if outcome.cross is not None:
             self.cross_version += 1
             if len(self.examples) < CROSS_VERSION_EXAMPLES:
@@ -669,6 +692,7 @@ class _Tally:
             cached_tokens=self.tokens["cached"], completion_tokens=self.tokens["completion"],
             engine_prompt_tokens=self.tokens["engine_prompt"], engine_cached_tokens=self.tokens["engine_cached"],
             latency_ms=latency, duration_s=duration, rate_per_s=self.sent / duration if duration > 0 else 0.0,
+            routing=dict(sorted(self.routing.items())), predictions=dict(sorted(self.predictions.items())),
         )  # fmt: skip
 
 
@@ -684,6 +708,10 @@ class _Outcome:
     cached_tokens: int = 0
     completion_tokens: int = 0
     cross: CrossVersionAnswer | None = None
+    #: How the gateway chose the engine (``x-kvcp-routing``: ``precise`` or ``approximate; reason=...``), or None.
+    routing: str | None = None
+    #: The cached prompt tokens a precise choice predicted (``x-kvcp-predicted-cached-tokens``), or None.
+    predicted: int | None = None
 
 
 def _int(value: Any) -> int:
@@ -978,9 +1006,11 @@ class TrafficRunner:
         if routed_fp is None or not fingerprints or differing:
             shown = differing[0] if differing else (fingerprints[0] if fingerprints else None)
             cross = CrossVersionAnswer(index, version, routed_fp, shown, served_by)
+        predicted = headers.get(PREDICTED_HEADER)
         return _Outcome(
             served_by=served_by, version=version, latency_ms=latency, prompt_tokens=prompt, cached_tokens=cached,
-            completion_tokens=completion, cross=cross,
+            completion_tokens=completion, cross=cross, routing=headers.get(ROUTING_HEADER),
+            predicted=int(predicted) if predicted is not None and predicted.isdigit() else None,
         )  # fmt: skip
 
     @staticmethod

@@ -37,7 +37,7 @@ from gateway.layers.semantic.layer import SemanticLayer
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, match, similarity
 from gateway.pii import personal_data_kinds
 from gateway.pipeline import last_user_text
-from gateway.replies import FINGERPRINT_HEADER, SERVED_BY_HEADER, VERSION_HEADER
+from gateway.replies import FINGERPRINT_HEADER, PREDICTED_HEADER, ROUTING_HEADER, SERVED_BY_HEADER, VERSION_HEADER
 from gateway.routing import sticky_id
 from gateway.server import check_body
 
@@ -304,6 +304,8 @@ class Script:
     versions: Counter[str] = field(default_factory=Counter)
     cross: int = 0
     streams: int = 0
+    routing: Counter[str] = field(default_factory=Counter)
+    predictions: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def decide(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -327,7 +329,19 @@ class Script:
             self.versions[version] += 1
             self.cross += answer_fp != FP[version]
             self.streams += bool(body.get("stream"))
-            return {"status": 200, "layer": layer, "version": version, "fp": answer_fp}
+            routing: dict[str, str] = {}
+            if layer == "engine":
+                # Engine answers say how their engine was chosen: every 4th by affinity (the index stale), the
+                # others precise, predicting the 384 cached tokens reported, or 416 (one block more) every 4th.
+                if k % 4 == 0:
+                    routing = {"x-kvcp-routing": "approximate; reason=index:stale"}
+                    self.routing["approximate:index:stale"] += 1
+                else:
+                    predicted = 416 if k % 4 == 3 else 384
+                    routing = {"x-kvcp-routing": "precise", "x-kvcp-predicted-cached-tokens": str(predicted)}
+                    self.routing["precise"] += 1
+                    self.predictions["over" if predicted == 416 else "exact"] += 1
+            return {"status": 200, "layer": layer, "version": version, "fp": answer_fp, "routing": routing}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -352,7 +366,8 @@ class _Handler(BaseHTTPRequestHandler):
             ).encode()  # fmt: skip
             self._send(d["status"], payload, "application/json", {})
             return
-        headers = {"x-kvcp-served-by": d["layer"], "x-kvcp-version": d["version"], "x-kvcp-fingerprint": FP[d["version"]]}
+        headers = {"x-kvcp-served-by": d["layer"], "x-kvcp-version": d["version"], "x-kvcp-fingerprint": FP[d["version"]],
+                   **d["routing"]}  # fmt: skip
         usage = {"prompt_tokens": 400, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 384}}
         fp_field = {} if d["fp"] is None else {"system_fingerprint": d["fp"]}
         if not body.get("stream"):
@@ -437,6 +452,10 @@ def test_the_runner_counts_exactly_what_the_gateway_answered(fake_gateway: tuple
     assert all(0 < v["p50"] <= v["p95"] for v in stats.latency_ms.values())
     assert lines[-1] == format_stats_line(stats)
     assert json.loads(json.dumps(stats.as_dict()))["cross_version"] == stats.cross_version
+    # How engines were chosen, and the precise choices' predictions against the cached tokens reported.
+    assert stats.routing == dict(sorted(script.routing.items())) and sum(stats.routing.values()) == stats.served_by["engine"]
+    assert stats.predictions == dict(sorted(script.predictions.items()))
+    assert stats.prediction_accuracy == script.predictions["exact"] / sum(script.predictions.values())
 
 
 def test_phases_split_the_run(fake_gateway: tuple[str, Script]) -> None:
@@ -510,8 +529,9 @@ def test_the_log_line_and_ratios_of_a_known_stats() -> None:
 
 
 def test_the_runner_reads_the_gateway_s_own_header_names() -> None:
-    names = (demo_traffic.SERVED_BY_HEADER, demo_traffic.VERSION_HEADER, demo_traffic.FINGERPRINT_HEADER)
-    assert names == (SERVED_BY_HEADER, VERSION_HEADER, FINGERPRINT_HEADER)
+    names = (demo_traffic.SERVED_BY_HEADER, demo_traffic.VERSION_HEADER, demo_traffic.FINGERPRINT_HEADER,
+             demo_traffic.ROUTING_HEADER, demo_traffic.PREDICTED_HEADER)  # fmt: skip
+    assert names == (SERVED_BY_HEADER, VERSION_HEADER, FINGERPRINT_HEADER, ROUTING_HEADER, PREDICTED_HEADER)
 
 
 def test_the_runner_refuses_bad_settings_and_misuse() -> None:

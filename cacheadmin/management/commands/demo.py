@@ -522,3 +522,5 @@ class Command(ControlPlaneCommand):
             f"{t['cost_savings_rate']}; shadow checks {t['shadow_checked']} ({t['shadow_deceptive_hits']} deceptive); "
             f"cross-version answers {t['cross_version_answers']}"
         )
+        routed = ", ".join(f"{mode} {n}" for mode, n in t["routing"].items()) or "none"
+        self.stdout.write(f"engine choices: {routed}; prediction accuracy {t['prediction_accuracy']}")
