@@ -134,6 +134,25 @@ class GatewayExplainView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView
         return Response(explained)
 
 
+class CacheLookupView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView):
+    """Where a request (or its token ids) is cached now, in each live namespace of a tenant: every engine's
+    leading blocks held per medium (its KV events, as the gateways' block index has them) and whether the
+    response and semantic layers hold an answer (the twin of ``manage.py gateway lookup``). A tenant-bound
+    token looks up its own tenant only; nothing cached is sent back, only where it is."""
+
+    read_scope = ApiToken.Scope.READ
+    write_scope = ApiToken.Scope.READ  # nothing is written
+
+    @extend_schema(request=s.CacheLookupSerializer, responses={200: s.CacheLookupAnswerSerializer})
+    def post(self, request: Request) -> Response:
+        from cacheadmin.services.cache_lookup import cache_lookup  # loads the gateway's layers: lookup only
+
+        data = validated(request, s.CacheLookupSerializer)
+        return Response(
+            cache_lookup(tenant=data["tenant"], endpoint=data["endpoint"], body=data.get("request"), tokens=data.get("tokens"))
+        )
+
+
 class SemanticInvalidateView(ControlPlaneSchemaMixin, IdempotentWritesMixin, APIView):
     """Remove, at once, every semantic-cache entry of a tenant carrying any of the tags."""
 

@@ -24,6 +24,7 @@ class IdRouter(DefaultRouter):
 ROOT_EXTRAS = {
     "identity-diff": "identity-diff", "orphans": "orphans", "schema": "api-schema", "docs": "api-docs",
     "gateway-layers": "gateway-layers", "gateway-explain": "gateway-explain", "gateway-figures": "gateway-figures",
+    "cache-lookup": "cache-lookup",
     "semantic-cache-invalidate": "semantic-cache-invalidate",
 }  # fmt: skip
 
@@ -60,6 +61,7 @@ urlpatterns = [
     re_path(r"^gateway/layers/?$", gateway_views.GatewayLayersView.as_view(), name="gateway-layers"),
     re_path(r"^gateway/explain/?$", gateway_views.GatewayExplainView.as_view(), name="gateway-explain"),
     re_path(r"^gateway/figures/?$", gateway_views.GatewayFiguresView.as_view(), name="gateway-figures"),
+    re_path(r"^cache/lookup/?$", gateway_views.CacheLookupView.as_view(), name="cache-lookup"),
     re_path(r"^semantic-cache/invalidate/?$", gateway_views.SemanticInvalidateView.as_view(), name="semantic-cache-invalidate"),
     re_path(r"^docs/?$", views.ApiDocsView.as_view(url_name="api:api-schema"), name="api-docs"),
     path("", include(router.urls)),

@@ -36,6 +36,8 @@ from cacheadmin.api.serializers.fields import (
     TenantSlugField,
 )
 from cacheadmin.api.serializers.gateway import (
+    CacheLookupAnswerSerializer,
+    CacheLookupSerializer,
     ExplainAnswerSerializer,
     ExplainSerializer,
     GatewayKeyIssuedSerializer,
@@ -98,6 +100,8 @@ from cacheadmin.api.serializers.tenancy import (
 
 __all__ = [
     "ExplainAnswerSerializer",
+    "CacheLookupAnswerSerializer",
+    "CacheLookupSerializer",
     "ExplainSerializer",
     "GatewayKeyIssuedSerializer",
     "GatewayKeyIssueSerializer",

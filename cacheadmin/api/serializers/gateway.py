@@ -121,6 +121,28 @@ class ExplainSerializer(StrictFieldsMixin, serializers.Serializer):
     tags = serializers.ListField(child=StrictCharField(max_length=200), max_length=32, default=list)
 
 
+class CacheLookupSerializer(StrictFieldsMixin, serializers.Serializer):
+    """A request body, or the prompt's token ids, to look up for a tenant (one of the two)."""
+
+    tenant = TenantSlugField(slug_field="slug", queryset=Tenant.objects.all())
+    endpoint = serializers.ChoiceField(choices=["chat", "completions"], default="chat")
+    request = serializers.DictField(required=False)
+    tokens = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=2**31 - 1), required=False,
+                                   min_length=1, max_length=1_000_000)  # fmt: skip
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Exactly one of ``request`` and ``tokens``."""
+        if ("request" in attrs) == ("tokens" in attrs):
+            raise serializers.ValidationError({"request": ["give a request body or a token list, not both"]})
+        return attrs
+
+
+class CacheLookupAnswerSerializer(serializers.Serializer):
+    """Per live namespace of the tenant: each engine's leading blocks held per medium, and the layers'."""
+
+    namespaces = serializers.ListField(child=serializers.DictField())
+
+
 class ExplainAnswerSerializer(serializers.Serializer):
     """How the gateway would serve the request (see ``manage.py gateway explain --json``)."""
 

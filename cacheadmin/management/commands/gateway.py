@@ -1,5 +1,5 @@
 """``python manage.py gateway [--addr HOST:PORT] [--workers N]`` serves the
-OpenAI-compatible gateway; ``gateway explain|layer|policy|resume|status`` are
+OpenAI-compatible gateway; ``gateway explain|lookup|layer|policy|resume|status`` are
 the operator's tools around it."""
 
 from __future__ import annotations
@@ -54,6 +54,12 @@ class Command(ControlPlaneCommand):
         explain.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
         explain.add_argument("--tags", default="", help="the request's X-Cache-Tags (comma separated)")
         explain.add_argument("--json", action="store_true")
+        lookup = sub.add_parser("lookup", help="where a request (or a token list) is cached now: engines per medium, layers")
+        lookup.add_argument("--tenant", required=True, help="tenant slug")
+        given = lookup.add_mutually_exclusive_group(required=True)
+        given.add_argument("--request", help="file with the JSON request body ('-': stdin)")
+        given.add_argument("--tokens", help="file with a JSON list of token ids ('-': stdin)")
+        lookup.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
         layer = sub.add_parser("layer", help="turn a cache layer on or off for all traffic (kill switch)")
         layer.add_argument("layer", choices=list(SWITCHED_LAYERS))
         layer.add_argument("state", choices=["on", "off"])
@@ -74,6 +80,8 @@ class Command(ControlPlaneCommand):
             self._serve(opts)
         elif verb == "explain":
             self._explain(opts)
+        elif verb == "lookup":
+            self._lookup(opts)
         elif verb == "layer":
             switch = layer_switch_set(layer=opts["layer"], enabled=opts["state"] == "on", actor=ACTOR, reason=opts["reason"])
             self.stdout.write(f"{switch.layer} cache {'on' if switch.enabled else 'off'}")
@@ -122,24 +130,45 @@ class Command(ControlPlaneCommand):
                     access_log=False, timeout_graceful_shutdown=10, http=GuardedHttpToolsProtocol,
                     timeout_worker_healthcheck=settings.GATEWAY_WORKER_HEALTHCHECK_S)  # fmt: skip
 
-    def _explain(self, opts: dict[str, Any]) -> None:
+    def _tenant(self, opts: dict[str, Any]) -> Tenant:
         tenant = Tenant.objects.filter(slug=opts["tenant"]).first()
         if tenant is None:
             raise self.bad_input(f"no tenant {opts['tenant'][:63]!r}")
+        return tenant
+
+    def _read_json(self, opts: dict[str, Any], option: str, kind: type) -> Any:
+        """The JSON value of the file ``--<option>`` names ('-': stdin), which must be a ``kind``."""
+        name = opts[option]
         try:
-            text = self.stdin_text() if opts["request"] == "-" else Path(opts["request"]).read_text(encoding="utf-8")
+            text = self.stdin_text() if name == "-" else Path(name).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise self.bad_input(f"--request {opts['request'][:200]}: {exc}") from exc
+            raise self.bad_input(f"--{option} {name[:200]}: {exc}") from exc
         if len(text.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES:
-            raise self.bad_input(f"--request: over {MAX_BODY_BYTES} bytes (the gateway answers 413)")
+            raise self.bad_input(f"--{option}: over {MAX_BODY_BYTES} bytes (the gateway answers 413)")
         try:
-            body = loads_unique(text)
+            value = loads_unique(text)
         except ValueError as exc:
-            raise self.bad_input(f"--request is not JSON: {exc}") from exc
+            raise self.bad_input(f"--{option} is not JSON: {exc}") from exc
         except RecursionError:
-            raise self.bad_input(f"--request is nested deeper than {MAX_JSON_DEPTH} levels") from None
-        if not isinstance(body, dict):
-            raise self.bad_input("--request must hold a JSON object (the request body)")
+            raise self.bad_input(f"--{option} is nested deeper than {MAX_JSON_DEPTH} levels") from None
+        if not isinstance(value, kind):
+            what = "a JSON object (the request body)" if kind is dict else "a JSON list of token ids"
+            raise self.bad_input(f"--{option} must hold {what}")
+        return value
+
+    def _lookup(self, opts: dict[str, Any]) -> None:
+        from cacheadmin.services.cache_lookup import cache_lookup  # loads the gateway's layers: lookup only
+
+        tenant = self._tenant(opts)
+        if opts["request"] is not None:
+            out = cache_lookup(tenant=tenant, endpoint=opts["endpoint"], body=self._read_json(opts, "request", dict))
+        else:
+            out = cache_lookup(tenant=tenant, endpoint=opts["endpoint"], tokens=self._read_json(opts, "tokens", list))
+        self.stdout.write(json.dumps(out, ensure_ascii=False))
+
+    def _explain(self, opts: dict[str, Any]) -> None:
+        tenant = self._tenant(opts)
+        body = self._read_json(opts, "request", dict)
         out = gateway_explain(tenant=tenant, endpoint=opts["endpoint"], body=body, tags=opts["tags"].split(","))
         if opts["json"]:
             self.stdout.write(json.dumps(out, ensure_ascii=False, default=str))
