@@ -23,6 +23,7 @@ from cacheadmin.models import (
     GatewayStat,
 )
 from cacheadmin.models.api_tokens import session_allows
+from cacheadmin.services.block_index import cached_prefixes
 from cacheadmin.services.comparison import MAX_TOKENS, comparison_job_create
 from cacheadmin.services.engine_verification import engine_verify, verify_refusal
 from cacheadmin.services.engines import EngineRefused, engine_boot_enqueue, engine_restart, engine_stop, log_tail
@@ -144,6 +145,7 @@ def _live_context(engine: Engine) -> dict[str, Any]:
         "gateway": engine_gateway_figures(served, since=now - FIGURES_WINDOW),
         "alarms": list(EngineAlarm.objects.filter(engine=engine, resolved_at__isnull=True).order_by("-last_seen_at", "-id")),
         "residency": residency_now(engine),
+        "prefixes": cached_prefixes(engine.pk),
         "log_tail": log_tail(engine, lines=LOG_LINES) if engine.origin == Engine.Origin.LOCAL else "",
         "chart": engine_hit_ratio_series(engine, since=now - CHART_WINDOW),
         "updated_at": now,

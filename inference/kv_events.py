@@ -256,6 +256,9 @@ class EngineResidency:
     namespace_of_salt: Callable[[str], int | None]
     served: frozenset[int] = frozenset()
     blocks: dict[tuple[str, int], dict[int, tuple[int, int]]] = field(default_factory=dict)
+    #: Per ``(medium, group)``, each held block's parent in its chain (None: the prompt's first block):
+    #: what :meth:`longest_prefixes` walks.
+    parents: dict[tuple[str, int], dict[int, int | None]] = field(default_factory=dict)
     incidents: list[Incident] = field(default_factory=list)
     cleared: int = 0
     kept_at_clear: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -279,6 +282,7 @@ class EngineResidency:
         offloaded media keep theirs (vLLM resets only its block pool)."""
         for tier in [tier for tier in self.blocks if tier[0] in RESET_MEDIA]:
             del self.blocks[tier]
+            self.parents.pop(tier, None)
         kept: dict[int, dict[str, int]] = {}
         for (medium, _), table in self.blocks.items():
             for namespace, _ in table.values():
@@ -290,6 +294,7 @@ class EngineResidency:
     def clear(self) -> None:
         """Every medium dropped: a new engine process holds nothing of the old one."""
         self.blocks.clear()
+        self.parents.clear()
 
     def _resident_elsewhere(self, block_hash: int, medium: str) -> int | None:
         """The namespace of ``block_hash`` held in a medium other than ``medium``, or None."""
@@ -362,16 +367,62 @@ class EngineResidency:
         if table is None:
             table = self.blocks[tier] = {}
         entry = (self._namespace_of_chain(event, table), event.block_size)
+        parents = self.parents.setdefault(tier, {})
+        parent = event.parent_block_hash
         for block_hash in event.block_hashes:
             # setdefault: a block stored twice keeps its first attribution and counts once.
             table.setdefault(block_hash, entry)
+            parents.setdefault(block_hash, parent)
+            parent = block_hash
 
     def _removed(self, event: BlockRemoved) -> None:
-        table = self.blocks.get((event.medium or MEDIUM_ENGINE, event.group_idx or 0))
+        tier = (event.medium or MEDIUM_ENGINE, event.group_idx or 0)
+        table = self.blocks.get(tier)
         if table:
-            pop = table.pop
+            pop, parents = table.pop, self.parents.get(tier, {})
             for block_hash in event.block_hashes:
                 pop(block_hash, None)
+                parents.pop(block_hash, None)
+
+    def longest_prefixes(self, limit: int = 5) -> dict[int, list[dict[str, Any]]]:
+        """Per namespace, the ``limit`` longest prefixes held whole from a prompt's first block: each
+        ``{"medium", "blocks", "tokens"}``, longest first (a chain whose start is gone is no prefix).
+
+        Counted here, on demand (a page asks): one pass per medium over the held blocks.
+        """
+        found: dict[int, list[tuple[int, int, str]]] = {}
+        for (medium, group), table in self.blocks.items():
+            parents = self.parents.get((medium, group), {})
+            depth: dict[int, int] = {}
+            is_parent = {p for h, p in parents.items() if p is not None and h in table}
+            for leaf in table:
+                if leaf in is_parent:
+                    continue
+                chain: list[int] = []
+                h: int | None = leaf
+                base: int | None = None
+                while h is not None:
+                    if h in depth:
+                        base = depth[h]
+                        break
+                    if h not in table or h not in parents:
+                        break  # the chain's start is not held (or not known): no prefix
+                    chain.append(h)
+                    h = parents[h]
+                    if h is None:
+                        base = 0
+                if base is None:
+                    continue
+                for n, block in enumerate(reversed(chain), start=1):
+                    depth[block] = base + n
+                blocks = base + len(chain)
+                if blocks:
+                    namespace, size = table[leaf]
+                    found.setdefault(namespace, []).append((blocks, blocks * size, medium))
+        return {
+            namespace: [{"medium": m, "blocks": b, "tokens": t} for b, t, m in sorted(rows, key=lambda r: (-r[1], r[2]))[:limit]]
+            for namespace, rows in found.items()
+        }
 
     def totals(self) -> dict[tuple[str, int], tuple[int, int]]:
         """``(medium, namespace id)`` → ``(blocks, tokens)``; namespace 0 is unattributed.
@@ -403,23 +454,30 @@ class EngineResidency:
         return list(merged.values())
 
     def snapshot(self) -> bytes:
-        """The resident blocks as msgpack (a consumer's checkpoint)."""
-        return _encoder.encode(
-            [
-                [medium, group, [[h, ns, size] for h, (ns, size) in table.items()]]
-                for (medium, group), table in self.blocks.items()
-            ]
-        )
+        """The resident blocks as msgpack (a consumer's checkpoint): ``[medium, group, [[hash, namespace,
+        size, parent], ...]]`` per medium (``parent`` None for a chain's first block)."""
+        out = []
+        for (medium, group), table in self.blocks.items():
+            parents = self.parents.get((medium, group), {})
+            out.append([medium, group, [[h, ns, size, parents.get(h)] for h, (ns, size) in table.items()]])
+        return _encoder.encode(out)
 
     def restore(self, data: bytes) -> None:
-        """Load a :meth:`snapshot` (replacing what is held).
+        """Load a :meth:`snapshot` (replacing what is held); rows of three (checkpoints written before
+        parents were kept) restore with no chain.
 
         Raises:
             msgspec.DecodeError, ValueError: not a snapshot.
         """
-        self.blocks.clear()
+        self.clear()
         for medium, group, rows in msgspec.msgpack.decode(data):
-            self.blocks[(medium, group)] = {block_hash: (namespace, size) for block_hash, namespace, size in rows}
+            table: dict[int, tuple[int, int]] = {}
+            parents: dict[int, int | None] = {}
+            self.blocks[(medium, group)], self.parents[(medium, group)] = table, parents
+            for row in rows:
+                table[row[0]] = (row[1], row[2])
+                if len(row) > 3:
+                    parents[row[0]] = row[3]
 
 
 class SequenceVerdict:

@@ -13,12 +13,43 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 
 from cacheadmin.env import private_dir
+from cacheadmin.models import CacheNamespace, KvEventStream
 from gateway.prefix.index import BlockSet, IndexStore, IndexUnavailable, RedisIndexStore, SqliteIndexStore, block_set
+from inference.kv_events import EngineResidency
 
 if TYPE_CHECKING:
     from cacheadmin.services.kv_events import Stream
 
 log = logging.getLogger("cacheadmin.kv_events")
+
+
+#: Largest checkpoint (bytes) whose chains a page walks: past it (some 200k blocks) the page says so instead.
+PREFIXES_MAX_STATE_BYTES = 8 * 1024 * 1024
+
+
+def cached_prefixes(engine_id: int, *, limit: int = 5) -> dict[str, Any]:
+    """The largest prefixes an engine holds whole from a prompt's first block, per namespace, as the
+    KV-event consumer last checkpointed them (``inference.kv_events.EngineResidency.longest_prefixes``).
+
+    Returns:
+        ``{"namespaces": [{"namespace", "namespace_key", "model_version", "prefixes": [{"medium", "blocks",
+        "tokens"}]}], "too_large": bool}`` (namespace None: blocks attributed to none).
+    """
+    state = KvEventStream.objects.filter(engine_id=engine_id).values_list("state", flat=True).first()
+    if state is None:
+        return {"namespaces": [], "too_large": False}
+    if len(state) > PREFIXES_MAX_STATE_BYTES:
+        return {"namespaces": [], "too_large": True}
+    residency = EngineResidency(namespace_of_salt=lambda _salt: None)
+    residency.restore(bytes(state))
+    found = residency.longest_prefixes(limit)
+    rows = {ns.pk: ns for ns in CacheNamespace.objects.filter(pk__in=list(found)).select_related("model_version")}
+    out = []
+    for pk, prefixes in sorted(found.items(), key=lambda item: -item[1][0]["tokens"]):
+        ns = rows.get(pk)
+        out.append({"namespace": ns.pk if ns else None, "namespace_key": ns.namespace_key if ns else None,
+                    "model_version": ns.model_version.label if ns else None, "prefixes": prefixes})  # fmt: skip
+    return {"namespaces": out, "too_large": False}
 
 
 def block_index_store() -> IndexStore:

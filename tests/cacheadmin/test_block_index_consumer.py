@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cacheadmin.models import Engine
-from cacheadmin.services.block_index import BlockIndexPublisher, block_index_store
+from cacheadmin.services.block_index import BlockIndexPublisher, block_index_store, cached_prefixes
 from cacheadmin.services.kv_events import KvEventConsumer
 from cacheadmin.services.namespaces import namespace_salt_read
 from gateway.prefix.index import MEDIUM_BITS, BlockIndex, RedisIndexStore
@@ -73,4 +73,31 @@ def test_a_store_that_is_down_costs_the_consumer_nothing_and_loses_no_set(world,
     index = BlockIndex(block_index_store())
     index.refresh()
     assert set(index.engines[engine.pk].masks) == {21}
+    consumer.ctx.destroy(linger=0)
+
+
+def test_the_engine_page_shows_the_largest_prefixes_it_holds_per_namespace(world, engine_stream, admin_client) -> None:
+    engine, publisher = engine_stream
+    salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="prefixes test")
+    consumer = KvEventConsumer()
+    consumer.refresh()
+    stream = consumer.streams[engine.pk]
+    # A trunk of 3 blocks with branches of 2 and 1 more: prefixes of 5 and 4 blocks; a chain whose start
+    # never came is none.
+    consumer.handle(stream, publisher.frames(_stored([31, 32, 33], salt)))
+    consumer.handle(stream, publisher.frames(_stored([34, 35], parent=33)))
+    consumer.handle(stream, publisher.frames(_stored([36], parent=33)))
+    consumer.handle(stream, publisher.frames(_stored([51, 52], parent=50)))
+    consumer.flush(force=True)
+    found = cached_prefixes(engine.pk)
+    assert found == {"too_large": False, "namespaces": [{
+        "namespace": world["ns"]["acme"].pk, "namespace_key": world["ns"]["acme"].namespace_key,
+        "model_version": world["ns"]["acme"].model_version.label,
+        "prefixes": [{"medium": "GPU", "blocks": 5, "tokens": 160}, {"medium": "GPU", "blocks": 4, "tokens": 128}],
+    }]}  # fmt: skip
+    page = admin_client.get(f"/engines/{engine.pk}/live")
+    html = page.content.decode()
+    assert page.status_code == 200 and "Largest cached prefixes" in html
+    table = html[html.index('id="engine-prefixes"') :].split("</table>")[0]
+    assert table.count("<tr><td>") == 2 and "<td>160</td>" in table and "<td>128</td>" in table
     consumer.ctx.destroy(linger=0)

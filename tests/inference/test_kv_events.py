@@ -145,6 +145,33 @@ def test_snapshot_restores_exactly() -> None:
         copy.restore(b"\xc1garbage")
 
 
+def test_the_longest_prefixes_held_are_whole_chains_from_a_prompts_first_block() -> None:
+    r = residency()
+    # Namespace 1: a trunk 10-11-12 with two branches (13-14 and 15); namespace 2: one block.
+    r.apply(KVEventBatch(ts=0, events=[stored([10, 11, 12], salt="salt-a"), stored([13, 14], parent=12),
+                                       stored([15], parent=12), stored([20], salt="salt-b")]))  # fmt: skip
+    # A chain whose start was never seen is no prefix; an offloaded copy of the trunk counts in its medium.
+    cpu = stored([10, 11], salt="salt-a")
+    cpu.medium = "CPU"
+    r.apply(KVEventBatch(ts=1, events=[stored([40, 41], parent=39), cpu]))
+    assert r.longest_prefixes() == {
+        1: [{"medium": "GPU", "blocks": 5, "tokens": 160}, {"medium": "GPU", "blocks": 4, "tokens": 128},
+            {"medium": "CPU", "blocks": 2, "tokens": 64}],
+        2: [{"medium": "GPU", "blocks": 1, "tokens": 32}],
+    }  # fmt: skip
+    assert r.longest_prefixes(limit=1)[1] == [{"medium": "GPU", "blocks": 5, "tokens": 160}]
+    # A block of the trunk evicted: what hangs below it is no longer a prefix; the first block still is.
+    r.apply(KVEventBatch(ts=2, events=[BlockRemoved(block_hashes=[11], medium="GPU")]))
+    assert r.longest_prefixes()[1] == [{"medium": "CPU", "blocks": 2, "tokens": 64}, {"medium": "GPU", "blocks": 1, "tokens": 32}]
+    # The chains survive a checkpoint; a checkpoint written before chains were kept restores without them.
+    copy = residency()
+    copy.restore(r.snapshot())
+    assert copy.longest_prefixes() == r.longest_prefixes()
+    old = residency()
+    old.restore(msgspec.msgpack.encode([["GPU", 0, [[10, 1, 32], [11, 1, 32]]]]))
+    assert old.totals() == {("GPU", 1): (2, 64)} and old.longest_prefixes() == {}
+
+
 @pytest.mark.parametrize(
     ("last", "seq", "replaying", "verdict"),
     [
