@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 
 from gateway import connections
 from gateway.prefix.index import BlockIndex
+from gateway.prefix.load import EngineLoadPoller
 from gateway.prefix.router import PrefixRouter
 from gateway.records import Recorder
 from gateway.routing import RoutingSnapshot
@@ -225,6 +226,9 @@ def create_app() -> Starlette:
             gauges = partial(_index_gauges, holder.current, recorder)
             threading.Thread(target=router.index.follow, args=(stop, settings.GATEWAY_PREFIX_INDEX_POLL_S, gauges),
                              name="block-index", daemon=True).start()  # fmt: skip
+            # The engines' own queues: every gateway's requests, not only this process's.
+            poller = EngineLoadPoller(holder.current, router.engine_load)
+            threading.Thread(target=poller.run, args=(stop,), name="engine-load", daemon=True).start()
         if semantic is not None:
             # Load the embedding model and the language detector now, not on the first semantic request.
             threading.Thread(target=semantic.load, name="semantic-load", daemon=True).start()

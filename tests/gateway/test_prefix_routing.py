@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 import redis
 
@@ -25,6 +27,7 @@ from gateway.prefix.index import (
     block_set,
     weighted,
 )
+from gateway.prefix.load import EngineLoadPoller, engine_load
 from gateway.prefix.predict import Tokenizers, predict
 from gateway.prefix.router import APPROXIMATE, PRECISE, PrefixRouter, cost
 from gateway.routing import EngineTarget, NamespaceTarget
@@ -220,3 +223,53 @@ def test_completions_prompts_as_text_and_as_tokens_predict_the_same_blocks(token
     assert as_text.token_ids == as_ids.token_ids == tuple(ids)
     assert predict(tokenizer, "completions", {"prompt": ["a", "b"]}).reason == "several_prompts"
     assert predict(None, "completions", {"prompt": text}).reason == "tokenizer_not_loaded"
+
+
+# --- the engines' own load ------------------------------------------------------------
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+# HELP vllm:num_requests_waiting_by_reason Number of requests waiting, by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 4.0
+"""
+
+
+def test_the_engines_own_queue_is_read_and_a_silent_engine_is_forgotten() -> None:
+    state = {"status": 200}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = VLLM_METRICS.encode()
+            self.send_response(state["status"])
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = EngineTarget(1, "e1", f"http://127.0.0.1:{server.server_address[1]}", "tiny")
+        load: dict[int, int] = {}
+        poller = EngineLoadPoller(lambda: None, load, stale_s=0.2)  # type: ignore[arg-type,return-value]
+        with httpx2.Client() as client:
+            poller.poll(client, [engine])
+            assert load == {1: 7} == {1: engine_load(VLLM_METRICS)}  # running 3 + waiting 4, not by reason
+            state["status"] = 500
+            poller.poll(client, [engine])
+            assert load == {1: 7}  # kept while recent
+            time.sleep(0.25)
+            poller.poll(client, [engine])
+            assert load == {}
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ValueError):
+        engine_load("vllm:num_requests_running{ 3")
