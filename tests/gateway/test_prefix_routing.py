@@ -6,8 +6,10 @@ tokenizer. The hashes themselves are checked against a real engine in
 
 from __future__ import annotations
 
+import http.server
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
