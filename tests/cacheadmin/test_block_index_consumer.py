@@ -101,3 +101,28 @@ def test_the_engine_page_shows_the_largest_prefixes_it_holds_per_namespace(world
     table = html[html.index('id="engine-prefixes"') :].split("</table>")[0]
     assert table.count("<tr><td>") == 2 and "<td>160</td>" in table and "<td>128</td>" in table
     consumer.ctx.destroy(linger=0)
+
+
+def test_a_gap_makes_the_engine_unusable_for_routing_and_a_restart_empties_its_set(world, engine_stream) -> None:
+    engine, publisher = engine_stream
+    salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="gap test")
+    consumer = KvEventConsumer()
+    consumer.refresh()
+    stream = consumer.streams[engine.pk]
+    consumer.handle(stream, publisher.frames(_stored([61, 62], salt)))
+    # Batches 1..2 never arrive and the engine's replay no longer holds them: the stream has a gap.
+    publisher.buffer = type(publisher.buffer)(publisher.buffer, maxlen=1)
+    publisher.frames(_stored([63], salt, parent=62))
+    publisher.frames(_stored([64], salt, parent=63))
+    consumer.handle(stream, publisher.frames(_stored([65], parent=64)))
+    consumer.flush()
+    index = BlockIndex(block_index_store())
+    index.refresh()
+    assert (index.usable(engine.pk), set(index.engines[engine.pk].masks)) == ("incomplete", {61, 62, 65})
+    # The engine process started over: nothing it held survives, and the new stream is whole again.
+    publisher.seq = 0
+    consumer.handle(stream, publisher.frames(_stored([71], salt)))
+    consumer.flush()
+    index.refresh()
+    assert (index.usable(engine.pk), index.engines[engine.pk].masks) == (None, {71: GPU})
+    consumer.ctx.destroy(linger=0)
