@@ -13,7 +13,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from cacheadmin.models import Engine
+from cacheadmin.models import Engine, ModelVersion
 from cacheadmin.services.block_index import block_index_store
 from cacheadmin.services.gateway import tenant_secret
 from cacheadmin.services.gateway_stores import response_store
@@ -145,3 +145,31 @@ def test_the_cli_refuses_bad_input_with_exit_2(fleet, tmp_path: Path) -> None:
     bad.write_text("[1, -1]")
     done = manage("gateway", "lookup", "--tenant", "acme", "--tokens", str(bad), env=subprocess_env())
     assert done.returncode == 2 and "tokens" in done.stderr
+
+
+def test_explain_shows_each_candidates_cached_blocks_load_and_cost(fleet) -> None:
+    ModelVersion.objects.filter(pk=fleet["version"].pk).update(status="active")  # routed: the tenant's active version
+    explained = fleet["clients"]["alice"].post("/api/gateway/explain/", {"tenant": "acme", "request": BODY}, format="json")
+    assert explained.status_code == 200, explained.json()
+    routing = explained.json()["route"]["routing"]
+    n = len(fleet["hashes"])
+    assert routing == {
+        "engine": "e-lookup", "mode": "precise", "reason": None, "blocks": n,
+        "predicted_cached_tokens": 3 * 32,
+        "candidates": [{"engine": "e-lookup", "engine_id": fleet["engine"].pk, "cached_blocks": 3, "weighted_blocks": 2.75,
+                        "load": 0, "cost": round(n - 2.75, 3), "index": "used"}],
+    }  # fmt: skip
+    path = Path(fleet["version"].path).parent / "explain-body.json"
+    path.write_text(json.dumps(BODY))
+    try:
+        env = subprocess_env(GATEWAY_DIR=str(settings.GATEWAY_DIR), GATEWAY_PREFIX_INDEX_STALE_S=STALE_S)
+        cli = manage("gateway", "explain", "--tenant", "acme", "--request", str(path), env=env)
+    finally:
+        path.unlink()
+    assert cli.returncode == 0, cli.stderr
+    lines = cli.stdout.splitlines()
+    assert (
+        lines[1]
+        == f"engine choice: precise, {n} blocks, 96 prompt tokens predicted cached on the winner (lowest cost: blocks to compute + load)"
+    )
+    assert lines[2] == f"  e-lookup: 3 leading blocks held (weight 2.75), load 0, cost {round(n - 2.75, 3)}, index used"

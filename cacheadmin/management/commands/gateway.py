@@ -182,11 +182,29 @@ class Command(ControlPlaneCommand):
                 f"route: {route['served_name']} → {route['label']} ({route['percent']} %, bucket {route['bucket']}), "
                 f"namespace {route['namespace']}, engine {engine}"
             )
+            self._routing(route.get("routing"))
         rc, sc = out["response_cache"], out["semantic_cache"]
         key = rc["key"] or "— (no route: computed per namespace)"
         self.stdout.write(f"response cache: {'admitted' if rc['admitted'] else 'bypassed'} ({rc['reason']}), key {key}")
         self.stdout.write(f"semantic cache: {'admitted' if sc['admitted'] else 'bypassed: ' + str(sc['reason'])}")
         self.stdout.write("canonical request: " + json.dumps(out["canonical_request"], ensure_ascii=False, sort_keys=True))
+
+    def _routing(self, routing: dict[str, Any] | None) -> None:
+        """How the engine was chosen: precise (each candidate's cached blocks, load and cost) or why not."""
+        if routing is None:
+            return
+        if routing["mode"] != "precise":
+            self.stdout.write(f"engine choice: {routing['mode']} ({routing['reason']})")
+            return
+        self.stdout.write(
+            f"engine choice: precise, {routing['blocks']} blocks, {routing['predicted_cached_tokens']} prompt tokens "
+            "predicted cached on the winner (lowest cost: blocks to compute + load)"
+        )
+        for c in routing["candidates"]:
+            self.stdout.write(
+                f"  {c['engine']}: {c['cached_blocks']} leading blocks held (weight {c['weighted_blocks']}), load {c['load']}, "
+                f"cost {c['cost']}, index {c['index']}"
+            )
 
     def stdin_text(self) -> str:
         """The request body from standard input."""
