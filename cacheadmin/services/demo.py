@@ -426,10 +426,13 @@ def demo_run(
         # The canary is verified closely: shadow sampling goes up for the release's steps.
         tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": RELEASE_SHADOW_SAMPLE_RATE})
         for percent in (10, 100):
+            phase = f"v2 {percent}%"
+            # Marked before the call: the new split routes from its commit, early in the call, while the call
+            # itself may return much later (at 100 % it retires v1's cached answers after the commit), and
+            # requests sent meanwhile belong to the new split.
+            traffic.mark(phase)
             moved = api.post(f"/api/releases/{release_id}/traffic/", {"percent": percent})
             highest = max(highest, moved["traffic_percent"])
-            phase = f"v2 {percent}%"
-            traffic.mark(phase)
             log(f"step 5: POST …/traffic/ → {moved['traffic_percent']} % of conversations on tiny-v2")
             # Each step lasts hold_s, and until v2 answered some conversations and shadow verification judged
             # one of v2's live answers (a small share of a low rate can take a while), at most six times as long.

@@ -123,6 +123,7 @@ def test_resume_refuses_while_a_store_cannot_retire_and_a_lost_worker_loses_noth
     assert NamespaceRouting.objects.get(namespace=ns).suspended_at is None
 
 
+@pytest.mark.embedded_default  # the SQLite stores; the scale-out run's Redis case is the test above
 def test_resume_refuses_with_409_while_the_embedded_sqlite_store_is_locked_and_records_the_attempt(suspect) -> None:
     """The embedded default: the semantic store's SQLite file held by another process's write lock.
     Resume is refused as documented (409, exit 4), names no file path, counts the run and its error,
