@@ -103,6 +103,17 @@ def test_speculative_entries_count_as_engine_memory_until_they_expire(tmp_path: 
     assert index.held(3, [10, 11], now=105.1) == []
 
 
+def test_expired_speculative_entries_go_and_renewed_ones_stay(tmp_path: Path) -> None:
+    index = BlockIndex(SqliteIndexStore(tmp_path / "b.sqlite3"), speculative_ttl_s=5.0)
+    index.speculate(3, [1, 2], now=100.0)
+    index.speculate(3, [2, 3], now=103.0)  # 2 renewed: it must outlive its first batch
+    index.speculate(3, [4], now=105.5)  # the first batch expired: 1 goes, 2 stays
+    assert index.speculative[3] == {2: 108.0, 3: 108.0, 4: 110.5}
+    assert index.held(3, [2, 3, 4], now=105.5) == [MEDIUM_BITS["GPU"]] * 3
+    index.speculate(3, [], now=110.6)
+    assert index.speculative[3] == {}
+
+
 def test_a_store_that_cannot_be_read_raises_index_unavailable(tmp_path: Path) -> None:
     closed = RedisIndexStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.2)
     with pytest.raises(IndexUnavailable, match="Redis block index: reading versions failed"):
