@@ -571,7 +571,7 @@ def test_the_api_root_lists_every_route(world) -> None:
         "model-versions", "tenants", "shared-groups", "adapters", "retention-owners", "namespaces", "engines", "prewarm-jobs",
         "comparison-jobs", "registration-jobs", "eviction-runs", "accounting-scans", "tier-usage", "engine-metrics", "releases",
         "engine-alarms", "gateway-keys", "shadow-checks", "gateway-layers", "gateway-explain", "gateway-figures",
-        "semantic-cache-invalidate", "prompt-templates",
+        "cache-lookup", "semantic-cache-invalidate", "prompt-templates",
         "audit-events", "identity-diff", "orphans", "schema", "docs",
     }  # fmt: skip
     assert (root["orphans"], root["identity-diff"], root["schema"]) == (
@@ -581,6 +581,7 @@ def test_the_api_root_lists_every_route(world) -> None:
     )
     assert root["releases"] == "http://testserver/api/releases"
     assert root["semantic-cache-invalidate"] == "http://testserver/api/semantic-cache/invalidate"
+    assert root["cache-lookup"] == "http://testserver/api/cache/lookup"
 
 
 def test_a_json_body_naming_a_key_twice_is_refused(world) -> None:
