@@ -166,7 +166,7 @@ def _semantic_layer(on: bool) -> Any:
 
 def _prefix_router(settings: Any) -> PrefixRouter:
     """The precise choice's router: this process's mirror of the deployment's block index."""
-    from cacheadmin.services.block_index import block_index_store
+    from cacheadmin.services.block_index import block_index_store  # the control plane's: after django.setup()
 
     index = BlockIndex(block_index_store(), stale_s=settings.GATEWAY_PREFIX_INDEX_STALE_S,
                        speculative_ttl_s=settings.GATEWAY_PREFIX_SPECULATIVE_TTL_S)  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from inference.kv_events import KVEventBatch, encode_batch, seq_bytes
+from inference.kv_events import BlockStored, KVEventBatch, encode_batch, seq_bytes
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -97,3 +97,11 @@ class EnginePublisher:
             self.replay.close(linger=0)
         self.pub.close(linger=0)
         self.ctx.term()
+
+
+def stored(hashes: list[int], salt: str | None = None, parent: int | None = None, medium: str = "GPU") -> BlockStored:
+    """A ``BlockStored`` of one request's chain, 32 tokens per block, ``salt`` on its first block (as vLLM 0.32 sends it)."""
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=[1] * 32 * len(hashes), block_size=32, lora_id=None,
+        medium=medium, lora_name=None, extra_keys=[(salt,) if salt else None] + [None] * (len(hashes) - 1),
+    )  # fmt: skip

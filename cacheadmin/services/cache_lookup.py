@@ -26,11 +26,21 @@ from django.conf import settings
 
 from cacheadmin.models import CacheNamespace, Residency, Tenant
 from cacheadmin.services.block_index import block_index_store
-from cacheadmin.services.gateway import routing_snapshot_build
+from cacheadmin.services.gateway import routing_snapshot_build, semantic_rules
+from cacheadmin.services.gateway_stores import response_store, semantic_store
+from gateway.canonical import canonical_request
+from gateway.layers import build_layers
+from gateway.layers.base import StoreUnavailable
+from gateway.layers.semantic.embedder import default_embedder
+from gateway.layers.semantic.layer import SemanticLayer
+from gateway.param_specs import InvalidRequest
+from gateway.pipeline import RequestContext
 from gateway.prefix.index import MEDIUM_BITS, BlockIndex, IndexUnavailable
 from gateway.prefix.predict import Prediction, Tokenizers, predict
 from gateway.prefix.router import scheme_of
+from gateway.records import Recorder
 from gateway.routing import NamespaceTarget, Routed, RouteTarget, RoutingSnapshot, TenantTarget
+from gateway.server import Runtime, check_body
 from inference.errors import InvalidField
 
 log = logging.getLogger(__name__)
@@ -84,9 +94,6 @@ def _layers(
 ) -> dict[str, Any]:
     """Whether the response and semantic layers hold an answer to ``body`` in ``ns``: ``{"holds": bool}``,
     or ``{"bypass": reason}`` when the layer would not be looked up (or its store cannot answer)."""
-    from gateway.canonical import canonical_request
-    from gateway.layers.base import StoreUnavailable
-    from gateway.pipeline import RequestContext
 
     route = RouteTarget(ns.version_id, ns.version_label, 100, ns.pk, None)
     ctx = RequestContext(snap, tenant, endpoint, body, canonical_request(endpoint, body), None, (), Routed(tenant, route, ns))  # type: ignore[arg-type]
@@ -109,13 +116,6 @@ def _layers(
 def _lookup_layers(semantic_on: bool) -> list[Any]:
     """The response and semantic layers as the deployment's gateway builds them, once per process
     (the embedding model loads once)."""
-    from cacheadmin.services.gateway import semantic_rules
-    from cacheadmin.services.gateway_stores import response_store, semantic_store
-    from gateway.layers import build_layers
-    from gateway.layers.semantic.embedder import default_embedder
-    from gateway.layers.semantic.layer import SemanticLayer
-    from gateway.records import Recorder
-    from gateway.server import Runtime
 
     semantic = None
     if semantic_on:
@@ -141,9 +141,6 @@ def cache_lookup(
         InvalidField: neither or both of body and tokens, an unknown endpoint, a malformed body or
             token list (400, exit 2).
     """
-    from gateway.canonical import canonical_request
-    from gateway.param_specs import InvalidRequest
-    from gateway.server import check_body
 
     if (body is None) == (tokens is None):
         raise InvalidField("request", "give a request body or a token list, not both")

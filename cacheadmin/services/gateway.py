@@ -596,6 +596,7 @@ def semantic_rules() -> tuple[Rule, ...]:
 def _explain_router() -> Any:
     """The precise router as a gateway process has it, read once from the block index store
     (None when the store cannot be read: the affinity choice is explained then)."""
+    # Lazy as gateway_explain's own imports: the router brings the gateway's request path and tokenizers.
     from cacheadmin.services.block_index import block_index_store
     from gateway.prefix.index import BlockIndex, IndexUnavailable
     from gateway.prefix.router import PrefixRouter

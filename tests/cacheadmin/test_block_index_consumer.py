@@ -14,17 +14,10 @@ from cacheadmin.services.block_index import BlockIndexPublisher, block_index_sto
 from cacheadmin.services.kv_events import KvEventConsumer
 from cacheadmin.services.namespaces import namespace_salt_read
 from gateway.prefix.index import MEDIUM_BITS, BlockIndex, RedisIndexStore
-from inference.kv_events import BlockStored
+from tests.kv_publisher import stored
 
 pytestmark = pytest.mark.django_db(transaction=True)
 GPU, CPU = MEDIUM_BITS["GPU"], MEDIUM_BITS["CPU"]
-
-
-def _stored(hashes: list[int], salt: str | None = None, parent: int | None = None, medium: str = "GPU") -> BlockStored:
-    return BlockStored(
-        block_hashes=hashes, parent_block_hash=parent, token_ids=[1] * 32 * len(hashes), block_size=32, lora_id=None,
-        medium=medium, lora_name=None, extra_keys=[(salt,) if salt else None] + [None] * (len(hashes) - 1),
-    )  # fmt: skip
 
 
 def test_the_consumer_publishes_blocks_per_medium_beats_and_drops_a_stopped_engine(world, engine_stream) -> None:
@@ -33,8 +26,8 @@ def test_the_consumer_publishes_blocks_per_medium_beats_and_drops_a_stopped_engi
     consumer = KvEventConsumer()
     consumer.refresh()
     stream = consumer.streams[engine.pk]
-    consumer.handle(stream, publisher.frames(_stored([11, 12], salt)))
-    consumer.handle(stream, publisher.frames(_stored([12, 13], medium="CPU", parent=11)))
+    consumer.handle(stream, publisher.frames(stored([11, 12], salt)))
+    consumer.handle(stream, publisher.frames(stored([12, 13], medium="CPU", parent=11)))
     consumer.flush()
     index = BlockIndex(block_index_store())
     index.refresh()
@@ -64,7 +57,7 @@ def test_a_store_that_is_down_costs_the_consumer_nothing_and_loses_no_set(world,
     consumer = KvEventConsumer(index=down)
     consumer.refresh()
     stream = consumer.streams[engine.pk]
-    consumer.handle(stream, publisher.frames(_stored([21])))
+    consumer.handle(stream, publisher.frames(stored([21])))
     consumer.flush()  # logged, not raised
     assert list(down._sets) == [engine.pk]  # staged again at the next flush
     # The store is back: the staged set goes out with the next flush, though nothing changed since.
@@ -84,10 +77,10 @@ def test_the_engine_page_shows_the_largest_prefixes_it_holds_per_namespace(world
     stream = consumer.streams[engine.pk]
     # A trunk of 3 blocks with branches of 2 and 1 more: prefixes of 5 and 4 blocks; a chain whose start
     # never came is none.
-    consumer.handle(stream, publisher.frames(_stored([31, 32, 33], salt)))
-    consumer.handle(stream, publisher.frames(_stored([34, 35], parent=33)))
-    consumer.handle(stream, publisher.frames(_stored([36], parent=33)))
-    consumer.handle(stream, publisher.frames(_stored([51, 52], parent=50)))
+    consumer.handle(stream, publisher.frames(stored([31, 32, 33], salt)))
+    consumer.handle(stream, publisher.frames(stored([34, 35], parent=33)))
+    consumer.handle(stream, publisher.frames(stored([36], parent=33)))
+    consumer.handle(stream, publisher.frames(stored([51, 52], parent=50)))
     consumer.flush(force=True)
     found = cached_prefixes(engine.pk)
     assert found == {"too_large": False, "namespaces": [{
@@ -109,19 +102,19 @@ def test_a_gap_makes_the_engine_unusable_for_routing_and_a_restart_empties_its_s
     consumer = KvEventConsumer()
     consumer.refresh()
     stream = consumer.streams[engine.pk]
-    consumer.handle(stream, publisher.frames(_stored([61, 62], salt)))
+    consumer.handle(stream, publisher.frames(stored([61, 62], salt)))
     # Batches 1..2 never arrive and the engine's replay no longer holds them: the stream has a gap.
     publisher.buffer = type(publisher.buffer)(publisher.buffer, maxlen=1)
-    publisher.frames(_stored([63], salt, parent=62))
-    publisher.frames(_stored([64], salt, parent=63))
-    consumer.handle(stream, publisher.frames(_stored([65], parent=64)))
+    publisher.frames(stored([63], salt, parent=62))
+    publisher.frames(stored([64], salt, parent=63))
+    consumer.handle(stream, publisher.frames(stored([65], parent=64)))
     consumer.flush()
     index = BlockIndex(block_index_store())
     index.refresh()
     assert (index.usable(engine.pk), set(index.engines[engine.pk].masks)) == ("incomplete", {61, 62, 65})
     # The engine process started over: nothing it held survives, and the new stream is whole again.
     publisher.seq = 0
-    consumer.handle(stream, publisher.frames(_stored([71], salt)))
+    consumer.handle(stream, publisher.frames(stored([71], salt)))
     consumer.flush()
     index.refresh()
     assert (index.usable(engine.pk), index.engines[engine.pk].masks) == (None, {71: GPU})

@@ -22,19 +22,13 @@ from cacheadmin.services.kv_events import KvEventConsumer
 from cacheadmin.services.namespaces import namespace_salt_read
 from inference.engines.launcher import free_port
 from inference.engines.probes import mint_probe_salt
-from inference.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch, seq_bytes
+from inference.kv_events import AllBlocksCleared, KVEventBatch, encode_batch, seq_bytes
 from inference.kv_transport import key_pair, relay
 from tests.helpers import wait_for
+from tests.kv_publisher import stored
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TOPIC = b"kvcp.engine-x.1"
-
-
-def _stored(hashes: list[int], salt: str | None = None, parent: int | None = None) -> BlockStored:
-    return BlockStored(
-        block_hashes=hashes, parent_block_hash=parent, token_ids=[1] * 32 * len(hashes), block_size=32, lora_id=None,
-        medium="GPU", lora_name=None, extra_keys=[(salt,) if salt else None] + [None] * (len(hashes) - 1),
-    )  # fmt: skip
 
 
 def _forged(seq: int, *events: object) -> list[bytes]:
@@ -50,11 +44,11 @@ def test_frames_of_another_topic_garbage_gaps_and_restarts(world, engine_stream)
     stream = consumer.streams[engine.pk]
     acme = world["ns"]["acme"].pk
 
-    consumer.handle(stream, publisher.frames(_stored([1, 2], salt)))
+    consumer.handle(stream, publisher.frames(stored([1, 2], salt)))
     consumer.flush()
     first = ResidentSample.objects.get(engine=engine, namespace_id=acme)
     assert (first.blocks, first.tokens) == (2, 64)
-    consumer.handle(stream, [b"kvcp.engine-x.0", seq_bytes(1), _forged(1, _stored([9], salt))[2]])  # an earlier incarnation
+    consumer.handle(stream, [b"kvcp.engine-x.0", seq_bytes(1), _forged(1, stored([9], salt))[2]])  # an earlier incarnation
     consumer.handle(stream, [TOPIC, b"\x00" * 8, b"\xc1 not msgpack"])
     consumer.handle(stream, [TOPIC, b"short", b""])
     consumer.handle(stream, [TOPIC])
@@ -65,15 +59,15 @@ def test_frames_of_another_topic_garbage_gaps_and_restarts(world, engine_stream)
     # longer holds them: a gap the engine confirms, counts a lower bound; a
     # chain whose start was lost is unattributed.
     publisher.buffer = type(publisher.buffer)(publisher.buffer, maxlen=1)
-    publisher.frames(_stored([2], salt, parent=1))
-    publisher.frames(_stored([3], salt, parent=2))
-    consumer.handle(stream, publisher.frames(_stored([4], parent=3)))
+    publisher.frames(stored([2], salt, parent=1))
+    publisher.frames(stored([3], salt, parent=2))
+    consumer.handle(stream, publisher.frames(stored([4], parent=3)))
     assert (stream.gaps, stream.complete, stream.last_seq, stream.unconfirmed) == (1, False, 3, 0)
     assert stream.residency.totals() == {("GPU", acme): (2, 64), ("GPU", 0): (1, 32)}
 
     # The engine process started over: its state is dropped, counting restarts.
     publisher.seq = 0
-    consumer.handle(stream, publisher.frames(_stored([5], salt)))
+    consumer.handle(stream, publisher.frames(stored([5], salt)))
     assert (stream.restarts_seen, stream.last_seq, stream.complete) == (1, 0, True)
     assert stream.residency.totals() == {("GPU", acme): (1, 32)}
     # A clear the engine published (its replay holds it): applied.
@@ -105,14 +99,14 @@ def test_frames_the_engine_never_published_change_nothing_and_page_nobody(world,
     consumer.refresh()
     stream = consumer.streams[engine.pk]
     acme = world["ns"]["acme"].pk
-    consumer.handle(stream, publisher.frames(_stored([1, 2], salt)))
-    consumer.handle(stream, publisher.frames(_stored([3], salt, parent=2)))
+    consumer.handle(stream, publisher.frames(stored([1, 2], salt)))
+    consumer.handle(stream, publisher.frames(stored([3], salt, parent=2)))
     held = {("GPU", acme): (3, 96)}
     assert stream.residency.totals() == held and stream.last_seq == 1
 
     consumer.handle(stream, _forged(2, AllBlocksCleared()))  # residency emptied
-    consumer.handle(stream, _forged(2, _stored([50, 51], "a-random-salt")))  # an isolation alarm
-    consumer.handle(stream, _forged(100_000, _stored([70], salt)))  # a sequence jump: a gap alarm
+    consumer.handle(stream, _forged(2, stored([50, 51], "a-random-salt")))  # an isolation alarm
+    consumer.handle(stream, _forged(100_000, stored([70], salt)))  # a sequence jump: a gap alarm
     assert stream.residency.totals() == held
     assert (stream.last_seq, stream.gaps, stream.complete, stream.cleared_at, stream.unconfirmed) == (1, 0, True, None, 3)
     consumer.flush(force=True)
@@ -121,7 +115,7 @@ def test_frames_the_engine_never_published_change_nothing_and_page_nobody(world,
     assert (saved.last_seq, saved.unconfirmed, saved.gaps, saved.complete) == (1, 3, 0, True)
 
     # The same content published by the engine itself is acted on.
-    consumer.handle(stream, publisher.frames(_stored([50, 51], "a-random-salt")))
+    consumer.handle(stream, publisher.frames(stored([50, 51], "a-random-salt")))
     consumer.handle(stream, publisher.frames(AllBlocksCleared()))
     assert stream.residency.totals() == {} and stream.last_seq == 3 and stream.cleared_at is not None
     consumer.flush(force=True)
@@ -134,9 +128,9 @@ def test_blocks_of_a_control_plane_probe_are_no_namespace_s_and_alarm_nobody(wor
     consumer = KvEventConsumer()
     consumer.refresh()
     stream = consumer.streams[engine.pk]
-    consumer.handle(stream, publisher.frames(_stored([1, 2, 3], mint_probe_salt(settings.CACHE_SALT_SECRET))))
+    consumer.handle(stream, publisher.frames(stored([1, 2, 3], mint_probe_salt(settings.CACHE_SALT_SECRET))))
     # A salt that looks like a probe's but was not minted under the secret is an unknown salt.
-    consumer.handle(stream, publisher.frames(_stored([4], "kvcp-probe.0123456789abcdef.000000000000000000000000")))
+    consumer.handle(stream, publisher.frames(stored([4], "kvcp-probe.0123456789abcdef.000000000000000000000000")))
     assert stream.residency.totals() == {("GPU", 0): (4, 128)}
     consumer.flush(force=True)
     assert list(EngineAlarm.objects.filter(engine=engine).values_list("kind", "count")) == [("isolation_unknown_salt", 1)]
@@ -205,7 +199,7 @@ def test_a_publisher_that_sends_garbage_over_the_socket_never_stops_the_consumer
             publisher.pub.send_multipart([TOPIC, b"garbage", b"garbage"])
             time.sleep(0.2)
         publisher.pub.send_multipart([b"x"])
-        publisher.publish(_stored([1, 2, 3], salt))
+        publisher.publish(stored([1, 2, 3], salt))
         wait_for(
             lambda: KvEventStream.objects.filter(engine=engine, last_seq=0).exists(), timeout=20, what="the good batch applied"
         )
@@ -259,7 +253,7 @@ def test_a_remote_engines_stream_is_read_through_its_curve_relay(world, engine_s
         while not ResidentSample.objects.filter(engine=engine, namespace_id=acme, blocks__gt=0).exists():
             assert time.monotonic() < deadline, "no event came through the relay"
             blocks += 1
-            publisher.publish(_stored([1000 + blocks], salt))
+            publisher.publish(stored([1000 + blocks], salt))
             time.sleep(0.3)
         publisher.publish(AllBlocksCleared())
         wait_for(
@@ -281,7 +275,7 @@ def test_what_was_published_before_the_subscription_is_caught_up_from_the_replay
     engine, publisher = engine_stream
     salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="consumer test")
     for n in range(3):
-        publisher.publish(_stored([10 + n], salt))  # nobody subscribed yet
+        publisher.publish(stored([10 + n], salt))  # nobody subscribed yet
     consumer = KvEventConsumer()
     consumer.refresh()
     stream = consumer.streams[engine.pk]
@@ -292,7 +286,7 @@ def test_what_was_published_before_the_subscription_is_caught_up_from_the_replay
     assert stream.last_seq == 2 and stream.gaps == 0
     publisher.buffer = type(publisher.buffer)(publisher.buffer, maxlen=1)
     for n in range(3):
-        publisher.frames(_stored([20 + n], salt))
+        publisher.frames(stored([20 + n], salt))
     consumer.catch_up(stream)
     assert (stream.last_seq, stream.gaps, stream.complete) == (5, 1, False)
     assert stream.residency.totals() == {("GPU", acme): (4, 128)}
