@@ -34,6 +34,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from inference.errors import EngineError
@@ -41,6 +42,8 @@ from inference.errors import EngineError
 #: Reads under fresh salts before a tier is taken to honour the salt, and the wait between them (s).
 READ_ACROSS_ATTEMPTS = 3
 READ_ACROSS_WAIT_S = 0.5
+#: Fresh prompts drawn, at most, until one's length is off a block edge (see :func:`reads_across_salts`).
+EDGE_REDRAWS = 8
 
 if TYPE_CHECKING:
     from inference.engines.vllm_http import VllmHttpClient
@@ -95,7 +98,14 @@ def _cached(client: VllmHttpClient, prompt: str, salt: str) -> int:
     return cached
 
 
-def shares_prefix_cache(known: VllmHttpClient, candidate: VllmHttpClient, *, secret: str, block_size: int) -> bool:
+def shares_prefix_cache(
+    known: VllmHttpClient,
+    candidate: VllmHttpClient,
+    *,
+    secret: str,
+    block_size: int,
+    prompts: Iterator[str] | None = None,
+) -> bool:
     """Whether ``candidate`` reads the prefix cache ``known`` fills (they are one engine, or share a KV tier).
 
     Args:
@@ -103,6 +113,7 @@ def shares_prefix_cache(known: VllmHttpClient, candidate: VllmHttpClient, *, sec
         candidate: the engine to tell apart from it.
         secret: the control plane's secret (probe salts are minted under it).
         block_size: the engines' KV block size in tokens.
+        prompts: the probe prompts to draw from (default: fresh random ones, :func:`probe_prompt`).
 
     Returns:
         True when the candidate reported at least one whole block cached for a
@@ -112,17 +123,72 @@ def shares_prefix_cache(known: VllmHttpClient, candidate: VllmHttpClient, *, sec
         EngineError: an engine did not answer.
         CachedTokensUnreported: the candidate does not report cached tokens.
     """
-    prompt, salt = probe_prompt(block_size), mint_probe_salt(secret)
-    known.prompt_cached_tokens(prompt, cache_salt=salt)
+    salt = mint_probe_salt(secret)
+    prompt = _seed(known, salt, block_size, prompts, reported=False)
     return _cached(candidate, prompt, salt) >= block_size
 
 
-def reads_across_salts(client: VllmHttpClient, *, secret: str, block_size: int) -> int:
+def on_block_edge(length: int, block_size: int) -> bool:
+    """Whether a prompt of ``length`` tokens ends on a KV block's edge: a whole
+    number of blocks, or one token past it.
+
+    Tiers disagree there on how many blocks a prompt spans. vLLM 0.32's
+    ExampleConnector stores a prompt's KV under the hash of its first
+    ``(length - 1) // block_size`` blocks and looks it up under the hash of
+    ``(length - 2) // block_size`` (``align_to_block_size`` applied to
+    ``len`` in ``make_meta``, to ``len - 1`` in ``_found_match_for_prompt``,
+    ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py``):
+    for a length of ``k * block_size + 1`` the two differ, and the tier never
+    serves what it stored, to any salt. A prompt of whole blocks loses its
+    last block to every cache (the engine computes the last token anew), so
+    it is avoided too.
+    """
+    return length % block_size in (0, 1)
+
+
+def _fresh_prompts(block_size: int) -> Iterator[str]:
+    while True:
+        yield probe_prompt(block_size)
+
+
+def _seed(client: VllmHttpClient, salt: str, block_size: int, prompts: Iterator[str] | None, *, reported: bool) -> str:
+    """Cache a probe prompt in ``client`` under ``salt``; the prompt.
+
+    A prompt whose length the engine reports on a block's edge
+    (:func:`on_block_edge`) is replaced by a fresh one, up to
+    :data:`EDGE_REDRAWS` times, so that no tier is passed for a quirk of
+    where it cuts a prompt into blocks.
+
+    Raises:
+        EngineError: the engine did not answer.
+        CachedTokensUnreported: ``reported`` and the engine does not report cached tokens.
+    """
+    source = prompts if prompts is not None else _fresh_prompts(block_size)
+    for _ in range(EDGE_REDRAWS):
+        prompt = next(source)
+        length, cached = client.prompt_usage(prompt, cache_salt=salt)
+        if reported and cached is None:
+            raise CachedTokensUnreported(
+                f"engine at {client.base_url} does not report cached tokens (start it with --enable-prompt-tokens-details)"
+            )
+        if length is None or not on_block_edge(length, block_size):
+            break
+    return prompt
+
+
+def reads_across_salts(client: VllmHttpClient, *, secret: str, block_size: int, prompts: Iterator[str] | None = None) -> int:
     """Tokens the engine served under one salt from KV computed under another.
 
-    The prompt is cached under one fresh salt, then read under another: up to
+    A prompt is cached under one fresh salt (one off a block's edge,
+    :func:`_seed`), then read under another: up to
     :data:`READ_ACROSS_ATTEMPTS` times, :data:`READ_ACROSS_WAIT_S` apart, each
     under a salt of its own, until a read finds KV.
+
+    Args:
+        client: the engine, with ``--enable-prompt-tokens-details``.
+        secret: the control plane's secret (probe salts are minted under it).
+        block_size: the engine's KV block size in tokens.
+        prompts: the probe prompts to draw from (default: fresh random ones, :func:`probe_prompt`).
 
     Returns:
         The cached tokens of the first read that found any (0 for an engine
@@ -131,8 +197,7 @@ def reads_across_salts(client: VllmHttpClient, *, secret: str, block_size: int) 
     Raises:
         EngineError: the engine did not answer, or does not report cached tokens.
     """
-    prompt = probe_prompt(block_size)
-    _cached(client, prompt, mint_probe_salt(secret))
+    prompt = _seed(client, mint_probe_salt(secret), block_size, prompts, reported=True)
     # A persistent tier may store the first request's KV after its answer (vLLM's connectors save
     # on their own schedule): read it under fresh salts a few times, so a salt-blind tier is not
     # passed because its write had not landed yet.

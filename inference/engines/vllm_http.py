@@ -159,17 +159,32 @@ class VllmHttpClient:
         Raises:
             EngineError: unreachable, or an error status.
         """
+        return self.prompt_usage(prompt, cache_salt=cache_salt)[1]
+
+    def prompt_usage(self, prompt: str, *, cache_salt: str | None) -> tuple[int | None, int | None]:
+        """Send ``prompt`` as a one-token greedy completion; its prompt's length and cached part, in tokens.
+
+        Returns:
+            ``(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)``,
+            each None where the answer lacks it.
+
+        Raises:
+            EngineError: unreachable, an error status, or an answer not in OpenAI's shape.
+        """
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         try:
             usage = self._request("POST", "/v1/completions", json=body).json().get("usage") or {}
             details = usage.get("prompt_tokens_details")
+            length = usage.get("prompt_tokens")
         except (ValueError, AttributeError):
             raise EngineError(f"engine at {self.base_url} answered a completion that is not OpenAI's shape") from None
-        if not isinstance(details, dict) or not isinstance(details.get("cached_tokens"), int):
-            return None
-        return int(details["cached_tokens"])
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return (
+            length if isinstance(length, int) and not isinstance(length, bool) else None,
+            cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
+        )
 
     def tokenize(self, text: str) -> list[int]:
         """The token ids of ``text`` under the served model's tokenizer, without special tokens:

@@ -2,7 +2,8 @@
 the same server under another spelling of its address (``localhost`` for
 ``127.0.0.1``) and behind another address (a forwarder: what a Service or a
 NAT puts in front of a pod), found by a probe through the live engine's prefix
-cache; a namespace is refused on a tier that serves KV across salts."""
+cache; a namespace is refused on a tier that serves KV across salts, whatever
+the length of the probe's prompt."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from cacheadmin.services.namespaces import (
     retention_owner_get_or_create,
 )
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
-from inference.engines.probes import reads_across_salts
+from inference.engines.probes import mint_probe_salt, probe_prompt, reads_across_salts
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import Refused
 from inference.identity import LayoutOptions, fingerprint_checkpoint, namespace_key, storage_prefix
@@ -129,3 +130,33 @@ def test_a_namespace_is_refused_on_a_tier_that_serves_kv_across_salts(demo_check
         client.prompt_cached_tokens(prompt, cache_salt=salt)
         assert client.prompt_cached_tokens(prompt, cache_salt=salt) >= 96
     assert Engine.objects.filter(origin="adopted").count() == 0
+
+
+def _edge_prompt(client: VllmHttpClient, length: int) -> str:
+    """A fresh prompt of exactly ``length`` tokens as the engine counts them (special tokens included)."""
+    special = client.prompt_usage("x", cache_salt=None)[0] - len(client.tokenize("x"))  # type: ignore[operator]
+    words = probe_prompt(32).split()
+    while len(client.tokenize(" ".join(words))) + special > length - 4:
+        words.pop()
+    fillers = iter(("a", "the", "and", "of", "x", "to", "in") * 8)  # words of a token or two each
+    while len(client.tokenize(" ".join(words))) + special != length:
+        filler = next(fillers)
+        words.append(filler)
+        if len(client.tokenize(" ".join(words))) + special > length:
+            words.pop()
+    prompt = " ".join(words)
+    assert len(client.tokenize(prompt)) + special == length
+    return prompt
+
+
+def test_the_salt_blind_tier_is_found_whatever_the_probe_prompts_length(salt_blind_engine) -> None:
+    with VllmHttpClient(salt_blind_engine.base_url, "tiny") as client:
+        # The example: 97 tokens, one past three blocks. ExampleConnector stores its KV under three
+        # blocks' hash and looks it up under two: it serves that prompt to no salt, its own included.
+        edge = _edge_prompt(client, 3 * 32 + 1)
+        assert client.prompt_usage(edge, cache_salt=mint_probe_salt(settings.CACHE_SALT_SECRET)) == (97, 0)
+        assert client.prompt_cached_tokens(edge, cache_salt=mint_probe_salt(settings.CACHE_SALT_SECRET)) == 0
+        # The probe reads the engine's count and draws another prompt: the tier is found.
+        drawn = iter([_edge_prompt(client, 4 * 32 + 1), _edge_prompt(client, 3 * 32 + 16)])
+        assert reads_across_salts(client, secret=settings.CACHE_SALT_SECRET, block_size=32, prompts=drawn) == 3 * 32
+        assert next(drawn, None) is None
