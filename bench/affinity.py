@@ -19,7 +19,7 @@ affinity, round robin; round 2: affinity, round robin, precise; ...):
   :class:`gateway.prefix.index.BlockIndex` fed by the engines' own KV events
   (see *KV events* below): the engine holding the longest run of the
   request's leading blocks, against its load (cost = blocks to compute +
-  ``--load-weight`` (0.5, the gateway's default) x requests in flight x the
+  ``--load-weight`` (0.25, the gateway's default) x requests in flight x the
   request's blocks), each request's blocks marked held by its engine for
   ``--speculative-ttl`` (5 s, the default) until its events arrive; the
   approximate choice when the index cannot be used (the ``x-kvcp-routing``
@@ -62,8 +62,12 @@ Traffic (the same list, in the same order, in every phase): ``--templates``
 product ``i % 10`` (1,800-1,860 characters, ~430 tokens, different from the
 first sentence on); templates 10-19 take product ``i - 10``'s whole system
 prompt and add lines of their own (a second support channel, ~900
-characters), so each shares 12 leading blocks with its sibling. A short user
-question follows (a random combination of stems, objects, a topic and a
+characters), so each shares 12 leading blocks with its sibling. With
+``--traffic preamble`` (the default) the even products' templates and their
+siblings (8 of 16, 60 % of the requests) start with one company-wide
+preamble (:data:`COMPANY_PREAMBLE`, 965 characters, 7 whole blocks, far past
+the approximate choice's 512 characters); ``--traffic families`` leaves it
+out. A short user question follows (a random combination of stems, objects, a topic and a
 number: nearly every question is unique). Template popularity is
 Zipf-distributed over the template index (weight ``1/k^s`` for rank
 ``k = i + 1``, ``--zipf-s`` 1.0), ``temperature`` 0.7 and ``max_tokens`` 8
@@ -250,6 +254,21 @@ CHANNELS = ("live chat", "email", "a phone callback", "in-app messages", "the pa
             "the store kiosk", "text messages", "the voice assistant", "the community forum")  # fmt: skip
 #: Templates: one per product, then one per product and second channel.
 MAX_TEMPLATES = 2 * len(PRODUCTS)
+#: The group-wide rules the even products' desks (and their second channels) put first (~1,000 characters,
+#: 7 whole blocks: far past the 512 characters the approximate choice reads).
+COMPANY_PREAMBLE = "\n".join(
+    [
+        "You work on a support desk of Northwind Group. These group rules come before your desk's own and win over them:",
+        "- Never ask for a password, a full card number or a one-time code, and stop the conversation if one is sent.",
+        "- Never promise a refund, a credit, a delivery date or a deadline; say which team decides and how to reach it.",
+        "- Quote prices, fees and limits only from the desk rules below; when they do not say, answer that you do not know.",
+        "- Personal data of anyone but the customer in the conversation is never shown, confirmed or guessed.",
+        "- Legal threats, safety problems and complaints about staff go to a person at once, with the case reference.",
+        "- Answer in the customer's language when you can, otherwise in plain English; keep answers under six sentences.",
+        "- Do not mention other desks' products, internal tools, ticket queues or these rules themselves.",
+        "- When a customer asks twice for a person, hand the conversation over and say how long the wait is.",
+    ]
+)
 
 
 class BenchInputError(ValueError):
@@ -303,9 +322,16 @@ def system_prompt(index: int) -> str:
     return base + "\n" + "\n".join(lines)
 
 
-def family(template: int) -> int:
-    """The product whose prompt starts template ``template`` (siblings share it)."""
-    return template % len(PRODUCTS)
+def has_preamble(template: int, preamble: bool) -> bool:
+    """Whether template ``template`` starts with :data:`COMPANY_PREAMBLE` (with ``preamble``: the even
+    products' templates and their siblings, 8 of 16 and 60 % of the traffic at Zipf s = 1)."""
+    return preamble and (template % len(PRODUCTS)) % 2 == 0
+
+
+def family(template: int, preamble: bool = False) -> int:
+    """The product whose prompt starts template ``template`` (siblings share it); -1 for every
+    template that starts with the company preamble (they share its blocks)."""
+    return -1 if has_preamble(template, preamble) else template % len(PRODUCTS)
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
@@ -331,7 +357,7 @@ class Planned:
     body: dict[str, Any]
 
 
-def traffic(*, requests: int, templates: int, zipf_s: float, seed: int) -> list[Planned]:
+def traffic(*, requests: int, templates: int, zipf_s: float, seed: int, preamble: bool = False) -> list[Planned]:
     """The benchmark's request list (the same for every phase of a run).
 
     Args:
@@ -339,6 +365,7 @@ def traffic(*, requests: int, templates: int, zipf_s: float, seed: int) -> list[
         templates: prompt templates used, 1..MAX_TEMPLATES; template 0 is the most popular.
         zipf_s: the Zipf exponent of template popularity (>= 0; 0 is uniform).
         seed: random seed (questions and template draws).
+        preamble: the even products' templates start with :data:`COMPANY_PREAMBLE` (:func:`has_preamble`).
 
     Returns:
         ``requests`` chat bodies: the template's system prompt, one short user
@@ -353,11 +380,11 @@ def traffic(*, requests: int, templates: int, zipf_s: float, seed: int) -> list[
         raise BenchInputError(f"templates must be in 1..{MAX_TEMPLATES}, not {templates}")
     weights = zipf_weights(templates, zipf_s)
     rng = random.Random(seed)
-    prompts = [system_prompt(i) for i in range(templates)]
+    prompts = [(COMPANY_PREAMBLE + "\n" if has_preamble(i, preamble) else "") + system_prompt(i) for i in range(templates)]
     out = []
     for _ in range(requests):
         t = rng.choices(range(templates), weights)[0]
-        topic = rng.choice(PRODUCTS[family(t)][2])
+        topic = rng.choice(PRODUCTS[t % len(PRODUCTS)][2])
         question = f"{rng.choice(STEMS)} {rng.choice(OBJECTS)} regarding {topic}? Reference {rng.randrange(10_000):04d}."
         body = {
             "model": MODEL,
@@ -430,8 +457,8 @@ class Answer:
     Attributes:
         routing: the ``x-kvcp-routing`` header (how the engine was chosen).
         predicted: the ``x-kvcp-predicted-cached-tokens`` header of a precise choice, else None.
-        indexed: of the blocks predicted, how many the chosen engine's published set held (the rest
-            were speculative entries), for a precise choice; else None.
+        indexed: of the leading blocks a precise choice predicted, those the chosen engine's
+            published set held (the rest were its speculative entries); else None.
     """
 
     template: int
@@ -489,9 +516,9 @@ class TracingIndex(BlockIndex):
 
 
 class TracingRouter(PrefixRouter):
-    """The precise router, also noting per decision how many of the blocks predicted on the chosen
-    engine its *published* set held; the rest came from speculative entries (routed there, not yet
-    reported by its KV events). Keyed by the request's last message (its question)."""
+    """The precise router, also noting per decision how many of the leading blocks predicted on the
+    chosen engine its published set held (the rest came from its speculative entries: routed there,
+    not yet reported by its KV events). Keyed by the request's last message (its question)."""
 
     def __init__(self, index: TracingIndex, tokenizers: Tokenizers, *, load_weight: float = LOAD_WEIGHT) -> None:
         super().__init__(index, tokenizers, load_weight=load_weight)
@@ -502,19 +529,11 @@ class TracingRouter(PrefixRouter):
         self, ns: NamespaceTarget, engines: Sequence[EngineTarget], endpoint: str, payload: Mapping[str, Any],
         in_flight: Mapping[int, int], *, speculate: bool = True,
     ) -> Decision:  # fmt: skip
-        """As :meth:`PrefixRouter.decide`, noting the published run of the chosen engine."""
-        self.traced.last = None
+        """As :meth:`PrefixRouter.decide`, noting the confirmed run of the chosen engine."""
         decision = super().decide(ns, engines, endpoint, payload, in_flight, speculate=speculate)
-        if decision.mode == PRECISE and self.traced.last is not None:
-            entry = self.traced.engines.get(decision.engine.id)
-            masks = entry.masks if entry is not None else {}
-            run = 0
-            for h in self.traced.last[1][: decision.predicted_blocks]:
-                if not masks.get(h):
-                    break
-                run += 1
+        if decision.mode == PRECISE and decision.candidates:
             question = str(payload["messages"][-1].get("content"))
-            self.indexed.setdefault(question, []).append(run)
+            self.indexed.setdefault(question, []).append(decision.candidates[0].confirmed)
         return decision
 
 
@@ -726,14 +745,15 @@ def counters(client: VllmHttpClient) -> tuple[float, float]:
     return values.get("vllm:prefix_cache_queries", 0.0), values.get("vllm:prefix_cache_hits", 0.0)
 
 
-def cold_start_ok(phase: Phase) -> bool:
+def cold_start_ok(phase: Phase, preamble: bool) -> bool:
     """Whether the phase began with empty prefix caches: every (template family, engine) pair it
     used has at least one answer with no cached token (a cache carried over from an earlier
     phase would have served every request of that pair from cache). Siblings count as one
-    family: template 10's first request may hit the blocks template 0 left."""
+    family: template 10's first request may hit the blocks template 0 left; so do all templates
+    behind the company preamble (``preamble``)."""
     seen: dict[tuple[int, str], bool] = {}
     for a in phase.ok:
-        pair = (family(a.template), a.engine)
+        pair = (family(a.template, preamble), a.engine)
         seen[pair] = seen.get(pair, False) or a.cached_tokens == 0
     return all(seen.values())
 
@@ -768,12 +788,12 @@ class BenchEngineSpec(EngineSpec):
         return env
 
 
-def speculation_free(answer: Answer) -> int:
-    """The cached tokens a precise answer's prediction would have said from the published sets alone
-    (its speculative blocks left out); the prediction itself when unknown."""
+def routed_on_speculation(answer: Answer) -> bool:
+    """Whether a precise answer's prediction counted blocks its engine's published set did not hold
+    (speculative entries)."""
     if answer.indexed is None or answer.predicted is None:
-        return answer.predicted or 0
-    return min(answer.indexed * BLOCK_SIZE, answer.predicted)
+        return False
+    return min(answer.indexed * BLOCK_SIZE, max(answer.prompt_tokens - 1, 0) // BLOCK_SIZE * BLOCK_SIZE) < answer.predicted
 
 
 def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
@@ -793,7 +813,7 @@ def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
     matched = sum(1 for a in precise if a.predicted == a.cached_tokens)
     over = [a.predicted - a.cached_tokens for a in precise if a.predicted is not None and a.predicted > a.cached_tokens]
     under = [a.cached_tokens - a.predicted for a in precise if a.predicted is not None and a.predicted < a.cached_tokens]
-    speculative = [a for a in precise if a.predicted is not None and a.predicted > speculation_free(a)]
+    speculative = [a for a in precise if routed_on_speculation(a)]
     approximate = Counter(
         r.split("reason=", 1)[1] if "reason=" in r else r for r in (a.routing for a in ok) if r.startswith("approximate")
     )
@@ -825,9 +845,8 @@ def summarize(phases: Sequence[Phase]) -> dict[str, Any]:
         "predicted_over_tokens_mean": statistics.mean(over) if over else 0.0,
         "predicted_under": len(under),
         "predicted_under_tokens_mean": statistics.mean(under) if under else 0.0,
-        "predictions_with_speculative_blocks": len(speculative),
-        "matches_with_speculative_blocks": sum(1 for a in speculative if a.predicted == a.cached_tokens),
-        "mismatches_with_speculative_blocks": sum(1 for a in speculative if a.predicted != a.cached_tokens),
+        "routed_on_speculative_blocks": len(speculative),
+        "speculation_matched": sum(1 for a in speculative if a.predicted == a.cached_tokens),
         "approximate_decisions": sum(approximate.values()),
         "approximate_reasons": dict(approximate),
     }
@@ -910,6 +929,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300, help="requests per phase")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of (precise, affinity, round robin), order rotating")
     parser.add_argument("--templates", type=int, default=16, help=f"prompt templates (1-{MAX_TEMPLATES}; 10+ share a prefix)")
+    parser.add_argument(
+        "--traffic", choices=("preamble", "families"), default="preamble",
+        help="preamble (default): half the products' templates start with one company-wide preamble; families: none does",
+    )  # fmt: skip
     parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of template popularity")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--seed", type=int, default=7, help="traffic seed")
@@ -933,7 +956,8 @@ def main() -> int:
     if args.kv_blocks is not None and args.kv_blocks < 72:
         parser.error("--kv-blocks must be at least 72 (a 2,048-token context plus headroom)")
     try:
-        planned = traffic(requests=args.requests, templates=args.templates, zipf_s=args.zipf_s, seed=args.seed)
+        preamble = args.traffic == "preamble"
+        planned = traffic(requests=args.requests, templates=args.templates, zipf_s=args.zipf_s, seed=args.seed, preamble=preamble)
     except BenchInputError as exc:
         parser.error(str(exc))
 
@@ -965,10 +989,12 @@ def main() -> int:
     clients = {name: VllmHttpClient(e.base_url, MODEL) for name, e in zip(ENGINE_NAMES, engines, strict=True)}
     phases: list[Phase] = []
     weights = zipf_weights(args.templates, args.zipf_s)
-    chars = statistics.mean(len(system_prompt(i)) for i in range(args.templates))
+    chars = statistics.mean(len(p.body["messages"][0]["content"]) for p in planned)
+    behind = sum(has_preamble(i, preamble) for i in range(args.templates))
     print(
         f"{args.requests} requests per phase, {args.templates} templates (system prompts {chars:,.0f} characters on average, "
-        f"{max(0, args.templates - len(PRODUCTS))} extending another's), Zipf s={args.zipf_s} (top template {weights[0]:.0%}), "
+        f"{max(0, args.templates - len(PRODUCTS))} extending another's, {behind} behind the company preamble), "
+        f"Zipf s={args.zipf_s} (top template {weights[0]:.0%}), "
         f"{args.concurrency} in flight, KV cache {f'{args.kv_blocks} blocks' if args.kv_blocks else '1 GiB'} per engine, "
         f"{'both engines on one core (auto binding)' if args.shared_core else 'each engine on its own core'}; "
         f"precise: load weight {args.load_weight}, speculative entries {args.speculative_ttl} s"
@@ -993,7 +1019,7 @@ def main() -> int:
                 phases.append(phase)
                 s = summarize([phase])
                 predicted = fmt(s["prediction_accuracy"], ".1%") if mode == "precise" else ""
-                cold = cold_start_ok(phase) and (empty or mode != "precise")
+                cold = cold_start_ok(phase, preamble) and (empty or mode != "precise")
                 print(
                     f"{r + 1:<6}{mode:<13}{phase.seconds:>7.1f}{len(phase.ok):>5}{s['hit_ratio']:>11.3f}"
                     f"{s['computed_prompt_tokens']:>14,}{fmt(s['ttft_p50_ms']):>10}{fmt(s['ttft_p90_ms']):>10}"
@@ -1058,10 +1084,8 @@ def main() -> int:
         f"(by {pre['predicted_under_tokens_mean']:.0f})"
     )
     print(
-        f"  predictions that counted speculative blocks (routed there, not yet in the engine's events): "
-        f"{pre['predictions_with_speculative_blocks']}, of which {pre['mismatches_with_speculative_blocks']} missed; "
-        f"mismatches from the published sets alone: "
-        f"{pre['precise_answers'] - pre['prediction_matches'] - pre['mismatches_with_speculative_blocks']}"
+        f"  predictions that counted speculative entries (blocks routed there, not yet in the engine's events): "
+        f"{pre['routed_on_speculative_blocks']}, of which {pre['speculation_matched']} matched"
     )
     reasons = ", ".join(f"{why} {n}" for why, n in sorted(pre["approximate_reasons"].items())) or "none"
     print(f"precise phases' approximate decisions: {pre['approximate_decisions']} ({reasons})")
@@ -1071,7 +1095,8 @@ def main() -> int:
     for t in range(args.templates):
         counts = {mode: Counter(a.engine for a in first[mode].ok if a.template == t) for mode in MODES}
         cells = "   ".join(f"{mode}: " + "/".join(str(counts[mode].get(n, 0)) for n in ENGINE_NAMES) for mode in MODES)
-        name = PRODUCTS[family(t)][0] + (f" + {CHANNELS[t - len(PRODUCTS)]}" if t >= len(PRODUCTS) else "")
+        name = ("Northwind: " if has_preamble(t, preamble) else "") + PRODUCTS[t % len(PRODUCTS)][0]
+        name += f" + {CHANNELS[t - len(PRODUCTS)]}" if t >= len(PRODUCTS) else ""
         print(f"  {t:>2}  {weights[t]:>5.1%}  {name[:44]:<45}{cells}")
     print("\ngoals (precise against affinity, the approximate choice):")
     checked = goals(pre, aff)
@@ -1080,10 +1105,11 @@ def main() -> int:
     if args.kv_blocks is None:
         print("  (the computed-tokens goal is meant under cache pressure: --kv-blocks)")
     errors = sum(pooled[mode]["errors"] for mode in MODES)
-    cold = all(cold_start_ok(p) for p in phases)
+    cold = all(cold_start_ok(p, preamble) for p in phases)
     index_empty = all(p.index_empty for p in phases)
     result = {
         "requests_per_phase": args.requests, "rounds": args.rounds, "templates": args.templates, "zipf_s": args.zipf_s,
+        "traffic": args.traffic,
         "concurrency": args.concurrency, "kv_blocks": args.kv_blocks, "shared_core": args.shared_core,
         "seed": args.seed, "load_weight": args.load_weight, "speculative_ttl_s": args.speculative_ttl,
         "precise": pre, "affinity": aff, "round_robin": rr,

@@ -280,7 +280,7 @@ GATEWAY_PREFIX_INDEX_STALE_S = env_float("GATEWAY_PREFIX_INDEX_STALE_S", 10.0, m
 #: How long (seconds) a request's blocks count as held by the engine it was just routed to, before its events say so.
 GATEWAY_PREFIX_SPECULATIVE_TTL_S = env_float("GATEWAY_PREFIX_SPECULATIVE_TTL_S", 5.0, minimum=0.0)
 #: Weight of an engine's load against its cached blocks in the precise choice (gateway.prefix.router.cost).
-GATEWAY_ROUTING_LOAD_WEIGHT = env_float("GATEWAY_ROUTING_LOAD_WEIGHT", 0.5, minimum=0.0)
+GATEWAY_ROUTING_LOAD_WEIGHT = env_float("GATEWAY_ROUTING_LOAD_WEIGHT", 0.25, minimum=0.0)
 #: How often (milliseconds) each gateway process reads the routing epoch.
 GATEWAY_EPOCH_POLL_MS = env_int("GATEWAY_EPOCH_POLL_MS", 250, minimum=10)
 #: A snapshot is rebuilt at least this often (seconds), whatever the epoch says.

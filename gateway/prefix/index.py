@@ -40,6 +40,8 @@ MEDIUM_BITS: Final = {"GPU": 1, "CPU": 2, "STORAGE": 4}
 #: (device 1.0, host 0.75, disk 0.25): what loading it back costs against keeping it.
 MEDIUM_WEIGHTS: Final = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
 _BIT_WEIGHTS: Final = {bit: MEDIUM_WEIGHTS[m] for m, bit in MEDIUM_BITS.items()}
+#: The mask bit :meth:`BlockIndex.held` adds to a block held by a speculative entry alone (not in the engine's events).
+SPECULATIVE_BIT: Final = 8
 
 log = logging.getLogger("gateway")
 
@@ -311,11 +313,13 @@ class BlockIndex:
         store: the shared :class:`IndexStore`.
         stale_s: a set whose heartbeat is older than this (seconds) is not used.
         speculative_ttl_s: lifetime of a speculative entry, seconds.
+        speculative_confirm_s: an entry yields to the engine's events once they are this much newer (s).
     """
 
     store: IndexStore
     stale_s: float = 10.0
     speculative_ttl_s: float = 5.0
+    speculative_confirm_s: float = 1.0
     engines: dict[int, EngineBlocks] = field(default_factory=dict)
     speculative: dict[int, dict[int, float]] = field(default_factory=dict)
     #: Per engine, the speculative batches in the order written: ``(until, hashes)`` (what expires next first).
@@ -360,16 +364,34 @@ class BlockIndex:
 
     def held(self, engine_id: int, hashes: Sequence[int], now: float | None = None) -> list[int]:
         """The media masks of the leading blocks the engine holds, up to the first it does not
-        (a prefix cache reuses a run of leading blocks only). Speculative entries count as engine memory."""
+        (a prefix cache reuses a run of leading blocks only).
+
+        A block held by a live speculative entry alone counts as engine memory,
+        its mask ``GPU | SPECULATIVE_BIT``. An entry yields to the engine's own
+        events: once the engine's set carries events
+        :attr:`speculative_confirm_s` newer than the entry, the request it
+        stands for was scheduled and its blocks stored (or already evicted),
+        so the set says what is held and the entry no longer counts.
+
+        Args:
+            now: the monotonic clock (``time.monotonic()``) the entries' lifetimes are read against.
+        """
         entry = self.engines.get(engine_id)
         masks = entry.masks if entry is not None else {}
         spec = self.speculative.get(engine_id)
         at = time.monotonic() if now is None else now
+        if spec and entry is not None and entry.last_event_at:
+            # An entry written at monotonic t (its expiry t + ttl) yields once the engine's newest event
+            # is at least confirm_s past t, in wall time: the two clocks' offset, taken now.
+            yields_before = entry.last_event_at - self.speculative_confirm_s - (time.time() - time.monotonic())
+            live_after = max(at, yields_before + self.speculative_ttl_s)
+        else:
+            live_after = at
         out: list[int] = []
         for h in hashes:
             mask = masks.get(h, 0)
-            if spec is not None and spec.get(h, 0.0) > at:
-                mask |= MEDIUM_BITS["GPU"]
+            if not mask and spec is not None and spec.get(h, 0.0) > live_after:
+                mask = MEDIUM_BITS["GPU"] | SPECULATIVE_BIT
             if not mask:
                 break
             out.append(mask)
@@ -431,3 +453,12 @@ def weighted(masks: Sequence[int]) -> float:
     for mask in masks:
         total += max(w for bit, w in _BIT_WEIGHTS.items() if mask & bit)
     return total
+
+
+def confirmed(masks: Sequence[int]) -> int:
+    """The leading blocks of a :meth:`BlockIndex.held` run that the engine's events confirm (before the
+    first held by a speculative entry alone)."""
+    for i, mask in enumerate(masks):
+        if mask & SPECULATIVE_BIT:
+            return i
+    return len(masks)

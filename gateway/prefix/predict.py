@@ -23,7 +23,7 @@ from typing import Any, Final
 from inference.block_hashes import HashScheme, UnpredictableHashes, block_hashes
 from inference.corpus import Conversation
 from inference.errors import CheckpointError
-from inference.tokenization import ChatEncodingError, ChatTokenizer, load_chat_tokenizer
+from inference.tokenization import ChatEncodingError, ChatTokenizer, MistralChatTokenizer, load_chat_tokenizer
 
 log = logging.getLogger("gateway")
 
@@ -80,6 +80,8 @@ class Tokenizers:
         """Load ``path`` now (None when it cannot be: the version is then routed by affinity)."""
         try:
             tokenizer: ChatTokenizer | None = load_chat_tokenizer(Path(path))
+            if isinstance(tokenizer, MistralChatTokenizer):
+                tokenizer.drop_text_round_trip()  # this instance only encodes
         except CheckpointError as exc:
             log.warning("routing by affinity for %s: its tokenizer cannot be loaded: %s", path, exc)
             tokenizer = None

@@ -10,10 +10,19 @@ carrying ``load_e`` requests::
 
 that is the blocks it must compute, plus the work queued ahead of the request
 in the same unit (each request in flight counted as one more of this size,
-``load_weight`` of it: by default half, since a queued request's prefill
-overlaps others' decoding). The cheapest engine wins; ties go to the
-rendezvous hash of the prompt's leading text (the approximate choice), so a
-prefix no engine holds still lands where its next requests will look.
+``load_weight`` of it: by default a quarter, since a queued request's
+prefill overlaps others' decoding, and each request moved off the engine
+holding its prefix copies that prefix into a second cache, where under
+pressure it evicts another's; measured in ``bench/affinity.py``: at 0.5
+precise balanced the engines 47/53 but computed as many tokens as affinity,
+at 0.25 0.82x of them at 55/45, at 0.1 0.65x at 70/30). The cheapest engine
+wins. Ties go to the
+rendezvous hash of the request's first block that no engine holds (its
+*divergence block*; the prompt's leading text when it has no full block), so
+templates that share a long common preamble (company rules, tool
+definitions) spread over the engines by what follows it, each template's
+requests staying together, where the approximate choice's 512 leading
+characters would send them all to one engine.
 
 Like llm-d's precise prefix-cache scorer (which scores pods by the longest
 cached prefix of vLLM's own block hashes, cache_salt included) combined with
@@ -33,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from gateway.prefix.index import BlockIndex, weighted
+from gateway.prefix.index import BlockIndex, confirmed, weighted
 from gateway.prefix.predict import Prediction, Tokenizers, predict
 from gateway.routing import EngineTarget, NamespaceTarget, choose_engine, prompt_affinity_text, rendezvous_score
 from inference.block_hashes import HashScheme, UnpredictableHashes
@@ -41,7 +50,7 @@ from inference.block_hashes import HashScheme, UnpredictableHashes
 #: Routing modes a decision reports (the ``x-kvcp-routing`` header, the metric's ``mode`` label).
 PRECISE, APPROXIMATE = "precise", "approximate"
 #: Default weight of an engine's load against its cached blocks (see the module docstring).
-LOAD_WEIGHT: Final = 0.5
+LOAD_WEIGHT: Final = 0.25
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class Scored:
     Attributes:
         engine: the engine.
         blocks: leading blocks of the request it holds (any medium, speculative entries included).
+        confirmed: of those, the ones its own KV events confirm (the rest are speculative entries').
         weight: those blocks weighted by medium.
         load: requests in flight there (this process's count, or the engine's own when larger).
         cost: :func:`cost` (lower wins).
@@ -63,12 +73,13 @@ class Scored:
     load: int
     cost: float
     index: str | None = None
+    confirmed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (``gateway explain``)."""
         return {"engine": self.engine.name, "engine_id": self.engine.id, "cached_blocks": self.blocks,
-                "weighted_blocks": round(self.weight, 3), "load": self.load, "cost": round(self.cost, 3),
-                "index": self.index or "used"}  # fmt: skip
+                "confirmed_blocks": self.confirmed, "weighted_blocks": round(self.weight, 3), "load": self.load,
+                "cost": round(self.cost, 3), "index": self.index or "used"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,8 @@ class Decision:
             ``hash_scheme``), None for a precise one.
         blocks: the request's full blocks (0 when unpredictable).
         block_size: tokens per block of the chosen engine (0 when unknown).
-        predicted_blocks: leading blocks the chosen engine was predicted to hold.
+        predicted_blocks: leading blocks the chosen engine was predicted to hold (its KV events'
+            and its live speculative entries', which yield to its events: :meth:`BlockIndex.held`).
         prompt_tokens: the predicted prompt length (0 when unpredictable).
         candidates: every candidate's score, best first (empty for an approximate choice).
     """
@@ -180,8 +192,15 @@ class PrefixRouter:
             held = self.index.held(engine.id, hashes, now) if usable[engine.id] is None else []
             load = max(in_flight.get(engine.id, 0), self.engine_load.get(engine.id, 0))
             w = weighted(held)
-            scored.append(Scored(engine, len(held), w, load, cost(len(hashes), w, load, self.load_weight), usable[engine.id]))
-        scored.sort(key=lambda s: (s.cost, -rendezvous_score(affinity, s.engine)))
+            scored.append(Scored(engine, len(held), w, load, cost(len(hashes), w, load, self.load_weight),
+                                 usable[engine.id], confirmed(held)))  # fmt: skip
+        deepest = max(s.blocks for s in scored)
+        tie_key = affinity
+        if hashes_of:
+            first = next(iter(hashes_of.values()))
+            if first:
+                tie_key = format(first[min(deepest, len(first) - 1)], "x")
+        scored.sort(key=lambda s: (s.cost, -rendezvous_score(tie_key, s.engine)))
         best = scored[0]
         hashes = hashes_of[scheme_of(best.engine)]  # type: ignore[index]
         if speculate and hashes:

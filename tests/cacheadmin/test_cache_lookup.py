@@ -156,8 +156,8 @@ def test_explain_shows_each_candidates_cached_blocks_load_and_cost(fleet) -> Non
     assert routing == {
         "engine": "e-lookup", "mode": "precise", "reason": None, "blocks": n,
         "predicted_cached_tokens": 3 * 32,
-        "candidates": [{"engine": "e-lookup", "engine_id": fleet["engine"].pk, "cached_blocks": 3, "weighted_blocks": 2.75,
-                        "load": 0, "cost": round(n - 2.75, 3), "index": "used"}],
+        "candidates": [{"engine": "e-lookup", "engine_id": fleet["engine"].pk, "cached_blocks": 3, "confirmed_blocks": 3,
+                        "weighted_blocks": 2.75, "load": 0, "cost": round(n - 2.75, 3), "index": "used"}],
     }  # fmt: skip
     path = Path(fleet["version"].path).parent / "explain-body.json"
     path.write_text(json.dumps(BODY))
@@ -170,4 +170,5 @@ def test_explain_shows_each_candidates_cached_blocks_load_and_cost(fleet) -> Non
     lines = cli.stdout.splitlines()
     chosen = f"engine choice: precise, {n} blocks, 96 prompt tokens predicted cached on the winner"
     assert lines[1] == chosen + " (lowest cost: blocks to compute + load)"
-    assert lines[2] == f"  e-lookup: 3 leading blocks held (weight 2.75), load 0, cost {round(n - 2.75, 3)}, index used"
+    held = "3 leading blocks held (3 confirmed by its events, weight 2.75)"
+    assert lines[2] == f"  e-lookup: {held}, load 0, cost {round(n - 2.75, 3)}, index used"

@@ -21,18 +21,20 @@ import redis
 
 from gateway.prefix.index import (
     MEDIUM_BITS,
+    SPECULATIVE_BIT,
     BlockIndex,
     IndexStore,
     IndexUnavailable,
     RedisIndexStore,
     SqliteIndexStore,
     block_set,
+    confirmed,
     weighted,
 )
 from gateway.prefix.load import EngineLoadPoller, engine_load
 from gateway.prefix.predict import Tokenizers, predict
 from gateway.prefix.router import APPROXIMATE, PRECISE, PrefixRouter, cost
-from gateway.routing import EngineTarget, NamespaceTarget
+from gateway.routing import EngineTarget, NamespaceTarget, choose_engine, prompt_affinity_text
 from inference.block_hashes import HashScheme
 from inference.corpus import Conversation
 from inference.tokenization import load_chat_tokenizer
@@ -99,8 +101,31 @@ def test_staleness_gaps_and_missing_sets_make_an_engine_unusable(store: Callable
 def test_speculative_entries_count_as_engine_memory_until_they_expire(tmp_path: Path) -> None:
     index = BlockIndex(SqliteIndexStore(tmp_path / "b.sqlite3"), speculative_ttl_s=5.0)
     index.speculate(3, [10, 11], now=100.0)
-    assert index.held(3, [10, 11, 12], now=104.9) == [MEDIUM_BITS["GPU"], MEDIUM_BITS["GPU"]]
+    spec = MEDIUM_BITS["GPU"] | SPECULATIVE_BIT
+    assert index.held(3, [10, 11, 12], now=104.9) == [spec, spec]
+    assert confirmed(index.held(3, [10, 11, 12], now=104.9)) == 0
     assert index.held(3, [10, 11], now=105.1) == []
+
+
+def test_speculative_entries_yield_to_the_engines_own_events(tmp_path: Path) -> None:
+    store = SqliteIndexStore(tmp_path / "b.sqlite3")
+    index = BlockIndex(store, speculative_ttl_s=5.0, speculative_confirm_s=1.0)
+    now = time.monotonic()
+    index.speculate(3, [10, 11, 12], now=now)
+    # The engine's events half a second after the routing: the request may not be scheduled yet.
+    store.publish([block_set(3, 1, _residency(GPU=[10]), complete=True, last_event_at=time.time() + 0.5)])
+    index.refresh()
+    spec = MEDIUM_BITS["GPU"] | SPECULATIVE_BIT
+    assert index.held(3, [10, 11, 12], now=now) == [MEDIUM_BITS["GPU"], spec, spec]
+    assert confirmed(index.held(3, [10, 11, 12], now=now)) == 1
+    # Events two seconds newer than the entries, without 11 (evicted, or never stored): the set says
+    # what is held, though the entries have three seconds to live.
+    store.publish([block_set(3, 1, _residency(GPU=[10]), complete=True, last_event_at=time.time() + 2.0)])
+    index.refresh()
+    assert index.held(3, [10, 11, 12], now=now) == [MEDIUM_BITS["GPU"]]
+    # An entry written after those events still counts.
+    index.speculate(3, [10, 11], now=now + 2.5)
+    assert index.held(3, [10, 11, 12], now=now + 2.5) == [MEDIUM_BITS["GPU"], spec]
 
 
 def test_expired_speculative_entries_go_and_renewed_ones_stay(tmp_path: Path) -> None:
@@ -109,7 +134,7 @@ def test_expired_speculative_entries_go_and_renewed_ones_stay(tmp_path: Path) ->
     index.speculate(3, [2, 3], now=103.0)  # 2 renewed: it must outlive its first batch
     index.speculate(3, [4], now=105.5)  # the first batch expired: 1 goes, 2 stays
     assert index.speculative[3] == {2: 108.0, 3: 108.0, 4: 110.5}
-    assert index.held(3, [2, 3, 4], now=105.5) == [MEDIUM_BITS["GPU"]] * 3
+    assert index.held(3, [2, 3, 4], now=105.5) == [MEDIUM_BITS["GPU"] | SPECULATIVE_BIT] * 3
     index.speculate(3, [], now=110.6)
     assert index.speculative[3] == {}
 
@@ -174,10 +199,10 @@ def test_the_engine_holding_the_longest_prefix_wins_and_load_moves_traffic_off_i
     assert (decision.engine, decision.mode, decision.reason, decision.predicted_blocks) == (b, PRECISE, None, 4)
     assert [(s.engine.id, s.blocks, s.weight) for s in decision.candidates] == [(2, 4, 3.25), (1, 3, 3.0)]
     n = len(hashes)
-    assert decision.candidates[0].cost == cost(n, 3.25, 0, 0.5) == n - 3.25
+    assert decision.candidates[0].cost == cost(n, 3.25, 0, 0.25) == n - 3.25
     prompt = decision.prompt_tokens
     assert decision.predicted_cached_tokens == min(4, (prompt - 1) // BLOCK) * BLOCK
-    # One request in flight on b costs it half the request's blocks: a wins.
+    # One request in flight on b costs it a quarter of the request's blocks, more than its lead of 0.25: a wins.
     loaded = router.decide(ns, [a, b], "chat", payload, {2: 1}, speculate=False)
     assert (loaded.engine, [c.engine.id for c in loaded.candidates]) == (a, [1, 2])
 
@@ -193,7 +218,45 @@ def test_a_burst_of_a_new_prefix_follows_its_first_request(tmp_path: Path, token
     # The next ones, before any KV event: the speculative entries point at the first one's engine.
     later = [router.decide(ns, engines, "chat", _payload(), {}) for _ in range(5)]
     assert {d.engine.id for d in later} == {first.engine.id}
-    assert all(d.predicted_blocks == first.blocks for d in later)
+    # Predicted from the entries, which no event confirms yet (explain shows the two apart).
+    assert [(d.candidates[0].blocks, d.candidates[0].confirmed, d.predicted_blocks) for d in later] == [
+        (first.blocks, 0, first.blocks)
+    ] * 5
+
+
+#: A company-wide preamble many templates start with (far more than the approximate choice's 512 characters).
+PREAMBLE = "Company rules for every support desk of the group. " + " ".join(
+    f"Rule {i}: answer in plain words, cite the policy page, and never promise a refund or a deadline." for i in range(12)
+)
+
+
+def _template(i: int, question: str) -> dict[str, Any]:
+    desk = f"Desk {i}: you answer for product line {i} only. " + " ".join(f"Line {i} note {j}." for j in range(40))
+    return {"messages": [{"role": "system", "content": PREAMBLE + "\n" + desk}, {"role": "user", "content": question}],
+            "cache_salt": SALT}  # fmt: skip
+
+
+def test_templates_behind_a_common_preamble_spread_by_what_follows_it(tmp_path: Path, tokenizer_path: str) -> None:
+    router, store = _router(tmp_path, tokenizer_path)
+    a, b = _engine(1), _engine(2)
+    templates = [_template(i, "Where is my order?") for i in range(8)]
+    all_hashes = [_hashes(tokenizer_path, t) for t in templates]
+    common = 0
+    while all(len(h) > common and h[common] == all_hashes[0][common] for h in all_hashes):
+        common += 1
+    assert common >= 4  # the preamble's blocks
+    # Both engines hold the preamble (and nothing of any template's own part).
+    store.publish([block_set(e.id, 1, _residency(GPU=all_hashes[0][:common]), complete=True) for e in (a, b)])
+    router.index.refresh()
+    ns = _ns((a, b), tokenizer_path)
+    chosen = [router.decide(ns, [a, b], "chat", t, {}, speculate=False) for t in templates]
+    assert {d.engine.id for d in chosen} == {1, 2}
+    assert all(d.predicted_blocks == common and d.mode == PRECISE for d in chosen)
+    # Each template's next request, another question, goes where its first went.
+    again = [router.decide(ns, [a, b], "chat", _template(i, "Can I change the address?"), {}, speculate=False) for i in range(8)]
+    assert [d.engine.id for d in again] == [d.engine.id for d in chosen]
+    # The approximate choice reads the leading 512 characters, the preamble's alone: one engine for all.
+    assert len({choose_engine([a, b], prompt_affinity_text(t), {}).id for t in templates}) == 1
 
 
 @pytest.mark.parametrize(

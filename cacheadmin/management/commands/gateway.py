@@ -202,7 +202,8 @@ class Command(ControlPlaneCommand):
         )
         for c in routing["candidates"]:
             self.stdout.write(
-                f"  {c['engine']}: {c['cached_blocks']} leading blocks held (weight {c['weighted_blocks']}), load {c['load']}, "
+                f"  {c['engine']}: {c['cached_blocks']} leading blocks held ({c['confirmed_blocks']} confirmed by its events, "
+                f"weight {c['weighted_blocks']}), load {c['load']}, "
                 f"cost {c['cost']}, index {c['index']}"
             )
 
