@@ -181,6 +181,9 @@ def test_workers_start_with_the_registration_precheck_imports(server: DashboardS
     log = server.tail(400)
     assert log.count("precheck imports warm in") == 1, log
     assert f"arbiter {server.proc.pid}: precheck imports warm in" in log
+    # So are the gateway's cache stores, which moving a release's traffic reaches (retiring its caches).
+    assert log.count("gateway stores warm in") == 1, log
+    assert f"arbiter {server.proc.pid}: gateway stores warm in" in log
     for pid in _workers_of(server.proc.pid):
         # Forked with torch's libraries mapped: inherited, not imported by the worker.
         assert "libtorch_cpu.so" in Path(f"/proc/{pid}/maps").read_text(), pid
