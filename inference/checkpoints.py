@@ -173,6 +173,32 @@ def build_tiny_mistral(target: Path, spec: TinyMistralSpec, *, served_name: str 
 PARTIAL = ".partial-"
 
 
+def partial_folder(target: Path) -> Path:
+    """This process's fresh partial folder for building ``target`` (dead builders' partials are removed first)."""
+    partials_reap(target)
+    tmp = target.with_name(f"{target.name}{PARTIAL}{process_token()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # this very process's own, from a build that raised
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def replace_with(tmp: Path, target: Path) -> None:
+    """Rename a finished build (its :data:`SPEC_MARKER` written last) to ``target``, replacing a folder built
+    from other inputs; when another builder of the same inputs renamed its own first, that one stays.
+
+    Raises:
+        OSError: the rename failed and no finished build is at ``target``.
+    """
+    if target.exists():
+        shutil.rmtree(target)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / SPEC_MARKER).is_file():
+            raise
+        shutil.rmtree(tmp)
+
+
 def partials_reap(target: Path) -> list[str]:
     """Remove the partial folders of ``target`` whose builder is dead (pid and
     start time, :func:`inference.processes.token_alive`); a running build's is kept.

@@ -41,9 +41,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
 
-from inference.checkpoints import PARTIAL, SPEC_MARKER, partials_reap
+from inference.checkpoints import SPEC_MARKER, partial_folder, replace_with
 from inference.errors import CheckpointError
-from inference.processes import process_token
 
 #: Bump when the build's output changes for the same inputs.
 BUILDER_VERSION: Final = 1
@@ -259,10 +258,7 @@ def build_real_model(
     count = sum(p.numel() for p in model.parameters())
     if count != source.parameters:
         raise CheckpointError(f"{source.name}: {count:,} parameters after dequantizing, {source.parameters:,} expected")
-    partials_reap(target)
-    tmp = target.with_name(f"{target.name}{PARTIAL}{process_token()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = partial_folder(target)
     _write_checkpoint(model, tokenizer, tmp)
     say(f"{source.name}: written ({count:,} parameters, bfloat16); smoke question: {source.smoke_question!r}")
     answer = greedy_answer(tmp, source.smoke_question)
@@ -270,14 +266,7 @@ def build_real_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{source.name}: the smoke answer {answer!r} does not say {source.smoke_answer!r}")
     (tmp / SPEC_MARKER).write_text(marker)
-    if target.exists():
-        shutil.rmtree(target)  # built from other inputs (the marker differed)
-    try:
-        tmp.rename(target)
-    except OSError:
-        if not (target / SPEC_MARKER).is_file():
-            raise
-        shutil.rmtree(tmp)  # another builder finished first, from the same inputs
+    replace_with(tmp, target)
     say(f"{source.name}: ready in {time.monotonic() - started:.0f} s, answering {answer!r}")
     return target
 

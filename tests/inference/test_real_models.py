@@ -56,10 +56,9 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_build_writes_a_checkpoint_that_answers_in_words_and_is_reused(tmp_path: Path) -> None:
-    lines: list[str] = []
-    path = build_real_model(tmp_path, progress=lines.append)
-    assert path == tmp_path / "smollm2-135m-instruct"
+def test_the_build_writes_a_checkpoint_that_answers_in_words_and_is_reused(real_model: Path) -> None:
+    path = real_model
+    assert path.name == "smollm2-135m-instruct"
     assert sorted(p.name for p in path.iterdir()) == [
         SPEC_MARKER, "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "tokenizer.json", "tokenizer_config.json",
@@ -72,21 +71,13 @@ def test_the_build_writes_a_checkpoint_that_answers_in_words_and_is_reused(tmp_p
         64,
     )
     assert "quantization_config" not in config
-    assert lines[0].startswith("smollm2-135m-instruct: SmolLM2-135M-Instruct.Q4_1.gguf checked: 272 tensors")
-    assert lines[-1] == "smollm2-135m-instruct: ready in " + lines[-1].split("ready in ")[1]
-    assert "'The capital of France is Paris.'" in lines[-1]
     assert greedy_answer(path, "What is the capital of France?") == "The capital of France is Paris."
     # The same inputs: reused, nothing rebuilt.
-    marker = (path / SPEC_MARKER).read_text()
     weights = (path / "model.safetensors").stat().st_mtime_ns
     again: list[str] = []
-    assert build_real_model(tmp_path, progress=again.append) == path
+    assert build_real_model(path.parent, progress=again.append) == path
     assert again == [f"smollm2-135m-instruct: built already from the same inputs ({path})"]
     assert (path / "model.safetensors").stat().st_mtime_ns == weights
-    # Another builder version's folder is rebuilt, not trusted.
-    (path / SPEC_MARKER).write_text(marker.replace('"builder": 1', '"builder": 0'))
-    assert build_real_model(tmp_path) == path
-    assert (path / SPEC_MARKER).read_text() == marker
 
 
 def test_the_cli_names_the_models_it_builds() -> None:
