@@ -52,6 +52,9 @@ class LoraRecipe:
 
     Attributes:
         rank, alpha, dropout: the adapter's shape (``r``, ``lora_alpha``, ``lora_dropout``).
+        top_layers: the adapter sits on this many of the last transformer blocks only
+            (``layers_to_transform``): the backward pass stops at the lowest of them, so
+            training costs the forward pass and a fraction of the backward one.
         epochs: passes over the release's examples.
         batch_size: examples per optimizer step.
         learning_rate: AdamW's.
@@ -62,6 +65,7 @@ class LoraRecipe:
     rank: int = 16
     alpha: int = 32
     dropout: float = 0.0
+    top_layers: int = 8
     epochs: int = 3
     batch_size: int = 8
     learning_rate: float = 1e-3
@@ -155,9 +159,10 @@ def train_release(
     torch.set_num_threads(recipe.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(parent))
     model: Any = AutoModelForCausalLM.from_pretrained(str(parent), dtype=torch.float32)
+    blocks = int(model.config.num_hidden_layers)
     config = LoraConfig(
         r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=recipe.dropout, target_modules=list(TARGET_MODULES),
-        task_type="CAUSAL_LM",
+        layers_to_transform=list(range(max(blocks - recipe.top_layers, 0), blocks)), task_type="CAUSAL_LM",
     )  # fmt: skip
     model = get_peft_model(model, config)
     batches = _batches(tokenizer, data, release_examples(data, release))
