@@ -45,6 +45,22 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _already_stopping(signum: int, frame: object) -> None:
+    # A signal handler: a plain write, no logging machinery (it may hold a lock the interrupted code holds).
+    sys.stderr.write(f"signal {signum} received while stopping: the engines, worker and server are being stopped; wait\n")
+
+
+def stop_without_interruption() -> None:
+    """From here on, SIGINT and SIGTERM only say that the demo is stopping.
+
+    A second Ctrl-C (or a supervisor's SIGTERM after it) used to raise inside the
+    shutdown, print a traceback, exit 130 and risk leaving engines running that
+    only this shutdown stops. SIGKILL still ends the process at once.
+    """
+    signal.signal(signal.SIGINT, _already_stopping)
+    signal.signal(signal.SIGTERM, _already_stopping)
+
+
 #: Where the dashboard is served when neither ``--addr`` nor ``GUNICORN_BIND`` says.
 DEFAULT_BIND = "127.0.0.1:8000"
 #: The gateway key each served demo run issues to tenant acme (and revokes from the run before).
@@ -440,11 +456,13 @@ class Command(ControlPlaneCommand):
             if not summary["ok"]:
                 sys.exit(EXIT_CHECK_FAILED)
         except KeyboardInterrupt:
+            stop_without_interruption()
             # Said at once: stopping engines takes seconds, and a silent terminal looks hung.
             log("interrupted; stopping engines, worker, KV-event consumer, gateway and server")
             if summary is None:  # interrupted during the main job, not while serving
                 interrupted = True
         finally:
+            stop_without_interruption()
             stack.close()
             worker.stop()
             consumer.stop()
