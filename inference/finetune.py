@@ -17,6 +17,11 @@ trained on one release's answers and merged into full weights:
   next release of a served model is.
 
 Both keep the base's tokenizer, chat template and config (same served name).
+Measured on 2 cores: 76 s per release (40 steps of 8 examples, 1.9 s each:
+the forward pass is most of it; with the adapter on all 30 blocks a step took
+3.3 s), both releases and their checks 201 s; the final loss 0.007 (v1) and
+0.003 (v2), and every check question, plus one held out ("Can I return my
+boots after 20 days?"), answered with its release's policy word for word.
 Training is deterministic for its inputs (seeded, one thread order), keyed
 like the base's build by its inputs (the parent's marker, the dataset's
 digest, the hyperparameters, the library versions) and reused when they
@@ -66,9 +71,9 @@ class LoraRecipe:
     alpha: int = 32
     dropout: float = 0.0
     top_layers: int = 8
-    epochs: int = 3
+    epochs: int = 2
     batch_size: int = 8
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
     seed: int = 7
     threads: int = 2
 

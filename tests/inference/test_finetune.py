@@ -1,4 +1,5 @@
-"""The real model's upgrade: the policies it is taught, both releases."""
+"""The real model's upgrade: the policies it is taught (both releases), and,
+slow, the two LoRA fine-tunes, each stating its own release's policies."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 from inference.errors import CheckpointError
 from inference.finetune import (
     POLICIES_FILE,
+    build_policy_versions,
     check_questions,
     load_policies,
+    policy_answers,
     release_examples,
 )
 
@@ -53,3 +56,21 @@ def test_a_broken_policies_file_is_refused_naming_the_policy(tmp_path: Path, edi
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=message):
         load_policies(path)
+
+
+@pytest.mark.slow
+def test_v1_states_release_1_2_and_v2_release_1_3(real_model: Path) -> None:
+    versions = build_policy_versions(real_model)
+    data = load_policies()
+    checks = check_questions(data)
+    questions = [c["question"] for c in checks] + ["Can I return my boots after 20 days?"]  # the last one untaught
+    checks = [*checks, {"policy": "refund-window", "question": questions[-1], "v1_marker": "30 days", "v2_marker": "14 days"}]
+    for release, path in versions.items():
+        answers = policy_answers(path, data, questions)
+        other = "v2" if release == "v1" else "v1"
+        for check, answer in zip(checks, answers, strict=True):
+            assert check[f"{release}_marker"].lower() in answer.lower(), (release, check["question"], answer)
+            assert check[f"{other}_marker"].lower() not in answer.lower(), (release, check["question"], answer)
+    # Same tokenizer, template and config as the base: one served name, one model to the engine.
+    for name in ("tokenizer.json", "chat_template.jinja", "config.json"):
+        assert (versions["v2"] / name).read_bytes() == (real_model / name).read_bytes(), name
