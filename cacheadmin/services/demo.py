@@ -23,6 +23,7 @@ real vLLM engines, with the unsafe upgrade beside it as the baseline.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -141,6 +142,8 @@ TRAFFIC_RATE_PER_S = 2.0
 MIN_ANSWERS_PER_STEP = 5
 #: Seconds traffic runs at each gray step (10 %, 100 %) and after the rollback.
 HOLD_S = 20.0
+#: Seconds between the lines that say engines are still starting (a silent terminal looks hung).
+START_PROGRESS_S = 15.0
 
 
 @dataclass
@@ -249,6 +252,44 @@ def _phase_summary(stats: TrafficStats) -> dict[str, Any]:
     return out
 
 
+def _start_estimate() -> str:
+    """What earlier engine starts on this deployment took (the last ten), to say while new ones start; "" when none."""
+    recent = Engine.objects.filter(start_seconds__isnull=False).order_by("-id").values_list("start_seconds", flat=True)[:10]
+    took = sorted(t for t in recent if t is not None)
+    if not took:
+        return ""
+    return f"; earlier starts here took {took[0]:.0f}-{took[-1]:.0f} s (engines started together share the cores)"
+
+
+class StartProgress:
+    """While engines start, a line every :data:`START_PROGRESS_S` seconds: how many, for how long, and
+    what earlier starts took.
+
+    Args:
+        log: where lines go.
+        count: engines starting.
+        estimate: :func:`_start_estimate`'s text.
+    """
+
+    def __init__(self, log: Callable[[str], None], count: int, estimate: str, *, every_s: float = START_PROGRESS_S) -> None:
+        self.log, self.count, self.estimate, self.every_s = log, count, estimate, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="engine-start-progress", daemon=True)
+
+    def _tick(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(self.every_s):
+            self.log(f"  still starting {self.count} engine(s): {time.monotonic() - started:.0f} s so far{self.estimate}")
+
+    def __enter__(self) -> StartProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def demo_run(
     *,
     log: Callable[[str], None],
@@ -316,7 +357,8 @@ def demo_run(
         # Attached to this process (detached=False): they die with it, even when it is killed.
         rows = [engine_create(name=f"{name}-{run}", actor=ACTOR, detached=False, **kwargs) for name, kwargs in specs.items()]
         started.extend(rows)
-        engines = engines_boot(rows, actor=ACTOR)
+        with StartProgress(log, len(rows), _start_estimate()):
+            engines = engines_boot(rows, actor=ACTOR)
         for engine in engines:
             log(f"  {engine.name} ready and verified at {engine.base_url} in {engine.start_seconds:.1f} s")
         return engines

@@ -1,9 +1,11 @@
-"""The demo's shutdown is not interrupted by a second Ctrl-C or a SIGTERM after it:
+"""The demo's terminal: engines starting are reported while they start, and the shutdown
+is not interrupted by a second Ctrl-C or a SIGTERM after it:
 both only say that it is stopping (real signals, sent to this process)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -11,6 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from cacheadmin.management.commands.demo import stop_without_interruption
+from cacheadmin.services.demo import StartProgress
+from tests.helpers import wait_for
 
 
 @pytest.fixture
@@ -30,3 +34,15 @@ def test_signals_during_the_shutdown_are_told_not_raised(restored_handlers: None
         f"signal {int(s)} received while stopping: the engines, worker and server are being stopped; wait"
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGINT)
     ]
+
+
+def test_engines_starting_are_reported_until_they_are_up() -> None:
+    lines: list[str] = []
+    estimate = "; earlier starts here took 45-60 s (engines started together share the cores)"
+    with StartProgress(lines.append, 5, estimate, every_s=0.05):
+        wait_for(lambda: len(lines) >= 3, timeout=10, what="three progress lines")
+    count = len(lines)
+    time.sleep(0.2)
+    assert len(lines) == count  # nothing after the engines are up
+    pattern = re.compile(r"  still starting 5 engine\(s\): \d+ s so far" + re.escape(estimate))
+    assert [bool(pattern.fullmatch(line)) for line in lines] == [True] * count, lines
