@@ -44,8 +44,8 @@ def model_version_detail(request: HttpRequest, pk: int) -> HttpResponse:
     )
 
 
-def _job_page(request: HttpRequest, job: PrewarmJob | ComparisonJob, template: str) -> HttpResponse:
-    context = {"job": job, "results": job.results.all(), "poll_s": POLL_ACTIVE_S if job.is_active else None}
+def _job_page(request: HttpRequest, job: PrewarmJob | ComparisonJob, template: str, **extra: object) -> HttpResponse:
+    context = {"job": job, "results": job.results.all(), "poll_s": POLL_ACTIVE_S if job.is_active else None, **extra}
     if request.headers.get("HX-Request"):
         return render(request, f"cacheadmin/_{template}", context)
     return render(request, f"cacheadmin/{template}", context)
@@ -60,14 +60,17 @@ def prewarm_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def comparison_job_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    """A comparison job with per-prompt results."""
+    """A comparison job with per-prompt results, then each prompt's two answers side
+    by side (without cache and with it), deceptive hits first."""
     job = get_object_or_404(
         ComparisonJob.objects.select_related(
             "engine__model_version", "reference_engine", "namespace__tenant", "namespace__group", "namespace__model_version"
         ),
         pk=pk,
     )
-    return _job_page(request, job, "comparison_job_detail.html")
+    results = list(job.results.all())
+    answers = sorted(results, key=lambda r: (not r.deceptive, r.index))
+    return _job_page(request, job, "comparison_job_detail.html", results=results, answers=answers)
 
 
 def namespace_detail(request: HttpRequest, pk: int) -> HttpResponse:

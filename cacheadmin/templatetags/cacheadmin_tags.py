@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import unicodedata
 
 import humanize
 from django import template
 from django.utils import timezone
+from django.utils.html import conditional_escape, format_html
+from django.utils.safestring import SafeString
 
 from cacheadmin.models.api_tokens import session_allows
 
@@ -62,6 +65,51 @@ def shown(value: object) -> str:
     written as escapes (``\\u202e``), for names that come from files."""
     text = str(value)
     return "".join(f"\\u{ord(c):04x}" if ord(c) in _DISGUISING or (not c.isprintable() and c not in " ") else c for c in text)
+
+
+#: Zero-width joiner: the characters on both sides of it render as one (emoji sequences).
+_ZWJ = "\u200d"
+
+
+def _joins_previous(text: str, i: int) -> bool:
+    """Whether ``text[i]`` renders as part of the character before it: a combining mark
+    (accents, variation selectors), a zero-width joiner or what follows one, an emoji skin tone."""
+    if i >= len(text):
+        return False
+    return (
+        unicodedata.category(text[i]).startswith("M")
+        or text[i] == _ZWJ
+        or (i > 0 and text[i - 1] == _ZWJ)
+        or 0x1F3FB <= ord(text[i]) <= 0x1F3FF
+    )
+
+
+def text_divergence(a: str, b: str) -> int | None:
+    """Index (in ``str`` code points) of the first character where ``a`` and ``b`` differ; None when equal.
+
+    When one text is a prefix of the other, the index is the shorter one's length
+    (where it ends). An index that would fall inside a character as rendered (on a
+    combining mark, a zero-width joiner, an emoji skin tone) moves back to the
+    character it belongs to, so that ``a[:i]`` and ``b[:i]`` are the same whole
+    characters: ``"e\\u0301"`` against ``"e\\u0300"`` differ at 0, not at the accent.
+    """
+    if a == b:
+        return None
+    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    while at > 0 and (_joins_previous(a, at) or _joins_previous(b, at)):
+        at -= 1
+    return at
+
+
+@register.simple_tag
+def divergence_marked(text: str, other: str) -> SafeString:
+    """``text`` escaped, with its part from the first difference with ``other`` on
+    in ``<mark class="divergence">`` (an empty mark where ``text`` ends first); ``text``
+    unmarked when the two are equal. ``{% divergence_marked r.reference_text r.cached_text %}``."""
+    at = text_divergence(text, other)
+    if at is None:
+        return conditional_escape(text)
+    return format_html('{}<mark class="divergence">{}</mark>', text[:at], text[at:])
 
 
 #: What a missing value renders as, instead of a bare unit (" ms", "None MiB").

@@ -1,5 +1,6 @@
-// Page-wide htmx behaviour: signed-out polls go to the sign-in page, and a
-// poll never replaces a form someone is typing in.
+// Page-wide htmx behaviour: signed-out polls go to the sign-in page, a poll
+// never replaces a form someone is typing in, and a <details> the reader opened
+// or closed stays so.
 (function () {
   "use strict";
 
@@ -62,6 +63,23 @@
       // Keep what is typed; the element keeps its hx-trigger, so the next poll tries again.
       detail.shouldSwap = false;
       detail.target.dataset.swapSkippedAt = new Date().toISOString();
+    }
+    if (detail.shouldSwap && detail.target) rememberDetails(detail.target);
+  });
+
+  // A poll renders each <details> open or closed as served (a deceptive hit's answers open);
+  // one the reader opened or closed keeps that state across the swap, found again by its id.
+  // Entries wait for the element that replaces theirs (sections of a page swap independently).
+  const detailsOpen = new Map();
+  function rememberDetails(root) {
+    for (const element of root.querySelectorAll("details[id]")) detailsOpen.set(element.id, { element, open: element.open });
+  }
+  document.addEventListener("htmx:afterSettle", () => {
+    for (const [id, { element, open }] of detailsOpen) {
+      const now = document.getElementById(id);
+      if (now === element) continue; // not swapped yet
+      if (now && now.tagName === "DETAILS") now.open = open;
+      detailsOpen.delete(id);
     }
   });
 })();
