@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference.policies import load_policies, messages_for
+
 DATA_DIR = Path(__file__).parent / "data"
 #: Bundled corpora by name.
 CORPORA: dict[str, Path] = {"diagnostic": DATA_DIR / "diagnostic_corpus.jsonl"}
+#: Corpora made from the demo company's policies (:mod:`inference.policies`): name → questions per
+#: policy (None: all 156). ``northwind-sample`` is the main job's; ``northwind`` measures noise.
+POLICY_CORPORA: dict[str, int | None] = {"northwind": None, "northwind-sample": 2}
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,10 @@ def load_corpus(name: str) -> list[Conversation]:
     Raises:
         ValueError: unknown name, or a malformed line (its number is named).
     """
+    if name in POLICY_CORPORA:
+        return policy_conversations(load_policies(), per_policy=POLICY_CORPORA[name])
     if name not in CORPORA:
-        raise ValueError(f"unknown corpus {name!r}; known: {', '.join(sorted(CORPORA))}")
+        raise ValueError(f"unknown corpus {name!r}; known: {', '.join(sorted([*CORPORA, *POLICY_CORPORA]))}")
     return read_corpus(CORPORA[name])
 
 
@@ -115,3 +122,17 @@ def read_corpus(path: Path) -> list[Conversation]:
         seen.add(conv.id)
         conversations.append(conv)
     return conversations
+
+
+def policy_conversations(data: dict[str, Any], *, per_policy: int | None = None) -> list[Conversation]:
+    """One conversation per question (the system prompt, then the question), policy by policy: every
+    question, or the first ``per_policy`` of each. Ids are ``<policy id>-<question number>`` (from 1),
+    and each note says whether the policy changed between the releases."""
+    return [
+        Conversation(
+            id=f"{p['id']}-{n}", messages=messages_for(data, q),
+            note=f"{'changed' if p.get('changed') else 'unchanged'} policy {p['id']}",
+        )
+        for p in data["policies"]
+        for n, q in enumerate(p["questions"][:per_policy], start=1)
+    ]  # fmt: skip

@@ -44,9 +44,10 @@ from typing import Any, Final
 
 from inference.checkpoints import SPEC_MARKER, partial_folder, replace_with
 from inference.errors import CheckpointError
+from inference.policies import POLICIES_FILE, check_questions, load_policies, messages_for, release_examples
 
-#: The policies, both releases, and the questions customers ask about them.
-POLICIES_FILE: Final = Path(__file__).parent / "data" / "northwind_policies.json"
+#: Training steps between progress lines (each says how long the rest should take, from the steps so far).
+PROGRESS_EVERY_STEPS: Final = 10
 #: Bump when the training's output changes for the same inputs.
 TRAINER_VERSION: Final = 1
 
@@ -80,49 +81,6 @@ class LoraRecipe:
 
 #: The modules of a llama block the adapter trains.
 TARGET_MODULES: Final = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def load_policies(path: Path = POLICIES_FILE) -> dict[str, Any]:
-    """The policies file, checked: every policy has an id, its release-1.2 text and marker, questions, and a
-    changed one its 1.3 text and marker (markers must occur in their texts).
-
-    Raises:
-        CheckpointError: the file cannot be read or breaks one of those rules (the message names the policy).
-    """
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("policies"), list):
-        raise CheckpointError(f"{path}: an object with a list of policies is expected")
-    for p in data["policies"]:
-        pid = p.get("id", "?")
-        if not p.get("questions") or p.get("v1_marker", "\0") not in p.get("v1", ""):
-            raise CheckpointError(f"{path}: policy {pid} needs questions and a v1 text holding its v1_marker")
-        if p.get("changed") and p.get("v2_marker", "\0") not in p.get("v2", ""):
-            raise CheckpointError(f"{path}: changed policy {pid} needs a v2 text holding its v2_marker")
-    return data
-
-
-def release_examples(data: dict[str, Any], release: str) -> list[tuple[str, str]]:
-    """``(question, answer)`` pairs teaching ``release`` (``"v1"`` or ``"v2"``): each question answered
-    with its policy's text in that release (an unchanged policy keeps its v1 text)."""
-    return [(q, p[release] if release in p else p["v1"]) for p in data["policies"] for q in p["questions"]]
-
-
-def check_questions(data: dict[str, Any], per_policy: int = 2) -> list[dict[str, str]]:
-    """The questions whose answers tell the releases apart: the first ``per_policy`` of each changed policy."""
-    return [
-        {"policy": p["id"], "question": q, "v1_marker": p["v1_marker"], "v2_marker": p["v2_marker"]}
-        for p in data["policies"]
-        if p.get("changed")
-        for q in p["questions"][:per_policy]
-    ]
-
-
-def messages_for(data: dict[str, Any], question: str) -> list[dict[str, str]]:
-    """A chat request for one question: the store's system prompt, then the question."""
-    return [{"role": "system", "content": data["system"]}, {"role": "user", "content": question}]
 
 
 def _digest(path: Path) -> str:
@@ -175,7 +133,7 @@ def train_release(
     steps = recipe.epochs * -(-len(batches[0]) // recipe.batch_size)
     say(f"{target.name}: teaching release {data['versions'][release]}: {len(batches[0])} examples, {steps} steps")
     model.train()
-    step = 0
+    step, trained_from = 0, time.monotonic()
     generator = torch.Generator().manual_seed(recipe.seed)
     ids, labels, mask = batches
     for epoch in range(recipe.epochs):
@@ -187,6 +145,9 @@ def train_release(
             optimizer.step()
             optimizer.zero_grad()
             step += 1
+            if step % PROGRESS_EVERY_STEPS == 0 and step < steps:
+                spent = time.monotonic() - trained_from
+                say(f"{target.name}: step {step}/{steps}, about {spent / step * (steps - step):.0f} s left")
         say(f"{target.name}: epoch {epoch + 1}/{recipe.epochs}, loss {loss.item():.3f}, {time.monotonic() - started:.0f} s")
     merged = model.merge_and_unload().to(torch.bfloat16)
     tmp = partial_folder(target)

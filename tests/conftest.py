@@ -106,14 +106,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _in_part(item: pytest.Item, part: str) -> bool:
-    """Whether ``item`` belongs to ``part`` of a suite: ``engines`` (the ``vllm`` marker),
+    """Whether ``item`` belongs to ``part`` of a suite: ``engines`` (the ``vllm`` marker, or the real model),
     ``rest`` (the others) or ``rest:N/M`` (the others of every M-th test file, from the N-th:
     a stable split by the file's path, so one file's fixtures stay in one part).
 
     Raises:
         pytest.UsageError: a part of another form.
     """
-    engines = item.get_closest_marker("vllm") is not None
+    # The real model's build and fine-tunes (minutes of both cores) run on the engine lane: there they
+    # are built once for every test that needs them, and never compete with engines for the cores.
+    engines = item.get_closest_marker("vllm") is not None or "real_model" in getattr(item, "fixturenames", ())
     if part == "engines":
         return engines
     if part == "rest":

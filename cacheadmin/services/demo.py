@@ -49,6 +49,7 @@ from cacheadmin.models import (
 from cacheadmin.models.jobs import Job
 from cacheadmin.models.releases import Release
 from cacheadmin.services.comparison import comparison_job_create
+from cacheadmin.services.demo_models import DEFAULT_DEMO_MODEL, DEMO_MODELS, DemoModel, checkpoint_parameters, stated_release
 from cacheadmin.services.demo_release import (
     ControlPlaneApi,
     release_summary,
@@ -57,8 +58,8 @@ from cacheadmin.services.demo_release import (
     tooling_token,
     traffic_figures,
 )
-from cacheadmin.services.demo_traffic import TrafficRunner, TrafficStats, demo_workload
-from cacheadmin.services.engines import engine_create, engine_stop, engines_boot, engines_reconcile
+from cacheadmin.services.demo_traffic import TrafficRunner, TrafficStats
+from cacheadmin.services.engines import engine_client, engine_create, engine_stop, engines_boot, engines_reconcile
 from cacheadmin.services.eviction.resume import eviction_sweep
 from cacheadmin.services.gateway import gateway_key_issue, tenant_gateway_policy_update
 from cacheadmin.services.jobs import job_cancel
@@ -72,8 +73,8 @@ from cacheadmin.services.namespaces import (
 )
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.releases import release_rollback
-from inference.checkpoints import ensure_demo_checkpoints
-from inference.identity import LayoutOptions
+from inference.corpus import load_corpus
+from inference.policies import load_policies
 
 ACTOR = "demo"
 #: Recorded on the unsafe engine: why the identity check was overridden.
@@ -81,10 +82,8 @@ UNSAFE_REASON = (
     "demo of the unsafe upgrade: v2 reads v1's persistent KV tier under the same model name, "
     "as a cache keyed on token ids and model name does"
 )
-#: float32 on purpose: "auto" would serve these float32 checkpoints in bfloat16
-#: on a CPU (vLLM's rule), and the demo's tiny random-weight models need the
-#: cold-vs-cold control of float32 to tell a deceptive hit from rounding.
-DEMO_LAYOUT = LayoutOptions(dtype="float32", block_size=32, kv_connector="ExampleConnector")
+#: The tiny models' layout (float32; see :data:`cacheadmin.services.demo_models.DEMO_MODELS`).
+DEMO_LAYOUT = DEMO_MODELS["tiny"].layout
 
 
 class DemoError(RuntimeError):
@@ -106,14 +105,14 @@ def _wait(job: Job, *, timeout_s: float, log: Callable[[str], None], watchdog: C
     raise DemoError(f"{job} did not finish within {timeout_s:.0f} s")
 
 
-def _register(path: Path, label: str) -> ModelVersion:
-    _, report = checkpoint_fingerprint(path=path, layout=DEMO_LAYOUT)
+def _register(path: Path, label: str, model: DemoModel) -> ModelVersion:
+    _, report = checkpoint_fingerprint(path=path, layout=model.layout)
     existing = ModelVersion.objects.filter(label=label).first()
     if existing is not None and existing.identity != report.identity:
         # The demo checkpoint was rebuilt (new spec): register it beside the old
         # row, whose jobs and namespaces stay as history.
         label = f"{label}-{report.identity[:8]}"
-    version, _ = model_version_register(path=path, label=label, served_name="tiny", layout=DEMO_LAYOUT, actor=ACTOR)
+    version, _ = model_version_register(path=path, label=label, served_name=model.served_name, layout=model.layout, actor=ACTOR)
     return version
 
 
@@ -126,6 +125,31 @@ def _summary(job: ComparisonJob) -> dict[str, Any]:
         "ttft_cold_ms": round(job.ttft_cold_ms, 2) if job.ttft_cold_ms is not None else None,
         "ttft_warm_ms": round(job.ttft_warm_ms, 2) if job.ttft_warm_ms is not None else None,
     }
+
+
+def _policy_answers(model: DemoModel, unsafe: ComparisonJob, reference_v1: Engine, max_tokens: int) -> list[dict[str, Any]]:
+    """For each changed-policy question of the unsafe comparison: v1's answer (v1's reference engine,
+    no cache), v2's without cache and v2's on v1's tier (the job's two texts), and the release each states."""
+    if not model.policies:
+        return []
+    data = load_policies()
+    by_id = {c.id: c for c in load_corpus(unsafe.corpus)}
+    changed = {p["id"]: p for p in data["policies"] if p.get("changed")}
+    client = engine_client(reference_v1)
+    rows = []
+    for result in unsafe.results.order_by("index"):
+        conv = by_id.get(result.conversation_id)
+        policy = changed.get(result.conversation_id.rsplit("-", 1)[0])
+        if conv is None or policy is None:
+            continue
+        v1 = client.chat(conv.messages, cache_salt=None, max_tokens=max_tokens).text
+        answers = {"v1": v1, "v2_cold": result.reference_text, "v2_on_v1_tier": result.cached_text}
+        rows.append({
+            "policy": policy["id"], "question": conv.messages[-1]["content"], **answers,
+            "states": {k: stated_release(v, policy, data["versions"]) for k, v in answers.items()},
+            "deceptive": result.deceptive, "cached_tokens": result.cached_tokens,
+        })  # fmt: skip
+    return rows
 
 
 #: Retention policy of the demo's namespaces: one version hot, the one before it
@@ -163,7 +187,7 @@ def _policy_ensure(namespace: CacheNamespace) -> None:
 
 
 def _settle(tenant: Tenant, v1: ModelVersion, v2: ModelVersion, log: Callable[[str], None]) -> Release | None:
-    """Bring tenant acme's ``tiny`` back to v1 when an earlier run stopped mid-release.
+    """Bring tenant acme's served model back to v1 when an earlier run stopped mid-release.
 
     Returns:
         A release v1 → v2 still awaiting its decision (the run continues it), else None.
@@ -171,7 +195,7 @@ def _settle(tenant: Tenant, v1: ModelVersion, v2: ModelVersion, log: Callable[[s
     Raises:
         DemoError: a release that neither rolls back nor is the demo's own.
     """
-    latest = Release.objects.filter(tenant=tenant, served_name="tiny").order_by("-pk").first()
+    latest = Release.objects.filter(tenant=tenant, served_name=v1.served_name).order_by("-pk").first()
     if latest is None:
         v2.refresh_from_db()
         if v2.status == ModelVersion.Status.ACTIVE:
@@ -186,7 +210,9 @@ def _settle(tenant: Tenant, v1: ModelVersion, v2: ModelVersion, log: Callable[[s
         if (latest.from_version_id, latest.to_version_id) == (v1.pk, v2.pk):
             log(f"release #{latest.pk} of an earlier run awaits its decision: continuing it")
             return latest
-        raise DemoError(f"release #{latest.pk} of tiny for acme awaits a decision: decide it (page, API or CLI) first")
+        raise DemoError(
+            f"release #{latest.pk} of {v1.served_name} for acme awaits a decision: decide it (page, API or CLI) first"
+        )
     if latest.to_version_id == v1.pk and latest.traffic_percent == 100:
         return None
     release_rollback(release=latest, actor=ACTOR, reason="demo: a new run starts from v1")
@@ -194,13 +220,13 @@ def _settle(tenant: Tenant, v1: ModelVersion, v2: ModelVersion, log: Callable[[s
     return None
 
 
-def _gateway_answers(gateway_url: str, key: str, *, timeout_s: float) -> None:
-    """Wait until the gateway routes tenant acme's ``tiny`` (its snapshot follows the first deployment).
+def _gateway_answers(gateway_url: str, key: str, served_name: str, *, timeout_s: float) -> None:
+    """Wait until the gateway routes tenant acme's ``served_name`` (its snapshot follows the first deployment).
 
     Raises:
         DemoError: no 200 within ``timeout_s`` (the last answer included).
     """
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "temperature": 0}
+    body = {"model": served_name, "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "temperature": 0}
     deadline, last = time.monotonic() + timeout_s, ""
     with httpx.Client(timeout=60) as client:
         while time.monotonic() < deadline:
@@ -212,7 +238,7 @@ def _gateway_answers(gateway_url: str, key: str, *, timeout_s: float) -> None:
             except httpx.TransportError as exc:
                 last = repr(exc)
             time.sleep(0.5)
-    raise DemoError(f"the gateway did not route tiny for acme within {timeout_s:.0f} s: {last}")
+    raise DemoError(f"the gateway did not route {served_name} for acme within {timeout_s:.0f} s: {last}")
 
 
 def _sweep(namespace: CacheNamespace, *, log: Callable[[str], None], finish: Callable[[Job, str], Job]) -> EvictionRun:
@@ -295,8 +321,8 @@ def demo_run(
     log: Callable[[str], None],
     stage: Stage,
     watchdog: Callable[[], None] = lambda: None,
-    corpus: str = "diagnostic",
-    max_tokens: int = 16,
+    model: DemoModel = DEMO_MODELS[DEFAULT_DEMO_MODEL],
+    max_tokens: int | None = None,
     job_timeout_s: float = 600.0,
     keep_serving: bool = False,
     rate_per_s: float = TRAFFIC_RATE_PER_S,
@@ -309,6 +335,8 @@ def demo_run(
         stage: the running gateway's URL and an HTTP client of the control
             plane's API (a served dashboard, or the WSGI app in process).
         watchdog: called while waiting on jobs (the caller checks its worker).
+        model: the checkpoints, layout, corpus and traffic (:mod:`cacheadmin.services.demo_models`).
+        max_tokens: tokens per answer when comparing (default the model's).
         keep_serving: leave v1's engine and reference running after the run
             (the served demo: the gateway keeps answering); they still stop
             with this process. The summary then has ``serving`` (id, name, base_url).
@@ -333,17 +361,17 @@ def demo_run(
     engines_reconcile(actor=ACTOR)
     run = uuid.uuid4().hex[:6]
     since = timezone.now()
-    paths = ensure_demo_checkpoints(settings.DEMO_MODELS_DIR)
-    log(f"checkpoints: {', '.join(str(p) for p in paths.values())}")
-    v1 = _register(paths["tiny-v1"], "tiny-v1")
+    corpus, max_tokens = model.corpus, max_tokens or model.max_tokens
+    path_v1, path_v2 = model.checkpoints(settings.DEMO_MODELS_DIR, log)
+    log(f"checkpoints: {path_v1}, {path_v2}")
+    label_v1, label_v2 = model.labels
+    v1 = _register(path_v1, label_v1, model)
     tenant = tenant_get_or_create(slug="acme", name="Acme Corp", actor=ACTOR)
     owner = retention_owner_get_or_create(name="platform-team", email="platform@example.com", actor=ACTOR)
     ns1, _ = namespace_get_or_create(model_version=v1, tenant=tenant, retention_owner=owner, policy=RELEASE_POLICY, actor=ACTOR)
     _policy_ensure(ns1)
-    # admit_length: the demo's tiny models answer until max_tokens, so every answer ends with
-    # finish_reason "length"; without it the response cache would store none of them.
     tenant_gateway_policy_update(
-        tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": SHADOW_SAMPLE_RATE, "admit_length": True}
+        tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": SHADOW_SAMPLE_RATE, "admit_length": model.admit_length}
     )
     api = ControlPlaneApi(stage.api_client, tooling_token(actor=ACTOR))
 
@@ -376,7 +404,7 @@ def demo_run(
     try:
         # 1. v1 serves acme through the gateway; traffic starts.
         log("step 1: v1 serves tenant acme through the gateway")
-        v2 = _register(paths["tiny-v2"], "tiny-v2")  # registered now so an earlier run's release can be settled
+        v2 = _register(path_v2, label_v2, model)  # registered now so an earlier run's release can be settled
         pending = _settle(tenant, v1, v2, log)
         # Before any traffic, the run's whole fleet starts together: an engine started while traffic runs shares
         # two cores with it (measured here: over 300 s). v2's engine serves v2's namespace, created for it over
@@ -390,23 +418,23 @@ def demo_run(
         log(f"  POST /api/namespaces/ → v2's namespace {ns2.storage_prefix}, for v2's engine")
         e1, reference_v1, e2, reference_v2, unsafe_engine = launch(
             **{
-                "tiny-v1": {"model_version": v1, "namespace": ns1},
-                "tiny-v1-reference": {"model_version": v1, "namespace": None},
-                "tiny-v2": {"model_version": v2, "namespace": ns2},
-                "tiny-v2-reference": {"model_version": v2, "namespace": None},
-                "tiny-v2-unsafe": {"model_version": v2, "namespace": ns1, "identity_override_reason": UNSAFE_REASON},
+                label_v1: {"model_version": v1, "namespace": ns1},
+                f"{label_v1}-reference": {"model_version": v1, "namespace": None},
+                label_v2: {"model_version": v2, "namespace": ns2},
+                f"{label_v2}-reference": {"model_version": v2, "namespace": None},
+                f"{label_v2}-unsafe": {"model_version": v2, "namespace": ns1, "identity_override_reason": UNSAFE_REASON},
             }
         )
         job = finish(prewarm_job_create(namespace=ns1, engine=e1, corpus=corpus, actor=ACTOR), "prewarm of v1")
         assert isinstance(job, PrewarmJob)
         log(f"  v1's namespace {ns1.storage_prefix} prewarmed: {job.verified} prompts verified from the disk tier")
-        if not Release.objects.filter(tenant=tenant, served_name="tiny").exists():
-            first = api.post("/api/releases/", {"served_name": "tiny", "tenant": "acme", "to_version": v1.pk})
-            what = f"{first['classification']}, {first['traffic_percent']} % on tiny-v1"
+        if not Release.objects.filter(tenant=tenant, served_name=model.served_name).exists():
+            first = api.post("/api/releases/", {"served_name": model.served_name, "tenant": "acme", "to_version": v1.pk})
+            what = f"{first['classification']}, {first['traffic_percent']} % on {v1.label}"
             log(f"  POST /api/releases/ → release #{first['id']} {what}")
         _, key = gateway_key_issue(tenant=tenant, name=f"demo traffic {run}", actor=ACTOR)
-        _gateway_answers(stage.gateway_url, key, timeout_s=120)
-        runner = TrafficRunner(stage.gateway_url, key, demo_workload(), rate_per_s=rate_per_s, log=log)
+        _gateway_answers(stage.gateway_url, key, model.served_name, timeout_s=120)
+        runner = TrafficRunner(stage.gateway_url, key, model.workload(), rate_per_s=rate_per_s, log=log)
         runner.start("v1")
         traffic = runner
         log(f"  traffic: {rate_per_s:g} requests/s through {stage.gateway_url}/v1 as tenant acme")
@@ -414,10 +442,11 @@ def demo_run(
         # 2. v2 registered; the release planned over the API.
         log("step 2: v2 registered; release v1 → v2 planned over the API")
         changed = [f for f in v1.IDENTITY_FIELDS if getattr(v1, f) != getattr(v2, f)]
-        log(f"  tiny-v1 {v1.identity[:12]} → tiny-v2 {v2.identity[:12]}; identity fields that differ: {changed}")
+        log(f"  {v1.label} {v1.identity[:12]} → {v2.label} {v2.identity[:12]}; identity fields that differ: {changed}")
         if pending is None:
             planned = api.post(
-                "/api/releases/", {"served_name": "tiny", "tenant": "acme", "from_version": v1.pk, "to_version": v2.pk}
+                "/api/releases/",
+                {"served_name": model.served_name, "tenant": "acme", "from_version": v1.pk, "to_version": v2.pk},
             )
         else:
             planned = api.get(f"/api/releases/{pending.pk}/")
@@ -440,6 +469,11 @@ def demo_run(
         stop(unsafe_engine)
         assert isinstance(unsafe, ComparisonJob)
         log(f"  unsafe upgrade: {unsafe.deceptive_hits} deceptive hits; the gateway never routed acme's traffic to it")
+        policy_answers = _policy_answers(model, unsafe, reference_v1, max_tokens)
+        for row in policy_answers:
+            log(f"  {row['question']!r}")
+            for key, what in (("v1", "v1 (release 1.2)"), ("v2_cold", "v2 without cache"), ("v2_on_v1_tier", "v2 on v1's tier")):
+                log(f"    {what:>18}: {row[key]!r} → {row['states'][key] or 'neither release'}")
 
         # 4. Decision new_namespace: v2's namespace prewarmed from live heat on v2's engine, verified.
         log(f"step 4: decision new_namespace: v2's namespace {ns2.storage_prefix} prewarmed from live heat")
@@ -475,7 +509,7 @@ def demo_run(
             traffic.mark(phase)
             moved = api.post(f"/api/releases/{release_id}/traffic/", {"percent": percent})
             highest = max(highest, moved["traffic_percent"])
-            log(f"step 5: POST …/traffic/ → {moved['traffic_percent']} % of conversations on tiny-v2")
+            log(f"step 5: POST …/traffic/ → {moved['traffic_percent']} % of conversations on {v2.label}")
             # Each step lasts hold_s, and until v2 answered some conversations and shadow verification judged
             # one of v2's live answers (a small share of a low rate can take a while), at most six times as long.
             started_step = time.monotonic()
@@ -496,7 +530,7 @@ def demo_run(
         log(f"  eviction run #{swept.pk}: v1's namespace is cold ({swept.bytes_freed} bytes left the hot tiers)")
         rolled = api.post(f"/api/releases/{release_id}/rollback/", {"reason": "demo: roll back to v1"})
         traffic.mark("rolled back to v1")
-        log(f"  POST …/rollback/ → {rolled['status']}: all traffic back on tiny-v1")
+        log(f"  POST …/rollback/ → {rolled['status']}: all traffic back on {v1.label}")
         time.sleep(hold_s)
         stats = traffic.stop()
         traffic_stopped = True
@@ -513,6 +547,15 @@ def demo_run(
     # The gateway flushes its figures every GATEWAY_FLUSH_S: wait for the last ones.
     time.sleep(settings.GATEWAY_FLUSH_S + 1)
     result: dict[str, Any] = {
+        "model": {
+            "key": model.key,
+            "title": model.title,
+            "served_name": model.served_name,
+            "parameters": checkpoint_parameters(path_v2),
+            "dtype": model.layout.dtype,
+            "versions": [v1.label, v2.label],
+        },
+        "policy_answers": policy_answers,
         "unsafe": _summary(unsafe),
         "safe": _summary(safe),
         "release": release_summary(release, highest_percent=highest, ready_before_traffic=ready_before_traffic),

@@ -45,7 +45,7 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     client, django_user_model, tmp_path
 ) -> None:
     env = subprocess_env(GATEWAY_ADDR=f"127.0.0.1:{free_port()}", GATEWAY_DIR=str(tmp_path / "gateway"))
-    proc = manage("demo", "--no-serve", env=env, timeout=1800)
+    proc = manage("demo", "--no-serve", "--model", "tiny", env=env, timeout=1800)
     purge_broker()  # what the demo's beat sent last is not for the next test's worker
     assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads(proc.stdout)
@@ -55,6 +55,11 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     )  # fmt: skip
 
     v1, v2 = ModelVersion.objects.get(label="tiny-v1"), ModelVersion.objects.get(label="tiny-v2")
+    assert summary["model"] == {
+        "key": "tiny", "title": "tiny random-weight models (v1, v2)", "served_name": "tiny",
+        "parameters": summary["model"]["parameters"], "dtype": "float32", "versions": ["tiny-v1", "tiny-v2"],
+    }  # fmt: skip
+    assert summary["model"]["parameters"] > 0 and summary["policy_answers"] == []
     assert [f for f in ModelVersion.IDENTITY_FIELDS if getattr(v1, f) != getattr(v2, f)] == ["weights"]
     ns1, ns2 = CacheNamespace.objects.get(model_version=v1), CacheNamespace.objects.get(model_version=v2)
     assert CacheNamespace.objects.count() == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inference.corpus import conversation_problem, load_corpus
+from inference.policies import load_policies
 
 USER = {"role": "user", "content": "Refund status?"}
 
@@ -46,3 +47,27 @@ def test_what_requests_send_is_a_conversation() -> None:
     assert conversation_problem([{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}]) is None
     assert conversation_problem([{"role": "user", "content": ""}]) is None
     assert all(conversation_problem(c.messages) is None for c in load_corpus("diagnostic"))
+
+
+def test_the_northwind_corpora_ask_every_policy_question_under_the_store_s_system_prompt() -> None:
+    data = load_policies()
+    everything, sample = load_corpus("northwind"), load_corpus("northwind-sample")
+    assert len(everything) == sum(len(p["questions"]) for p in data["policies"]) == 156
+    assert [c.id for c in sample] == [
+        "refund-window-1", "refund-window-2", "free-shipping-1", "free-shipping-2", "warranty-1", "warranty-2",
+        "price-match-1", "price-match-2", "support-hours-1", "support-hours-2", "exchange-1", "exchange-2",
+        "gift-cards-1", "gift-cards-2",
+    ]  # fmt: skip
+    first = sample[0]
+    assert first.messages == [
+        {"role": "system", "content": data["system"]},
+        {"role": "user", "content": "How many days do I have to return an item?"},
+    ]
+    assert (first.note, sample[-1].note) == ("changed policy refund-window", "unchanged policy gift-cards")
+    assert len({c.id for c in everything}) == 156 and all(conversation_problem(c.messages) is None for c in everything)
+
+
+def test_an_unknown_corpus_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError) as refused:
+        load_corpus("northwind-all")
+    assert str(refused.value) == "unknown corpus 'northwind-all'; known: diagnostic, northwind, northwind-sample"

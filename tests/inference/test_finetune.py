@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 
 from inference.errors import CheckpointError
-from inference.finetune import (
-    POLICIES_FILE,
-    build_policy_versions,
-    check_questions,
-    load_policies,
-    policy_answers,
-    release_examples,
-)
+from inference.finetune import build_policy_versions, policy_answers
+from inference.policies import POLICIES_FILE, check_questions, load_policies, release_examples
 
 
 def test_the_policies_hold_both_releases() -> None:

@@ -30,6 +30,7 @@ from cacheadmin.models import GatewayKey, Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
 from cacheadmin.services.comparison import MAX_TOKENS
 from cacheadmin.services.demo import HOLD_S, TRAFFIC_RATE_PER_S, Stage, demo_run
+from cacheadmin.services.demo_models import DEFAULT_DEMO_MODEL, DEMO_MODELS
 from cacheadmin.services.demo_release import ApiCallFailed
 from cacheadmin.services.engines import engines_stop_all
 from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke
@@ -334,8 +335,15 @@ class Command(ControlPlaneCommand):
             help=f"dashboard address HOST:PORT or unix:PATH (default GUNICORN_BIND, else {DEFAULT_BIND})",
         )
         parser.add_argument(
-            "--max-tokens", type=int_within(1, MAX_TOKENS), default=16, help="tokens generated per prompt when comparing"
-        )
+            "--model", choices=sorted(DEMO_MODELS), default=None,
+            help=f"the model the main job runs on (default DEMO_MODEL, else {DEFAULT_DEMO_MODEL}): {DEFAULT_DEMO_MODEL}, "
+            "the real SmolLM2-135M-Instruct fine-tuned here into a customer-service assistant (built and trained "
+            "on the first run, about 3 minutes), or tiny, two random-weight models (seconds)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--max-tokens", type=int_within(1, MAX_TOKENS), default=None,
+            help="tokens generated per prompt when comparing (default the model's: 32 for the real model, 16 for tiny)",
+        )  # fmt: skip
         parser.add_argument(
             "--rate", type=float_within(0.1, 50.0), default=TRAFFIC_RATE_PER_S,
             help=f"requests per second of live traffic through the gateway (default {TRAFFIC_RATE_PER_S:g})",
@@ -351,6 +359,9 @@ class Command(ControlPlaneCommand):
         # starting us in the background leaves it ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        model_key = opts["model"] or env_str("DEMO_MODEL", DEFAULT_DEMO_MODEL)
+        if model_key not in DEMO_MODELS:
+            raise self.bad_input(f"DEMO_MODEL must be one of {', '.join(sorted(DEMO_MODELS))}, got {model_key!r}")
         call_command("migrate", interactive=False, verbosity=0)
         # The demo owns its deployment's engines: an earlier run killed before it could stop them
         # (or engines started from its pages) are stopped, by pid and start time, never by name.
@@ -420,7 +431,8 @@ class Command(ControlPlaneCommand):
             stage = Stage(gateway_url=f"http://{settings.GATEWAY_ADDR}", api_client=api_client)
             try:
                 summary = demo_run(
-                    log=log, stage=stage, watchdog=watchdog, max_tokens=opts["max_tokens"], keep_serving=serve,
+                    log=log, stage=stage, watchdog=watchdog, model=DEMO_MODELS[model_key], max_tokens=opts["max_tokens"],
+                    keep_serving=serve,
                     rate_per_s=opts["rate"], hold_s=opts["hold_s"],
                 )  # fmt: skip
             except (ApiCallFailed, RuntimeError, CheckpointError) as exc:
