@@ -658,6 +658,7 @@ class ComparisonJobAdmin(ServiceAdmin):
         "namespace",
         "status",
         "deceptive_hits",
+        "cross_version_hits",
         "cached_tokens",
         "ttft_cold_ms",
         "ttft_warm_ms",

@@ -127,6 +127,12 @@ class ComparisonJob(Job):
     max_tokens = models.IntegerField(default=16)
     prompts = models.IntegerField(default=0)
     deceptive_hits = models.IntegerField(default=0)
+    #: Prompts with cached tokens while the namespace holds another model version's state than the
+    #: engine's (their identities differ): each reused KV another computation made, whether or not
+    #: the answer changed (a deceptive hit is one where it did, beyond the noise). A release that
+    #: reuses the old namespace (``verified_reuse``) has them by design; its evidence is that no
+    #: deceptive hit came with them.
+    cross_version_hits = models.IntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)
     ttft_cold_ms = models.FloatField(null=True, blank=True)
     ttft_warm_ms = models.FloatField(null=True, blank=True)
@@ -137,6 +143,11 @@ class ComparisonJob(Job):
 
     def __str__(self) -> str:
         return f"comparison #{self.pk} {self.status}"
+
+    @property
+    def foreign_state(self) -> bool:
+        """The namespace holds another model version's state than the engine computes (identities differ)."""
+        return self.namespace.model_version.identity != self.engine.model_version.identity
 
 
 class ComparisonResult(models.Model):

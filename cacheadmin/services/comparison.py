@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus
+from cacheadmin.models import CacheNamespace, ComparisonJob, ComparisonResult, Engine, JobStatus, ModelVersion
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_pin, job_corpus
@@ -13,7 +13,7 @@ from cacheadmin.services.namespaces import namespace_check_current, namespace_sa
 from cacheadmin.services.prewarm import JobRefused
 from cacheadmin.services.quotas import quota_check
 from gateway.pii.gate import gate
-from inference.comparison import PromptComparison, median_or_none, run_comparison
+from inference.comparison import PromptComparison, logprob_floor, median_or_none, run_comparison
 from inference.errors import EngineError, InvalidField
 
 #: Most tokens a comparison generates per prompt: enough to see a divergence, bounded so a job stays minutes.
@@ -131,6 +131,7 @@ def comparison_job_run(*, job_id: int) -> None:
                 skip=set(job.results.values_list("index", flat=True)),
                 on_result=on_result,
                 on_baseline=lambda index: job_log(job, f"reference ran {conversations[index].id} cold and control"),
+                floor=version_logprob_floor(job.engine.model_version),
             )
         except EngineError as exc:
             job_finish(job, JobStatus.FAILED, error=str(exc), line=f"engine failed: {exc}", **_summary(job))
@@ -142,15 +143,27 @@ def comparison_job_run(*, job_id: int) -> None:
     job_finish(
         job,
         JobStatus.SUCCEEDED,
-        line=f"{summary['deceptive_hits']} deceptive hits over {len(conversations)} prompts",
+        line=(
+            f"{summary['deceptive_hits']} deceptive hits, {summary['cross_version_hits']} cross-version hits "
+            f"over {len(conversations)} prompts"
+        ),
         **summary,
     )
+
+
+def version_logprob_floor(version: ModelVersion) -> float:
+    """The comparison's tolerance floor in nats for engines of ``version``: by the dtype its identity
+    resolved (:func:`inference.comparison.logprob_floor`; float32's where the layout names none)."""
+    layout = version.inputs.get("layout") if isinstance(version.inputs, dict) else None
+    dtype = layout.get("dtype") if isinstance(layout, dict) else None
+    return logprob_floor(dtype if isinstance(dtype, str) else "float32")
 
 
 def _summary(job: ComparisonJob) -> dict[str, object]:
     rows = list(job.results.values("deceptive", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "control_max_logprob_delta"))
     return {
         "deceptive_hits": sum(1 for r in rows if r["deceptive"]),
+        "cross_version_hits": sum(1 for r in rows if r["cached_tokens"] > 0) if job.foreign_state else 0,
         "cached_tokens": sum(r["cached_tokens"] for r in rows),
         "ttft_cold_ms": median_or_none([r["ttft_cold_ms"] for r in rows]),
         "ttft_warm_ms": median_or_none([r["ttft_warm_ms"] for r in rows]),

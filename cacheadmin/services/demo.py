@@ -121,6 +121,8 @@ def _summary(job: ComparisonJob) -> dict[str, Any]:
         "job": job.pk,
         "prompts": job.results.count(),
         "deceptive_hits": job.deceptive_hits,
+        "cross_version_hits": job.cross_version_hits,
+        "reused": job.results.filter(cached_tokens__gt=0).count(),
         "cached_tokens": job.cached_tokens,
         "ttft_cold_ms": round(job.ttft_cold_ms, 2) if job.ttft_cold_ms is not None else None,
         "ttft_warm_ms": round(job.ttft_warm_ms, 2) if job.ttft_warm_ms is not None else None,
@@ -468,7 +470,11 @@ def demo_run(
         )  # fmt: skip
         stop(unsafe_engine)
         assert isinstance(unsafe, ComparisonJob)
-        log(f"  unsafe upgrade: {unsafe.deceptive_hits} deceptive hits; the gateway never routed acme's traffic to it")
+        log(
+            f"  unsafe upgrade: {unsafe.cross_version_hits} of {unsafe.prompts} prompts served from v1's KV "
+            f"(cross-version hits), {unsafe.deceptive_hits} of them with a changed answer (deceptive hits); "
+            "the gateway never routed acme's traffic to it"
+        )
         policy_answers = _policy_answers(model, unsafe, reference_v1, max_tokens)
         for row in policy_answers:
             log(f"  {row['question']!r}")
@@ -576,7 +582,10 @@ def demo_run(
     }
     if kept:
         result["serving"] = {"id": kept[0].pk, "name": kept[0].name, "base_url": kept[0].base_url}
-    result["caught"] = result["unsafe"]["deceptive_hits"] > 0
+    # Caught: every prompt that reused v1's KV was flagged (the namespace's identity is not the engine's),
+    # and where the stale state changed an answer beyond the noise, the comparison says so (deceptive hits).
+    u = result["unsafe"]
+    result["caught"] = u["cross_version_hits"] == u["reused"] > 0
     result["clean"] = result["safe"]["deceptive_hits"] == 0 and result["safe"]["cached_tokens"] > 0
     result["warm_faster"] = (result["safe"]["ttft_warm_ms"] or 0) < (result["safe"]["ttft_cold_ms"] or 0)
     t, r = result["traffic"], result["release"]

@@ -34,6 +34,7 @@ from cacheadmin.metrics.worker import families
 from cacheadmin.models import AnswerRetirement, CacheNamespace, Engine, ShadowCheck
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
+from cacheadmin.services.comparison import version_logprob_floor
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.gateway import namespace_routing_suspend, tenant_gateway_policy
 from cacheadmin.services.jobs import send_after_commit
@@ -210,6 +211,7 @@ def served_verdict(
     served_ids: list[int],
     candidates: list[dict[int, float]] | None,
     control_delta: float,
+    floor: float = SERVED_TIE_FLOOR_NATS,
 ) -> tuple[bool, int | None, int | None, float | None]:
     """Judge a served answer's token ids against the reference's run (``cold_ids``) and its
     control (``control_ids``, the same request run again).
@@ -223,8 +225,10 @@ def served_verdict(
     Returns:
         ``(deceptive, divergence, noise, tie_margin)``: deceptive when the served answer diverges
         before the control does, unless at its first divergence the served token was a near tie
-        of the reference's (its logprob within ``max(NOISE_FACTOR x control_delta,``
-        :data:`SERVED_TIE_FLOOR_NATS` ``)`` of the reference's token: ``tie_margin``, None otherwise).
+        of the reference's (its logprob within ``max(NOISE_FACTOR x control_delta, floor)`` of the
+        reference's token: ``tie_margin``, None otherwise). ``floor``: at least
+        :data:`SERVED_TIE_FLOOR_NATS`, and the dtype's comparison floor
+        (:func:`inference.comparison.logprob_floor`) where that is larger.
     """
     divergence = first_divergence(cold_ids, served_ids)
     noise = first_divergence(cold_ids, control_ids)
@@ -234,11 +238,7 @@ def served_verdict(
     if candidates is not None and divergence < min(len(candidates), len(served_ids), len(cold_ids)):
         top = candidates[divergence]
         chosen, served = top.get(cold_ids[divergence]), top.get(served_ids[divergence])
-        if (
-            chosen is not None
-            and served is not None
-            and chosen - served <= max(NOISE_FACTOR * control_delta, SERVED_TIE_FLOOR_NATS)
-        ):
+        if chosen is not None and served is not None and chosen - served <= max(NOISE_FACTOR * control_delta, floor):
             tie = chosen - served
     return tie is None, divergence, noise, tie
 
@@ -266,8 +266,9 @@ def _judge_served(check: ShadowCheck, reference: Engine) -> Judgement:
         cold_ids, control_ids, served_ids = cold_ids[:span], control_ids[:span], served_ids[:span]
     # The candidates are per generated token: usable where the text's ids are the generated ones.
     aligned = cold.top_logprobs if cold.token_ids[: len(cold_ids)] == cold_ids else None
+    floor = max(SERVED_TIE_FLOOR_NATS, version_logprob_floor(reference.model_version))
     deceptive, divergence, noise, tie = served_verdict(
-        cold_ids, control_ids, served_ids, aligned, max_logprob_delta(cold, control)
+        cold_ids, control_ids, served_ids, aligned, max_logprob_delta(cold, control), floor
     )
     detail = {
         "near_tie_nats": tie,
@@ -293,7 +294,7 @@ def _judge_replay(check: ShadowCheck, engine: Engine, reference: Engine) -> Judg
         cold = ref.chat(messages, cache_salt=None, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
         control = ref.chat(messages, cache_salt=None, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
         cached = served.chat(messages, cache_salt=salt, max_tokens=SHADOW_MAX_TOKENS, tools=tools)
-    outcome = compare_prompt(0, conversation, cold, control, cached)
+    outcome = compare_prompt(0, conversation, cold, control, cached, floor=version_logprob_floor(engine.model_version))
     detail = {
         "judged": "replay", "replay_cached_tokens": outcome.cached_tokens, "tokens_equal": outcome.tokens_equal,
         "max_logprob_delta": outcome.max_logprob_delta, "control_max_logprob_delta": outcome.control_max_logprob_delta,

@@ -151,6 +151,9 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
             "job": job.pk,
             "prompts": n,
             "deceptive_hits": deceptive,
+            # Every prompt of the unsafe comparison reused v1's KV; the safe one reused v2's own.
+            "cross_version_hits": deceptive,
+            "reused": n if job == unsafe else job.results.filter(cached_tokens__gt=0).count(),
             "cached_tokens": job.cached_tokens,
             "ttft_cold_ms": round(job.ttft_cold_ms, 2),
             "ttft_warm_ms": round(job.ttft_warm_ms, 2),

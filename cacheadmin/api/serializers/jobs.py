@@ -73,7 +73,7 @@ class ComparisonJobSerializer(RowSerializer):
         model = ComparisonJob
         fields = (
             *JOB_FIELDS, "engine", "reference_engine", "namespace", "max_tokens", "prompts", "deceptive_hits",
-            "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "control_max_logprob_delta",
+            "cross_version_hits", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "control_max_logprob_delta",
         )  # fmt: skip
 
 

@@ -536,7 +536,8 @@ class Command(ControlPlaneCommand):
         for kind in ("unsafe", "safe"):
             s = summary[kind]
             self.stdout.write(
-                f"{kind:6} upgrade: {s['deceptive_hits']} deceptive hits / {s['prompts']} prompts, "
+                f"{kind:6} upgrade: {s['deceptive_hits']} deceptive hits, {s['cross_version_hits']} cross-version hits "
+                f"/ {s['prompts']} prompts, "
                 f"{s['cached_tokens']} cached tokens, TTFT cold {s['ttft_cold_ms']} ms, warm {s['ttft_warm_ms']} ms"
             )
         verdict = "caught" if summary["caught"] else "NOT caught"

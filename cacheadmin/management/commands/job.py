@@ -69,7 +69,7 @@ class Command(ControlPlaneCommand):
         fields = ("id", "status", "progress_done", "progress_total", "attempts", "error")
         out = {f: getattr(job, f) for f in fields}
         out["kind"] = type(job).__name__
-        for extra in ("deceptive_hits", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "verified"):
+        for extra in ("deceptive_hits", "cross_version_hits", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "verified"):
             if hasattr(job, extra):
                 out[extra] = getattr(job, extra)
         return out
