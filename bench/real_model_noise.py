@@ -11,14 +11,17 @@ then starts three engines (bf16, block size 32, eager):
 
 and ``v1`` with the connector on its own folder, to fill that folder. For each ``--round``
 (default 3), with a fresh ``cache_salt``: v1 fills its folder with every prompt of the
-``northwind`` corpus (156 customer questions; ``--corpus`` another), v2 fills its own, and then
+``northwind`` corpus (156 customer questions; ``--corpus`` another, ``--prompts`` its first N), v2 fills its own, and then
 :func:`inference.comparison.run_comparison` runs the corpus on ``v2`` (safe: its own state) and
 on ``v2-unsafe`` (v1's state) against the reference, with ``--max-tokens`` (default 32).
 
-Reports per round and in total: prompts, prompts with cached tokens, deceptive hits (safe: the
-false alarms, goal 0), unsafe prompts that reused v1's KV and how many of them were caught, the
-prompts whose cached text differs from the reference's, and the largest logprob deltas (nats) of
-the safe runs and the smallest of the unsafe ones; then one JSON line ``{"real_model_noise": ...}``.
+Judged as comparison jobs judge engines computing in bfloat16 (the tolerance's floor
+:func:`inference.comparison.logprob_floor`). Reports per round and in total: prompts, prompts with
+cached tokens, deceptive hits (safe: the false alarms, goal 0), unsafe prompts that reused v1's KV
+(each a cross-version hit: a comparison job flags every one by the namespace's identity) and how
+many of them changed the answer beyond the noise (deceptive), the prompts whose cached text differs
+from the reference's, and the largest logprob deltas (nats) of the safe runs and the smallest and
+median of the unsafe ones; then one JSON line ``{"real_model_noise": ...}``.
 
 Usage::
 
@@ -40,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference.comparison import PromptComparison, run_comparison  # noqa: E402
+from inference.comparison import PromptComparison, logprob_floor, run_comparison  # noqa: E402
 from inference.corpus import load_corpus  # noqa: E402
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port  # noqa: E402
 from inference.engines.vllm_http import VllmHttpClient  # noqa: E402
@@ -63,11 +66,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--corpus", default="northwind")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=None, help="the corpus' first N prompts (default all)")
     parser.add_argument("--models", type=Path, default=ROOT / "var" / "models")
     args = parser.parse_args()
     base = build_real_model(args.models, progress=print)
     versions = build_policy_versions(base, progress=print)
-    corpus = load_corpus(args.corpus)
+    corpus = load_corpus(args.corpus)[: args.prompts]
     work = Path(tempfile.mkdtemp(prefix="kvcp-noise-"))
     tiers = {"v1": work / "tier-v1", "v2": work / "tier-v2"}
     engines = {
@@ -94,7 +98,7 @@ def main() -> int:
             for path, engine_name in (("safe", "v2"), ("unsafe", "v2-unsafe")):
                 run_comparison(
                     clients[engine_name], clients["reference"], corpus, cache_salt=salt,
-                    max_tokens=args.max_tokens, on_result=outcome[path].append,
+                    max_tokens=args.max_tokens, on_result=outcome[path].append, floor=logprob_floor("bfloat16"),
                 )  # fmt: skip
             safe, unsafe = outcome["safe"], outcome["unsafe"]
             reused = [r for r in unsafe if r.cached_tokens > 0]

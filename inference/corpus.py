@@ -21,7 +21,7 @@ DATA_DIR = Path(__file__).parent / "data"
 CORPORA: dict[str, Path] = {"diagnostic": DATA_DIR / "diagnostic_corpus.jsonl"}
 #: Corpora made from the demo company's policies (:mod:`inference.policies`): name → questions per
 #: policy (None: all 156). ``northwind-sample`` is the main job's; ``northwind`` measures noise.
-POLICY_CORPORA: dict[str, int | None] = {"northwind": None, "northwind-sample": 2}
+POLICY_CORPORA: dict[str, int | None] = {"northwind": None, "northwind-sample": 1}
 
 
 @dataclass(frozen=True)

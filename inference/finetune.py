@@ -185,21 +185,23 @@ def _batches(tokenizer: Any, data: dict[str, Any], examples: Sequence[tuple[str,
 
 
 def policy_answers(checkpoint: Path, data: dict[str, Any], questions: Sequence[str], *, max_new_tokens: int = 32) -> list[str]:
-    """The checkpoint's greedy answers to ``questions`` under the store's system prompt (transformers, CPU)."""
+    """The checkpoint's greedy answers to ``questions`` under the store's system prompt (transformers, CPU),
+    generated as one left-padded batch (about 5x faster on 2 cores than one question at a time)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16)
-    answers = []
-    for question in questions:
-        inputs: Any = tokenizer.apply_chat_template(
-            messages_for(data, question), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        answers.append(str(tokenizer.decode(out[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True)).strip())
-    return answers
+    prompts = [
+        tokenizer.apply_chat_template(messages_for(data, q), add_generation_prompt=True, tokenize=False) for q in questions
+    ]
+    inputs: Any = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    width = inputs["input_ids"].shape[1]
+    return [str(tokenizer.decode(row[width:], skip_special_tokens=True)).strip() for row in out]
 
 
 def build_policy_versions(
@@ -217,6 +219,12 @@ def build_policy_versions(
     data = load_policies()
     v1 = train_release(base, base.with_name(f"{base.name}-policies-v1"), data, "v1", recipe, progress=progress)
     v2 = train_release(v1, base.with_name(f"{base.name}-policies-v2"), data, "v2", recipe, progress=progress)
+    # The checks' verdict is kept beside the checkpoints, keyed by both markers: a later run reuses it
+    # (seconds of generation on every start of the main job otherwise).
+    checked = base.with_name(f".{base.name}-policies.checked")
+    key = json.dumps([(v1 / SPEC_MARKER).read_text(), (v2 / SPEC_MARKER).read_text()])
+    if checked.is_file() and checked.read_text() == key:
+        return {"v1": v1, "v2": v2}
     checks = check_questions(data)
     for release, path in (("v1", v1), ("v2", v2)):
         answers = policy_answers(path, data, [c["question"] for c in checks])
@@ -227,4 +235,5 @@ def build_policy_versions(
                     f"{path.name} answers {check['question']!r} with {answer!r}: release "
                     f"{data['versions'][release]} says {want!r}"
                 )
+    checked.write_text(key)
     return {"v1": v1, "v2": v2}

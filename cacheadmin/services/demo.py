@@ -324,6 +324,7 @@ def demo_run(
     stage: Stage,
     watchdog: Callable[[], None] = lambda: None,
     model: DemoModel = DEMO_MODELS[DEFAULT_DEMO_MODEL],
+    checkpoints: tuple[Path, Path] | None = None,
     max_tokens: int | None = None,
     job_timeout_s: float = 600.0,
     keep_serving: bool = False,
@@ -338,6 +339,8 @@ def demo_run(
             plane's API (a served dashboard, or the WSGI app in process).
         watchdog: called while waiting on jobs (the caller checks its worker).
         model: the checkpoints, layout, corpus and traffic (:mod:`cacheadmin.services.demo_models`).
+        checkpoints: v1's and v2's checkpoints, built already (the command builds them before it starts
+            its processes: training shares the cores with nothing); None builds them here.
         max_tokens: tokens per answer when comparing (default the model's).
         keep_serving: leave v1's engine and reference running after the run
             (the served demo: the gateway keeps answering); they still stop
@@ -364,7 +367,7 @@ def demo_run(
     run = uuid.uuid4().hex[:6]
     since = timezone.now()
     corpus, max_tokens = model.corpus, max_tokens or model.max_tokens
-    path_v1, path_v2 = model.checkpoints(settings.DEMO_MODELS_DIR, log)
+    path_v1, path_v2 = checkpoints or model.checkpoints(settings.DEMO_MODELS_DIR, log)
     log(f"checkpoints: {path_v1}, {path_v2}")
     label_v1, label_v2 = model.labels
     v1 = _register(path_v1, label_v1, model)

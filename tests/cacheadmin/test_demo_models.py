@@ -92,3 +92,15 @@ def test_the_demo_refuses_an_unknown_model_before_doing_anything() -> None:
     proc = manage("demo", "--no-serve", env=subprocess_env(DEMO_MODEL="gpt-5"))
     assert proc.returncode == 2 and proc.stdout == ""
     assert "DEMO_MODEL must be one of smollm2, tiny, got 'gpt-5'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("inputs", "floor"),
+    [({"layout": {"dtype": "bfloat16"}}, 0.2), ({"layout": {"dtype": "float32"}}, 1e-3), ({"layout": {}}, 1e-3),
+     ({}, 1e-3), ({"layout": {"dtype": 16}}, 1e-3)],
+)  # fmt: skip
+def test_a_version_s_comparison_floor_is_its_resolved_dtype_s(inputs: dict[str, object], floor: float) -> None:
+    from cacheadmin.models import ModelVersion
+    from cacheadmin.services.comparison import version_logprob_floor
+
+    assert version_logprob_floor(ModelVersion(inputs=inputs)) == floor

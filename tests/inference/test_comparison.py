@@ -114,3 +114,18 @@ def test_ttft_is_the_faster_of_two_samples_each_way() -> None:
     out = compare_prompt(0, CONV, timed(90.0), timed(80.0), timed(30.0, 64), timed(20.0, 64))
     assert (out.ttft_cold_ms, out.ttft_warm_ms) == (80.0, 20.0)
     assert compare_prompt(0, CONV, timed(90.0), timed(95.0), timed(30.0, 64)).ttft_warm_ms == 30.0
+
+
+def test_the_tolerance_floor_follows_the_engines_dtype() -> None:
+    from inference.comparison import LOGPROB_FLOORS, logprob_floor
+
+    assert [logprob_floor(d) for d in ("float32", "float16", "bfloat16", "fp8_e4m3")] == [1e-3, 3e-2, 0.2, 0.2]
+    assert LOGPROB_FLOOR == LOGPROB_FLOORS["float32"]
+    # A real bfloat16 model's correct hit moved a token's logprob by 0.052 nats (a live question it was not
+    # taught): within bfloat16's floor, a deceptive hit under float32's.
+    ref = run([1, 2], [-1.0, -0.6])
+    cached = run([1, 2], [-1.0, -0.6 - 0.052], cached=32)
+    assert compare_prompt(0, CONV, ref, ref, cached, floor=logprob_floor("bfloat16")).deceptive is False
+    assert compare_prompt(0, CONV, ref, ref, cached).deceptive is True
+    # A changed token is a divergence whatever the floor.
+    assert compare_prompt(0, CONV, ref, ref, run([1, 3], [-1.0, -0.6], cached=32), floor=0.2).deceptive is True

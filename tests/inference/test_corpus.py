@@ -54,9 +54,8 @@ def test_the_northwind_corpora_ask_every_policy_question_under_the_store_s_syste
     everything, sample = load_corpus("northwind"), load_corpus("northwind-sample")
     assert len(everything) == sum(len(p["questions"]) for p in data["policies"]) == 156
     assert [c.id for c in sample] == [
-        "refund-window-1", "refund-window-2", "free-shipping-1", "free-shipping-2", "warranty-1", "warranty-2",
-        "price-match-1", "price-match-2", "support-hours-1", "support-hours-2", "exchange-1", "exchange-2",
-        "gift-cards-1", "gift-cards-2",
+        "refund-window-1", "free-shipping-1", "warranty-1", "price-match-1", "support-hours-1", "exchange-1",
+        "gift-cards-1",
     ]  # fmt: skip
     first = sample[0]
     assert first.messages == [

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from inference.checkpoints import SPEC_MARKER
 from inference.errors import CheckpointError
 from inference.finetune import build_policy_versions, policy_answers
 from inference.policies import POLICIES_FILE, check_questions, load_policies, release_examples
@@ -55,6 +56,9 @@ def test_a_broken_policies_file_is_refused_naming_the_policy(tmp_path: Path, edi
 @pytest.mark.slow
 def test_v1_states_release_1_2_and_v2_release_1_3(real_model: Path) -> None:
     versions = build_policy_versions(real_model)
+    # The checks passed and their verdict is kept, keyed by both releases' build markers.
+    checked = real_model.with_name(f".{real_model.name}-policies.checked")
+    assert json.loads(checked.read_text()) == [(versions[r] / SPEC_MARKER).read_text() for r in ("v1", "v2")]
     data = load_policies()
     checks = check_questions(data)
     questions = [c["question"] for c in checks] + ["Can I return my boots after 20 days?"]  # the last one untaught

@@ -386,6 +386,14 @@ class Command(ControlPlaneCommand):
         # The demo starts a process group: the metrics files of an earlier run's dead processes are not this
         # run's; a live process's (a worker or a server still running on this VAR_DIR) stay, totals included.
         multiproc_reap(settings.METRICS_MULTIPROC_DIR, every_type=True)
+        # The model first, before any process of the demo starts: its build and fine-tunes (minutes on the
+        # first run) then share the cores with nothing; later runs reuse them.
+        model = DEMO_MODELS[model_key]
+        log(f"model: {model.title}")
+        try:
+            checkpoints = model.checkpoints(settings.DEMO_MODELS_DIR, log)
+        except CheckpointError as exc:
+            raise self.bad_input(f"demo failed: {exc}") from exc
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
         summary: dict[str, Any] | None = None
         interrupted = False
@@ -431,7 +439,7 @@ class Command(ControlPlaneCommand):
             stage = Stage(gateway_url=f"http://{settings.GATEWAY_ADDR}", api_client=api_client)
             try:
                 summary = demo_run(
-                    log=log, stage=stage, watchdog=watchdog, model=DEMO_MODELS[model_key], max_tokens=opts["max_tokens"],
+                    log=log, stage=stage, watchdog=watchdog, model=model, checkpoints=checkpoints, max_tokens=opts["max_tokens"],
                     keep_serving=serve,
                     rate_per_s=opts["rate"], hold_s=opts["hold_s"],
                 )  # fmt: skip
