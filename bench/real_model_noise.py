@@ -109,8 +109,10 @@ def main() -> int:
                 "safe_deceptive": sum(r.deceptive for r in safe),
                 "safe_text_differs": sum(r.cached.text != r.reference.text for r in safe),
                 "safe_max_delta": round(max(r.max_logprob_delta for r in safe), 5),
+                # Every prompt that reused v1's KV is a cross-version hit (a comparison job flags it by the
+                # namespace's identity); deceptive: its answer also moved beyond the noise.
                 "unsafe_reused": len(reused),
-                "unsafe_caught": sum(r.deceptive for r in reused),
+                "unsafe_deceptive": sum(r.deceptive for r in reused),
                 "unsafe_text_differs": sum(r.cached.text != r.reference.text for r in reused),
                 "unsafe_min_delta": round(min((r.max_logprob_delta for r in reused), default=0.0), 5),
                 "unsafe_median_delta": (
@@ -128,7 +130,9 @@ def main() -> int:
         for engine in engines.values():
             engine.stop()
         shutil.rmtree(work, ignore_errors=True)
-    total = {k: sum(r[k] for r in rounds) for k in ("prompts", "safe_cached", "safe_deceptive", "unsafe_reused", "unsafe_caught")}
+    total = {
+        k: sum(r[k] for r in rounds) for k in ("prompts", "safe_cached", "safe_deceptive", "unsafe_reused", "unsafe_deceptive")
+    }
     print(json.dumps({"real_model_noise": {"rounds": rounds, "total": total}}))
     return 0
 
