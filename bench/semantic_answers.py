@@ -33,10 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from semantic_eval import decide, load_pairs, pair_similarities, score  # noqa: E402
-
+from bench.semantic_eval import decide, load_pairs, pair_similarities, score  # noqa: E402
 from gateway.layers.semantic.embedder import default_embedder  # noqa: E402
 from gateway.layers.semantic.matching import DEFAULT_GUARDS, SHIPPED_THRESHOLD, similarities  # noqa: E402
 from inference.real_models import build_real_model  # noqa: E402

