@@ -160,8 +160,6 @@ def _policy_answers(model: DemoModel, unsafe: ComparisonJob, reference_v1: Engin
 RELEASE_POLICY = RetentionPolicySpec(max_age_since_last_hit_s=86400, max_bytes=1 << 30, versions_kept=1, cold_versions_kept=1)
 #: Share of live requests with cached tokens that shadow verification replays.
 SHADOW_SAMPLE_RATE = 0.1
-#: The same during the release's gray steps.
-RELEASE_SHADOW_SAMPLE_RATE = 0.5
 #: Requests per second the traffic generator sends through the gateway.
 TRAFFIC_RATE_PER_S = 2.0
 #: Answers of v2 each gray step waits for (after HOLD_S) before the next one.
@@ -515,7 +513,7 @@ def demo_run(
         # 5. Gray release with shadow verification.
         highest = 0
         # The canary is verified closely: shadow sampling goes up for the release's steps.
-        tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": RELEASE_SHADOW_SAMPLE_RATE})
+        tenant_gateway_policy_update(tenant=tenant, actor=ACTOR, changes={"shadow_sample_rate": model.release_shadow_rate})
         for percent in (10, 100):
             phase = f"v2 {percent}%"
             # Marked before the call: the new split routes from its commit, early in the call, while the call
