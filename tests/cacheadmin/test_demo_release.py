@@ -158,7 +158,7 @@ class _Server:
 def test_engines_started_together_are_all_spawned_before_any_wait_and_each_ends_on_its_own(world, monkeypatch) -> None:
     _Server.events = []
     monkeypatch.setattr(service, "LocalEngine", _Server)
-    monkeypatch.setattr(service, "_spec_for", lambda engine: SimpleNamespace(log_path=f"/x/{engine.name}.log"))
+    monkeypatch.setattr(service, "_spec_for", lambda engine, **_: SimpleNamespace(log_path=f"/x/{engine.name}.log"))
     verified: list[str] = []
     monkeypatch.setattr(service, "engine_verify", lambda *, engine, actor, trigger: verified.append(engine.name))
     rows = [
