@@ -154,8 +154,7 @@ def comparison_job_run(*, job_id: int) -> None:
 def version_logprob_floor(version: ModelVersion) -> float:
     """The comparison's tolerance floor in nats for engines of ``version``: by the dtype its identity
     resolved (:func:`inference.comparison.logprob_floor`; float32's where the layout names none)."""
-    layout = version.inputs.get("layout") if isinstance(version.inputs, dict) else None
-    dtype = layout.get("dtype") if isinstance(layout, dict) else None
+    dtype = (version.inputs.get("layout") or {}).get("dtype")
     return logprob_floor(dtype if isinstance(dtype, str) else "float32")
 
 

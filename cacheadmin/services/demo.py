@@ -137,20 +137,20 @@ def _policy_answers(model: DemoModel, unsafe: ComparisonJob, reference_v1: Engin
     data = load_policies()
     by_id = {c.id: c for c in load_corpus(unsafe.corpus)}
     changed = {p["id"]: p for p in data["policies"] if p.get("changed")}
-    client = engine_client(reference_v1)
     rows = []
-    for result in unsafe.results.order_by("index"):
-        conv = by_id.get(result.conversation_id)
-        policy = changed.get(result.conversation_id.rsplit("-", 1)[0])
-        if conv is None or policy is None:
-            continue
-        v1 = client.chat(conv.messages, cache_salt=None, max_tokens=max_tokens).text
-        answers = {"v1": v1, "v2_cold": result.reference_text, "v2_on_v1_tier": result.cached_text}
-        rows.append({
-            "policy": policy["id"], "question": conv.messages[-1]["content"], **answers,
-            "states": {k: stated_release(v, policy, data["versions"]) for k, v in answers.items()},
-            "deceptive": result.deceptive, "cached_tokens": result.cached_tokens,
-        })  # fmt: skip
+    with engine_client(reference_v1) as client:
+        for result in unsafe.results.order_by("index"):
+            conv = by_id.get(result.conversation_id)
+            policy = changed.get(result.conversation_id.rsplit("-", 1)[0])
+            if conv is None or policy is None:
+                continue
+            v1 = client.chat(conv.messages, cache_salt=None, max_tokens=max_tokens).text
+            answers = {"v1": v1, "v2_cold": result.reference_text, "v2_on_v1_tier": result.cached_text}
+            rows.append({
+                "policy": policy["id"], "question": conv.messages[-1]["content"], **answers,
+                "states": {k: stated_release(v, policy, data["versions"]) for k, v in answers.items()},
+                "deceptive": result.deceptive, "cached_tokens": result.cached_tokens,
+            })  # fmt: skip
     return rows
 
 

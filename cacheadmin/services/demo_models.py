@@ -21,8 +21,10 @@ from typing import Any, Final
 from cacheadmin.services.demo_traffic import DEMO_TAIL_NUMBERS, DEMO_TEMPLATES, TemplateSpec, Workload
 from inference.checkpoints import ensure_demo_checkpoints
 from inference.errors import CheckpointError
+from inference.finetune import build_policy_versions
 from inference.layout import LayoutOptions
 from inference.policies import load_policies
+from inference.real_models import build_real_model
 from inference.weights import engine_weight_files, read_safetensors_header
 
 
@@ -108,10 +110,6 @@ def _tiny(models_dir: Path, progress: Callable[[str], None]) -> tuple[Path, Path
 
 
 def _real(models_dir: Path, progress: Callable[[str], None]) -> tuple[Path, Path]:
-    # Imported here: torch and transformers take seconds to import, and only this model needs them.
-    from inference.finetune import build_policy_versions
-    from inference.real_models import build_real_model
-
     versions = build_policy_versions(build_real_model(models_dir, progress=progress), progress=progress)
     return versions["v1"], versions["v2"]
 

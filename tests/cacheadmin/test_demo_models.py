@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cacheadmin.models import ModelVersion
+from cacheadmin.services.comparison import version_logprob_floor
 from cacheadmin.services.demo_models import DEFAULT_DEMO_MODEL, DEMO_MODELS, checkpoint_parameters, stated_release
 from inference.errors import CheckpointError
 from inference.policies import load_policies
@@ -100,7 +102,4 @@ def test_the_demo_refuses_an_unknown_model_before_doing_anything() -> None:
      ({}, 1e-3), ({"layout": {"dtype": 16}}, 1e-3)],
 )  # fmt: skip
 def test_a_version_s_comparison_floor_is_its_resolved_dtype_s(inputs: dict[str, object], floor: float) -> None:
-    from cacheadmin.models import ModelVersion
-    from cacheadmin.services.comparison import version_logprob_floor
-
     assert version_logprob_floor(ModelVersion(inputs=inputs)) == floor

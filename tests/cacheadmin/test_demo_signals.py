@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from cacheadmin.management.commands.demo import stop_without_interruption
-from cacheadmin.services.demo import StartProgress
+from cacheadmin.services.demo import StartProgress, _start_estimate
 from tests.helpers import wait_for
 
 
@@ -50,7 +50,5 @@ def test_engines_starting_are_reported_until_they_are_up() -> None:
 
 @pytest.mark.django_db
 def test_the_start_estimate_is_what_earlier_starts_took_else_the_measured_rate(django_user_model) -> None:
-    from cacheadmin.services.demo import _start_estimate
-
     assert _start_estimate(5) == "; 5 together took about 110 s on 2 cores elsewhere"
     assert _start_estimate(2) == "; 2 together took about 44 s on 2 cores elsewhere"

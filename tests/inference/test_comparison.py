@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from inference.comparison import LOGPROB_FLOOR, NOISE_FACTOR, compare_prompt, first_divergence, max_logprob_delta
+from inference.comparison import (
+    LOGPROB_FLOOR,
+    LOGPROB_FLOORS,
+    NOISE_FACTOR,
+    compare_prompt,
+    first_divergence,
+    logprob_floor,
+    max_logprob_delta,
+)
 from inference.corpus import Conversation, load_corpus
 from inference.engines.vllm_http import ChatResult
 from inference.prewarm import expected_cached_tokens
@@ -117,8 +125,6 @@ def test_ttft_is_the_faster_of_two_samples_each_way() -> None:
 
 
 def test_the_tolerance_floor_follows_the_engines_dtype() -> None:
-    from inference.comparison import LOGPROB_FLOORS, logprob_floor
-
     assert [logprob_floor(d) for d in ("float32", "float16", "bfloat16", "fp8_e4m3")] == [1e-3, 3e-2, 0.2, 0.2]
     assert LOGPROB_FLOOR == LOGPROB_FLOORS["float32"]
     # A real bfloat16 model's correct hit moved a token's logprob by 0.052 nats (a live question it was not
