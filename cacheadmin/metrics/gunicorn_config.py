@@ -10,6 +10,7 @@ already names a folder), where the Celery workers write theirs.
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 #: An access-log line (when one is asked for: ``--access-logfile``) names the
@@ -36,6 +37,40 @@ def _multiproc_setup() -> None:
 
 
 _multiproc_setup()
+
+#: The signals the arbiter sends its workers to stop them (TERM graceful,
+#: INT and QUIT quick).
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
+
+
+def _unblock_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+# The arbiter's own stop signals wait only for the fork itself (see pre_fork).
+os.register_at_fork(after_in_parent=_unblock_stop_signals)
+
+
+def pre_fork(server: Any, worker: Any) -> None:
+    """gunicorn hook (arbiter, before each worker's fork): hold back the stop
+    signals until the new worker can act on them.
+
+    From the fork until the worker installs its own handlers, it runs the
+    arbiter's handler, which only queues the signal for an arbiter loop the
+    worker never runs: a SIGTERM sent then (a stop just after a start, or a
+    worker replaced while the server stops) is lost, and the worker serves on
+    until the graceful timeout ends it with SIGKILL. Blocked, the signal stays
+    pending; the fork copies the mask; the arbiter unblocks at once after the
+    fork (``os.register_at_fork``) and the worker in :func:`post_worker_init`,
+    where its own handler receives it.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def post_worker_init(worker: Any) -> None:
+    """gunicorn hook (worker, its handlers installed and the application
+    loaded): the stop signals held back since the fork are delivered now."""
+    _unblock_stop_signals()
 
 
 def child_exit(server: Any, worker: Any) -> None:

@@ -14,6 +14,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from cacheadmin.management.commands.demo import DashboardServer, ServerOptions
-from tests.helpers import subprocess_env, wait_for
+from inference.child_env import die_with_parent
+from tests.helpers import PROJECT, subprocess_env, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server's workers must see committed rows
 
@@ -187,3 +190,50 @@ def test_workers_start_with_the_registration_precheck_imports(server: DashboardS
     for pid in _workers_of(server.proc.pid):
         # Forked with torch's libraries mapped: inherited, not imported by the worker.
         assert "libtorch_cpu.so" in Path(f"/proc/{pid}/maps").read_text(), pid
+
+
+def test_a_sigterm_while_a_worker_is_still_forking_stops_it_without_sigkill(tmp_path: Path) -> None:
+    """The arbiter's stop signal reaches a worker that has not yet installed its
+    handlers (held back from the fork until ``post_worker_init``), instead of
+    being lost and the worker serving on until the graceful timeout kills it."""
+    forked = tmp_path / "forked"
+    (tmp_path / "hello.py").write_text(
+        "def application(environ, start_response):\n"
+        "    start_response('200 OK', [('Content-Type', 'text/plain')])\n"
+        "    return [b'hello']\n"
+    )
+    # The project's hooks, plus a post_fork that holds the new worker in the
+    # window between the fork and its own handlers, as a loaded machine does.
+    (tmp_path / "slow_fork.py").write_text(
+        "import time\n"
+        "from pathlib import Path\n"
+        "from cacheadmin.metrics.gunicorn_config import *  # noqa: F403\n"
+        "def post_fork(server, worker):\n"
+        f"    Path({str(forked)!r}).write_text(str(worker.pid))\n"
+        "    time.sleep(3)\n"
+    )
+    graceful_timeout_s = 30
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "hello:application", "--pythonpath", str(tmp_path),
+         "--bind", f"127.0.0.1:{_free_port()}", "--workers", "1", "--no-control-socket",
+         "--graceful-timeout", str(graceful_timeout_s), "--config", "python:slow_fork"],
+        cwd=PROJECT, env={**subprocess_env(), "PYTHONPATH": f"{tmp_path}:{PROJECT}"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    try:
+        wait_for(forked.exists, timeout=60, what="gunicorn to fork its worker")
+        worker = int(forked.read_text())
+        proc.send_signal(signal.SIGTERM)
+        # Well inside the graceful timeout: a lost signal would keep the worker
+        # until then, and the arbiter would SIGKILL it.
+        output, _ = proc.communicate(timeout=graceful_timeout_s - 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    assert "SIGKILL" not in output
+    assert f"Worker exiting (pid: {worker})" in output
+    assert output.splitlines()[-1].endswith("Shutting down: Master")
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
