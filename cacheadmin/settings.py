@@ -236,6 +236,9 @@ ADAPTER_UNUSED_DAYS = env_int("ADAPTER_UNUSED_DAYS", 30, minimum=1)
 EVICTION_RETRY_S = env_int("EVICTION_RETRY_S", 300, minimum=1)
 #: Owners' digests: printed on stderr by default; set EMAIL_BACKEND / EMAIL_HOST for real mail.
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "cacheadmin.mail.StderrConsoleEmailBackend")
+#: Where Django's file backend (``django.core.mail.backends.filebased.EmailBackend``) writes, one file per
+#: connection; ``manage.py demo`` uses it when EMAIL_BACKEND is unset.
+EMAIL_FILE_PATH = env_str("EMAIL_FILE_PATH", str(VAR_DIR / "mail"))
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "kv-cache-control-plane@localhost")

@@ -26,6 +26,7 @@ from typing import Any
 from starlette.applications import Starlette
 
 from gateway import connections
+from gateway.metrics import families
 from gateway.prefix.index import BlockIndex
 from gateway.prefix.load import EngineLoadPoller
 from gateway.prefix.router import PrefixRouter
@@ -52,6 +53,11 @@ class SnapshotHolder:
         self.snapshot = in_thread(build)
         self.built_at = time.monotonic()
         self._stop = threading.Event()
+        self._published()
+
+    def _published(self) -> None:
+        # Which epoch this process routes by: operators (and tests) see when a change reached every process.
+        families()["routing_epoch"].set(self.snapshot.epoch)
 
     def current(self) -> Any:
         """The snapshot requests are routed by now."""
@@ -63,6 +69,7 @@ class SnapshotHolder:
         if moved or time.monotonic() - self.built_at > self.max_age_s:
             self.snapshot = self._build()
             self.built_at = time.monotonic()
+            self._published()
             return True
         return False
 

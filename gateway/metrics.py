@@ -83,6 +83,11 @@ SPECS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "seconds since the KV-event consumer last published an engine's blocks (staleness; past "
         "GATEWAY_PREFIX_INDEX_STALE_S the engine is routed by affinity)",
     ),
+    "routing_epoch": (
+        "kvcp_gateway_routing_epoch", (),
+        "the routing epoch the gateway routes by, the oldest among its live processes: a change (a policy, a key, "
+        "a release step) moves the control plane's epoch, and has reached every process once this one follows",
+    ),
     "prefix_index_lag": (
         "kvcp_gateway_prefix_index_lag_seconds", ("engine",),
         "seconds from an engine's newest KV event to the gateway's index holding it, at the last change",
@@ -100,7 +105,8 @@ def families() -> dict[str, Any]:
         short name → prometheus-client metric: ``requests``, ``bypasses``,
         ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``, ``store``,
         ``loads``, ``load_failures``, ``breaker_open``, ``connections_refused``, ``routing_decisions``,
-        ``routing_predictions``, ``prefix_index_blocks``, ``prefix_index_age``, ``prefix_index_lag``.
+        ``routing_predictions``, ``prefix_index_blocks``, ``prefix_index_age``, ``prefix_index_lag``,
+        ``routing_epoch``.
     """
     if not _families:
         with _lock:
@@ -133,6 +139,8 @@ def families() -> dict[str, Any]:
                     prefix_index_blocks=Gauge(**spec("prefix_index_blocks"), multiprocess_mode="livemax"),
                     prefix_index_age=Gauge(**spec("prefix_index_age"), multiprocess_mode="livemax"),
                     prefix_index_lag=Gauge(**spec("prefix_index_lag"), multiprocess_mode="livemax"),
+                    # The process furthest behind is what a change waits for.
+                    routing_epoch=Gauge(**spec("routing_epoch"), multiprocess_mode="livemin"),
                 )
     return _families
 

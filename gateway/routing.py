@@ -120,6 +120,8 @@ class RouteTarget:
     percent: int
     namespace_pk: int | None
     release_id: int | None
+    #: The new version of a gray release while both versions carry traffic.
+    canary: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,19 @@ class TenantPolicy:
     semantic_cache: bool = True
     semantic_threshold: float | None = None
     shadow_sample_rate: float = 0.05
+    #: The rate for a gray release's canary (:attr:`RouteTarget.canary`); the higher one applies.
+    canary_shadow_sample_rate: float = 0.5
     #: ``skip`` or ``redact`` (see :mod:`gateway.pii.gate`).
     personal_data: str = "skip"
+
+
+def shadow_rate(policy: TenantPolicy, route: RouteTarget) -> float:
+    """The share (0..1) of a request's cached answers that shadow verification
+    replays: the tenant's rate, or its canary rate where that is higher and the
+    request was routed to a gray release's canary (few requests, judged soon)."""
+    if route.canary:
+        return max(policy.shadow_sample_rate, policy.canary_shadow_sample_rate)
+    return policy.shadow_sample_rate
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from gateway.routing import (
     key_hash,
     prompt_affinity_text,
     route_request,
+    shadow_rate,
     sticky_bucket,
     sticky_id,
 )
@@ -403,7 +404,7 @@ class Gateway:
                 output_tokens=int(usage.get("completion_tokens") or 0),
             )  # fmt: skip
         headers = served_headers(ctx.routed, hit.layer.name)
-        rate = ctx.tenant.policy.shadow_sample_rate
+        rate = shadow_rate(ctx.tenant.policy, ctx.routed.route)
         sampled = rate > 0 and random.random() < rate
         if sampled and hit.entry is not None and self.rt.shadow is not None and ctx.endpoint == "chat":
             task = asyncio.get_running_loop().create_task(self._sample_hit(ctx, hit))
@@ -531,7 +532,8 @@ class Gateway:
                 self.rt.recorder.heat(ns.pk, digest, heat.value["messages"], heat.value["tools"])
         usage = record.get("usage") or {}
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        rate = tenant.policy.shadow_sample_rate
+        assert ctx.routed is not None
+        rate = shadow_rate(tenant.policy, ctx.routed.route)
         if cached and self.rt.shadow is not None and rate > 0 and random.random() < rate:
             replayed = {k: v for k, v in upstream.items() if k not in ("stream", "stream_options")}
             shadow = gate("shadow", replayed, policy=policy, kinds=kinds)

@@ -248,6 +248,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "gateway",
     ),
     MetricSpec(
+        "kvcp_gateway_routing_epoch",
+        "gauge",
+        (),
+        "the routing epoch the gateway routes by, the oldest among its live processes: a change (a policy, a key, "
+        "a release step) moves the control plane's epoch, and has reached every process once this one follows",
+        "gateway",
+    ),
+    MetricSpec(
         "kvcp_gateway_template_requests",
         "counter",
         ("namespace", "template", "result"),

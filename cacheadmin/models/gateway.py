@@ -157,6 +157,12 @@ class TenantGatewayPolicy(models.Model):
     semantic_threshold = models.FloatField(null=True, blank=True, help_text="empty: the shipped threshold")
     #: Share of requests that reported cached tokens replayed by shadow verification (0..1).
     shadow_sample_rate = models.FloatField(default=0.05)
+    #: The same share for the canary of a gray release (the new version while it carries
+    #: some of the traffic but not all): the fewer of its requests, the more of them are
+    #: replayed, so a small step is judged soon. The higher of the two rates applies.
+    canary_shadow_sample_rate = models.FloatField(
+        default=0.5, help_text="share of a gray release's canary requests with cached tokens replayed (0..1)"
+    )
     #: A deceptive hit on live traffic stops routing the namespace until an operator decides.
     suspend_on_deceptive_hit = models.BooleanField(default=True)
     #: What is kept of a request holding personal data (gateway.pii.gate): ``skip``
@@ -180,6 +186,10 @@ class TenantGatewayPolicy(models.Model):
             models.CheckConstraint(
                 condition=models.Q(shadow_sample_rate__gte=0) & models.Q(shadow_sample_rate__lte=1),
                 name="gateway_policy_shadow_rate_0_1",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(canary_shadow_sample_rate__gte=0) & models.Q(canary_shadow_sample_rate__lte=1),
+                name="gateway_policy_canary_rate_0_1",
             ),
             models.CheckConstraint(
                 condition=models.Q(benefit_floor__gte=0)

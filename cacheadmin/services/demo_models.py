@@ -45,8 +45,6 @@ class DemoModel:
         templates: the live traffic's prompt templates.
         title: what the summary calls the model.
         kv_cache_gib: each engine's KV cache (None: ``ENGINE_KV_CACHE_GIB``).
-        release_shadow_rate: the share of live requests shadow verification replays during the
-            release's gray steps.
         policies: the corpus asks Northwind's policy questions (:mod:`inference.policies`), so the
             summary can say which release each answer states.
     """
@@ -63,7 +61,6 @@ class DemoModel:
     title: str
     policies: bool
     kv_cache_gib: float | None
-    release_shadow_rate: float
     _build: Callable[[Path, Callable[[str], None]], tuple[Path, Path]]
 
     def checkpoints(self, models_dir: Path, progress: Callable[[str], None]) -> tuple[Path, Path]:
@@ -146,10 +143,6 @@ DEMO_MODELS: Final[dict[str, DemoModel]] = {
         # 23 KiB per token (30 layers x 3 KV heads x 64 x 2 x bf16): 0.25 GiB holds 11,000 tokens, more
         # than the longest context (8,192) and the demo's traffic; 1 GiB each put five engines at 15.4 GiB.
         kv_cache_gib=0.25,
-        # A check costs about 3 s of the two cores here (three answers of up to 32 tokens): at half of 2
-        # requests/s the checks queued faster than they ran, and the canary's first judgement waited
-        # behind v1's (the 10 % step took 116 s); a quarter keeps the queue short.
-        release_shadow_rate=0.25,
         _build=_real,
     ),
     "tiny": DemoModel(
@@ -170,8 +163,6 @@ DEMO_MODELS: Final[dict[str, DemoModel]] = {
         title="tiny random-weight models (v1, v2)",
         policies=False,
         kv_cache_gib=None,
-        # The tiny models answer in milliseconds: half of the requests is a short queue.
-        release_shadow_rate=0.5,
         _build=_tiny,
     ),
 }

@@ -240,8 +240,10 @@ def layer_states() -> dict[str, dict[str, Any]]:
 
 #: Fields of :class:`TenantGatewayPolicy` operators set, with their checks.
 POLICY_FIELDS = ("response_cache", "allow_seeded", "allow_sampling", "admit_length", "semantic_cache", "semantic_threshold",
-                 "shadow_sample_rate", "suspend_on_deceptive_hit", "personal_data", "benefit_floor",
+                 "shadow_sample_rate", "canary_shadow_sample_rate", "suspend_on_deceptive_hit", "personal_data", "benefit_floor",
                  "benefit_window_minutes", "benefit_min_requests")  # fmt: skip
+#: Policy fields that are shares or similarities within 0..1 (``semantic_threshold`` may be None: the shipped one).
+RATE_FIELDS = ("semantic_threshold", "shadow_sample_rate", "canary_shadow_sample_rate")
 #: Bounds of the not-paying policy: the floor (a benefit ratio), the window (minutes), the minimum lookups.
 MAX_BENEFIT_FLOOR, MAX_BENEFIT_WINDOW_MINUTES, MAX_BENEFIT_MIN_REQUESTS = 1000.0, 1440, 1_000_000
 
@@ -273,7 +275,7 @@ def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping
             top = MAX_BENEFIT_WINDOW_MINUTES if name == "benefit_window_minutes" else MAX_BENEFIT_MIN_REQUESTS
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
                 raise InvalidField(name, f"must be an integer within 1..{top}")
-        elif name in ("semantic_threshold", "shadow_sample_rate"):
+        elif name in RATE_FIELDS:
             if value is None and name == "semantic_threshold":
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
@@ -285,7 +287,7 @@ def tenant_gateway_policy_update(*, tenant: Tenant, actor: str, changes: Mapping
             raise InvalidField(name, "must be true or false")
     # As stored: numbers as floats (-0.0 as 0.0, what the database keeps), so the answer and the audit say what is kept.
     after = {
-        name: float(value) + 0.0 if name in ("semantic_threshold", "shadow_sample_rate", "benefit_floor") and value is not None
+        name: float(value) + 0.0 if name in (*RATE_FIELDS, "benefit_floor") and value is not None
         else value
         for name, value in changes.items()
     }  # fmt: skip
@@ -375,7 +377,8 @@ def _policy_target(row: TenantGatewayPolicy | None) -> TenantPolicy:
     return TenantPolicy(
         response_cache=row.response_cache, allow_seeded=row.allow_seeded, allow_sampling=row.allow_sampling,
         admit_length=row.admit_length, semantic_cache=row.semantic_cache, semantic_threshold=row.semantic_threshold,
-        shadow_sample_rate=row.shadow_sample_rate, personal_data=row.personal_data,
+        shadow_sample_rate=row.shadow_sample_rate, canary_shadow_sample_rate=row.canary_shadow_sample_rate,
+        personal_data=row.personal_data,
     )  # fmt: skip
 
 
@@ -486,9 +489,13 @@ def routing_snapshot_build() -> RoutingSnapshot:
     routes: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}
     for route in serving_routes():
         pair = (route.tenant_id, route.served_name)
+        earlier = routes.get(pair, ())
+        # A release gives its old version's route first: a second one is the new version, its
+        # canary while both carry traffic.
+        canary = bool(earlier) and earlier[0].release_id == route.release_id and 0 < route.percent < 100
         target = RouteTarget(route.model_version_id, labels.get(route.model_version_id, ""), route.percent, route.namespace_pk,
-                             route.release_id)  # fmt: skip
-        routes[pair] = (*routes.get(pair, ()), target)
+                             route.release_id, canary=canary)  # fmt: skip
+        routes[pair] = (*earlier, target)
     routes.update(_operator_routes(set(routes)))
     layers = {layer: state["enabled"] for layer, state in layer_states().items()}
     return RoutingSnapshot(

@@ -25,7 +25,7 @@ from cacheadmin.services.gateway_stores import response_store as deployment_resp
 from gateway.canonical import canonical_request, response_cache_key
 from gateway.layers.response.redis_store import RedisResponseStore
 from gateway.records import Recorder
-from gateway.routing import sticky_bucket
+from gateway.routing import RouteTarget, TenantPolicy, shadow_rate, sticky_bucket
 from gateway.server import Gateway, Limits, Runtime, explain, request_tags
 from inference.identity import cache_salt
 from tests.cacheadmin.conftest import make_version
@@ -263,7 +263,8 @@ def test_an_engine_that_is_down_answers_503_and_one_that_dies_mid_stream_caches_
     assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
 
 
-def test_a_gray_release_splits_conversations_stickily(setup) -> None:
+def _gray_release(setup: dict[str, Any], percent: int) -> tuple[CacheNamespace, Release]:
+    """v2 in its own namespace, with a verified engine, at ``percent`` of tenant acme's ``tiny``."""
     v2 = make_version("v2", "2" * 64, weights="9" * 64)
     ns2 = CacheNamespace.objects.create(
         namespace_key="b" * 64, model_version=v2, tenant=setup["acme"], retention_owner=setup["ns"].retention_owner,
@@ -272,11 +273,16 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
     Engine.objects.create(
         name="e2", model_version=v2, namespace=ns2, base_url="http://127.0.0.1:18002", status="ready", verification="verified"
     )
-    Release.objects.create(
+    release = Release.objects.create(
         served_name="tiny", tenant=setup["acme"], from_version=setup["v1"], to_version=v2, classification="incompatible",
-        status="ready", decision="new_namespace", from_namespace=setup["ns"], to_namespace=ns2, traffic_percent=30,
+        status="ready", decision="new_namespace", from_namespace=setup["ns"], to_namespace=ns2, traffic_percent=percent,
         created_by="t",
     )  # fmt: skip
+    return ns2, release
+
+
+def test_a_gray_release_splits_conversations_stickily(setup) -> None:
+    _gray_release(setup, 30)
     refresh(setup)
     salts = {}
     for user in range(60):
@@ -290,6 +296,46 @@ def test_a_gray_release_splits_conversations_stickily(setup) -> None:
         on_new = sticky_bucket(secret, f"user:user-{user}") < 30  # the newest version takes the first 30 buckets
         assert salt == cache_salt(settings.CACHE_SALT_SECRET, ("b" if on_new else "a") * 64)
     assert 0 < sum(1 for s in salts.values() if s == cache_salt(settings.CACHE_SALT_SECRET, "b" * 64)) < 60
+
+
+def test_a_gray_releases_canary_is_shadow_sampled_at_the_canary_rate_and_the_rest_at_the_tenants(setup) -> None:
+    samples: list[Any] = []
+    setup["runtime"].shadow = samples.append
+    ns2, release = _gray_release(setup, 30)
+    tenant_gateway_policy_update(
+        tenant=setup["acme"], actor="t", changes={"shadow_sample_rate": 0.0, "canary_shadow_sample_rate": 1.0}
+    )
+    refresh(setup)
+    routes = setup["holder"]["snap"].routes[(setup["acme"].pk, "tiny")]
+    assert [(r.version_label, r.percent, r.canary) for r in routes] == [("v1", 70, False), ("v2", 30, True)]
+    secret = tenant_secret(setup["acme"].key)
+    on_canary = [u for u in range(40) if sticky_bucket(secret, f"user:user-{u}") < 30]
+    assert 0 < len(on_canary) < 40
+    for user in range(40):
+        sampled = chat(f"question {user}", temperature=0.5, user=f"user-{user}")
+        for _ in range(2):  # the second reports the first's prompt as cached: sampled if its rate says so
+            assert call(setup, sampled).status_code == 200
+    # Every canary request with cached tokens, none of the old version's (the tenant's rate is 0).
+    assert sorted(s.body["messages"][0]["content"] for s in samples) == sorted(f"question {u}" for u in on_canary)
+    assert {s.namespace_pk for s in samples} == {ns2.pk}
+    # At 100 % the new version is no canary any more: the tenant's rate applies to it.
+    release.traffic_percent = 100
+    release.save(update_fields=["traffic_percent"])
+    refresh(setup)
+    assert [r.canary for r in setup["holder"]["snap"].routes[(setup["acme"].pk, "tiny")]] == [False, False]
+    samples.clear()
+    for _ in range(2):
+        assert call(setup, chat("question 0", temperature=0.5, user="user-0")).status_code == 200
+    assert samples == []
+
+
+def test_the_canary_rate_never_lowers_the_tenants_rate() -> None:
+    canary = RouteTarget(2, "v2", 10, 2, 1, canary=True)
+    old = RouteTarget(1, "v1", 90, 1, 1)
+    policy = TenantPolicy(shadow_sample_rate=0.3, canary_shadow_sample_rate=0.1)
+    assert (shadow_rate(policy, canary), shadow_rate(policy, old)) == (0.3, 0.3)
+    policy = TenantPolicy(shadow_sample_rate=0.05, canary_shadow_sample_rate=0.5)
+    assert (shadow_rate(policy, canary), shadow_rate(policy, old)) == (0.5, 0.05)
 
 
 def _asked(content: str) -> dict[str, Any]:

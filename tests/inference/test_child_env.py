@@ -42,10 +42,13 @@ def test_an_engine_started_by_a_web_worker_gets_none_of_its_environment(tmp_path
     own = {
         "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_API_KEY": "k-1",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "VLLM_WORKER_MULTIPROC_METHOD": "fork",
     }  # fmt: skip
     assert {k: env[k] for k in own} == own
     assert set(env) - set(own) <= SYSTEM_NAMES | ENGINE_ENV_NAMES | {n for n in env if n.startswith("LC_")}
     assert "VLLM_API_KEY" not in EngineSpec(**base).environment()
     assert "VLLM_KV_CACHE_LAYOUT" not in EngineSpec(**base).environment()
     assert EngineSpec(**base, inherit_env=("DATABASE_URL",)).environment()["DATABASE_URL"] == "postgres://u:p@db/kvcp"
+    # vLLM's own thread binding (no cpu_threads) keeps its spawned processes; spawn asked for is kept too.
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in EngineSpec(**base, cpu_threads=None).environment()
+    assert EngineSpec(**base, start_method="spawn").environment()["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"

@@ -15,7 +15,7 @@ from cacheadmin.api.serializers.fields import (
     TenantSlugField,
 )
 from cacheadmin.models import GatewayKey, ShadowCheck, Tenant
-from cacheadmin.services.gateway import MAX_BENEFIT_FLOOR, MAX_BENEFIT_MIN_REQUESTS, MAX_BENEFIT_WINDOW_MINUTES
+from cacheadmin.services.gateway import MAX_BENEFIT_FLOOR, MAX_BENEFIT_MIN_REQUESTS, MAX_BENEFIT_WINDOW_MINUTES, RATE_FIELDS
 from gateway.layers import LAYERS as CACHE_LAYERS
 
 
@@ -79,6 +79,10 @@ class GatewayPolicySerializer(StrictFieldsMixin, serializers.Serializer):
     semantic_cache = StrictBooleanField(required=False)
     semantic_threshold = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     shadow_sample_rate = serializers.FloatField(required=False, min_value=0.0, max_value=1.0)
+    canary_shadow_sample_rate = serializers.FloatField(
+        required=False, min_value=0.0, max_value=1.0,
+        help_text="share of a gray release's canary requests with cached tokens replayed (the higher rate applies)",
+    )  # fmt: skip
     suspend_on_deceptive_hit = StrictBooleanField(required=False)
     personal_data = serializers.ChoiceField(
         choices=["skip", "redact"], required=False,
@@ -100,7 +104,7 @@ class GatewayPolicySerializer(StrictFieldsMixin, serializers.Serializer):
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         # Numbers as JSON numbers: "0.9" or true is a type error in the caller's pipeline.
         if isinstance(data, dict):
-            for name in ("semantic_threshold", "shadow_sample_rate", "benefit_floor"):
+            for name in (*RATE_FIELDS, "benefit_floor"):
                 value = data.get(name)
                 if name in data and value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
                     raise serializers.ValidationError({name: ["must be a JSON number"]})

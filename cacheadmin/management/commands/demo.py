@@ -362,18 +362,12 @@ class Command(ControlPlaneCommand):
         model_key = opts["model"] or env_str("DEMO_MODEL", DEFAULT_DEMO_MODEL)
         if model_key not in DEMO_MODELS:
             raise self.bad_input(f"DEMO_MODEL must be one of {', '.join(sorted(DEMO_MODELS))}, got {model_key!r}")
-        call_command("migrate", interactive=False, verbosity=0)
-        # The demo owns its deployment's engines: an earlier run killed before it could stop them
-        # (or engines started from its pages) are stopped, by pid and start time, never by name.
-        reaped = engines_stop_all(actor="demo", reason="left running by an earlier run")
-        if reaped:
-            self.stderr.write(f"stopped {len(reaped)} engine(s) an earlier run left running: {', '.join(reaped)}")
         serve = not opts["no_serve"]
         addr = opts["addr"] or env_str("GUNICORN_BIND", DEFAULT_BIND)
         server: DashboardServer | None = None
         if serve:
-            # Before the main job (minutes of engines): a typo in the server's
-            # settings fails at once, not at the end.
+            # Before anything else (the database, minutes of engines): a typo in the server's
+            # settings fails at once and changes nothing.
             try:
                 server = DashboardServer(
                     bind_address(addr, name="--addr" if opts["addr"] else "GUNICORN_BIND"),
@@ -382,7 +376,17 @@ class Command(ControlPlaneCommand):
                 )
             except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
+        call_command("migrate", interactive=False, verbosity=0)
+        # The demo owns its deployment's engines: an earlier run killed before it could stop them
+        # (or engines started from its pages) are stopped, by pid and start time, never by name.
+        reaped = engines_stop_all(actor="demo", reason="left running by an earlier run")
+        if reaped:
+            self.stderr.write(f"stopped {len(reaped)} engine(s) an earlier run left running: {', '.join(reaped)}")
         log = (lambda line: self.stderr.write(line)) if not serve else (lambda line: self.stdout.write(line))
+        if not os.environ.get("EMAIL_BACKEND"):
+            # The eviction sweep's notice to owners is an e-mail: in files, not across the run's lines.
+            settings.EMAIL_BACKEND = "django.core.mail.backends.filebased.EmailBackend"
+            log(f"e-mail (owners' eviction notices) goes to files under {settings.EMAIL_FILE_PATH} (EMAIL_BACKEND unset)")
         # The demo starts a process group: the metrics files of an earlier run's dead processes are not this
         # run's; a live process's (a worker or a server still running on this VAR_DIR) stay, totals included.
         multiproc_reap(settings.METRICS_MULTIPROC_DIR, every_type=True)
