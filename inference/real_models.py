@@ -31,6 +31,7 @@ partial folder that the next build removes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -222,10 +223,14 @@ def greedy_answer(checkpoint: Path, question: str, *, max_new_tokens: int = 24) 
 
 def quiet_transformers() -> None:
     """Turn transformers' progress bars off: they would interleave with the build's and the training's own
-    progress lines (which say the time left)."""
+    progress lines (which say the time left). Idempotent."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    # The GGUF loader draws its own bar with plain tqdm (transformers 5.19), which that switch does not reach.
+    if not isinstance(gguf_loading.tqdm, functools.partial):
+        gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
 
 
 def build_real_model(

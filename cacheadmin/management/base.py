@@ -17,9 +17,10 @@ from typing import Any, NoReturn
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
 from cacheadmin.forms import MAX_ID
-from inference.errors import EXIT_BAD_INPUT, ControlPlaneError
+from inference.errors import EXIT_BAD_INPUT, EXIT_CONFLICT, ControlPlaneError
 from inference.identity import LayoutOptions
 from inference.strict_json import loads_unique
 
@@ -54,6 +55,13 @@ class ControlPlaneCommand(BaseCommand):
             return super().execute(*args, **options)
         except ControlPlaneError as exc:
             raise self.failed(str(exc), exc.exit_code) from exc
+        except DatabaseError as exc:
+            # A database that is not migrated yet (a fresh VAR_DIR or DATABASE_URL), or not reachable:
+            # one line saying what to do, never a traceback.
+            detail = " ".join(str(exc).split())
+            if _migrations_pending():
+                raise self.failed(f"the database is not migrated ({detail}): run manage.py migrate", EXIT_CONFLICT) from exc
+            raise self.failed(f"the database cannot be used: {detail}", EXIT_CONFLICT) from exc
         except ValidationError as exc:
             problems = (
                 [f"{field}: {messages[0]}" for field, messages in exc.message_dict.items()]
@@ -73,6 +81,18 @@ class ControlPlaneCommand(BaseCommand):
         # Escape control characters from user input (paths) so they cannot drive the terminal.
         printable = "".join(c if c.isprintable() else repr(c)[1:-1] for c in one_line)
         return CommandError(printable, returncode=exit_code)
+
+
+def _migrations_pending() -> bool:
+    """True when the default database lacks migrations this code has (False when it cannot be read)."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        executor = MigrationExecutor(connection)
+        return bool(executor.migration_plan(executor.loader.graph.leaf_nodes()))
+    except DatabaseError:
+        return False
 
 
 def _ascii_int(value: str) -> int:

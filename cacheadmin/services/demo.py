@@ -168,7 +168,7 @@ CANARY_SHADOW_SAMPLE_RATE = 1.0
 #: Requests per second the traffic generator sends through the gateway.
 TRAFFIC_RATE_PER_S = 2.0
 #: Answers of v2 each gray step waits for (after HOLD_S) before the next one.
-MIN_ANSWERS_PER_STEP = 5
+MIN_ANSWERS_PER_STEP = 3
 #: Seconds traffic runs at each gray step (10 %, 100 %) and after the rollback.
 HOLD_S = 20.0
 #: Seconds between the lines that say engines are still starting (a silent terminal looks hung).

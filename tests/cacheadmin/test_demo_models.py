@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import struct
 from pathlib import Path
 
@@ -103,3 +104,19 @@ def test_the_demo_refuses_an_unknown_model_before_doing_anything() -> None:
 )  # fmt: skip
 def test_a_version_s_comparison_floor_is_its_resolved_dtype_s(inputs: dict[str, object], floor: float) -> None:
     assert version_logprob_floor(ModelVersion(inputs=inputs)) == floor
+
+
+def test_the_demo_refuses_a_models_folder_outside_the_roots_and_a_bad_address_before_migrating(tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh.sqlite3"
+    env = subprocess_env(DATABASE_URL=f"sqlite:///{fresh}", VAR_DIR=str(tmp_path / "var"))
+    for name in ("MODEL_ROOTS", "DEMO_MODELS_DIR", "GUNICORN_BIND"):
+        env.pop(name, None)  # the defaults, under this VAR_DIR
+    outside = manage("demo", "--no-serve", env={**env, "DEMO_MODELS_DIR": str(tmp_path / "elsewhere")})
+    assert outside.returncode == 2 and outside.stdout == ""
+    roots = tmp_path / "var" / "models"
+    assert outside.stderr == (f"CommandError: DEMO_MODELS_DIR {tmp_path / 'elsewhere'} lies outside MODEL_ROOTS ({roots})\n")
+    address = manage("demo", "--addr", "nonsense", env=env)
+    assert address.returncode == 2 and address.stdout == ""
+    assert address.stderr == "CommandError: --addr='nonsense' is not HOST:PORT (port 1-65535) or unix:PATH\n"
+    with sqlite3.connect(fresh) as db:  # neither migrated the database
+        assert db.execute("SELECT name FROM sqlite_master").fetchall() == []

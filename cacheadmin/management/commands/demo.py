@@ -376,6 +376,10 @@ class Command(ControlPlaneCommand):
                 )
             except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
+        if not any(settings.DEMO_MODELS_DIR.is_relative_to(root) for root in settings.MODEL_ROOTS):
+            # Checked before minutes of building: a checkpoint there could not be registered.
+            roots = ", ".join(str(root) for root in settings.MODEL_ROOTS)
+            raise self.bad_input(f"DEMO_MODELS_DIR {settings.DEMO_MODELS_DIR} lies outside MODEL_ROOTS ({roots})")
         call_command("migrate", interactive=False, verbosity=0)
         # The demo owns its deployment's engines: an earlier run killed before it could stop them
         # (or engines started from its pages) are stopped, by pid and start time, never by name.
