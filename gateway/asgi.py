@@ -26,7 +26,7 @@ from typing import Any
 from starlette.applications import Starlette
 
 from gateway import connections
-from gateway.metrics import families
+from gateway.metrics import routing_epoch_gauge
 from gateway.prefix.index import BlockIndex
 from gateway.prefix.load import EngineLoadPoller
 from gateway.prefix.router import PrefixRouter
@@ -57,7 +57,7 @@ class SnapshotHolder:
 
     def _published(self) -> None:
         # Which epoch this process routes by: operators (and tests) see when a change reached every process.
-        families()["routing_epoch"].set(self.snapshot.epoch)
+        routing_epoch_gauge().set(self.snapshot.epoch)
 
     def current(self) -> Any:
         """The snapshot requests are routed by now."""

@@ -105,8 +105,8 @@ def families() -> dict[str, Any]:
         short name → prometheus-client metric: ``requests``, ``bypasses``,
         ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft``, ``lookup``, ``store``,
         ``loads``, ``load_failures``, ``breaker_open``, ``connections_refused``, ``routing_decisions``,
-        ``routing_predictions``, ``prefix_index_blocks``, ``prefix_index_age``, ``prefix_index_lag``,
-        ``routing_epoch``.
+        ``routing_predictions``, ``prefix_index_blocks``, ``prefix_index_age``, ``prefix_index_lag``
+        (``routing_epoch`` is :func:`routing_epoch_gauge`'s).
     """
     if not _families:
         with _lock:
@@ -139,10 +139,30 @@ def families() -> dict[str, Any]:
                     prefix_index_blocks=Gauge(**spec("prefix_index_blocks"), multiprocess_mode="livemax"),
                     prefix_index_age=Gauge(**spec("prefix_index_age"), multiprocess_mode="livemax"),
                     prefix_index_lag=Gauge(**spec("prefix_index_lag"), multiprocess_mode="livemax"),
-                    # The process furthest behind is what a change waits for.
-                    routing_epoch=Gauge(**spec("routing_epoch"), multiprocess_mode="livemin"),
                 )
     return _families
+
+
+_routing_epoch: list[Any] = []
+
+
+def routing_epoch_gauge() -> Any:
+    """The ``routing_epoch`` gauge, created on first use by a process that routes (its
+    :class:`gateway.asgi.SnapshotHolder`): a gauge without labels has a value (0) from its
+    creation, and the oldest among live processes (``livemin``) must count only the
+    processes that route, never one that merely records figures.
+    """
+    if not _routing_epoch:
+        with _lock:
+            if not _routing_epoch:
+                from prometheus_client import Gauge
+
+                if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                    identify()
+                name, labels, help_ = SPECS["routing_epoch"]
+                # The process furthest behind is what a change waits for.
+                _routing_epoch.append(Gauge(name, help_, labels, multiprocess_mode="livemin"))
+    return _routing_epoch[0]
 
 
 class GatewayMetrics:
