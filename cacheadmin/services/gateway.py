@@ -489,13 +489,9 @@ def routing_snapshot_build() -> RoutingSnapshot:
     routes: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}
     for route in serving_routes():
         pair = (route.tenant_id, route.served_name)
-        earlier = routes.get(pair, ())
-        # A release gives its old version's route first: a second one is the new version, its
-        # canary while both carry traffic.
-        canary = bool(earlier) and earlier[0].release_id == route.release_id and 0 < route.percent < 100
         target = RouteTarget(route.model_version_id, labels.get(route.model_version_id, ""), route.percent, route.namespace_pk,
-                             route.release_id, canary=canary)  # fmt: skip
-        routes[pair] = (*earlier, target)
+                             route.release_id, canary=route.canary)  # fmt: skip
+        routes[pair] = (*routes.get(pair, ()), target)
     routes.update(_operator_routes(set(routes)))
     layers = {layer: state["enabled"] for layer, state in layer_states().items()}
     return RoutingSnapshot(

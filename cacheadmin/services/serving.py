@@ -44,6 +44,7 @@ class Route:
         namespace_pk: the namespace (primary key) its requests use, None when
             the tenant had no namespace for it.
         release_id: the release the route comes from.
+        canary: the release's new version while both versions carry traffic.
     """
 
     tenant_id: int
@@ -52,6 +53,7 @@ class Route:
     percent: int
     namespace_pk: int | None
     release_id: int
+    canary: bool = False
 
 
 def release_routes(release: Release) -> list[Route]:
@@ -71,7 +73,7 @@ def release_routes(release: Release) -> list[Route]:
     share = release.traffic_percent if release.status == Release.Status.READY else 0
     routes = [Route(*pair, release.from_version_id, 100 - share, release.from_namespace_id, release.pk)]
     if release.status in ROUTED:
-        routes.append(Route(*pair, release.to_version_id, share, release.to_namespace_id, release.pk))
+        routes.append(Route(*pair, release.to_version_id, share, release.to_namespace_id, release.pk, canary=0 < share < 100))
     return routes
 
 
