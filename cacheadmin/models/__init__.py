@@ -2,7 +2,14 @@
 
 from cacheadmin.models.api_tokens import ApiToken
 from cacheadmin.models.audit import AuditEvent
-from cacheadmin.models.engines import Engine, EngineAlarm, EngineVerification, KvEventStream, ResidentSample
+from cacheadmin.models.engines import (
+    Engine,
+    EngineAlarm,
+    EngineVerification,
+    InferencePool,
+    KvEventStream,
+    ResidentSample,
+)
 from cacheadmin.models.eviction import (
     AccountingScan,
     EngineMetricsSample,
@@ -63,6 +70,7 @@ __all__ = [
     "Engine",
     "EngineAlarm",
     "EngineVerification",
+    "InferencePool",
     "KvEventStream",
     "ResidentSample",
     "IdempotencyKey",

@@ -26,6 +26,10 @@ class Engine(models.Model):
         READY = "ready"
         STOPPED = "stopped"
         FAILED = "failed"
+        #: Its host stopped answering (a Ray node declared dead, a pod gone): drained from
+        #: routing, its residency dropped, its running jobs requeued. Never routed to again;
+        #: a restart starts a new incarnation elsewhere or on the host once it is back.
+        LOST = "lost"
 
     class Origin(models.TextChoices):
         #: Started by the control plane on this host; it owns the process.
@@ -119,6 +123,15 @@ class Engine(models.Model):
     verified_at = models.DateTimeField(null=True, blank=True)
     #: What the engine reported when it last verified (the drift baseline).
     verified_facts = models.JSONField(null=True, blank=True)
+    #: The host it runs on: this machine's name for a local engine, the Ray node's host
+    #: label for a Ray engine, the pod's node or the URL's host for an adopted one.
+    host = models.CharField(max_length=200, blank=True, default="", db_index=True)
+    #: The Ray node (hex id) holding a Ray engine's actor; a node declared dead loses the engine.
+    ray_node_id = models.CharField(max_length=64, blank=True, default="")
+    #: The Kubernetes InferencePool an adopted pod came from (kept in step by the pool's sync).
+    inference_pool = models.ForeignKey(
+        "cacheadmin.InferencePool", null=True, blank=True, on_delete=models.SET_NULL, related_name="engines"
+    )
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -253,6 +266,8 @@ class EngineAlarm(models.Model):
         DRIFT = "verification_drift"
         #: The process died or the health endpoint went silent.
         HEALTH = "health"
+        #: The engine's host was lost (its Ray node declared dead): the engine was drained.
+        HOST_LOST = "host_lost"
         #: Sequence numbers skipped and replay could not fill the gap.
         KV_EVENTS_GAP = "kv_events_gap"
         #: Frames that are not vLLM KV-event batches.
@@ -351,3 +366,35 @@ class ResidentSample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tokens} tokens of namespace {self.namespace_id} on engine {self.engine_id}"
+
+
+class InferencePool(models.Model):
+    """A Gateway API ``InferencePool`` (``inference.networking.k8s.io/v1``) whose vLLM pods
+    the control plane adopts and keeps in step: pods added are adopted and verified against
+    ``model_version``, pods gone are stopped (taken out of service), on a schedule.
+
+    The pool's controller (KServe, llm-d, a Deployment) runs the pods; the control plane
+    never creates or deletes one.
+    """
+
+    k8s_namespace = models.CharField(max_length=63)
+    name = models.CharField(max_length=253)
+    model_version = models.ForeignKey("cacheadmin.ModelVersion", on_delete=models.PROTECT, related_name="inference_pools")
+    #: The cache namespace its pods serve; None adopts them as reference engines.
+    namespace = models.ForeignKey(
+        "cacheadmin.CacheNamespace", null=True, blank=True, on_delete=models.PROTECT, related_name="inference_pools"
+    )
+    kv_connector = models.CharField(max_length=64, blank=True, default="")
+    active = models.BooleanField(default=True, help_text="kept in step by the schedule")
+    synced_at = models.DateTimeField(null=True, blank=True)
+    #: The last sync's problem ("" when it went through): an unreachable API, a pod refused.
+    sync_error = models.TextField(blank=True, default="")
+    created_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["k8s_namespace", "name"]
+        constraints = [models.UniqueConstraint(fields=["k8s_namespace", "name"], name="inference_pool_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.k8s_namespace}/{self.name}"
