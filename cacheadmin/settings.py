@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -187,6 +188,9 @@ ENGINE_START_TIMEOUT_S = env_int("ENGINE_START_TIMEOUT_S", 300, minimum=10)
 #: Empty: loopback only. Link-local and cloud metadata addresses are refused
 #: whatever this says (inference.netpolicy).
 ENGINE_ALLOWED_NETWORKS = env_networks("ENGINE_ALLOWED_NETWORKS")
+#: The kubeconfig file the InferencePool adopter reads the Kubernetes API from (its current
+#: context); empty: the pod's in-cluster service account (cacheadmin.services.inference_pools).
+KUBECONFIG = env_str("KUBECONFIG", "")
 #: Where local engines bind their KV-event sockets (ipc://): a directory of this
 #: user with mode 0700, so no other local user can publish or read there
 #: (inference.kv_transport). A Unix socket path holds 107 bytes: a VAR_DIR too
@@ -198,6 +202,16 @@ KV_EVENTS_SOCKET_DIR = Path(env_str("KV_EVENTS_SOCKET_DIR", str(_kv_socket_defau
 #: The KV-event consumer's CURVE secret key (created once, mode 0600); its public
 #: key (`manage.py kv_events --public-key`) is what relays beside remote engines admit.
 KV_EVENTS_KEY_FILE = Path(env_str("KV_EVENTS_KEY_FILE", str(VAR_DIR / "kv-events-consumer.key"))).resolve()
+#: The Ray cluster engines on other hosts are started through (inference/engines/ray_backend.py):
+#: ``ray://HEAD:10001``, the head's Ray Client server. Empty: engines run on this host only.
+#: Ray has no authentication: its ports must sit on a network only the cluster and the control plane reach.
+RAY_ADDRESS = env_str("RAY_ADDRESS", "")
+#: This host's name in the fleet: what running jobs record as their worker's host, and the
+#: per-host Celery queue (``host.<name>``) a worker beside this host's engines consumes.
+KVCP_HOST = env_str("KVCP_HOST", socket.gethostname())
+#: The CURVE secret key of the KV-event relays beside Ray engines, at this path on each node
+#: (created once there, mode 0600; it never leaves its host: the relay hands back its public key).
+KV_EVENTS_RELAY_KEY_FILE = Path(env_str("KV_EVENTS_RELAY_KEY_FILE", str(VAR_DIR / "kv-events-relay.key"))).resolve()
 # What one tenant may hold (cacheadmin.services.quotas): each created row is a metric
 # series, a polled target or a worker's time. TENANT_QUOTA_<KIND>=N; 0 forbids the kind.
 TENANT_QUOTAS = {
@@ -410,6 +424,7 @@ CELERY_TASK_ROUTES = {
             "engines_verify",
             "idempotency_keys_expire",
             "gateway_benefit_check",
+            "inference_pools_sync",
         )
     },  # fmt: skip
     "cacheadmin.shadow_check": {"queue": "shadow"},

@@ -146,7 +146,7 @@ def _live_context(engine: Engine) -> dict[str, Any]:
         "alarms": list(EngineAlarm.objects.filter(engine=engine, resolved_at__isnull=True).order_by("-last_seen_at", "-id")),
         "residency": residency_now(engine),
         "prefixes": cached_prefixes(engine.pk),
-        "log_tail": log_tail(engine, lines=LOG_LINES) if engine.origin == Engine.Origin.LOCAL else "",
+        "log_tail": log_tail(engine, lines=LOG_LINES) if engine.managed else "",
         "chart": engine_hit_ratio_series(engine, since=now - CHART_WINDOW),
         "updated_at": now,
         "poll_s": POLL_IDLE_S if engine.status == Engine.Status.STOPPED else POLL_ACTIVE_S,
@@ -248,13 +248,13 @@ def engine_action(request: HttpRequest, pk: int, verb: str) -> HttpResponse:
     data = request.POST
     try:
         if verb == "start":
-            if engine.origin != Engine.Origin.LOCAL:
+            if not engine.managed:
                 raise EngineRefused(
                     f"engine {engine.name} was adopted: its process is not ours to start; "
                     "start it where it runs, then adopt it again at its URL"
                 )
-            if engine.status not in (Engine.Status.STOPPED, Engine.Status.FAILED):
-                raise EngineRefused(f"engine {engine.name} is {engine.status}; only a stopped or failed engine starts")
+            if engine.status not in (Engine.Status.STOPPED, Engine.Status.FAILED, Engine.Status.LOST):
+                raise EngineRefused(f"engine {engine.name} is {engine.status}; only a stopped, failed or lost engine starts")
             engine_boot_enqueue(engine_restart(engine=engine, actor=actor, reason="started from its page", boot=False))
         elif verb == "stop":
             engine_stop(engine=engine, actor=actor)

@@ -37,6 +37,9 @@ class Engine(models.Model):
         #: A running server the control plane registered by URL (a GPU host,
         #: a Kubernetes service); it verifies and watches it, never starts it.
         ADOPTED = "adopted"
+        #: Started by the control plane on a node of its Ray cluster, inside a named detached actor
+        #: (Ray namespace ``kvcp``, actor name = the engine's name) that owns the process.
+        RAY = "ray"
 
     class Verification(models.TextChoices):
         UNVERIFIED = "unverified"
@@ -156,6 +159,14 @@ class Engine(models.Model):
     def salt_blind_tier(self) -> bool:
         """True when this engine's persistent tier ignores cache_salt (one namespace only)."""
         return self.kv_connector in self.SALT_BLIND_CONNECTORS
+
+    #: Origins whose process this control plane starts, stops and restarts.
+    MANAGED_ORIGINS = frozenset({Origin.LOCAL, Origin.RAY})
+
+    @property
+    def managed(self) -> bool:
+        """True when this control plane owns the engine's process (here, or in a Ray actor on another host)."""
+        return self.origin in self.MANAGED_ORIGINS
 
     @property
     def in_service(self) -> bool:

@@ -43,13 +43,13 @@ def engine_target(field: str, url: str) -> tuple[str, dict[str, str]]:
 
 
 def engine_api_key(engine: Engine) -> str | None:
-    """The API key of a local engine's current incarnation (None for an adopted
-    one: its keys are its operator's). Derived, never stored: an HMAC of the
+    """The API key of the current incarnation of an engine this control plane started, here or on a
+    Ray node (None for an adopted one: its keys are its operator's). Derived, never stored: an HMAC of the
     engine's id and generation under the server secret, so every control-plane
     process (web, workers, gateways) computes it and a restart changes it.
     vLLM requires it on every route (:mod:`inference.engines.serve`), so no
     other local user can drive the engine."""
-    if engine.origin != "local":
+    if engine.origin not in ("local", "ray"):
         return None
     message = f"engine-api-key:{engine.pk}:{engine.generation}".encode()
     return hmac.new(settings.CACHE_SALT_SECRET.encode(), message, hashlib.sha256).hexdigest()

@@ -133,7 +133,7 @@ def verify_refusal(engine: Engine) -> str | None:
         return None
     if engine.status == Engine.Status.STARTING:
         return f"engine {engine.name} is starting: it is verified as soon as it is ready"
-    if engine.origin == Engine.Origin.LOCAL:
+    if engine.managed:
         how = "start it (it is verified as it starts)"
     else:
         how = "it was adopted: once it runs again where it runs, adopt it again at its URL"
@@ -173,9 +173,9 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
             metrics_url=engine.effective_metrics_url,
             model_version=version,
             prefix_caching=engine.prefix_caching,
-            # A local engine computes from the checkpoint itself: its answer is
-            # the reference when none is recorded yet.
-            reference=not (engine.origin == Engine.Origin.LOCAL and not version.probe_output),
+            # An engine this control plane started computes from the checkpoint itself (here or on a
+            # Ray node, from the same path): its answer is the reference when none is recorded yet.
+            reference=not (engine.managed and not version.probe_output),
             auth=engine_headers(engine),
         )
     except EngineError as exc:
@@ -213,7 +213,7 @@ def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> Eng
             if baseline is None:
                 update["verified_facts"] = drift_baseline(facts)
         Engine.objects.filter(pk=engine.pk).update(**update)
-        if ok and engine.origin == Engine.Origin.LOCAL and not version.probe_output and facts.get("output") is not None:
+        if ok and engine.managed and not version.probe_output and facts.get("output") is not None:
             ModelVersion.objects.filter(pk=version.pk, probe_output="").update(probe_output=facts["output"])
         audit_record(actor=actor, action="engine.verify", obj=engine, after={"outcome": outcome, "trigger": trigger})
     if outcome == Engine.Verification.DRIFTED:

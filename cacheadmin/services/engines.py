@@ -1,7 +1,10 @@
-"""Launching, recording and stopping local vLLM engines."""
+"""Launching, recording and stopping the vLLM engines the control plane runs: local processes on
+this host (:class:`inference.engines.launcher.LocalEngine`) and engines on other hosts inside named
+Ray actors (:mod:`inference.engines.ray_backend`), chosen per engine (``backend``)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -21,11 +24,14 @@ from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, stop_process_group
+from inference.engines.ray_backend import cluster_nodes, live_node_for, ray_engine_call, ray_engine_start, ray_engine_stop
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
-from inference.kv_transport import TransportError, local_endpoints, private_socket_dir
+from inference.kv_transport import TransportError, key_pair, local_endpoints, private_socket_dir
 from inference.netpolicy import AddressRefused
 from inference.processes import pid_alive, process_started
+
+logger = logging.getLogger(__name__)
 
 #: Engines this process launched, by Engine pk (handles to their subprocesses).
 _LAUNCHED: dict[int, LocalEngine] = {}
@@ -83,7 +89,8 @@ def _spec_for(engine: Engine, *, kv_cache_gib: float | None = None) -> EngineSpe
     Raises:
         EngineRefused: a layout field this launcher cannot honour here (the reason).
     """
-    port = int(engine.base_url.rsplit(":", 1)[1])
+    # A Ray engine's port is picked on its node when it starts (its base_url is empty until then).
+    port = int(engine.base_url.rsplit(":", 1)[1]) if engine.base_url else 0
     try:
         return EngineSpec.from_layout(
             engine.model_version.inputs["layout"],
@@ -122,6 +129,91 @@ def engine_name_check(name: str) -> str:
     return name
 
 
+#: Engine backends: ``local`` (a process on this host) or ``ray`` (an actor on a node of the Ray cluster).
+BACKENDS = ("local", "ray")
+
+
+def engine_host_check(backend: str, host: str) -> str:
+    """The host a new engine runs on.
+
+    Returns:
+        ``KVCP_HOST`` for a local engine; for a Ray engine, the live node's host name.
+
+    Raises:
+        InvalidField: an unknown backend; a local engine asked for on another host; for ``ray``,
+            no cluster configured, no host given, the cluster not answering, or no live node named so.
+    """
+    host = host.strip()
+    if backend not in BACKENDS:
+        raise InvalidField("backend", f"one of {', '.join(BACKENDS)}")
+    if backend == "local":
+        if host and host != settings.KVCP_HOST:
+            raise InvalidField("host", f"a local engine runs on this host ({settings.KVCP_HOST}); use backend ray for {host}")
+        return settings.KVCP_HOST
+    if not settings.RAY_ADDRESS:
+        raise InvalidField("backend", "no Ray cluster is configured (RAY_ADDRESS=ray://HEAD:10001)")
+    if not host:
+        raise InvalidField("host", "pick one of the Ray cluster's live hosts (engine hosts, GET /api/engine-hosts/)")
+    try:
+        return live_node_for(cluster_nodes(settings.RAY_ADDRESS), host).host
+    except EngineError as exc:
+        raise InvalidField("host", str(exc)) from None
+
+
+def engine_hosts() -> list[dict[str, Any]]:
+    """The hosts an engine may be started on: this one (``local``) and, with a Ray cluster, every
+    node of it with its free resources (:class:`inference.engines.ray_backend.RayNode`).
+
+    Returns:
+        ``[{"host", "backend", "alive", "address", "cpus", "cpus_free", "gpus", "gpus_free",
+        "memory_free_gib", "engines"}]``, this host first; ``engines`` counts the live engines on it.
+
+    Raises:
+        EngineRefused: the Ray cluster does not answer.
+    """
+    live = Engine.objects.filter(status__in=LIVE_STATUSES)
+    rows: list[dict[str, Any]] = [
+        {
+            "host": settings.KVCP_HOST, "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None,
+            "cpus_free": None, "gpus": None, "gpus_free": None, "memory_free_gib": None,
+            "engines": live.filter(origin=Engine.Origin.LOCAL).count(),
+        }
+    ]  # fmt: skip
+    if settings.RAY_ADDRESS:
+        try:
+            nodes = cluster_nodes(settings.RAY_ADDRESS)
+        except EngineError as exc:
+            raise EngineRefused(str(exc)) from exc
+        for node in nodes:
+            count = live.filter(origin=Engine.Origin.RAY, host=node.host).count()
+            rows.append({**node.to_json(), "backend": "ray", "engines": count})
+    for row in rows:
+        row.pop("node_id", None)
+    return rows
+
+
+def _ray_start(engine: Engine, *, kv_cache_gib: float | None) -> None:
+    """Start a Ray engine's actor (or find it running) and record where it listens.
+
+    Raises:
+        EngineError: the cluster, the node or the actor failed; the row is ``failed``.
+    """
+    spec = _spec_for(engine, kv_cache_gib=kv_cache_gib)
+    serving = bool(engine.kv_events_topic)
+    info = ray_engine_start(
+        settings.RAY_ADDRESS, name=engine.name, host=engine.host, spec=spec, engine_id=engine.pk,
+        topic=engine.kv_events_topic, events_dir=str(settings.KV_EVENTS_SOCKET_DIR) if serving else None,
+        consumer_key=key_pair(settings.KV_EVENTS_KEY_FILE)[0] if serving else None,
+        relay_key_file=str(settings.KV_EVENTS_RELAY_KEY_FILE) if serving else None,
+    )  # fmt: skip
+    Engine.objects.filter(pk=engine.pk).update(
+        base_url=info["base_url"], host=info["host"], ray_node_id=info["node_id"], pid=info["pid"],
+        pid_started=info["pid_started"], kv_events_endpoint=info["kv_events_endpoint"],
+        kv_events_replay_endpoint=info["kv_events_replay_endpoint"], kv_events_key=info["kv_events_key"],
+    )  # fmt: skip
+    engine.refresh_from_db()
+
+
 def engine_create(
     *,
     name: str,
@@ -132,8 +224,10 @@ def engine_create(
     identity_override_reason: str = "",
     restart_policy: str = Engine.RestartPolicy.NEVER,
     detached: bool = True,
+    backend: str = "local",
+    host: str = "",
 ) -> Engine:
-    """Record the intent to start a local vLLM engine (status ``starting``),
+    """Record the intent to start a vLLM engine (status ``starting``),
     before any process exists: a caller killed before :func:`engine_boot`
     leaves a row the health check finishes or fails, never an unknown server.
 
@@ -145,9 +239,13 @@ def engine_create(
     product exists to prevent; it is refused unless ``identity_override_reason``
     says why (recorded on the row and in the audit trail).
 
+    ``backend="local"`` runs it on this host; ``backend="ray"`` runs it on ``host``, a live node of
+    the Ray cluster (``RAY_ADDRESS``), inside a named detached actor (:mod:`inference.engines.ray_backend`).
+
     Raises:
         InvalidField: a blank, malformed or taken name; ``tier`` not disk/none;
-            an unknown restart policy.
+            an unknown restart policy; an unknown backend; for ``ray``, no cluster
+            configured or ``host`` not a live node of it; for ``local``, another host.
         EngineRefused: identity mismatch without an override reason, a layout
             field this launcher cannot honour here, or a salt-blind tier that a
             live engine of another namespace already uses.
@@ -157,6 +255,7 @@ def engine_create(
         raise InvalidField("tier", "disk or none")
     if restart_policy not in Engine.RestartPolicy.values:
         raise InvalidField("restart_policy", f"one of {', '.join(Engine.RestartPolicy.values)}")
+    host = engine_host_check(backend, host)
     name = engine_name_check(name)
     if namespace is not None:
         namespace_check_current(namespace)
@@ -175,16 +274,18 @@ def engine_create(
         if clash is not None:
             # Neither the other engine nor the server's path is named: the other namespace may be another tenant's.
             raise EngineRefused("this namespace's salt-blind disk tier already backs a live engine of another namespace")
-    port = free_port()
+    ray = backend == "ray"
     with transaction.atomic():
         quota_check(tenant=namespace.tenant if namespace is not None else None, kind="engines")
         engine = Engine.objects.create(
             name=name,
             role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE,
-            origin=Engine.Origin.LOCAL,
+            origin=Engine.Origin.RAY if ray else Engine.Origin.LOCAL,
+            host=host,
             model_version=model_version,
             namespace=namespace,
-            base_url=f"http://127.0.0.1:{port}",
+            # A Ray engine's address is its node's, with a port picked there when it starts.
+            base_url="" if ray else f"http://127.0.0.1:{free_port()}",
             prefix_caching=namespace is not None,
             kv_connector=connector or "",
             kv_storage_path=str(storage) if storage else "",
@@ -195,8 +296,9 @@ def engine_create(
             generation=1,
         )
         if namespace is not None:
-            # Events only where prefix caching stores blocks.
-            engine.kv_events_endpoint, engine.kv_events_replay_endpoint = _local_kv_events_endpoints(engine)
+            # Events only where prefix caching stores blocks. A Ray engine's relay gives its endpoints when it starts.
+            if not ray:
+                engine.kv_events_endpoint, engine.kv_events_replay_endpoint = _local_kv_events_endpoints(engine)
             engine.kv_events_topic = kv_events_topic(engine)
             engine.save(update_fields=["kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic"])
         _spec_for(engine)  # refuses an unlaunchable layout inside the transaction: nothing is recorded
@@ -209,6 +311,8 @@ def engine_create(
                 "namespace": namespace.namespace_key if namespace else None,
                 "tier": connector or "none",
                 "restart_policy": restart_policy,
+                "backend": backend,
+                "host": host,
             },
             reason=identity_override_reason.strip(),
         )
@@ -255,13 +359,21 @@ def engines_boot(
             raised once every engine was waited for.
     """
     rows = [Engine.objects.select_related("model_version").get(pk=e.pk) for e in engines]
-    booting = [r for r in rows if r.status == Engine.Status.STARTING and r.origin == Engine.Origin.LOCAL]
+    ours = (Engine.Origin.LOCAL, Engine.Origin.RAY)
+    booting = [r for r in rows if r.status == Engine.Status.STARTING and r.origin in ours]
     started = time.monotonic()
     spawned: dict[int, LocalEngine] = {}
     failure: BaseException | None = None
     try:
-        for engine in booting:
-            if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
+        for engine in list(booting):
+            if engine.origin == Engine.Origin.RAY:
+                try:
+                    _ray_start(engine, kv_cache_gib=kv_cache_gib)
+                except EngineError as exc:
+                    _mark_failed(engine, f"{exc}", actor=actor)
+                    booting.remove(engine)
+                    failure = failure or exc
+            elif not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
                 local = LocalEngine(_spec_for(engine, kv_cache_gib=kv_cache_gib))
                 local.start(detach=engine.detached)
                 spawned[engine.pk] = local
@@ -285,6 +397,12 @@ def engines_boot(
             Engine.objects.filter(pk=pk, status=Engine.Status.STARTING).update(
                 status=Engine.Status.STOPPED, error="interrupted while starting", stopped_at=timezone.now()
             )
+        for engine in booting:
+            if engine.origin == Engine.Origin.RAY and Engine.objects.filter(pk=engine.pk, status=Engine.Status.STARTING).exists():
+                _stop_process(engine)
+                Engine.objects.filter(pk=engine.pk, status=Engine.Status.STARTING).update(
+                    status=Engine.Status.STOPPED, error="interrupted while starting", stopped_at=timezone.now()
+                )
         raise
     if failure is not None:
         raise failure
@@ -334,20 +452,47 @@ def _boot_wait(engine: Engine, local: LocalEngine | None, *, actor: str, trigger
         raise
 
 
+#: Seconds between asking a Ray engine's actor whether its server still runs, while waiting for it.
+RAY_ALIVE_POLL_S = 5.0
+
+
+def _process_running(engine: Engine) -> bool:
+    """Whether the engine's server process runs: by pid here, through its actor on a Ray node."""
+    if engine.origin == Engine.Origin.RAY:
+        try:
+            return bool(ray_engine_call(settings.RAY_ADDRESS, engine.name, "alive"))
+        except EngineError:
+            return False
+    return bool(engine.pid and pid_alive(engine.pid, engine.pid_started))
+
+
 def _wait_healthy(engine: Engine, timeout_s: float) -> None:
-    """Wait for ``/health`` of a process this one did not spawn (found by pid)."""
+    """Wait for ``/health`` of a process this one did not spawn (found by pid, or through its Ray
+    actor), then, for a Ray engine, send the warm-up request :meth:`LocalEngine.wait_ready` sends."""
     deadline = time.monotonic() + timeout_s
+    checked = 0.0
     with engine_client(engine) as client:
         while not client.healthy():
-            if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
-                raise EngineError(f"vLLM server {engine.name} exited before it was ready:\n{log_tail(engine)}")
+            if engine.origin != Engine.Origin.RAY or time.monotonic() - checked > RAY_ALIVE_POLL_S:
+                checked = time.monotonic()
+                if not _process_running(engine):
+                    raise EngineError(f"vLLM server {engine.name} exited before it was ready:\n{log_tail(engine)}")
             if time.monotonic() > deadline:
                 raise EngineError(f"vLLM server {engine.name} not ready after {timeout_s:.0f} s:\n{log_tail(engine)}")
             time.sleep(0.5)
+        if engine.origin == Engine.Origin.RAY:
+            # The first request pays a one-off warm-up; short enough to stay under one KV block.
+            client.chat([{"role": "user", "content": "warm up"}], cache_salt="warm-up", max_tokens=2)
 
 
 def log_tail(engine: Engine, lines: int = 20) -> str:
-    """The last ``lines`` lines of a local engine's log ("" if none)."""
+    """The last ``lines`` lines of an engine's log ("" if none): read here for a local engine,
+    by its actor on its own host for a Ray engine."""
+    if engine.origin == Engine.Origin.RAY:
+        try:
+            return str(ray_engine_call(settings.RAY_ADDRESS, engine.name, "log_tail", lines))
+        except EngineError:
+            return ""
     if not engine.log_path:
         return ""
     try:
@@ -392,9 +537,19 @@ def engine_launch(
 
 
 def _stop_process(engine: Engine) -> None:
+    """End the engine's server: by handle or pid here, through its actor on a Ray node (a cluster that
+    does not answer leaves the actor, logged: the engine's row still stops routing to it).
+
+    A lost engine's actor is asked too: its node may be back, and a server left there would serve
+    unwatched."""
     local = _LAUNCHED.pop(engine.pk, None)
     if local is not None:
         local.stop()
+    elif engine.origin == Engine.Origin.RAY:
+        try:
+            ray_engine_stop(settings.RAY_ADDRESS, engine.name)
+        except EngineError as exc:
+            logger.warning("engine %s: its Ray actor was not stopped: %s", engine.name, exc)
     elif engine.pid and engine.origin == Engine.Origin.LOCAL:
         stop_process_group(engine.pid, started=engine.pid_started)
 
@@ -429,6 +584,15 @@ def engines_stop_all(*, actor: str, reason: str) -> list[str]:
         The names of the engines stopped, sorted.
     """
     stopped = []
+    ray_live = Engine.objects.filter(origin=Engine.Origin.RAY).exclude(status=Engine.Status.STOPPED)
+    for engine in ray_live.order_by("name"):
+        _stop_process(engine)
+        with transaction.atomic():
+            Engine.objects.filter(pk=engine.pk).update(
+                status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None
+            )
+            audit_record(actor=actor, action="engine.stop", obj=engine, before={"status": engine.status}, reason=reason)
+        stopped.append(engine.name)
     for engine in Engine.objects.filter(origin=Engine.Origin.LOCAL).exclude(pid=None).order_by("name"):
         running = pid_alive(engine.pid, engine.pid_started)  # type: ignore[arg-type]
         if not running and engine.status == Engine.Status.STOPPED:
@@ -446,9 +610,9 @@ def engines_stop_all(*, actor: str, reason: str) -> list[str]:
 
 
 def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool = True) -> Engine:
-    """Stop a local engine's process (if any) and start a new incarnation on the
-    same ports (``generation`` + 1, a new KV-event topic: the consumer drops the
-    old process's state).
+    """Stop an engine's process (if any) and start a new incarnation (``generation`` + 1, a new
+    KV-event topic: the consumer drops the old process's state): a local one on the same ports, a
+    Ray one on its host's live node (a host that came back runs it under a new node).
 
     Args:
         boot: start and wait here; False leaves the row ``starting`` for a task.
@@ -458,7 +622,7 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
         The errors of :func:`engine_boot`.
     """
     engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
-    if engine.origin != Engine.Origin.LOCAL:
+    if engine.origin == Engine.Origin.ADOPTED:
         raise EngineRefused(
             f"engine {engine.name} was adopted: restart it where it runs, then adopt it again"
             f" (`engine adopt {engine.base_url} ...`)"
@@ -473,7 +637,12 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
             "status": Engine.Status.STARTING, "generation": engine.generation, "pid": None, "pid_started": None, "error": "",
             "stopped_at": None, "next_restart_at": None, "verification": Engine.Verification.UNVERIFIED,
         }  # fmt: skip
-        if engine.kv_events_endpoint:
+        if engine.origin == Engine.Origin.RAY:
+            # Its node (maybe another one, a host that came back) and relay give new ones when it starts.
+            fields.update(base_url="", ray_node_id="", kv_events_endpoint="", kv_events_replay_endpoint="", kv_events_key="")
+            if engine.kv_events_topic:
+                fields["kv_events_topic"] = kv_events_topic(engine)
+        elif engine.kv_events_endpoint:
             fields["kv_events_topic"] = kv_events_topic(engine)
             # An engine made before its sockets moved to the private directory gets them now.
             fields["kv_events_endpoint"], fields["kv_events_replay_endpoint"] = _local_kv_events_endpoints(engine)
@@ -498,13 +667,14 @@ def engine_client(engine: Engine) -> VllmHttpClient:
 
 
 def engines_reconcile(*, actor: str) -> int:
-    """Mark engines recorded as starting/ready whose process is gone as stopped.
+    """Mark local engines recorded as starting/ready whose process is gone as stopped.
 
     Returns:
         How many rows changed.
     """
     changed = 0
-    for engine in Engine.objects.filter(status__in=[Engine.Status.STARTING, Engine.Status.READY]):
+    # Only a local engine is known by a pid on this host; Ray and adopted ones are watched by the health check.
+    for engine in Engine.objects.filter(status__in=[Engine.Status.STARTING, Engine.Status.READY], origin=Engine.Origin.LOCAL):
         if not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
             Engine.objects.filter(pk=engine.pk).update(
                 status=Engine.Status.STOPPED, stopped_at=timezone.now(), error="process not running (found at reconcile)"

@@ -3,6 +3,7 @@ every engine's health, with restarts by policy and scheduled re-verification."""
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -11,7 +12,16 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cacheadmin.models import CacheNamespace, Engine, EngineAlarm, EngineVerification, ModelVersion
+from cacheadmin.models import (
+    CacheNamespace,
+    ComparisonJob,
+    Engine,
+    EngineAlarm,
+    EngineVerification,
+    JobStatus,
+    ModelVersion,
+    PrewarmJob,
+)
 from cacheadmin.services.addresses import engine_address_policy, engine_target
 from cacheadmin.services.alarms import alarm_raise
 from cacheadmin.services.audit import audit_record
@@ -30,15 +40,20 @@ from cacheadmin.services.engines import (
     engine_restart,
     log_tail,
 )
+from cacheadmin.services.jobs import job_fail, jobs_fail_or_requeue_on_host
+from cacheadmin.services.kv_events import residency_drop
 from cacheadmin.services.namespaces import namespace_check_current
 from cacheadmin.services.quotas import quota_check
 from inference.engines.probes import CachedTokensUnreported, reads_across_salts, shares_prefix_cache
+from inference.engines.ray_backend import ray_nodes_alive
 from inference.engines.verify import drift_baseline
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError, InvalidField, Refused
 from inference.kv_transport import check_public_key
 from inference.netpolicy import AddressPolicy, ServerOrigin, same_origin, server_origin
 from inference.processes import pid_alive
+
+logger = logging.getLogger(__name__)
 
 #: Consecutive silent health checks before a running engine is failed (with the
 #: schedule every 20 s, a silent engine is failed within a minute).
@@ -365,8 +380,61 @@ def _healthy(engine: Engine) -> tuple[bool, str]:
     return False, "health endpoint silent"
 
 
+def _alive_ray_nodes(engines: list[Engine]) -> set[str] | None:
+    """The Ray node ids alive now, when a live engine runs on Ray; None when none does or the
+    cluster does not answer (its engines are then judged by their health endpoints alone)."""
+    if not settings.RAY_ADDRESS or not any(e.origin == Engine.Origin.RAY and e.ray_node_id for e in engines):
+        return None
+    try:
+        return ray_nodes_alive(settings.RAY_ADDRESS)
+    except EngineError as exc:
+        logger.warning("health check: the Ray cluster did not answer (%s); Ray engines judged by /health alone", exc)
+        return None
+
+
+def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
+    """Take an engine whose host was lost out of the fleet: status ``lost`` (drained: nothing routes
+    to it), a ``host_lost`` alarm, its residency dropped (:func:`residency_drop`), its queued and
+    running jobs failed with the reason (they cannot finish on it), and the running jobs of any
+    worker on that host requeued (:func:`jobs_fail_or_requeue_on_host`). With restart policy
+    ``on_failure`` a restart is scheduled; it runs once the host has a live node again.
+
+    Idempotent: an engine already lost (or stopped) changes nothing.
+
+    Returns:
+        True if this call moved the engine to ``lost``.
+    """
+    now = timezone.now()
+    next_restart = None
+    if engine.restart_policy == Engine.RestartPolicy.ON_FAILURE and engine.restart_attempts < engine.restart_max_attempts:
+        next_restart = now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
+    with transaction.atomic():
+        changed = Engine.objects.filter(pk=engine.pk, status__in=LIVE_STATUSES).update(
+            status=Engine.Status.LOST, error=f"{reason} (noticed by the health check at {now:%Y-%m-%d %H:%M:%S} UTC)",
+            stopped_at=now, health_checked_at=now, next_restart_at=next_restart,
+        )  # fmt: skip
+        if changed:
+            audit_record(actor=actor, action="engine.lost", obj=engine, after={"host": engine.host, "why": reason})
+    if not changed:
+        return False
+    alarm_raise(engine=engine, kind=EngineAlarm.Kind.HOST_LOST, key=engine.host[:64], detail=reason, actor=actor)
+    residency_drop(engine)
+    why = f"engine {engine.name} was lost with its host {engine.host}: {reason}"
+    for model in (PrewarmJob, ComparisonJob):
+        mine = model.objects.filter(status__in=(JobStatus.QUEUED, JobStatus.RUNNING), engine=engine)
+        if model is ComparisonJob:
+            mine = mine | model.objects.filter(status__in=(JobStatus.QUEUED, JobStatus.RUNNING), reference_engine=engine)
+        for pk in mine.values_list("pk", flat=True):
+            job_fail(model, pk, reason=why)
+    jobs_fail_or_requeue_on_host(engine.host, reason=f"host {engine.host} was lost")
+    return True
+
+
 def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     """One health round over running engines, then the restarts that are due.
+
+    A Ray engine whose node the cluster declared dead is lost (:func:`engine_mark_lost`) in the
+    first round that sees it; the other checks follow.
 
     A local engine whose process is gone is failed at once; any engine whose
     ``/health`` stays silent for :data:`HEALTH_SILENT_CHECKS` rounds is failed.
@@ -377,12 +445,20 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     failed too; one still starting is left alone.
 
     Returns:
-        ``{"failed": [names], "restart_due": [names], "healthy": [names]}``;
+        ``{"failed": [names], "restart_due": [names], "healthy": [names], "lost": [names]}``;
         the restarts are the caller's to run (:func:`engines_restart_due`).
     """
     now = timezone.now()
-    report: dict[str, list[str]] = {"failed": [], "healthy": [], "restart_due": []}
-    for engine in Engine.objects.filter(status__in=LIVE_STATUSES).select_related("model_version"):
+    report: dict[str, list[str]] = {"failed": [], "healthy": [], "restart_due": [], "lost": []}
+    engines = list(Engine.objects.filter(status__in=LIVE_STATUSES).select_related("model_version"))
+    alive_nodes = _alive_ray_nodes(engines)
+    for engine in engines:
+        if engine.origin == Engine.Origin.RAY and alive_nodes is not None and engine.ray_node_id:
+            if engine.ray_node_id not in alive_nodes:
+                reason = f"host {engine.host} lost: the Ray cluster declared node {engine.ray_node_id[:12]} dead"
+                if engine_mark_lost(engine, reason=reason, actor=actor):
+                    report["lost"].append(engine.name)
+                continue
         healthy, why = _healthy(engine)
         if healthy:
             if engine.status == Engine.Status.READY:
@@ -398,7 +474,7 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
         tail = log_tail(engine)
         error = f"{why} (noticed by the health check at {now:%Y-%m-%d %H:%M:%S} UTC)" + (f"\n{tail}" if tail else "")
         next_restart = None
-        if engine.origin == Engine.Origin.LOCAL and engine.restart_policy == Engine.RestartPolicy.ON_FAILURE:
+        if engine.managed and engine.restart_policy == Engine.RestartPolicy.ON_FAILURE:
             if engine.restart_attempts < engine.restart_max_attempts:
                 next_restart = now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
         with transaction.atomic():
@@ -411,7 +487,9 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
         if changed:
             alarm_raise(engine=engine, kind=EngineAlarm.Kind.HEALTH, detail=error, actor=actor)
             report["failed"].append(engine.name)
-    due = Engine.objects.filter(status=Engine.Status.FAILED, next_restart_at__lte=now, origin=Engine.Origin.LOCAL)
+    due = Engine.objects.filter(
+        status__in=(Engine.Status.FAILED, Engine.Status.LOST), next_restart_at__lte=now, origin__in=Engine.MANAGED_ORIGINS
+    )
     report["restart_due"] = list(due.values_list("name", flat=True))
     return report
 
@@ -427,8 +505,11 @@ def engines_restart_due(*, actor: str = "schedule", boot: bool = True) -> list[E
     """
     restarted = []
     now = timezone.now()
-    for engine in Engine.objects.filter(status=Engine.Status.FAILED, next_restart_at__lte=now, origin=Engine.Origin.LOCAL):
-        claimed = Engine.objects.filter(pk=engine.pk, status=Engine.Status.FAILED, next_restart_at=engine.next_restart_at).update(
+    due = Engine.objects.filter(
+        status__in=(Engine.Status.FAILED, Engine.Status.LOST), next_restart_at__lte=now, origin__in=Engine.MANAGED_ORIGINS
+    )
+    for engine in due:
+        claimed = Engine.objects.filter(pk=engine.pk, status=engine.status, next_restart_at=engine.next_restart_at).update(
             restart_attempts=engine.restart_attempts + 1, next_restart_at=None
         )
         if not claimed:

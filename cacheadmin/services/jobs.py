@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -114,12 +113,21 @@ class JobRunner:
         raise NotImplementedError
 
     @classmethod
+    def queue(cls, job_id: int) -> str | None:
+        """The Celery queue the job must run from, or None for the task's routed queue. A job that
+        works beside its engine (an engine on another host) runs from that host's queue
+        (:func:`host_queue`), consumed by the worker there."""
+        return None
+
+    @classmethod
     def enqueue(cls, job_id: int, *, countdown: int = 0) -> None:
-        """Queue the job's task once the current transaction commits (at once outside one).
-        A broker that does not answer then leaves the job queued for :func:`jobs_recover_lost`
-        (:func:`send_after_commit`)."""
+        """Queue the job's task once the current transaction commits (at once outside one), on
+        :meth:`queue`'s queue. A broker that does not answer then leaves the job queued for
+        :func:`jobs_recover_lost` (:func:`send_after_commit`)."""
+        queue = cls.queue(job_id)
+        options: dict[str, Any] = {"queue": queue} if queue else {}
         send_after_commit(
-            lambda: cls.task.apply_async((job_id,), countdown=countdown),
+            lambda: cls.task.apply_async((job_id,), countdown=countdown, **options),
             what=f"{cls.model.__name__} #{job_id}",
             recovered_by=f"jobs_recover_lost (queued jobs older than JOB_STALE_AFTER_S, {settings.JOB_STALE_AFTER_S} s)",
         )
@@ -161,9 +169,33 @@ def _send_finished(model: type[Job], job_id: int) -> None:
         job_finished.send(sender=model, job=job)
 
 
+def host_queue(host: str) -> str:
+    """The Celery queue of work that must run on ``host`` (``host.<name>``), beside its engines:
+    a worker there consumes it (``celery -A cacheadmin worker -Q host.<name>`` with ``KVCP_HOST=<name>``)."""
+    return f"host.{host}"
+
+
+def jobs_fail_or_requeue_on_host(host: str, *, reason: str) -> dict[str, int]:
+    """Running jobs whose worker was on ``host`` (a host declared lost): requeued while attempts are
+    left, failed with ``reason`` after ``JOB_MAX_ATTEMPTS``. The claim makes a worker that comes back
+    with the old message a no-op: the job runs once.
+
+    Returns:
+        ``{"requeued": n, "failed": n}``.
+    """
+    counts = {"requeued": 0, "failed": 0}
+    now = timezone.now()
+    for model, runner in RUNNERS.items():
+        for job in model.objects.filter(status=JobStatus.RUNNING, worker__startswith=f"{host}:"):
+            outcome = _requeue_or_fail(model, runner, job, f"{reason} (worker {job.worker}, attempt {job.attempts})", now)
+            if outcome:
+                counts[outcome] += 1
+    return counts
+
+
 def worker_identity() -> str:
-    """``host:pid`` of this process, as recorded on claimed jobs."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host:pid`` of this process, as recorded on claimed jobs (``KVCP_HOST``: the host's name in the fleet)."""
+    return f"{settings.KVCP_HOST}:{os.getpid()}"
 
 
 def job_claim(model: type[J], job_id: int, **fields: object) -> J | None:
@@ -230,9 +262,24 @@ def job_finish(job: Job, status: JobStatus, *, error: str = "", line: str = "", 
         _send_finished(type(job), job.pk)
 
 
+def job_fail(model: type[Job], job_id: int, *, reason: str) -> bool:
+    """Fail a queued or running job that cannot finish (its engine is gone), keeping what it
+    recorded; a running one's worker sees the final status at its next step and stops.
+
+    Returns:
+        True if this call moved it (it had not ended already).
+    """
+    moved = model.objects.filter(pk=job_id, status__in=(JobStatus.QUEUED, JobStatus.RUNNING)).update(
+        status=JobStatus.FAILED, error=storable_text(reason), finished_at=timezone.now()
+    )
+    if moved:
+        transaction.on_commit(lambda: _send_finished(model, job_id))
+    return bool(moved)
+
+
 def _is_lost(job: Job, now: datetime) -> bool:
     host, _, pid = job.worker.rpartition(":")
-    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+    if host == settings.KVCP_HOST and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
         return True
     stale = job.heartbeat_at is None or now - job.heartbeat_at > timedelta(seconds=settings.JOB_STALE_AFTER_S)
     return stale
@@ -257,24 +304,9 @@ def jobs_recover_lost() -> dict[str, int]:
         for job in model.objects.filter(status=JobStatus.RUNNING):
             if not _is_lost(job, now):
                 continue
-            reason = f"worker {job.worker} was lost during attempt {job.attempts}"
-            with transaction.atomic():
-                if job.attempts < settings.JOB_MAX_ATTEMPTS:
-                    moved = model.objects.filter(pk=job.pk, status=JobStatus.RUNNING, worker=job.worker).update(
-                        status=JobStatus.QUEUED, log=Concat(F("log"), Value(f"{now:%H:%M:%S} {reason}; retrying\n"))
-                    )
-                    if moved:
-                        counts["requeued"] += 1
-                        runner.enqueue(job.pk)
-                else:
-                    moved = model.objects.filter(pk=job.pk, status=JobStatus.RUNNING, worker=job.worker).update(
-                        status=JobStatus.FAILED,
-                        error=f"{reason}; gave up after {job.attempts} attempts",
-                        finished_at=now,
-                    )
-                    counts["failed"] += moved
-                    if moved:
-                        transaction.on_commit(lambda pk=job.pk, model=model: _send_finished(model, pk))
+            outcome = _requeue_or_fail(model, runner, job, f"worker {job.worker} was lost during attempt {job.attempts}", now)
+            if outcome:
+                counts[outcome] += 1
         cutoff = now - timedelta(seconds=settings.JOB_STALE_AFTER_S)
         for pk in model.objects.filter(status=JobStatus.QUEUED, created_at__lt=cutoff).values_list("pk", flat=True):
             runner.enqueue(pk)
@@ -282,6 +314,25 @@ def jobs_recover_lost() -> dict[str, int]:
     if any(counts.values()):
         logger.warning("recovered lost jobs: %s", counts)
     return counts
+
+
+def _requeue_or_fail(model: type[Job], runner: type[JobRunner], job: Job, reason: str, now: datetime) -> str:
+    """Move a running job whose worker is gone back to ``queued`` (attempts left) or to ``failed``.
+
+    Returns:
+        ``"requeued"``, ``"failed"``, or ``""`` when another process moved it first.
+    """
+    with transaction.atomic():
+        running = model.objects.filter(pk=job.pk, status=JobStatus.RUNNING, worker=job.worker)
+        if job.attempts < settings.JOB_MAX_ATTEMPTS:
+            if running.update(status=JobStatus.QUEUED, log=Concat(F("log"), Value(f"{now:%H:%M:%S} {reason}; retrying\n"))):
+                runner.enqueue(job.pk)
+                return "requeued"
+            return ""
+        if running.update(status=JobStatus.FAILED, error=f"{reason}; gave up after {job.attempts} attempts", finished_at=now):
+            transaction.on_commit(lambda pk=job.pk, model=model: _send_finished(model, pk))
+            return "failed"
+        return ""
 
 
 def _kind(job: Job) -> str:

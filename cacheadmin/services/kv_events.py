@@ -250,6 +250,13 @@ class KvEventConsumer:
             .prefetch_related("attached_namespaces")
             if e.pk % self.partitions == self.partition
         }
+        gone = [pk for pk in self.streams if pk not in rows]
+        for pk in Engine.objects.filter(pk__in=gone, status=Engine.Status.LOST).values_list("pk", flat=True):
+            # Lost with its host: nothing it held is there any more. Its last flush records that (zero
+            # samples, an empty state), not what it held, so nothing of it is counted when the host comes back.
+            stream = self.streams[pk]
+            stream.residency.clear()
+            stream.complete, stream.dirty = False, True
         for pk in list(self.streams):
             row = rows.get(pk)
             if row is None or (row.kv_events_endpoint, row.kv_events_key) != (
@@ -670,6 +677,35 @@ def consumer_metrics() -> dict[str, Any]:
             index_failures=Counter(**spec("kvcp_kv_event_index_publish_failures")),
         )
     return _consumer_metrics
+
+
+def residency_drop(engine: Engine) -> int:
+    """Record that ``engine`` holds nothing any more (its host was lost): a zero sample for every
+    namespace and medium its latest samples showed blocks in, its saved stream state emptied and
+    marked incomplete, and its set removed from the fleet's block index (gateways stop routing by it).
+    The consumer does the same when it next sees the engine lost; both write zeros.
+
+    Returns:
+        How many zero samples were written.
+    """
+    now = timezone.now()
+    latest: dict[tuple[int | None, str], int] = {}
+    for namespace_id, medium, blocks in (
+        ResidentSample.objects.filter(engine=engine)
+        .order_by("-sampled_at", "-id")
+        .values_list("namespace_id", "medium", "blocks")[:500]
+    ):
+        latest.setdefault((namespace_id, medium), blocks)
+    zeros = [
+        ResidentSample(engine=engine, namespace_id=namespace_id, medium=medium, sampled_at=now, blocks=0, tokens=0)
+        for (namespace_id, medium), blocks in sorted(latest.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
+        if blocks
+    ]
+    with transaction.atomic():
+        ResidentSample.objects.bulk_create(zeros)
+        KvEventStream.objects.filter(engine=engine).update(state=None, complete=False)
+    BlockIndexPublisher().drop(engine.pk)
+    return len(zeros)
 
 
 def residency_now(engine: Engine) -> dict[str, Any]:

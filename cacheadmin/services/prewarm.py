@@ -10,7 +10,7 @@ from cacheadmin.models import CacheNamespace, Engine, JobStatus, PrewarmJob, Pre
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engines import engine_client
 from cacheadmin.services.heat import corpus_pin, job_corpus
-from cacheadmin.services.jobs import JobCancelled, JobRunner, job_claim, job_finish, job_log, job_progress
+from cacheadmin.services.jobs import JobCancelled, JobRunner, host_queue, job_claim, job_finish, job_log, job_progress
 from cacheadmin.services.namespaces import namespace_check_current, namespace_salt_read
 from cacheadmin.services.quotas import quota_check
 from inference.errors import EngineError, InvalidField, Refused
@@ -162,6 +162,15 @@ class PrewarmRunner(JobRunner):
 
     model = PrewarmJob
     task_name = "cacheadmin.prewarm_job"
+
+    @classmethod
+    def queue(cls, job_id: int) -> str | None:
+        """An engine on another host is prewarmed by the worker on that host (its queue,
+        :func:`host_queue`): its persistent tier lies on that host's disk."""
+        engine = Engine.objects.filter(prewarm_jobs=job_id).only("origin", "host").first()
+        if engine is not None and engine.origin == Engine.Origin.RAY and engine.host:
+            return host_queue(engine.host)
+        return None
 
     @classmethod
     def run(cls, job_id: int) -> None:

@@ -41,10 +41,10 @@ from inference.paths import has_mistral_tokenizer
 from inference.processes import process_started
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (the OS picks it)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host``, an address of this machine (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -68,7 +68,9 @@ class EngineSpec:
             (``VLLM_CPU_OMP_THREADS_BIND=nobind``); None keeps vLLM's default,
             one thread bound to each core.
         log_path: file receiving the server's stdout and stderr.
-        port: TCP port on 127.0.0.1.
+        port: TCP port on :attr:`bind_host`.
+        bind_host: the address the server listens on: 127.0.0.1 for a local engine, the node's
+            own address for one a Ray actor runs on another host (never ``0.0.0.0``).
         api_key: what every request to it must carry as a bearer token, on every
             route (:mod:`inference.engines.serve`); None for none.
     """
@@ -79,6 +81,7 @@ class EngineSpec:
     log_path: Path
     port: int
     api_key: str | None = None
+    bind_host: str = "127.0.0.1"
     kv_cache_dtype: str = "auto"
     block_size: int = 32
     max_model_len: int = 8192
@@ -192,7 +195,7 @@ class EngineSpec:
             "--enforce-eager",
             "--enable-prompt-tokens-details",
             "--host",
-            "127.0.0.1",
+            self.bind_host,
             "--port",
             str(self.port),
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
@@ -329,7 +332,7 @@ class LocalEngine:
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-        self.base_url = f"http://127.0.0.1:{spec.port}"
+        self.base_url = f"http://{spec.bind_host}:{spec.port}"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property

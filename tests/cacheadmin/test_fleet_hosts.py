@@ -1,0 +1,153 @@
+"""Engines on other hosts, without a cluster: what is refused before anything is contacted, the
+per-host queue, and what losing a host does to the rows (the multi-host test in tests/fleet runs
+the real cluster)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from cacheadmin.models import AuditEvent, ComparisonJob, Engine, EngineAlarm, JobStatus, KvEventStream, PrewarmJob, ResidentSample
+from cacheadmin.services.engines import engine_create, engine_hosts
+from cacheadmin.services.fleet import engine_mark_lost
+from cacheadmin.services.jobs import jobs_fail_or_requeue_on_host
+from cacheadmin.services.prewarm import PrewarmRunner
+from inference.errors import InvalidField
+from tests.helpers import manage, subprocess_env
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_ray_engine_is_refused_with_the_field_before_any_cluster_is_contacted(world, real_version, settings) -> None:
+    version, namespace = real_version
+    settings.KVCP_HOST = "cp-1"
+    cases = [
+        ({"backend": "tape"}, "backend", "one of local, ray"),
+        ({"backend": "ray", "host": "b"}, "backend", "no Ray cluster is configured (RAY_ADDRESS=ray://HEAD:10001)"),
+        ({"backend": "local", "host": "gpu-7"}, "host", "a local engine runs on this host (cp-1); use backend ray for gpu-7"),
+    ]
+    before = Engine.objects.count()
+    for kwargs, field, message in cases:
+        with pytest.raises(InvalidField) as refused:
+            engine_create(name="x", model_version=version, namespace=namespace, actor="alice", **kwargs)
+        assert (refused.value.field, refused.value.problem) == (field, message)
+    settings.RAY_ADDRESS = "ray://10.0.0.1:10001"
+    with pytest.raises(InvalidField) as refused:
+        engine_create(name="x", model_version=version, namespace=namespace, actor="alice", backend="ray", host="  ")
+    assert refused.value.field == "host"
+    assert Engine.objects.count() == before
+    local = engine_create(name="here", model_version=version, namespace=namespace, actor="alice", host="cp-1")
+    assert (local.origin, local.host) == ("local", "cp-1")
+
+
+def test_the_api_refuses_a_ray_start_in_the_envelope_and_lists_this_host(world, real_version, settings) -> None:
+    version, namespace = real_version
+    settings.KVCP_HOST = "cp-1"
+    c = world["clients"]
+    before = Engine.objects.count()
+    body = {"model_version": version.pk, "namespace": namespace.pk, "backend": "ray", "host": "b"}
+    answer = c["bob"].post("/api/engines/", body, format="json")
+    assert answer.status_code == 400
+    assert answer.json()["error"]["fields"] == {"backend": ["no Ray cluster is configured (RAY_ADDRESS=ray://HEAD:10001)"]}
+    answer = c["bob"].post("/api/engines/", {**body, "backend": "gpu"}, format="json")
+    assert answer.status_code == 400 and list(answer.json()["error"]["fields"]) == ["backend"]
+    assert Engine.objects.count() == before
+    hosts = c["charlie"].get("/api/engines/hosts/")
+    assert hosts.status_code == 200
+    assert hosts.json() == [
+        {"host": "cp-1", "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None, "cpus_free": None,
+         "gpus": None, "gpus_free": None, "memory_free_gib": None, "engines": 1},
+    ]  # fmt: skip
+    assert engine_hosts()[0]["engines"] == 1  # world's ready engine
+    assert c["anonymous"].get("/api/engines/hosts/").status_code in (401, 403)
+    listed = c["alice"].get("/api/engines/", {"host": "nowhere"}).json()
+    assert listed["results"] == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cli_refuses_a_ray_start_without_a_cluster_and_changes_nothing(real_version) -> None:
+    version, namespace = real_version
+    before = Engine.objects.count()
+    done = manage(
+        "engine", "start", "--model-version", str(version.pk), "--namespace", str(namespace.pk), "--backend", "ray",
+        "--host", "b", env=subprocess_env(RAY_ADDRESS=""),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "no Ray cluster is configured" in done.stderr
+    assert Engine.objects.count() == before
+    hosts = manage("engine", "hosts", "--json", env=subprocess_env(RAY_ADDRESS="", KVCP_HOST="cp-9"))
+    assert hosts.returncode == 0, hosts.stderr
+    assert '"host": "cp-9"' in hosts.stdout and '"backend": "local"' in hosts.stdout
+
+
+def _ray_engine(world: dict, name: str, host: str) -> Engine:
+    return Engine.objects.create(
+        name=name, model_version=world["v1"], namespace=world["ns"]["acme"], base_url="http://10.9.0.2:8000", status="ready",
+        origin=Engine.Origin.RAY, host=host, ray_node_id="n" * 56, verification="verified", generation=1,
+        restart_policy="on_failure", kv_events_endpoint="tcp://10.9.0.2:7000", kv_events_key="k" * 40,
+    )  # fmt: skip
+
+
+def test_a_prewarm_of_an_engine_on_another_host_goes_to_that_hosts_queue(world) -> None:
+    remote = _ray_engine(world, "remote", "gpu-3")
+    job = PrewarmJob.objects.create(namespace=world["ns"]["acme"], engine=remote, status="queued")
+    assert PrewarmRunner.queue(job.pk) == "host.gpu-3"
+    assert PrewarmRunner.queue(world["job"].pk) is None  # a local engine's: the task's own queue
+
+
+def test_losing_a_host_drains_its_engine_drops_its_residency_and_fails_or_requeues_its_jobs(world, settings) -> None:
+    settings.JOB_MAX_ATTEMPTS = 3
+    remote = _ray_engine(world, "remote", "gpu-3")
+    other = _ray_engine(world, "other", "gpu-4")
+    now = timezone.now()
+    ns = world["ns"]["acme"]
+    ResidentSample.objects.create(
+        engine=remote, namespace=ns, medium="GPU", sampled_at=now - timedelta(seconds=5), blocks=7, tokens=224
+    )
+    ResidentSample.objects.create(
+        engine=remote, namespace=None, medium="GPU", sampled_at=now - timedelta(seconds=5), blocks=2, tokens=64
+    )
+    KvEventStream.objects.create(engine=remote, generation=1, last_seq=40, events=41, state=b"x", complete=True)
+    its_job = PrewarmJob.objects.create(namespace=ns, engine=remote, status="running", worker="gpu-3:11", attempts=1)
+    queued = PrewarmJob.objects.create(namespace=ns, engine=remote, status="queued")
+    # A comparison of another engine, run by the lost host's worker: it goes back to the queue.
+    elsewhere = ComparisonJob.objects.create(
+        namespace=ns, engine=other, reference_engine=other, status="running", worker="gpu-3:12", attempts=1
+    )
+    spent = ComparisonJob.objects.create(
+        namespace=ns, engine=other, reference_engine=other, status="running", worker="gpu-3:13", attempts=3
+    )
+    untouched = ComparisonJob.objects.create(
+        namespace=ns, engine=other, reference_engine=other, status="running", worker="gpu-30:14", attempts=1
+    )
+
+    assert engine_mark_lost(remote, reason="host gpu-3 lost: the Ray cluster declared node nnnn dead", actor="schedule")
+    remote.refresh_from_db()
+    assert remote.status == "lost" and remote.error.startswith("host gpu-3 lost: the Ray cluster declared node nnnn dead")
+    assert remote.next_restart_at is not None  # on_failure: a restart is scheduled for when the host is back
+    alarm = EngineAlarm.objects.get(engine=remote, kind="host_lost")
+    assert (alarm.key, alarm.resolved_at) == ("gpu-3", None)
+    assert AuditEvent.objects.filter(action="engine.lost", object_id=str(remote.pk)).count() == 1
+    latest = ResidentSample.objects.filter(engine=remote).order_by("-sampled_at", "-id")[:2]
+    assert sorted((s.namespace_id or 0, s.blocks, s.tokens) for s in latest) == sorted([(ns.pk, 0, 0), (0, 0, 0)])
+    stream = KvEventStream.objects.get(engine=remote)
+    assert (stream.state, stream.complete) == (None, False)
+    reason = "engine remote was lost with its host gpu-3: host gpu-3 lost: the Ray cluster declared node nnnn dead"
+    for job in (its_job, queued):
+        job.refresh_from_db()
+        assert (job.status, job.error) == (JobStatus.FAILED, reason)
+    elsewhere.refresh_from_db()
+    assert elsewhere.status == JobStatus.QUEUED and "host gpu-3 was lost (worker gpu-3:12, attempt 1); retrying" in elsewhere.log
+    spent.refresh_from_db()
+    assert spent.status == JobStatus.FAILED
+    assert spent.error == "host gpu-3 was lost (worker gpu-3:13, attempt 3); gave up after 3 attempts"
+    untouched.refresh_from_db()
+    assert untouched.status == JobStatus.RUNNING  # a host whose name starts the same is another host
+
+    # Idempotent: a second round (or a second worker) changes nothing and counts nothing again.
+    samples = ResidentSample.objects.count()
+    assert not engine_mark_lost(remote, reason="again", actor="schedule")
+    assert ResidentSample.objects.count() == samples and EngineAlarm.objects.get(engine=remote, kind="host_lost").count == 1
+    assert jobs_fail_or_requeue_on_host("gpu-3", reason="again") == {"requeued": 0, "failed": 0}
