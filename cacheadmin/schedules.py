@@ -45,6 +45,8 @@ SCHEDULES = (
         "idempotency-keys-expire", "cacheadmin.idempotency_keys_expire", 3600, 3000, "delete expired Idempotency-Key records"
     ),
     ScheduleSpec("jobs-recover-lost", "cacheadmin.jobs_recover_lost", 120, 100, "requeue or fail jobs of dead workers"),
+    # Every minute: a pod that left its InferencePool is out of service within about a minute (plus its sync).
+    ScheduleSpec("inference-pools-sync", "cacheadmin.inference_pools_sync", 60, 50, "adopt and retire InferencePools' pods"),
 )
 
 

@@ -23,6 +23,7 @@ from cacheadmin.services.eviction import EvictionRunner, eviction_sweep
 from cacheadmin.services.fleet import engines_health, engines_restart_due, engines_verify_all
 from cacheadmin.services.gateway import gateway_benefit_check
 from cacheadmin.services.idempotency import idempotency_keys_expire
+from cacheadmin.services.inference_pools import inference_pools_sync_all
 from cacheadmin.services.jobs import jobs_recover_lost
 from cacheadmin.services.prewarm import PrewarmRunner
 from cacheadmin.services.registration import RegistrationRunner
@@ -114,3 +115,10 @@ def idempotency_keys_expire_task() -> None:
     batch queues the next one, so a backlog drains without one long transaction."""
     if idempotency_keys_expire()["more"]:
         idempotency_keys_expire_task.delay()
+
+
+@shared_task(name="cacheadmin.inference_pools_sync")
+def inference_pools_sync_task() -> None:
+    """Scheduled: keep every active Kubernetes InferencePool's engines in step with its Ready pods
+    (a pool that cannot be read records why in its ``sync_error``)."""
+    inference_pools_sync_all()

@@ -3,7 +3,7 @@
 from django.urls import include, path, re_path
 from rest_framework.routers import DefaultRouter
 
-from cacheadmin.api import engine_views, gateway_views, release_views, template_views, views
+from cacheadmin.api import engine_views, gateway_views, inference_pool_views, release_views, template_views, views
 
 
 class IdRouter(DefaultRouter):
@@ -41,6 +41,7 @@ router.register("retention-owners", views.RetentionOwnerViewSet, basename="reten
 router.register("namespaces", views.CacheNamespaceViewSet, basename="namespace")
 router.register("engines", engine_views.EngineViewSet, basename="engine")
 router.register("engine-alarms", engine_views.EngineAlarmViewSet, basename="engine-alarm")
+router.register("inference-pools", inference_pool_views.InferencePoolViewSet, basename="inference-pool")
 router.register("prewarm-jobs", views.PrewarmJobViewSet, basename="prewarm-job")
 router.register("comparison-jobs", views.ComparisonJobViewSet, basename="comparison-job")
 router.register("registration-jobs", views.RegistrationJobViewSet, basename="registration-job")

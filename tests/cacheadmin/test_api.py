@@ -571,7 +571,7 @@ def test_the_api_root_lists_every_route(world) -> None:
         "model-versions", "tenants", "shared-groups", "adapters", "retention-owners", "namespaces", "engines", "prewarm-jobs",
         "comparison-jobs", "registration-jobs", "eviction-runs", "accounting-scans", "tier-usage", "engine-metrics", "releases",
         "engine-alarms", "gateway-keys", "shadow-checks", "gateway-layers", "gateway-explain", "gateway-figures",
-        "cache-lookup", "semantic-cache-invalidate", "prompt-templates",
+        "cache-lookup", "semantic-cache-invalidate", "prompt-templates", "inference-pools",
         "audit-events", "identity-diff", "orphans", "schema", "docs",
     }  # fmt: skip
     assert (root["orphans"], root["identity-diff"], root["schema"]) == (

@@ -10,6 +10,7 @@ import cacheadmin.services.engine_verification  # noqa: F401
 import cacheadmin.services.engines  # noqa: F401
 import cacheadmin.services.eviction  # noqa: F401
 import cacheadmin.services.gateway  # noqa: F401
+import cacheadmin.services.inference_pools  # noqa: F401
 import cacheadmin.services.model_versions  # noqa: F401
 import cacheadmin.services.namespaces  # noqa: F401
 import cacheadmin.services.prewarm  # noqa: F401
@@ -40,6 +41,8 @@ EXPECTED = {
     "ReleaseConflict": (409, "release_conflict", 4),
     "LifecycleError": (409, "lifecycle_conflict", 4),
     "GatewayRefused": (409, "gateway_refused", 4),
+    # The Kubernetes API cannot be configured, reached or read, or the InferencePool is not of the v1 shape.
+    "InferencePoolRefused": (409, "inference_pool_refused", 4),
     # An address the deployment's policy (ENGINE_ALLOWED_NETWORKS) does not let the control plane contact.
     "AddressRefused": (400, "address_refused", 2),
     # A tenant holds as many rows of a kind as its quota allows.

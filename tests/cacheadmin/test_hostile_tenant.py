@@ -42,6 +42,7 @@ from cacheadmin.models import (
     EngineMetricsSample,
     EvictionRun,
     GatewayKey,
+    InferencePool,
     PrefixHeat,
     PrewarmJob,
     PromptTemplate,
@@ -119,6 +120,9 @@ def hostile(world: dict[str, Any]) -> dict[str, Any]:
         "engines": e_acme,
         "eviction-runs": EvictionRun.objects.create(),
         "gateway-keys": GatewayKey.objects.create(tenant=acme, name="acme-bot", prefix="aaaa", key_hash="0" * 64, created_by="s"),
+        "inference-pools": InferencePool.objects.create(
+            k8s_namespace="llm", name="acme-pool", model_version=v1, namespace=world["ns"]["acme"], created_by="s"
+        ),
         "model-versions": v1,
         "namespaces": world["ns"]["acme"],
         "prewarm-jobs": world["job"],
@@ -169,7 +173,7 @@ RESOURCE_KIND = {
     "engine-alarms": "hidden", "engine-metrics": "hidden", "engines": "hidden", "eviction-runs": "closed",
     "gateway-keys": "hidden", "model-versions": "catalog", "namespaces": "hidden", "prewarm-jobs": "hidden",
     "prompt-templates": "hidden", "registration-jobs": "catalog", "releases": "hidden", "retention-owners": "mixed",
-    "shadow-checks": "hidden", "shared-groups": "mixed", "tenants": "mixed", "tier-usage": "hidden",
+    "shadow-checks": "hidden", "shared-groups": "mixed", "tenants": "mixed", "tier-usage": "hidden", "inference-pools": "closed",
 }  # fmt: skip
 
 #: Body fields naming another tenant's object, and the exact refusal of each.
@@ -424,10 +428,12 @@ def test_actions_that_take_no_body_refuse_one_and_change_nothing(hostile: dict[s
     bodiless = sorted(path for path, ops in schema["paths"].items() if "post" in ops and "requestBody" not in ops["post"])
     assert bodiless == [
         "/api/accounting-scans/", "/api/engines/{id}/restart/", "/api/engines/{id}/stop/", "/api/engines/{id}/verify/",
-        "/api/gateway-keys/{id}/revoke/", "/api/releases/{id}/evidence/", "/api/releases/{id}/ready/",
+        "/api/gateway-keys/{id}/revoke/", "/api/inference-pools/{id}/sync/", "/api/releases/{id}/evidence/",
+        "/api/releases/{id}/ready/",
     ]  # fmt: skip
     ids = {
         "engines": hostile["engine"].pk, "gateway-keys": hostile["acme_objects"]["gateway-keys"].pk,
+        "inference-pools": hostile["acme_objects"]["inference-pools"].pk,
         "releases": hostile["acme_objects"]["releases"].pk,
     }  # fmt: skip
     refused = {"status": 400, "code": "invalid", "message": "this request takes no body (or an empty JSON object)",

@@ -50,6 +50,13 @@ from cacheadmin.api.serializers.gateway import (
     SemanticInvalidateSerializer,
     ShadowCheckSerializer,
 )
+from cacheadmin.api.serializers.inference_pools import (
+    InferencePoolAdoptSerializer,
+    InferencePoolDetailSerializer,
+    InferencePoolEngineSerializer,
+    InferencePoolSerializer,
+    InferencePoolSyncSerializer,
+)
 from cacheadmin.api.serializers.jobs import (
     JOB_FIELDS,
     ComparisonJobCreateSerializer,
@@ -136,6 +143,11 @@ __all__ = [
     "GroupSlugField",
     "IdField",
     "IdentityDiffQuerySerializer",
+    "InferencePoolAdoptSerializer",
+    "InferencePoolDetailSerializer",
+    "InferencePoolEngineSerializer",
+    "InferencePoolSerializer",
+    "InferencePoolSyncSerializer",
     "JOB_FIELDS",
     "JsonTypeMixin",
     "LayoutSerializer",

@@ -3,7 +3,9 @@
 Twins of ``/api/engines/``. ``start`` launches a local vLLM engine whose
 command line carries every identity field, waits until it answers and is
 verified, and prints it as JSON; it keeps running after this command exits.
-``adopt`` registers a running server by URL after verifying it.
+``adopt`` registers a running server by URL after verifying it, or with
+``--inference-pool NAMESPACE/NAME`` the Ready pods of a Kubernetes InferencePool
+(kept in step by a schedule; ``pools`` lists them, ``pool-sync ID`` syncs one now).
 Exit codes: 0 done; 2 bad input; 4 refused (verification failed, with each
 field that differs; salt-blind tier; other identity; adopted engines cannot
 be restarted); 1 the engine did not come up.
@@ -14,11 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import CommandParser
+from django.core.management.base import CommandError, CommandParser
+from django.db.models import Prefetch
 
-from cacheadmin.api.serializers import EngineSerializer
+from cacheadmin.api.serializers import EngineSerializer, InferencePoolDetailSerializer
 from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, int_within, positive_int
-from cacheadmin.models import CacheNamespace, Engine, ModelVersion
+from cacheadmin.models import CacheNamespace, Engine, InferencePool, ModelVersion
 from cacheadmin.services.addresses import engine_api_key
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import engine_verify
@@ -32,10 +35,31 @@ from cacheadmin.services.engines import (
 )
 from cacheadmin.services.fleet import engine_adopt
 from cacheadmin.services.gpu_specs import engine_gpu_spec
-from inference.engines.gpu_spec import CONNECTORS
+from cacheadmin.services.inference_pools import inference_pool_adopt, inference_pool_sync
+from inference.engines import k8s_manifests
+from inference.engines.gpu_spec import CONNECTORS, GpuEngineSpec
 from inference.errors import EngineError
 
 ACTOR = "cli"
+#: ``engine spec --format`` choices: the shell script, its JSON, and Kubernetes YAML (inference/engines/k8s_manifests.py).
+SPEC_FORMATS = ("sh", "json", "llmisvc", "deployment")
+#: ``engine adopt`` options that name one server's addresses: not for a pool, whose pods are adopted by URL.
+_URL_ONLY = ("name", "metrics_url", "kv_events", "kv_events_replay", "kv_events_topic", "kv_events_key")
+
+
+def _spec_format(opts: dict[str, Any]) -> str:
+    """``--format``, with ``--json`` its alias for ``json`` (both given must agree)."""
+    fmt = opts["format"] or ("json" if opts["json"] else "sh")
+    if opts["json"] and fmt != "json":
+        raise CommandError(f"--json and --format {fmt} disagree", returncode=2)
+    return fmt
+
+
+def _pool_json(pool: InferencePool) -> dict[str, Any]:
+    """A pool as the API's detail answers it (``InferencePoolDetailSerializer``)."""
+    engines = Prefetch("engines", queryset=Engine.objects.order_by("-created_at", "-id"))
+    pool = InferencePool.objects.select_related("model_version").prefetch_related(engines).get(pk=pool.pk)
+    return dict(InferencePoolDetailSerializer(pool).data)
 
 
 def _target(sub: CommandParser) -> None:
@@ -62,7 +86,11 @@ class Command(ControlPlaneCommand):
             one.add_argument("engine", type=positive_int)
             one.add_argument("--json", action="store_true")
         adopt = sub.add_parser("adopt", help="register a running vLLM server after verifying it")
-        adopt.add_argument("url", help="the server's base URL, e.g. http://gpu-7:8000")
+        adopt.add_argument("url", nargs="?", default=None, help="the server's base URL, e.g. http://gpu-7:8000")
+        adopt.add_argument(
+            "--inference-pool", default=None, metavar="NAMESPACE/NAME",
+            help="instead of a URL: adopt the Ready pods of this Kubernetes InferencePool (and keep them in step)",
+        )  # fmt: skip
         _target(adopt)
         adopt.add_argument("--name", default="")
         adopt.add_argument("--metrics-url", default="", help="its /metrics if not under the URL")
@@ -76,7 +104,18 @@ class Command(ControlPlaneCommand):
         spec.add_argument("--model-version", type=positive_int, required=True)
         spec.add_argument("--namespace", type=positive_int, required=True)
         spec.add_argument("--connector", choices=list(CONNECTORS), required=True)
-        spec.add_argument("--json", action="store_true", help="JSON instead of a shell script")
+        spec.add_argument("--format", choices=SPEC_FORMATS, default=None, help="sh (default), json, or Kubernetes YAML")
+        spec.add_argument("--json", action="store_true", help="the same as --format json")
+        spec.add_argument("--image", default="", help="llmisvc/deployment: the engine's container image (a vLLM GPU build)")
+        spec.add_argument("--relay-image", default="", help="llmisvc/deployment: an image with this project's inference package")
+        spec.add_argument("--storage-claim", default="kvcp-kv-store", help="llmisvc/deployment: the PVC of the storage root")
+        spec.add_argument("--k8s-namespace", default=None, help="llmisvc/deployment: metadata.namespace")
+        spec.add_argument("--name", default="", help="llmisvc/deployment: the objects' name (default kvcp-<storage prefix>)")
+        spec.add_argument("--model-uri", default=None, help="llmisvc: spec.model.uri (pvc://..., hf://...)")
+        spec.add_argument("--replicas", type=int_within(0, 1000), default=1, help="llmisvc/deployment: pods")
+        sub.add_parser("pools", help="list the Kubernetes InferencePools whose pods are adopted")
+        pool_sync = sub.add_parser("pool-sync", help="sync an InferencePool's engines with its Ready pods now")
+        pool_sync.add_argument("pool", type=positive_int)
         attach = sub.add_parser("attach", help="serve another namespace from the engine's memory")
         attach.add_argument("engine", type=positive_int)
         attach.add_argument("namespace", type=positive_int)
@@ -118,8 +157,29 @@ class Command(ControlPlaneCommand):
         if verb == "spec":
             version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
             namespace = get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
+            fmt = _spec_format(opts)
+            if fmt in ("llmisvc", "deployment") and not opts["image"]:
+                raise self.bad_input(f"--format {fmt} needs --image (the engine's container image)")
             spec = engine_gpu_spec(model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR)
-            self.stdout.write(json.dumps(spec.to_json(), indent=2) if opts["json"] else spec.to_shell())
+            self.stdout.write(self._spec_text(spec, fmt, opts))
+            return
+        if verb == "pools":
+            for pool in InferencePool.objects.select_related("model_version").order_by("k8s_namespace", "name"):
+                ready = pool.engines.filter(status=Engine.Status.READY).count()
+                synced = f"{pool.synced_at:%Y-%m-%d %H:%M:%S}" if pool.synced_at else "never"
+                problem = f"  ({pool.sync_error.splitlines()[0]})" if pool.sync_error else ""
+                label, version = f"{pool.k8s_namespace}/{pool.name}", pool.model_version.label
+                self.stdout.write(f"{pool.pk}  {label:40} {version:20} ready engines {ready}  synced {synced}{problem}")
+            return
+        if verb == "pool-sync":
+            pool = get_or_bad_input(self, InferencePool, opts["pool"], "inference pool")
+            counts = inference_pool_sync(pool, actor=ACTOR)
+            self.stdout.write(json.dumps({**counts, "pool": _pool_json(pool)}, indent=2, default=str))
+            return
+        if verb == "adopt" and (opts["url"] is None) == (opts["inference_pool"] is None):
+            raise self.bad_input("give exactly one of a URL and --inference-pool NAMESPACE/NAME")
+        if verb == "adopt" and opts["inference_pool"] is not None:
+            self._adopt_pool(opts)
             return
         if verb in ("start", "adopt"):
             version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
@@ -152,6 +212,40 @@ class Command(ControlPlaneCommand):
             engine_verify(engine=engine, actor=ACTOR, trigger="manual")
             engine.refresh_from_db()
         self._print(engine)
+
+    def _adopt_pool(self, opts: dict[str, Any]) -> None:
+        """``adopt --inference-pool``: the URL-only options are refused (each pod is adopted by its own URL)."""
+        given = [f"--{o.replace('_', '-')}" for o in _URL_ONLY if opts[o]]
+        if given:
+            raise self.bad_input(f"{', '.join(given)} cannot be given with --inference-pool (each pod is adopted by its URL)")
+        version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
+        namespace = None if opts["reference"] else get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
+        pool = inference_pool_adopt(
+            pool_ref=opts["inference_pool"], model_version=version, namespace=namespace, actor=ACTOR,
+            kv_connector=opts["kv_connector"],
+        )  # fmt: skip
+        self.stdout.write(json.dumps(_pool_json(pool), indent=2, default=str))
+
+    def _spec_text(self, spec: GpuEngineSpec, fmt: str, opts: dict[str, Any]) -> str:
+        """The spec in ``fmt``; a manifest option the spec cannot take is bad input (exit 2)."""
+        if fmt == "json":
+            return json.dumps(spec.to_json(), indent=2)
+        if fmt == "sh":
+            return spec.to_shell()
+        name = opts["name"] or k8s_manifests.manifest_name(spec.storage_prefix)
+        common = {
+            "name": name, "image": opts["image"], "relay_image": opts["relay_image"], "storage_claim": opts["storage_claim"],
+            "namespace": opts["k8s_namespace"], "replicas": opts["replicas"],
+        }  # fmt: skip
+        try:
+            if fmt == "deployment":
+                documents = k8s_manifests.deployment_manifests(spec, **common)
+            else:
+                documents = k8s_manifests.llmisvc_manifests(spec, model_uri=opts["model_uri"], **common)
+        except ValueError as exc:
+            raise self.bad_input(str(exc)) from exc
+        title = f"vLLM GPU engine ({fmt}): namespace {spec.storage_prefix}, connector {spec.connector}"
+        return k8s_manifests.manifests_yaml(documents, notes=spec.notes, title=title)
 
     def _boot(self, engine: Engine) -> Engine:
         try:
