@@ -25,6 +25,7 @@ urlpatterns = [
     path("namespaces/", views_dashboard.namespace_list, name="namespace-list"),
     path("model-versions/<int:pk>/", require_safe(views.model_version_detail), name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", require_safe(views.prewarm_job_detail), name="prewarm-job-detail"),
+    path("engines/start/", views_engine.engine_start_page, name="engine-start"),
     path("engines/<int:pk>/", require_safe(views_engine.engine_detail), name="engine-detail"),
     path("engines/<int:pk>/live", require_safe(views_engine.engine_live), name="engine-live"),
     path("engines/<int:pk>/<str:verb>/", views_engine.engine_action, name="engine-action"),

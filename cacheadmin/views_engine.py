@@ -21,12 +21,22 @@ from cacheadmin.models import (
     EngineMetricsSample,
     EngineVerification,
     GatewayStat,
+    ModelVersion,
 )
 from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.block_index import cached_prefixes
 from cacheadmin.services.comparison import MAX_TOKENS, comparison_job_create
 from cacheadmin.services.engine_verification import engine_verify, verify_refusal
-from cacheadmin.services.engines import EngineRefused, engine_boot_enqueue, engine_restart, engine_stop, log_tail
+from cacheadmin.services.engines import (
+    EngineRefused,
+    engine_boot_enqueue,
+    engine_create,
+    engine_host_here,
+    engine_hosts,
+    engine_restart,
+    engine_stop,
+    log_tail,
+)
 from cacheadmin.services.kv_events import residency_now
 from cacheadmin.services.prewarm import prewarm_job_create
 from inference.errors import ControlPlaneError, InvalidField
@@ -279,3 +289,52 @@ def engine_action(request: HttpRequest, pk: int, verb: str) -> HttpResponse:
         form = {k: str(v)[:200] for k, v in data.items() if k != "csrfmiddlewaretoken"}
         return engine_detail(request, pk, error=str(exc), status=exc.http_status, form={"verb": verb, **form})
     return redirect("engine-detail", pk=pk)
+
+
+def _start_choices() -> dict[str, Any]:
+    """What the start form offers: model versions that may run, namespaces, and the hosts (this one
+    and the Ray cluster's live nodes with their free resources; a cluster that does not answer is
+    said, and only this host is offered)."""
+    try:
+        hosts, hosts_error = engine_hosts(), ""
+    except EngineRefused as exc:
+        hosts, hosts_error = [engine_host_here()], str(exc)
+    return {
+        "versions": ModelVersion.objects.exclude(status=ModelVersion.Status.RETIRED).order_by("label"),
+        "namespaces": CacheNamespace.objects.select_related("tenant", "model_version").order_by("id"),
+        "hosts": [h for h in hosts if h["alive"]],
+        "hosts_error": hosts_error,
+    }
+
+
+def engine_start_page(request: HttpRequest) -> HttpResponse:
+    """Start an engine from the browser (operate permission): GET shows the form, POST records the
+    engine on the host picked (this one, or a live node of the Ray cluster) and a worker boots it;
+    the answer redirects to its page. Bad input or a refusal re-renders the form with the error
+    and a 4xx, nothing recorded."""
+    if not session_allows(request.user, ApiToken.Scope.OPERATE):
+        return HttpResponseForbidden("starting an engine needs the operate permission")
+    context: dict[str, Any] = {"form": {}, "error": ""}
+    status = 200
+    if request.method == "POST":
+        data = request.POST
+        context["form"] = {k: str(v)[:200] for k, v in data.items() if k != "csrfmiddlewaretoken"}
+        try:
+            version = _row(ModelVersion, "model_version", _int_field(data, "model_version"))
+            raw_ns = (data.get("namespace") or "").strip()
+            namespace = None if raw_ns in ("", "reference") else _row(CacheNamespace, "namespace", _int_field(data, "namespace"))
+            host, _, backend = (data.get("host") or "").strip().rpartition("@")
+            if not host:
+                raise InvalidField("host", "pick a host")
+            name = (data.get("name") or "").strip() or f"{version.label}-{Engine.objects.count() + 1}"
+            engine = engine_create(
+                name=name, model_version=version, namespace=namespace, actor=f"{request.user.get_username()} (page)",
+                tier=(data.get("tier") or "disk").strip(), restart_policy=(data.get("restart_policy") or "never").strip(),
+                backend=backend, host=host,
+            )  # fmt: skip
+            engine_boot_enqueue(engine)
+            return redirect("engine-detail", pk=engine.pk)
+        except ControlPlaneError as exc:
+            context["error"], status = str(exc), exc.http_status
+    context.update(_start_choices())
+    return render(request, "cacheadmin/engine_start.html", context, status=status)

@@ -24,6 +24,7 @@ from cacheadmin.services.engines import (
     engine_attach_namespace,
     engine_boot_enqueue,
     engine_create,
+    engine_hosts,
     engine_restart,
     engine_stop,
 )
@@ -49,7 +50,7 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     (202: a worker boots and verifies it; poll the engine until ``ready``)."""
 
     serializer_class = s.EngineSerializer
-    filterset_fields = ("status", "role", "model_version", "namespace", "origin", "verification")
+    filterset_fields = ("status", "role", "model_version", "namespace", "origin", "host", "verification")
     ordering_fields = ("created_at", "name")
 
     def base_queryset(self) -> models.QuerySet:
@@ -73,7 +74,8 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
 
     @extend_schema(request=s.EngineStartSerializer, responses={202: s.EngineSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        """Start a local engine: recorded ``starting`` now, booted and verified by a worker."""
+        """Start an engine here or on a live host of the Ray cluster (``backend``, ``host``): recorded
+        ``starting`` now, booted and verified by a worker."""
         data = validated(request, s.EngineStartSerializer)
         version = data["model_version"]
         shared_change_check(request, _new_engine_shared_reason(data.get("namespace")))
@@ -84,10 +86,19 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
             actor=actor_of(request),
             tier=data["tier"],
             restart_policy=data["restart_policy"],
+            backend=data["backend"],
+            host=data["host"],
         )
         Engine.objects.filter(pk=engine.pk).update(restart_max_attempts=data["restart_max_attempts"])
         engine_boot_enqueue(engine)
         return self._answer(engine, status.HTTP_202_ACCEPTED)
+
+    @extend_schema(responses={200: s.EngineHostSerializer(many=True)})
+    @action(detail=False, methods=["get"], pagination_class=None, filter_backends=[])
+    def hosts(self, request: Request) -> Response:
+        """The hosts an engine may be started on: this one and the Ray cluster's nodes, with their
+        free resources (409 when the cluster does not answer)."""
+        return Response(s.EngineHostSerializer(engine_hosts(), many=True).data)
 
     @extend_schema(request=None, responses={200: s.EngineSerializer})
     @action(detail=True, methods=["post"])

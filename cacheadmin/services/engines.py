@@ -172,13 +172,7 @@ def engine_hosts() -> list[dict[str, Any]]:
         EngineRefused: the Ray cluster does not answer.
     """
     live = Engine.objects.filter(status__in=LIVE_STATUSES)
-    rows: list[dict[str, Any]] = [
-        {
-            "host": settings.KVCP_HOST, "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None,
-            "cpus_free": None, "gpus": None, "gpus_free": None, "memory_free_gib": None,
-            "engines": live.filter(origin=Engine.Origin.LOCAL).count(),
-        }
-    ]  # fmt: skip
+    rows = [engine_host_here()]
     if settings.RAY_ADDRESS:
         try:
             nodes = cluster_nodes(settings.RAY_ADDRESS)
@@ -190,6 +184,15 @@ def engine_hosts() -> list[dict[str, Any]]:
     for row in rows:
         row.pop("node_id", None)
     return rows
+
+
+def engine_host_here() -> dict[str, Any]:
+    """This host, as :func:`engine_hosts` lists it (its resources are not measured: ``None``)."""
+    return {
+        "host": settings.KVCP_HOST, "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None,
+        "cpus_free": None, "gpus": None, "gpus_free": None, "memory_free_gib": None,
+        "engines": Engine.objects.filter(status__in=LIVE_STATUSES, origin=Engine.Origin.LOCAL).count(),
+    }  # fmt: skip
 
 
 def _ray_start(engine: Engine, *, kv_cache_gib: float | None) -> None:

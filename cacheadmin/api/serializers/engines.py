@@ -28,7 +28,7 @@ class EngineSerializer(RowSerializer):
     class Meta:
         model = Engine
         fields = (
-            "id", "name", "origin", "role", "model_version", "model_version_label", "namespace", "attached_namespaces",
+            "id", "name", "origin", "host", "role", "model_version", "model_version_label", "namespace", "attached_namespaces",
             "base_url", "status", "in_service", "verification", "verified_at", "prefix_caching", "kv_connector",
             "salt_blind_tier", "kv_events_endpoint", "kv_events_key", "generation", "detached", "restart_policy",
             "restart_max_attempts",
@@ -38,7 +38,7 @@ class EngineSerializer(RowSerializer):
 
 
 class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
-    """A local engine to start: a namespace it serves, or none for a reference engine."""
+    """An engine to start, here or on a host of the Ray cluster: a namespace it serves, or none for a reference engine."""
 
     model_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
@@ -46,6 +46,13 @@ class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
     name = serializers.CharField(max_length=100, required=False, default="")
     restart_policy = serializers.ChoiceField(choices=Engine.RestartPolicy.choices, default=Engine.RestartPolicy.NEVER)
     restart_max_attempts = serializers.IntegerField(min_value=0, max_value=100, default=3)
+    backend = serializers.ChoiceField(
+        choices=[("local", "local"), ("ray", "ray")], default="local",
+        help_text="local: a process on the control plane's host; ray: an actor on a node of the Ray cluster",
+    )  # fmt: skip
+    host = serializers.CharField(
+        max_length=200, required=False, default="", help_text="for backend ray: a live host of GET /api/engines/hosts/"
+    )
 
 
 class EngineAdoptSerializer(StrictFieldsMixin, serializers.Serializer):
@@ -107,3 +114,18 @@ class EngineMetricsSampleSerializer(RowSerializer):
             "id", "engine", "sampled_at", "ok", "error", "prefix_cache_queries", "prefix_cache_hits",
             "external_prefix_cache_queries", "external_prefix_cache_hits", "kv_cache_usage", "hit_rate",
         )  # fmt: skip
+
+
+class EngineHostSerializer(serializers.Serializer):
+    """A host an engine may be started on: this one, or a node of the Ray cluster with its free resources."""
+
+    host = serializers.CharField()
+    backend = serializers.CharField(help_text="local or ray")
+    alive = serializers.BooleanField()
+    address = serializers.CharField()
+    cpus = serializers.FloatField(allow_null=True)
+    cpus_free = serializers.FloatField(allow_null=True)
+    gpus = serializers.FloatField(allow_null=True)
+    gpus_free = serializers.FloatField(allow_null=True)
+    memory_free_gib = serializers.FloatField(allow_null=True)
+    engines = serializers.IntegerField(help_text="live engines on it")

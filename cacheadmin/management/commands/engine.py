@@ -1,6 +1,6 @@
-"""``python manage.py engine start|stop|restart|adopt|verify|attach|list|spec|key``: the fleet.
+"""``python manage.py engine start|stop|restart|adopt|verify|attach|list|hosts|spec|key``: the fleet.
 
-Twins of ``/api/engines/``. ``start`` launches a local vLLM engine whose
+Twins of ``/api/engines/``. ``start`` launches a vLLM engine whose
 command line carries every identity field, waits until it answers and is
 verified, and prints it as JSON; it keeps running after this command exits.
 ``adopt`` registers a running server by URL after verifying it, or with
@@ -8,7 +8,8 @@ verified, and prints it as JSON; it keeps running after this command exits.
 (kept in step by a schedule; ``pools`` lists them, ``pool-sync ID`` syncs one now).
 Exit codes: 0 done; 2 bad input; 4 refused (verification failed, with each
 field that differs; salt-blind tier; other identity; adopted engines cannot
-be restarted); 1 the engine did not come up.
+be restarted); 1 the engine did not come up. ``start --backend ray --host H``
+starts it on host H of the Ray cluster (``RAY_ADDRESS``); ``hosts`` lists them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from cacheadmin.services.engines import (
     engine_attach_namespace,
     engine_boot,
     engine_create,
+    engine_hosts,
     engine_restart,
     engine_stop,
     engines_stop_all,
@@ -80,6 +82,8 @@ class Command(ControlPlaneCommand):
         start.add_argument("--name", default="", help="engine name (default: <version label>-<n>)")
         start.add_argument("--restart-policy", choices=list(Engine.RestartPolicy.values), default="never")
         start.add_argument("--restart-attempts", type=int_within(0, 100), default=3)
+        start.add_argument("--backend", choices=["local", "ray"], default="local", help="ray: on a node of RAY_ADDRESS's cluster")
+        start.add_argument("--host", default="", help="with --backend ray: a live host (see `engine hosts`)")
         start.add_argument("--json", action="store_true", help="print the engine as JSON (the default prints it too)")
         for verb in ("stop", "restart", "verify"):
             one = sub.add_parser(verb, help=f"{verb} an engine")
@@ -120,6 +124,8 @@ class Command(ControlPlaneCommand):
         attach.add_argument("engine", type=positive_int)
         attach.add_argument("namespace", type=positive_int)
         sub.add_parser("list", help="list engines")
+        hosts = sub.add_parser("hosts", help="the hosts an engine may start on: this one and the Ray cluster's nodes")
+        hosts.add_argument("--json", action="store_true")
         sub.add_parser(
             "stop-all",
             help="stop every local engine of this deployment whose process runs, whoever started it (adopted ones are left)",
@@ -132,8 +138,21 @@ class Command(ControlPlaneCommand):
         if verb == "list":
             for e in Engine.objects.select_related("model_version").order_by("id"):
                 tier = e.kv_connector or "memory"
-                state = f"{e.origin:8} {e.role:9} {e.status:8} {e.verification:11}"
+                state = f"{e.origin:8} {e.host or '-':16} {e.role:9} {e.status:8} {e.verification:11}"
                 self.stdout.write(f"{e.pk}  {e.name:32} {state} {e.model_version.label:20} {tier}")
+            return
+        if verb == "hosts":
+            rows = engine_hosts()
+            if opts["json"]:
+                self.stdout.write(json.dumps(rows, indent=2))
+                return
+            for h in rows:
+                free = ""
+                if h["cpus"] is not None:
+                    free = f"cpus {h['cpus_free']:g}/{h['cpus']:g} gpus {h['gpus_free']:g}/{h['gpus']:g}"
+                    free += f" mem {h['memory_free_gib']:g} GiB free"
+                state = "alive" if h["alive"] else "dead"
+                self.stdout.write(f"{h['host']:20} {h['backend']:6} {state:6} {h['address']:16} engines {h['engines']}  {free}")
             return
         if verb == "stop-all":
             stopped = engines_stop_all(actor=ACTOR, reason="engine stop-all")
@@ -195,10 +214,11 @@ class Command(ControlPlaneCommand):
                 name = opts["name"] or f"{version.label}-{Engine.objects.count() + 1}"
                 engine = engine_create(
                     name=name, model_version=version, namespace=namespace, actor=ACTOR, tier=opts["tier"],
-                    restart_policy=opts["restart_policy"],
+                    restart_policy=opts["restart_policy"], backend=opts["backend"], host=opts["host"],
                 )  # fmt: skip
                 Engine.objects.filter(pk=engine.pk).update(restart_max_attempts=opts["restart_attempts"])
-                self.stderr.write(f"engine {engine.name} (#{engine.pk}) starting at {engine.base_url}, log {engine.log_path}")
+                where = f"on host {engine.host} (Ray)" if engine.origin == Engine.Origin.RAY else f"at {engine.base_url}"
+                self.stderr.write(f"engine {engine.name} (#{engine.pk}) starting {where}, log {engine.log_path}")
                 engine = self._boot(engine)
             self._print(engine)
             return
