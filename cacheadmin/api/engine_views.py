@@ -28,7 +28,7 @@ from cacheadmin.services.engines import (
     engine_restart,
     engine_stop,
 )
-from cacheadmin.services.fleet import engine_adopt
+from cacheadmin.services.fleet import engine_adopt, engine_adopt_ray
 from cacheadmin.services.kv_events import residency_now
 
 
@@ -132,6 +132,16 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
         data = validated(request, s.EngineAdoptSerializer)
         shared_change_check(request, _new_engine_shared_reason(data.get("namespace")))
         engine = engine_adopt(actor=actor_of(request), **{**data, "namespace": data.get("namespace")})
+        return self._answer(engine, status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.EngineAdoptRaySerializer, responses={201: s.EngineSerializer})
+    @action(detail=False, methods=["post"], url_path="adopt-ray")
+    def adopt_ray(self, request: Request) -> Response:
+        """Adopt the engine running in a named actor of the Ray cluster, by the actor's name (409 when no
+        such actor runs one, or it does not verify)."""
+        data = validated(request, s.EngineAdoptRaySerializer)
+        shared_change_check(request, _new_engine_shared_reason(data.get("namespace")))
+        engine = engine_adopt_ray(actor=actor_of(request), **{**data, "namespace": data.get("namespace")})
         return self._answer(engine, status.HTTP_201_CREATED)
 
     @extend_schema(request=s.EngineAttachSerializer, responses={200: s.EngineSerializer})

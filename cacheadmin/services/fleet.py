@@ -46,7 +46,7 @@ from cacheadmin.services.kv_events import residency_drop
 from cacheadmin.services.namespaces import namespace_check_current
 from cacheadmin.services.quotas import quota_check
 from inference.engines.probes import CachedTokensUnreported, reads_across_salts, shares_prefix_cache
-from inference.engines.ray_backend import ray_nodes_alive
+from inference.engines.ray_backend import ray_engine_info, ray_nodes_alive
 from inference.engines.verify import drift_baseline
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError, InvalidField, Refused
@@ -367,6 +367,46 @@ def engine_adopt(
     return engine
 
 
+def engine_adopt_ray(
+    *,
+    ray_actor: str,
+    model_version: ModelVersion,
+    namespace: CacheNamespace | None,
+    actor: str,
+    name: str = "",
+    kv_connector: str = "",
+) -> Engine:
+    """Adopt an engine that runs in a named actor of the Ray cluster (Ray namespace ``kvcp``), by the
+    actor's name: the actor says where its server and KV-event relay listen
+    (:func:`inference.engines.ray_backend.ray_engine_info`), then it is adopted at that address exactly
+    as :func:`engine_adopt` adopts any server (address policy, identity verification, probes). The row
+    records the node and host, so losing that host loses the engine; it is not ours to restart.
+
+    Raises:
+        InvalidField: a malformed actor name, or no Ray cluster configured.
+        EngineRefused: no actor of that name, or it has not started its server; then what
+            :func:`engine_adopt` raises.
+    """
+    ray_actor = ray_actor.strip()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", ray_actor):
+        raise InvalidField("ray_actor", "the actor's name: letters, digits, '.', '_' and '-', at most 100")
+    if not settings.RAY_ADDRESS:
+        raise InvalidField("ray_actor", "no Ray cluster is configured (RAY_ADDRESS=ray://HEAD:10001)")
+    try:
+        info = ray_engine_info(settings.RAY_ADDRESS, ray_actor)
+    except EngineError as exc:
+        raise EngineRefused(f"adoption refused: {exc}") from exc
+    engine = engine_adopt(
+        url=info["base_url"], model_version=model_version, namespace=namespace, actor=actor, name=name or ray_actor,
+        kv_events=info["kv_events_endpoint"], kv_events_replay=info["kv_events_replay_endpoint"],
+        kv_events_topic=info["kv_events_topic"], kv_events_key=info["kv_events_key"], kv_connector=kv_connector,
+    )  # fmt: skip
+    Engine.objects.filter(pk=engine.pk).update(host=info["host"], ray_node_id=info["node_id"])
+    audit_record(actor=actor, action="engine.adopt_ray", obj=engine, after={"ray_actor": ray_actor, "host": info["host"]})
+    engine.refresh_from_db()
+    return engine
+
+
 def _healthy(engine: Engine) -> tuple[bool, str]:
     """(healthy, why not)."""
     if engine.origin == Engine.Origin.LOCAL and not (engine.pid and pid_alive(engine.pid, engine.pid_started)):
@@ -384,7 +424,7 @@ def _healthy(engine: Engine) -> tuple[bool, str]:
 def _alive_ray_nodes(engines: list[Engine]) -> set[str] | None:
     """The Ray node ids alive now, when a live engine runs on Ray; None when none does or the
     cluster does not answer (its engines are then judged by their health endpoints alone)."""
-    if not settings.RAY_ADDRESS or not any(e.origin == Engine.Origin.RAY and e.ray_node_id for e in engines):
+    if not settings.RAY_ADDRESS or not any(e.ray_node_id for e in engines):
         return None
     try:
         return ray_nodes_alive(settings.RAY_ADDRESS)
@@ -408,7 +448,11 @@ def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
     """
     now = timezone.now()
     next_restart = None
-    if engine.restart_policy == Engine.RestartPolicy.ON_FAILURE and engine.restart_attempts < engine.restart_max_attempts:
+    if (
+        engine.managed
+        and engine.restart_policy == Engine.RestartPolicy.ON_FAILURE
+        and engine.restart_attempts < engine.restart_max_attempts
+    ):
         next_restart = now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
     with transaction.atomic():
         changed = Engine.objects.filter(pk=engine.pk, status__in=(*LIVE_STATUSES, Engine.Status.FAILED)).update(
@@ -455,7 +499,8 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     now = timezone.now()
     report: dict[str, list[str]] = {"failed": [], "healthy": [], "restart_due": [], "lost": []}
     # A Ray engine whose node the cluster declared dead is lost, whether or not its silence failed it first.
-    on_ray = list(Engine.objects.filter(origin=Engine.Origin.RAY, status__in=(*LIVE_STATUSES, Engine.Status.FAILED)))
+    # Ours or adopted from a Ray actor: whatever runs on a node of the cluster.
+    on_ray = list(Engine.objects.filter(status__in=(*LIVE_STATUSES, Engine.Status.FAILED)).exclude(ray_node_id=""))
     alive_nodes = _alive_ray_nodes(on_ray)
     for engine in on_ray:
         if alive_nodes is not None and engine.ray_node_id and engine.ray_node_id not in alive_nodes:

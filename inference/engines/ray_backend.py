@@ -225,7 +225,7 @@ class EngineActor:
         """Start the server and the relay (once: a second call returns the first's facts).
 
         Returns:
-            ``{"node_id", "node_ip", "port", "base_url", "pid", "pid_started", "log_path",
+            ``{"node_id", "node_ip", "port", "base_url", "pid", "pid_started", "log_path", "kv_events_topic",
             "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_key"}`` (endpoints ``tcp://`` on
             the node's address, ``""`` without events).
 
@@ -265,9 +265,15 @@ class EngineActor:
         pid = self._local.pid
         self._info = {
             "node_id": self.node_id, "node_ip": self.node_ip, "port": spec.port, "base_url": self._local.base_url,
-            "pid": pid, "pid_started": process_started(pid) if pid else None, "log_path": str(spec.log_path), **events,
+            "pid": pid, "pid_started": process_started(pid) if pid else None, "log_path": str(spec.log_path),
+            "kv_events_topic": self._topic if events["kv_events_endpoint"] else "", **events,
         }  # fmt: skip
         return self._info
+
+    def info(self) -> dict[str, Any]:
+        """What :meth:`start` returned (``{}`` before it ran): where the server and its relay listen.
+        No secret is in it: the relay's public key only."""
+        return dict(self._info)
 
     def alive(self) -> bool:
         """True while the server process runs."""
@@ -401,3 +407,17 @@ def ray_engine_call(address: str, name: str, method: str, *args: Any) -> Any:
         return ray.get(getattr(actor, method).remote(*args), timeout=RAY_CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001
         raise EngineError(f"the Ray actor of engine {name} did not answer: {type(exc).__name__}: {exc}") from exc
+
+
+def ray_engine_info(address: str, name: str) -> dict[str, Any]:
+    """Where the engine in the named actor ``name`` listens (:meth:`EngineActor.info`), plus ``"host"``:
+    its node's host name in the cluster. How an engine started through Ray is adopted by name.
+
+    Raises:
+        EngineError: no cluster, no actor of that name, or one that has not started its server.
+    """
+    info = dict(ray_engine_call(address, name, "info"))
+    if not info:
+        raise EngineError(f"the Ray actor {name} has not started its engine")
+    info["host"] = next((n.host for n in cluster_nodes(address) if n.node_id == info["node_id"]), info["node_ip"])
+    return info

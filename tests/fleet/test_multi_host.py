@@ -24,11 +24,13 @@ from cacheadmin.services.model_versions import model_version_register
 from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
 from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.workers import KvEventsProcess, WorkerProcess
-from inference.engines.ray_backend import RAY_NAMESPACE, ray_connect, ray_nodes_alive
+from inference.engines.launcher import EngineSpec
+from inference.engines.ray_backend import RAY_NAMESPACE, ray_connect, ray_engine_start, ray_engine_stop, ray_nodes_alive
+from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import InvalidField
 from inference.identity import LayoutOptions
 from tests.fleet.hosts import NetHost, RayTestCluster, wait_nodes
-from tests.helpers import running_gateway, subprocess_env, wait_for, worker_log
+from tests.helpers import manage, running_gateway, subprocess_env, wait_for, worker_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -205,3 +207,47 @@ def _scenario(
         from cacheadmin.services.engines import engines_stop_all
 
         engines_stop_all(actor="test", reason="end of the multi-host test")
+
+
+def test_an_engine_in_a_named_ray_actor_is_adopted_by_name_and_verified(
+    fleet: RayTestCluster, demo_checkpoints: dict[str, Path]
+) -> None:
+    """Release tooling started an engine in a named actor on host b; the control plane adopts it by
+    the actor's name (CLI), verifies it, and records its host and node."""
+    host_b = fleet.network.hosts["b"]
+    env = subprocess_env(RAY_ADDRESS=fleet.address, ENGINE_ALLOWED_NETWORKS=fleet.network.cidr)
+    version, _ = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="tiny-v1", served_name="tiny", layout=LayoutOptions(dtype="float32"),
+        actor="alice",
+    )  # fmt: skip
+    spec = EngineSpec(
+        model_path=demo_checkpoints["tiny-v1"], served_name="tiny", dtype="float32", port=0, prefix_caching=False,
+        log_path=settings.ENGINE_LOG_DIR / "release-tool-1.log",
+    )  # fmt: skip
+    info = ray_engine_start(
+        fleet.address, name="release-tool-1", host="b", spec=spec, engine_id=0, topic="", events_dir=None, consumer_key=None,
+        relay_key_file=None,
+    )  # fmt: skip
+    try:
+        with VllmHttpClient(info["base_url"], "tiny") as client:
+            wait_for(client.healthy, timeout=settings.ENGINE_START_TIMEOUT_S, interval=0.5, what="the actor's engine")
+        for actor_name, code, message in (
+            ("nobody", 4, "adoption refused: no Ray actor holds engine nobody"),
+            ("bad name!", 2, "the actor's name: letters, digits"),
+        ):
+            refused = manage(
+                "engine", "adopt", "--ray-actor", actor_name, "--model-version", str(version.pk), "--reference", env=env
+            )
+            assert refused.returncode == code and message in refused.stderr, refused.stderr
+        assert not Engine.objects.exists()
+        adopted = manage(
+            "engine", "adopt", "--ray-actor", "release-tool-1", "--model-version", str(version.pk), "--reference", "--json",
+            env=env, timeout=300,
+        )  # fmt: skip
+        assert adopted.returncode == 0, adopted.stderr
+        engine = Engine.objects.get(name="release-tool-1")
+        assert (engine.origin, engine.host, engine.status, engine.verification) == ("adopted", "b", "ready", "verified")
+        assert engine.base_url == info["base_url"] and engine.base_url.startswith(f"http://{host_b.address}:")
+        assert engine.ray_node_id == info["node_id"] and engine.role == "reference"
+    finally:
+        ray_engine_stop(fleet.address, "release-tool-1")

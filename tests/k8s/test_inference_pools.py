@@ -344,8 +344,11 @@ def pod_engine(demo_checkpoints) -> Iterator[Any]:
 
 @pytest.mark.vllm
 @pytest.mark.django_db(transaction=True)
-def test_a_ready_pod_is_adopted_verified_kept_and_retired(fake_api: FakeApi, pod_engine, demo_checkpoints, tmp_path) -> None:
+def test_a_ready_pod_is_adopted_verified_kept_and_retired(
+    fake_api: FakeApi, pod_engine, demo_checkpoints, tmp_path, settings
+) -> None:
     from cacheadmin.services.model_versions import model_version_register
+    from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
     from inference.identity import LayoutOptions
     from tests.helpers import manage, subprocess_env
 
@@ -357,20 +360,48 @@ def test_a_ready_pod_is_adopted_verified_kept_and_retired(fake_api: FakeApi, pod
     fake_api.set_target_port(port)
     fake_api.set_ip(READY, "127.0.0.1")
     # The CLI as an operator runs it, its client configured from KUBECONFIG.
-    env = subprocess_env(KUBECONFIG=str(kubeconfig(tmp_path / "config", fake_api.url)))
+    settings.KUBECONFIG = str(kubeconfig(tmp_path / "config", fake_api.url))  # this process's syncs too
+    env = subprocess_env(KUBECONFIG=settings.KUBECONFIG)
     adopted = manage(
         "engine", "adopt", "--inference-pool", "llm/qwen-pool", "--model-version", str(v2.pk), "--reference", env=env, timeout=300
     )
     assert adopted.returncode == 0, adopted.stderr
     shown = json.loads(adopted.stdout)
     assert fake_api.requests == [POOL_GET, PODS_GET]
-    assert (shown["k8s_namespace"], shown["name"], shown["sync_error"]) == ("llm", "qwen-pool", "")
-    (row,) = shown["engines"]
+    # Verified, and refused: a reference engine must not cache prefixes, and this one does.
+    assert (shown["k8s_namespace"], shown["name"], shown["engines"]) == ("llm", "qwen-pool", [])
+    assert shown["sync_error"] == (
+        f"pod {READY} (http://127.0.0.1:{port}): adoption refused: http://127.0.0.1:{port} does not compute what its "
+        "identity says (1 of 18 checks failed): prefix_caching: expected 'False', engine reports 'True' (/metrics)"
+    )
+    # Serving a namespace (prefix caching expected, the salt probes run): adopted.
+    owner = retention_owner_get_or_create(name="platform", email="p@example.com", actor="alice")
+    acme = Tenant.objects.create(slug="acme", name="Acme")
+    namespace = namespace_get_or_create(model_version=v2, tenant=acme, retention_owner=owner, policy=DEMO_POLICY, actor="alice")[
+        0
+    ]
+    InferencePool.objects.filter(pk=shown["id"]).update(namespace=namespace)
+    synced = manage("engine", "pool-sync", str(shown["id"]), env=env, timeout=300)
+    assert synced.returncode == 0, synced.stderr
+    shown = json.loads(synced.stdout)
+    assert {k: shown[k] for k in ("adopted", "removed", "kept", "refused")} == {
+        "adopted": 1,
+        "removed": 0,
+        "kept": 0,
+        "refused": 0,
+    }
+    assert shown["pool"]["sync_error"] == ""
+    (row,) = shown["pool"]["engines"]
     assert (row["name"], row["base_url"], row["host"], row["status"], row["verification"], row["in_service"]) == (
         f"llm.qwen-pool.{READY}", f"http://127.0.0.1:{port}", "gpu-node-a", "ready", "verified", True,
     )  # fmt: skip
     engine = Engine.objects.get(pk=row["id"])
-    assert (engine.origin, engine.role, engine.inference_pool_id) == ("adopted", "reference", shown["id"])
+    assert (engine.origin, engine.role, engine.namespace, engine.inference_pool_id) == (
+        "adopted",
+        "serving",
+        namespace,
+        shown["pool"]["id"],
+    )
     assert (engine.verified_facts or {})["models"]["id"] == "tiny"
 
     pool = InferencePool.objects.get(pk=shown["id"])

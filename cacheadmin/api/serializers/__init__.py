@@ -4,6 +4,7 @@ things release tooling creates. Writes go through services, never ``save()``."""
 from __future__ import annotations
 
 from cacheadmin.api.serializers.engines import (
+    EngineAdoptRaySerializer,
     EngineAdoptSerializer,
     EngineAlarmSerializer,
     EngineAttachSerializer,
@@ -132,6 +133,7 @@ __all__ = [
     "ComparisonResultSerializer",
     "EngineAdoptSerializer",
     "EngineAlarmSerializer",
+    "EngineAdoptRaySerializer",
     "EngineAttachSerializer",
     "EngineMetricsSampleSerializer",
     "EngineSerializer",

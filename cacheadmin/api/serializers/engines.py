@@ -55,6 +55,19 @@ class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
     )
 
 
+class EngineAdoptRaySerializer(StrictFieldsMixin, serializers.Serializer):
+    """An engine running in a named actor of the Ray cluster, to adopt by the actor's name after verification."""
+
+    ray_actor = serializers.CharField(max_length=100, help_text="the actor's name (Ray namespace kvcp)")
+    model_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
+    namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
+    name = serializers.CharField(max_length=100, required=False, default="")
+    kv_connector = serializers.CharField(
+        max_length=100, required=False, default="", allow_blank=True,
+        help_text="its KV connector when /server_info is off: none, or the connector's class",
+    )  # fmt: skip
+
+
 class EngineAdoptSerializer(StrictFieldsMixin, serializers.Serializer):
     """A running vLLM server to register after verification."""
 

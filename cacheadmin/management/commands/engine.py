@@ -35,7 +35,7 @@ from cacheadmin.services.engines import (
     engine_stop,
     engines_stop_all,
 )
-from cacheadmin.services.fleet import engine_adopt
+from cacheadmin.services.fleet import engine_adopt, engine_adopt_ray
 from cacheadmin.services.gpu_specs import engine_gpu_spec
 from cacheadmin.services.inference_pools import inference_pool_adopt, inference_pool_sync
 from inference.engines import k8s_manifests
@@ -94,6 +94,10 @@ class Command(ControlPlaneCommand):
         adopt.add_argument(
             "--inference-pool", default=None, metavar="NAMESPACE/NAME",
             help="instead of a URL: adopt the Ready pods of this Kubernetes InferencePool (and keep them in step)",
+        )  # fmt: skip
+        adopt.add_argument(
+            "--ray-actor", default=None, metavar="NAME",
+            help="instead of a URL: the engine in this named actor of the Ray cluster (Ray namespace kvcp)",
         )  # fmt: skip
         _target(adopt)
         adopt.add_argument("--name", default="")
@@ -195,15 +199,20 @@ class Command(ControlPlaneCommand):
             counts = inference_pool_sync(pool, actor=ACTOR)
             self.stdout.write(json.dumps({**counts, "pool": _pool_json(pool)}, indent=2, default=str))
             return
-        if verb == "adopt" and (opts["url"] is None) == (opts["inference_pool"] is None):
-            raise self.bad_input("give exactly one of a URL and --inference-pool NAMESPACE/NAME")
+        if verb == "adopt" and sum(opts[k] is not None for k in ("url", "inference_pool", "ray_actor")) != 1:
+            raise self.bad_input("give exactly one of a URL, --inference-pool NAMESPACE/NAME and --ray-actor NAME")
         if verb == "adopt" and opts["inference_pool"] is not None:
             self._adopt_pool(opts)
             return
         if verb in ("start", "adopt"):
             version = get_or_bad_input(self, ModelVersion, opts["model_version"], "model version")
             namespace = None if opts["reference"] else get_or_bad_input(self, CacheNamespace, opts["namespace"], "namespace")
-            if verb == "adopt":
+            if verb == "adopt" and opts["ray_actor"] is not None:
+                engine = engine_adopt_ray(
+                    ray_actor=opts["ray_actor"], model_version=version, namespace=namespace, actor=ACTOR, name=opts["name"],
+                    kv_connector=opts["kv_connector"],
+                )  # fmt: skip
+            elif verb == "adopt":
                 engine = engine_adopt(
                     url=opts["url"], model_version=version, namespace=namespace, actor=ACTOR, name=opts["name"],
                     metrics_url=opts["metrics_url"], kv_events=opts["kv_events"],
