@@ -97,8 +97,9 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     @action(detail=False, methods=["get"], pagination_class=None, filter_backends=[])
     def hosts(self, request: Request) -> Response:
         """The hosts an engine may be started on: this one and the Ray cluster's nodes, with their
-        free resources (409 when the cluster does not answer)."""
-        return Response(s.EngineHostSerializer(engine_hosts(), many=True).data)
+        free resources and how many of the engines the caller may see run there (409 when the
+        cluster does not answer)."""
+        return Response(s.EngineHostSerializer(engine_hosts(self.get_queryset()), many=True).data)
 
     @extend_schema(request=None, responses={200: s.EngineSerializer})
     @action(detail=True, methods=["post"])

@@ -14,6 +14,7 @@ from typing import Any
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
@@ -160,19 +161,20 @@ def engine_host_check(backend: str, host: str) -> str:
         raise InvalidField("host", str(exc)) from None
 
 
-def engine_hosts() -> list[dict[str, Any]]:
+def engine_hosts(visible: QuerySet[Engine] | None = None) -> list[dict[str, Any]]:
     """The hosts an engine may be started on: this one (``local``) and, with a Ray cluster, every
     node of it with its free resources (:class:`inference.engines.ray_backend.RayNode`).
 
     Returns:
         ``[{"host", "backend", "alive", "address", "cpus", "cpus_free", "gpus", "gpus_free",
-        "memory_free_gib", "engines"}]``, this host first; ``engines`` counts the live engines on it.
+        "memory_free_gib", "engines"}]``, this host first; ``engines`` counts the live engines on it
+        among ``visible`` (default: every engine; a tenant-bound caller passes its own).
 
     Raises:
         EngineRefused: the Ray cluster does not answer.
     """
-    live = Engine.objects.filter(status__in=LIVE_STATUSES)
-    rows = [engine_host_here()]
+    live = (visible if visible is not None else Engine.objects.all()).filter(status__in=LIVE_STATUSES)
+    rows = [engine_host_here(live)]
     if settings.RAY_ADDRESS:
         try:
             nodes = cluster_nodes(settings.RAY_ADDRESS)
@@ -186,12 +188,13 @@ def engine_hosts() -> list[dict[str, Any]]:
     return rows
 
 
-def engine_host_here() -> dict[str, Any]:
+def engine_host_here(visible: QuerySet[Engine] | None = None) -> dict[str, Any]:
     """This host, as :func:`engine_hosts` lists it (its resources are not measured: ``None``)."""
+    live = (visible if visible is not None else Engine.objects.all()).filter(status__in=LIVE_STATUSES)
     return {
         "host": settings.KVCP_HOST, "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None,
         "cpus_free": None, "gpus": None, "gpus_free": None, "memory_free_gib": None,
-        "engines": Engine.objects.filter(status__in=LIVE_STATUSES, origin=Engine.Origin.LOCAL).count(),
+        "engines": live.filter(origin=Engine.Origin.LOCAL).count(),
     }  # fmt: skip
 
 

@@ -126,7 +126,7 @@ def test_start_boots_a_stopped_local_engine_and_refuses_a_running_one(
     before = _state()
     refused = admin_client.post(f"/engines/{engine.pk}/start/")
     assert refused.status_code == 409
-    assert "engine e-acme is ready; only a stopped or failed engine starts" in refused.content.decode()
+    assert "engine e-acme is ready; only a stopped, failed or lost engine starts" in refused.content.decode()
     assert admin_client.post(f"/engines/{engine.pk}/explode/").status_code == 400
     assert _state() == before
 

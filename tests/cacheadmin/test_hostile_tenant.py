@@ -200,6 +200,7 @@ NO_FOREIGN_INPUT = {
     ("POST", "/api/eviction-runs/"): BOUND_REFUSED,
     ("POST", "/api/gateway/layers/"): BOUND_REFUSED,
     ("GET", "/api/gateway/layers/"): 200,
+    ("GET", "/api/engines/hosts/"): 200,
     ("GET", "/api/gateway/figures/"): 200,
     ("GET", "/api/identity-diff/"): 400,
     ("POST", "/api/model-versions/"): BOUND_REFUSED,

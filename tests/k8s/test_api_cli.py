@@ -208,11 +208,15 @@ def test_cli_adopts_lists_and_syncs(k8s_client: FakeApi, world) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "text"),
     [
-        (["adopt", "--model-version", "{v}", "--reference"], 2, "give exactly one of a URL and --inference-pool NAMESPACE/NAME"),
+        (
+            ["adopt", "--model-version", "{v}", "--reference"],
+            2,
+            "give exactly one of a URL, --inference-pool NAMESPACE/NAME and --ray-actor NAME",
+        ),
         (
             ["adopt", "http://127.0.0.1:9", "--inference-pool", "llm/qwen-pool", "--model-version", "{v}", "--reference"],
             2,
-            "give exactly one of a URL and --inference-pool NAMESPACE/NAME",
+            "give exactly one of a URL, --inference-pool NAMESPACE/NAME and --ray-actor NAME",
         ),
         (
             ["adopt", "--inference-pool", "llm/qwen-pool", "--model-version", "{v}", "--reference", "--metrics-url", "http://x"],

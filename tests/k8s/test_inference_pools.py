@@ -404,7 +404,7 @@ def test_a_ready_pod_is_adopted_verified_kept_and_retired(
     )
     assert (engine.verified_facts or {})["models"]["id"] == "tiny"
 
-    pool = InferencePool.objects.get(pk=shown["id"])
+    pool = InferencePool.objects.get(pk=shown["pool"]["id"])
     before = _state()
     assert inference_pool_sync(pool, actor="schedule") == {"adopted": 0, "removed": 0, "kept": 1, "refused": 0}
     assert (_state()["engines"], _state()["audit"]) == (before["engines"], before["audit"])
