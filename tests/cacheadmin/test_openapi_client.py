@@ -558,4 +558,4 @@ def test_every_operation_declares_its_errors_in_the_envelope(schema: dict) -> No
                 if code.startswith("2")
             }
             assert replayed == dict.fromkeys(replayed, method != "get"), where
-    assert (len(schema["paths"]), seen) == (79, 96)
+    assert (len(schema["paths"]), seen) == (84, 102)
