@@ -1,4 +1,5 @@
-"""One Ray cluster across test hosts for the whole run (its start is shared by every test that needs it)."""
+"""One Ray cluster across test hosts for the run's fleet tests (shared by every test of this package,
+ended when they are done: its idle processes would otherwise take CPU from the tests after them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from django.conf import settings
 from tests.fleet.hosts import RayTestCluster, hosts_available, ray_cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fleet() -> Iterator[RayTestCluster]:
     """Hosts ``a`` (the Ray head, no CPUs for engines) and ``b`` (a worker node with 2 CPUs), each a
     network namespace of this run, and the cluster across them; ended when the run ends."""
