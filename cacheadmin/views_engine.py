@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
@@ -191,6 +192,7 @@ def engine_detail(
     references = reference_candidates(engine)
     context = {
         **_live_context(engine),
+        "page_state": page_state(engine),
         "attached": engine.attached_namespaces.select_related("tenant", "group"),
         "verification": EngineVerification.objects.filter(engine=engine).order_by("-checked_at", "-id").first(),
         "can_operate": session_allows(request.user, ApiToken.Scope.OPERATE),
@@ -206,9 +208,23 @@ def engine_detail(
     return render(request, "cacheadmin/engine_detail.html", context, status=status)
 
 
+def page_state(engine: Engine) -> str:
+    """What the engine page's static part shows of the engine (status, verification, incarnation): when
+    the live fragment finds it changed, the whole page reloads, so its header and actions agree."""
+    return f"{engine.status}.{engine.verification}.{engine.generation}"
+
+
 def engine_live(request: HttpRequest, pk: int) -> HttpResponse:
-    """The engine page's live fragment alone (``#engine-live``), for polling."""
-    return render(request, "cacheadmin/_engine_live.html", _live_context(_engine(pk)))
+    """The engine page's live fragment alone (``#engine-live``), for polling. The page passes the state
+    it was drawn in (``shown``); once the engine's differs, the answer asks htmx to reload the whole
+    page (``HX-Refresh``)."""
+    engine = _engine(pk)
+    shown = request.GET.get("shown", "")[:100]
+    context = {**_live_context(engine), "page_state": shown or page_state(engine)}
+    response = render(request, "cacheadmin/_engine_live.html", context)
+    if shown and shown != page_state(engine):
+        response["HX-Refresh"] = "true"
+    return response
 
 
 def _int_field(data: Any, name: str, *, required: bool = True, default: int | None = None) -> int:
@@ -302,8 +318,10 @@ def _start_choices() -> dict[str, Any]:
     return {
         "versions": ModelVersion.objects.exclude(status=ModelVersion.Status.RETIRED).order_by("label"),
         "namespaces": CacheNamespace.objects.select_related("tenant", "model_version").order_by("id"),
-        "hosts": [h for h in hosts if h["alive"]],
+        "hosts": [h for h in hosts if h["alive"] and h["room"]],
+        "full_hosts": [h for h in hosts if h["alive"] and not h["room"]],
         "hosts_error": hosts_error,
+        "ray_configured": bool(settings.RAY_ADDRESS),
     }
 
 
@@ -322,7 +340,9 @@ def engine_start_page(request: HttpRequest) -> HttpResponse:
         try:
             version = _row(ModelVersion, "model_version", _int_field(data, "model_version"))
             raw_ns = (data.get("namespace") or "").strip()
-            namespace = None if raw_ns in ("", "reference") else _row(CacheNamespace, "namespace", _int_field(data, "namespace"))
+            if not raw_ns:
+                raise InvalidField("namespace", "pick the namespace it serves, or none for a reference engine")
+            namespace = None if raw_ns == "reference" else _row(CacheNamespace, "namespace", _int_field(data, "namespace"))
             host, _, backend = (data.get("host") or "").strip().rpartition("@")
             if not host:
                 raise InvalidField("host", "pick a host")

@@ -25,7 +25,15 @@ from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, stop_process_group
-from inference.engines.ray_backend import cluster_nodes, live_node_for, ray_engine_call, ray_engine_start, ray_engine_stop
+from inference.engines.ray_backend import (
+    cluster_nodes,
+    engine_needs,
+    live_node_for,
+    ray_engine_call,
+    ray_engine_start,
+    ray_engine_stop,
+    room_for,
+)
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
 from inference.kv_transport import TransportError, key_pair, local_endpoints, private_socket_dir
@@ -134,7 +142,7 @@ def engine_name_check(name: str) -> str:
 BACKENDS = ("local", "ray")
 
 
-def engine_host_check(backend: str, host: str) -> str:
+def engine_host_check(backend: str, host: str, layout: dict[str, Any] | None = None) -> str:
     """The host a new engine runs on.
 
     Returns:
@@ -142,7 +150,8 @@ def engine_host_check(backend: str, host: str) -> str:
 
     Raises:
         InvalidField: an unknown backend; a local engine asked for on another host; for ``ray``,
-            no cluster configured, no host given, the cluster not answering, or no live node named so.
+            no cluster configured, no host given, the cluster not answering, no live node named so,
+            or one without the free CPUs or GPUs an engine of ``layout`` holds.
     """
     host = host.strip()
     if backend not in BACKENDS:
@@ -156,9 +165,20 @@ def engine_host_check(backend: str, host: str) -> str:
     if not host:
         raise InvalidField("host", "pick one of the Ray cluster's live hosts (engine hosts, GET /api/engine-hosts/)")
     try:
-        return live_node_for(cluster_nodes(settings.RAY_ADDRESS), host).host
+        node = live_node_for(cluster_nodes(settings.RAY_ADDRESS), host)
     except EngineError as exc:
         raise InvalidField("host", str(exc)) from None
+    cpus, gpus = _needs(layout or {})
+    no_room = room_for(node, cpus, gpus)
+    if no_room is not None:
+        raise InvalidField("host", no_room)
+    return node.host
+
+
+def _needs(layout: dict[str, Any]) -> tuple[float, float]:
+    """What an engine of ``layout`` holds on a Ray node (:func:`inference.engines.ray_backend.engine_needs`)."""
+    ranks = int(layout.get("tensor_parallel_size", 1)) * int(layout.get("pipeline_parallel_size", 1))
+    return engine_needs(settings.ENGINE_CPU_THREADS or None, ranks)
 
 
 def engine_hosts(visible: QuerySet[Engine] | None = None) -> list[dict[str, Any]]:
@@ -167,8 +187,9 @@ def engine_hosts(visible: QuerySet[Engine] | None = None) -> list[dict[str, Any]
 
     Returns:
         ``[{"host", "backend", "alive", "address", "cpus", "cpus_free", "gpus", "gpus_free",
-        "memory_free_gib", "engines"}]``, this host first; ``engines`` counts the live engines on it
-        among ``visible`` (default: every engine; a tenant-bound caller passes its own).
+        "memory_free_gib", "engines", "room"}]``, this host first; ``engines`` counts the live engines
+        on it among ``visible`` (default: every engine; a tenant-bound caller passes its own); ``room``:
+        a live host with the free CPUs and GPUs one engine of a single rank holds (this host: always).
 
     Raises:
         EngineRefused: the Ray cluster does not answer.
@@ -180,9 +201,11 @@ def engine_hosts(visible: QuerySet[Engine] | None = None) -> list[dict[str, Any]
             nodes = cluster_nodes(settings.RAY_ADDRESS)
         except EngineError as exc:
             raise EngineRefused(str(exc)) from exc
+        cpus, gpus = _needs({})
         for node in nodes:
             count = live.filter(origin=Engine.Origin.RAY, host=node.host).count()
-            rows.append({**node.to_json(), "backend": "ray", "engines": count})
+            room = node.alive and room_for(node, cpus, gpus) is None
+            rows.append({**node.to_json(), "backend": "ray", "engines": count, "room": room})
     for row in rows:
         row.pop("node_id", None)
     return rows
@@ -194,7 +217,7 @@ def engine_host_here(visible: QuerySet[Engine] | None = None) -> dict[str, Any]:
     return {
         "host": settings.KVCP_HOST, "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None,
         "cpus_free": None, "gpus": None, "gpus_free": None, "memory_free_gib": None,
-        "engines": live.filter(origin=Engine.Origin.LOCAL).count(),
+        "engines": live.filter(origin=Engine.Origin.LOCAL).count(), "room": True,
     }  # fmt: skip
 
 
@@ -261,7 +284,7 @@ def engine_create(
         raise InvalidField("tier", "disk or none")
     if restart_policy not in Engine.RestartPolicy.values:
         raise InvalidField("restart_policy", f"one of {', '.join(Engine.RestartPolicy.values)}")
-    host = engine_host_check(backend, host)
+    host = engine_host_check(backend, host, model_version.inputs.get("layout"))
     name = engine_name_check(name)
     if namespace is not None:
         namespace_check_current(namespace)

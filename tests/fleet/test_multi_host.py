@@ -113,6 +113,11 @@ def _scenario(
     with pytest.raises(InvalidField) as refused:
         engine_create(name="nowhere", model_version=version, namespace=namespace, actor="alice", backend="ray", host="z")
     assert refused.value.field == "host" and "(live hosts: a, b)" in str(refused.value)
+    # The head offers no CPU: refused up front, nothing recorded (hosts list it without room).
+    assert hosts["a"]["room"] is False and hosts["b"]["room"] is True
+    with pytest.raises(InvalidField) as refused:
+        engine_create(name="on-head", model_version=version, namespace=namespace, actor="alice", backend="ray", host="a")
+    assert refused.value.problem == "host a has 0 of 0 CPUs and 0 of 0 GPUs free; an engine needs 1 CPUs and 0 GPUs"
     assert not Engine.objects.exists()
 
     started = time.monotonic()

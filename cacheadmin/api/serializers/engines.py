@@ -141,4 +141,5 @@ class EngineHostSerializer(serializers.Serializer):
     gpus = serializers.FloatField(allow_null=True)
     gpus_free = serializers.FloatField(allow_null=True)
     memory_free_gib = serializers.FloatField(allow_null=True)
-    engines = serializers.IntegerField(help_text="live engines on it")
+    engines = serializers.IntegerField(help_text="live engines on it (of those the caller may see)")
+    room = serializers.BooleanField(help_text="live, with the free CPUs and GPUs one single-rank engine holds")

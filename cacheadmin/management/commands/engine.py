@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import CommandError, CommandParser
 from django.db.models import Prefetch
 
@@ -147,6 +148,8 @@ class Command(ControlPlaneCommand):
             return
         if verb == "hosts":
             rows = engine_hosts()
+            if not settings.RAY_ADDRESS:
+                self.stderr.write("no Ray cluster is configured (RAY_ADDRESS): engines start on this host only")
             if opts["json"]:
                 self.stdout.write(json.dumps(rows, indent=2))
                 return
@@ -155,7 +158,7 @@ class Command(ControlPlaneCommand):
                 if h["cpus"] is not None:
                     free = f"cpus {h['cpus_free']:g}/{h['cpus']:g} gpus {h['gpus_free']:g}/{h['gpus']:g}"
                     free += f" mem {h['memory_free_gib']:g} GiB free"
-                state = "alive" if h["alive"] else "dead"
+                state = ("alive" if h["room"] else "full") if h["alive"] else "dead"
                 self.stdout.write(f"{h['host']:20} {h['backend']:6} {state:6} {h['address']:16} engines {h['engines']}  {free}")
             return
         if verb == "stop-all":
