@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference.child_env import die_with_parent
+
 PROJECT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
@@ -64,6 +66,8 @@ class NetHost:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.netns, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=PROJECT, start_new_session=True,
+                # A test run killed outright still ends its Ray nodes (ip netns exec execs the command).
+                preexec_fn=die_with_parent,
             )  # fmt: skip
         self.processes.append(proc)
         return proc
