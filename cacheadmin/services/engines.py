@@ -565,12 +565,17 @@ def engine_launch(
     return engine_boot(engine, actor=actor)
 
 
-def _stop_process(engine: Engine) -> None:
-    """End the engine's server: by handle or pid here, through its actor on a Ray node (a cluster that
-    does not answer leaves the actor, logged: the engine's row still stops routing to it).
+#: What a stopped Ray engine's ``error`` says while its actor could not be stopped.
+ACTOR_LEFT = "its Ray actor was not stopped (the cluster did not answer); the health check tries again"
 
-    A lost engine's actor is asked too: its node may be back, and a server left there would serve
-    unwatched."""
+
+def _stop_process(engine: Engine) -> bool:
+    """End the engine's server: by handle or pid here, through its actor on a Ray node.
+
+    Returns:
+        False when a Ray engine's actor could not be stopped (the cluster did not answer, logged):
+        the row keeps its node, and :func:`engines_stop_leftover_actors` tries again; True otherwise.
+    """
     local = _LAUNCHED.pop(engine.pk, None)
     if local is not None:
         local.stop()
@@ -578,22 +583,52 @@ def _stop_process(engine: Engine) -> None:
         try:
             ray_engine_stop(settings.RAY_ADDRESS, engine.name)
         except EngineError as exc:
-            logger.warning("engine %s: its Ray actor was not stopped: %s", engine.name, exc)
+            logger.warning("engine %s: %s: %s", engine.name, ACTOR_LEFT, exc)
+            return False
     elif engine.pid and engine.origin == Engine.Origin.LOCAL:
         stop_process_group(engine.pid, started=engine.pid_started)
+    return True
+
+
+def _stopped_fields(engine: Engine, stopped: bool) -> dict[str, Any]:
+    """What a stop writes besides the status: a Ray engine whose actor is gone forgets its node (nothing
+    of it runs there); one whose actor was left keeps it, with the reason, for the retry."""
+    if engine.origin != Engine.Origin.RAY:
+        return {}
+    return {"ray_node_id": ""} if stopped else {"error": ACTOR_LEFT}
+
+
+def engines_stop_leftover_actors(*, actor: str = "schedule") -> list[str]:
+    """Stop the actors of stopped Ray engines that a stop could not reach (the cluster did not answer
+    then): run by the health check, so no engine keeps running on a host after its row said stopped.
+
+    Returns:
+        The names of the engines whose actor is now stopped (or found gone).
+    """
+    done = []
+    for engine in Engine.objects.filter(origin=Engine.Origin.RAY, status=Engine.Status.STOPPED).exclude(ray_node_id=""):
+        if _stop_process(engine):
+            Engine.objects.filter(pk=engine.pk, status=Engine.Status.STOPPED).update(ray_node_id="", error="")
+            audit_record(actor=actor, action="engine.actor_stopped", obj=engine, reason="left running by an earlier stop")
+            done.append(engine.name)
+    return done
 
 
 def engine_stop(*, engine: Engine, actor: str) -> Engine:
     """Stop an engine: a local one's process group is ended (by handle if this
-    process launched it, else by pid); an adopted one is only taken out of
-    service (its process is not ours). Stopping a stopped engine changes nothing.
+    process launched it, else by pid), a Ray one's through its actor; an adopted one is only
+    taken out of service (its process is not ours). Stopping a stopped engine changes nothing.
+    A Ray engine whose cluster does not answer is stopped all the same (drained), and its actor
+    is stopped by the health check once the cluster answers (:func:`engines_stop_leftover_actors`).
     """
     engine = Engine.objects.get(pk=engine.pk)
     if engine.status == Engine.Status.STOPPED:
         return engine
-    _stop_process(engine)
+    stopped = _stop_process(engine)
     with transaction.atomic():
-        Engine.objects.filter(pk=engine.pk).update(status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None)
+        Engine.objects.filter(pk=engine.pk).update(
+            status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None, **_stopped_fields(engine, stopped)
+        )
         audit_record(actor=actor, action="engine.stop", obj=engine, before={"status": engine.status})
     engine.refresh_from_db()
     return engine
@@ -607,19 +642,21 @@ def engines_stop_all(*, actor: str, reason: str) -> list[str]:
     A process is the engine's only while its pid and start time
     (:attr:`Engine.pid_started`) are the recorded ones: a pid reused by another
     process is never signalled. Rows of engines whose process is gone are marked
-    stopped too. Adopted engines are not ours to stop: they are left as they are.
+    stopped too. Adopted engines are not ours to stop: they are left as they are. Ray engines
+    not stopped yet (lost ones included) are stopped through their actors.
 
     Returns:
-        The names of the engines stopped, sorted.
+        The names of the engines stopped (Ray ones first, each part sorted).
     """
     stopped = []
     ray_live = Engine.objects.filter(origin=Engine.Origin.RAY).exclude(status=Engine.Status.STOPPED)
     for engine in ray_live.order_by("name"):
-        _stop_process(engine)
+        stopped_actor = _stop_process(engine)
         with transaction.atomic():
             Engine.objects.filter(pk=engine.pk).update(
-                status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None
-            )
+                status=Engine.Status.STOPPED, stopped_at=timezone.now(), next_restart_at=None,
+                **_stopped_fields(engine, stopped_actor),
+            )  # fmt: skip
             audit_record(actor=actor, action="engine.stop", obj=engine, before={"status": engine.status}, reason=reason)
         stopped.append(engine.name)
     for engine in Engine.objects.filter(origin=Engine.Origin.LOCAL).exclude(pid=None).order_by("name"):

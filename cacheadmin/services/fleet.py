@@ -39,6 +39,7 @@ from cacheadmin.services.engines import (
     engine_client,
     engine_name_check,
     engine_restart,
+    engines_stop_leftover_actors,
     log_tail,
 )
 from cacheadmin.services.jobs import job_fail, jobs_fail_or_requeue_on_host
@@ -493,7 +494,8 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     failed too; one still starting is left alone.
 
     Returns:
-        ``{"failed": [names], "restart_due": [names], "healthy": [names], "lost": [names]}``;
+        ``{"failed": [names], "restart_due": [names], "healthy": [names], "lost": [names]}`` and, when
+        stopped Ray engines' actors were stopped this round, ``"actors_stopped": [names]``;
         the restarts are the caller's to run (:func:`engines_restart_due`).
     """
     now = timezone.now()
@@ -507,6 +509,10 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
             reason = f"host {engine.host} lost: the Ray cluster declared node {engine.ray_node_id[:12]} dead"
             if engine_mark_lost(engine, reason=reason, actor=actor):
                 report["lost"].append(engine.name)
+    leftovers = Engine.objects.filter(origin=Engine.Origin.RAY, status=Engine.Status.STOPPED).exclude(ray_node_id="")
+    if settings.RAY_ADDRESS and leftovers.exists() and (alive_nodes is not None or _alive_ray_nodes(list(leftovers[:1]))):
+        # Only while the cluster answers: a round never waits on a cluster that is down.
+        report["actors_stopped"] = engines_stop_leftover_actors(actor=actor)
     for engine in Engine.objects.filter(status__in=LIVE_STATUSES).select_related("model_version"):
         healthy, why = _healthy(engine)
         if healthy:

@@ -215,3 +215,32 @@ def test_the_engine_page_reloads_once_the_engine_is_not_what_it_shows(world, adm
     assert changed.status_code == 200 and changed.headers["HX-Refresh"] == "true"
     # The fragment keeps asking with the page's state until the page reloads.
     assert f'live?shown={shown}"' in changed.content.decode()
+
+
+def test_a_ray_engine_stopped_while_its_cluster_is_down_has_its_actor_stopped_later(world, settings, monkeypatch) -> None:
+    """The stop drains it at once; the actor, unreachable then, is stopped by a later health round.
+    (Ray is replaced here: the unit is the bookkeeping; tests/fleet stops real actors.)"""
+    from cacheadmin.services import engines as engines_service
+    from cacheadmin.services.engines import ACTOR_LEFT, engine_stop, engines_stop_leftover_actors
+    from inference.errors import EngineError
+
+    settings.RAY_ADDRESS = "ray://10.9.0.1:10001"
+    remote = _ray_engine(world, "remote", "gpu-3")
+    asked: list[str] = []
+
+    def down(address: str, name: str) -> bool:
+        asked.append(name)
+        raise EngineError(f"the Ray cluster at {address} does not answer: ConnectionError")
+
+    monkeypatch.setattr(engines_service, "ray_engine_stop", down)
+    stopped = engine_stop(engine=remote, actor="alice")
+    assert (stopped.status, stopped.error, stopped.ray_node_id) == ("stopped", ACTOR_LEFT, "n" * 56)
+    assert engines_stop_leftover_actors() == [] and asked == ["remote", "remote"]
+
+    monkeypatch.setattr(engines_service, "ray_engine_stop", lambda address, name: asked.append(name) or True)
+    assert engines_stop_leftover_actors() == ["remote"]
+    remote.refresh_from_db()
+    assert (remote.status, remote.error, remote.ray_node_id) == ("stopped", "", "")
+    assert engines_stop_leftover_actors() == []  # nothing left to ask for
+    assert asked == ["remote", "remote", "remote"]
+    assert AuditEvent.objects.filter(action="engine.actor_stopped", object_id=str(remote.pk)).count() == 1
