@@ -237,7 +237,11 @@ def test_a_ray_engine_stopped_while_its_cluster_is_down_has_its_actor_stopped_la
     assert (stopped.status, stopped.error, stopped.ray_node_id) == ("stopped", ACTOR_LEFT, "n" * 56)
     assert engines_stop_leftover_actors() == [] and asked == ["remote", "remote"]
 
-    monkeypatch.setattr(engines_service, "ray_engine_stop", lambda address, name: asked.append(name) or True)
+    def up(address: str, name: str) -> bool:
+        asked.append(name)
+        return True
+
+    monkeypatch.setattr(engines_service, "ray_engine_stop", up)
     assert engines_stop_leftover_actors() == ["remote"]
     remote.refresh_from_db()
     assert (remote.status, remote.error, remote.ray_node_id) == ("stopped", "", "")
