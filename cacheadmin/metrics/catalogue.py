@@ -103,7 +103,7 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("kvcp_jobs", "counter", ("kind", "status"), "finished jobs by kind and final status", "control"),
     MetricSpec("kvcp_job_duration_seconds", "histogram", ("kind",), "run time of finished jobs, start to finish", "control"),
-    MetricSpec("kvcp_engine_info", "gauge", ("engine", "model_version", "origin", "status"), "1 per engine", "control"),
+    MetricSpec("kvcp_engine_info", "gauge", ("engine", "model_version", "origin", "status", "host"), "1 per engine", "control"),
     MetricSpec(
         "kvcp_engine_verified",
         "gauge",

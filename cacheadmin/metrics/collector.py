@@ -322,11 +322,11 @@ class ControlPlaneCollector:
         running: dict[int, str] = {}
         newest = ResidentSample.objects.filter(engine=OuterRef("pk")).order_by("-sampled_at").values("sampled_at")[:1]
         engines = Engine.objects.annotate(resident_at=Subquery(newest)).values_list(
-            "pk", "name", "model_version__label", "origin", "status", "verification", "resident_at"
+            "pk", "name", "model_version__label", "origin", "status", "verification", "resident_at", "host"
         )
         sampled: list[Q] = []
-        for pk, name, label, origin, status, verification, resident_at in engines:
-            info.add([name, label, origin, status], 1)
+        for pk, name, label, origin, status, verification, resident_at, host in engines:
+            info.add([name, label, origin, status, host], 1)
             verified.add([name], 1 if verification == Engine.Verification.VERIFIED else 0)
             if status in (Engine.Status.STARTING, Engine.Status.READY):
                 running[pk] = name

@@ -18,7 +18,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
-from cacheadmin.services.addresses import engine_api_key, engine_headers, engine_target
+from cacheadmin.services.addresses import engine_address_policy, engine_api_key, engine_headers, engine_target
 from cacheadmin.services.audit import audit_record
 from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
 from cacheadmin.services.jobs import send_after_commit
@@ -152,6 +152,7 @@ def engine_host_check(backend: str, host: str, layout: dict[str, Any] | None = N
         InvalidField: an unknown backend; a local engine asked for on another host; for ``ray``,
             no cluster configured, no host given, the cluster not answering, no live node named so,
             or one without the free CPUs or GPUs an engine of ``layout`` holds.
+        AddressRefused: the node's address is outside ``ENGINE_ALLOWED_NETWORKS``.
     """
     host = host.strip()
     if backend not in BACKENDS:
@@ -172,6 +173,9 @@ def engine_host_check(backend: str, host: str, layout: dict[str, Any] | None = N
     no_room = room_for(node, cpus, gpus)
     if no_room is not None:
         raise InvalidField("host", no_room)
+    # The engine listens on the node's address: one the control plane may not contact would start an
+    # engine nothing can verify or route to.
+    engine_address_policy().check_host("host", node.address)
     return node.host
 
 

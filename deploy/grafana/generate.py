@@ -334,6 +334,15 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 width=6,
             ),
             Panel(
+                "Live engines by host",
+                "Engines starting or ready on each host: this control plane's and each Ray node's. A host whose "
+                "engines drop to none at once was lost (alert KvcpEngineHostLost).",
+                "short",
+                (q(f'count by (host) (kvcp_engine_info{{status=~"starting|ready", {ENG}}})', "{{host}}"),),
+                kind="stat",
+                width=6,
+            ),
+            Panel(
                 "Engine verified",
                 "1 while an engine is verified; 0 while unverified, refused, drifted or unreachable.",
                 "bool_yes_no",

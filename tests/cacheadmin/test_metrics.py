@@ -190,8 +190,8 @@ def test_every_control_family_from_the_rows(rows: dict) -> None:
     assert value(s, "kvcp_job_duration_seconds_bucket", kind="comparison", le="120.0") == 1
     assert value(s, "kvcp_job_duration_seconds_count", kind="eviction") == 0
     assert names(s, "kvcp_engine_info") == [
-        {"engine": "e-acme", "model_version": "v1", "origin": "local", "status": "ready"},
-        {"engine": "e-ref", "model_version": "v1", "origin": "adopted", "status": "stopped"},
+        {"engine": "e-acme", "model_version": "v1", "origin": "local", "status": "ready", "host": ""},
+        {"engine": "e-ref", "model_version": "v1", "origin": "adopted", "status": "stopped", "host": ""},
     ]
     assert value(s, "kvcp_engine_verified", engine="e-acme") == 1
     assert value(s, "kvcp_engine_verified", engine="e-ref") == 0

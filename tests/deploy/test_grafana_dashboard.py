@@ -72,7 +72,7 @@ def test_identity_variables_and_datasource(dashboard: dict[str, Any]) -> None:
 
 def test_panel_ids_are_unique_and_the_grid_has_no_overlap(dashboard: dict[str, Any]) -> None:
     ids = [panel["id"] for panel in dashboard["panels"]]
-    assert len(ids) == len(set(ids)) == 53
+    assert len(ids) == len(set(ids)) == 54
     taken: set[tuple[int, int]] = set()
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
@@ -84,7 +84,7 @@ def test_panel_ids_are_unique_and_the_grid_has_no_overlap(dashboard: dict[str, A
 
 def test_every_panel_has_targets_with_a_datasource_and_a_unit(dashboard: dict[str, Any]) -> None:
     panels = _panels(dashboard)
-    assert len(panels) == 45
+    assert len(panels) == 46
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
         assert panel["targets"], panel["title"]
@@ -135,7 +135,7 @@ def test_every_query_is_valid_promql(dashboard: dict[str, Any], promtool: str, t
     done = run_promtool(promtool, "check", "rules", rule_file)
     assert done.returncode == 0, done.stdout
     assert f"SUCCESS: {len(queries)} rules found" in done.stdout
-    assert len(queries) == 52
+    assert len(queries) == 53
 
 
 def test_every_exported_family_is_shown_or_alerted_on(dashboard: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from inference.engines.ray_backend import RAY_NAMESPACE, ray_connect, ray_engine
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import InvalidField
 from inference.identity import LayoutOptions
+from inference.netpolicy import AddressRefused
 from tests.fleet.hosts import NetHost, RayTestCluster, wait_nodes
 from tests.helpers import manage, running_gateway, subprocess_env, wait_for, worker_log
 
@@ -118,6 +119,13 @@ def _scenario(
     with pytest.raises(InvalidField) as refused:
         engine_create(name="on-head", model_version=version, namespace=namespace, actor="alice", backend="ray", host="a")
     assert refused.value.problem == "host a has 0 of 0 CPUs and 0 of 0 GPUs free; an engine needs 1 CPUs and 0 GPUs"
+    # A node the control plane may not contact (outside ENGINE_ALLOWED_NETWORKS) is refused before anything starts.
+    settings.ENGINE_ALLOWED_NETWORKS = []
+    with pytest.raises(AddressRefused) as refused:
+        engine_create(name="unreachable", model_version=version, namespace=namespace, actor="alice", backend="ray", host="b")
+    assert refused.value.field == "host" and host_b.address in str(refused.value)
+    settings.ENGINE_ALLOWED_NETWORKS = [fleet.network.cidr]
+    assert not Engine.objects.exists()
     assert not Engine.objects.exists()
 
     started = time.monotonic()
