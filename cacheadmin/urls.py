@@ -3,7 +3,7 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
-from django.views.decorators.http import require_safe
+from django.views.decorators.http import require_http_methods, require_safe
 
 from cacheadmin import views, views_dashboard, views_engine, views_templates
 from cacheadmin.metrics import views as metrics_views
@@ -25,7 +25,7 @@ urlpatterns = [
     path("namespaces/", views_dashboard.namespace_list, name="namespace-list"),
     path("model-versions/<int:pk>/", require_safe(views.model_version_detail), name="model-version-detail"),
     path("prewarm-jobs/<int:pk>/", require_safe(views.prewarm_job_detail), name="prewarm-job-detail"),
-    path("engines/start/", views_engine.engine_start_page, name="engine-start"),
+    path("engines/start/", require_http_methods(["GET", "HEAD", "POST"])(views_engine.engine_start_page), name="engine-start"),
     path("engines/<int:pk>/", require_safe(views_engine.engine_detail), name="engine-detail"),
     path("engines/<int:pk>/live", require_safe(views_engine.engine_live), name="engine-live"),
     path("engines/<int:pk>/<str:verb>/", views_engine.engine_action, name="engine-action"),

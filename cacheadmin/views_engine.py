@@ -29,9 +29,11 @@ from cacheadmin.services.block_index import cached_prefixes
 from cacheadmin.services.comparison import MAX_TOKENS, comparison_job_create
 from cacheadmin.services.engine_verification import engine_verify, verify_refusal
 from cacheadmin.services.engines import (
+    ClusterUnreachable,
     EngineRefused,
     engine_boot_enqueue,
     engine_create,
+    engine_default_name,
     engine_host_here,
     engine_hosts,
     engine_restart,
@@ -313,7 +315,7 @@ def _start_choices() -> dict[str, Any]:
     said, and only this host is offered)."""
     try:
         hosts, hosts_error = engine_hosts(), ""
-    except EngineRefused as exc:
+    except ClusterUnreachable as exc:
         hosts, hosts_error = [engine_host_here()], str(exc)
     return {
         "versions": ModelVersion.objects.exclude(status=ModelVersion.Status.RETIRED).order_by("label"),
@@ -346,7 +348,15 @@ def engine_start_page(request: HttpRequest) -> HttpResponse:
             host, _, backend = (data.get("host") or "").strip().rpartition("@")
             if not host:
                 raise InvalidField("host", "pick a host")
-            name = (data.get("name") or "").strip() or f"{version.label}-{Engine.objects.count() + 1}"
+            shared = (
+                "an engine without a namespace is a reference engine, shared by every tenant"
+                if namespace is None
+                else namespace.shared_reason()
+            )
+            if shared and not session_allows(request.user, ApiToken.Scope.ADMIN):
+                # The API's rule (shared_change_check): what every tenant relies on changes under an admin only.
+                return HttpResponseForbidden(f"{shared}: starting it needs the admin permission")
+            name = (data.get("name") or "").strip() or engine_default_name(version)
             engine = engine_create(
                 name=name, model_version=version, namespace=namespace, actor=f"{request.user.get_username()} (page)",
                 tier=(data.get("tier") or "disk").strip(), restart_policy=(data.get("restart_policy") or "never").strip(),

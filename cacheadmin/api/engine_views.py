@@ -24,6 +24,7 @@ from cacheadmin.services.engines import (
     engine_attach_namespace,
     engine_boot_enqueue,
     engine_create,
+    engine_default_name,
     engine_hosts,
     engine_restart,
     engine_stop,
@@ -80,7 +81,7 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
         version = data["model_version"]
         shared_change_check(request, _new_engine_shared_reason(data.get("namespace")))
         engine = engine_create(
-            name=data["name"] or f"{version.label}-{Engine.objects.count() + 1}",
+            name=data["name"] or engine_default_name(version),
             model_version=version,
             namespace=data.get("namespace"),
             actor=actor_of(request),
@@ -97,8 +98,8 @@ class EngineViewSet(ScopedViewSetMixin, IdempotentWritesMixin, viewsets.ReadOnly
     @action(detail=False, methods=["get"], pagination_class=None, filter_backends=[])
     def hosts(self, request: Request) -> Response:
         """The hosts an engine may be started on: this one and the Ray cluster's nodes, with their
-        free resources and how many of the engines the caller may see run there (409 when the
-        cluster does not answer)."""
+        free resources and how many of the engines the caller may see run there (503
+        ``cluster_unreachable`` when the cluster does not answer)."""
         return Response(s.EngineHostSerializer(engine_hosts(self.get_queryset()), many=True).data)
 
     @extend_schema(request=None, responses={200: s.EngineSerializer})

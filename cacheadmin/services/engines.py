@@ -35,7 +35,7 @@ from inference.engines.ray_backend import (
     room_for,
 )
 from inference.engines.vllm_http import VllmHttpClient
-from inference.errors import ControlPlaneError, EngineError, InvalidField, Refused
+from inference.errors import EXIT_CONFLICT, ControlPlaneError, EngineError, InvalidField, Refused
 from inference.kv_transport import TransportError, key_pair, local_endpoints, private_socket_dir
 from inference.netpolicy import AddressRefused
 from inference.processes import pid_alive, process_started
@@ -50,6 +50,14 @@ class EngineRefused(Refused):
     """The control plane refuses this engine configuration; the message says why (409, exit 4)."""
 
     code = "engine_refused"
+
+
+class ClusterUnreachable(ControlPlaneError):
+    """The Ray cluster (``RAY_ADDRESS``) does not answer: nothing was recorded (503 ``cluster_unreachable``, exit 3)."""
+
+    code = "cluster_unreachable"
+    http_status = 503
+    exit_code = EXIT_CONFLICT
 
 
 #: Statuses of an engine that runs or is about to.
@@ -121,6 +129,18 @@ def _spec_for(engine: Engine, *, kv_cache_gib: float | None = None) -> EngineSpe
         raise EngineRefused(f"model version {engine.model_version.label} has no complete resolved layout ({exc!r})") from exc
 
 
+def engine_default_name(model_version: ModelVersion) -> str:
+    """A free, valid engine name for a new engine of ``model_version`` when none is given:
+    ``<label>-<n>``, the label's characters outside ``[A-Za-z0-9_.-]`` as ``-``, ``n`` the first
+    number from the count of engines up that no engine holds."""
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_version.label).strip("-._")[:80] or "engine"
+    n = Engine.objects.count() + 1
+    taken = set(Engine.objects.filter(name__startswith=f"{base}-").values_list("name", flat=True))
+    while f"{base}-{n}" in taken:
+        n += 1
+    return f"{base}-{n}"
+
+
 def engine_name_check(name: str) -> str:
     """A new engine's name, stripped.
 
@@ -150,8 +170,9 @@ def engine_host_check(backend: str, host: str, layout: dict[str, Any] | None = N
 
     Raises:
         InvalidField: an unknown backend; a local engine asked for on another host; for ``ray``,
-            no cluster configured, no host given, the cluster not answering, no live node named so,
-            or one without the free CPUs or GPUs an engine of ``layout`` holds.
+            no cluster configured, no host given, no live node named so, or one without the free
+            CPUs or GPUs an engine of ``layout`` holds.
+        ClusterUnreachable: the Ray cluster does not answer.
         AddressRefused: the node's address is outside ``ENGINE_ALLOWED_NETWORKS``.
     """
     host = host.strip()
@@ -159,14 +180,22 @@ def engine_host_check(backend: str, host: str, layout: dict[str, Any] | None = N
         raise InvalidField("backend", f"one of {', '.join(BACKENDS)}")
     if backend == "local":
         if host and host != settings.KVCP_HOST:
-            raise InvalidField("host", f"a local engine runs on this host ({settings.KVCP_HOST}); use backend ray for {host}")
+            raise InvalidField(
+                "host", f"a local engine runs on this host ({settings.KVCP_HOST}); use backend ray for {host[:100]}"
+            )
         return settings.KVCP_HOST
     if not settings.RAY_ADDRESS:
         raise InvalidField("backend", "no Ray cluster is configured (RAY_ADDRESS=ray://HEAD:10001)")
     if not host:
-        raise InvalidField("host", "pick one of the Ray cluster's live hosts (engine hosts, GET /api/engine-hosts/)")
+        raise InvalidField("host", "pick one of the Ray cluster's live hosts (engine hosts, GET /api/engines/hosts/)")
+    if len(host) > 200:
+        raise InvalidField("host", "at most 200 characters")
     try:
-        node = live_node_for(cluster_nodes(settings.RAY_ADDRESS), host)
+        nodes = cluster_nodes(settings.RAY_ADDRESS)
+    except EngineError as exc:
+        raise ClusterUnreachable(str(exc)) from None
+    try:
+        node = live_node_for(nodes, host)
     except EngineError as exc:
         raise InvalidField("host", str(exc)) from None
     cpus, gpus = _needs(layout or {})
@@ -196,7 +225,7 @@ def engine_hosts(visible: QuerySet[Engine] | None = None) -> list[dict[str, Any]
         a live host with the free CPUs and GPUs one engine of a single rank holds (this host: always).
 
     Raises:
-        EngineRefused: the Ray cluster does not answer.
+        ClusterUnreachable: the Ray cluster does not answer.
     """
     live = (visible if visible is not None else Engine.objects.all()).filter(status__in=LIVE_STATUSES)
     rows = [engine_host_here(live)]
@@ -204,7 +233,7 @@ def engine_hosts(visible: QuerySet[Engine] | None = None) -> list[dict[str, Any]
         try:
             nodes = cluster_nodes(settings.RAY_ADDRESS)
         except EngineError as exc:
-            raise EngineRefused(str(exc)) from exc
+            raise ClusterUnreachable(str(exc)) from exc
         cpus, gpus = _needs({})
         for node in nodes:
             count = live.filter(origin=Engine.Origin.RAY, host=node.host).count()

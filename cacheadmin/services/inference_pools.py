@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import yaml
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -149,6 +150,11 @@ def kubernetes_api_client() -> ApiClient:
         configuration = client.Configuration()
         config.load_incluster_config(client_configuration=configuration)
         return client.ApiClient(configuration)
+    except yaml.YAMLError as exc:
+        # The parser's message quotes the file's text, which holds credentials: only where it broke is said.
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise InferencePoolRefused(f"the kubeconfig {settings.KUBECONFIG} is not valid YAML{at}") from None
     except (config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
         where = f"the kubeconfig {settings.KUBECONFIG}" if settings.KUBECONFIG else "the in-cluster service account"
         raise InferencePoolRefused(f"the Kubernetes API client cannot be configured from {where}: {exc}") from exc

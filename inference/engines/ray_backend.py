@@ -26,11 +26,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port, stop_process_group
 from inference.errors import EngineError
@@ -50,7 +52,35 @@ RAY_CALL_TIMEOUT_S = 30.0
 CONNECT_ATTEMPTS = 3
 CONNECT_BACKOFF_S = 1.0
 
+#: Seconds the Ray Client server's port has to accept a TCP connection before the cluster is said not to
+#: answer. Ray's own client retries for about 30 s per attempt (5, 10 and 20 s timeouts) on an address
+#: where nothing listens: a page or an API call would wait minutes.
+CONNECT_PROBE_S = 3.0
+#: Seconds a failed connection is remembered: calls in that time fail at once with the same reason
+#: (a page that asks twice, a health round over many engines), then the next one tries again.
+FAILURE_MEMORY_S = 15.0
+
 _connect_lock = threading.Lock()
+_failed: dict[str, tuple[float, str]] = {}
+
+
+def _probe(address: str) -> None:
+    """Whether the Ray Client server of ``ray://HOST:PORT`` accepts a TCP connection within :data:`CONNECT_PROBE_S`.
+
+    Raises:
+        EngineError: a malformed address, or nothing accepts the connection (the reason).
+    """
+    parts = urlsplit(address)
+    try:
+        port = parts.port or 10001
+    except ValueError:
+        port = -1
+    if parts.scheme != "ray" or not parts.hostname or not 0 < port < 65536:
+        raise EngineError(f"RAY_ADDRESS {address!r} is not ray://HOST:PORT (the head's Ray Client server)")
+    try:
+        socket.create_connection((parts.hostname, port), timeout=CONNECT_PROBE_S).close()
+    except OSError as exc:
+        raise EngineError(f"the Ray cluster at {address} does not answer: {exc.strerror or type(exc).__name__}") from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -79,6 +109,14 @@ def ray_connect(address: str) -> None:
     with _connect_lock:
         if _connected == (os.getpid(), address) and ray.is_initialized():
             return
+        failed = _failed.get(address)
+        if failed is not None and time.monotonic() - failed[0] < FAILURE_MEMORY_S:
+            raise EngineError(failed[1])
+        try:
+            _probe(address)
+        except EngineError as exc:
+            _failed[address] = (time.monotonic(), str(exc))
+            raise
         for attempt in range(CONNECT_ATTEMPTS):
             if ray.is_initialized():
                 ray.shutdown()
@@ -87,15 +125,18 @@ def ray_connect(address: str) -> None:
                 break
             except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, grpc errors, RuntimeError...
                 if attempt == CONNECT_ATTEMPTS - 1:
-                    raise EngineError(f"the Ray cluster at {address} does not answer: {_first_line(exc)}") from exc
+                    message = f"the Ray cluster at {address} does not answer: {_first_line(exc)}"
+                    _failed[address] = (time.monotonic(), message)
+                    raise EngineError(message) from exc
                 # The head's client proxy sometimes fails to start the server of one connection
                 # ("Starting Ray client server failed"); the next connection gets another.
                 time.sleep(CONNECT_BACKOFF_S * (attempt + 1))
         _connected = (os.getpid(), address)
+        _failed.pop(address, None)
 
 
 def ray_disconnect() -> None:
-    """Drop this process's connection (the next call connects again)."""
+    """Drop this process's connection and any remembered failure (the next call connects again)."""
     global _connected
     import ray
 
@@ -103,6 +144,7 @@ def ray_disconnect() -> None:
         if ray.is_initialized():
             ray.shutdown()
         _connected = None
+        _failed.clear()
 
 
 @dataclass(frozen=True)

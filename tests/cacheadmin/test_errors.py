@@ -33,6 +33,8 @@ EXPECTED = {
     "EngineRefused": (409, "engine_refused", 4),
     "VerificationRefused": (409, "verification_refused", 4),
     "EngineUnreachable": (503, "engine_unreachable", 3),
+    # The Ray cluster (RAY_ADDRESS) does not answer.
+    "ClusterUnreachable": (503, "cluster_unreachable", 3),
     "NamespaceConflict": (409, "namespace_conflict", 4),
     "GroupError": (409, "group_conflict", 4),
     "JobRefused": (409, "job_refused", 4),

@@ -195,6 +195,22 @@ def test_the_start_page_offers_the_hosts_and_refuses_bad_input_with_nothing_reco
     client.force_login(User.objects.create_user("viewer"))
     assert client.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local"}).status_code == 403
     assert Engine.objects.count() == before
+    # A reference engine is every tenant's: an operator without admin may start a tenant's engine, not it.
+    from django.contrib.auth.models import Permission
+    from django.test import Client
+
+    olga = User.objects.create_user("olga", is_staff=True)
+    olga.user_permissions.set(Permission.objects.filter(content_type__app_label="cacheadmin", codename="operate_cache"))
+    operator = Client()
+    operator.force_login(olga)
+    refused = operator.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local", "namespace": "reference"})
+    assert refused.status_code == 403 and "reference engine, shared by every tenant" in refused.content.decode()
+    assert Engine.objects.count() == before
+    assert admin_client.put("/engines/start/").status_code == 405
+    mine = operator.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local", "namespace": namespace.pk})
+    assert mine.status_code == 302
+    # No name given: a free, valid one from the label.
+    assert Engine.objects.get(pk=int(mine["Location"].strip("/").split("/")[-1])).name == f"tiny-v1-{before + 1}"
     started = admin_client.post(
         "/engines/start/", {"model_version": version.pk, "host": "cp-1@local", "namespace": "reference", "name": "ref-1"}
     )
@@ -248,3 +264,51 @@ def test_a_ray_engine_stopped_while_its_cluster_is_down_has_its_actor_stopped_la
     assert engines_stop_leftover_actors() == []  # nothing left to ask for
     assert asked == ["remote", "remote", "remote"]
     assert AuditEvent.objects.filter(action="engine.actor_stopped", object_id=str(remote.pk)).count() == 1
+
+
+def test_a_default_engine_name_is_valid_and_free_whatever_the_label(world) -> None:
+    from cacheadmin.services.engines import engine_default_name, engine_name_check
+
+    version = world["v1"]
+    version.label = "Qwen 2.5 prod!"
+    assert engine_default_name(version) == "Qwen-2.5-prod-2"  # world holds one engine
+    Engine.objects.create(name="Qwen-2.5-prod-2", model_version=version, base_url="http://127.0.0.1:2")
+    Engine.objects.create(name="Qwen-2.5-prod-4", model_version=version, base_url="http://127.0.0.1:3")
+    name = engine_default_name(version)
+    assert name == "Qwen-2.5-prod-5" and engine_name_check(name) == name
+
+
+def test_an_unreachable_cluster_is_said_at_once_and_remembered(world, real_version, settings, monkeypatch) -> None:
+    """Nothing listens at the Ray Client address: a 503 after one TCP probe (Ray's own client would
+    retry for minutes), nothing recorded, and a second call within FAILURE_MEMORY_S probes nothing."""
+    import socket
+
+    from inference.engines import ray_backend
+
+    probes: list[str] = []
+    real_probe = ray_backend._probe
+
+    def counted(address: str) -> None:
+        probes.append(address)
+        real_probe(address)
+
+    monkeypatch.setattr(ray_backend, "_probe", counted)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        settings.RAY_ADDRESS = f"ray://127.0.0.1:{port}"
+        ray_backend.ray_disconnect()
+        try:
+            version, namespace = real_version
+            answer = world["clients"]["alice"].get("/api/engines/hosts/")
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "cluster_unreachable"
+            message = answer.json()["error"]["message"]
+            assert message == f"the Ray cluster at ray://127.0.0.1:{port} does not answer: Connection refused"
+            body = {"model_version": version.pk, "namespace": namespace.pk, "backend": "ray", "host": "b"}
+            before = Engine.objects.count()
+            again = world["clients"]["bob"].post("/api/engines/", body, format="json")
+            assert (again.status_code, again.json()["error"]["message"]) == (503, message)
+            assert Engine.objects.count() == before
+            assert probes == [settings.RAY_ADDRESS]  # the second call was answered from memory
+        finally:
+            ray_backend.ray_disconnect()

@@ -19,6 +19,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import CommandError, CommandParser
+from django.db import transaction
 from django.db.models import Prefetch
 
 from cacheadmin.api.serializers import EngineSerializer, InferencePoolDetailSerializer
@@ -31,6 +32,7 @@ from cacheadmin.services.engines import (
     engine_attach_namespace,
     engine_boot,
     engine_create,
+    engine_default_name,
     engine_hosts,
     engine_restart,
     engine_stop,
@@ -186,8 +188,11 @@ class Command(ControlPlaneCommand):
             fmt = _spec_format(opts)
             if fmt in ("llmisvc", "deployment") and not opts["image"]:
                 raise self.bad_input(f"--format {fmt} needs --image (the engine's container image)")
-            spec = engine_gpu_spec(model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR)
-            self.stdout.write(self._spec_text(spec, fmt, opts))
+            # One transaction: a manifest option refused after the salt was read leaves no read in the audit trail.
+            with transaction.atomic():
+                spec = engine_gpu_spec(model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR)
+                text = self._spec_text(spec, fmt, opts)
+            self.stdout.write(text)
             return
         if verb == "pools":
             for pool in InferencePool.objects.select_related("model_version").order_by("k8s_namespace", "name"):
@@ -204,6 +209,11 @@ class Command(ControlPlaneCommand):
             return
         if verb == "adopt" and sum(opts[k] is not None for k in ("url", "inference_pool", "ray_actor")) != 1:
             raise self.bad_input("give exactly one of a URL, --inference-pool NAMESPACE/NAME and --ray-actor NAME")
+        if verb == "adopt" and opts["ray_actor"] is not None:
+            # --name stays: it names the adopted row.
+            given = [f"--{k.replace('_', '-')}" for k in _URL_ONLY if k != "name" and opts[k]]
+            if given:
+                raise self.bad_input(f"{', '.join(given)}: the Ray actor says where its server and relay listen")
         if verb == "adopt" and opts["inference_pool"] is not None:
             self._adopt_pool(opts)
             return
@@ -223,7 +233,7 @@ class Command(ControlPlaneCommand):
                     kv_events_key=opts["kv_events_key"], kv_connector=opts["kv_connector"],
                 )  # fmt: skip
             else:
-                name = opts["name"] or f"{version.label}-{Engine.objects.count() + 1}"
+                name = opts["name"] or engine_default_name(version)
                 engine = engine_create(
                     name=name, model_version=version, namespace=namespace, actor=ACTOR, tier=opts["tier"],
                     restart_policy=opts["restart_policy"], backend=opts["backend"], host=opts["host"],
