@@ -312,3 +312,16 @@ def test_an_unreachable_cluster_is_said_at_once_and_remembered(world, real_versi
             assert probes == [settings.RAY_ADDRESS]  # the second call was answered from memory
         finally:
             ray_backend.ray_disconnect()
+
+
+def test_the_start_api_takes_a_blank_host_as_none_and_refuses_a_number(world, real_version) -> None:
+    version, namespace = real_version
+    c = world["clients"]["bob"]
+    before = Engine.objects.count()
+    body = {"model_version": version.pk, "namespace": namespace.pk}
+    number = c.post("/api/engines/", {**body, "host": 7}, format="json")
+    assert number.status_code == 400 and number.json()["error"]["fields"] == {"host": ["must be a JSON string, not int"]}
+    assert Engine.objects.count() == before
+    blank = c.post("/api/engines/", {**body, "host": "", "name": "blank-host"}, format="json")
+    assert blank.status_code == 202, blank.json()
+    assert Engine.objects.get(name="blank-host").origin == "local"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from cacheadmin.api.serializers.fields import IdField, RowSerializer, StrictFieldsMixin, shared_rows
+from cacheadmin.api.serializers.fields import IdField, RowSerializer, StrictCharField, StrictFieldsMixin, shared_rows
 from cacheadmin.api.serializers.scope import namespace_of_tenant
 from cacheadmin.models import (
     CacheNamespace,
@@ -50,18 +50,19 @@ class EngineStartSerializer(StrictFieldsMixin, serializers.Serializer):
         choices=[("local", "local"), ("ray", "ray")], default="local",
         help_text="local: a process on the control plane's host; ray: an actor on a node of the Ray cluster",
     )  # fmt: skip
-    host = serializers.CharField(
-        max_length=200, required=False, default="", help_text="for backend ray: a live host of GET /api/engines/hosts/"
-    )
+    host = StrictCharField(
+        max_length=200, required=False, default="", allow_blank=True,
+        help_text="for backend ray: a live host of GET /api/engines/hosts/",
+    )  # fmt: skip
 
 
 class EngineAdoptRaySerializer(StrictFieldsMixin, serializers.Serializer):
     """An engine running in a named actor of the Ray cluster, to adopt by the actor's name after verification."""
 
-    ray_actor = serializers.CharField(max_length=100, help_text="the actor's name (Ray namespace kvcp)")
+    ray_actor = StrictCharField(max_length=100, help_text="the actor's name (Ray namespace kvcp)")
     model_version = IdField(queryset=ModelVersion.objects.all(), tenant_filter=shared_rows)
     namespace = IdField(queryset=CacheNamespace.objects.all(), tenant_filter=namespace_of_tenant, required=False, allow_null=True)
-    name = serializers.CharField(max_length=100, required=False, default="")
+    name = StrictCharField(max_length=100, required=False, default="", allow_blank=True)
     kv_connector = serializers.CharField(
         max_length=100, required=False, default="", allow_blank=True,
         help_text="its KV connector when /server_info is off: none, or the connector's class",
