@@ -7,14 +7,26 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
 from django.utils import timezone
 
 from cacheadmin.models import AuditEvent, ComparisonJob, Engine, EngineAlarm, JobStatus, KvEventStream, PrewarmJob, ResidentSample
-from cacheadmin.services.engines import engine_create, engine_hosts
+from cacheadmin.services import engines as engines_service
+from cacheadmin.services.engines import (
+    ACTOR_LEFT,
+    engine_create,
+    engine_default_name,
+    engine_hosts,
+    engine_name_check,
+    engine_stop,
+    engines_stop_leftover_actors,
+)
 from cacheadmin.services.fleet import engine_mark_lost
 from cacheadmin.services.jobs import jobs_fail_or_requeue_on_host
 from cacheadmin.services.prewarm import PrewarmRunner
-from inference.errors import InvalidField
+from inference.engines import ray_backend
+from inference.errors import EngineError, InvalidField
 from tests.helpers import manage, subprocess_env
 
 pytestmark = pytest.mark.django_db
@@ -165,7 +177,6 @@ def test_losing_a_host_drains_its_engine_drops_its_residency_and_fails_or_requeu
 def test_the_start_page_offers_the_hosts_and_refuses_bad_input_with_nothing_recorded(
     world, real_version, admin_client, client, settings
 ) -> None:
-    from django.contrib.auth.models import User
 
     version, namespace = real_version
     settings.KVCP_HOST = "cp-1"
@@ -196,8 +207,6 @@ def test_the_start_page_offers_the_hosts_and_refuses_bad_input_with_nothing_reco
     assert client.post("/engines/start/", {"model_version": version.pk, "host": "cp-1@local"}).status_code == 403
     assert Engine.objects.count() == before
     # A reference engine is every tenant's: an operator without admin may start a tenant's engine, not it.
-    from django.contrib.auth.models import Permission
-    from django.test import Client
 
     olga = User.objects.create_user("olga", is_staff=True)
     olga.user_permissions.set(Permission.objects.filter(content_type__app_label="cacheadmin", codename="operate_cache"))
@@ -236,9 +245,6 @@ def test_the_engine_page_reloads_once_the_engine_is_not_what_it_shows(world, adm
 def test_a_ray_engine_stopped_while_its_cluster_is_down_has_its_actor_stopped_later(world, settings, monkeypatch) -> None:
     """The stop drains it at once; the actor, unreachable then, is stopped by a later health round.
     (Ray is replaced here: the unit is the bookkeeping; tests/fleet stops real actors.)"""
-    from cacheadmin.services import engines as engines_service
-    from cacheadmin.services.engines import ACTOR_LEFT, engine_stop, engines_stop_leftover_actors
-    from inference.errors import EngineError
 
     settings.RAY_ADDRESS = "ray://10.9.0.1:10001"
     remote = _ray_engine(world, "remote", "gpu-3")
@@ -267,7 +273,6 @@ def test_a_ray_engine_stopped_while_its_cluster_is_down_has_its_actor_stopped_la
 
 
 def test_a_default_engine_name_is_valid_and_free_whatever_the_label(world) -> None:
-    from cacheadmin.services.engines import engine_default_name, engine_name_check
 
     version = world["v1"]
     version.label = "Qwen 2.5 prod!"
@@ -282,8 +287,6 @@ def test_an_unreachable_cluster_is_said_at_once_and_remembered(world, real_versi
     """Nothing listens at the Ray Client address: a 503 after one TCP probe (Ray's own client would
     retry for minutes), nothing recorded, and a second call within FAILURE_MEMORY_S probes nothing."""
     import socket
-
-    from inference.engines import ray_backend
 
     probes: list[str] = []
     real_probe = ray_backend._probe

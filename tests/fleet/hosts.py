@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.child_env import die_with_parent
+from inference.engines.ray_backend import cluster_nodes, ray_disconnect
+from inference.errors import EngineError
 
 PROJECT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -202,8 +204,6 @@ def wait_nodes(address: str, hosts: set[str], *, timeout_s: float = 120.0) -> No
     Raises:
         AssertionError: it did not, within ``timeout_s`` (with what it had).
     """
-    from inference.engines.ray_backend import cluster_nodes, ray_disconnect
-    from inference.errors import EngineError
 
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
@@ -235,8 +235,6 @@ def ray_cluster(names: list[str], *, log_dir: Path) -> Iterator[RayTestCluster]:
         cluster.started_s = time.monotonic() - started
         yield cluster
     finally:
-        from inference.engines.ray_backend import ray_disconnect
-
         ray_disconnect()
         network.close()
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from cacheadmin.models import Engine, EngineAlarm, JobStatus, KvEventStream, PrewarmJob, ResidentSample, Tenant
-from cacheadmin.services.engines import engine_boot, engine_create, engine_hosts, engine_restart
+from cacheadmin.services.engines import engine_boot, engine_create, engine_hosts, engine_restart, engines_stop_all
 from cacheadmin.services.fleet import engines_health
 from cacheadmin.services.gateway import gateway_key_issue, routing_epoch
 from cacheadmin.services.kv_events import residency_now
@@ -217,7 +217,6 @@ def _scenario(
     finally:
         consumer.stop()
         worker_b.stop()
-        from cacheadmin.services.engines import engines_stop_all
 
         engines_stop_all(actor="test", reason="end of the multi-host test")
 

@@ -280,7 +280,6 @@ def test_cli_spec_formats(world) -> None:
     code, text = _cli(*base, "--format", "llmisvc", "--image", "i", "--relay-image", "r:1", "--model-uri", "pvc://models/tiny")
     assert code == 0 and list(yaml.safe_load_all(text))[0]["kind"] == "LLMInferenceService"
     # Bad input: exit 2, and no salt read left in the audit trail for a spec never printed.
-    from cacheadmin.models import AuditEvent
 
     reads = AuditEvent.objects.filter(action="namespace.read_salt").count()
     assert _cli(*base, "--format", "deployment", "--image", "i", "--relay-image", "r:1", "--name", "Bad_Name")[0] == 2

@@ -25,9 +25,14 @@ from cacheadmin.services.inference_pools import (
     kubernetes_api_client,
     pool_read,
 )
-from inference.engines.launcher import free_port
+from cacheadmin.services.model_versions import model_version_register
+from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
+from cacheadmin.tasks import inference_pools_sync_task
+from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.errors import InvalidField
+from inference.identity import LayoutOptions
 from tests.cacheadmin.conftest import make_version
+from tests.helpers import manage, subprocess_env
 from tests.k8s.conftest import PODS_PATH, POOL_PATH, FakeApi, kubeconfig, recorded, validator
 
 pytestmark = pytest.mark.django_db
@@ -304,7 +309,6 @@ def test_pods_are_listed_page_by_page(k8s_client: FakeApi, version) -> None:
 def test_the_schedule_and_the_task() -> None:
     (spec,) = [s for s in SCHEDULES if s.name == "inference-pools-sync"]
     assert (spec.task, spec.every_s, spec.expires_s) == ("cacheadmin.inference_pools_sync", 60, 50)
-    from cacheadmin.tasks import inference_pools_sync_task
 
     assert inference_pools_sync_task.name == spec.task
     inference_pools_sync_task()  # no pool: nothing to do, nothing raised
@@ -329,7 +333,6 @@ def test_the_scheduled_sync_goes_on_past_a_pool_it_cannot_read(k8s_client: FakeA
 @pytest.fixture(scope="module")
 def pod_engine(demo_checkpoints) -> Iterator[Any]:
     """tiny-v2 served as "tiny" by a process the control plane did not start: the pod's server."""
-    from inference.engines.launcher import EngineSpec, LocalEngine
 
     spec = EngineSpec(
         model_path=demo_checkpoints["tiny-v2"], served_name="tiny", dtype="float32", port=free_port(),
@@ -347,11 +350,6 @@ def pod_engine(demo_checkpoints) -> Iterator[Any]:
 def test_a_ready_pod_is_adopted_verified_kept_and_retired(
     fake_api: FakeApi, pod_engine, demo_checkpoints, tmp_path, settings
 ) -> None:
-    from cacheadmin.services.model_versions import model_version_register
-    from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create, retention_owner_get_or_create
-    from inference.identity import LayoutOptions
-    from tests.helpers import manage, subprocess_env
-
     v2 = model_version_register(
         path=demo_checkpoints["tiny-v2"], label="tiny-v2", served_name="tiny", layout=LayoutOptions(dtype="float32"),
         actor="alice",
