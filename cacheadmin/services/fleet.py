@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -434,6 +434,18 @@ def _alive_ray_nodes(engines: list[Engine]) -> set[str] | None:
         return None
 
 
+def _next_restart(engine: Engine, now: datetime) -> datetime | None:
+    """When an engine that just failed or was lost restarts by its policy: ``restart_backoff_s × 2^attempts``
+    seconds from ``now`` for one of ours with ``on_failure`` and attempts left; None otherwise."""
+    if (
+        engine.managed
+        and engine.restart_policy == Engine.RestartPolicy.ON_FAILURE
+        and engine.restart_attempts < engine.restart_max_attempts
+    ):
+        return now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
+    return None
+
+
 def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
     """Take an engine whose host was lost out of the fleet: status ``lost`` (drained: nothing routes
     to it), a ``host_lost`` alarm, its residency dropped (:func:`residency_drop`), its queued and
@@ -448,13 +460,7 @@ def engine_mark_lost(engine: Engine, *, reason: str, actor: str) -> bool:
         True if this call moved the engine to ``lost``.
     """
     now = timezone.now()
-    next_restart = None
-    if (
-        engine.managed
-        and engine.restart_policy == Engine.RestartPolicy.ON_FAILURE
-        and engine.restart_attempts < engine.restart_max_attempts
-    ):
-        next_restart = now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
+    next_restart = _next_restart(engine, now)
     with transaction.atomic():
         changed = Engine.objects.filter(pk=engine.pk, status__in=(*LIVE_STATUSES, Engine.Status.FAILED)).update(
             status=Engine.Status.LOST, error=f"{reason} (noticed by the health check at {now:%Y-%m-%d %H:%M:%S} UTC)",
@@ -528,10 +534,7 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
             continue
         tail = log_tail(engine)
         error = f"{why} (noticed by the health check at {now:%Y-%m-%d %H:%M:%S} UTC)" + (f"\n{tail}" if tail else "")
-        next_restart = None
-        if engine.managed and engine.restart_policy == Engine.RestartPolicy.ON_FAILURE:
-            if engine.restart_attempts < engine.restart_max_attempts:
-                next_restart = now + timedelta(seconds=engine.restart_backoff_s * 2**engine.restart_attempts)
+        next_restart = _next_restart(engine, now)
         with transaction.atomic():
             changed = Engine.objects.filter(pk=engine.pk, status=engine.status).update(
                 status=Engine.Status.FAILED, error=error, stopped_at=now, health_failures=failures,
