@@ -109,7 +109,8 @@ def build_tiny_mistral(target: Path, spec: TinyMistralSpec, *, served_name: str 
     deterministic for a given spec: the same seed gives byte-identical weights.
 
     Args:
-        target: directory to create; must not exist yet or be empty.
+        target: directory to create; must not exist yet, be empty, or hold a finished build of ``spec``
+            (another process building the same checkpoint got there first; it is returned as it is).
         spec: shape and seed.
         served_name: recorded in config as ``_name_or_path`` (a name-only field).
 
@@ -117,12 +118,15 @@ def build_tiny_mistral(target: Path, spec: TinyMistralSpec, *, served_name: str 
         ``target``.
 
     Raises:
-        FileExistsError: ``target`` exists and is not empty.
+        FileExistsError: ``target`` exists, is not empty and is not a finished build of ``spec``.
     """
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
     if target.exists() and any(target.iterdir()):
+        marker = target / SPEC_MARKER
+        if marker.is_file() and marker.read_text() == json.dumps(asdict(spec), sort_keys=True):
+            return target  # another builder of this same spec finished first: the same bytes
         raise FileExistsError(f"{target} exists and is not empty")
     tokenizer_file = mistral_common_tokenizer_path(spec.tokenizer)
     vocab = _vocab_size(tokenizer_file)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inference.checkpoints import TinyMistralSpec, build_tiny_mistral
 from inference.child_env import die_with_parent
 from inference.kv_transport import key_pair
 from inference.metrics_files import instance_dir, reap
@@ -179,6 +180,19 @@ def test_two_processes_building_one_checkpoint_both_succeed_and_a_dead_builders_
     assert [b.returncode for b in builders] == [0, 0], [err[-2000:] for _, err in results]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v1"]
     assert (target / "model.safetensors").is_file() and (target / ".build-spec.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_build_that_finds_the_same_spec_already_built_returns_it_and_another_spec_is_refused(tmp_path: Path) -> None:
+    # What the second of two builders sees when the first renamed its build into place before it began.
+    target = build_tiny_mistral(tmp_path / "tiny-v1", TinyMistralSpec(seed=1))
+    weights = (target / "model.safetensors").read_bytes()
+    assert build_tiny_mistral(target, TinyMistralSpec(seed=1)) == target
+    assert (target / "model.safetensors").read_bytes() == weights
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        build_tiny_mistral(target, TinyMistralSpec(seed=2))
+    assert (target / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v1"]
 
 
 def test_a_dead_processs_leftover_temp_file_does_not_stop_the_kv_events_key_from_being_created(tmp_path: Path) -> None:

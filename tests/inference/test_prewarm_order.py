@@ -14,11 +14,16 @@ def test_results_are_handled_in_heat_order_on_the_callers_thread_with_the_window
     lock = threading.Lock()
     in_flight, peak, handled = [0], [0], []
     caller = threading.get_ident()
+    # The first three sends wait for each other: the barrier breaks (and the test fails) unless three are in
+    # flight at once, however slowly the threads are scheduled.
+    first_window = threading.Barrier(3, timeout=30)
 
     def send(index: int) -> int:
         with lock:
             in_flight[0] += 1
             peak[0] = max(peak[0], in_flight[0])
+        if index in (5, 0, 7):
+            first_window.wait()
         time.sleep(0.02 if index % 3 else 0.05)  # later ones often finish first
         with lock:
             in_flight[0] -= 1
