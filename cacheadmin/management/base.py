@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import pwd
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -23,6 +25,22 @@ from cacheadmin.forms import MAX_ID
 from inference.errors import EXIT_BAD_INPUT, EXIT_CONFLICT, ControlPlaneError
 from inference.identity import LayoutOptions
 from inference.strict_json import loads_unique
+
+
+def cli_actor() -> str:
+    """Who a management command acts as in the audit trail: ``cli:<OS user>``, e.g. ``cli:alice``.
+
+    The user is the process's real uid looked up in the password database (``pwd``), not
+    ``$USER``/``$LOGNAME`` (``getpass.getuser()`` reads those first, and anyone can set them);
+    a uid the database does not name is recorded as ``cli:uid<N>``. The commands take no API
+    token (they run with the database's own credentials), so the OS account is what names the
+    person: a bare ``cli`` said nothing about who did it.
+    """
+    uid = os.getuid()
+    try:
+        return f"cli:{pwd.getpwuid(uid).pw_name}"
+    except KeyError:  # a container's uid with no /etc/passwd entry
+        return f"cli:uid{uid}"
 
 
 class OneLineParser(CommandParser):

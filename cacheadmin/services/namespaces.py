@@ -366,7 +366,7 @@ def namespace_salt_read(namespace: CacheNamespace, *, actor: str, purpose: str, 
     (``namespace.read_salt`` with ``{"purpose": purpose}``).
 
     Args:
-        actor: who reads it (a user, ``"cli"``, a job's creator).
+        actor: who reads it (a user, ``"cli:<OS user>"``, a job's creator).
         purpose: why, in a few words: ``"router"``, ``"prewarm job #3"``,
             ``"routing of release #7"``, ``"eviction probe"``.
         superseded_ok: the control plane's own use of a superseded group

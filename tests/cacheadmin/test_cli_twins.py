@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from cacheadmin.management.base import cli_actor
 from cacheadmin.models import AuditEvent, CacheNamespace, Engine, ModelVersion, PrewarmJob, RetentionOwner, Tenant
 from inference.identity import cache_salt
 from tests.helpers import manage, subprocess_env
@@ -178,7 +179,7 @@ def test_eviction_and_accounting_from_the_cli(tmp_path) -> None:
     approving = cli("evict", "approve", str(plan["id"]), "--reason", "retired")
     assert approving.returncode == 0, approving.stderr
     approved = json.loads(approving.stdout)
-    assert (approved["status"], approved["approved_by"]) == ("queued", "cli")
+    assert (approved["status"], approved["approved_by"]) == ("queued", cli_actor())
     one_line_error(cli("evict", "approve", str(plan["id"]), "--reason", "again"), 4, "not awaiting approval")
     cancelled = json.loads(cli("evict", "cancel", str(plan["id"]), "--reason", "not now").stdout)
     assert cancelled["status"] == "cancelled"

@@ -18,6 +18,7 @@ from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from rest_framework.test import APIClient
 
+from cacheadmin.management.base import cli_actor
 from cacheadmin.models import AuditEvent, CacheNamespace, Engine, JobStatus, ModelVersion, PrewarmJob, Residency, Tenant
 from cacheadmin.models.releases import Release, ReleaseEvent
 from cacheadmin.services.api_tokens import api_token_issue
@@ -451,7 +452,7 @@ def test_the_cli_twin(world) -> None:
         "decided_by": "policy", "traffic_percent": 100, "error": "", "from_version": None, "to_version": "tiny-v1",
         "differing": [], "non_kv": [],
         "timeline": [
-            {"kind": "created", "actor": "cli", "detail": {
+            {"kind": "created", "actor": cli_actor(), "detail": {
                 "classification": "first_deployment", "differing": [], "non_kv": [], "namespace": ns1.pk, "how": "still hot"}},
             {"kind": "ready", "actor": "policy", "detail": {}},
         ],

@@ -16,7 +16,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor
 from cacheadmin.models import AccountingScan, JobStatus
 from cacheadmin.services.accounting import accounting_scan_run, engine_metrics_scrape, orphans_report
 
@@ -32,7 +32,7 @@ class Command(ControlPlaneCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         if opts["verb"] == "scan":
-            scan = AccountingScan.objects.create(created_by="cli", corpus="")
+            scan = AccountingScan.objects.create(created_by=cli_actor(), corpus="")
             accounting_scan_run(scan_id=scan.pk)
             scan.refresh_from_db()
             fields = ("id", "status", "prefixes_seen", "orphan_prefixes", "bytes_total", "error")

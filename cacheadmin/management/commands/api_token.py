@@ -10,11 +10,11 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 from django.db import transaction
 
-from cacheadmin.management.base import ControlPlaneCommand
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor
 from cacheadmin.models import ApiToken, Tenant
 from cacheadmin.services.api_tokens import api_token_issue, api_token_revoke
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 
 
 class Command(ControlPlaneCommand):

@@ -23,7 +23,7 @@ from django.db import transaction
 from django.db.models import Prefetch
 
 from cacheadmin.api.serializers import EngineSerializer, InferencePoolDetailSerializer
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, int_within, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, get_or_bad_input, int_within, positive_int
 from cacheadmin.models import CacheNamespace, Engine, InferencePool, ModelVersion
 from cacheadmin.services.addresses import engine_api_key
 from cacheadmin.services.audit import audit_record
@@ -45,7 +45,7 @@ from inference.engines import k8s_manifests
 from inference.engines.gpu_spec import CONNECTORS, GpuEngineSpec
 from inference.errors import EngineError
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 #: ``engine spec --format`` choices: the shell script, its JSON, and Kubernetes YAML (inference/engines/k8s_manifests.py).
 SPEC_FORMATS = ("sh", "json", "llmisvc", "deployment")
 #: ``engine adopt`` options that name one server's addresses: not for a pool, whose pods are adopted by URL.

@@ -19,12 +19,12 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, EvictionRun, JobStatus
 from cacheadmin.services.eviction import eviction_plan, eviction_run_approve, eviction_sweep
 from cacheadmin.services.jobs import job_cancel
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 EXIT_RUN_FAILED = 1
 
 

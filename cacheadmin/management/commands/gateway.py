@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.management.base import CommandParser
 
 from cacheadmin.management.addresses import listen_address
-from cacheadmin.management.base import ControlPlaneCommand, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, positive_int
 from cacheadmin.metrics.multiproc import instance_dir, multiproc_use
 from cacheadmin.models import CacheNamespace, Tenant
 from cacheadmin.services.gateway import (
@@ -34,7 +34,7 @@ from gateway.server import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from inference.errors import EXIT_CONFLICT
 from inference.strict_json import loads_unique
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 
 
 class Command(ControlPlaneCommand):

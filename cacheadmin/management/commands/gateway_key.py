@@ -8,11 +8,11 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, positive_int
 from cacheadmin.models import GatewayKey, Tenant
 from cacheadmin.services.gateway import KEY_HEAD, gateway_key_issue, gateway_key_revoke
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 
 
 def _positive_float(value: str) -> float:

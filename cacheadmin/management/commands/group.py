@@ -12,11 +12,11 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, get_or_bad_input
 from cacheadmin.models import SharedGroup, Tenant
 from cacheadmin.services.namespaces import shared_group_create, shared_group_join, shared_group_leave
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 
 
 class Command(ControlPlaneCommand):

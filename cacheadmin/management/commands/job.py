@@ -16,13 +16,13 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, ComparisonJob, Engine, JobStatus, PrewarmJob, RegistrationJob
 from cacheadmin.services.comparison import comparison_job_create
 from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.prewarm import prewarm_job_create
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 KINDS = {"prewarm": PrewarmJob, "comparison": ComparisonJob, "registration": RegistrationJob}
 EXIT_JOB_FAILED = 1
 

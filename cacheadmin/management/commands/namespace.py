@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, get_or_bad_input, positive_int
 from cacheadmin.models import CacheNamespace, ModelVersion, RetentionOwner, SharedGroup, Tenant
 from cacheadmin.models.naming import name_key
 from cacheadmin.services.heat import prefix_heat_record
@@ -27,7 +27,7 @@ from cacheadmin.services.namespaces import (
 )
 from inference.strict_json import loads_unique
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 
 
 def _limit(value: str) -> int | None:

@@ -12,6 +12,7 @@ from cacheadmin.management.base import (
     adapters_from_options,
     add_adapter_argument,
     add_layout_arguments,
+    cli_actor,
     layout_from_options,
 )
 from cacheadmin.services.model_versions import model_version_register
@@ -43,7 +44,7 @@ class Command(ControlPlaneCommand):
             served_name=opts["served_name"],
             layout=layout_from_options(opts),
             adapters=adapters_from_options(self, opts),
-            actor="cli",
+            actor=cli_actor(),
         )
         out = {"id": version.pk, "label": version.label, "created": created, "identity": version.identity}
         out.update({f: getattr(version, f) for f in version.IDENTITY_FIELDS})

@@ -20,7 +20,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand, get_or_bad_input, int_within, positive_int
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor, get_or_bad_input, int_within, positive_int
 from cacheadmin.models import ComparisonJob, Engine, ModelVersion, Tenant
 from cacheadmin.models.releases import Release
 from cacheadmin.services.releases import (
@@ -32,7 +32,7 @@ from cacheadmin.services.releases import (
     release_set_traffic,
 )
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 EXIT = {
     Release.Status.READY: 0,
     Release.Status.ROLLED_BACK: 0,

@@ -12,10 +12,10 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from cacheadmin.management.base import ControlPlaneCommand
+from cacheadmin.management.base import ControlPlaneCommand, cli_actor
 from cacheadmin.services.namespaces import retention_owner_create, tenant_create
 
-ACTOR = "cli"
+ACTOR = cli_actor()
 
 
 class Command(ControlPlaneCommand):
