@@ -22,7 +22,7 @@ from httpx_sse import EventSource, SSEError
 from starlette.responses import JSONResponse
 
 from gateway.answers import STREAMED, AnswerAssembler, record_of_answer
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, engine_error
 from gateway.prefix.router import APPROXIMATE, Decision, PrefixRouter
 from gateway.protection import FillBreaker, Overloaded, upstream_timeout
 from gateway.records import Recorder
@@ -51,11 +51,11 @@ class EngineAnswer:
 
 class EngineRefused(Exception):
     """The engine answered the request with an error status: its error, as the caller gets it
-    (a 5xx becomes 502: the gateway's upstream failed, not the gateway).
+    (:func:`gateway.errors.engine_error`: the gateway's error shape, a 5xx as 502).
 
     Attributes:
         status: the HTTP status the caller gets.
-        error: the OpenAI-format error object.
+        error: the OpenAI-format error object (``message``, ``type``, ``param``, ``code``).
     """
 
     def __init__(self, status: int, error: dict[str, Any]) -> None:
@@ -63,7 +63,7 @@ class EngineRefused(Exception):
         self.status, self.error = status, error
 
     def response(self) -> JSONResponse:
-        """The error in the OpenAI envelope, its object as the engine wrote it."""
+        """The error in the OpenAI envelope."""
         return JSONResponse({"error": self.error}, status_code=self.status)
 
 
@@ -174,7 +174,7 @@ class EngineProxy:
                 log.warning("engine %s unreachable: %r", engine.name, exc)
                 continue
             if response.status_code >= 400:
-                refused = await _refusal(response)
+                refused = await _refusal(response, engine)
                 self._release(engine, ok=response.status_code < 500)
                 raise refused
             return EngineCall(engine, response, decision=decision)
@@ -267,9 +267,17 @@ class EngineProxy:
                 except ValueError:
                     continue
                 if _error_event(chunk):
-                    if isinstance(chunk, dict) and client_error(chunk):
-                        refused = chunk["error"]
-                    yield sse(chunk)
+                    # The caller gets the gateway's error shape, never the engine's event as it came.
+                    log.warning("engine %s streamed an error: %.500r", engine.name, chunk)
+                    status = 400 if isinstance(chunk, dict) and client_error(chunk) else 502
+                    inner = chunk.get("error") if isinstance(chunk, dict) else None
+                    code = inner.get("code") if isinstance(inner, dict) else None
+                    if status == 400 and isinstance(code, int) and not isinstance(code, bool):
+                        status = code
+                    _, error = engine_error(status, chunk, redact=_addresses(engine))
+                    if status < 500:
+                        refused = error
+                    yield sse({"error": error})
                     break
                 assembler.feed(chunk)
                 chunk["model"], chunk["system_fingerprint"] = model, engine.fingerprint
@@ -301,19 +309,23 @@ def _error_event(chunk: Any) -> bool:
     return ("error" in chunk or chunk.get("object") == "error") and "choices" not in chunk
 
 
-async def _refusal(response: httpx2.Response) -> EngineRefused:
-    """An engine's error status as the caller's error: its OpenAI error object when it sent one."""
+async def _refusal(response: httpx2.Response, engine: EngineTarget) -> EngineRefused:
+    """An engine's error status as the caller's error (:func:`gateway.errors.engine_error`); what the
+    engine wrote goes to the log, bounded."""
     content = await response.aread()
     await response.aclose()
     try:
         body = json.loads(content)
-        error = body.get("error") if isinstance(body, dict) else None
     except ValueError:
-        error = None
-    if not isinstance(error, dict):
-        error = {"message": content.decode("utf-8", "replace")[:500], "type": "upstream_error", "param": None,
-                 "code": f"engine_{response.status_code}"}  # fmt: skip
-    return EngineRefused(response.status_code if response.status_code < 500 else 502, error)
+        body = None
+    log.warning("engine %s answered %d: %.500r", engine.name, response.status_code, content)
+    return EngineRefused(*engine_error(response.status_code, body, redact=_addresses(engine)))
+
+
+def _addresses(engine: EngineTarget) -> list[str]:
+    """How an engine's message could name its address: its base URL, and its host and port."""
+    base = engine.base_url.rstrip("/")
+    return [base, base.split("://", 1)[-1]]
 
 
 class StreamAssembler:

@@ -29,12 +29,16 @@ class FakeEngine:
         self.delay_s = 0.0
         #: How many of the first calls fail mid-answer (as an engine that dies does).
         self.fail_first = 0
+        #: A status and raw body the engine answers every request with (a proxy's page, a server error).
+        self.raw_answer: tuple[int, bytes] | None = None
 
     async def __call__(self, request: httpx2.Request) -> httpx2.Response:
         if self.down:
             raise httpx2.ConnectError("connection refused", request=request)
         body = json.loads(request.content)
         self.received.append(body)
+        if self.raw_answer is not None:
+            return httpx2.Response(self.raw_answer[0], content=self.raw_answer[1])
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         prompt = json.dumps(body.get("messages"), sort_keys=True)

@@ -580,12 +580,16 @@ def test_an_engine_refusing_a_request_inside_its_stream_never_opens_its_breaker(
     refusal = {"error": {"message": "token id 99999 out of vocabulary", "type": "BadRequestError", "param": None, "code": 400}}
     setup["fake"].stream_error = refusal
     bad = chat("hello", temperature=0, logit_bias={"99999": 5}, stream=stream)
+    # In the gateway's error shape, not the engine's (vLLM's type and integer code).
+    shaped = {"error": {"message": "the engine refused the request: token id 99999 out of vocabulary",
+                        "type": "invalid_request_error", "param": None, "code": "engine_400"}}  # fmt: skip
     for _ in range(setup["runtime"].limits.breaker_failures + 2):
         answer = call(setup, bad)
         if stream:
-            assert answer.status_code == 200 and json.dumps(refusal) in answer.text
+            assert answer.status_code == 200 and f"data: {json.dumps(shaped)}" in answer.text
+            assert "BadRequestError" not in answer.text
         else:
-            assert (answer.status_code, answer.json()) == (400, {"error": refusal["error"]})
+            assert (answer.status_code, answer.json()) == (400, shaped)
     assert setup["gateway"].proxy.breaker.snapshot()[str(setup["engine"].pk)]["state"] == "closed"
     setup["fake"].stream_error = None
     assert call(setup, chat("What is the capital of France?", temperature=0)).status_code == 200
@@ -605,3 +609,49 @@ def test_the_anonymous_health_check_tells_nothing_of_engines_or_traffic(setup) -
     answer = asyncio.run(health())
     assert answer.status_code == 200 and set(answer.json()) == {"status", "layers"}
     assert answer.json()["status"] == "ok" and "breakers" not in answer.text and "in_flight" not in answer.text
+
+
+ENGINE_ERRORS = [
+    # A proxy's page in front of the engine: nothing of it reaches the caller.
+    (404, b"<html><body>internal service at 10.0.0.7 (admin: /console)</body></html>",
+     404, {"message": "the engine answered HTTP 404", "type": "invalid_request_error", "param": None, "code": "engine_404"}),
+    # A server error's text (a traceback, a path) stays in the log: 502, the status alone.
+    (500, json.dumps({"error": {"message": "Traceback: /srv/vllm/engine.py line 7", "type": "InternalServerError",
+                                "param": None, "code": 500}}).encode(),
+     502, {"message": "the engine answered HTTP 500", "type": "server_error", "param": None, "code": "engine_500"}),
+    # A request error keeps its message, one printable line of at most 300 characters; a param that is
+    # no parameter path is dropped.
+    (400, json.dumps({"error": {"message": "bad\n\x1b[31mprompt " + "x" * 400, "type": "BadRequestError",
+                                "param": "<script>", "code": 400}}).encode(),
+     400, {"message": "the engine refused the request: bad [31mprompt " + "x" * 284 + "…",
+           "type": "invalid_request_error", "param": None, "code": "engine_400"}),
+    # An older server's flat error object, with a parameter path kept.
+    (422, json.dumps({"object": "error", "message": "max_tokens is too large", "param": "max_tokens"}).encode(),
+     422, {"message": "the engine refused the request: max_tokens is too large", "type": "invalid_request_error",
+           "param": "max_tokens", "code": "engine_422"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("status", "body", "caller_status", "error"), ENGINE_ERRORS)
+def test_an_engine_error_reaches_the_caller_in_the_gateways_shape_only(
+    setup, status: int, body: bytes, caller_status: int, error: dict[str, Any]
+) -> None:
+    setup["fake"].raw_answer = (status, body)
+    answer = call(setup, chat("hello", temperature=0))
+    assert (answer.status_code, answer.json()) == (caller_status, {"error": error})
+
+
+def test_an_engine_error_names_no_engine_address(setup) -> None:
+    base = setup["engine"].base_url.rstrip("/")
+    message = f"model not served at {base}/v1 (try {base.split('://', 1)[1]})"
+    setup["fake"].raw_answer = (404, json.dumps({"error": {"message": message, "code": 404}}).encode())
+    answer = call(setup, chat("hello", temperature=0))
+    assert answer.json()["error"]["message"] == "the engine refused the request: model not served at (engine)/v1 (try (engine))"
+
+
+def test_a_streamed_error_event_that_is_no_error_object_is_a_server_error_in_the_gateways_shape(setup) -> None:
+    setup["fake"].stream_error = ["not", "an", "object"]  # type: ignore[assignment]
+    answer = call(setup, chat("hello", temperature=0, stream=True))
+    shaped = {"error": {"message": "the engine answered HTTP 502", "type": "server_error", "param": None,
+                        "code": "engine_502"}}  # fmt: skip
+    assert answer.status_code == 200 and f"data: {json.dumps(shaped)}" in answer.text and '"not"' not in answer.text
