@@ -21,6 +21,7 @@ import httpx2
 from httpx_sse import EventSource, SSEError
 from starlette.responses import JSONResponse
 
+from gateway import tracing
 from gateway.answers import STREAMED, AnswerAssembler, record_of_answer
 from gateway.errors import GatewayError, engine_error
 from gateway.prefix.router import APPROXIMATE, Decision, PrefixRouter
@@ -77,6 +78,8 @@ class EngineCall:
     finished: bool = False
     #: How the engine was chosen (precise or approximate, and what was predicted).
     decision: Decision | None = None
+    #: The engine call's client span (:mod:`gateway.tracing`), ended by :meth:`EngineProxy.finish`; None untraced.
+    span: tracing.Span | None = None
 
 
 class EngineProxy:
@@ -136,13 +139,17 @@ class EngineProxy:
             return self.router.decide(ns, engines, endpoint, payload, self.in_flight)
         return Decision(choose_engine(engines, prompt_affinity_text(payload), self.in_flight), APPROXIMATE, "configured")
 
-    async def open(self, ns: NamespaceTarget, endpoint: str, payload: dict[str, Any]) -> EngineCall:
+    async def open(
+        self, ns: NamespaceTarget, endpoint: str, payload: dict[str, Any], *, parent: tracing.Span | None = None
+    ) -> EngineCall:
         """Send ``payload`` to an engine of ``ns`` and return once its answer's headers arrive;
         an engine that cannot be reached is passed for the next one.
 
         Args:
             endpoint: ``"chat"`` or ``"completions"``.
             payload: the body sent (its ``stream`` says how the answer comes back; the engine choice reads it).
+            parent: the request's span: each engine choice is a ``gateway.choose_engine`` span under it and
+                each attempt a client span whose context the engine gets as W3C ``traceparent``.
 
         Raises:
             GatewayError: 503 ``no_engine`` (none left), 503 ``overloaded`` (every engine at capacity, with ``retry-after``),
@@ -151,7 +158,7 @@ class EngineProxy:
         """
         tried: set[int] = set()
         while True:
-            decision = self.choose(ns, endpoint, payload, tried)
+            decision = self._choose_traced(ns, endpoint, payload, tried, parent)
             engine = decision.engine
             tried.add(engine.id)
             try:
@@ -163,9 +170,13 @@ class EngineProxy:
                                    type_="server_error", code="overloaded",
                                    headers={"retry-after": str(max(1, round(exc.retry_after_s + 0.5)))}) from None  # fmt: skip
             self.in_flight[engine.id] = self.in_flight.get(engine.id, 0) + 1
+            span = _client_span(parent, engine, endpoint)
             try:
-                response = await self._send(engine, endpoint, payload)
-            except (httpx2.HTTPError, OSError) as exc:
+                response = await self._send(engine, endpoint, payload, tracing.inject_headers(span))
+            except BaseException as exc:
+                tracing.end(span, error=type(exc).__name__)
+                if not isinstance(exc, httpx2.HTTPError | OSError):
+                    raise
                 self._release(engine, ok=False)
                 if _timed_out(exc):
                     # It took the request and stayed silent a whole upstream timeout: another engine would too.
@@ -173,18 +184,44 @@ class EngineProxy:
                     raise upstream_timeout(self.timeout_s) from None
                 log.warning("engine %s unreachable: %r", engine.name, exc)
                 continue
+            if span is not None:
+                span.set_attribute("http.response.status_code", response.status_code)
             if response.status_code >= 400:
+                tracing.end(span, error=str(response.status_code))
                 refused = await _refusal(response, engine)
                 self._release(engine, ok=response.status_code < 500)
                 raise refused
-            return EngineCall(engine, response, decision=decision)
+            return EngineCall(engine, response, decision=decision, span=span)
 
-    async def _send(self, engine: EngineTarget, endpoint: str, payload: dict[str, Any]) -> httpx2.Response:
+    def _choose_traced(
+        self, ns: NamespaceTarget, endpoint: str, payload: Mapping[str, Any], avoid: set[int], parent: tracing.Span | None
+    ) -> Decision:
+        """:meth:`choose`, as a ``gateway.choose_engine`` span under ``parent``: the engine and why."""
+        span = tracing.child(parent, "gateway.choose_engine", {"kvcp.namespace.id": ns.pk, "kvcp.engine.avoided": len(avoid)})
+        try:
+            decision = self.choose(ns, endpoint, payload, avoid)
+        except GatewayError as exc:
+            tracing.end(span, error=exc.code)
+            raise
+        if span is not None:
+            attributes: dict[str, Any] = {"kvcp.engine.id": decision.engine.id, "kvcp.engine.name": decision.engine.name,
+                                          "kvcp.routing.mode": decision.mode, "kvcp.routing.choice": self.choice}  # fmt: skip
+            if decision.reason:
+                attributes["kvcp.routing.reason"] = decision.reason
+            if decision.mode == "precise":
+                attributes["kvcp.routing.predicted_cached_tokens"] = decision.predicted_cached_tokens
+            tracing.end(span, attributes)
+        return decision
+
+    async def _send(
+        self, engine: EngineTarget, endpoint: str, payload: dict[str, Any], trace_headers: list[tuple[str, str]] | None = None
+    ) -> httpx2.Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         content = json.dumps({**payload, "model": engine.served_model}, ensure_ascii=False).encode("utf-8")
         request = httpx2.Request(
             "POST", engine.base_url.rstrip("/") + path, content=content,
-            headers=[*engine.headers, ("content-type", "application/json")], extensions={"timeout": self._timeout},
+            headers=[*engine.headers, ("content-type", "application/json"), *(trace_headers or ())],
+            extensions={"timeout": self._timeout},
         )  # fmt: skip
         response = await self.transport.handle_async_request(request)
         response.request = request
@@ -195,7 +232,10 @@ class EngineProxy:
         if call.finished:
             return
         call.finished = True
-        await call.response.aclose()
+        try:
+            await call.response.aclose()
+        finally:
+            tracing.end(call.span, error=None if ok else "engine_failed")
         self._release(call.engine, ok=ok)
 
     def _release(self, engine: EngineTarget, *, ok: bool) -> None:
@@ -291,6 +331,19 @@ class EngineProxy:
             await self.finish(call, ok=complete or refused is not None)
             answer = EngineAnswer(assembler.record() if complete else None, assembler.first_token_at, refused)
             await asyncio.shield(on_end(answer))
+
+
+def _client_span(parent: tracing.Span | None, engine: EngineTarget, endpoint: str) -> tracing.Span | None:
+    """The client span of one attempt at ``engine`` (``POST <path>``): the engine by id and name, its
+    host and port; never its URL's credentials nor the request's headers or body."""
+    if parent is None or tracing.TRACER is None:
+        return None
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    url = httpx2.URL(engine.base_url)
+    attributes = {"http.request.method": "POST", "url.path": path, "server.address": url.host,
+                  "server.port": url.port or (443 if url.scheme == "https" else 80),
+                  "kvcp.engine.id": engine.id, "kvcp.engine.name": engine.name}  # fmt: skip
+    return tracing.child(parent, f"POST {path}", attributes, kind=tracing.SpanKind.CLIENT)
 
 
 def _timed_out(exc: BaseException) -> bool:

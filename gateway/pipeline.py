@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from gateway import routing
+from gateway import routing, tracing
 from gateway.answers import unkept_reason
 from gateway.canonical import Admission, response_admission
 from gateway.errors import GatewayError
@@ -83,6 +83,8 @@ class RequestContext:
             complete: what the layers keep beside it (None before, and for an answer served from a layer).
         failure: the error the request was answered when its engine call failed so (a timeout),
             set before the layers' guards are released: a flight it led hands it to its joiners.
+        span: the request's server span (:mod:`gateway.tracing`), None while tracing is off: the
+            parent of the layers' lookup and store spans and of the engine call.
     """
 
     snap: RoutingSnapshot
@@ -97,6 +99,7 @@ class RequestContext:
     timings: dict[str, float] = field(default_factory=dict)
     provenance: Provenance | None = None
     failure: GatewayError | None = None
+    span: tracing.Span | None = None
 
     @property
     def namespace(self) -> NamespaceTarget:
@@ -222,21 +225,32 @@ class Pipeline:
             reason = bypass_reason(layer, ctx)
             if reason is not None:
                 self.recorder.bypass(ns.pk, layer.name, reason)
+                if ctx.span is not None:  # no lookup: an event of the request, not a span
+                    ctx.span.add_event("cache.bypass", {"kvcp.cache.layer": layer.name, "kvcp.cache.bypass_reason": reason})
                 continue
+            span = tracing.child(
+                ctx.span, f"{layer.name}_cache.lookup", {"kvcp.cache.layer": layer.name, "kvcp.namespace.id": ns.pk}
+            )
             looked = time.perf_counter()
             try:
                 found = await layer.lookup(ctx)
             except layer.Unavailable:
+                tracing.end(span, {"kvcp.cache.result": "unavailable"})
                 self.recorder.bypass(ns.pk, layer.name, "store_unavailable")
                 missed.extend(self.without_store(layer, ctx))
                 continue
-            except TierError:
+            except TierError as exc:
+                tracing.end(span, {"kvcp.cache.result": "error"}, error=type(exc).__name__)
                 log.exception("cache layer %s: its store failed a lookup", layer.name)
                 self.recorder.bypass(ns.pk, layer.name, "store_error")
                 missed.extend(self.without_store(layer, ctx))
                 continue
+            except BaseException as exc:
+                tracing.end(span, error=type(exc).__name__)
+                raise
             lookup_ms = (time.perf_counter() - looked) * 1000
             ctx.timings[f"lookup_{layer.name}"] = lookup_ms
+            tracing.end(span, {"kvcp.cache.result": "miss" if found.record is None else "hit"})
             if found.record is not None:
                 return Hit(layer, found.record, lookup_ms, found.entry, found.question)
             self.recorder.add(ns.pk, layer.name, requests=1, misses=1, lookup_ms_sum=lookup_ms, lookup_count=1)
@@ -293,13 +307,22 @@ class Pipeline:
         if ctx.personal or personal_data_kinds(answer_text(record)):
             return
         for miss in missed:
+            name = miss.layer.name
+            span = tracing.child(
+                ctx.span, f"{name}_cache.store", {"kvcp.cache.layer": name, "kvcp.namespace.id": ctx.namespace.pk}
+            )
             began = time.perf_counter()
             try:
                 await miss.layer.store(ctx, miss.pending, value)
+                tracing.end(span, {"kvcp.cache.result": "stored"})
             except miss.layer.Unavailable:
-                pass
-            except TierError:
+                tracing.end(span, {"kvcp.cache.result": "unavailable"})
+            except TierError as exc:
+                tracing.end(span, {"kvcp.cache.result": "error"}, error=type(exc).__name__)
                 log.exception("cache layer %s: its store failed to keep an answer", miss.layer.name)
+            except BaseException as exc:
+                tracing.end(span, error=type(exc).__name__)
+                raise
             finally:
                 store_ms = (time.perf_counter() - began) * 1000
                 self.recorder.add(ctx.namespace.pk, miss.layer.name, store_ms_sum=store_ms, store_count=1)

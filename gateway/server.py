@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import templates
+from gateway import templates, tracing
 from gateway.canonical import canonical_bytes, canonical_request, normalized_body
 from gateway.engine_proxy import EngineAnswer, EngineProxy, EngineRefused
 from gateway.errors import GatewayError, invalid
@@ -45,9 +45,10 @@ from gateway.pipeline import Hit, Missed, Pipeline, RequestContext, explain_laye
 from gateway.prefix.router import PRECISE, Decision, PrefixRouter
 from gateway.protection import TokenBucket
 from gateway.records import Recorder
-from gateway.replies import ProxyStream, answer_from_record, served_headers, stream_record
+from gateway.replies import SERVED_BY_HEADER, ProxyStream, answer_from_record, served_headers, stream_record
 from gateway.routing import (
     EngineTarget,
+    Routed,
     RoutingSnapshot,
     TenantTarget,
     choose_engine,
@@ -223,6 +224,8 @@ class Gateway:
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
+        # Traces as the OTEL_* variables ask (none without them); a bad exporter setting stops the start here.
+        tracing.configure()
         limits = runtime.limits
         #: The engines behind this process: their client, breakers and in-flight counts.
         self.proxy = EngineProxy(runtime.recorder, transport=runtime.transport, timeout_s=limits.upstream_timeout_s,
@@ -366,6 +369,39 @@ class Gateway:
     # --- the request path ---
 
     async def _serve(self, request: Request, endpoint: str) -> Response:
+        if tracing.TRACER is None:
+            return await self._answer(request, endpoint, None)
+        path = request.url.path
+        span = tracing.server_span("POST", path, request.headers, {
+            "http.request.method": "POST", "http.route": path, "url.path": path, "url.scheme": request.url.scheme,
+            "kvcp.endpoint": endpoint,
+        })  # fmt: skip
+        try:
+            response = await self._answer(request, endpoint, span)
+        except BaseException as exc:
+            tracing.end(span, error=type(exc).__name__)
+            raise
+        served: dict[str, Any] = {"http.response.status_code": response.status_code}
+        if SERVED_BY_HEADER in response.headers:
+            served["kvcp.served_by"] = response.headers[SERVED_BY_HEADER]
+        error = str(response.status_code) if response.status_code >= 500 else None
+        if isinstance(response, ProxyStream):
+            # A stream's request ends when its last event is sent (or the caller leaves), after this returns.
+            then = response.on_close
+
+            async def closed() -> None:
+                try:
+                    if then is not None:
+                        await then()
+                finally:
+                    tracing.end(span, served, error=error)
+
+            response.on_close = closed
+        else:
+            tracing.end(span, served, error=error)
+        return response
+
+    async def _answer(self, request: Request, endpoint: str, span: tracing.Span | None) -> Response:
         started = time.perf_counter()
         try:
             snap = self.rt.snapshot()
@@ -379,9 +415,11 @@ class Gateway:
             except InvalidRequest as exc:
                 raise invalid(exc.message, exc.param) from None
             tags = request_tags(request.headers.getlist(TAGS_HEADER))
-            routed = route_request(snap, tenant, body)
+            if span is not None:
+                span.set_attributes({"kvcp.tenant.id": tenant.id, "kvcp.stream": bool(body.get("stream"))})
+            routed = self._route(snap, tenant, body, span)
             templates.classify(snap.templates, tenant.id, routed.namespace.pk, routed.namespace.namespace_key, body)
-            ctx = RequestContext(snap, tenant, endpoint, body, canonical, upstream, tags, routed, started)
+            ctx = RequestContext(snap, tenant, endpoint, body, canonical, upstream, tags, routed, started, span=span)
             found = await self.pipeline.lookup(ctx)
             if isinstance(found, Hit):
                 return self._from_cache(ctx, found)
@@ -391,6 +429,27 @@ class Gateway:
         except ClientDisconnect:
             # The caller left while sending its body: nobody reads an answer, nothing was started.
             return Response(status_code=400)
+
+    @staticmethod
+    def _route(snap: RoutingSnapshot, tenant: TenantTarget, body: Mapping[str, Any], span: tracing.Span | None) -> Routed:
+        """:func:`gateway.routing.route_request`, traced as ``gateway.route``: the version, release and namespace chosen."""
+        traced = tracing.child(span, "gateway.route")
+        try:
+            routed = route_request(snap, tenant, body)
+        except GatewayError as exc:
+            tracing.end(traced, error=exc.code)
+            raise
+        if traced is not None:
+            route = routed.route
+            attributes = {"kvcp.model_version.id": route.version_id, "kvcp.model_version.label": route.version_label,
+                          "kvcp.route.percent": route.percent, "kvcp.route.canary": route.canary,
+                          "kvcp.namespace.id": routed.namespace.pk}  # fmt: skip
+            if route.release_id is not None:
+                attributes["kvcp.release.id"] = route.release_id
+            tracing.end(traced, attributes)
+            if span is not None:
+                span.set_attribute("kvcp.namespace.id", routed.namespace.pk)
+        return routed
 
     def _from_cache(self, ctx: RequestContext, hit: Hit) -> Response:
         assert ctx.routed is not None
@@ -445,7 +504,7 @@ class Gateway:
                 await self.pipeline.release(ctx, missed, kept)
 
         try:
-            call = await self.proxy.open(ctx.namespace, ctx.endpoint, self._payload(ctx))
+            call = await self.proxy.open(ctx.namespace, ctx.endpoint, self._payload(ctx), parent=ctx.span)
             if call.decision is not None and self.rt.recorder.metrics is not None:
                 self.rt.recorder.metrics.routed(ctx.namespace.pk, call.decision.mode, call.decision.reason)
             if ctx.stream:
@@ -500,6 +559,10 @@ class Gateway:
         ttft = (first - ctx.started) * 1000
         side = "hit" if cached else "miss"
         templates.count(self.rt.recorder.templates, warm=bool(cached))
+        if ctx.span is not None:  # counts only: what the engine computed and what its prefix cache held
+            ctx.span.set_attributes({"gen_ai.usage.input_tokens": int(usage.get("prompt_tokens") or 0),
+                                     "gen_ai.usage.output_tokens": int(usage.get("completion_tokens") or 0),
+                                     "kvcp.engine.cached_tokens": cached})  # fmt: skip
         self.rt.recorder.add(
             ctx.namespace.pk, "prefix", requests=1, hits=1 if cached else 0, misses=0 if cached else 1,
             prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_prompt_tokens=cached,
