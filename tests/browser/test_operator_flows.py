@@ -21,7 +21,7 @@ in the checkout (git-ignored; kept after the run, unlike the run's temporary
 
 ``KVCP_README_SCREENSHOT``: when set, a path (relative to the checkout, or
 absolute) that the ``dashboard-release-gray`` screenshot is copied to after a
-passing run: the README's picture of the dashboard mid-release
+passing run: the picture of the dashboard mid-release in the README and docs/demo.md
 (``docs/screenshots/dashboard-mid-release.png``). Unset, nothing is copied.
 
 Comparison needs a reference engine that computes every token. One vLLM
@@ -414,7 +414,7 @@ def test_operators_drive_the_control_plane_from_the_browser(stack: DashboardServ
     routed = [["tiny", t.version_label, str(t.percent)] for t in acme_tiny]
     assert by["dashboard-release-rolled-back"]["serving"] == routed
 
-    # The README's picture of the dashboard mid-release, from this passing run.
+    # The docs' picture of the dashboard mid-release (README.md, docs/demo.md), from this passing run.
     readme_shot = os.environ.get("KVCP_README_SCREENSHOT")
     if readme_shot:
         target = Path(settings.BASE_DIR) / readme_shot

@@ -13,6 +13,7 @@ import pytest
 from cacheadmin.metrics.catalogue import exported_series_names
 from tests.deploy.files import ALERTS, PROMETHEUS, RECORDING, known_names, load_yaml, recorded_names, rules, run_promtool
 from tests.deploy.promql import PromQLNameError, metric_names
+from tests.docs_pages import docs_page, section
 
 #: The alerts operators asked for, with their severity.
 REQUIRED_ALERTS = {
@@ -191,9 +192,8 @@ def test_rule_expressions_name_only_exported_metrics_or_recorded_series() -> Non
     assert raw <= exported_series_names()
 
 
-def test_readme_lists_every_alert_with_its_severity() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Dashboards and alerts\n", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \| (page|warn) \|", section, flags=re.MULTILINE)
+def test_the_docs_list_every_alert_with_its_severity() -> None:
+    alerts = section(docs_page("deployment/monitoring.md"), "## Dashboards and alerts")
+    rows = re.findall(r"^\| `(\w+)` \| (page|warn) \|", alerts, flags=re.MULTILINE)
     assert dict(rows) == REQUIRED_ALERTS
     assert len(rows) == len(REQUIRED_ALERTS)

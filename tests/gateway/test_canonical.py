@@ -25,6 +25,7 @@ from gateway.canonical import (
 )
 from gateway.param_specs import ENGINE_DEFAULTED_PARAMETERS, OUTPUT_DEFAULTS, InvalidRequest
 from gateway.request_fields import fields_of
+from tests.docs_pages import docs_page
 
 SECRET = b"tenant-secret-0123456789abcdef"
 NS = "ns-7f3a"
@@ -631,12 +632,9 @@ def test_defaults_match_the_installed_vllm_source(endpoint: str, relative: str, 
     assert set(sampling) == set(ENGINE_DEFAULTED_PARAMETERS[endpoint]) - {"max_tokens"}  # type: ignore[index]
 
 
-def test_the_readme_lists_every_parameter_with_its_default() -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    # The README's section on the response-cache key, up to the next section of its level.
-    start = readme.index("### The response-cache key, admission and personal data")
-    end = readme.index("\n## ", start)
-    text = readme[start:end]
+def test_the_docs_list_every_parameter_with_its_default() -> None:
+    # The docs page on the response-cache key: canonical request, key and admission.
+    text = docs_page("gateway/cache-key.md")
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
