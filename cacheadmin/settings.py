@@ -248,13 +248,19 @@ ORPHAN_GRACE_S = env_int("ORPHAN_GRACE_S", 3600, minimum=0)
 ADAPTER_UNUSED_DAYS = env_int("ADAPTER_UNUSED_DAYS", 30, minimum=1)
 #: Seconds before a failed sweep (e.g. a tier unreachable) is resumed.
 EVICTION_RETRY_S = env_int("EVICTION_RETRY_S", 300, minimum=1)
-#: Owners' digests: printed on stderr by default; set EMAIL_BACKEND / EMAIL_HOST for real mail.
-EMAIL_BACKEND = env_str("EMAIL_BACKEND", "cacheadmin.mail.StderrConsoleEmailBackend")
-#: Where Django's file backend (``django.core.mail.backends.filebased.EmailBackend``) writes, one file per
-#: connection; ``manage.py demo`` uses it when EMAIL_BACKEND is unset.
+#: Owners' digests go through Django's mail backend: by default its file backend, one file per
+#: connection under EMAIL_FILE_PATH (never mixed into a command's or the demo's output); set
+#: EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend and EMAIL_HOST etc. for real mail.
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.filebased.EmailBackend")
 EMAIL_FILE_PATH = env_str("EMAIL_FILE_PATH", str(VAR_DIR / "mail"))
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+#: Seconds an SMTP connection may block (Django's default: no limit).
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 30, minimum=1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "kv-cache-control-plane@localhost")
 
 # --- Gateway (the data plane) -------------------------------------------------

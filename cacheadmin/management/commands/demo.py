@@ -24,6 +24,7 @@ from django.core.management.base import CommandParser
 from django.core.wsgi import get_wsgi_application
 
 from cacheadmin.env import control_plane_environment, env_int, env_str, private_file, write_private_file
+from cacheadmin.mail import digests_report, mail_count
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
 from cacheadmin.metrics.multiproc import multiproc_dir, multiproc_reap
 from cacheadmin.models import GatewayKey, Tenant
@@ -387,10 +388,9 @@ class Command(ControlPlaneCommand):
         if reaped:
             self.stderr.write(f"stopped {len(reaped)} engine(s) an earlier run left running: {', '.join(reaped)}")
         log = (lambda line: self.stderr.write(line)) if not serve else (lambda line: self.stdout.write(line))
-        if not os.environ.get("EMAIL_BACKEND"):
-            # The eviction sweep's notice to owners is an e-mail: in files, not across the run's lines.
-            settings.EMAIL_BACKEND = "django.core.mail.backends.filebased.EmailBackend"
-            log(f"e-mail (owners' eviction notices) goes to files under {settings.EMAIL_FILE_PATH} (EMAIL_BACKEND unset)")
+        # Owners' digests go through EMAIL_BACKEND (files under VAR_DIR/mail/ by default), never across
+        # the run's lines: one line after the main job says how many and where.
+        mail_before = mail_count()
         # The demo starts a process group: the metrics files of an earlier run's dead processes are not this
         # run's; a live process's (a worker or a server still running on this VAR_DIR) stay, totals included.
         multiproc_reap(settings.METRICS_MULTIPROC_DIR, every_type=True)
@@ -455,6 +455,7 @@ class Command(ControlPlaneCommand):
                 # RuntimeError: a step failed (DemoError, EngineError) or a helper process
                 # the watchdog restarted did not come back.
                 raise self.bad_input(f"demo failed: {exc}") from exc
+            log(digests_report(mail_before))
             if server is not None:
                 self._report(summary)
                 # While the dashboard is served, the scheduled accounting scans,
