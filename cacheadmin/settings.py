@@ -326,6 +326,9 @@ METRICS_MULTIPROC_DIR = Path(env_str("METRICS_MULTIPROC_DIR", str(VAR_DIR / "met
 GATEWAY_METRICS_DIR = Path(env_str("GATEWAY_METRICS_DIR", str(VAR_DIR / "metrics" / "gateway"))).resolve()
 #: ``HOST:PORT`` where ``manage.py metrics_serve`` serves the control plane's metrics without a token (empty: off).
 METRICS_ADDR = env_str("METRICS_ADDR", "")
+#: ``HOST:PORT`` where the KV-event consumer ``manage.py demo`` starts serves its metrics: the
+#: ``kvcp-kv-events`` target of deploy/prometheus/prometheus.yml (empty: none).
+KV_EVENTS_METRICS_ADDR = env_str("KV_EVENTS_METRICS_ADDR", "127.0.0.1:9464")
 
 # --- REST API ----------------------------------------------------------------
 # Decided once for every endpoint: who may call, how lists page, one error envelope.

@@ -6,7 +6,11 @@ Conventions (https://prometheus.io/docs/practices/naming/): one prefix
 ``kvcp_``, base units (seconds, bytes), ``_total`` on counters, ratios as
 0..1. Label values are bounded: namespace keys, engine names, tier and layer
 names, reasons and template names chosen by operators; never prompts, salts,
-keys or user ids.
+keys or user ids. What people read (tenant, served model, version, the
+dashboard page) lives once on the ``*_info`` families, which alerts join in
+by ``namespace`` or ``engine`` (``* on (namespace) group_left (...)``), the
+info-metric pattern of
+https://prometheus.io/docs/instrumenting/writing_exporters/#target-labels-not-static-scraped-labels.
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvcp_namespace_info",
         "gauge",
-        ("namespace", "boundary", "model_version", "residency", "serving"),
-        "1 per cache namespace; serving is true while routing sends traffic to its version",
+        ("namespace", "boundary", "model_version", "residency", "serving", "tenant", "served_model", "page", "release_page"),
+        "1 per cache namespace; serving is true while routing sends traffic to its version; tenant, served_model "
+        "and model_version name it for people, page is its dashboard page's path, release_page the path of the "
+        "newest release that brought traffic to it (empty: none)",
         "control",
     ),
     MetricSpec(
@@ -103,7 +109,13 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("kvcp_jobs", "counter", ("kind", "status"), "finished jobs by kind and final status", "control"),
     MetricSpec("kvcp_job_duration_seconds", "histogram", ("kind",), "run time of finished jobs, start to finish", "control"),
-    MetricSpec("kvcp_engine_info", "gauge", ("engine", "model_version", "origin", "status", "host"), "1 per engine", "control"),
+    MetricSpec(
+        "kvcp_engine_info",
+        "gauge",
+        ("engine", "model_version", "origin", "status", "host", "tenant", "served_model", "page"),
+        "1 per engine; tenant is its namespace's (empty for a shared or reference engine), page its dashboard page's path",
+        "control",
+    ),
     MetricSpec(
         "kvcp_engine_verified",
         "gauge",

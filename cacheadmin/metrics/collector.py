@@ -9,14 +9,16 @@ prompts, finished jobs): monotonic while those rows are kept.
 
 Labels: ``namespace`` is the namespace's ``namespace_key`` (64 hex, never a
 salt), ``engine`` the engine's name, ``model_version`` the version's label,
-``boundary`` the tenant slug or ``group:<slug>`` (``#<generation>`` once
-superseded).
+``served_model`` its served name, ``boundary`` the tenant slug or
+``group:<slug>`` (``#<generation>`` once superseded), ``tenant`` the tenant
+slug or ``group:<slug>``, ``page`` and ``release_page`` paths of dashboard
+pages (``cacheadmin.urls``), to be put after the dashboard's base URL.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import reduce
@@ -24,6 +26,7 @@ from operator import or_
 from typing import Any
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Max, OuterRef, Q, Subquery, Sum
+from django.urls import reverse
 from django.utils import timezone
 
 from cacheadmin.metrics.catalogue import BY_NAME
@@ -42,6 +45,7 @@ from cacheadmin.models import (
     NamespaceRouting,
     PrewarmJob,
     RegistrationJob,
+    Release,
     Residency,
     ResidentSample,
     ShadowCheck,
@@ -105,6 +109,14 @@ def _number(value: float) -> str:
     if math.isnan(value):
         return "NaN"
     return repr(float(value))
+
+
+def _page_paths(url_name: str) -> Callable[[int], str]:
+    """``pk → reverse(url_name, args=[pk])`` at one ``reverse`` for every row: a
+    scrape builds one path per namespace and engine."""
+    marker = "987654321"
+    head, tail = reverse(url_name, args=[int(marker)]).split(marker)
+    return lambda pk: f"{head}{pk}{tail}"
 
 
 def _family(name: str) -> Family:
@@ -173,11 +185,15 @@ class ControlPlaneCollector:
         keys: dict[int, str] = {}
         stale: set[int] = set()
         info = _family("kvcp_namespace_info")
-        rows = CacheNamespace.objects.values_list(
+        # In the same query: the newest release that brought traffic to the namespace, the page an
+        # alert about it links to beside the namespace's own.
+        newest_release = Release.objects.filter(to_namespace=OuterRef("pk")).order_by("-created_at", "-id").values("pk")[:1]
+        rows = CacheNamespace.objects.annotate(release_pk=Subquery(newest_release)).values_list(
             "pk", "namespace_key", "tenant__slug", "group__slug", "group_generation", "group__generation",
-            "model_version__label", "residency",
+            "model_version__label", "model_version__served_name", "residency", "release_pk",
         )  # fmt: skip
-        for pk, key, tenant, group, generation, current_generation, label, residency in rows:
+        namespace_page, release_page = _page_paths("namespace-detail"), _page_paths("release-detail")
+        for pk, key, tenant, group, generation, current_generation, label, served, residency, release_pk in rows:
             keys[pk] = key
             superseded = group is not None and generation != current_generation
             if tenant is not None:
@@ -187,7 +203,14 @@ class ControlPlaneCollector:
             is_serving = pk in serving and residency != Residency.DROPPED and not superseded
             if not is_serving:
                 stale.add(pk)
-            info.add([key, boundary, label, residency, "true" if is_serving else "false"], 1)
+            info.add(
+                [
+                    key, boundary, label, residency, "true" if is_serving else "false", tenant or f"group:{group}", served,
+                    namespace_page(pk),
+                    "" if release_pk is None else release_page(release_pk),
+                ],
+                1,
+            )  # fmt: skip
         yield info
         yield from self._tiers(keys, stale, now)
         yield from self._evictions()
@@ -322,11 +345,14 @@ class ControlPlaneCollector:
         running: dict[int, str] = {}
         newest = ResidentSample.objects.filter(engine=OuterRef("pk")).order_by("-sampled_at").values("sampled_at")[:1]
         engines = Engine.objects.annotate(resident_at=Subquery(newest)).values_list(
-            "pk", "name", "model_version__label", "origin", "status", "verification", "resident_at", "host"
-        )
+            "pk", "name", "model_version__label", "origin", "status", "verification", "resident_at", "host",
+            "model_version__served_name", "namespace__tenant__slug", "namespace__group__slug",
+        )  # fmt: skip
         sampled: list[Q] = []
-        for pk, name, label, origin, status, verification, resident_at, host in engines:
-            info.add([name, label, origin, status, host], 1)
+        engine_page = _page_paths("engine-detail")
+        for pk, name, label, origin, status, verification, resident_at, host, served, tenant, group in engines:
+            owner = tenant or (f"group:{group}" if group else "")
+            info.add([name, label, origin, status, host, owner, served, engine_page(pk)], 1)
             verified.add([name], 1 if verification == Engine.Verification.VERIFIED else 0)
             if status in (Engine.Status.STARTING, Engine.Status.READY):
                 running[pk] = name

@@ -113,14 +113,26 @@ class WorkerProcess:
 
 
 class KvEventsProcess(WorkerProcess):
-    """``manage.py kv_events`` in a subprocess: the KV-event consumer beside the worker."""
+    """``manage.py kv_events`` in a subprocess: the KV-event consumer beside the worker.
+
+    Args:
+        metrics_addr: ``HOST:PORT`` it serves its Prometheus metrics on (``--metrics-addr``;
+            the demo passes ``KV_EVENTS_METRICS_ADDR``); empty: no metrics endpoint.
+    """
 
     ready_marker = b"kv_events consumer "
     what = "kv_events consumer"
 
+    def __init__(
+        self, log_path: Path, *, env: dict[str, str] | None = None, name: str = "worker", metrics_addr: str = ""
+    ) -> None:
+        super().__init__(log_path, env=env, name=name)
+        self.metrics_addr = metrics_addr
+
     def command(self) -> list[str]:
         """The consumer's argv (one partition: the embedded default's whole fleet)."""
-        return [sys.executable, str(Path(__file__).resolve().parents[2] / "manage.py"), "kv_events"]
+        metrics = ["--metrics-addr", self.metrics_addr] if self.metrics_addr else []
+        return [sys.executable, str(Path(__file__).resolve().parents[2] / "manage.py"), "kv_events", *metrics]
 
 
 class GatewayProcess(WorkerProcess):

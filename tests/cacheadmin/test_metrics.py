@@ -150,10 +150,13 @@ def test_every_control_family_from_the_rows(rows: dict) -> None:
     s = scrape()
     a, b, c = "a" * 64, "b" * 64, "c" * 64
     assert names(s, "kvcp_namespace_info") == [
-        {"namespace": a, "boundary": "acme", "model_version": "v1", "residency": "hot", "serving": "true"},
-        {"namespace": b, "boundary": "globex", "model_version": "v1", "residency": "hot", "serving": "true"},
-        {"namespace": c, "boundary": "acme", "model_version": "v2", "residency": "cold", "serving": "false"},
-    ]
+        {"namespace": a, "boundary": "acme", "model_version": "v1", "residency": "hot", "serving": "true", "tenant": "acme",
+         "served_model": "tiny", "page": f"/namespaces/{rows['acme'].pk}/", "release_page": ""},
+        {"namespace": b, "boundary": "globex", "model_version": "v1", "residency": "hot", "serving": "true",
+         "tenant": "globex", "served_model": "tiny", "page": f"/namespaces/{rows['globex'].pk}/", "release_page": ""},
+        {"namespace": c, "boundary": "acme", "model_version": "v2", "residency": "cold", "serving": "false",
+         "tenant": "acme", "served_model": "tiny", "page": f"/namespaces/{rows['old'].pk}/", "release_page": ""},
+    ]  # fmt: skip
     assert value(s, "kvcp_tier_bytes", namespace=a, tier="disk") == 1000
     assert value(s, "kvcp_tier_entries", namespace=a, tier="disk") == 10
     assert value(s, "kvcp_tier_bytes", namespace=c, tier="disk") == 3000
@@ -190,9 +193,11 @@ def test_every_control_family_from_the_rows(rows: dict) -> None:
     assert value(s, "kvcp_job_duration_seconds_bucket", kind="comparison", le="120.0") == 1
     assert value(s, "kvcp_job_duration_seconds_count", kind="eviction") == 0
     assert names(s, "kvcp_engine_info") == [
-        {"engine": "e-acme", "model_version": "v1", "origin": "local", "status": "ready", "host": ""},
-        {"engine": "e-ref", "model_version": "v1", "origin": "adopted", "status": "stopped", "host": ""},
-    ]
+        {"engine": "e-acme", "model_version": "v1", "origin": "local", "status": "ready", "host": "", "tenant": "acme",
+         "served_model": "tiny", "page": f"/engines/{rows['engine'].pk}/"},
+        {"engine": "e-ref", "model_version": "v1", "origin": "adopted", "status": "stopped", "host": "", "tenant": "",
+         "served_model": "tiny", "page": f"/engines/{Engine.objects.get(name='e-ref').pk}/"},
+    ]  # fmt: skip
     assert value(s, "kvcp_engine_verified", engine="e-acme") == 1
     assert value(s, "kvcp_engine_verified", engine="e-ref") == 0
     assert value(s, "kvcp_engine_alarms_open", engine="e-acme", kind="isolation_unknown_salt") == 2

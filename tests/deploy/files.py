@@ -16,6 +16,8 @@ PROMETHEUS = DEPLOY / "prometheus"
 RECORDING = PROMETHEUS / "rules" / "kvcp-recording.yml"
 ALERTS = PROMETHEUS / "rules" / "kvcp-alerts.yml"
 GRAFANA = DEPLOY / "grafana"
+#: One page per alert (``<alert name in lower case>.md``) and ``index.md``, served by the docs site.
+RUNBOOKS = DEPLOY.parent / "docs" / "runbooks"
 
 
 def load_yaml(path: Path) -> Any:

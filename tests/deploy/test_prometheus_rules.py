@@ -10,8 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from cacheadmin.management.commands.demo import DEFAULT_BIND
 from cacheadmin.metrics.catalogue import exported_series_names
-from tests.deploy.files import ALERTS, PROMETHEUS, RECORDING, known_names, load_yaml, recorded_names, rules, run_promtool
+from tests.deploy.files import (
+    ALERTS,
+    PROMETHEUS,
+    RECORDING,
+    RUNBOOKS,
+    known_names,
+    load_yaml,
+    recorded_names,
+    rules,
+    run_promtool,
+)
 from tests.deploy.promql import PromQLNameError, metric_names
 from tests.docs_pages import docs_page, section
 
@@ -30,6 +41,14 @@ REQUIRED_ALERTS = {
     "KvcpEngineHostLost": "page",
 }
 UNIT_TESTS = sorted((PROMETHEUS / "tests").glob("*.test.yml"))
+#: What the alerts' links start with: the shipped config's external labels (docs/runbooks/index.md).
+DASHBOARD_BASE = "{{ $externalLabels.kvcp_dashboard_url }}"
+DOCS_BASE = "{{ $externalLabels.kvcp_docs_url }}"
+#: The labels joined from the info metrics onto alerts about a namespace or an engine.
+NAMESPACE_JOIN = "group_left (tenant, served_model, model_version, page"
+ENGINE_JOIN = "group_left (tenant, served_model, model_version, host, page)"
+#: A runbook page's sections, in this order, under its ``# <alert name>`` title.
+RUNBOOK_SECTIONS = ["## What it means", "## Look at", "## Do", "## Confirm it is fixed"]
 
 
 # --- the PromQL name extractor ---------------------------------------------
@@ -103,8 +122,16 @@ def test_config_scrapes_three_endpoints_with_the_token() -> None:
     for job in jobs.values():
         assert job["metrics_path"] == "/metrics"
         assert job["authorization"] == {"type": "Bearer", "credentials_file": "kvcp-metrics-token"}
+    # What manage.py demo starts, at its defaults (GUNICORN_BIND, GATEWAY_ADDR, KV_EVENTS_METRICS_ADDR).
+    assert jobs["kvcp-control-plane"]["static_configs"] == [{"targets": [DEFAULT_BIND]}]
     assert jobs["kvcp-gateway"]["static_configs"] == [{"targets": ["127.0.0.1:8300"]}]
+    assert jobs["kvcp-kv-events"]["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
     assert (PROMETHEUS / ".gitignore").read_text().split() == ["kvcp-metrics-token"]
+    # The alerts' link bases: the demo's dashboard and `mkdocs serve`'s address (mkdocs.yml dev_addr).
+    assert config["global"]["external_labels"] == {
+        "kvcp_dashboard_url": f"http://{DEFAULT_BIND}",
+        "kvcp_docs_url": f"http://{load_yaml(PROMETHEUS.parents[1] / 'mkdocs.yml')['dev_addr']}",
+    }
 
 
 def test_check_rules_counts_every_rule(promtool: str) -> None:
@@ -127,13 +154,13 @@ def test_rule_unit_tests_pass(promtool: str) -> None:
 def test_rule_unit_tests_fail_on_a_wrong_expectation(promtool: str, tmp_path: Path) -> None:
     """The fixtures really check: one changed number in an expected annotation fails."""
     text = (PROMETHEUS / "tests" / "kvcp-alerts.test.yml").read_text()
-    assert text.count("ns-a: 120 evictions") == 1
-    broken = text.replace("ns-a: 120 evictions", "ns-a: 121 evictions").replace("../rules/", f"{PROMETHEUS}/rules/")
+    assert text.count("tiny-v1: 120 evictions") == 1
+    broken = text.replace("tiny-v1: 120 evictions", "tiny-v1: 121 evictions").replace("../rules/", f"{PROMETHEUS}/rules/")
     (tmp_path / "broken.test.yml").write_text(broken)
     done = run_promtool(promtool, "test", "rules", tmp_path / "broken.test.yml")
     assert done.returncode == 1, done.stdout
     assert "FAILED" in done.stdout
-    assert 'summary="Namespace ns-a: 120 evictions in the last hour"' in done.stdout
+    assert 'summary="acme\'s tiny on version tiny-v1: 120 evictions in the last hour"' in done.stdout
 
 
 def test_each_alert_has_a_firing_and_a_quiet_case() -> None:
@@ -165,11 +192,61 @@ def test_every_alert_has_a_severity_and_annotations_naming_what_it_is_about() ->
     for rule in rules(ALERTS):
         assert rule["labels"]["severity"] in {"page", "warn"}, rule["alert"]
         annotations = rule["annotations"]
-        assert set(annotations) == {"summary", "description"}, rule["alert"]
+        assert set(annotations) == {"summary", "description", "runbook_url", "dashboard_url"}, rule["alert"]
         per_engine = any(word in rule["alert"] for word in ("Isolation", "Engine", "PrefixIndex"))
         per_gateway = "GatewayRouting" in rule["alert"]
-        about = "$labels.engine" if per_engine else "$labels.instance" if per_gateway else "$labels.namespace"
-        assert about in annotations["summary"] and about in annotations["description"], rule["alert"]
+        if per_gateway:
+            assert "$labels.instance" in annotations["summary"] and "$labels.instance" in annotations["description"]
+            continue
+        # People's names for what it is about, from the info metric joined in; the key or engine name too.
+        about = "$labels.engine" if per_engine else "$labels.namespace"
+        assert about in annotations["description"], rule["alert"]
+        for label in ("$labels.served_model", "$labels.model_version", "$labels.tenant"):
+            assert label in annotations["summary"] + annotations["description"], (rule["alert"], label)
+        if per_engine:
+            assert "kvcp_engine_info" in rule["expr"], rule["alert"]
+        else:
+            assert NAMESPACE_JOIN in rule["expr"] and "kvcp_namespace_info" in rule["expr"], rule["alert"]
+
+
+def test_every_alert_links_its_runbook_and_its_dashboard_page() -> None:
+    for rule in rules(ALERTS):
+        name = rule["alert"]
+        annotations = rule["annotations"]
+        assert annotations["runbook_url"] == f"{DOCS_BASE}/runbooks/{name.lower()}/", name
+        assert annotations["dashboard_url"].startswith(DASHBOARD_BASE), name
+        page = annotations["dashboard_url"].removeprefix(DASHBOARD_BASE)
+        if "GatewayRouting" in name:  # about a gateway instance: the dashboard's gateway section
+            assert page == "/#gateway"
+        else:  # the page of the namespace, release or engine, from the info metric's labels
+            assert "$labels.page" in page, name
+        # Engine alerts join what an engine is about onto their labels (or read kvcp_engine_info itself).
+        if "kvcp_engine_info" in rule["expr"] and not rule["expr"].startswith("kvcp_engine_info"):
+            assert ENGINE_JOIN in rule["expr"], name
+
+
+def test_every_alert_has_its_runbook_page_and_every_page_an_alert() -> None:
+    names = {rule["alert"].lower(): rule["alert"] for rule in rules(ALERTS)}
+    pages = {path.stem for path in RUNBOOKS.glob("*.md")}
+    assert pages == {*names, "index"}
+    index = (RUNBOOKS / "index.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| \[`(\w+)`\]\((\w+)\.md\) \| (page|warn) \|", index, flags=re.MULTILINE)
+    assert [(name, page) for name, page, _ in listed] == [(name, name.lower()) for name in REQUIRED_ALERTS]
+    assert {name: severity for name, _, severity in listed} == REQUIRED_ALERTS
+
+
+@pytest.mark.parametrize("name", list(REQUIRED_ALERTS))
+def test_each_runbook_page_has_the_sections_in_order(name: str) -> None:
+    text = (RUNBOOKS / f"{name.lower()}.md").read_text(encoding="utf-8")
+    assert text.startswith(f"# {name}\n"), name
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings == RUNBOOK_SECTIONS, name
+    # Each section says something: text between its heading and the next one.
+    bodies = re.split(r"^## .*$", text, flags=re.MULTILINE)[1:]
+    assert [bool(body.strip()) for body in bodies] == [True] * len(RUNBOOK_SECTIONS), name
+    # Its severity as the rule has it, and a way back to the list.
+    assert f"Severity: **{REQUIRED_ALERTS[name]}**" in text
+    assert "[All runbooks](index.md)" in text
 
 
 def test_recording_rule_names_follow_the_convention() -> None:

@@ -410,14 +410,18 @@ class Command(ControlPlaneCommand):
         except RuntimeError as exc:
             raise self.bad_input(f"demo failed: {exc}") from exc
         log(f"celery worker ready (broker {settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}")
-        consumer = KvEventsProcess(settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo")
+        # Its metrics where deploy/prometheus/prometheus.yml's kvcp-kv-events job scrapes them.
+        consumer = KvEventsProcess(
+            settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo", metrics_addr=settings.KV_EVENTS_METRICS_ADDR
+        )
         stack = contextlib.ExitStack()
         try:
             try:
                 consumer.start()
             except RuntimeError as exc:
                 raise self.bad_input(f"demo failed: {exc}") from exc
-            log(f"KV-event consumer ready (resident tokens per namespace, isolation alarms), log {consumer.log_path}")
+            metrics_at = f", metrics http://{consumer.metrics_addr}/metrics" if consumer.metrics_addr else ""
+            log(f"KV-event consumer ready (resident tokens per namespace, isolation alarms){metrics_at}, log {consumer.log_path}")
             if server is not None:
                 self._serve(server, log)
 
