@@ -13,6 +13,11 @@ class CacheAdminConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
+        from cacheadmin.tracing import tracing_setup
+
+        # Before any middleware loads: Django's and Celery's spans when OTEL_* variables ask (docs/tracing.md).
+        tracing_setup()
+
         # Registers every job runner (and its Celery task) and the job_finished
         # receivers, in every process: web, worker, commands.
         import cacheadmin.tasks  # noqa: F401

@@ -32,6 +32,17 @@ def _metrics_setup(**_kwargs: object) -> None:
     signals_connect()
 
 
+@celeryd_init.connect
+def _tracing_claim(**_kwargs: object) -> None:
+    """A worker's spans are ``kvcp-worker``'s when ``OTEL_*`` variables turn tracing on
+    (:mod:`cacheadmin.tracing`): claimed before Django's setup, which would otherwise name the
+    process the control plane's at its first queued task; before the pool forks (the SDK
+    renews its export thread in each child)."""
+    from cacheadmin.tracing import worker_claim
+
+    worker_claim()
+
+
 @worker_ready.connect
 def _recover_lost_jobs(**_kwargs: object) -> None:
     """On every worker start, retry or fail jobs whose worker died.

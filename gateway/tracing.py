@@ -23,7 +23,8 @@ Attributes never carry prompt or completion text, keys, tokens or personal
 data: ids, names chosen by operators, counts, outcomes.
 
 Django-free: the control plane builds its provider with the same function
-(:func:`provider_from_env`) in ``cacheadmin.tracing``.
+(:func:`provider_from_env`) in ``cacheadmin.tracing``. The SDK is imported only
+when tracing is on (the API alone is a few milliseconds of a process's start).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from opentelemetry import propagate, trace
 from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
@@ -41,13 +42,13 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
     OTEL_SDK_DISABLED,
-    OTEL_SERVICE_NAME,
 )
-from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
-from opentelemetry.util._importlib_metadata import entry_points
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 __all__ = [
     "DEFAULT_SERVICE",
@@ -57,6 +58,7 @@ __all__ = [
     "TracingConfigError",
     "child",
     "configure",
+    "exporters_check",
     "inject_headers",
     "provider_from_env",
     "tracing_enabled",
@@ -117,12 +119,15 @@ def _exporter_names(environ: Mapping[str, str]) -> list[str]:
     return resolved
 
 
-def _exporter(name: str) -> SpanExporter:
-    """An instance of the SDK's trace exporter entry point ``name``, configured by its own ``OTEL_*`` variables.
+def _exporter_class(name: str) -> type[SpanExporter]:
+    """The SDK's trace exporter entry point ``name``.
 
     Raises:
         TracingConfigError: no such exporter installed, or not a span exporter.
     """
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.util._importlib_metadata import entry_points
+
     found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
     if not found:
         installed = sorted(ep.name for ep in entry_points(group="opentelemetry_traces_exporter"))
@@ -133,14 +138,29 @@ def _exporter(name: str) -> SpanExporter:
     cls = found[0].load()
     if not (isinstance(cls, type) and issubclass(cls, SpanExporter)):
         raise TracingConfigError(f"{OTEL_TRACES_EXPORTER}: {name!r} is not a trace exporter")
-    return cls()
+    return cls
+
+
+def exporters_check(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The SDK trace exporters ``environ`` (default: this process's) selects, checked installed,
+    without building anything: what a process that builds its provider later checks at its start.
+
+    Raises:
+        TracingConfigError: an exporter or protocol that cannot be used.
+    """
+    names = _exporter_names(os.environ if environ is None else environ)
+    for name in names:
+        _exporter_class(name)
+    return names
 
 
 def resource_from_env(default_service: str) -> Resource:
     """The SDK's resource of this process (``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``, the SDK's
     own attributes), with ``default_service`` as ``service.name`` when the environment names none."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+
     resource = Resource.create()
-    if OTELResourceDetector().detect().attributes.get(SERVICE_NAME) or os.environ.get(OTEL_SERVICE_NAME):
+    if OTELResourceDetector().detect().attributes.get(SERVICE_NAME):
         return resource
     return resource.merge(Resource({SERVICE_NAME: default_service}))
 
@@ -159,10 +179,13 @@ def provider_from_env(default_service: str, environ: Mapping[str, str] | None = 
     Raises:
         TracingConfigError: an exporter or protocol that cannot be used.
     """
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     env = os.environ if environ is None else environ
     if not tracing_enabled(env):
         return None
-    exporters = [_exporter(name) for name in _exporter_names(env)]
+    exporters = [_exporter_class(name)() for name in _exporter_names(env)]
     provider = TracerProvider(resource=resource_from_env(default_service))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -179,6 +202,8 @@ def configure(default_service: str = DEFAULT_SERVICE) -> TracerProvider | None:
     Raises:
         TracingConfigError: an exporter or protocol that cannot be used.
     """
+    from opentelemetry.sdk.trace import TracerProvider
+
     global TRACER
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
@@ -189,7 +214,7 @@ def configure(default_service: str = DEFAULT_SERVICE) -> TracerProvider | None:
         return None
     trace.set_tracer_provider(provider)
     TRACER = provider.get_tracer(SCOPE)
-    log.info("tracing on: service %s", provider.resource.attributes.get(SERVICE_NAME))
+    log.info("tracing on: service %s", provider.resource.attributes.get("service.name"))
     return provider
 
 

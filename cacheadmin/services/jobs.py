@@ -39,6 +39,7 @@ from cacheadmin.models.jobs import Job
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.db import database_busy
 from cacheadmin.services.model_versions import LifecycleError
+from cacheadmin.tracing import job_span_annotate
 from inference.errors import storable_text
 from inference.processes import pid_alive
 
@@ -95,6 +96,7 @@ class JobRunner:
         RUNNERS[cls.model] = cls
 
         def execute(task: Any, job_id: int) -> None:
+            job_span_annotate(cls.model.__name__, job_id)
             outcome: list[object] = []
             job_run_guarded(cls.model, job_id, lambda: outcome.append(cls.run(job_id)))
             if outcome == ["busy"] and cls.retry_busy_lane_s is not None:
