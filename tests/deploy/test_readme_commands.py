@@ -16,7 +16,7 @@ from django.core.management import get_commands
 
 from cacheadmin.management.commands.demo import ServerOptions, gunicorn_command
 from tests.deploy.files import DEPLOY
-from tests.docs_pages import docs_page, docs_pages
+from tests.docs_pages import README, docs_page, docs_pages
 from tests.helpers import PROJECT
 
 #: Every text an operator copies commands from.
@@ -79,3 +79,13 @@ def test_the_deployments_gunicorn_runs_every_option_the_demo_runs() -> None:
     aliases = {"--config": "-c"}  # gunicorn's short form is what the page shows
     assert sorted({aliases.get(arg, arg) for arg in demo} - {"-m"} - given) == []
     assert "python:cacheadmin.metrics.gunicorn_config" in shlex.split(line, comments=True)
+
+
+def test_the_readme_opens_with_the_two_commands_and_stays_short() -> None:
+    """A clone-and-run check reads the README's first two code blocks: the demo, then the tests."""
+    readme = README.read_text(encoding="utf-8")
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", readme, flags=re.S)
+    assert blocks[:2] == ["./scripts/setup && .venv/bin/python manage.py demo\n", "./scripts/test\n"]
+    # Everything else lives in docs/ (a MkDocs site); the README links into it.
+    assert len(readme.splitlines()) <= 150
+    assert "docs/index.md" in readme
