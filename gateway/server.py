@@ -107,7 +107,7 @@ def check_body(body: Mapping[str, Any]) -> None:
 
 @dataclass
 class Limits:
-    """Protection settings (see the README's gateway section).
+    """Protection settings (see docs/gateway/index.md, "Protection").
 
     Attributes:
         rate_per_s, burst: a key's token bucket when the key sets none.

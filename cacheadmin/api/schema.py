@@ -146,7 +146,7 @@ class ControlPlaneAutoSchema(AutoSchema):
     - a write, or an operation taking query parameters or headers: 400;
     - an id in the path: 404;
     - a write: 409, 413, 415, 503. Reads do not wait for or fail on another
-      writer's lock (README), so a read that writes nothing has no 503.
+      writer's lock (docs/concepts/api.md), so a read that writes nothing has no 503.
     """
 
     def _handler(self) -> Any:

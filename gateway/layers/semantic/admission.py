@@ -79,7 +79,7 @@ _MONTHS = (
     r"|nov(?:ember)?|dec(?:ember)?)"
 )
 
-#: The rules applied when none are configured (the README lists them under "Semantic matching, guards and admission");
+#: The rules applied when none are configured (docs/gateway/semantic-cache.md lists them);
 #: each rule errs towards bypassing (a bypass costs a possible hit, a stale hit serves a wrong answer).
 DEFAULT_RULES: tuple[Rule, ...] = (
     Rule(

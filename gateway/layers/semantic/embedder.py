@@ -9,7 +9,7 @@ differ only after that point embed identically — the template guard in
 :mod:`gateway.layers.semantic.matching` exists for that case among others.
 
 Torch backend, measured on the 2-core development host (bench/semantic_eval.py --timing and
-an interleaved 1-vs-2-thread run; numbers in the README, "Semantic matching, guards and admission"):
+an interleaved 1-vs-2-thread run; numbers in docs/gateway/semantic-cache.md, "Embeddings"):
 importing torch and sentence-transformers dominates the first load (about
 4 s idle), building the model from its directory about 0.1 s. With torch's
 default of 2 intra-op threads one 20-word text took 8.0 ms (p50) on an idle

@@ -25,7 +25,7 @@ thing everywhere:
 
 Wrong hits are worse than misses (a false hit serves another question's
 answer), so every guard errs on the side of refusing. The shipped threshold
-and the measured precision/recall are in the README ("Semantic matching, guards and admission").
+and the measured precision/recall are in docs/gateway/semantic-cache.md and semantic-evaluation.md.
 """
 
 from __future__ import annotations
