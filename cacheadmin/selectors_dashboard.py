@@ -46,8 +46,9 @@ from cacheadmin.models import (
 )
 from cacheadmin.models.eviction import EngineMetricsSample
 from cacheadmin.schedules import SCHEDULES
-from cacheadmin.services.eviction.plan import namespace_targets, version_ranks
+from cacheadmin.services.eviction.plan import CANDIDATE_WHY, namespace_targets, version_ranks
 from cacheadmin.services.gateway import routing_snapshot_build
+from cacheadmin.templatetags.cacheadmin_tags import MEDIUM_LABELS, device_of_build
 from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.records import layer_figures
 
@@ -373,6 +374,9 @@ def staleness_rows(namespaces: list[CacheNamespace], *, next_sweep: datetime | N
         when = next_sweep
         if policy.pinned:
             nxt, when = f"nothing: held by {policy.hold_by}", None
+        elif CANDIDATE_WHY in why:
+            # About to take traffic: the planner keeps it hot whatever its rank.
+            nxt, when = "keep: " + why[why.index(CANDIDATE_WHY) :], None
         elif target != ns.residency and not (ns.residency == Residency.COLD and target == Residency.HOT):
             nxt = {"cold": "demote to the cold tier", "dropped": "drop from every tier"}.get(target, target)
         elif ttl and age_s is not None and age_s >= ttl:
@@ -571,19 +575,27 @@ def chart_storage(scans: int = 30) -> dict[str, Any]:
             "datasets": [{"label": t, "data": [v[i] for i in keep]} for t, v in sorted(tiers.items())]}  # fmt: skip
 
 
+#: The labels of engine memory (vLLM's ``GPU`` medium), listed first.
+ENGINE_MEMORY_LABELS = frozenset(label for (_, medium), label in MEDIUM_LABELS.items() if medium == "GPU")
+
+
 def chart_resident(*, window_s: int = 180) -> dict[str, Any]:
-    """Tokens each namespace holds now, per medium (``GPU`` engine memory, an
+    """Tokens each namespace holds now, per medium (engine memory, an
     offloading connector's ``CPU`` and ``STORAGE`` tiers), summed over engines,
     from the KV-event consumer's latest sample per (engine, namespace, medium)
     of the last ``window_s`` seconds (two queries). Media are kept apart: a
     block offloaded to CPU is also held in GPU until evicted there, and a reset
     empties GPU alone (vLLM 0.32, see :mod:`inference.kv_events`).
 
+    vLLM names engine memory ``GPU`` even on a CPU build: each medium is labelled
+    for the device of the engine holding it (:data:`cacheadmin.templatetags.cacheadmin_tags.MEDIUM_LABELS`:
+    ``KV cache memory (CPU RAM)`` on a CPU engine, ``GPU memory`` on a GPU one).
+
     Returns:
         ``{"labels": ["<boundary>/<version>" or "unattributed"], "datasets":
-        [{"label": "<medium> tokens", "data": [n]}]}``, one dataset per medium
-        seen (GPU first), namespaces by most tokens over all media first, at
-        most 20.
+        [{"label": "<medium label> tokens", "data": [n]}]}``, one dataset per
+        medium label seen (engine memory first), namespaces by most tokens over
+        all media first, at most 20.
     """
     since = timezone.now() - timedelta(seconds=window_s)
     latest = (
@@ -593,14 +605,16 @@ def chart_resident(*, window_s: int = 180) -> dict[str, Any]:
         .values("last")
     )
     per: dict[int | None, dict[str, int]] = {}
-    for namespace_id, medium, tokens in (
+    for namespace_id, medium, build, tokens in (
         ResidentSample.objects.filter(id__in=Subquery(latest))
-        .values("namespace_id", "medium")
+        .values("namespace_id", "medium", "engine__model_version__inputs__layout__engine_version")
         .annotate(tokens=Sum("tokens"))
-        .values_list("namespace_id", "medium", "tokens")
+        .values_list("namespace_id", "medium", "engine__model_version__inputs__layout__engine_version", "tokens")
     ):
         if tokens:
-            per.setdefault(namespace_id, {})[medium] = tokens
+            # vLLM says GPU for engine memory on a CPU build too: named by the engine's device.
+            label = MEDIUM_LABELS.get((device_of_build(build), medium), medium)
+            per.setdefault(namespace_id, {})[label] = per.get(namespace_id, {}).get(label, 0) + tokens
     shown = sorted(per, key=lambda ns: (-sum(per[ns].values()), ns or 0))[:20]
     names = {
         ns.pk: f"{ns.boundary_label}/{ns.model_version.label}"
@@ -608,7 +622,7 @@ def chart_resident(*, window_s: int = 180) -> dict[str, Any]:
             "model_version", "tenant", "group"
         )
     }
-    media = sorted({m for ns in shown for m in per[ns]}, key=lambda m: (m != "GPU", m))
+    media = sorted({m for ns in shown for m in per[ns]}, key=lambda m: (m not in ENGINE_MEMORY_LABELS, m))
     return {
         "labels": [names.get(ns, "unattributed") if ns else "unattributed" for ns in shown],
         "datasets": [{"label": f"{m} tokens", "data": [per[ns].get(m, 0) for ns in shown]} for m in media],

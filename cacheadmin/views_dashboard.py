@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 from django.contrib import messages
 from django.db import transaction
+from django.db.models import CharField, DateTimeField, OuterRef, Subquery
+from django.db.models.functions import Cast
 from django.http import (
     Http404,
     HttpRequest,
@@ -42,6 +44,7 @@ from cacheadmin.metrics.views import method_not_allowed
 from cacheadmin.middleware import answers_json_when_signed_out
 from cacheadmin.models import (
     ApiToken,
+    AuditEvent,
     ComparisonJob,
     Engine,
     EngineAlarm,
@@ -162,8 +165,21 @@ def _base(request: HttpRequest, poll_s: int | None = None) -> dict[str, Any]:
     }
 
 
+#: Audit actions that start an engine's current incarnation (its process), newest wins.
+ENGINE_START_ACTIONS = ("engine.start", "engine.restart", "engine.adopt", "engine.adopt_ray")
+
+
 def _ctx_engines(request: HttpRequest) -> dict[str, Any]:
-    engines = list(selectors.engine_list())
+    # When the current incarnation was started: the newest start, restart or adoption in the
+    # audit log (one subquery). The row's created_at is its first start only.
+    started = (
+        AuditEvent.objects.filter(
+            object_type="engine", object_id=Cast(OuterRef("pk"), CharField()), action__in=ENGINE_START_ACTIONS
+        )
+        .order_by("-created_at", "-id")
+        .values("created_at")[:1]
+    )
+    engines: list[Engine] = list(selectors.engine_list().annotate(started_at=Subquery(started, output_field=DateTimeField())))
     return {
         "engines": engines,
         "alarms": list(

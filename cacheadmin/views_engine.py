@@ -27,7 +27,7 @@ from cacheadmin.models import (
 from cacheadmin.models.api_tokens import session_allows
 from cacheadmin.services.block_index import cached_prefixes
 from cacheadmin.services.comparison import MAX_TOKENS, comparison_job_create
-from cacheadmin.services.engine_verification import engine_verify, verify_refusal
+from cacheadmin.services.engine_verification import engine_readopt_advice, engine_verify, verify_refusal
 from cacheadmin.services.engines import (
     ClusterUnreachable,
     EngineRefused,
@@ -92,7 +92,8 @@ def engine_gateway_figures(namespaces: list[CacheNamespace], *, since: Any) -> l
     each namespace since ``since``: ``namespace``, ``requests``, ``hits``
     (requests with cached prompt tokens), ``hit_ratio`` (0..1 or None),
     ``prompt_tokens``, ``cached_prompt_tokens``, ``ttft_warm_ms`` and
-    ``ttft_cold_ms`` (means, None without such requests). The gateway records
+    ``ttft_cold_ms`` (means, None without such requests) and ``ttft_warm_n``,
+    ``ttft_cold_n`` (the requests each mean is over). The gateway records
     per namespace, so a namespace served by several engines shows all of them. One query."""
     sums = (
         GatewayStat.objects.filter(namespace__in=namespaces, layer="prefix", minute__gte=since)
@@ -120,6 +121,7 @@ def engine_gateway_figures(namespaces: list[CacheNamespace], *, since: Any) -> l
             "prompt_tokens": row.get("prompt_tokens") or 0, "cached_prompt_tokens": row.get("cached") or 0,
             "ttft_warm_ms": row["hit_ms"] / row["hit_n"] if row.get("hit_n") else None,
             "ttft_cold_ms": row["miss_ms"] / row["miss_n"] if row.get("miss_n") else None,
+            "ttft_warm_n": row.get("hit_n") or 0, "ttft_cold_n": row.get("miss_n") or 0,
         })  # fmt: skip
     return out
 
@@ -222,7 +224,9 @@ def engine_live(request: HttpRequest, pk: int) -> HttpResponse:
     page (``HX-Refresh``)."""
     engine = _engine(pk)
     shown = request.GET.get("shown", "")[:100]
-    context = {**_live_context(engine), "page_state": shown or page_state(engine)}
+    # The heading's status travels with every poll (out of band): it follows the engine even
+    # where the reload that HX-Refresh asks for does not happen (no `shown`, a cached page).
+    context = {**_live_context(engine), "page_state": shown or page_state(engine), "oob": True}
     response = render(request, "cacheadmin/_engine_live.html", context)
     if shown and shown != page_state(engine):
         response["HX-Refresh"] = "true"
@@ -278,8 +282,7 @@ def engine_action(request: HttpRequest, pk: int, verb: str) -> HttpResponse:
         if verb == "start":
             if not engine.managed:
                 raise EngineRefused(
-                    f"engine {engine.name} was adopted: its process is not ours to start; "
-                    "start it where it runs, then adopt it again at its URL"
+                    f"engine {engine.name} was adopted: its process is not ours to start; {engine_readopt_advice(engine)}"
                 )
             if engine.status not in (Engine.Status.STOPPED, Engine.Status.FAILED, Engine.Status.LOST):
                 raise EngineRefused(f"engine {engine.name} is {engine.status}; only a stopped, failed or lost engine starts")

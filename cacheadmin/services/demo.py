@@ -26,7 +26,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from cacheadmin.models import (
     JobStatus,
     ModelVersion,
     PrewarmJob,
+    PromptTemplate,
     Residency,
     Tenant,
 )
@@ -58,7 +59,7 @@ from cacheadmin.services.demo_release import (
     tooling_token,
     traffic_figures,
 )
-from cacheadmin.services.demo_traffic import TrafficRunner, TrafficStats
+from cacheadmin.services.demo_traffic import TemplateSpec, TrafficRunner, TrafficStats
 from cacheadmin.services.engines import engine_client, engine_create, engine_stop, engines_boot, engines_reconcile
 from cacheadmin.services.eviction.resume import eviction_sweep
 from cacheadmin.services.gateway import gateway_key_issue, tenant_gateway_policy_update
@@ -72,6 +73,7 @@ from cacheadmin.services.namespaces import (
     tenant_get_or_create,
 )
 from cacheadmin.services.prewarm import prewarm_job_create
+from cacheadmin.services.prompt_templates import prompt_template_create
 from cacheadmin.services.releases import release_rollback
 from inference.corpus import load_corpus
 from inference.policies import load_policies
@@ -88,6 +90,35 @@ DEMO_LAYOUT = DEMO_MODELS["tiny"].layout
 
 class DemoError(RuntimeError):
     """A step of the main job failed; the message names the step."""
+
+
+#: The variable after a demo template's system prompt: the demo's first message is the system
+#: prompt alone (the question is the second message), so its sample appends nothing.
+DEMO_TEMPLATE_VARIABLE = "appended"
+
+
+def demo_templates_register(*, tenant: Tenant, templates: Sequence[TemplateSpec], log: Callable[[str], None]) -> list[str]:
+    """Register the traffic's prompt templates for ``tenant``, so the gateway counts each request
+    against its template and the prompt-templates page shows them. A template already
+    registered under its name (an earlier run on this database) is left as it is.
+
+    Each template's text is its system prompt (the request's first message, which the gateway
+    matches templates against: :func:`gateway.templates.leading_text`) followed by
+    ``{appended}``; braces in the prompt are escaped.
+
+    Returns:
+        The names registered by this call.
+    """
+    made = []
+    for spec in templates:
+        if PromptTemplate.objects.filter(name=spec.name).exists():
+            continue
+        text = spec.system.replace("{", "{{").replace("}", "}}") + "{" + DEMO_TEMPLATE_VARIABLE + "}"
+        prompt_template_create(name=spec.name, tenant=tenant, text=text, samples=[{DEMO_TEMPLATE_VARIABLE: ""}], actor=ACTOR)
+        made.append(spec.name)
+    if made:
+        log(f"  prompt templates registered for {tenant.slug}: {', '.join(made)}")
+    return made
 
 
 def _wait(job: Job, *, timeout_s: float, log: Callable[[str], None], watchdog: Callable[[], None]) -> Job:
@@ -452,6 +483,7 @@ def demo_run(
             first = api.post("/api/releases/", {"served_name": model.served_name, "tenant": "acme", "to_version": v1.pk})
             what = f"{first['classification']}, {first['traffic_percent']} % on {v1.label}"
             log(f"  POST /api/releases/ → release #{first['id']} {what}")
+        demo_templates_register(tenant=tenant, templates=model.workload().templates, log=log)
         _, key = gateway_key_issue(tenant=tenant, name=f"demo traffic {run}", actor=ACTOR)
         _gateway_answers(stage.gateway_url, key, model.served_name, timeout_s=120)
         runner = TrafficRunner(stage.gateway_url, key, model.workload(), rate_per_s=rate_per_s, log=log)

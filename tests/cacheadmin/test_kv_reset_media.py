@@ -133,7 +133,7 @@ def test_a_reset_empties_engine_memory_and_offloaded_blocks_stay_until_removed(
     page = Client()
     page.force_login(User.objects.create_user("viewer"))
     live = page.get(f"/engines/{engine.pk}/live").content.decode()
-    assert "it empties engine memory (GPU) only" in live and "offloaded blocks of 2 namespaces stayed" in live
+    assert "it empties engine KV cache memory only" in live and "offloaded blocks of 2 namespaces stayed" in live
     # The consumer restarts from its checkpoint with the same view.
     again, resumed = consumer_of(engine)
     assert resumed.residency.totals() == stream.residency.totals() and resumed.cleared_kept == stream.cleared_kept
@@ -222,8 +222,8 @@ def test_the_dashboard_charts_resident_tokens_per_medium(world) -> None:
     assert chart_resident() == {
         "labels": ["acme/v1", "unattributed"],
         "datasets": [
-            {"label": "GPU tokens", "data": [64, 32]},
-            {"label": "CPU tokens", "data": [96, 0]},
-            {"label": "STORAGE tokens", "data": [32, 0]},
+            {"label": "engine KV cache memory tokens", "data": [64, 32]},
+            {"label": "CPU offload tier tokens", "data": [96, 0]},
+            {"label": "storage offload tier tokens", "data": [32, 0]},
         ],
     }

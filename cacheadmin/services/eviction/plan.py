@@ -18,6 +18,7 @@ from cacheadmin.models import (
     EvictionRun,
     JobStatus,
     ModelVersion,
+    Release,
     Residency,
     Tier,
 )
@@ -60,6 +61,12 @@ def version_ranks(served_names: set[str]) -> dict[int, int]:
     )
 
 
+#: Releases still under way: their candidate (``to_version``) is kept hot whatever its rank.
+OPEN_RELEASE_STATUSES = (Release.Status.DECISION_REQUIRED, Release.Status.PREPARING, Release.Status.READY)
+#: How a target names that reason (pages read it to say so).
+CANDIDATE_WHY = "the candidate of open release"
+
+
 def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, str]]:
     """Where each namespace's state should live under the version policy.
 
@@ -67,9 +74,26 @@ def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, 
         namespaces: with ``model_version``, ``policy`` and ``group`` loaded.
 
     Returns:
-        namespace pk → (target residency, why), for every namespace given.
+        namespace pk → (target residency, why), for every namespace given. The candidate
+        version of an open release (:data:`OPEN_RELEASE_STATUSES`) stays hot. Two queries.
     """
     ranks = version_ranks({ns.model_version.served_name for ns in namespaces})
+    # The version an open release brings is about to take traffic: demoting its state would
+    # undo the release's prewarm (and a release moves traffic only onto hot namespaces).
+    # Matched by the release's new namespace, or by its tenant and version before it has one.
+    by_namespace: dict[int, int] = {}
+    by_tenant_version: dict[tuple[int | None, int], int] = {}
+    for release_id, tenant_id, version_id, namespace_id in (
+        Release.objects.filter(status__in=OPEN_RELEASE_STATUSES, to_version_id__in={ns.model_version_id for ns in namespaces})
+        .order_by("-id")
+        .values_list("id", "tenant_id", "to_version_id", "to_namespace_id")
+        if namespaces
+        else ()
+    ):
+        if namespace_id is not None:
+            by_namespace[namespace_id] = release_id
+        else:
+            by_tenant_version[(tenant_id, version_id)] = release_id
     targets: dict[int, tuple[str, str]] = {}
     for ns in namespaces:
         policy, version = ns.policy, ns.model_version
@@ -79,6 +103,10 @@ def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, 
             targets[ns.pk] = (Residency.DROPPED, f"superseded generation of group {ns.group.slug}")
         elif version.status == ModelVersion.Status.ACTIVE:
             targets[ns.pk] = (Residency.HOT, f"{where}: active")
+        elif (
+            release := by_namespace.get(ns.pk) or by_tenant_version.get((ns.tenant_id, version.pk))
+        ) and version.status != ModelVersion.Status.RETIRED:
+            targets[ns.pk] = (Residency.HOT, f"{where}: {CANDIDATE_WHY} #{release}")
         elif rank < policy.versions_kept and version.status != ModelVersion.Status.RETIRED:
             targets[ns.pk] = (Residency.HOT, f"{where}, within {policy.versions_kept} kept hot")
         elif rank < policy.versions_kept + policy.cold_versions_kept:
