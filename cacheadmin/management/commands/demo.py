@@ -402,14 +402,22 @@ class Command(ControlPlaneCommand):
             checkpoints = model.checkpoints(settings.DEMO_MODELS_DIR, log)
         except CheckpointError as exc:
             raise self.bad_input(f"demo failed: {exc}") from exc
-        worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo")
+        # With the beat scheduler from the start: the dashboard's schedules, engine hit ratios and
+        # storage move during the run, not only after it. Nothing in the run waits for beat to be
+        # off: a scheduled sweep gives owners EVICTION_NOTICE_S of notice (1 h) before it starts and
+        # the run's own sweep cancels such a waiting run first; the planner keeps an open release's
+        # candidate hot, so no sweep demotes the version being shipped.
+        worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo", beat=True)
         summary: dict[str, Any] | None = None
         interrupted = False
         try:
             worker.start()
         except RuntimeError as exc:
             raise self.bad_input(f"demo failed: {exc}") from exc
-        log(f"celery worker ready (broker {settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}")
+        log(
+            f"celery worker ready with the beat scheduler (accounting, metrics, health, eviction sweeps; broker "
+            f"{settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}"
+        )
         # Its metrics where deploy/prometheus/prometheus.yml's kvcp-kv-events job scrapes them.
         consumer = KvEventsProcess(
             settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo", metrics_addr=settings.KV_EVENTS_METRICS_ADDR
@@ -462,13 +470,6 @@ class Command(ControlPlaneCommand):
             log(digests_report(mail_before))
             if server is not None:
                 self._report(summary)
-                # While the dashboard is served, the scheduled accounting scans,
-                # metric scrapes and eviction sweeps run too (not during the
-                # main job: they would share its two cores with the TTFT measurements).
-                worker.stop()
-                worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo", beat=True)
-                worker.start()
-                log("celery worker restarted with the beat scheduler (accounting, metrics, eviction sweeps)")
                 scan = accounting_scan_scheduled()  # so the namespace pages show storage at once
                 if scan is not None:
                     log(f"accounting scan #{scan.pk}: {scan.prefixes_seen} prefixes, {scan.bytes_total} bytes")
