@@ -182,9 +182,16 @@ def add_layout_arguments(parser: CommandParser) -> None:
     parser.add_argument("--dtype", default=d["dtype"], help="engine dtype; auto = as the engine resolves it on this platform")
     parser.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], help="KV cache dtype; auto = the dtype")
     parser.add_argument("--block-size", type=positive_int, default=d["block_size"], help="KV block size in tokens")
-    parser.add_argument("--tensor-parallel-size", type=positive_int, default=d["tensor_parallel_size"])
-    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=d["pipeline_parallel_size"])
-    parser.add_argument("--quantization", default=d["quantization"])
+    parser.add_argument(
+        "--tensor-parallel-size", type=positive_int, default=d["tensor_parallel_size"], help="GPUs one layer is split across"
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=positive_int,
+        default=d["pipeline_parallel_size"],
+        help="stages the layers are split into",
+    )
+    parser.add_argument("--quantization", default=d["quantization"], help="vLLM --quantization method; default: none")
     parser.add_argument(
         "--kv-connector", default=d["kv_connector"], help="KV connector of the persistent tier, e.g. ExampleConnector"
     )

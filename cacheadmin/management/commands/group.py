@@ -25,13 +25,13 @@ class Command(ControlPlaneCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="verb", required=True)
         create = sub.add_parser("create", help="create a shared group")
-        create.add_argument("slug")
-        create.add_argument("--name", required=True)
+        create.add_argument("slug", help="group slug")
+        create.add_argument("--name", required=True, help="display name")
         for verb, text in (("join", "add a tenant to a group"), ("leave", "remove a tenant (supersedes the group's namespaces)")):
             p = sub.add_parser(verb, help=text)
             p.add_argument("slug", help="group slug")
             p.add_argument("tenant", help="tenant slug")
-            p.add_argument("--reason", required=True)
+            p.add_argument("--reason", required=True, help="why, for the audit trail")
         sub.add_parser("list", help="list groups with their generation and members")
 
     def handle(self, *args: Any, **opts: Any) -> None:

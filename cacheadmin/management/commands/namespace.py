@@ -47,8 +47,8 @@ def _add_policy(parser: CommandParser) -> None:
     parser.add_argument("--cold-versions-kept", type=_non_negative, default=1, help="versions after those kept archived (cold)")
     parser.add_argument("--lru-k", type=positive_int, default=2, help="K of LRU-K within the byte budget")
     parser.add_argument("--pin", action="store_true", help="legal hold: never evicted while held")
-    parser.add_argument("--hold-by", default="")
-    parser.add_argument("--hold-reason", default="")
+    parser.add_argument("--hold-by", default="", help="with --pin: who placed the legal hold")
+    parser.add_argument("--hold-reason", default="", help="with --pin: why the namespace is held")
 
 
 def _policy(opts: dict[str, Any]) -> RetentionPolicySpec:
@@ -77,19 +77,19 @@ class Command(ControlPlaneCommand):
         create.add_argument("--owner", required=True, help="retention owner name")
         _add_policy(create)
         policy = sub.add_parser("policy", help="replace a namespace's retention policy")
-        policy.add_argument("id", type=positive_int)
+        policy.add_argument("id", type=positive_int, help="namespace id")
         _add_policy(policy)
-        policy.add_argument("--reason", required=True)
+        policy.add_argument("--reason", required=True, help="why, for the audit trail")
         policy.add_argument("--release-hold", action="store_true", help="lift the namespace's legal hold on purpose")
         salt = sub.add_parser("salt", help="print the namespace's vLLM cache_salt (audited)")
-        salt.add_argument("id", type=positive_int)
+        salt.add_argument("id", type=positive_int, help="namespace id")
         sub.add_parser("list", help="list namespaces")
         heat = sub.add_parser("heat", help="report a hot conversation (JSON file: messages, tools)")
-        heat.add_argument("id", type=positive_int)
+        heat.add_argument("id", type=positive_int, help="namespace id")
         heat.add_argument("file", help='JSON object {"messages": [...], "tools": [...]?}; "-" reads stdin')
-        heat.add_argument("--hits", type=positive_int, default=1)
+        heat.add_argument("--hits", type=positive_int, default=1, help="hits to add to the conversation's heat")
         for p in (create, policy):
-            p.add_argument("--json", action="store_true")
+            p.add_argument("--json", action="store_true", help="print the namespace as JSON")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         getattr(self, f"verb_{opts['verb']}")(opts)

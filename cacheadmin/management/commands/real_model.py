@@ -25,7 +25,9 @@ class Command(ControlPlaneCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
         build = sub.add_parser("build", help="build (or reuse) the checkpoint; prints its folder last")
-        build.add_argument("name", nargs="?", default=SMOLLM2_135M_INSTRUCT.name, choices=sorted(REAL_MODELS))
+        build.add_argument(
+            "name", nargs="?", default=SMOLLM2_135M_INSTRUCT.name, choices=sorted(REAL_MODELS), help="which model to build"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         source = REAL_MODELS[options["name"]]

@@ -31,7 +31,7 @@ class Command(ControlPlaneCommand):
         parser.add_argument("--served-name", required=True, help="model name clients send to the engine")
         add_layout_arguments(parser)
         add_adapter_argument(parser)
-        parser.add_argument("--json", action="store_true")
+        parser.add_argument("--json", action="store_true", help="print the model version as JSON")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         for key in ("label", "served_name"):

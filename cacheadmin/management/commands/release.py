@@ -48,7 +48,7 @@ class Command(ControlPlaneCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="verb", required=True)
         plan = sub.add_parser("plan", help="create a release and print its classification")
-        plan.add_argument("--served-name", required=True)
+        plan.add_argument("--served-name", required=True, help="the model name clients ask for")
         plan.add_argument("--tenant", required=True, help="tenant slug")
         plan.add_argument(
             "--from", dest="from_version", type=positive_int, default=None,
@@ -56,25 +56,27 @@ class Command(ControlPlaneCommand):
         )  # fmt: skip
         plan.add_argument("--to", dest="to_version", type=positive_int, required=True, help="model version id it brings")
         evidence = sub.add_parser("evidence", help="collect the tokenization evidence (corpus token ids under both versions)")
-        evidence.add_argument("id", type=positive_int)
+        evidence.add_argument("id", type=positive_int, help="release id")
         decide = sub.add_parser("decide", help="take the invalidation decision")
-        decide.add_argument("id", type=positive_int)
-        decide.add_argument("--decision", required=True, choices=["verified_reuse", "new_namespace", "purge"])
-        decide.add_argument("--reason", required=True)
+        decide.add_argument("id", type=positive_int, help="release id")
+        decide.add_argument(
+            "--decision", required=True, choices=["verified_reuse", "new_namespace", "purge"], help="the invalidation decision"
+        )
+        decide.add_argument("--reason", required=True, help="why, for the audit trail")
         decide.add_argument("--comparison-job", type=positive_int, help="evidence (b) for verified_reuse")
         decide.add_argument("--engine", type=positive_int, help="engine to prewarm the new namespace on (new_namespace)")
         status = sub.add_parser("status", help="print a release (and its timeline)")
-        status.add_argument("id", type=positive_int)
+        status.add_argument("id", type=positive_int, help="release id")
         status.add_argument("--wait", action="store_true", help="wait while it is preparing")
-        status.add_argument("--timeout", type=positive_int, default=1800)
+        status.add_argument("--timeout", type=positive_int, default=1800, help="with --wait: seconds to wait")
         ready = sub.add_parser("ready", help="mark ready (refused, exit 4, while it is not)")
-        ready.add_argument("id", type=positive_int)
+        ready.add_argument("id", type=positive_int, help="release id")
         traffic = sub.add_parser("traffic", help="gray release: percent of traffic on the new version")
-        traffic.add_argument("id", type=positive_int)
-        traffic.add_argument("--percent", type=int_within(0, 100), required=True)
+        traffic.add_argument("id", type=positive_int, help="release id")
+        traffic.add_argument("--percent", type=int_within(0, 100), required=True, help="share of traffic on the new version")
         rollback = sub.add_parser("rollback", help="route back to the old version's namespace")
-        rollback.add_argument("id", type=positive_int)
-        rollback.add_argument("--reason", required=True)
+        rollback.add_argument("id", type=positive_int, help="release id")
+        rollback.add_argument("--reason", required=True, help="why, for the audit trail")
         for p in (plan, evidence, decide, status, ready, traffic, rollback):
             p.add_argument("--json", action="store_true", help="(default) one JSON object")
 

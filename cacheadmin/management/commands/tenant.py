@@ -24,11 +24,11 @@ class Command(ControlPlaneCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="verb", required=True)
         create = sub.add_parser("create", help="create a tenant")
-        create.add_argument("slug")
-        create.add_argument("--name", required=True)
+        create.add_argument("slug", help="the tenant's short unique name (its slug)")
+        create.add_argument("--name", required=True, help="display name")
         owner = sub.add_parser("owner", help="create a retention owner")
-        owner.add_argument("name")
-        owner.add_argument("--email", required=True)
+        owner.add_argument("name", help="the owner's name (a team or a person)")
+        owner.add_argument("--email", required=True, help="where digests and eviction notices go")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         if opts["verb"] == "create":
