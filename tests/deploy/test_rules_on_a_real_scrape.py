@@ -1,7 +1,9 @@
 """The rules evaluated by a real Prometheus on the control plane's real
 ``/metrics``: the example config's scrape job (its bearer credentials file
 included) pointed at a live server, every rule healthy on real label sets,
-and the alerts the rows call for raised with the labels operators see."""
+and the alerts the rows call for raised with the labels operators see: the
+tenant, served model and version joined in from the info metrics, and links
+to the runbook and to the dashboard page of the release or engine."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from cacheadmin.models import (
     ComparisonResult,
     Engine,
     EngineAlarm,
+    Release,
     RetentionOwner,
     Tenant,
     TierUsageSample,
@@ -33,9 +36,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def world() -> dict[str, str]:
-    """acme on v1 (served, 1,000 B on disk, one deceptive comparison result),
-    acme's old v2 namespace (not served, 3,000 B on disk), a ready engine whose
-    identity check was refused, with an open isolation alarm."""
+    """acme on v1 (served, brought by its first deployment, 1,000 B on disk,
+    one deceptive comparison result), acme's old v2 namespace (not served,
+    3,000 B on disk), a ready engine whose identity check was refused, with an
+    open isolation alarm."""
     acme = Tenant.objects.create(slug="acme", name="Acme")
     owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
     v1, v2 = make_version("v1", "1" * 64), make_version("v2", "2" * 64, weights="f" * 64)
@@ -63,7 +67,11 @@ def world() -> dict[str, str]:
         job=job, index=0, conversation_id="0", prompt_tokens=10, cached_tokens=5, tokens_equal=False, max_logprob_delta=1,
         control_tokens_equal=True, control_max_logprob_delta=0, tolerance=0, ttft_cold_ms=1, ttft_warm_ms=1, deceptive=True,
     )  # fmt: skip
-    return {"namespace": ns.namespace_key}
+    release = Release.objects.create(
+        served_name=v1.served_name, tenant=acme, to_version=v1, classification="first_deployment", status="ready",
+        traffic_percent=100, to_namespace=ns, created_by="test",
+    )  # fmt: skip
+    return {"namespace": ns.namespace_key, "release": str(release.pk), "engine": str(engine.pk)}
 
 
 @pytest.fixture
@@ -75,7 +83,8 @@ def prometheus(live_server: Any, tmp_path: Path) -> Iterator[Prometheus]:
     (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "kvcp-control-plane"]
     job["static_configs"] = [{"targets": [live_server.url.removeprefix("http://")]}]
     config["scrape_configs"] = [job]
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    # The shipped external labels stay: the alerts' links are built from them.
+    config["global"] = {**config["global"], "scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(RECORDING), str(ALERTS)]
     # The example's credentials_file is relative to the config, which is written into tmp_path.
     (tmp_path / "kvcp-metrics-token").write_text(settings.METRICS_TOKEN)
@@ -117,8 +126,36 @@ def test_rules_evaluate_on_the_real_scrape(world: dict[str, str], prometheus: Pr
     # The deceptive hit's series is new to this Prometheus: it pages at once.
     deceptive = raised[("KvcpDeceptiveHit", "firing", "page")]
     assert (deceptive["namespace"], deceptive["source"]) == (world["namespace"], "comparison")
+    # Who it is about, in people's terms, from kvcp_namespace_info.
+    assert (deceptive["tenant"], deceptive["served_model"], deceptive["model_version"], deceptive["release_page"]) == (
+        "acme",
+        "tiny",
+        "v1",
+        f"/releases/{world['release']}/",
+    )
     isolation = raised[("KvcpIsolationAlarm", "firing", "page")]
     assert (isolation["engine"], isolation["kind"]) == ("e-acme", "isolation_foreign_namespace")
+    assert (isolation["tenant"], isolation["served_model"], isolation["page"]) == ("acme", "tiny", f"/engines/{world['engine']}/")
     # Five minutes must pass before the unverified engine fires.
     unverified = raised[("KvcpEngineUnverified", "pending", "warn")]
     assert (unverified["engine"], unverified["model_version"], unverified["status"]) == ("e-acme", "v1", "ready")
+
+    # The links: the shipped external labels' bases, the release's page and the runbooks.
+    links = {
+        a["labels"]["alertname"]: (a["annotations"]["dashboard_url"], a["annotations"]["runbook_url"])
+        for a in prometheus.api("alerts")["alerts"]
+    }
+    assert links == {
+        "KvcpDeceptiveHit": (
+            f"http://127.0.0.1:8000/releases/{world['release']}/",
+            "http://127.0.0.1:8001/runbooks/kvcpdeceptivehit/",
+        ),
+        "KvcpIsolationAlarm": (
+            f"http://127.0.0.1:8000/engines/{world['engine']}/",
+            "http://127.0.0.1:8001/runbooks/kvcpisolationalarm/",
+        ),
+        "KvcpEngineUnverified": (
+            f"http://127.0.0.1:8000/engines/{world['engine']}/",
+            "http://127.0.0.1:8001/runbooks/kvcpengineunverified/",
+        ),
+    }
