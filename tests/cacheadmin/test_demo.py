@@ -44,7 +44,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.embedded_default, pytest.mark.django
 def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_back_from_cold(
     client, django_user_model, tmp_path
 ) -> None:
-    env = subprocess_env(GATEWAY_ADDR=f"127.0.0.1:{free_port()}", GATEWAY_DIR=str(tmp_path / "gateway"))
+    env = subprocess_env(
+        GATEWAY_ADDR=f"127.0.0.1:{free_port()}", GATEWAY_DIR=str(tmp_path / "gateway"),
+        KV_EVENTS_METRICS_ADDR=f"127.0.0.1:{free_port()}",
+    )  # fmt: skip
     proc = manage("demo", "--no-serve", "--model", "tiny", env=env, timeout=1800)
     purge_broker()  # what the demo's beat sent last is not for the next test's worker
     assert proc.returncode == 0, proc.stderr[-6000:]
