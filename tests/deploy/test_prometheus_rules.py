@@ -173,6 +173,33 @@ def test_each_alert_has_a_firing_and_a_quiet_case() -> None:
         assert True in fired and False in fired, name
 
 
+def test_each_firing_case_expects_the_people_labels_and_both_links() -> None:
+    """The unit tests pin what operators read: every expected alert has all four
+    annotations, the links as the shipped external labels make them, and each
+    alert about a namespace or an engine fires at least once with the tenant,
+    served model, version and page joined in from the info metric."""
+    config = load_yaml(PROMETHEUS / "prometheus.yml")["global"]["external_labels"]
+    named: set[str] = set()
+    for test in load_yaml(PROMETHEUS / "tests" / "kvcp-alerts.test.yml")["tests"]:
+        assert test["external_labels"] == config
+        for case in test["alert_rule_test"]:
+            name = case["alertname"]
+            for alert in case["exp_alerts"]:
+                annotations = alert["exp_annotations"]
+                assert set(annotations) == {"summary", "description", "runbook_url", "dashboard_url"}, name
+                assert annotations["runbook_url"] == f"{config['kvcp_docs_url']}/runbooks/{name.lower()}/"
+                labels = alert["exp_labels"]
+                if "page" in labels:
+                    assert annotations["dashboard_url"] == config["kvcp_dashboard_url"] + labels.get(
+                        "release_page", labels["page"]
+                    ), name
+                    assert {"served_model", "model_version"} <= set(labels), name
+                    named.add(name)
+                else:
+                    assert annotations["dashboard_url"].startswith(f"{config['kvcp_dashboard_url']}/#"), name
+    assert named == set(REQUIRED_ALERTS) - {"KvcpGatewayRoutingBehind"}
+
+
 def test_each_recording_rule_has_an_exact_expectation() -> None:
     tested = {
         expectation["expr"]
