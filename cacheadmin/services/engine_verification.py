@@ -136,8 +136,37 @@ def verify_refusal(engine: Engine) -> str | None:
     if engine.managed:
         how = "start it (it is verified as it starts)"
     else:
-        how = "it was adopted: once it runs again where it runs, adopt it again at its URL"
+        how = f"it was adopted: {engine_readopt_advice(engine)}"
     return f"engine {engine.name} is {engine.status}: only a ready engine can be verified; {how}"
+
+
+def engine_readopt_advice(engine: Engine) -> str:
+    """How an adopted engine comes back into service, naming the command that does it.
+
+    Adopting again under the engine's own name re-adopts its row once it is stopped, failed or
+    lost (:func:`cacheadmin.services.fleet.engine_adopt`: verified again, the next generation);
+    a live one is stopped here first (its address is refused while a live engine holds it). An
+    engine adopted from a Kubernetes InferencePool is the pool's: its sync adopts the pod again.
+
+    Returns:
+        E.g. ``"once it runs again where it runs, adopt it again: `manage.py engine adopt
+        http://gpu-7:8000 --model-version 3 --namespace 5 --name gpu-7` (POST /api/engines/adopt/
+        with the same fields)"``.
+    """
+    if engine.inference_pool_id is not None:
+        return (
+            "its InferencePool's sync adopts its pod again once the pod is Ready "
+            f"(`manage.py engine pool-sync {engine.inference_pool_id}`; the schedule runs it every minute)"
+        )
+    target = f"--namespace {engine.namespace_id}" if engine.namespace_id is not None else "--reference"
+    command = f"manage.py engine adopt {engine.base_url} --model-version {engine.model_version_id} {target} --name {engine.name}"
+    if engine.kv_connector or engine.namespace_id is not None:
+        # What it ran when it was adopted: a serving engine whose /server_info is off needs it declared.
+        command += f" --kv-connector {engine.kv_connector or 'none'}"
+    first = "once it runs again where it runs, adopt it again"
+    if engine.status in (Engine.Status.STARTING, Engine.Status.READY):
+        first = f"stop it here (`manage.py engine stop {engine.pk}`), restart it where it runs, then adopt it again"
+    return f"{first}: `{command}` (POST /api/engines/adopt/ with the same fields)"
 
 
 def engine_verify(*, engine: Engine, actor: str, trigger: str = "manual") -> EngineVerification:

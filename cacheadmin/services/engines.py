@@ -20,7 +20,12 @@ from django.utils import timezone
 from cacheadmin.models import CacheNamespace, Engine, ModelVersion
 from cacheadmin.services.addresses import engine_address_policy, engine_api_key, engine_headers, engine_target
 from cacheadmin.services.audit import audit_record
-from cacheadmin.services.engine_verification import EngineUnreachable, VerificationRefused, engine_verify
+from cacheadmin.services.engine_verification import (
+    EngineUnreachable,
+    VerificationRefused,
+    engine_readopt_advice,
+    engine_verify,
+)
 from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
@@ -722,10 +727,7 @@ def engine_restart(*, engine: Engine, actor: str, reason: str = "", boot: bool =
     """
     engine = Engine.objects.select_related("model_version").get(pk=engine.pk)
     if engine.origin == Engine.Origin.ADOPTED:
-        raise EngineRefused(
-            f"engine {engine.name} was adopted: restart it where it runs, then adopt it again"
-            f" (`engine adopt {engine.base_url} ...`)"
-        )
+        raise EngineRefused(f"engine {engine.name} was adopted: its process is not ours; {engine_readopt_advice(engine)}")
     _stop_process(engine)
     with transaction.atomic():
         if engine.status not in LIVE_STATUSES and engine.namespace_id is not None:
@@ -802,7 +804,12 @@ def engine_attach_namespace(*, engine: Engine, namespace: CacheNamespace, actor:
             f"640 tokens of another tenant's KV loaded). Give the namespace its own engine."
         )
     if engine.status in (Engine.Status.STOPPED, Engine.Status.FAILED):
-        raise EngineRefused(f"engine {engine.name} is {engine.status}; start it before it serves another namespace")
+        if engine.managed:
+            raise EngineRefused(f"engine {engine.name} is {engine.status}; start it before it serves another namespace")
+        raise EngineRefused(
+            f"engine {engine.name} is {engine.status}; it serves another namespace once it is ready: "
+            + engine_readopt_advice(engine)
+        )
     namespace_check_current(namespace)
     if namespace.model_version.identity != engine.model_version.identity:
         raise EngineRefused(

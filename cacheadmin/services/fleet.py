@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from datetime import datetime, timedelta
+from typing import Any
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -233,6 +234,48 @@ def _refuse_same_engine(url: str, model_version: ModelVersion) -> None:
                 )
 
 
+def _readoptable(name: str, model_version: ModelVersion, namespace: CacheNamespace | None) -> Engine | None:
+    """The engine an adoption under ``name`` brings back, or None (the name is then checked as a new one).
+
+    It is an engine adopted by URL (not from an InferencePool, whose sync names its pods) that is
+    stopped, failed or lost, for the same model version and namespace (None: a reference engine).
+    Any other engine of that name leaves the name taken, said without naming whose.
+    """
+    engine = Engine.objects.filter(name=name.strip()).first()
+    if (
+        engine is None
+        or engine.origin != Engine.Origin.ADOPTED
+        or engine.inference_pool_id is not None
+        or engine.status in LIVE_STATUSES
+        or engine.model_version_id != model_version.pk
+        or engine.namespace_id != (namespace.pk if namespace is not None else None)
+    ):
+        return None
+    return engine
+
+
+def _free_default_name(base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``... the first no engine holds (names are unique across tenants)."""
+    taken = set(Engine.objects.filter(name__startswith=base).values_list("name", flat=True))
+    return next(name for name in (base, *(f"{base}-{n}" for n in range(2, 10_000))) if name not in taken)
+
+
+def _readopt(engine: Engine, fields: dict[str, Any]) -> Engine:
+    """Bring a stopped, failed or lost adopted engine back as verified by this adoption: its
+    next generation, its failure and restart state cleared (in the caller's transaction).
+
+    Raises:
+        EngineRefused: the engine changed meanwhile (another adoption or a stop took it first).
+    """
+    changed = Engine.objects.filter(pk=engine.pk, status=engine.status, generation=engine.generation).update(
+        **fields, generation=engine.generation + 1, error="", stopped_at=None, next_restart_at=None,
+        health_failures=0, restart_attempts=0, host="", ray_node_id="",
+    )  # fmt: skip
+    if not changed:
+        raise EngineRefused(f"engine {engine.name} changed while this adoption verified it (another one came first)")
+    return Engine.objects.get(pk=engine.pk)
+
+
 def engine_adopt(
     *,
     url: str,
@@ -314,7 +357,12 @@ def engine_adopt(
         raise InvalidField("kv_events_topic", "at most 100 characters")
     declared = _declared_connector(kv_connector)
     host = re.sub(r"[^A-Za-z0-9_.-]+", "-", urlsplit(url).hostname or "").strip("-")
-    name = engine_name_check(name or f"adopted-{host}-{urlsplit(url).port or 80}")
+    given, name = bool(name.strip()), name.strip() or f"adopted-{host}-{urlsplit(url).port or 80}"
+    again = _readoptable(name, model_version, namespace)
+    if again is None:
+        # A default name held by another engine (the same server adopted before for another
+        # version, say) moves on to the first free one: "adopt it again" must work as said.
+        name = engine_name_check(name if given else _free_default_name(name))
     policy = engine_address_policy()
     origin = policy.check_url("url", url)
     for field, endpoint in (("kv_events", kv_events), ("kv_events_replay", kv_events_replay)):
@@ -346,23 +394,29 @@ def engine_adopt(
     now = timezone.now()
     with transaction.atomic():
         quota_check(tenant=namespace.tenant if namespace is not None else None, kind="engines")
-        engine = Engine.objects.create(
-            name=name, origin=Engine.Origin.ADOPTED, model_version=model_version, namespace=namespace,
-            role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE,
+        fields = dict(
             base_url=url, metrics_url=metrics_url, prefix_caching=namespace is not None, kv_connector=connector,
             kv_events_endpoint=kv_events, kv_events_replay_endpoint=kv_events_replay, kv_events_topic=kv_events_topic,
-            kv_events_key=kv_events_key, status=Engine.Status.READY, generation=1,
+            kv_events_key=kv_events_key, status=Engine.Status.READY,
             verification=Engine.Verification.VERIFIED, verified_at=now, verified_facts=drift_baseline(facts),
             health_checked_at=now,
         )  # fmt: skip
+        if again is not None:
+            engine = _readopt(again, fields)
+        else:
+            engine = Engine.objects.create(
+                name=name, origin=Engine.Origin.ADOPTED, model_version=model_version, namespace=namespace,
+                role=Engine.Role.SERVING if namespace is not None else Engine.Role.REFERENCE, generation=1, **fields,
+            )  # fmt: skip
         EngineVerification.objects.create(
             engine=engine, outcome=Engine.Verification.VERIFIED, trigger="adopt", identity=model_version.identity,
             checks=[c.as_dict() for c in checks], actor=actor,
         )  # fmt: skip
         audit_record(
             actor=actor,
-            action="engine.adopt",
+            action="engine.adopt" if again is None else "engine.readopt",
             obj=engine,
+            before=None if again is None else {"status": again.status, "url": again.base_url, "generation": again.generation},
             after={"url": url, "model_version": model_version.label, "namespace": namespace.namespace_key if namespace else None},
         )
     return engine

@@ -24,7 +24,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from cacheadmin.models import Engine, EngineAlarm, EngineVerification, KvEventStream, ModelVersion, Tenant
+from cacheadmin.models import AuditEvent, Engine, EngineAlarm, EngineVerification, KvEventStream, ModelVersion, Tenant
 from cacheadmin.services.addresses import engine_headers
 from cacheadmin.services.api_tokens import api_token_issue
 from cacheadmin.services.engine_verification import VerificationRefused
@@ -43,7 +43,7 @@ from cacheadmin.services.workers import WorkerProcess
 from inference.child_env import die_with_parent
 from inference.corpus import load_corpus
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
-from inference.errors import Refused
+from inference.errors import InvalidField, Refused
 from inference.identity import LayoutOptions
 from inference.kv_events import salt_digest
 from tests.helpers import PROJECT, Forwarder, manage, subprocess_env, wait_for, worker_log
@@ -315,7 +315,15 @@ def test_adoption_verifies_what_the_engine_reports(demo_checkpoints, outside_eng
     cli = manage("engine", "adopt", outside_engine.base_url, "--model-version", str(v2.pk), "--reference", env=subprocess_env())
     assert cli.returncode == 4 and "this server is already registered as a live engine (the same address and port)" in cli.stderr
     cli = manage("engine", "restart", str(engine.pk), env=subprocess_env())
-    assert cli.returncode == 4 and "was adopted" in cli.stderr
+    readopt = (
+        f"manage.py engine adopt {outside_engine.base_url} --model-version {v2.pk} --namespace {engine.namespace_id} "
+        "--name gpu-7 --kv-connector none"
+    )
+    assert (cli.returncode, cli.stderr) == (
+        4,
+        f"CommandError: engine gpu-7 was adopted: its process is not ours; stop it here (`manage.py engine stop {engine.pk}`), "
+        f"restart it where it runs, then adopt it again: `{readopt}` (POST /api/engines/adopt/ with the same fields)\n",
+    )
 
     # Drift: the same URL now answers differently (another checkpoint behind it).
     Engine.objects.filter(pk=engine.pk).update(verified_facts={**engine.verified_facts, "output": " before"})
@@ -334,6 +342,32 @@ def test_adoption_verifies_what_the_engine_reports(demo_checkpoints, outside_eng
     # A stopped adopted engine is only taken out of service: the process is not ours.
     engine_stop(engine=engine, actor="alice")
     assert outside_engine.alive()
+    # What a refusal advises works as said: the command it names adopts the same row again, verified anew.
+    refused = manage("engine", "verify", str(engine.pk), env=subprocess_env())
+    assert (refused.returncode, refused.stderr) == (
+        4,
+        "CommandError: engine gpu-7 is stopped: only a ready engine can be verified; it was adopted: once it runs again "
+        f"where it runs, adopt it again: `{readopt}` (POST /api/engines/adopt/ with the same fields)\n",
+    )
+    for status in ("stopped", "failed"):
+        Engine.objects.filter(pk=engine.pk).update(status=status, error="health endpoint silent")
+        generation = Engine.objects.get(pk=engine.pk).generation
+        again = manage(*readopt.split()[1:], env=subprocess_env())
+        assert again.returncode == 0, again.stderr
+        row = Engine.objects.get(pk=engine.pk)
+        assert (json.loads(again.stdout)["id"], row.status, row.verification, row.generation, row.error) == (
+            engine.pk, "ready", "verified", generation + 1, "",
+        )  # fmt: skip
+        assert Engine.objects.filter(name__startswith="gpu-7").count() == 1
+        assert AuditEvent.objects.filter(action="engine.readopt", object_id=str(engine.pk)).first().before == {
+            "status": status, "url": outside_engine.base_url, "generation": generation,
+        }  # fmt: skip
+    assert EngineVerification.objects.filter(engine=engine, trigger="adopt").count() == 3
+    # Under another version the name stays taken (said without whose), and nothing changes.
+    engine_stop(engine=engine, actor="alice")
+    with pytest.raises(InvalidField, match="^name: the name gpu-7 is taken$"):
+        engine_adopt(url=outside_engine.base_url, model_version=v1, namespace=None, actor="alice", name="gpu-7")
+    assert Engine.objects.get(pk=engine.pk).status == "stopped"
     # Unreachable: refused, nothing recorded.
     with pytest.raises(Exception, match="adoption refused: engine unreachable"):
         engine_adopt(url=f"http://127.0.0.1:{free_port()}", model_version=v2, namespace=None, actor="alice")
