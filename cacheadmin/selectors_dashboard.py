@@ -39,9 +39,11 @@ from cacheadmin.models import (
     EvictionRun,
     GatewayStat,
     JobStatus,
+    Release,
     Residency,
     ResidentSample,
     RoutingEpoch,
+    ShadowCheck,
     TierUsageSample,
 )
 from cacheadmin.models.eviction import EngineMetricsSample
@@ -431,6 +433,25 @@ def _minutes(since: datetime, now: datetime) -> list[datetime]:
     return [start + timedelta(minutes=i) for i in range(int((now - start).total_seconds() // 60) + 1)]
 
 
+def fit_series(chart: dict[str, Any]) -> dict[str, Any]:
+    """``chart`` with its time axis cut to its data: the labels before the first point
+    and after the last one that any dataset has are dropped (gaps inside are kept, as
+    None), so a chart of ten minutes of traffic spans those ten minutes, not a corner
+    of the window. No point at all: no labels and empty datasets.
+
+    Args:
+        chart: ``{"labels": [...], "datasets": [{"label", "data": [value or None]}], ...}``
+            (other keys are kept).
+    """
+    filled = [i for i in range(len(chart["labels"])) if any(d["data"][i] is not None for d in chart["datasets"])]
+    first, last = (filled[0], filled[-1] + 1) if filled else (0, 0)
+    return {
+        **chart,
+        "labels": chart["labels"][first:last],
+        "datasets": [{**d, "data": d["data"][first:last]} for d in chart["datasets"]],
+    }
+
+
 def chart_hit_ratio_namespaces(*, since: datetime, now: datetime) -> dict[str, Any]:
     """Hit ratio per minute of the busiest namespaces and layers (gateway figures).
 
@@ -464,10 +485,10 @@ def chart_hit_ratio_namespaces(*, since: datetime, now: datetime) -> dict[str, A
         ns.pk: f"{ns.boundary_label}/{ns.model_version.label}"
         for ns in CacheNamespace.objects.filter(pk__in={k[0] for k in top}).select_related("model_version", "tenant", "group")
     }
-    return {
+    return fit_series({
         "labels": [m.isoformat() for m in minutes],
         "datasets": [{"label": f"{names.get(k[0], k[0])} {k[1]}", "data": series[k]} for k in top],
-    }
+    })  # fmt: skip
 
 
 def chart_hit_ratio_engines(*, since: datetime) -> dict[str, Any]:
@@ -524,8 +545,57 @@ def chart_ttft_live(*, since: datetime, now: datetime) -> dict[str, Any]:
             continue
         warm[i] = r["hs"] / r["hc"] if r["hc"] else None
         cold[i] = r["ms"] / r["mc"] if r["mc"] else None
-    return {"labels": [m.isoformat() for m in minutes],
-            "datasets": [{"label": "warm", "data": warm}, {"label": "cold", "data": cold}]}  # fmt: skip
+    return fit_series({"labels": [m.isoformat() for m in minutes],
+                       "datasets": [{"label": "warm", "data": warm}, {"label": "cold", "data": cold}]})  # fmt: skip
+
+
+#: How a request was answered, by the layer row that counts it: a response or semantic cache
+#: hit, or an engine (every request that reached one is a ``prefix`` row request).
+ANSWERED_BY = {"response": "response cache", "semantic": "semantic cache", "prefix": "engine"}
+
+
+def _answered(layer: str, hits: int, requests: int) -> int:
+    """Requests a layer's row answered: a cache layer's hits; the prefix row's requests (an engine answered each)."""
+    return requests if layer == "prefix" else hits
+
+
+def _per_second(count: float, minute: datetime, now: datetime) -> float:
+    """``count`` requests of ``minute`` as a rate: over 60 s, or over the seconds elapsed of the current minute."""
+    elapsed = min(60.0, max(1.0, (now - minute).total_seconds()))
+    return count / elapsed
+
+
+def chart_request_rate(*, since: datetime, now: datetime) -> dict[str, Any]:
+    """Requests per second answered through the gateway, per minute, by what answered them
+    (:data:`ANSWERED_BY`), across namespaces (one query, summed in SQL).
+
+    The gateway counts a request once in the layer that answered it (a cache layer's hit,
+    or the prefix row of a request an engine answered; :mod:`gateway.records`). The current
+    minute is divided by the seconds elapsed in it, not by 60.
+
+    Returns:
+        ``{"labels": [ISO minute], "datasets": [{"label": "response cache" | "semantic cache" | "engine",
+        "data": [requests/s or null]}]}``, cut to the minutes with traffic (:func:`fit_series`).
+    """
+    rows = (
+        GatewayStat.objects.filter(minute__gte=since)
+        .values("minute", "layer")
+        .annotate(h=Sum("hits"), r=Sum("requests"))
+        .order_by("minute", "layer")
+    )
+    minutes = _minutes(since, now)
+    index = {m: i for i, m in enumerate(minutes)}
+    series: dict[str, list[float | None]] = {name: [None] * len(minutes) for name in ANSWERED_BY.values()}
+    for r in rows:
+        i = index.get(r["minute"])
+        name = ANSWERED_BY.get(r["layer"])
+        if i is None or name is None:
+            continue
+        answered = _answered(r["layer"], r["h"] or 0, r["r"] or 0)
+        if answered:
+            series[name][i] = round(_per_second(answered, r["minute"], now), 4)
+    return fit_series({"labels": [m.isoformat() for m in minutes],
+                       "datasets": [{"label": name, "data": data} for name, data in series.items()]})  # fmt: skip
 
 
 def chart_ttft_comparisons(limit: int = 20) -> dict[str, Any]:
@@ -655,12 +725,107 @@ def chart_cost_savings(*, since: datetime) -> dict[str, Any]:
     return {"labels": layers, "datasets": [{"label": "cost savings rate", "data": rates}]}
 
 
+#: Release statuses after which its charts stop at its last change, not at now.
+RELEASE_CLOSED = ("failed", "rolled_back")
+#: The longest a release's charts reach back from their end (a minute a point).
+RELEASE_CHART_SPAN = timedelta(hours=24)
+
+
+def release_charts(release: Release, *, now: datetime | None = None) -> dict[str, Any]:
+    """A release's traffic over time, per minute from its creation (at most
+    :data:`RELEASE_CHART_SPAN` back), cut to its data
+    (:func:`fit_series`); four queries (events, gateway figures, shadow checks).
+
+    - ``split``: the share of the tenant's traffic routed to the new version as
+      decided (``planned %``: the release's ``traffic`` events, a step per change)
+      and as served (``served %``: requests answered from the new version's
+      namespace over those of both namespaces, :data:`ANSWERED_BY`).
+    - ``hit_ratio``: per version, requests answered from any cache (a response or
+      semantic hit, or an engine that reported cached prompt tokens) over requests answered.
+    - ``rate``: per version, requests answered per second (the current minute over
+      the seconds elapsed in it).
+    - ``shadow``: shadow checks of the two namespaces created that minute, per
+      verdict (``matched``, ``deceptive``, ``failed``: the replay itself erred,
+      ``pending``). The gateway records no per-request errors: failed checks and the
+      release's own ``failed`` events are the errors there are to show.
+
+    Returns:
+        ``{"split" | "hit_ratio" | "rate" | "shadow": {"labels": [ISO minute], "datasets":
+        [{"label", "data": [value or null]}]}, "failures": [{"at": ISO, "detail"}]}``.
+    """
+    now = now or timezone.now()
+    end = release.updated_at if release.status in RELEASE_CLOSED else now
+    minutes = _minutes(max(release.created_at, end - RELEASE_CHART_SPAN), max(end, release.created_at))
+    index = {m: i for i, m in enumerate(minutes)}
+    labels = [m.isoformat() for m in minutes]
+    old_label = release.from_version.label if release.from_version_id else "(none)"
+    versions = {release.from_namespace_id: old_label, release.to_namespace_id: release.to_version.label}
+    versions.pop(None, None)
+    events = list(release.events.filter(kind__in=("traffic", "failed")).order_by("at", "id").values("kind", "at", "detail"))
+    traffic = [e for e in events if e["kind"] == "traffic"]
+    share = traffic[0]["detail"].get("before", 0) if traffic else release.traffic_percent
+    planned: list[float | None] = []
+    pending = list(traffic)
+    for m in minutes:
+        while pending and pending[0]["at"] < m + timedelta(minutes=1):
+            share = pending.pop(0)["detail"].get("after", share)
+        planned.append(share)
+    answered: dict[str, list[int]] = {v: [0] * len(minutes) for v in versions.values()}
+    cached: dict[str, list[int]] = {v: [0] * len(minutes) for v in versions.values()}
+    for r in (
+        GatewayStat.objects.filter(namespace_id__in=list(versions), minute__gte=minutes[0])
+        .values("namespace_id", "layer", "minute")
+        .annotate(h=Sum("hits"), r=Sum("requests"))
+        .order_by()
+    ):
+        i = index.get(r["minute"])
+        if i is None or r["layer"] not in ANSWERED_BY:
+            continue
+        version = versions[r["namespace_id"]]
+        answered[version][i] += _answered(r["layer"], r["h"] or 0, r["r"] or 0)
+        cached[version][i] += r["h"] or 0  # a prefix row's hits are requests with cached prompt tokens
+    new = release.to_version.label
+    served: list[float | None] = []
+    for i in range(len(minutes)):
+        total = sum(answered[v][i] for v in answered)
+        served.append(round(100 * answered[new][i] / total, 2) if total else None)
+    verdicts = [ShadowCheck.Status.MATCHED, ShadowCheck.Status.DECEPTIVE, ShadowCheck.Status.FAILED, ShadowCheck.Status.PENDING]
+    shadow: dict[str, list[float | None]] = {str(v): [None] * len(minutes) for v in verdicts}
+    for created, status in ShadowCheck.objects.filter(namespace_id__in=list(versions), created_at__gte=minutes[0]).values_list(
+        "created_at", "status"
+    ):
+        i = index.get(created.replace(second=0, microsecond=0))
+        if i is not None and status in shadow:
+            shadow[status][i] = (shadow[status][i] or 0) + 1
+    has_traffic = [served[i] is not None for i in range(len(minutes))]
+    return {
+        "split": fit_series({"labels": labels, "datasets": [
+            # The plan is drawn where there was traffic or a change: a step alone fits the axis to nothing.
+            {"label": "planned % on " + new, "data": [p if has_traffic[i] or any(
+                e["at"].replace(second=0, microsecond=0) == minutes[i] for e in traffic) else None
+                for i, p in enumerate(planned)]},
+            {"label": "served % on " + new, "data": served},
+        ]}),
+        "hit_ratio": fit_series({"labels": labels, "datasets": [
+            {"label": v, "data": [round(cached[v][i] / answered[v][i], 4) if answered[v][i] else None
+                                  for i in range(len(minutes))]} for v in answered
+        ]}),
+        "rate": fit_series({"labels": labels, "datasets": [
+            {"label": v, "data": [round(_per_second(answered[v][i], minutes[i], now), 4) if answered[v][i] else None
+                                  for i in range(len(minutes))]} for v in answered
+        ]}),
+        "shadow": fit_series({"labels": labels, "datasets": [{"label": k, "data": d} for k, d in shadow.items()]}),
+        "failures": [{"at": e["at"].isoformat(), "detail": e["detail"]} for e in events if e["kind"] == "failed"],
+    }  # fmt: skip
+
+
 def dashboard_charts(*, now: datetime | None = None, minutes: int = CHART_MINUTES) -> dict[str, Any]:
     """Every chart of the dashboard, keyed by the canvas it draws on (a fixed number of queries).
 
     Returns:
         ``{"generated_at": ISO time, "minutes": n, "hit_ratio_namespaces", "hit_ratio_engines",
-        "ttft_live", "ttft_comparisons", "storage", "resident", "cost_savings"}`` (see each ``chart_*``).
+        "ttft_live", "request_rate", "ttft_comparisons", "storage", "resident", "cost_savings"}`` (see each
+        ``chart_*``; the time series are cut to their data, :func:`fit_series`).
     """
     now = now or timezone.now()
     since = now - timedelta(minutes=minutes)
@@ -670,6 +835,7 @@ def dashboard_charts(*, now: datetime | None = None, minutes: int = CHART_MINUTE
         "hit_ratio_namespaces": chart_hit_ratio_namespaces(since=since, now=now),
         "hit_ratio_engines": chart_hit_ratio_engines(since=since),
         "ttft_live": chart_ttft_live(since=since, now=now),
+        "request_rate": chart_request_rate(since=since, now=now),
         "ttft_comparisons": chart_ttft_comparisons(),
         "storage": chart_storage(),
         "resident": chart_resident(),

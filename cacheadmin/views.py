@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpR
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from cacheadmin import selectors
+from cacheadmin import selectors, selectors_dashboard
 from cacheadmin.metrics.views import read_only_endpoint
 from cacheadmin.models import (
     ApiToken,
@@ -192,6 +192,7 @@ def release_detail(request: HttpRequest, pk: int) -> HttpResponse:
     context = {
         "release": release,
         "events": release.events.order_by("at", "id"),
+        "charts": selectors_dashboard.release_charts(release),
         "allowed": ALLOWED[release.classification],
         "poll_s": POLL_ACTIVE_S if release.status == Release.Status.PREPARING else None,
         "error": error,

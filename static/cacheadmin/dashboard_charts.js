@@ -1,6 +1,7 @@
 // The dashboard's charts: drawn once from /dashboard/charts.json, then updated
 // in place (chart.update(), the canvas stays) at the section's poll interval,
-// never while the tab is hidden. Units: ratios 0..1 shown as %, ms, bytes (IEC), tokens.
+// never while the tab is hidden. Units (chart_units.js): ratios 0..1 shown as %, ms / s, bytes in
+// KiB / MiB / GiB, requests per second, tokens; time axes hold the minutes with data only (the server cuts them).
 (function () {
   "use strict";
   const section = document.getElementById("charts");
@@ -9,33 +10,13 @@
   const pollMs = Math.max(2, Number(section.dataset.pollS) || 15) * 1000;
   const charts = new Map();
 
-  function iec(bytes) {
-    const units = ["Bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let value = Math.abs(bytes), i = 0;
-    while (value >= 1024 && i < units.length - 1) { value /= 1024; i += 1; }
-    return (bytes < 0 ? "-" : "") + (i === 0 ? String(value) : value.toFixed(1)) + " " + units[i];
-  }
-  function ms(value) {
-    if (value < 1000) return (value < 10 ? value.toFixed(1) : value.toFixed(0)) + " ms";
-    if (value < 60000) return (value / 1000).toFixed(1) + " s";
-    return (value / 60000).toFixed(1) + " min";
-  }
-  const format = {
-    ratio: (v) => (v * 100).toFixed(1) + " %",
-    ms: ms,
-    bytes: iec,
-    tokens: (v) => Number(v).toLocaleString(),
-  };
-  function label(t) {
-    // ISO times become local clock times; other labels stay as they are.
-    return /^\d{4}-\d\d-\d\dT/.test(t) ? new Date(t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }) : t;
-  }
+  const units = window.kvcpUnits;
+  if (!units) return;
 
   function draw(canvas, series) {
     const unit = canvas.dataset.unit;
-    const fmt = format[unit] || String;
     const data = {
-      labels: series.labels.map(label),
+      labels: units.timeLabels(series.labels),
       datasets: series.datasets.map((d) => ({ label: d.label, data: d.data, spanGaps: true })),
     };
     let chart = charts.get(canvas.id);
@@ -50,22 +31,7 @@
       chart.update();
       return;
     }
-    chart = new Chart(canvas, {
-      type: canvas.dataset.kind || "line",
-      data: data,
-      options: {
-        animation: false,
-        maintainAspectRatio: false,
-        scales: {
-          y: {
-            beginAtZero: true,
-            max: unit === "ratio" ? 1 : undefined,
-            ticks: { callback: (v) => fmt(v) },
-          },
-        },
-        plugins: { tooltip: { callbacks: { label: (c) => `${c.dataset.label}: ${c.parsed.y === null ? "—" : fmt(c.parsed.y)}` } } },
-      },
-    });
+    chart = new Chart(canvas, { type: canvas.dataset.kind || "line", data: data, options: units.options(unit) });
     charts.set(canvas.id, chart);
   }
 

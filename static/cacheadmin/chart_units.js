@@ -1,0 +1,60 @@
+// Human units for the charts (window.kvcpUnits): bytes in IEC units (KiB, MiB, GiB), durations in
+// ms / s / min, ratios and shares in %, rates per second, counts with separators, and ISO times as
+// clock times (with the date when a series spans more than a day).
+(function () {
+  "use strict";
+  function iec(bytes) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let value = Math.abs(bytes), i = 0;
+    while (value >= 1024 && i < units.length - 1) { value /= 1024; i += 1; }
+    return (bytes < 0 ? "-" : "") + (i === 0 ? String(Math.round(value)) : value.toFixed(value < 10 ? 1 : 0)) + " " + units[i];
+  }
+  function ms(value) {
+    if (value < 1000) return (value < 10 ? value.toFixed(1) : value.toFixed(0)) + " ms";
+    if (value < 60000) return (value / 1000).toFixed(1) + " s";
+    return (value / 60000).toFixed(1) + " min";
+  }
+  function rate(value) {
+    if (value === 0) return "0/s";
+    if (value < 1) return (value * 60).toFixed(value * 60 < 10 ? 1 : 0) + "/min";
+    return (value < 10 ? value.toFixed(1) : value.toFixed(0)) + "/s";
+  }
+  const format = {
+    ratio: (v) => (v * 100).toFixed(0) + " %",
+    percent: (v) => Number(v).toFixed(0) + " %",
+    ms: ms,
+    bytes: iec,
+    rate: rate,
+    tokens: (v) => Number(v).toLocaleString(),
+    count: (v) => Number(v).toLocaleString(),
+  };
+  const ISO = /^\d{4}-\d\d-\d\dT/;
+  function timeLabels(labels) {
+    const times = labels.filter((t) => ISO.test(t)).map((t) => new Date(t).getTime());
+    const long = times.length > 1 && Math.max(...times) - Math.min(...times) > 86400000;
+    return labels.map((t) => {
+      if (!ISO.test(t)) return t;
+      const d = new Date(t);
+      const clock = d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+      return long ? d.toLocaleDateString([], { month: "short", day: "numeric" }) + " " + clock : clock;
+    });
+  }
+  // Chart.js options for a unit: y axis from 0 (ratios to 100 %), ticks and tooltips in the unit.
+  function options(unit) {
+    const fmt = format[unit] || String;
+    return {
+      animation: false,
+      maintainAspectRatio: false,
+      scales: {
+        x: { ticks: { autoSkip: true, maxTicksLimit: 8, maxRotation: 0 } },
+        y: {
+          beginAtZero: true,
+          max: unit === "ratio" ? 1 : unit === "percent" ? 100 : undefined,
+          ticks: { callback: (v) => fmt(v), precision: unit === "count" ? 0 : undefined },
+        },
+      },
+      plugins: { tooltip: { callbacks: { label: (c) => `${c.dataset.label}: ${c.parsed.y === null ? "—" : fmt(c.parsed.y)}` } } },
+    };
+  }
+  window.kvcpUnits = { format: format, iec: iec, ms: ms, rate: rate, timeLabels: timeLabels, options: options };
+})();

@@ -1,0 +1,142 @@
+"""The charts' series from real rows: time axes cut to their data, request rates per
+second by what answered, and a release's traffic split, hit ratios, rates and shadow
+verdicts over time (its page embeds them)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from cacheadmin.models import (
+    CacheNamespace,
+    GatewayStat,
+    Release,
+    ReleaseEvent,
+    ShadowCheck,
+)
+from cacheadmin.selectors_dashboard import dashboard_charts, fit_series, release_charts
+
+pytestmark = pytest.mark.django_db
+
+
+def test_fit_series_cuts_the_axis_to_the_points() -> None:
+    chart = {"labels": ["a", "b", "c", "d", "e"], "datasets": [{"label": "x", "data": [None, 1, None, 2, None]},
+                                                               {"label": "y", "data": [None, None, 3, None, None]}]}  # fmt: skip
+    assert fit_series(chart) == {
+        "labels": ["b", "c", "d"],
+        "datasets": [{"label": "x", "data": [1, None, 2]}, {"label": "y", "data": [None, 3, None]}],
+    }
+    assert fit_series({"labels": ["a"], "datasets": [{"label": "x", "data": [None]}]}) == {
+        "labels": [],
+        "datasets": [{"label": "x", "data": []}],
+    }
+
+
+def test_live_charts_span_their_minutes_not_the_hour(world: dict) -> None:
+    ns = world["ns"]["acme"]
+    now = timezone.now().replace(second=30, microsecond=0)
+    current = now.replace(second=0)
+    first, second = current - timedelta(minutes=3), current - timedelta(minutes=2)
+    GatewayStat.objects.create(namespace=ns, layer="prefix", minute=first, requests=120, hits=90, misses=30,
+                               ttft_hit_ms_sum=900.0, ttft_hit_count=90, ttft_miss_ms_sum=1800.0, ttft_miss_count=30)  # fmt: skip
+    GatewayStat.objects.create(namespace=ns, layer="response", minute=first, requests=150, hits=30, misses=120)
+    GatewayStat.objects.create(namespace=ns, layer="prefix", minute=current, requests=15, hits=15)
+    charts = dashboard_charts(now=now)
+    minutes = [first.isoformat(), second.isoformat(), (second + timedelta(minutes=1)).isoformat(), current.isoformat()]
+    assert charts["request_rate"] == {
+        "labels": minutes,
+        "datasets": [
+            {"label": "response cache", "data": [0.5, None, None, None]},  # 30 hits in 60 s
+            {"label": "semantic cache", "data": [None, None, None, None]},
+            {"label": "engine", "data": [2.0, None, None, 0.5]},  # 120 in 60 s; 15 in the 30 s elapsed of this minute
+        ],
+    }
+    # TTFT was recorded in the first minute only: that chart is that minute.
+    warm, cold = {"label": "warm", "data": [10.0]}, {"label": "cold", "data": [60.0]}
+    assert charts["ttft_live"] == {"labels": [first.isoformat()], "datasets": [warm, cold]}
+    assert charts["hit_ratio_namespaces"]["labels"] == minutes
+
+
+def test_no_traffic_gives_empty_axes(world: dict) -> None:
+    charts = dashboard_charts()
+    assert charts["request_rate"]["labels"] == [] and charts["ttft_live"]["labels"] == []
+    assert charts["hit_ratio_namespaces"] == {"labels": [], "datasets": []}
+
+
+@pytest.fixture
+def shipped(world: dict) -> dict[str, Any]:
+    """acme: release v1 → v2 created 10 minutes ago, 10 % at minute 2 and 100 % at minute 5, traffic on both."""
+    acme, v1, v2, old = world["acme"], world["v1"], world["v2"], world["ns"]["acme"]
+    new = CacheNamespace.objects.create(namespace_key="acme2".ljust(64, "0"), model_version=v2, tenant=acme,
+                                        retention_owner=old.retention_owner, storage_prefix="ns-acme-2")  # fmt: skip
+    now = timezone.now().replace(second=30, microsecond=0)
+    start = now.replace(second=0) - timedelta(minutes=10)
+    release = Release.objects.create(tenant=acme, served_name="tiny", from_version=v1, to_version=v2, from_namespace=old,
+                                     to_namespace=new, classification="incompatible", status="ready", traffic_percent=100,
+                                     decision="new_namespace", created_by="t")  # fmt: skip
+    Release.objects.filter(pk=release.pk).update(created_at=start + timedelta(seconds=5))
+    for minute, before, after in ((2, 0, 10), (5, 10, 100)):
+        event = ReleaseEvent.objects.create(release=release, actor="t", kind="traffic", detail={"before": before, "after": after})
+        ReleaseEvent.objects.filter(pk=event.pk).update(at=start + timedelta(minutes=minute, seconds=10))
+    # Minute 3: 90 requests on v1 (engine, 45 with cached tokens), 10 on v2 (5 from the response cache, 5 by engine).
+    at = start + timedelta(minutes=3)
+    GatewayStat.objects.create(namespace=old, layer="prefix", minute=at, requests=90, hits=45, misses=45)
+    GatewayStat.objects.create(namespace=new, layer="response", minute=at, requests=10, hits=5, misses=5)
+    GatewayStat.objects.create(namespace=new, layer="prefix", minute=at, requests=5, hits=0, misses=5)
+    # Minute 6: everything on v2.
+    GatewayStat.objects.create(namespace=new, layer="prefix", minute=start + timedelta(minutes=6), requests=60, hits=30)
+    for status in ("matched", "matched", "deceptive"):
+        check = ShadowCheck.objects.create(namespace=new, request={}, status=status)
+        ShadowCheck.objects.filter(pk=check.pk).update(created_at=start + timedelta(minutes=6, seconds=20))
+    release.refresh_from_db()
+    return {**world, "release": release, "start": start, "now": now, "new": new}
+
+
+def test_release_charts_follow_its_traffic(shipped: dict) -> None:
+    start, release = shipped["start"], shipped["release"]
+    charts = release_charts(release, now=shipped["now"])
+    minutes = [(start + timedelta(minutes=m)).isoformat() for m in range(2, 7)]
+    assert charts["split"] == {
+        "labels": minutes,
+        "datasets": [
+            {"label": "planned % on v2", "data": [10, 10, None, 100, 100]},
+            {"label": "served % on v2", "data": [None, 10.0, None, None, 100.0]},
+        ],
+    }
+    hit = {d["label"]: d["data"] for d in charts["hit_ratio"]["datasets"]}
+    assert charts["hit_ratio"]["labels"] == [minutes[1], minutes[2], minutes[3], minutes[4]]
+    assert hit == {"v1": [0.5, None, None, None], "v2": [0.5, None, None, 0.5]}
+    rate = {d["label"]: d["data"] for d in charts["rate"]["datasets"]}
+    assert rate == {"v1": [1.5, None, None, None], "v2": [round(10 / 60, 4), None, None, 1.0]}
+    assert charts["shadow"] == {
+        "labels": [minutes[4]],
+        "datasets": [{"label": "matched", "data": [2]}, {"label": "deceptive", "data": [1]},
+                     {"label": "failed", "data": [None]}, {"label": "pending", "data": [None]}],
+    }  # fmt: skip
+    assert charts["failures"] == []
+
+
+def test_release_page_embeds_its_charts(shipped: dict, client: Any) -> None:
+    client.force_login(User.objects.create_user("rita"))
+    html = client.get(f"/releases/{shipped['release'].pk}/").content.decode()
+    for canvas in ("release-chart-split", "release-chart-hit-ratio", "release-chart-rate", "release-chart-shadow"):
+        assert f'<canvas id="{canvas}"' in html
+    embedded = html[html.index('<script id="release-series" type="application/json">') :]
+    body = json.loads(embedded[embedded.index(">") + 1 : embedded.index("</script>")])
+    assert body["split"]["datasets"][1] == {"label": "served % on v2", "data": [None, 10.0, None, None, 100.0]}
+
+
+def test_release_page_without_traffic_says_so(world: dict, client: Any) -> None:
+    release = Release.objects.create(tenant=world["acme"], served_name="tiny", to_version=world["v1"],
+                                     classification="first_deployment", status="ready", created_by="t")  # fmt: skip
+    client.force_login(User.objects.create_user("rita"))
+    html = client.get(f"/releases/{release.pk}/").content.decode()
+    assert (
+        '<p id="release-charts-empty">No traffic through the gateway to either version since the release was created.</p>' in html
+    )
+    assert "release-chart-split" not in html
