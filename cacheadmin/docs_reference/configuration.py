@@ -255,4 +255,12 @@ def render() -> str:
             rows.append((code(name), _type(read), default, doc.meaning, ", ".join(code(f) for f in read.files)))
         lines += table(("Variable", "Type", "Default", "Meaning", "Read in"), rows)
         lines.append("")
+    lines += [
+        "## Read by libraries",
+        "",
+        "Not settings of the control plane, and so not above: the gateway's tracing follows OpenTelemetry's "
+        "standard `OTEL_*` variables (`gateway/tracing.py`), engines get vLLM's `VLLM_*` variables from their "
+        "launcher, and `DJANGO_SETTINGS_MODULE` names the settings module (`cacheadmin.settings`).",
+        "",
+    ]
     return page(lines)
