@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -207,6 +208,41 @@ def test_a_streamed_request_ends_its_spans_when_the_stream_ends_and_a_caller_tra
     assert sent["traceparent"] == f"00-{caller_trace}-{client.context.span_id:016x}-01"
 
 
+def test_a_paraphrase_is_a_semantic_hit_span_after_a_response_miss(semantic_setup, spans) -> None:
+    s = semantic_setup
+    question = chat("How do I reset my password?", temperature=0, max_tokens=16)
+    assert call(s, question).headers["x-kvcp-served-by"] == "engine"
+    assert tree(spans.get_finished_spans()) == [
+        (0, "POST /v1/chat/completions", "SERVER"),
+        (1, "gateway.route", "INTERNAL"),
+        (1, "response_cache.lookup", "INTERNAL"),
+        (1, "semantic_cache.lookup", "INTERNAL"),
+        (1, "gateway.choose_engine", "INTERNAL"),
+        (1, "POST /v1/chat/completions", "CLIENT"),
+        (1, "response_cache.store", "INTERNAL"),
+        (1, "semantic_cache.store", "INTERNAL"),
+    ]
+    results = {x.name: (x.attributes or {}).get("kvcp.cache.result") for x in spans.get_finished_spans()}
+    assert results["semantic_cache.lookup"] == "miss" and results["semantic_cache.store"] == "stored"
+    spans.clear()
+    paraphrase = call(s, chat("How can I reset my password?", temperature=0, max_tokens=16))
+    assert paraphrase.headers["x-kvcp-served-by"] == "semantic", paraphrase.text
+    finished = spans.get_finished_spans()
+    assert tree(finished) == [
+        (0, "POST /v1/chat/completions", "SERVER"),
+        (1, "gateway.route", "INTERNAL"),
+        (1, "response_cache.lookup", "INTERNAL"),
+        (1, "semantic_cache.lookup", "INTERNAL"),
+    ]
+    assert dict(named(finished, "semantic_cache.lookup").attributes or {}) == {
+        "kvcp.cache.layer": "semantic",
+        "kvcp.namespace.id": s["ns"].pk,
+        "kvcp.cache.result": "hit",
+    }
+    assert (named(finished, "response_cache.lookup").attributes or {})["kvcp.cache.result"] == "miss"
+    no_text_anywhere(finished, "reset", "password", ANSWER, s["key"])
+
+
 def test_an_engine_that_cannot_be_reached_is_a_failed_client_span_and_the_request_a_503(setup, spans) -> None:
     setup["fake"].down = True
     answer = call(setup, chat(PROMPT, temperature=0))
@@ -235,6 +271,16 @@ def test_a_refused_key_is_a_server_span_with_its_status_and_nothing_else(setup, 
     assert (server.name, server.kind, server.status.status_code.name) == ("POST /v1/chat/completions", SpanKind.SERVER, "UNSET")
     assert (server.attributes or {})["http.response.status_code"] == 401
     assert "kvcp.tenant.id" not in (server.attributes or {})
+
+
+def test_untraced_the_gateway_installs_no_provider_and_sends_the_engine_no_traceparent(setup) -> None:
+    assert not any(name.startswith("OTEL_") for name in os.environ)  # the suite runs untraced
+    recorder = HeaderRecorder(setup["fake"])
+    setup["gateway"].proxy.transport = httpx2.MockTransport(recorder)
+    assert call(setup, chat(PROMPT, temperature=0)).status_code == 200
+    assert (tracing.TRACER, type(trace.get_tracer_provider()).__name__) == (None, "ProxyTracerProvider")
+    (sent,) = recorder.headers
+    assert "traceparent" not in sent and "tracestate" not in sent
 
 
 # --- configuration by the environment alone ---
