@@ -202,6 +202,8 @@ def configure(default_service: str = DEFAULT_SERVICE) -> TracerProvider | None:
     Raises:
         TracingConfigError: an exporter or protocol that cannot be used.
     """
+    if not tracing_enabled():
+        return None  # before any SDK import: an untraced process never loads it
     from opentelemetry.sdk.trace import TracerProvider
 
     global TRACER

@@ -286,13 +286,16 @@ def test_untraced_the_gateway_installs_no_provider_and_sends_the_engine_no_trace
 # --- configuration by the environment alone ---
 
 _PROBE = """
-import json, os
+import json, os, sys
 from opentelemetry import trace
+import gateway.server
 from gateway import tracing
-from opentelemetry.sdk.trace import TracerProvider
 provider = tracing.configure()
+sdk_loaded = "opentelemetry.sdk.trace" in sys.modules
+from opentelemetry.sdk.trace import TracerProvider
 installed = trace.get_tracer_provider()
 print(json.dumps({
+    "sdk_loaded": sdk_loaded,
     "configured": provider is not None, "tracer": tracing.TRACER is not None,
     "global_sdk": isinstance(installed, TracerProvider),
     "service": provider.resource.attributes.get("service.name") if provider else None,
@@ -312,8 +315,9 @@ def _probe(**env: str) -> dict[str, Any]:
 
 
 def test_without_otel_variables_no_provider_is_installed_and_the_request_path_makes_no_span() -> None:
-    assert _probe() == {"configured": False, "tracer": False, "global_sdk": False, "service": None, "sampler": None,
-                        "processors": []}  # fmt: skip
+    # Not even the SDK is imported by the gateway's modules.
+    assert _probe() == {"sdk_loaded": False, "configured": False, "tracer": False, "global_sdk": False, "service": None,
+                        "sampler": None, "processors": []}  # fmt: skip
     # Disabled or "none" win over an endpoint.
     endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
     assert _probe(**endpoint, OTEL_SDK_DISABLED="true")["configured"] is False
@@ -322,7 +326,7 @@ def test_without_otel_variables_no_provider_is_installed_and_the_request_path_ma
 
 def test_the_otel_variables_choose_the_exporter_service_and_sampler() -> None:
     on = _probe(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://127.0.0.1:9/v1/traces")
-    assert on == {"configured": True, "tracer": True, "global_sdk": True, "service": "kvcp-gateway",
+    assert on == {"sdk_loaded": True, "configured": True, "tracer": True, "global_sdk": True, "service": "kvcp-gateway",
                   "sampler": "ParentBased", "processors": ["OTLPSpanExporter"]}  # fmt: skip
     named_ = _probe(OTEL_TRACES_EXPORTER="console", OTEL_SERVICE_NAME="edge-gw", OTEL_TRACES_SAMPLER="always_off")
     assert (named_["service"], named_["sampler"], named_["processors"]) == ("edge-gw", "StaticSampler", ["ConsoleSpanExporter"])
