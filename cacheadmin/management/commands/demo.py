@@ -25,7 +25,9 @@ from django.core.wsgi import get_wsgi_application
 
 from cacheadmin.env import control_plane_environment, env_int, env_str, private_file, write_private_file
 from cacheadmin.mail import digests_report, mail_count
+from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
+from cacheadmin.management.ports import PlannedPort, port_problems
 from cacheadmin.metrics.multiproc import multiproc_dir, multiproc_reap
 from cacheadmin.models import GatewayKey, Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
@@ -37,7 +39,7 @@ from cacheadmin.services.engines import engines_stop_all
 from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke
 from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
 from inference.child_env import die_with_parent
-from inference.errors import CheckpointError
+from inference.errors import EXIT_CONFLICT, CheckpointError
 
 EXIT_CHECK_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -336,6 +338,11 @@ class Command(ControlPlaneCommand):
             help=f"dashboard address HOST:PORT or unix:PATH (default GUNICORN_BIND, else {DEFAULT_BIND})",
         )
         parser.add_argument(
+            "--gateway-addr",
+            default=None,
+            help=f"gateway address HOST:PORT (default GATEWAY_ADDR, else {settings.GATEWAY_ADDR})",
+        )
+        parser.add_argument(
             "--model", choices=sorted(DEMO_MODELS), default=None,
             help=f"the model the main job runs on (default DEMO_MODEL, else {DEFAULT_DEMO_MODEL}): {DEFAULT_DEMO_MODEL}, "
             "the real SmolLM2-135M-Instruct fine-tuned here into a customer-service assistant (built and trained "
@@ -377,6 +384,7 @@ class Command(ControlPlaneCommand):
                 )
             except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
+        gateway_addr = self._ports_free(opts, server)
         if not any(settings.DEMO_MODELS_DIR.is_relative_to(root) for root in settings.MODEL_ROOTS):
             # Checked before minutes of building: a checkpoint there could not be registered.
             roots = ", ".join(str(root) for root in settings.MODEL_ROOTS)
@@ -441,13 +449,14 @@ class Command(ControlPlaneCommand):
                     log("KV-event consumer died; restarting it (it resumes from its checkpoint)")
                     consumer.start()
 
-            gateway = GatewayProcess(settings.VAR_DIR / "logs" / "demo-gateway.log", name="demo")
+            gateway_log = settings.VAR_DIR / "logs" / "demo-gateway.log"
+            gateway = GatewayProcess(gateway_log, env={"GATEWAY_ADDR": gateway_addr}, name="demo")
             stack.callback(gateway.stop)
             try:
                 gateway.start()
             except RuntimeError as exc:
                 raise self.bad_input(f"demo failed: {exc}") from exc
-            log(f"gateway on http://{settings.GATEWAY_ADDR}/v1 (OpenAI-compatible), log {gateway.log_path}")
+            log(f"gateway on http://{gateway_addr}/v1 (OpenAI-compatible), log {gateway.log_path}")
             # Release tooling calls the API of the served dashboard, or (serving nothing) the same
             # WSGI application in this process.
             api_client = (
@@ -456,7 +465,7 @@ class Command(ControlPlaneCommand):
                 else httpx.Client(transport=httpx.WSGITransport(app=get_wsgi_application()), base_url="http://127.0.0.1")
             )
             stack.callback(api_client.close)
-            stage = Stage(gateway_url=f"http://{settings.GATEWAY_ADDR}", api_client=api_client)
+            stage = Stage(gateway_url=f"http://{gateway_addr}", api_client=api_client)
             try:
                 summary = demo_run(
                     log=log, stage=stage, watchdog=watchdog, model=model, checkpoints=checkpoints, max_tokens=opts["max_tokens"],
@@ -480,7 +489,7 @@ class Command(ControlPlaneCommand):
                         "behind the gateway: prewarm, compare or release against it; it stops with the demo"
                     )
                 key = self._gateway_key()
-                log(f"gateway: http://{settings.GATEWAY_ADDR}/v1 (tenant acme's key {key})")
+                log(f"gateway: http://{gateway_addr}/v1 (tenant acme's key {key})")
                 log(f"dashboard: {server.base_url}/  (Ctrl-C to stop)")
                 status = server.wait()
                 if status != 0:
@@ -509,6 +518,29 @@ class Command(ControlPlaneCommand):
                 log(f"stopped {len(stopped)} engine(s): {', '.join(stopped)}")
         if interrupted:
             sys.exit(EXIT_INTERRUPTED)
+
+    def _ports_free(self, opts: dict[str, Any], server: DashboardServer | None) -> str:
+        """The gateway's address, once every port the demo binds (the dashboard's, the gateway's,
+        the KV-event consumer's metrics) is free: checked before anything is migrated or started.
+
+        Raises:
+            CommandError: (exit 2) a malformed gateway address; (exit 3) a port taken or planned
+                twice, each named with the flag or variable that sets it.
+        """
+        gateway_addr = opts["gateway_addr"] or settings.GATEWAY_ADDR
+        try:
+            listen_address(gateway_addr)
+        except ValueError as exc:
+            raise self.bad_input(f"{'--gateway-addr' if opts['gateway_addr'] else 'GATEWAY_ADDR'}: {exc}") from exc
+        planned = [PlannedPort(gateway_addr, "--gateway-addr or GATEWAY_ADDR", "gateway")]
+        if server is not None and not server.bind.startswith("unix:"):
+            planned.insert(0, PlannedPort(server.bind, "--addr or GUNICORN_BIND", "dashboard"))
+        if settings.KV_EVENTS_METRICS_ADDR:
+            planned.append(PlannedPort(settings.KV_EVENTS_METRICS_ADDR, "KV_EVENTS_METRICS_ADDR", "KV-event consumer metrics"))
+        problems = port_problems(planned)
+        if problems:
+            raise self.failed("; ".join(problems), EXIT_CONFLICT)
+        return gateway_addr
 
     def _serve(self, server: DashboardServer, log: Any) -> None:
         password = self._ensure_admin()
