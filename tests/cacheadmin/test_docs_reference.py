@@ -4,6 +4,7 @@ every command and argument has help, every error class, route and metric family 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import socket
@@ -124,6 +125,27 @@ def test_configuration_page_rows(pages: dict[str, str]) -> None:
 
 def test_every_command_and_argument_has_help() -> None:
     assert missing_help() == []
+
+
+def test_an_argument_or_subcommand_without_help_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django.core.management.base import BaseCommand
+
+    from cacheadmin.docs_reference import cli
+
+    class Undocumented(BaseCommand):
+        help = "a command"
+
+        def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+            parser.add_argument("--quiet-flag", action="store_true")
+            sub = parser.add_subparsers(dest="verb")
+            run = sub.add_parser("run")
+            run.add_argument("target", help="what to run")
+            run.add_argument("--count", type=int, default=2)
+
+    command = Undocumented()
+    monkeypatch.setattr(cli, "project_commands", lambda: ["undocumented"])
+    monkeypatch.setattr(cli, "command_parser", lambda name: (command, command.create_parser("manage.py", name)))
+    assert missing_help() == ["undocumented --quiet-flag", "undocumented run", "undocumented run --count"]
 
 
 def test_every_command_and_subcommand_has_a_section(pages: dict[str, str]) -> None:
