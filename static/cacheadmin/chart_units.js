@@ -16,8 +16,19 @@
   }
   function rate(value) {
     if (value === 0) return "0/s";
-    if (value < 1) return (value * 60).toFixed(value * 60 < 10 ? 1 : 0) + "/min";
-    return (value < 10 ? value.toFixed(1) : value.toFixed(0)) + "/s";
+    return (value < 1 ? value.toFixed(2) : value < 10 ? value.toFixed(1) : value.toFixed(0)) + "/s";
+  }
+  // Byte ticks on whole binary steps (1, 2, 4, 8... KiB / MiB / GiB), not on decimal ones (9.5 MiB, 19 MiB...).
+  function binaryTicks(axis) {
+    const max = axis.max;
+    if (!(max > 0)) return;
+    let unit = 1;
+    while (unit * 1024 <= max) unit *= 1024;
+    let step = unit;
+    while (max / step > 8) step *= 2;
+    while (max / step < 3 && step > 1) step /= 2;
+    axis.ticks = [];
+    for (let v = 0; v <= max + step / 1e6; v += step) axis.ticks.push({ value: v });
   }
   const format = {
     ratio: (v) => (v * 100).toFixed(0) + " %",
@@ -51,6 +62,7 @@
           beginAtZero: true,
           max: unit === "ratio" ? 1 : unit === "percent" ? 100 : undefined,
           ticks: { callback: (v) => fmt(v), precision: unit === "count" ? 0 : undefined },
+          afterBuildTicks: unit === "bytes" ? binaryTicks : undefined,
         },
       },
       plugins: { tooltip: { callbacks: { label: (c) => `${c.dataset.label}: ${c.parsed.y === null ? "—" : fmt(c.parsed.y)}` } } },
