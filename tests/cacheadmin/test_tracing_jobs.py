@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -54,12 +55,30 @@ def operator() -> APIClient:
     return client
 
 
+class PoolWorker(WorkerProcess):
+    """The worker with another pool than the tests' usual ``solo``: ``prefork`` forks its child
+    after the provider exists (the SDK renews its export thread in the child)."""
+
+    def __init__(self, pool: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pool = pool
+
+    def command(self) -> list[str]:
+        argv = super().command()
+        return [f"--pool={self.pool}" if a == "--pool=solo" else a for a in argv] + (
+            ["--concurrency=1"] if self.pool == "prefork" else []
+        )
+
+
 @pytest.mark.slow
-def test_a_job_queued_through_the_api_runs_in_the_worker_as_a_child_of_the_api_requests_trace(spans, operator) -> None:
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_a_job_queued_through_the_api_runs_in_the_worker_as_a_child_of_the_api_requests_trace(
+    spans, operator, pool: str
+) -> None:  # fmt: skip
     receiver = OtlpReceiver()
     clean = {k: v for k, v in subprocess_env().items() if not k.startswith("OTEL_")}
     env = {**clean, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    worker = WorkerProcess(worker_log("tracing-worker"), env=env, name="tracing")
+    worker = PoolWorker(pool, log_path=worker_log(f"tracing-worker-{pool}"), env=env, name=f"tracing-{pool}")
     try:
         worker.start()
         started = operator.post("/api/accounting-scans/", format="json")
