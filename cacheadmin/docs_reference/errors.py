@@ -90,11 +90,11 @@ def _text(node: ast.expr | None) -> str:
     return ""
 
 
-def _message(call: ast.Call, scope: ast.AST | None) -> str:
-    """The third argument's text, or that of the last assignment to the variable passed there before the call."""
-    if len(call.args) < 3:
+def _argument_text(call: ast.Call, index: int, scope: ast.AST | None) -> str:
+    """The text of argument ``index``: a literal, or the last assignment before the call to the variable passed."""
+    if len(call.args) <= index:
         return ""
-    argument = call.args[2]
+    argument = call.args[index]
     if not isinstance(argument, ast.Name) or scope is None:
         return _text(argument)
     assigned = [
@@ -107,26 +107,32 @@ def _message(call: ast.Call, scope: ast.AST | None) -> str:
     return _text(max(assigned, key=lambda v: v.lineno)) if assigned else ""
 
 
-def _envelope_calls(tree: ast.AST) -> Iterator[tuple[ast.Call, str]]:
-    """Each literal ``envelope(status, "code", ...)`` call with its message's text, else the docstring of the
-    function (else class) it is in."""
+def _calls(tree: ast.AST) -> Iterator[tuple[ast.Call, str, ast.AST | None]]:
+    """Each call with the docstring of the function (else class) it is in, and that function."""
 
-    def visit(node: ast.AST, doc: str, scope: ast.AST | None) -> Iterator[tuple[ast.Call, str]]:
+    def visit(node: ast.AST, doc: str, scope: ast.AST | None) -> Iterator[tuple[ast.Call, str, ast.AST | None]]:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             doc = ast.get_docstring(node) or doc
             scope = node
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id == "envelope"
-            and len(node.args) >= 2
-            and all(isinstance(a, ast.Constant) for a in node.args[:2])
-        ):
-            yield node, _message(node, scope) or _first_paragraph(doc)
+        if isinstance(node, ast.Call):
+            yield node, doc, scope
         for child in ast.iter_child_nodes(node):
             yield from visit(child, doc, scope)
 
     yield from visit(tree, "", None)
+
+
+def _envelope_calls(tree: ast.AST) -> Iterator[tuple[ast.Call, str]]:
+    """Each literal ``envelope(status, "code", ...)`` call with its message's text, else the docstring of the
+    function (else class) it is in."""
+    for call, doc, scope in _calls(tree):
+        if (
+            isinstance(call.func, ast.Name)
+            and call.func.id == "envelope"
+            and len(call.args) >= 2
+            and all(isinstance(a, ast.Constant) for a in call.args[:2])
+        ):
+            yield call, _argument_text(call, 2, scope) or _first_paragraph(doc)
 
 
 def request_errors() -> dict[tuple[str, int], RequestError]:
@@ -151,6 +157,70 @@ def request_errors() -> dict[tuple[str, int], RequestError]:
             entry.sources.add(relative)
             entry.meaning = entry.meaning or meaning
     return dict(sorted(found.items(), key=lambda item: (item[0][1], item[0][0])))
+
+
+#: The gateway package (the data plane), beside the control plane's package.
+GATEWAY_DIR = PACKAGE_DIR.parent / "gateway"
+
+
+@dataclass
+class GatewayErrorRow:
+    """One code of the gateway's OpenAI-format errors: its statuses, ``type``, messages and where it is raised."""
+
+    statuses: set[str] = field(default_factory=set)
+    types: set[str] = field(default_factory=set)
+    messages: set[str] = field(default_factory=set)
+    sources: set[str] = field(default_factory=set)
+
+    @property
+    def message(self) -> str:
+        """The message, or the first of several (sorted) with how many there are."""
+        ordered = sorted(self.messages)
+        if len(ordered) > 1:
+            return f"one of {len(ordered)} messages, e.g. {ordered[0]}"
+        return ordered[0] if ordered else ""
+
+
+def _keyword_text(call: ast.Call, name: str) -> str | None:
+    value = next((k.value for k in call.keywords if k.arg == name), None)
+    return _text(value) if value is not None else None
+
+
+def gateway_errors() -> dict[str, GatewayErrorRow]:
+    """The gateway's error codes, by code, sorted, found in its source: ``GatewayError(status, message,
+    type_=..., code=...)``, ``invalid(message, ..., code=...)`` (400 ``invalid_request_error``, code
+    ``invalid_request`` unless given) and the connection guard's ``_answer(status, reason, message, code)``.
+    A status or code computed at run time shows as the expression that computes it."""
+    found: dict[str, GatewayErrorRow] = {}
+    for path in sorted(GATEWAY_DIR.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_DIR.parent).as_posix()
+        for node, doc, scope in _calls(ast.parse(path.read_text(encoding="utf-8"))):
+            func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if func == "GatewayError" and len(node.args) >= 2:
+                status_node, message_index = node.args[0], 1
+                code_text, type_text = _keyword_text(node, "code"), _keyword_text(node, "type_")
+            elif func == "invalid" and relative == "gateway/errors.py":
+                continue  # the helper's own body: its callers are counted
+            elif func == "invalid" and node.args:
+                status_node, message_index = ast.Constant(400), 0
+                code_text, type_text = _keyword_text(node, "code") or "invalid_request", "invalid_request_error"
+            elif func == "_answer" and len(node.args) >= 4:
+                status_node, message_index = node.args[0], 2
+                code_text, type_text = _text(node.args[3]), "invalid_request_error"
+            else:
+                continue
+            if not code_text:
+                continue
+            literal = isinstance(status_node, ast.Constant)
+            row = found.setdefault(code_text, GatewayErrorRow())
+            row.statuses.add(str(status_node.value) if isinstance(status_node, ast.Constant) else "varies")
+            if type_text:
+                row.types.add(type_text)
+            message = _argument_text(node, message_index, scope) or (_first_paragraph(doc) if not literal else "")
+            if message:
+                row.messages.add(message)
+            row.sources.add(relative)
+    return dict(sorted(found.items()))
 
 
 def render() -> str:
@@ -201,5 +271,25 @@ def render() -> str:
         for (error_code, status), entry in request_errors().items()
     ]
     lines += table(("Code", "HTTP status", "Meaning", "Raised by"), request_rows)
+    lines += ["", "## Gateway errors", ""]
+    lines += [
+        "The gateway (`manage.py gateway`, the OpenAI-compatible data plane) answers in the OpenAI error format "
+        "instead, so OpenAI clients read it: "
+        '`{"error": {"message": "...", "type": "...", "param": null, "code": "..."}}`. An engine\'s own error '
+        "reaches the caller in the same shape with code `engine_<status>` (a 5xx as 502), its message sanitised "
+        "(`gateway/errors.py`). Its codes (`{...}` in a message stands for a value filled in when it is raised):",
+        "",
+    ]
+    gateway_rows = [
+        (
+            code(error_code),
+            ", ".join(sorted(row.statuses)),
+            ", ".join(code(t) for t in sorted(row.types)),
+            row.message,
+            ", ".join(code(s) for s in sorted(row.sources)),
+        )
+        for error_code, row in gateway_errors().items()
+    ]
+    lines += table(("Code", "HTTP status", "Type", "Message", "Raised in"), gateway_rows)
     lines.append("")
     return page(lines)

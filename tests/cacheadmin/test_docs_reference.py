@@ -20,7 +20,7 @@ from cacheadmin.docs_reference import api as api_page
 from cacheadmin.docs_reference.cli import missing_help, project_commands, walk
 from cacheadmin.docs_reference.configuration import UndocumentedVariable, env_reads, undocumented
 from cacheadmin.docs_reference.configuration import render as render_configuration
-from cacheadmin.docs_reference.errors import service_errors
+from cacheadmin.docs_reference.errors import gateway_errors, service_errors
 from cacheadmin.docs_reference.markdown import anchor
 from cacheadmin.env import READ_NAMES
 from cacheadmin.env_catalogue import SECTIONS, VARIABLES
@@ -176,6 +176,15 @@ def test_every_error_class_is_on_the_errors_page(pages: dict[str, str]) -> None:
     rows = re.findall(r"^\| `([a-z_]+)` \| (\d+) \| (\d) \| `(\w+)` \|", pages["errors.md"], re.M)
     assert {cls: (int(status), code, int(exit_code)) for code, status, exit_code, cls in rows} == EXPECTED
     assert len(rows) == len(service_errors()) == len(EXPECTED)
+
+
+def test_the_gateways_codes_are_on_the_errors_page(pages: dict[str, str]) -> None:
+    found = gateway_errors()
+    assert (found["request_timeout"].statuses, found["request_timeout"].types) == ({"408"}, {"invalid_request_error"})
+    assert (found["rate_limit_exceeded"].statuses, found["rate_limit_exceeded"].types) == ({"429"}, {"rate_limit_error"})
+    assert found["model_not_found"].sources == {"gateway/routing.py"}
+    gateway_section = pages["errors.md"].split("\n## Gateway errors\n", 1)[1]
+    assert re.findall(r"^\| `([a-z_]+)` \|", gateway_section, re.M) == list(found)
 
 
 # --- every page -------------------------------------------------------------------
