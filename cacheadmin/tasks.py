@@ -29,6 +29,7 @@ from cacheadmin.services.prewarm import PrewarmRunner
 from cacheadmin.services.registration import RegistrationRunner
 from cacheadmin.services.releases import releases_sync_pending
 from cacheadmin.services.shadow import SHADOW_CHECK_TASK, shadow_check_run, shadow_checks_recover
+from cacheadmin.tracing import job_span_annotate
 
 prewarm_job_task = PrewarmRunner.task
 comparison_job_task = ComparisonRunner.task
@@ -67,6 +68,7 @@ def jobs_recover_lost_task() -> None:
 @shared_task(name=SHADOW_CHECK_TASK)
 def shadow_check_task(check_id: int) -> None:
     """Replay one sampled live request on its engine and a reference engine, and judge it."""
+    job_span_annotate("ShadowCheck", check_id)
     shadow_check_run(check_id)
 
 

@@ -25,7 +25,9 @@ from rest_framework.test import APIClient
 from cacheadmin import tracing
 from cacheadmin.models import AccountingScan, JobStatus
 from cacheadmin.services.api_tokens import api_token_issue
+from cacheadmin.services.shadow import SHADOW_CHECK_TASK
 from cacheadmin.services.workers import WorkerProcess
+from cacheadmin.tasks import shadow_check_task
 from inference.child_env import die_with_parent
 from tests.helpers import PROJECT, subprocess_env, wait_for, worker_log
 from tests.otlp import OtlpReceiver
@@ -108,6 +110,15 @@ def test_a_job_queued_through_the_api_runs_in_the_worker_as_a_child_of_the_api_r
     finally:
         worker.stop()
         receiver.close()
+
+
+def test_a_shadow_check_names_itself_on_its_run_span(spans) -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    with provider.get_tracer("test").start_as_current_span(f"run/{SHADOW_CHECK_TASK}"):
+        shadow_check_task(424242)  # no such check: claimed by nobody, nothing else done
+    (run,) = spans.get_finished_spans()
+    assert dict(run.attributes or {}) == {"kvcp.job.kind": "ShadowCheck", "kvcp.job.id": 424242}
 
 
 def test_a_dashboard_page_is_a_server_span_of_its_route(spans, client) -> None:
