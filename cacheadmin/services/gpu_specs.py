@@ -14,7 +14,7 @@ from django.conf import settings
 from cacheadmin.models import CacheNamespace, ModelVersion
 from cacheadmin.services.engines import EngineRefused
 from cacheadmin.services.namespaces import namespace_salt_read
-from inference.engines.gpu_spec import BUILDS, CONNECTORS, SCRIPT_PORT, GpuEngineSpec, gpu_engine_spec
+from inference.engines.gpu_spec import BUILDS, CONNECTORS, POD_PORT, SCRIPT_PORT, GpuEngineSpec, gpu_engine_spec
 from inference.engines.launcher import PROJECT_ROOT
 from inference.errors import InvalidField
 from inference.kv_transport import key_pair
@@ -34,12 +34,13 @@ def engine_gpu_spec(
     connector: str,
     actor: str,
     build: str = "gpu",
-    port: int = SCRIPT_PORT,
+    port: int | None = None,
 ) -> GpuEngineSpec:
     """The spec to serve ``namespace`` with ``model_version`` on a GPU host (``build="gpu"``), or
     on this install's CPU build (``build="cpu"``: this interpreter, the project's ``inference``
     package on the relay's path, the KV-event sockets under ``KV_EVENTS_SOCKET_DIR``, the relay's
     key in ``KV_EVENTS_RELAY_KEY_FILE`` and its ports the two after ``port``, on 127.0.0.1).
+    ``port`` defaults to :data:`SCRIPT_PORT` for the CPU build, :data:`POD_PORT` for a GPU host.
 
     The namespace's salt is read (audited) because the spec names it for the
     gateway that will send it; the storage path is the namespace's prefix under
@@ -55,6 +56,8 @@ def engine_gpu_spec(
         raise InvalidField("connector", f"one of {', '.join(CONNECTORS)}")
     if build not in BUILDS:
         raise InvalidField("build", f"one of {', '.join(BUILDS)}")
+    # A CPU engine runs here, beside the dashboard's 8000; a GPU host keeps vLLM's own port.
+    port = port if port is not None else (SCRIPT_PORT if build == "cpu" else POD_PORT)
     if not 1024 <= port <= 65533:
         raise InvalidField("port", "within 1024..65533 (the relay takes the two ports after it)")
     if namespace.model_version.identity != model_version.identity:

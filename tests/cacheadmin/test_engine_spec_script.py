@@ -96,16 +96,18 @@ def test_the_script_starts_this_installs_build_off_the_dashboards_port_and_cites
     # --port moves the engine and its relay; a GPU build says vllm serve; bad input changes nothing.
     moved = _argv(_spec(target, "--port", "9100").stdout)
     assert moved[moved.index("--port") + 1] == "9100"
-    assert _argv(_spec(target, "--build", "gpu").stdout)[:2] == ["vllm", "serve"]
+    gpu = _argv(_spec(target, "--build", "gpu").stdout)
+    assert (gpu[:2], gpu[gpu.index("--port") + 1]) == (["vllm", "serve"], "8000")  # vLLM's own port, on a GPU host
     refused = _spec(target, "--build", "cpu", "--format", "llmisvc", "--image", "x")
     assert (refused.returncode, refused.stderr) == (
         2, "CommandError: --format llmisvc describes a GPU build's pods: --build cpu is for sh and json\n",
     )  # fmt: skip
     port = _spec(target, "--port", "80")
     assert port.returncode == 2 and "80 is not within 1024..65533" in port.stderr
+    # A connector the CPU build cannot run is refused for it (tests/k8s/test_api_cli.py: a GPU host's script by default).
     gpu_only = manage(
         "engine", "spec", "--model-version", str(target["version"].pk), "--namespace", str(target["namespace"].pk),
-        "--connector", "offloading", env=subprocess_env(),
+        "--connector", "offloading", "--build", "cpu", env=subprocess_env(),
     )  # fmt: skip
     assert (gpu_only.returncode, gpu_only.stderr) == (
         2, "CommandError: connector: the offloading connector runs on GPUs only; the CPU build runs example\n",

