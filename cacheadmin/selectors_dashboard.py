@@ -52,7 +52,7 @@ from cacheadmin.services.eviction.plan import CANDIDATE_WHY, namespace_targets, 
 from cacheadmin.services.gateway import routing_snapshot_build
 from cacheadmin.templatetags.cacheadmin_tags import MEDIUM_LABELS, device_of_build
 from gateway.layers import LAYERS as CACHE_LAYERS
-from gateway.records import layer_figures
+from gateway.records import TTFT_BOUNDS_MS, layer_figures
 
 #: How many rows the dashboard's serving-now, namespace and staleness sections show (each links to the rest).
 TOP_N = 25
@@ -725,6 +725,84 @@ def chart_cost_savings(*, since: datetime) -> dict[str, Any]:
     return {"labels": layers, "datasets": [{"label": "cost savings rate", "data": rates}]}
 
 
+#: Latency percentiles the dashboard charts.
+PERCENTILES = (50, 95, 99)
+
+
+def histogram_quantile(q: float, buckets: dict[str, int]) -> float | None:
+    """The ``q`` quantile (0..1) of a TTFT histogram in ms, as Prometheus's ``histogram_quantile``
+    estimates it: linear within the bucket holding it, from the bound below (0 for the first);
+    a quantile in the ``inf`` bucket is the highest finite bound. None for an empty histogram.
+
+    Args:
+        buckets: bound (``gateway.records.TTFT_BOUNDS_MS`` as text, or ``inf``) → requests, not cumulative.
+    """
+    total = sum(buckets.values())
+    if not total:
+        return None
+    rank, seen, lower = q * total, 0, 0.0
+    for bound in TTFT_BOUNDS_MS:
+        count = buckets.get(f"{bound:g}", 0)
+        if count and seen + count >= rank:
+            return lower + (bound - lower) * (rank - seen) / count
+        seen += count
+        lower = float(bound)
+    return float(TTFT_BOUNDS_MS[-1])
+
+
+def chart_latency(*, since: datetime, now: datetime) -> dict[str, Any]:
+    """TTFT percentiles (:data:`PERCENTILES`) per minute of every answered request, from the
+    gateway's per-minute histograms (``GatewayStat.ttft_buckets``, summed over namespaces and
+    layers: cache hits and engine answers alike), in ms. One query.
+
+    Returns:
+        ``{"labels": [ISO minute], "datasets": [{"label": "p50" | "p95" | "p99", "data": [ms or null]}]}``,
+        cut to the minutes with answers (:func:`fit_series`).
+    """
+    minutes = _minutes(since, now)
+    index = {m: i for i, m in enumerate(minutes)}
+    summed: list[dict[str, int]] = [{} for _ in minutes]
+    for minute, buckets in (
+        GatewayStat.objects.filter(minute__gte=since).exclude(ttft_buckets={}).values_list("minute", "ttft_buckets")
+    ):
+        i = index.get(minute)
+        if i is None:
+            continue
+        for bound, count in buckets.items():
+            summed[i][bound] = summed[i].get(bound, 0) + count
+    datasets = []
+    for p in PERCENTILES:
+        data = [histogram_quantile(p / 100, h) for h in summed]
+        datasets.append({"label": f"p{p}", "data": [round(v, 2) if v is not None else None for v in data]})
+    return fit_series({"labels": [m.isoformat() for m in minutes], "datasets": datasets})
+
+
+def chart_errors(*, since: datetime, now: datetime) -> dict[str, Any]:
+    """The share of requests routed to an engine that the gateway answered with a server error
+    (5xx: the engine failed, timed out or was shed), per minute: errors / (errors + engine answers),
+    from the prefix rows (``GatewayStat.errors``, ``requests``). One query.
+
+    Returns:
+        ``{"labels": [ISO minute], "datasets": [{"label": "error rate", "data": [0..1 or null]}]}``, cut to the
+        minutes with engine traffic (:func:`fit_series`).
+    """
+    rows = (
+        GatewayStat.objects.filter(minute__gte=since, layer="prefix")
+        .values("minute")
+        .annotate(e=Sum("errors"), r=Sum("requests"))
+        .order_by("minute")
+    )
+    minutes = _minutes(since, now)
+    index = {m: i for i, m in enumerate(minutes)}
+    rate: list[float | None] = [None] * len(minutes)
+    for r in rows:
+        i = index.get(r["minute"])
+        tried = (r["e"] or 0) + (r["r"] or 0)
+        if i is not None and tried:
+            rate[i] = round((r["e"] or 0) / tried, 4)
+    return fit_series({"labels": [m.isoformat() for m in minutes], "datasets": [{"label": "error rate", "data": rate}]})
+
+
 #: Release statuses after which its charts stop at its last change, not at now.
 RELEASE_CLOSED = ("failed", "rolled_back")
 #: The longest a release's charts reach back from their end (a minute a point).
@@ -746,11 +824,12 @@ def release_charts(release: Release, *, now: datetime | None = None) -> dict[str
       the seconds elapsed in it).
     - ``shadow``: shadow checks of the two namespaces created that minute, per
       verdict (``matched``, ``deceptive``, ``failed``: the replay itself erred,
-      ``pending``). The gateway records no per-request errors: failed checks and the
-      release's own ``failed`` events are the errors there are to show.
+      ``pending``).
+    - ``errors``: per version, the share of requests routed to an engine that the
+      gateway answered with a server error (``GatewayStat.errors`` of the prefix rows).
 
     Returns:
-        ``{"split" | "hit_ratio" | "rate" | "shadow": {"labels": [ISO minute], "datasets":
+        ``{"split" | "hit_ratio" | "rate" | "shadow" | "errors": {"labels": [ISO minute], "datasets":
         [{"label", "data": [value or null]}]}, "failures": [{"at": ISO, "detail"}]}``.
     """
     now = now or timezone.now()
@@ -772,10 +851,12 @@ def release_charts(release: Release, *, now: datetime | None = None) -> dict[str
         planned.append(share)
     answered: dict[str, list[int]] = {v: [0] * len(minutes) for v in versions.values()}
     cached: dict[str, list[int]] = {v: [0] * len(minutes) for v in versions.values()}
+    errors: dict[str, list[int]] = {v: [0] * len(minutes) for v in versions.values()}
+    tried: dict[str, list[int]] = {v: [0] * len(minutes) for v in versions.values()}
     for r in (
         GatewayStat.objects.filter(namespace_id__in=list(versions), minute__gte=minutes[0])
         .values("namespace_id", "layer", "minute")
-        .annotate(h=Sum("hits"), r=Sum("requests"))
+        .annotate(h=Sum("hits"), r=Sum("requests"), e=Sum("errors"))
         .order_by()
     ):
         i = index.get(r["minute"])
@@ -784,6 +865,9 @@ def release_charts(release: Release, *, now: datetime | None = None) -> dict[str
         version = versions[r["namespace_id"]]
         answered[version][i] += _answered(r["layer"], r["h"] or 0, r["r"] or 0)
         cached[version][i] += r["h"] or 0  # a prefix row's hits are requests with cached prompt tokens
+        if r["layer"] == "prefix":
+            errors[version][i] += r["e"] or 0
+            tried[version][i] += (r["e"] or 0) + (r["r"] or 0)
     new = release.to_version.label
     served: list[float | None] = []
     for i in range(len(minutes)):
@@ -815,6 +899,10 @@ def release_charts(release: Release, *, now: datetime | None = None) -> dict[str
                                   for i in range(len(minutes))]} for v in answered
         ]}),
         "shadow": fit_series({"labels": labels, "datasets": [{"label": k, "data": d} for k, d in shadow.items()]}),
+        "errors": fit_series({"labels": labels, "datasets": [
+            {"label": v, "data": [round(errors[v][i] / tried[v][i], 4) if tried[v][i] else None
+                                  for i in range(len(minutes))]} for v in tried
+        ]}),
         "failures": [{"at": e["at"].isoformat(), "detail": e["detail"]} for e in events if e["kind"] == "failed"],
     }  # fmt: skip
 
@@ -824,7 +912,7 @@ def dashboard_charts(*, now: datetime | None = None, minutes: int = CHART_MINUTE
 
     Returns:
         ``{"generated_at": ISO time, "minutes": n, "hit_ratio_namespaces", "hit_ratio_engines",
-        "ttft_live", "request_rate", "ttft_comparisons", "storage", "resident", "cost_savings"}`` (see each
+        "ttft_live", "request_rate", "latency", "errors", "ttft_comparisons", "storage", "resident", "cost_savings"}`` (see each
         ``chart_*``; the time series are cut to their data, :func:`fit_series`).
     """
     now = now or timezone.now()
@@ -836,6 +924,8 @@ def dashboard_charts(*, now: datetime | None = None, minutes: int = CHART_MINUTE
         "hit_ratio_engines": chart_hit_ratio_engines(since=since),
         "ttft_live": chart_ttft_live(since=since, now=now),
         "request_rate": chart_request_rate(since=since, now=now),
+        "latency": chart_latency(since=since, now=now),
+        "errors": chart_errors(since=since, now=now),
         "ttft_comparisons": chart_ttft_comparisons(),
         "storage": chart_storage(),
         "resident": chart_resident(),

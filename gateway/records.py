@@ -41,6 +41,21 @@ from typing import Any
 from gateway.layers import LAYERS
 from gateway.templates import TemplateCounts
 
+#: Bounds (ms) of the per-minute TTFT histogram: the Prometheus histogram's
+#: (:data:`gateway.metrics.TTFT_BUCKETS_S`, in ms), then ``inf``. A request adds 1 to the
+#: counter named by :func:`ttft_bucket`; the control plane keeps them as ``GatewayStat.ttft_buckets``.
+TTFT_BOUNDS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
+#: Counter names of the histogram: this prefix and the bound (``ttft_le_25``, ``ttft_le_inf``).
+TTFT_BUCKET_PREFIX = "ttft_le_"
+
+
+def ttft_bucket(ms: float) -> str:
+    """The counter of the histogram bucket a TTFT of ``ms`` milliseconds falls in (the first bound it does not exceed)."""
+    for bound in TTFT_BOUNDS_MS:
+        if ms <= bound:
+            return f"{TTFT_BUCKET_PREFIX}{bound:g}"
+    return f"{TTFT_BUCKET_PREFIX}inf"
+
 
 @dataclass
 class _Cell:

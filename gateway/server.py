@@ -44,7 +44,7 @@ from gateway.pii.gate import answer_text, gate
 from gateway.pipeline import Hit, Missed, Pipeline, RequestContext, explain_layers
 from gateway.prefix.router import PRECISE, Decision, PrefixRouter
 from gateway.protection import TokenBucket
-from gateway.records import Recorder
+from gateway.records import Recorder, ttft_bucket
 from gateway.replies import SERVED_BY_HEADER, ProxyStream, answer_from_record, served_headers, stream_record
 from gateway.routing import (
     EngineTarget,
@@ -459,7 +459,8 @@ class Gateway:
         if not hit.unavailable:  # else counted as the layer's store_unavailable bypass already
             self.rt.recorder.add(
                 ctx.namespace.pk, hit.layer.name, requests=1, hits=1, lookup_ms_sum=hit.lookup_ms, lookup_count=1,
-                ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1, prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                ttft_hit_ms_sum=ttft_ms, ttft_hit_count=1, **{ttft_bucket(ttft_ms): 1},
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
                 output_tokens=int(usage.get("completion_tokens") or 0),
             )  # fmt: skip
         headers = served_headers(ctx.routed, hit.layer.name)
@@ -521,17 +522,24 @@ class Gateway:
             await asyncio.shield(end(answer, call.engine))
         except GatewayError as exc:
             ctx.failure = exc  # a flight this request leads hands its joiners a timeout's answer
-            return exc.response()
+            return self._failed(ctx, exc.response())
         except EngineRefused as exc:
-            return exc.response()
+            return self._failed(ctx, exc.response())
         finally:
             if not handed_over:  # no engine, a refusal, or cancelled on the way: the guards are released all the same
                 await asyncio.shield(end(EngineAnswer(None), None))
         if answer.record is None:
-            return GatewayError(502, f"engine {call.engine.name} failed before answering", type_="server_error",
-                                code="engine_failed").response()  # fmt: skip
+            return self._failed(ctx, GatewayError(502, f"engine {call.engine.name} failed before answering",
+                                                  type_="server_error", code="engine_failed").response())  # fmt: skip
         return JSONResponse(answer_from_record(answer.record, ctx.endpoint, ctx.model, cached=False),
                             headers=served_headers(ctx.routed, "engine", call.engine, call.decision))  # type: ignore[arg-type]  # fmt: skip
+
+    def _failed(self, ctx: RequestContext, response: Response) -> Response:
+        """``response``, counted as an error of the request's namespace (prefix row) when it is a
+        server error (5xx): the dashboard's error rate. A 4xx is the caller's, not an error here."""
+        if response.status_code >= 500:
+            self.rt.recorder.add(ctx.namespace.pk, "prefix", errors=1)
+        return response
 
     def _payload(self, ctx: RequestContext) -> dict[str, Any]:
         """What the engine gets: the normalized body under the namespace's salt; a streamed
@@ -567,7 +575,7 @@ class Gateway:
             ctx.namespace.pk, "prefix", requests=1, hits=1 if cached else 0, misses=0 if cached else 1,
             prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_prompt_tokens=cached,
             output_tokens=int(usage.get("completion_tokens") or 0),
-            **{f"ttft_{side}_ms_sum": ttft, f"ttft_{side}_count": 1},
+            **{f"ttft_{side}_ms_sum": ttft, f"ttft_{side}_count": 1, ttft_bucket(ttft): 1},
         )  # fmt: skip
         # The layers looked up and missed: this answer is their cold TTFT.
         self.pipeline.went_past(ctx, missed, ttft / 1000)

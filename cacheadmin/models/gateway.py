@@ -256,6 +256,12 @@ class GatewayStat(models.Model):
     #: Time spent storing engines' answers in the layer (the rest of its cost).
     store_ms_sum = models.FloatField(default=0)
     store_count = models.BigIntegerField(default=0)
+    #: Requests routed here that the gateway answered with a server error (5xx: the engine failed,
+    #: timed out or was shed), counted on the prefix row.
+    errors = models.BigIntegerField(default=0)
+    #: TTFT of the answers this row counts, as a histogram: bound in ms
+    #: (``gateway.records.TTFT_BOUNDS_MS``, then ``inf``) → requests; merged like ``bypass``.
+    ttft_buckets = models.JSONField(default=dict)
 
     class Meta:
         ordering = ["-minute", "namespace_id", "layer"]

@@ -65,7 +65,7 @@ from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_co
 from gateway.layers.semantic.embedder import MODEL_LANGUAGES
 from gateway.param_specs import InvalidRequest
 from gateway.pii.gate import PERSONAL_DATA_POLICIES
-from gateway.records import benefit_ratio, layer_figures
+from gateway.records import TTFT_BUCKET_PREFIX, benefit_ratio, layer_figures
 from gateway.routing import (
     NOT_PAYING_SAMPLE,
     EngineTarget,
@@ -515,6 +515,8 @@ STAT_COUNTERS = (
     "ttft_hit_ms_sum", "ttft_hit_count", "ttft_miss_ms_sum", "ttft_miss_count", "lookup_ms_sum", "lookup_count",
     "store_ms_sum", "store_count",
 )  # fmt: skip
+#: Further counters a flush adds, read by the dashboard's charts only (not part of the figures' sums).
+CHART_COUNTERS = ("errors",)
 
 
 def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, float], Mapping[str, int]]]) -> int:
@@ -522,8 +524,9 @@ def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, fl
 
     Args:
         rows: (namespace pk, layer, minute, counter increments by
-            :data:`STAT_COUNTERS` name, bypass reason → count). Namespaces
-            dropped since are skipped.
+            :data:`STAT_COUNTERS` or :data:`CHART_COUNTERS` name or TTFT histogram bucket
+            (:func:`gateway.records.ttft_bucket`), bypass reason → count).
+            Namespaces dropped since are skipped.
 
     Returns:
         Rows written.
@@ -535,7 +538,8 @@ def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, fl
     for namespace_pk, layer, minute, counters, bypass in rows:
         if namespace_pk not in live:
             continue
-        increments = {name: F(name) + value for name, value in counters.items() if name in STAT_COUNTERS and value}
+        added = (*STAT_COUNTERS, *CHART_COUNTERS)
+        increments = {name: F(name) + value for name, value in counters.items() if name in added and value}
         with transaction.atomic():
             where = {"namespace_id": namespace_pk, "layer": layer, "minute": minute}
             try:
@@ -551,6 +555,14 @@ def gateway_stats_flush(rows: Iterable[tuple[int, str, datetime, Mapping[str, fl
                 for reason, count in bypass.items():
                     merged[reason] = merged.get(reason, 0) + count
                 GatewayStat.objects.filter(pk=stat.pk).update(bypass=merged)
+            buckets = {n[len(TTFT_BUCKET_PREFIX) :]: v for n, v in counters.items() if n.startswith(TTFT_BUCKET_PREFIX) and v}
+            if buckets:
+                # The TTFT histogram (gateway.records.ttft_bucket), merged under the same lock as the bypass map.
+                held = GatewayStat.objects.select_for_update().filter(pk=stat.pk).values_list("ttft_buckets", flat=True).get()
+                histogram = dict(held)
+                for bound, count in buckets.items():
+                    histogram[bound] = histogram.get(bound, 0) + int(count)
+                GatewayStat.objects.filter(pk=stat.pk).update(ttft_buckets=histogram)
         written += 1
     return written
 

@@ -32,6 +32,8 @@
   }
   const format = {
     ratio: (v) => (v * 100).toFixed(0) + " %",
+    // A small ratio (an error rate): the axis follows the data, not 0-100 %.
+    share: (v) => (v * 100).toFixed(v < 0.1 ? 1 : 0) + " %",
     percent: (v) => Number(v).toFixed(0) + " %",
     ms: ms,
     bytes: iec,

@@ -155,7 +155,9 @@ def _cpu_version(label: str, identity: str, status: str) -> ModelVersion:
 def seed() -> dict[str, Any]:
     """The rows of a demo run twenty minutes in (see the module docstring); returns the pages to visit."""
     now = timezone.now()
-    start = now.replace(second=0, microsecond=0) - timedelta(minutes=MINUTES)
+    # The last minute of traffic is the last whole one: the current minute's rate would divide its counts
+    # by the seconds elapsed in it.
+    start = now.replace(second=0, microsecond=0) - timedelta(minutes=MINUTES + 1)
     acme, globex = Tenant.objects.create(slug="acme", name="Acme"), Tenant.objects.create(slug="globex", name="Globex")
     owner = RetentionOwner.objects.create(name="platform", email="platform@example.com")
     v1, v2 = _cpu_version("tiny-v1", "1" * 64, "active"), _cpu_version("tiny-v2", "2" * 64, "registered")
@@ -211,17 +213,21 @@ def seed() -> dict[str, Any]:
             GatewayStat.objects.create(namespace=ns, layer="prefix", minute=minute, requests=engine_n, hits=warm,
                                        misses=engine_n - warm, prompt_tokens=engine_n * 640, cached_prompt_tokens=warm * 608,
                                        output_tokens=engine_n * 16, ttft_hit_ms_sum=warm * 25.0, ttft_hit_count=warm,
-                                       ttft_miss_ms_sum=(engine_n - warm) * 58.0, ttft_miss_count=engine_n - warm)  # fmt: skip
+                                       ttft_miss_ms_sum=(engine_n - warm) * 58.0, ttft_miss_count=engine_n - warm,
+                                       errors=1 if m in (11, 12) and ns == new else 0,
+                                       ttft_buckets={"25": warm, "50": (engine_n - warm) // 2, "100": engine_n - warm
+                                                     - (engine_n - warm) // 2 - 1, "250": 1})  # fmt: skip
         if m >= 9 and m % 2:
             for status in ("matched", "matched", "matched", "deceptive" if m == 15 else "matched"):
                 check = ShadowCheck.objects.create(namespace=new, request={}, status=status, cached_tokens=608)
                 ShadowCheck.objects.filter(pk=check.pk).update(created_at=minute + timedelta(seconds=20))
         for engine, base in ((e1, 0), (e2, 6)):
             if m >= base:
+                # Cumulative counters: each minute 52,000 tokens queried, a growing share of them hit.
                 queries = (m - base + 1) * 52_000
+                hits = sum(int(52_000 * (0.3 + 0.03 * min(k, 15))) for k in range(m - base + 1))
                 EngineMetricsSample.objects.create(engine=engine, sampled_at=minute, prefix_cache_queries=queries,
-                                                   prefix_cache_hits=int(queries * (0.3 + 0.03 * min(m - base, 15))),
-                                                   kv_cache_usage=0.12 + 0.01 * (m % 5))  # fmt: skip
+                                                   prefix_cache_hits=hits, kv_cache_usage=0.12 + 0.01 * (m % 5))  # fmt: skip
     for i, mib in enumerate((18, 41, 66)):
         scan = AccountingScan.objects.create(status="succeeded", corpus="", prefixes_seen=3, bytes_total=mib * 2**20)
         at = start + timedelta(minutes=4 + 7 * i)
@@ -275,6 +281,9 @@ def test_pages_draw_their_charts_in_human_units(live_server: Any) -> None:
         assert charts[canvas]["labels"] == MINUTES + 1, canvas
     assert charts["chart-hit-ratio-engines"]["labels"] == MINUTES + 1
     assert charts["chart-request-rate"]["datasets"] == 3
+    assert charts["chart-latency"]["labels"] == MINUTES + 1 and charts["chart-latency"]["datasets"] == 3
+    assert all(t.endswith(" ms") for t in charts["chart-latency"]["ticks"])
+    assert charts["chart-errors"]["labels"] == MINUTES + 1 and all(t.endswith(" %") for t in charts["chart-errors"]["ticks"])
     assert all(t.endswith("/s") for t in charts["chart-request-rate"]["ticks"])
     assert all(t.endswith(" ms") for t in charts["chart-ttft-live"]["ticks"])
     # Binary steps: 0 B, 16 MiB, 32 MiB... (the newest scan holds 66 MiB).
@@ -289,6 +298,7 @@ def test_pages_draw_their_charts_in_human_units(live_server: Any) -> None:
     # Checks at odd minutes 9 to 19: eleven minutes, the even ones empty.
     assert release["release-chart-shadow"]["labels"] == 11 and release["release-chart-shadow"]["datasets"] == 4
     assert all(t.endswith(" %") for t in release["release-chart-split"]["ticks"])
+    assert release["release-chart-errors"]["labels"] == MINUTES - 5 + 1 and release["release-chart-errors"]["datasets"] == 2
     # Newest first: the adopted engine that failed, the reference, v2's, v1's.
     stale = "failed · verification stale (was verified) · adopted"
     assert seen["engine_states"] == [stale, "ready · verified", "ready · verified", "ready · verified"]

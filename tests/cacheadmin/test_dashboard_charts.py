@@ -19,7 +19,9 @@ from cacheadmin.models import (
     ReleaseEvent,
     ShadowCheck,
 )
-from cacheadmin.selectors_dashboard import dashboard_charts, fit_series, release_charts
+from cacheadmin.selectors_dashboard import dashboard_charts, fit_series, histogram_quantile, release_charts
+from cacheadmin.services.gateway import gateway_stats_flush
+from gateway.records import ttft_bucket
 
 pytestmark = pytest.mark.django_db
 
@@ -89,7 +91,8 @@ def shipped(world: dict) -> dict[str, Any]:
     GatewayStat.objects.create(namespace=new, layer="response", minute=at, requests=10, hits=5, misses=5)
     GatewayStat.objects.create(namespace=new, layer="prefix", minute=at, requests=5, hits=0, misses=5)
     # Minute 6: everything on v2.
-    GatewayStat.objects.create(namespace=new, layer="prefix", minute=start + timedelta(minutes=6), requests=60, hits=30)
+    GatewayStat.objects.create(namespace=new, layer="prefix", minute=start + timedelta(minutes=6), requests=60, hits=30,
+                               errors=15)  # fmt: skip
     for status in ("matched", "matched", "deceptive"):
         check = ShadowCheck.objects.create(namespace=new, request={}, status=status)
         ShadowCheck.objects.filter(pk=check.pk).update(created_at=start + timedelta(minutes=6, seconds=20))
@@ -118,13 +121,19 @@ def test_release_charts_follow_its_traffic(shipped: dict) -> None:
         "datasets": [{"label": "matched", "data": [2]}, {"label": "deceptive", "data": [1]},
                      {"label": "failed", "data": [None]}, {"label": "pending", "data": [None]}],
     }  # fmt: skip
+    # Server errors of requests routed to an engine: 15 of 75 at minute 6 on v2.
+    assert charts["errors"] == {
+        "labels": [minutes[1], minutes[2], minutes[3], minutes[4]],
+        "datasets": [{"label": "v1", "data": [0.0, None, None, None]}, {"label": "v2", "data": [0.0, None, None, 0.2]}],
+    }
     assert charts["failures"] == []
 
 
 def test_release_page_embeds_its_charts(shipped: dict, client: Any) -> None:
     client.force_login(User.objects.create_user("rita"))
     html = client.get(f"/releases/{shipped['release'].pk}/").content.decode()
-    for canvas in ("release-chart-split", "release-chart-hit-ratio", "release-chart-rate", "release-chart-shadow"):
+    for canvas in ("release-chart-split", "release-chart-hit-ratio", "release-chart-rate", "release-chart-errors",
+                   "release-chart-shadow"):  # fmt: skip
         assert f'<canvas id="{canvas}"' in html
     embedded = html[html.index('<script id="release-series" type="application/json">') :]
     body = json.loads(embedded[embedded.index(">") + 1 : embedded.index("</script>")])
@@ -140,3 +149,44 @@ def test_release_page_without_traffic_says_so(world: dict, client: Any) -> None:
         '<p id="release-charts-empty">No traffic through the gateway to either version since the release was created.</p>' in html
     )
     assert "release-chart-split" not in html
+
+
+def test_ttft_buckets_follow_the_prometheus_bounds() -> None:
+    assert [ttft_bucket(ms) for ms in (0.2, 1, 1.01, 24.9, 25, 26, 59_999, 60_000, 60_001)] == [
+        "ttft_le_1", "ttft_le_1", "ttft_le_2.5", "ttft_le_25", "ttft_le_25", "ttft_le_50", "ttft_le_60000",
+        "ttft_le_60000", "ttft_le_inf",
+    ]  # fmt: skip
+    assert histogram_quantile(0.5, {}) is None
+    # 10 answers: 4 up to 25 ms, 4 in (25, 50], 2 in (50, 100]: the median is 25 + 25 × (5 - 4) / 4.
+    assert histogram_quantile(0.5, {"25": 4, "50": 4, "100": 2}) == 31.25
+    assert histogram_quantile(0.99, {"25": 4, "50": 4, "100": 2}) == 50 + 50 * (9.9 - 8) / 2
+    assert histogram_quantile(0.99, {"25": 1, "inf": 9}) == 60_000.0
+
+
+def test_flushed_errors_and_ttft_histograms_chart_as_error_rate_and_percentiles(world: dict) -> None:
+    ns, other = world["ns"]["acme"], world["ns"]["globex"]
+    now = timezone.now().replace(second=30, microsecond=0)
+    minute = now.replace(second=0) - timedelta(minutes=1)
+    # What two gateway processes drained: engine answers with their TTFT buckets, cache hits, and two 5xx.
+    first = [
+        (ns.pk, "prefix", minute, {"requests": 6, "misses": 6, **{ttft_bucket(40): 4, ttft_bucket(90): 2}}, {}),
+        (ns.pk, "response", minute, {"requests": 4, "hits": 2, ttft_bucket(2): 2}, {}),
+    ]
+    second = [
+        (ns.pk, "prefix", minute, {"requests": 2, "misses": 2, "errors": 2, ttft_bucket(40): 2}, {}),
+        (other.pk, "prefix", minute, {"requests": 0, "errors": 0}, {}),
+    ]
+    assert gateway_stats_flush(first) == 2 and gateway_stats_flush(second) == 2
+    row = GatewayStat.objects.get(namespace=ns, layer="prefix", minute=minute)
+    assert (row.requests, row.errors, row.ttft_buckets) == (8, 2, {"50": 6, "100": 2})
+    charts = dashboard_charts(now=now)
+    assert charts["errors"] == {"labels": [minute.isoformat()], "datasets": [{"label": "error rate", "data": [0.2]}]}
+    # 10 answers: 2 up to 2.5 ms, 6 in (25, 50], 2 in (50, 100].
+    assert charts["latency"] == {
+        "labels": [minute.isoformat()],
+        "datasets": [
+            {"label": "p50", "data": [25 + 25 * (5 - 2) / 6]},
+            {"label": "p95", "data": [50 + 50 * (9.5 - 8) / 2]},
+            {"label": "p99", "data": [50 + 50 * (9.9 - 8) / 2]},
+        ],
+    }

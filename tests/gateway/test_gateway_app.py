@@ -167,6 +167,14 @@ def test_a_non_streamed_answer_cut_off_is_a_502_cached_nowhere_and_counted_by_th
     assert (again.status_code, again.headers["x-kvcp-served-by"]) == (200, "engine")
     assert setup["gateway"].proxy.breaker.snapshot()[str(setup["engine"].pk)]["consecutive_failures"] == 0
     assert setup["gateway"].proxy.in_flight == {setup["engine"].pk: 0}
+    # The dashboard's error rate and TTFT percentiles: one server error, one answer in one TTFT bucket.
+    rows, _heat = setup["runtime"].recorder.drain()
+    prefix: dict[str, float] = {}
+    for _, layer, _, c, _ in rows:  # summed: the two requests may fall in two minutes
+        for name, n in c.items():
+            prefix[name] = prefix.get(name, 0) + n if layer == "prefix" else prefix.get(name, 0)
+    assert prefix["errors"] == 1 and prefix["requests"] == 1
+    assert sum(n for name, n in prefix.items() if name.startswith("ttft_le_")) == 1
 
 
 def test_an_answer_stored_between_the_lookup_and_the_lease_is_served_not_filled_again(setup) -> None:
