@@ -245,3 +245,14 @@ def test_api_docs_are_linked_both_ways(world: dict, client: Any) -> None:
     html = docs.content.decode()
     assert docs.status_code == 200 and '<div id="swagger-ui"></div>' in html
     assert '<a href="/" id="back-to-dashboard">← Back to the dashboard</a>' in html
+
+
+def test_comparison_page_flags_a_warm_median_above_the_cold_one(world: dict, client: Any) -> None:
+    ns, engine = world["ns"]["acme"], world["engine"]
+    job = ComparisonJob.objects.create(namespace=ns, engine=engine, reference_engine=engine, status="succeeded",
+                                       ttft_cold_ms=40.0, ttft_warm_ms=55.0)  # fmt: skip
+    _reader(client)
+    html = client.get(f"/comparison-jobs/{job.pk}/").content.decode()
+    assert 'warm 55.0 ms <span class="warn ttft-inverted" title="warm slower than cold: 55 ms warm vs 40 ms cold.' in html
+    ComparisonJob.objects.filter(pk=job.pk).update(ttft_warm_ms=25.0)
+    assert "ttft-inverted" not in client.get(f"/comparison-jobs/{job.pk}/").content.decode()
