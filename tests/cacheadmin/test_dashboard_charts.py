@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from cacheadmin.models import (
@@ -190,3 +192,21 @@ def test_flushed_errors_and_ttft_histograms_chart_as_error_rate_and_percentiles(
             {"label": "p99", "data": [50 + 50 * (9.9 - 8) / 2]},
         ],
     }
+
+
+def test_charts_take_a_fixed_number_of_queries(world: dict) -> None:
+    ns = world["ns"]["acme"]
+    now = timezone.now().replace(second=30, microsecond=0)
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            dashboard_charts(now=now)
+        return len(ctx)
+
+    GatewayStat.objects.create(namespace=ns, layer="prefix", minute=now.replace(second=0), requests=3, hits=1,
+                               ttft_buckets={"25": 3}, errors=1)  # fmt: skip
+    few = queries()
+    for m in range(1, 40):
+        GatewayStat.objects.create(namespace=world["ns"]["globex"], layer="response", minute=now.replace(second=0)
+                                   - timedelta(minutes=m), requests=5, hits=2, ttft_buckets={"2.5": 2})  # fmt: skip
+    assert queries() == few == 12
