@@ -315,3 +315,12 @@ def ttft_inversion(warm_ms: object, cold_ms: object, warm_n: object = None, cold
     why = "few samples, a busy engine or a prefix not reused?"
     shown = "⚠ warm slower than cold" + (f" ({counts})" if counts else "") + f": {why}"
     return format_html(' <span class="warn ttft-inverted" title="{}">{}</span>', TTFT_INVERSION.format(detail=detail), shown)
+
+
+@register.filter
+def thousands(value: object) -> str:
+    """A count with thousands separators (``1092000`` → ``1,092,000``), ``—`` when missing."""
+    number = _number(value)
+    if number is None:
+        return MISSING
+    return f"{int(number):,}" if number == int(number) else f"{number:,.1f}"

@@ -9,7 +9,8 @@
     const source = document.getElementById("engine-hit-series");
     if (!source) return;
     const series = JSON.parse(source.textContent);
-    const labels = series.labels.map((t) => new Date(t).toLocaleString());
+    // Clock times, with the date once the series spans more than a day (chart_units.js).
+    const labels = window.kvcpUnits ? window.kvcpUnits.timeLabels(series.labels) : series.labels;
     const data = series.hit_ratio.map((r) => (r === null ? null : r * 100));
     if (chart) {
       chart.data.labels = labels;
@@ -22,7 +23,11 @@
       data: { labels: labels, datasets: [{ label: "prefix-cache hit ratio (%)", data: data, spanGaps: false }] },
       options: {
         animation: false,
-        scales: { y: { min: 0, max: 100, title: { display: true, text: "%" } } },
+        maintainAspectRatio: false,
+        scales: {
+          x: { ticks: { autoSkip: true, maxTicksLimit: 8, maxRotation: 0 } },
+          y: { min: 0, max: 100, ticks: { callback: (v) => v + " %" } },
+        },
         plugins: { tooltip: { callbacks: { label: (c) => (c.parsed.y === null ? "no queries" : c.parsed.y.toFixed(1) + " %") } } },
       },
     });

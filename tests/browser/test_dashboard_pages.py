@@ -115,7 +115,7 @@ try {
   await page.locator('#charts').screenshot({ path: join(SHOTS, 'dashboard-charts.png') });
 
   await page.goto(`${BASE}${PAGES.engine}`);
-  await drawn(page, '.chart');
+  out.engine_chart = await drawn(page, '.chart');
   out.engine_heading = (await page.locator('h1').innerText()).trim();
   await page.screenshot({ path: join(SHOTS, 'engine-page.png'), fullPage: true });
 
@@ -171,12 +171,14 @@ def seed() -> dict[str, Any]:
         RetentionPolicy.objects.create(namespace=ns, max_age_since_last_hit_s=3600, versions_kept=1, cold_versions_kept=1)
     e1 = Engine.objects.create(name="tiny-v1", model_version=v1, namespace=old, base_url="http://127.0.0.1:8101",
                                status="ready", verification="verified", verified_at=start, start_seconds=26.4,
-                               kv_connector="ExampleConnector", kv_events_endpoint="ipc:///tmp/kvcp-e1",
+                               kv_connector="ExampleConnector", kv_storage_path="/var/kvcp/tiers/ns-acme-v1",
+                               kv_events_endpoint="ipc:///tmp/kvcp-e1",
                                host="demo-host")  # fmt: skip
     e1.attached_namespaces.add(other)
     e2 = Engine.objects.create(name="tiny-v2", model_version=v2, namespace=new, base_url="http://127.0.0.1:8102",
                                status="ready", verification="verified", verified_at=start, start_seconds=31.9,
-                               kv_connector="ExampleConnector", kv_events_endpoint="ipc:///tmp/kvcp-e2",
+                               kv_connector="ExampleConnector", kv_storage_path="/var/kvcp/tiers/ns-acme-v2",
+                               kv_events_endpoint="ipc:///tmp/kvcp-e2",
                                host="demo-host")  # fmt: skip
     ref = Engine.objects.create(name="tiny-v1-reference", role="reference", model_version=v1, base_url="http://127.0.0.1:8103",
                                 status="ready", verification="verified", prefix_caching=False, start_seconds=24.8,
@@ -305,6 +307,9 @@ def test_pages_draw_their_charts_in_human_units(live_server: Any) -> None:
     assert seen["startup"] == ["—", "25 s", "32 s", "26 s"]
     assert set(seen["media"]) == {"KV cache memory (CPU RAM)"}
     assert seen["engine_heading"] == "tiny-v1 ready"
+    # Twenty-one scrapes: twenty intervals, each a hit ratio.
+    hit_chart = seen["engine_chart"]["engine-hit-chart"]
+    assert hit_chart["labels"] == MINUTES and all(t.endswith(" %") for t in hit_chart["ticks"])
     assert seen["templates"] == 3 and seen["nav"] == "/api/docs" and seen["back"] == "/"
     assert sorted(p.name for p in folder.glob("*.png")) == sorted(f"{name}.png" for name in SHOTS)
     target = os.environ.get("KVCP_DASHBOARD_SCREENSHOTS")

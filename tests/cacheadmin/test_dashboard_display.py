@@ -18,6 +18,7 @@ from cacheadmin.models import (
     CacheNamespace,
     ComparisonJob,
     Engine,
+    EngineMetricsSample,
     GatewayStat,
     ModelVersion,
     PromptTemplate,
@@ -256,3 +257,12 @@ def test_comparison_page_flags_a_warm_median_above_the_cold_one(world: dict, cli
     assert 'warm 55.0 ms <span class="warn ttft-inverted" title="warm slower than cold: 55 ms warm vs 40 ms cold.' in html
     ComparisonJob.objects.filter(pk=job.pk).update(ttft_warm_ms=25.0)
     assert "ttft-inverted" not in client.get(f"/comparison-jobs/{job.pk}/").content.decode()
+
+
+def test_counts_have_thousands_separators(world: dict, client: Any) -> None:
+    engine = world["engine"]
+    EngineMetricsSample.objects.create(engine=engine, sampled_at=timezone.now(), prefix_cache_queries=1_092_000,
+                                       prefix_cache_hits=631_796)  # fmt: skip
+    _reader(client)
+    live = client.get(f"/engines/{engine.pk}/live").content.decode()
+    assert "<td>57.9 %</td><td>631,796 / 1,092,000</td>" in live
