@@ -266,3 +266,11 @@ def test_counts_have_thousands_separators(world: dict, client: Any) -> None:
     _reader(client)
     live = client.get(f"/engines/{engine.pk}/live").content.decode()
     assert "<td>57.9 %</td><td>631,796 / 1,092,000</td>" in live
+
+
+def test_namespace_page_says_its_policy_in_human_units(world: dict, client: Any) -> None:
+    ns = world["ns"]["acme"]
+    RetentionPolicy.objects.create(namespace=ns, max_age_since_last_hit_s=3600)
+    _reader(client)
+    html = client.get(f"/namespaces/{ns.pk}/").content.decode()
+    assert "<p>Policy: 1 h without a hit," in html
