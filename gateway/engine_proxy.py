@@ -311,9 +311,11 @@ class EngineProxy:
                     log.warning("engine %s streamed an error: %.500r", engine.name, chunk)
                     status = 400 if isinstance(chunk, dict) and client_error(chunk) else 502
                     inner = chunk.get("error") if isinstance(chunk, dict) else None
-                    code = inner.get("code") if isinstance(inner, dict) else None
-                    if status == 400 and isinstance(code, int) and not isinstance(code, bool):
-                        status = code
+                    # vLLM's event carries the status as its code, nested or (older servers) flat.
+                    source = inner if isinstance(inner, dict) else chunk if isinstance(chunk, dict) else {}
+                    code = source.get("code")
+                    if isinstance(code, int) and not isinstance(code, bool) and (400 <= code < 500) == (status == 400):
+                        status = code if 400 <= code < 600 else status
                     _, error = engine_error(status, chunk, redact=_addresses(engine))
                     if status < 500:
                         refused = error
