@@ -439,7 +439,13 @@ def demo_run(
         with StartProgress(log, len(rows), _start_estimate(len(rows))):
             engines = engines_boot(rows, actor=ACTOR, kv_cache_gib=model.kv_cache_gib)
         for engine in engines:
-            log(f"  {engine.name} ready and verified at {engine.base_url} in {engine.start_seconds:.1f} s")
+            engine.refresh_from_db()
+            if engine.status != Engine.Status.READY:
+                # Failed under the boot by something else (a health round, an operator): one line, not a traceback.
+                why = (engine.error.splitlines() or ["no reason recorded"])[0]
+                raise DemoError(f"engine {engine.name} is {engine.status} after its start: {why}")
+            took = f" in {engine.start_seconds:.1f} s" if engine.start_seconds is not None else ""
+            log(f"  {engine.name} ready and verified at {engine.base_url}{took}")
         return engines
 
     def finish(job: Job, what: str) -> Job:

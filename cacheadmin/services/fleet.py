@@ -551,7 +551,7 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
     restart policy ``on_failure`` and attempts left, a restart is scheduled
     after ``restart_backoff_s × 2^attempts`` seconds. A ``starting`` engine
     whose process died (a start interrupted with the process that waited) is
-    failed too; one still starting is left alone.
+    failed too; one still starting, or whose process is not spawned yet (no pid), is left alone.
 
     Returns:
         ``{"failed": [names], "restart_due": [names], "healthy": [names], "lost": [names]}`` and, when
@@ -574,6 +574,10 @@ def engines_health(*, actor: str = "schedule") -> dict[str, list[str]]:
         # Only while the cluster answers: a round never waits on a cluster that is down.
         report["actors_stopped"] = engines_stop_leftover_actors(actor=actor)
     for engine in Engine.objects.filter(status__in=LIVE_STATUSES).select_related("model_version"):
+        if engine.status == Engine.Status.STARTING and engine.origin == Engine.Origin.LOCAL and engine.pid is None:
+            # Created or restarted, its process not spawned yet: the boot that spawns it owns the row
+            # (a round that ran between the row and the spawn failed engines that then came up).
+            continue
         healthy, why = _healthy(engine)
         if healthy:
             if engine.status == Engine.Status.READY:

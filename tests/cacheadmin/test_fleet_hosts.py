@@ -22,7 +22,7 @@ from cacheadmin.services.engines import (
     engine_stop,
     engines_stop_leftover_actors,
 )
-from cacheadmin.services.fleet import engine_mark_lost
+from cacheadmin.services.fleet import engine_mark_lost, engines_health
 from cacheadmin.services.jobs import jobs_fail_or_requeue_on_host
 from cacheadmin.services.prewarm import PrewarmRunner
 from inference.engines import ray_backend
@@ -328,3 +328,19 @@ def test_the_start_api_takes_a_blank_host_as_none_and_refuses_a_number(world, re
     blank = c.post("/api/engines/", {**body, "host": "", "name": "blank-host"}, format="json")
     assert blank.status_code == 202, blank.json()
     assert Engine.objects.get(name="blank-host").origin == "local"
+
+
+def test_a_health_round_leaves_an_engine_whose_process_is_not_spawned_yet_and_fails_one_whose_process_died(world) -> None:
+    """A scheduled round that runs between an engine's row and its spawn used to fail it as
+    "process gone"; the boot then brought up an engine whose row said failed."""
+    queued = Engine.objects.create(name="queued", model_version=world["v1"], base_url="http://127.0.0.1:2",
+                                   status=Engine.Status.STARTING, origin=Engine.Origin.LOCAL)  # fmt: skip
+    gone = Engine.objects.create(name="gone", model_version=world["v1"], base_url="http://127.0.0.1:3", pid=2**22 + 7,
+                                 pid_started=1.0, status=Engine.Status.STARTING, origin=Engine.Origin.LOCAL)  # fmt: skip
+    report = engines_health()
+    assert [name for name in report["failed"] if name in ("queued", "gone")] == ["gone"]  # the world's e-acme runs nothing
+    queued.refresh_from_db()
+    gone.refresh_from_db()
+    assert (queued.status, queued.error, queued.health_failures) == ("starting", "", 0)
+    assert gone.status == "failed" and gone.error.startswith("process gone (noticed by the health check")
+    assert list(EngineAlarm.objects.filter(engine__in=[queued, gone]).values_list("engine__name", "kind")) == [("gone", "health")]
