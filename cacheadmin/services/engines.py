@@ -29,7 +29,7 @@ from cacheadmin.services.engine_verification import (
 from cacheadmin.services.jobs import send_after_commit
 from cacheadmin.services.namespaces import namespace_check_current, namespace_storage_path
 from cacheadmin.services.quotas import quota_check
-from inference.engines.launcher import EngineSpec, LocalEngine, free_port, stop_process_group
+from inference.engines.launcher import EngineSpec, LocalEngine, free_port, stop_process_group, warm_up
 from inference.engines.ray_backend import (
     cluster_nodes,
     engine_needs,
@@ -548,8 +548,7 @@ def _wait_healthy(engine: Engine, timeout_s: float) -> None:
                 raise EngineError(f"vLLM server {engine.name} not ready after {timeout_s:.0f} s:\n{log_tail(engine)}")
             time.sleep(0.5)
         if engine.origin == Engine.Origin.RAY:
-            # The first request pays a one-off warm-up; short enough to stay under one KV block.
-            client.chat([{"role": "user", "content": "warm up"}], cache_salt="warm-up", max_tokens=2)
+            warm_up(client)  # the first request pays a one-off cost; it stores no KV block
 
 
 def log_tail(engine: Engine, lines: int = 20) -> str:

@@ -323,6 +323,22 @@ def _detached_preexec() -> None:
     os.setsid()
 
 
+#: The first request after a start, sent as a raw completion: a chat request's template (a real
+#: model's default system prompt) made it a full KV block, stored under a salt of no namespace,
+#: which the KV-event consumer rightly reported as an isolation alarm on every engine.
+WARM_UP_PROMPT = "warm up"
+
+
+def warm_up(client: VllmHttpClient) -> None:
+    """Pay a started engine's one-off first-request cost with a prompt shorter than one KV block
+    (:data:`WARM_UP_PROMPT`, a few tokens and one generated), so no block is stored anywhere.
+
+    Raises:
+        EngineError: the engine is unreachable or answered an error.
+    """
+    client.prompt_usage(WARM_UP_PROMPT, cache_salt="warm-up")
+
+
 class LocalEngine:
     """A running (or starting) local vLLM server.
 
@@ -408,8 +424,7 @@ class LocalEngine:
                         f"machine needs more):\n{tail}"
                     )
                 time.sleep(0.5)
-            # Short enough to stay under one KV block, so a connector tier stores nothing.
-            client.chat([{"role": "user", "content": "warm up"}], cache_salt="warm-up", max_tokens=2)
+            warm_up(client)
         finally:
             client.close()
         return time.monotonic() - started

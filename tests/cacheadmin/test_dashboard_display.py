@@ -274,3 +274,29 @@ def test_namespace_page_says_its_policy_in_human_units(world: dict, client: Any)
     _reader(client)
     html = client.get(f"/namespaces/{ns.pk}/").content.decode()
     assert "<p>Policy: 1 h without a hit," in html
+
+
+def test_a_finished_or_superseded_release_keeps_nothing_hot(world: dict) -> None:
+    """A release ready at 100 % is done; an older release of the same tenant and model is not under way
+    whatever its status. Keeping their versions hot kept a deployment's first version hot forever, so
+    no sweep could demote it once a newer version took the traffic."""
+    acme, v1, v2 = world["acme"], world["v1"], world["v2"]
+    old = world["ns"]["acme"]
+    for ns in CacheNamespace.objects.all():
+        RetentionPolicy.objects.get_or_create(namespace=ns, defaults={"versions_kept": 1, "cold_versions_kept": 1})
+    ModelVersion.objects.filter(pk=v2.pk).update(status="active")
+    ModelVersion.objects.filter(pk=v1.pk).update(status="draining")
+    first = Release.objects.create(tenant=acme, served_name="tiny", from_version=None, to_version=v1, to_namespace=old,
+                                   classification="first_deployment", status="ready", traffic_percent=100,
+                                   created_by="t")  # fmt: skip
+
+    def target() -> tuple[str, str]:
+        ns = CacheNamespace.objects.select_related("model_version", "policy", "tenant", "group").get(pk=old.pk)
+        return namespace_targets([ns])[old.pk]
+
+    assert target()[0] == "cold" and "open release" not in target()[1]  # ready at 100 %: finished
+    Release.objects.filter(pk=first.pk).update(traffic_percent=40)
+    assert target() == ("hot", f"tiny for acme: v1 (draining) is number 2: the candidate of open release #{first.pk}")
+    Release.objects.create(tenant=acme, served_name="tiny", from_version=v1, to_version=v2, from_namespace=old,
+                           classification="weights", status="rolled_back", created_by="t")  # fmt: skip
+    assert target()[0] == "cold"  # a newer release of acme's tiny says what is under way: none

@@ -61,7 +61,9 @@ def version_ranks(served_names: set[str]) -> dict[int, int]:
     )
 
 
-#: Releases still under way: their candidate (``to_version``) is kept hot whatever its rank.
+#: Releases still under way, when they are the newest of their tenant and served name: their candidate
+#: (``to_version``) is kept hot whatever its rank. A ``ready`` one is under way until it carries all the
+#: traffic; ``ready`` at 100 % is a finished release (its version is active, or a newer release replaced it).
 OPEN_RELEASE_STATUSES = (Release.Status.DECISION_REQUIRED, Release.Status.PREPARING, Release.Status.READY)
 #: How a target names that reason (pages read it to say so).
 CANDIDATE_WHY = "the candidate of open release"
@@ -75,7 +77,8 @@ def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, 
 
     Returns:
         namespace pk → (target residency, why), for every namespace given. The candidate
-        version of an open release (:data:`OPEN_RELEASE_STATUSES`) stays hot. Two queries.
+        version of a release under way (the newest of its tenant and served name, in
+        :data:`OPEN_RELEASE_STATUSES` and, when ``ready``, below 100 % of the traffic) stays hot. Two queries.
     """
     ranks = version_ranks({ns.model_version.served_name for ns in namespaces})
     # The version an open release brings is about to take traffic: demoting its state would
@@ -83,13 +86,19 @@ def namespace_targets(namespaces: list[CacheNamespace]) -> dict[int, tuple[str, 
     # Matched by the release's new namespace, or by its tenant and version before it has one.
     by_namespace: dict[int, int] = {}
     by_tenant_version: dict[tuple[int | None, int], int] = {}
-    for release_id, tenant_id, version_id, namespace_id in (
-        Release.objects.filter(status__in=OPEN_RELEASE_STATUSES, to_version_id__in={ns.model_version_id for ns in namespaces})
+    newest: set[tuple[int | None, str]] = set()
+    for release_id, tenant_id, served_name, status, percent, version_id, namespace_id in (
+        Release.objects.filter(served_name__in={ns.model_version.served_name for ns in namespaces})
         .order_by("-id")
-        .values_list("id", "tenant_id", "to_version_id", "to_namespace_id")
+        .values_list("id", "tenant_id", "served_name", "status", "traffic_percent", "to_version_id", "to_namespace_id")
         if namespaces
         else ()
     ):
+        if (tenant_id, served_name) in newest:
+            continue  # an older release of this tenant's model: the newest one says what is under way
+        newest.add((tenant_id, served_name))
+        if status not in OPEN_RELEASE_STATUSES or (status == Release.Status.READY and percent >= 100):
+            continue
         if namespace_id is not None:
             by_namespace[namespace_id] = release_id
         else:
