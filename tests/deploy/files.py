@@ -35,9 +35,14 @@ def recorded_names() -> frozenset[str]:
     return frozenset(rule["record"] for rule in rules(RECORDING))
 
 
+#: Series Prometheus writes itself for every scrape target (``up``: 1 when the scrape succeeded, 0 when
+#: it failed; https://prometheus.io/docs/concepts/jobs_instances/#automatically-generated-labels-and-time-series).
+SCRAPE_SERIES = frozenset({"up"})
+
+
 def known_names() -> frozenset[str]:
-    """What a query may select: exported sample names and recording rules."""
-    return exported_series_names() | recorded_names()
+    """What a query may select: exported sample names, recording rules and Prometheus's own scrape series."""
+    return exported_series_names() | recorded_names() | SCRAPE_SERIES
 
 
 def run_promtool(promtool: str, *args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -17,6 +17,7 @@ from tests.deploy.files import (
     PROMETHEUS,
     RECORDING,
     RUNBOOKS,
+    SCRAPE_SERIES,
     known_names,
     load_yaml,
     recorded_names,
@@ -39,7 +40,11 @@ REQUIRED_ALERTS = {
     "KvcpPrefixIndexLagging": "warn",
     "KvcpGatewayRoutingBehind": "warn",
     "KvcpEngineHostLost": "page",
+    # page for the control plane and the gateway, warn for the KV-event consumer (TARGET_DOWN_SEVERITY)
+    "KvcpTargetDown": "page",
 }
+#: KvcpTargetDown's severity, a template on the scrape job: the serving paths page, the consumer warns.
+TARGET_DOWN_SEVERITY = '{{ if eq $labels.job "kvcp-kv-events" }}warn{{ else }}page{{ end }}'
 UNIT_TESTS = sorted((PROMETHEUS / "tests").glob("*.test.yml"))
 #: What the alerts' links start with: the shipped config's external labels (docs/runbooks/index.md).
 DASHBOARD_BASE = "{{ $externalLabels.kvcp_dashboard_url }}"
@@ -139,7 +144,7 @@ def test_check_rules_counts_every_rule(promtool: str) -> None:
     assert done.returncode == 0, done.stdout
     assert done.stdout.count("SUCCESS") == 2
     assert "SUCCESS: 16 rules found" in done.stdout
-    assert "SUCCESS: 11 rules found" in done.stdout
+    assert "SUCCESS: 12 rules found" in done.stdout
     assert len(rules(RECORDING)) == 16
 
 
@@ -197,7 +202,7 @@ def test_each_firing_case_expects_the_people_labels_and_both_links() -> None:
                     named.add(name)
                 else:
                     assert annotations["dashboard_url"].startswith(f"{config['kvcp_dashboard_url']}/#"), name
-    assert named == set(REQUIRED_ALERTS) - {"KvcpGatewayRoutingBehind"}
+    assert named == set(REQUIRED_ALERTS) - {"KvcpGatewayRoutingBehind", "KvcpTargetDown"}
 
 
 def test_each_recording_rule_has_an_exact_expectation() -> None:
@@ -211,17 +216,36 @@ def test_each_recording_rule_has_an_exact_expectation() -> None:
 
 # --- what the rules say ------------------------------------------------------------
 def test_required_alerts_exist_with_their_severity() -> None:
-    alerts = rules(ALERTS)
-    assert {rule["alert"]: rule["labels"]["severity"] for rule in alerts} == REQUIRED_ALERTS
+    alerts = {rule["alert"]: rule["labels"]["severity"] for rule in rules(ALERTS)}
+    assert alerts.pop("KvcpTargetDown") == TARGET_DOWN_SEVERITY
+    assert alerts == {name: severity for name, severity in REQUIRED_ALERTS.items() if name != "KvcpTargetDown"}
+
+
+def test_target_down_fires_per_job_with_its_severity() -> None:
+    """The unit tests cover each scrape job of the shipped config, with the severity its job gets."""
+    jobs = {job["job_name"] for job in load_yaml(PROMETHEUS / "prometheus.yml")["scrape_configs"]}
+    fired = {
+        (alert["exp_labels"]["job"], alert["exp_labels"]["severity"])
+        for test in load_yaml(PROMETHEUS / "tests" / "kvcp-alerts.test.yml")["tests"]
+        for case in test["alert_rule_test"]
+        if case["alertname"] == "KvcpTargetDown"
+        for alert in case["exp_alerts"]
+    }
+    assert fired == {("kvcp-control-plane", "page"), ("kvcp-gateway", "page"), ("kvcp-kv-events", "warn")}
+    assert {job for job, _ in fired} == jobs
 
 
 def test_every_alert_has_a_severity_and_annotations_naming_what_it_is_about() -> None:
     for rule in rules(ALERTS):
-        assert rule["labels"]["severity"] in {"page", "warn"}, rule["alert"]
+        assert rule["labels"]["severity"] in {"page", "warn", TARGET_DOWN_SEVERITY}, rule["alert"]
         annotations = rule["annotations"]
         assert set(annotations) == {"summary", "description", "runbook_url", "dashboard_url"}, rule["alert"]
         per_engine = any(word in rule["alert"] for word in ("Isolation", "Engine", "PrefixIndex"))
         per_gateway = "GatewayRouting" in rule["alert"]
+        if rule["alert"] == "KvcpTargetDown":  # about a scrape target: its job and address
+            for label in ("$labels.job", "$labels.instance"):
+                assert label in annotations["summary"] and label in annotations["description"]
+            continue
         if per_gateway:
             assert "$labels.instance" in annotations["summary"] and "$labels.instance" in annotations["description"]
             continue
@@ -245,6 +269,8 @@ def test_every_alert_links_its_runbook_and_its_dashboard_page() -> None:
         page = annotations["dashboard_url"].removeprefix(DASHBOARD_BASE)
         if "GatewayRouting" in name:  # about a gateway instance: the dashboard's gateway section
             assert page == "/#gateway"
+        elif name == "KvcpTargetDown":  # about a process: the overview's section of what it serves
+            assert page.startswith("/#") and "$labels.job" in page
         else:  # the page of the namespace, release or engine, from the info metric's labels
             assert "$labels.page" in page, name
         # Engine alerts join what an engine is about onto their labels (or read kvcp_engine_info itself).
@@ -293,7 +319,8 @@ def test_rule_expressions_name_only_exported_metrics_or_recorded_series() -> Non
         read |= names
     # Recording rules read raw series only through the catalogue's names.
     raw = {name for name in read if ":" not in name}
-    assert raw <= exported_series_names()
+    assert raw <= exported_series_names() | SCRAPE_SERIES
+    assert "up" in raw  # KvcpTargetDown
 
 
 def test_the_docs_list_every_alert_with_its_severity() -> None:

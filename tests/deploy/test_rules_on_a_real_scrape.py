@@ -103,7 +103,7 @@ def test_rules_evaluate_on_the_real_scrape(world: dict[str, str], prometheus: Pr
     def evaluated(server: Prometheus) -> Any:
         groups = server.api("rules")["groups"]
         found = [rule for group in groups for rule in group["rules"]]
-        done = all(rule["lastEvaluation"] > "2000" for rule in found) and len(found) == 27
+        done = all(rule["lastEvaluation"] > "2000" for rule in found) and len(found) == 28
         return found if done else None
 
     evaluated_rules = prometheus.wait(evaluated, "every rule evaluated")
