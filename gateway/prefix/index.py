@@ -295,7 +295,9 @@ class EngineBlocks:
     last_event_at: float
     complete: bool
     masks: dict[int, int]
-    #: Seconds from the engine's newest event in this set to this process holding it (None: unknown).
+    #: Seconds from the engine's newest event in this set to this process holding it: 0 when the set
+    #: brought no event newer than the one it replaced (an idle engine is caught up); None when unknown
+    #: (no event yet, or the first set this process read for the engine).
     lag_s: float | None = None
 
 
@@ -342,7 +344,17 @@ class BlockIndex:
             del engines[engine]
         now = time.time()
         for engine, (version, s) in fresh.items():
-            lag = now - s.last_event_at if s.last_event_at else None
+            prior = engines.get(engine)
+            if not s.last_event_at or prior is None:
+                # No event applied yet, or first sight in this process: when the index came to hold the
+                # newest event is unknown (an idle engine's last event may be hours old).
+                lag = None
+            elif s.last_event_at <= prior.last_event_at:
+                # Republished without a newer event (a restarted consumer, from its checkpoint): the index
+                # already held the engine's newest event, so it trails by nothing.
+                lag = 0.0
+            else:
+                lag = now - s.last_event_at
             engines[engine] = EngineBlocks(version, s.generation, s.published_at, s.last_event_at, s.complete,
                                            dict(zip(s.hashes, s.media, strict=True)), lag)  # fmt: skip
         for engine, (_, at, complete) in versions.items():
