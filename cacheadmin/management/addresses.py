@@ -34,12 +34,15 @@ class ListenAddress:
         return f"{host}:{self.port}"
 
 
-def listen_address(value: str) -> ListenAddress:
+def listen_address(value: str, *, example: str) -> ListenAddress:
     """Parse ``HOST:PORT`` (``[::1]:9466`` for IPv6) into what a server binds.
 
     Args:
         value: the address as the operator gave it; empty is refused (the
             caller says where an address comes from).
+        example: the calling command's own default (``127.0.0.1:8300`` for the
+            gateway), shown in the messages so that the example fits the command;
+            its port also makes the IPv6 example (``[::1]:8300``).
 
     Raises:
         ValueError: a one-line reason: no port, a port outside 1..65535 or
@@ -47,9 +50,10 @@ def listen_address(value: str) -> ListenAddress:
             brackets, unbalanced brackets, bracketed text that is no IPv6 address, dotted digits
             that are no IPv4 address, or a name that does not resolve.
     """
+    example_v6 = f"[::1]:{example.rpartition(':')[2]}"
     host, sep, port = value.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"must be HOST:PORT (e.g. 127.0.0.1:9466 or [::1]:9466), got {value!r}")
+        raise ValueError(f"must be HOST:PORT (e.g. {example} or {example_v6}), got {value!r}")
     if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"port must be 1..65535, got {port!r} in {value!r}")
     if host.startswith("[") or host.endswith("]"):
@@ -61,7 +65,7 @@ def listen_address(value: str) -> ListenAddress:
             raise ValueError(f"{host} is not an IPv6 address in {value!r}") from None
     if ":" in host:
         # "::1:9466" is ambiguous (is 9466 the port or the last group?): RFC 3986 writes IPv6 in brackets.
-        raise ValueError(f"an IPv6 address goes in brackets, e.g. [::1]:9466, got {value!r}")
+        raise ValueError(f"an IPv6 address goes in brackets, e.g. {example_v6}, got {value!r}")
     if all(c.isascii() and (c.isdigit() or c == ".") for c in host):
         try:
             return ListenAddress(str(ipaddress.IPv4Address(host)), int(port), socket.AF_INET)

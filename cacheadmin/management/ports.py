@@ -15,6 +15,16 @@ from dataclasses import dataclass
 
 from cacheadmin.management.addresses import ListenAddress, listen_address
 
+# The example each command's address messages show: that server's own default address
+# (cacheadmin/settings.py), so that a message about the gateway does not suggest another
+# server's port.
+#: ``GATEWAY_ADDR``'s default: where ``manage.py gateway`` (and the demo's gateway) listens.
+GATEWAY_EXAMPLE = "127.0.0.1:8300"
+#: ``KV_EVENTS_METRICS_ADDR``'s default: where deploy/prometheus/prometheus.yml scrapes the consumer.
+KV_EVENTS_METRICS_EXAMPLE = "127.0.0.1:9464"
+#: ``manage.py demo``'s dashboard default (``DEFAULT_BIND``).
+DASHBOARD_EXAMPLE = "127.0.0.1:8000"
+
 
 @dataclass(frozen=True)
 class PlannedPort:
@@ -25,11 +35,14 @@ class PlannedPort:
         source: what sets it, as the operator would change it: a flag (``--gateway-addr``)
             or a variable (``GATEWAY_ADDR``), or both (``--addr or GUNICORN_BIND``).
         what: the server that binds it (``dashboard``, ``gateway``...).
+        example: that server's default address, the example a malformed ``address`` is
+            answered with (:data:`GATEWAY_EXAMPLE`...).
     """
 
     address: str
     source: str
     what: str
+    example: str
 
 
 def port_problems(planned: list[PlannedPort]) -> list[str]:
@@ -47,7 +60,7 @@ def port_problems(planned: list[PlannedPort]) -> list[str]:
     parsed: list[tuple[PlannedPort, ListenAddress]] = []
     for port in planned:
         try:
-            parsed.append((port, listen_address(port.address)))
+            parsed.append((port, listen_address(port.address, example=port.example)))
         except ValueError as exc:
             problems.append(f"{port.what} address {port.address!r} ({port.source}): {exc}")
     for n, (port, address) in enumerate(parsed):

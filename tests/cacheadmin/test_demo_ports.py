@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cacheadmin.management.commands.demo import stopped_report
 from cacheadmin.management.ports import PlannedPort, port_problems
 from tests.helpers import manage
 
@@ -36,7 +37,7 @@ def _demo(tmp_path: Path, *args: str, **env: str):  # type: ignore[no-untyped-de
     return manage("demo", *args, env={**base, "VAR_DIR": str(tmp_path), "DATABASE_URL": "", **env})
 
 
-@pytest.mark.parametrize("which", ["--addr", "--gateway-addr", "KV_EVENTS_METRICS_ADDR"])
+@pytest.mark.parametrize("which", ["--addr", "--gateway-addr", "--kv-events-metrics-addr", "KV_EVENTS_METRICS_ADDR"])
 def test_a_taken_port_is_named_with_what_sets_it_and_nothing_is_migrated_or_started(
     tmp_path: Path, taken: int, which: str
 ) -> None:
@@ -50,7 +51,8 @@ def test_a_taken_port_is_named_with_what_sets_it_and_nothing_is_migrated_or_star
     what, source = {
         "--addr": ("dashboard", "--addr or GUNICORN_BIND"),
         "--gateway-addr": ("gateway", "--gateway-addr or GATEWAY_ADDR"),
-        "KV_EVENTS_METRICS_ADDR": ("KV-event consumer metrics", "KV_EVENTS_METRICS_ADDR"),
+        "--kv-events-metrics-addr": ("KV-event consumer metrics", "--kv-events-metrics-addr or KV_EVENTS_METRICS_ADDR"),
+        "KV_EVENTS_METRICS_ADDR": ("KV-event consumer metrics", "--kv-events-metrics-addr or KV_EVENTS_METRICS_ADDR"),
     }[which]
     done = _demo(tmp_path, *(w for flag, value in ports.items() for w in (flag, value)), **env)
     assert (done.returncode, done.stdout, done.stderr) == (
@@ -78,17 +80,56 @@ def test_the_gateway_port_set_by_its_variable_is_named_both_ways_and_two_servers
     )
     bad = _demo(tmp_path, "--no-serve", "--gateway-addr", "8300")
     assert (bad.returncode, bad.stderr) == (
-        2, "CommandError: --gateway-addr: must be HOST:PORT (e.g. 127.0.0.1:9466 or [::1]:9466), got '8300'\n",
+        2, "CommandError: --gateway-addr: must be HOST:PORT (e.g. 127.0.0.1:8300 or [::1]:8300), got '8300'\n",
     )  # fmt: skip
     assert not (tmp_path / "db.sqlite3").exists() or (tmp_path / "db.sqlite3").stat().st_size == 0
 
 
 def test_an_address_of_another_machine_cannot_be_bound_and_free_ports_pass() -> None:
     free = _free()
-    assert port_problems([PlannedPort(f"127.0.0.1:{free}", "--addr", "dashboard")]) == []
-    assert port_problems([PlannedPort("192.0.2.1:8000", "--addr", "dashboard")]) == [
+    assert port_problems([PlannedPort(f"127.0.0.1:{free}", "--addr", "dashboard", "127.0.0.1:8000")]) == []
+    assert port_problems([PlannedPort("192.0.2.1:8000", "--addr", "dashboard", "127.0.0.1:8000")]) == [
         "port 8000 (dashboard, 192.0.2.1:8000) cannot be bound on this machine (Cannot assign requested address): "
         "set another with --addr"
     ]
     # Two hosts of this machine on one port do not collide; a wildcard collides with both.
-    assert port_problems([PlannedPort(f"127.0.0.1:{free}", "a", "x"), PlannedPort(f"127.0.0.2:{free}", "b", "y")]) == []
+    assert port_problems([PlannedPort(f"127.0.0.1:{free}", "a", "x", "e"), PlannedPort(f"127.0.0.2:{free}", "b", "y", "e")]) == []
+    # A malformed address is answered with that server's own default as the example.
+    assert port_problems([PlannedPort("9464", "--kv-events-metrics-addr", "KV-event consumer metrics", "127.0.0.1:9464")]) == [
+        "KV-event consumer metrics address '9464' (--kv-events-metrics-addr): must be HOST:PORT "
+        "(e.g. 127.0.0.1:9464 or [::1]:9464), got '9464'"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (("--kv-events-metrics-addr", "9464"), {},
+         "--kv-events-metrics-addr: must be HOST:PORT (e.g. 127.0.0.1:9464 or [::1]:9464), got '9464'"),
+        (("--kv-events-metrics-addr", "::1:9464"), {},
+         "--kv-events-metrics-addr: an IPv6 address goes in brackets, e.g. [::1]:9464, got '::1:9464'"),
+        (("--kv-events-metrics-addr", ""), {},
+         "--kv-events-metrics-addr: must be HOST:PORT (e.g. 127.0.0.1:9464); to serve no metrics set "
+         "KV_EVENTS_METRICS_ADDR empty"),
+        ((), {"KV_EVENTS_METRICS_ADDR": "127.0.0.1:70000"},
+         "KV_EVENTS_METRICS_ADDR: port must be 1..65535, got '70000' in '127.0.0.1:70000'"),
+    ],
+)  # fmt: skip
+def test_a_malformed_metrics_address_is_bad_input_named_with_its_flag_or_variable(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str], message: str
+) -> None:
+    done = _demo(tmp_path, "--no-serve", *args, **env)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"CommandError: {message}\n")
+    assert not (tmp_path / "db.sqlite3").exists() or (tmp_path / "db.sqlite3").stat().st_size == 0
+
+
+def test_what_the_demo_stopped_is_said_in_one_line() -> None:
+    everything = ["celery worker", "KV-event consumer", "dashboard server", "gateway"]
+    assert stopped_report(["v1-a", "v2-b"], everything) == (
+        "stopped 2 engine(s) (v1-a, v2-b), the celery worker, the KV-event consumer, the dashboard server and the gateway"
+    )
+    # A step that failed before any engine started (or a --no-serve run): what there was, no more.
+    assert stopped_report([], ["celery worker", "KV-event consumer", "gateway"]) == (
+        "stopped no engine (none was running), the celery worker, the KV-event consumer and the gateway"
+    )
+    assert stopped_report([], []) == "stopped no engine (none was running)"

@@ -231,7 +231,11 @@ def test_metrics_serve_listens_on_ipv6_and_answers_head_and_other_methods() -> N
     ("args", "message"),
     [
         (("gateway", "--addr", "256.1.1.1:9000"), "--addr: '256.1.1.1' is not an IPv4 address in '256.1.1.1:9000'"),
-        (("gateway", "--addr", "::1:9000"), "--addr: an IPv6 address goes in brackets, e.g. [::1]:9466, got '::1:9000'"),
+        (("gateway", "--addr", "::1:9000"), "--addr: an IPv6 address goes in brackets, e.g. [::1]:8300, got '::1:9000'"),
+        (("gateway", "--addr", "localhost"),
+         "--addr: must be HOST:PORT (e.g. 127.0.0.1:8300 or [::1]:8300), got 'localhost'"),
+        (("kv_events", "--metrics-addr", "localhost", "--seconds", "1"),
+         "--metrics-addr: must be HOST:PORT (e.g. 127.0.0.1:9464 or [::1]:9464), got 'localhost'"),
         (("kv_events", "--metrics-addr", "256.1.1.1:9000", "--seconds", "1"),
          "--metrics-addr: '256.1.1.1' is not an IPv4 address in '256.1.1.1:9000'"),
         (("kv_events", "--metrics-addr", "[::1:9000", "--seconds", "1"),
@@ -254,12 +258,12 @@ def test_a_taken_address_is_a_conflict_for_each_command_that_listens(family: soc
     with socket.create_server((host, 0), family=family) as taken:
         port = taken.getsockname()[1]
         addr = f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
-        for args, prefix in [
-            (("metrics_serve", "--addr", addr), ""),
-            (("gateway", "--addr", addr), ""),
-            (("kv_events", "--metrics-addr", addr, "--seconds", "1"), "--metrics-addr: "),
+        for args, prefix, suffix in [
+            (("metrics_serve", "--addr", addr), "", ""),
+            (("gateway", "--addr", addr), "", "; set another with --addr or GATEWAY_ADDR"),
+            (("kv_events", "--metrics-addr", addr, "--seconds", "1"), "--metrics-addr: ", ""),
         ]:
             done = manage(*args, env=subprocess_env())
             assert (done.returncode, done.stdout, done.stderr) == (
-                3, "", f"CommandError: {prefix}cannot listen on {addr}: Address already in use\n"
+                3, "", f"CommandError: {prefix}cannot listen on {addr}: Address already in use{suffix}\n"
             ), args  # fmt: skip

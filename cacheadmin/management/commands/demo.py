@@ -20,14 +20,20 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.core.management.base import CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.core.wsgi import get_wsgi_application
 
 from cacheadmin.env import control_plane_environment, env_int, env_str, private_file, write_private_file
 from cacheadmin.mail import digests_report, mail_count
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, float_within, int_within
-from cacheadmin.management.ports import PlannedPort, port_problems
+from cacheadmin.management.ports import (
+    DASHBOARD_EXAMPLE,
+    GATEWAY_EXAMPLE,
+    KV_EVENTS_METRICS_EXAMPLE,
+    PlannedPort,
+    port_problems,
+)
 from cacheadmin.metrics.multiproc import multiproc_dir, multiproc_reap
 from cacheadmin.models import GatewayKey, Tenant
 from cacheadmin.services.accounting import accounting_scan_scheduled
@@ -66,7 +72,27 @@ def stop_without_interruption() -> None:
 
 
 #: Where the dashboard is served when neither ``--addr`` nor ``GUNICORN_BIND`` says.
-DEFAULT_BIND = "127.0.0.1:8000"
+DEFAULT_BIND = DASHBOARD_EXAMPLE
+
+
+def stopped_report(engines: list[str], started: list[str]) -> str:
+    """The one line that says what the demo stopped, on every way it ends (done, a failed
+    step, Ctrl-C, SIGTERM): the operator need not look for leftover processes.
+
+    Args:
+        engines: names of the engines stopped (``engines_stop_all``), in its order.
+        started: the helper processes the run started and has stopped, in start order
+            (``celery worker``, ``KV-event consumer``, ``dashboard server``, ``gateway``).
+
+    Returns:
+        E.g. ``"stopped 2 engine(s) (a, b), the celery worker, the KV-event consumer, the dashboard
+        server and the gateway"``; ``"stopped no engine (none was running), the celery worker"``.
+    """
+    said = f"{len(engines)} engine(s) ({', '.join(engines)})" if engines else "no engine (none was running)"
+    parts = [said, *(f"the {what}" for what in started)]
+    return "stopped " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
+
+
 #: The gateway key each served demo run issues to tenant acme (and revokes from the run before).
 DEMO_GATEWAY_KEY_NAME = "demo"
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
@@ -343,6 +369,12 @@ class Command(ControlPlaneCommand):
             help=f"gateway address HOST:PORT (default GATEWAY_ADDR, else {settings.GATEWAY_ADDR})",
         )
         parser.add_argument(
+            "--kv-events-metrics-addr",
+            default=None,
+            help="the KV-event consumer's metrics address HOST:PORT (default KV_EVENTS_METRICS_ADDR, else "
+            f"{KV_EVENTS_METRICS_EXAMPLE}; an empty variable serves none)",
+        )
+        parser.add_argument(
             "--model", choices=sorted(DEMO_MODELS), default=None,
             help=f"the model the main job runs on (default DEMO_MODEL, else {DEFAULT_DEMO_MODEL}): {DEFAULT_DEMO_MODEL}, "
             "the real SmolLM2-135M-Instruct fine-tuned here into a customer-service assistant (built and trained "
@@ -384,7 +416,7 @@ class Command(ControlPlaneCommand):
                 )
             except ImproperlyConfigured as exc:
                 raise self.bad_input(str(exc)) from exc
-        gateway_addr = self._ports_free(opts, server)
+        gateway_addr, kv_events_metrics_addr = self._ports_free(opts, server)
         if not any(settings.DEMO_MODELS_DIR.is_relative_to(root) for root in settings.MODEL_ROOTS):
             # Checked before minutes of building: a checkpoint there could not be registered.
             roots = ", ".join(str(root) for root in settings.MODEL_ROOTS)
@@ -418,17 +450,20 @@ class Command(ControlPlaneCommand):
         worker = WorkerProcess(settings.VAR_DIR / "logs" / "demo-worker.log", name="demo", beat=True)
         summary: dict[str, Any] | None = None
         interrupted = False
+        failure: CommandError | None = None
+        started: list[str] = []  # what the final line says was stopped
         try:
             worker.start()
         except RuntimeError as exc:
             raise self.bad_input(f"demo failed: {exc}") from exc
+        started.append("celery worker")
         log(
             f"celery worker ready with the beat scheduler (accounting, metrics, health, eviction sweeps; broker "
             f"{settings.CELERY_BROKER_URL.split('@')[-1]}), log {worker.log_path}"
         )
         # Its metrics where deploy/prometheus/prometheus.yml's kvcp-kv-events job scrapes them.
         consumer = KvEventsProcess(
-            settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo", metrics_addr=settings.KV_EVENTS_METRICS_ADDR
+            settings.VAR_DIR / "logs" / "demo-kv-events.log", name="demo", metrics_addr=kv_events_metrics_addr
         )
         stack = contextlib.ExitStack()
         try:
@@ -436,9 +471,11 @@ class Command(ControlPlaneCommand):
                 consumer.start()
             except RuntimeError as exc:
                 raise self.bad_input(f"demo failed: {exc}") from exc
+            started.append("KV-event consumer")
             metrics_at = f", metrics http://{consumer.metrics_addr}/metrics" if consumer.metrics_addr else ""
             log(f"KV-event consumer ready (resident tokens per namespace, isolation alarms){metrics_at}, log {consumer.log_path}")
             if server is not None:
+                started.append("dashboard server")  # stopped below even when its start fails half way
                 self._serve(server, log)
 
             def watchdog() -> None:
@@ -452,6 +489,7 @@ class Command(ControlPlaneCommand):
             gateway_log = settings.VAR_DIR / "logs" / "demo-gateway.log"
             gateway = GatewayProcess(gateway_log, env={"GATEWAY_ADDR": gateway_addr}, name="demo")
             stack.callback(gateway.stop)
+            started.append("gateway")
             try:
                 gateway.start()
             except RuntimeError as exc:
@@ -501,9 +539,13 @@ class Command(ControlPlaneCommand):
         except KeyboardInterrupt:
             stop_without_interruption()
             # Said at once: stopping engines takes seconds, and a silent terminal looks hung.
-            log("interrupted; stopping engines, worker, KV-event consumer, gateway and server")
+            # What was stopped is said once, when it is (below).
+            log("interrupted; stopping what the demo started (this takes seconds)")
             if summary is None:  # interrupted during the main job, not while serving
                 interrupted = True
+        except CommandError as exc:
+            # A failed step: said after the stop, on the same one line as what was stopped.
+            failure = exc
         finally:
             stop_without_interruption()
             stack.close()
@@ -514,33 +556,57 @@ class Command(ControlPlaneCommand):
             # Every engine of the deployment stops with the demo: the ones it kept serving and the
             # ones started from its pages and API while it served (detached: nothing else ends them).
             stopped = engines_stop_all(actor="demo", reason="the demo stopped")
-            if stopped:
-                log(f"stopped {len(stopped)} engine(s): {', '.join(stopped)}")
+            if failure is None:
+                log(stopped_report(stopped, started))
+        if failure is not None:
+            raise self.failed(f"{failure}; {stopped_report(stopped, started)}", failure.returncode) from failure
         if interrupted:
             sys.exit(EXIT_INTERRUPTED)
 
-    def _ports_free(self, opts: dict[str, Any], server: DashboardServer | None) -> str:
-        """The gateway's address, once every port the demo binds (the dashboard's, the gateway's,
-        the KV-event consumer's metrics) is free: checked before anything is migrated or started.
+    def _ports_free(self, opts: dict[str, Any], server: DashboardServer | None) -> tuple[str, str]:
+        """The gateway's address and the KV-event consumer's metrics address ("" for none), once
+        every port the demo binds (the dashboard's, the gateway's, the consumer's metrics) is
+        free: checked before anything is migrated or started.
 
         Raises:
-            CommandError: (exit 2) a malformed gateway address; (exit 3) a port taken or planned
-                twice, each named with the flag or variable that sets it.
+            CommandError: (exit 2) a malformed gateway or metrics address, named with its flag or
+                variable; (exit 3) a port taken or planned twice, each named with the flag or
+                variable that sets it.
         """
         gateway_addr = opts["gateway_addr"] or settings.GATEWAY_ADDR
-        try:
-            listen_address(gateway_addr)
-        except ValueError as exc:
-            raise self.bad_input(f"{'--gateway-addr' if opts['gateway_addr'] else 'GATEWAY_ADDR'}: {exc}") from exc
-        planned = [PlannedPort(gateway_addr, "--gateway-addr or GATEWAY_ADDR", "gateway")]
+        given = opts["kv_events_metrics_addr"]
+        metrics_addr = settings.KV_EVENTS_METRICS_ADDR if given is None else given
+        checks = [
+            (gateway_addr, "--gateway-addr" if opts["gateway_addr"] else "GATEWAY_ADDR", GATEWAY_EXAMPLE),
+            (metrics_addr, "--kv-events-metrics-addr" if given is not None else "KV_EVENTS_METRICS_ADDR",
+             KV_EVENTS_METRICS_EXAMPLE),
+        ]  # fmt: skip
+        if given == "":
+            # An empty variable turns the metrics off; an empty flag is more likely a script's unset variable.
+            raise self.bad_input(
+                f"--kv-events-metrics-addr: must be HOST:PORT (e.g. {KV_EVENTS_METRICS_EXAMPLE}); "
+                "to serve no metrics set KV_EVENTS_METRICS_ADDR empty"
+            )
+        for value, source, example in checks:
+            if value:
+                try:
+                    listen_address(value, example=example)
+                except ValueError as exc:
+                    raise self.bad_input(f"{source}: {exc}") from exc
+        planned = [PlannedPort(gateway_addr, "--gateway-addr or GATEWAY_ADDR", "gateway", GATEWAY_EXAMPLE)]
         if server is not None and not server.bind.startswith("unix:"):
-            planned.insert(0, PlannedPort(server.bind, "--addr or GUNICORN_BIND", "dashboard"))
-        if settings.KV_EVENTS_METRICS_ADDR:
-            planned.append(PlannedPort(settings.KV_EVENTS_METRICS_ADDR, "KV_EVENTS_METRICS_ADDR", "KV-event consumer metrics"))
+            planned.insert(0, PlannedPort(server.bind, "--addr or GUNICORN_BIND", "dashboard", DASHBOARD_EXAMPLE))
+        if metrics_addr:
+            planned.append(
+                PlannedPort(
+                    metrics_addr, "--kv-events-metrics-addr or KV_EVENTS_METRICS_ADDR", "KV-event consumer metrics",
+                    KV_EVENTS_METRICS_EXAMPLE,
+                )
+            )  # fmt: skip
         problems = port_problems(planned)
         if problems:
             raise self.failed("; ".join(problems), EXIT_CONFLICT)
-        return gateway_addr
+        return gateway_addr, metrics_addr
 
     def _serve(self, server: DashboardServer, log: Any) -> None:
         password = self._ensure_admin()

@@ -17,6 +17,7 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, cli_actor, positive_int
+from cacheadmin.management.ports import GATEWAY_EXAMPLE
 from cacheadmin.metrics.multiproc import instance_dir, multiproc_use
 from cacheadmin.models import CacheNamespace, Tenant
 from cacheadmin.services.gateway import (
@@ -109,7 +110,7 @@ class Command(ControlPlaneCommand):
 
         source = "--addr" if opts["addr"] else "GATEWAY_ADDR"
         try:
-            addr = listen_address(opts["addr"] or settings.GATEWAY_ADDR)
+            addr = listen_address(opts["addr"] or settings.GATEWAY_ADDR, example=GATEWAY_EXAMPLE)
         except ValueError as exc:
             raise self.bad_input(f"{source}: {exc}") from exc
         host, port = addr.host, addr.port
@@ -121,7 +122,9 @@ class Command(ControlPlaneCommand):
         except OSError as exc:
             # create_server() appends "(while attempting to bind on address ...)": the address is said already.
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise self.failed(f"cannot listen on {addr}: {reason}", EXIT_CONFLICT) from exc
+            raise self.failed(
+                f"cannot listen on {addr}: {reason}; set another with --addr or GATEWAY_ADDR", EXIT_CONFLICT
+            ) from exc
         # This gateway's processes share a metrics folder of its own (its /metrics shows them alone): another
         # gateway on the same VAR_DIR keeps its own, and only dead gateways' folders are removed.
         multiproc_use(instance_dir(settings.GATEWAY_METRICS_DIR))

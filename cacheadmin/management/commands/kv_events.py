@@ -22,6 +22,7 @@ from django.core.management.base import CommandParser
 
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand, int_within
+from cacheadmin.management.ports import KV_EVENTS_METRICS_EXAMPLE
 from cacheadmin.services.kv_events import KvEventConsumer, consumer_metrics
 from inference.errors import EXIT_CONFLICT
 from inference.kv_transport import TransportError, key_pair
@@ -60,7 +61,7 @@ class Command(ControlPlaneCommand):
             if opts["metrics_addr"].startswith("unix:"):
                 raise self.bad_input("--metrics-addr takes HOST:PORT (Prometheus scrapes over TCP)")
             try:
-                addr = listen_address(opts["metrics_addr"])
+                addr = listen_address(opts["metrics_addr"], example=KV_EVENTS_METRICS_EXAMPLE)
             except ValueError as exc:
                 raise self.bad_input(f"--metrics-addr: {exc}") from exc
             from prometheus_client import start_http_server

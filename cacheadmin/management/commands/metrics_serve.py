@@ -87,7 +87,7 @@ class Command(ControlPlaneCommand):
             )
         source = "--addr" if opts["addr"] else "METRICS_ADDR"
         try:
-            addr = listen_address(given)
+            addr = listen_address(given, example="127.0.0.1:9466")
         except ValueError as exc:
             raise self.bad_input(f"{source}: {exc}") from exc
         server_class = type("MetricsServer", (WSGIServer,), {"address_family": addr.family})
