@@ -186,19 +186,19 @@ def seed() -> dict[str, Any]:
     Engine.objects.create(name="gpu-pool-0", model_version=v1, namespace=other, base_url="http://10.0.0.7:8000",
                           origin="adopted", status="failed", verification="verified", host="10.0.0.7",
                           error="health check: /health silent twice")  # fmt: skip
-    for engine, minute in ((e1, 0), (e2, 6), (ref, 0)):
-        event = AuditEvent.objects.create(actor="demo", action="engine.start", object_type="engine", object_id=str(engine.pk))
-        AuditEvent.objects.filter(pk=event.pk).update(created_at=start + timedelta(minutes=minute))
+    for engine, offset in ((e1, 0), (e2, 6), (ref, 0)):
+        audit = AuditEvent.objects.create(actor="demo", action="engine.start", object_type="engine", object_id=str(engine.pk))
+        AuditEvent.objects.filter(pk=audit.pk).update(created_at=start + timedelta(minutes=offset))
     release = Release.objects.create(tenant=acme, served_name="tiny", from_version=v1, to_version=v2, from_namespace=old,
                                      to_namespace=new, classification="incompatible", status="ready", traffic_percent=50,
                                      decision="new_namespace", decided_by="demo", decided_at=start + timedelta(minutes=6),
                                      decision_reason="prewarmed from live heat", created_by="demo")  # fmt: skip
     Release.objects.filter(pk=release.pk).update(created_at=start + timedelta(minutes=5))
-    for minute, before, after in ((8, 0, 10), (14, 10, 50)):
+    for offset, before, after in ((8, 0, 10), (14, 10, 50)):
         event = ReleaseEvent.objects.create(
             release=release, actor="demo", kind="traffic", detail={"before": before, "after": after}
         )
-        ReleaseEvent.objects.filter(pk=event.pk).update(at=start + timedelta(minutes=minute))
+        ReleaseEvent.objects.filter(pk=event.pk).update(at=start + timedelta(minutes=offset))
     for m in range(MINUTES + 1):
         minute = start + timedelta(minutes=m)
         share = 0.5 if m >= 14 else 0.1 if m >= 8 else 0.0
@@ -241,9 +241,9 @@ def seed() -> dict[str, Any]:
         ResidentSample.objects.create(
             engine=engine, namespace=ns, medium="GPU", sampled_at=now, blocks=blocks, tokens=blocks * 32
         )
-    for cold, warm in ((61.0, 24.5), (57.5, 26.0)):
+    for cold_ms, warm_ms in ((61.0, 24.5), (57.5, 26.0)):
         ComparisonJob.objects.create(namespace=new, engine=e2, reference_engine=ref, status="succeeded", prompts=18,
-                                     cached_tokens=10_944, ttft_cold_ms=cold, ttft_warm_ms=warm)  # fmt: skip
+                                     cached_tokens=10_944, ttft_cold_ms=cold_ms, ttft_warm_ms=warm_ms)  # fmt: skip
     PrewarmJob.objects.create(namespace=new, engine=e2, status="succeeded", corpus="heat", progress_done=18, progress_total=18)
     demo_templates_register(tenant=acme, templates=DEMO_MODELS["tiny"].workload().templates, log=lambda _line: None)
     for i, template in enumerate(PromptTemplate.objects.order_by("name")):

@@ -5,7 +5,8 @@ verdicts over time (its page embeds them)."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -170,11 +171,11 @@ def test_flushed_errors_and_ttft_histograms_chart_as_error_rate_and_percentiles(
     now = timezone.now().replace(second=30, microsecond=0)
     minute = now.replace(second=0) - timedelta(minutes=1)
     # What two gateway processes drained: engine answers with their TTFT buckets, cache hits, and two 5xx.
-    first = [
+    first: list[tuple[int, str, datetime, Mapping[str, float], Mapping[str, int]]] = [
         (ns.pk, "prefix", minute, {"requests": 6, "misses": 6, **{ttft_bucket(40): 4, ttft_bucket(90): 2}}, {}),
         (ns.pk, "response", minute, {"requests": 4, "hits": 2, ttft_bucket(2): 2}, {}),
     ]
-    second = [
+    second: list[tuple[int, str, datetime, Mapping[str, float], Mapping[str, int]]] = [
         (ns.pk, "prefix", minute, {"requests": 2, "misses": 2, "errors": 2, ttft_bucket(40): 2}, {}),
         (other.pk, "prefix", minute, {"requests": 0, "errors": 0}, {}),
     ]
