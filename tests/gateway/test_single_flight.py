@@ -200,7 +200,12 @@ def test_every_burst_across_two_gateway_processes_makes_one_engine_call(
             RedisResponseStore.from_url(REDIS_URL).delete_prefix(PREFIX)
             RedisSemanticStore.from_url(REDIS_URL).delete_prefix(PREFIX)
     leaks = {prompt: engine.calls[prompt] for prompt, _ in results if engine.calls[prompt] != 1}
-    assert leaks == {}, f"{len(leaks)} of {BURSTS} bursts called the engine more than once: {leaks}"
+    if leaks:
+        # What the gateways said (a layer bypassed, a store refused) is what tells why; the counts alone do not.
+        logs = "\n".join(f"--- {name}\n" + (tmp_path / name).read_text(errors="replace")[-3000:] for name in ("a.log", "b.log"))
+        first = dict(list(leaks.items())[:3])
+        pytest.fail(f"{len(leaks)} of {BURSTS} bursts called the engine more than once (first: {first}); answers of the first: "
+                    f"{results[0][1][:3]}\n{logs}")  # fmt: skip
     assert engine.total == BURSTS
     for prompt, got in results:
         statuses = {status for status, _, _ in got}

@@ -24,7 +24,8 @@ from inference.tiers.disk import DiskTier
 from inference.tiers.policy import VersionFacts, lru_k_order, select_victims, size_aware_ttl, version_ranks
 from inference.tiers.redis_tier import RedisTier, redis_errors
 
-REDIS_URL = os.environ.get("KV_REDIS_URL", "redis://127.0.0.1:6379/14")
+# The suite's own database for this part (scripts/test gives each part that may run beside another its own).
+REDIS_URL = os.environ.get("KV_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
