@@ -2,6 +2,8 @@
 
 from django.apps import AppConfig
 
+from cacheadmin.tracing import tracing_setup
+
 
 class CacheAdminConfig(AppConfig):
     """The control-plane app: models, services, tasks, pages, admin."""
@@ -12,8 +14,6 @@ class CacheAdminConfig(AppConfig):
 
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
-
-        from cacheadmin.tracing import tracing_setup
 
         # Before any middleware loads: Django's and Celery's spans when OTEL_* variables ask (docs/tracing.md).
         tracing_setup()

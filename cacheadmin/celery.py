@@ -11,6 +11,8 @@ import os
 from celery import Celery
 from celery.signals import celeryd_init, worker_ready
 
+from cacheadmin.tracing import worker_claim
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cacheadmin.settings")
 
 app = Celery("cacheadmin")
@@ -38,8 +40,6 @@ def _tracing_claim(**_kwargs: object) -> None:
     (:mod:`cacheadmin.tracing`): claimed before Django's setup, which would otherwise name the
     process the control plane's at its first queued task; before the pool forks (the SDK
     renews its export thread in each child)."""
-    from cacheadmin.tracing import worker_claim
-
     worker_claim()
 
 

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from opentelemetry import trace
 
+from cacheadmin.env import READ_NAMES
 from gateway import tracing as gateway_tracing
 
 __all__ = ["CONTROL_PLANE_SERVICE", "WORKER_SERVICE", "instrument", "job_span_annotate", "tracing_setup", "worker_claim"]
@@ -51,8 +52,6 @@ def tracing_setup() -> bool:
     from celery.signals import before_task_publish
     from django.core.exceptions import ImproperlyConfigured
     from django.core.signals import request_started
-
-    from cacheadmin.env import READ_NAMES
 
     try:
         # Checked now, built by the role: the same variables fail the same way, at the start, in every process.

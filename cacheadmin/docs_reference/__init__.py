@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cacheadmin.docs_reference import api, cli, configuration, errors, metrics
+
 #: Where the pages live, relative to the project root.
 REFERENCE_DIR = Path("docs") / "reference"
 #: The command that regenerates them (said in every failure).
@@ -24,7 +26,6 @@ def render_pages() -> dict[str, str]:
         cacheadmin.docs_reference.configuration.UndocumentedVariable: the code
             reads an environment variable ``cacheadmin/env_catalogue.py`` does not describe.
     """
-    from cacheadmin.docs_reference import api, cli, configuration, errors, metrics
 
     schema = api.openapi_schema()
     pages = {

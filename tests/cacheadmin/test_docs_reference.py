@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import CommandError
+from django.core.management.base import BaseCommand, CommandError
 
-from cacheadmin.docs_reference import REFERENCE_DIR, REGENERATE, render_pages, stale_pages, write_pages
+from cacheadmin.docs_reference import REFERENCE_DIR, REGENERATE, cli, render_pages, stale_pages, write_pages
 from cacheadmin.docs_reference import api as api_page
 from cacheadmin.docs_reference.cli import missing_help, project_commands, walk
 from cacheadmin.docs_reference.configuration import UndocumentedVariable, env_reads, undocumented
@@ -128,9 +128,6 @@ def test_every_command_and_argument_has_help() -> None:
 
 
 def test_an_argument_or_subcommand_without_help_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    from django.core.management.base import BaseCommand
-
-    from cacheadmin.docs_reference import cli
 
     class Undocumented(BaseCommand):
         help = "a command"
