@@ -76,6 +76,7 @@ import cProfile
 import io
 import itertools
 import json
+import math
 import os
 import pstats
 import random
@@ -99,6 +100,7 @@ OUT = ROOT / "bench" / "out"
 
 import zmq  # noqa: E402
 
+from bench import cli  # noqa: E402
 from inference.child_env import die_with_parent  # noqa: E402
 from inference.kv_events import (  # noqa: E402
     AllBlocksCleared,
@@ -107,9 +109,11 @@ from inference.kv_events import (  # noqa: E402
     EngineResidency,
     KVEventBatch,
     decode_batch,
+    decode_for_residency,
     encode_batch,
     seq_of,
 )
+from inference.kv_transport import private_socket_dir  # noqa: E402
 
 BLOCK_SIZE = 32
 #: Vocabulary of the demo checkpoints' tokenizer (SentencePiece v3): token ids fit msgpack uint16, as real ones do.
@@ -255,7 +259,7 @@ def publish(path: Path, endpoint: str, topic: str) -> int:
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, VLLM_HWM)
     pub.setsockopt(zmq.XPUB_NODROP, 1)  # block at the high-water mark instead of dropping
-    pub.connect(endpoint)
+    pub.bind(endpoint)  # vLLM binds an ipc:// endpoint; its consumer connects
     if not pub.poll(60_000):
         print(json.dumps({"error": "no subscription within 60 s"}), flush=True)
         return 2
@@ -266,7 +270,12 @@ def publish(path: Path, endpoint: str, topic: str) -> int:
     for seq, payload in enumerate(payloads):
         send((topic_bytes, seq.to_bytes(8, "big"), payload))
     t1 = time.monotonic()
-    pub.close(linger=120_000)  # queued batches are still delivered
+    # Closed only once the subscriber has gone (its unsubscription arrives when it closes, after the
+    # last batch or its idle timeout): a bound socket closed while batches are still queued lost the
+    # last few of them now and then here, lingering or not.
+    if pub.poll(int((IDLE_TIMEOUT_S + 60) * 1000)):
+        pub.recv()
+    pub.close(linger=0)
     ctx.term()
     print(json.dumps({"t0": t0, "t1": t1, "batches": len(payloads)}), flush=True)
     return 0
@@ -326,16 +335,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_bare(path: Path, work: Workload) -> RunResult:
-    """Bare subscriber: bind, receive, ``decode_batch``, count events."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+_endpoints = itertools.count()
+
+
+def ipc_endpoint(var_dir: Path) -> str:
+    """A fresh ``ipc://`` endpoint in a directory of this user with mode 0700: where a local engine
+    publishes, and the only kind of plain endpoint the consumer reads (:mod:`inference.kv_transport`)."""
+    sockets = private_socket_dir(var_dir / "sockets")
+    return f"ipc://{sockets}/kv-{os.getpid()}-{next(_endpoints)}.sock"
+
+
+def run_bare(path: Path, work: Workload, var_dir: Path) -> RunResult:
+    """Bare subscriber: connect, receive, ``decode_batch``, count events."""
+    endpoint = ipc_endpoint(var_dir)
+    proc = start_publisher(path, endpoint, TOPIC)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.RCVTIMEO, int(IDLE_TIMEOUT_S * 1000))
-    sub.bind(endpoint)
-    proc = start_publisher(path, endpoint, TOPIC)
+    sub.connect(endpoint)  # ZMQ retries until the publisher has bound
     last = len(work.payloads) - 1
     events = batches = 0
     expected = 0
@@ -412,7 +431,7 @@ def make_engine(world: World, name: str, endpoint: str, topic: str, base_url: st
     Engine.objects.exclude(status=Engine.Status.STOPPED).update(status=Engine.Status.STOPPED)
     engine = Engine.objects.create(
         name=name, model_version=world.version, namespace=world.namespaces[0], base_url=base_url,
-        status=Engine.Status.READY, kv_events_endpoint=endpoint, kv_events_bind=True, kv_events_topic=topic,
+        status=Engine.Status.READY, kv_events_endpoint=endpoint, kv_events_topic=topic,
     )  # fmt: skip
     # Served: every namespace, so no stored chain is a foreign-namespace incident.
     engine.attached_namespaces.set(world.namespaces[1:])
@@ -420,15 +439,16 @@ def make_engine(world: World, name: str, endpoint: str, topic: str, base_url: st
 
 
 def reference_residency(world: World, payloads: list[bytes]) -> EngineResidency:
-    """A pure ``EngineResidency`` fed the same batches, in order."""
+    """A pure ``EngineResidency`` fed the same batches, in order, event by event
+    (``apply_each``, the reference the consumer's batched ``apply`` must equal)."""
     ref = EngineResidency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
     for p in payloads:
-        ref.apply(decode_batch(p))
+        ref.apply_each(decode_batch(p))
     return ref
 
 
 def run_consumer(
-    path: Path, work: Workload, world: World, index: int, *, profile: cProfile.Profile | None = None
+    path: Path, work: Workload, world: World, index: int, var_dir: Path, *, profile: cProfile.Profile | None = None
 ) -> tuple[RunResult, Any, Any]:
     """The real consumer, from the publisher's first send to its last batch applied.
 
@@ -439,7 +459,7 @@ def run_consumer(
     from cacheadmin.models import Engine
     from cacheadmin.services.kv_events import KvEventConsumer
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = ipc_endpoint(var_dir)
     topic = f"{TOPIC}.{index}"
     engine = make_engine(world, f"bench-kv-{index}", endpoint, topic)
     proc = start_publisher(path, endpoint, topic)
@@ -528,23 +548,30 @@ def check_residency(work: Workload, ref: EngineResidency, stream: Any, engine: A
 
 
 def in_process(work: Workload, world: World) -> dict[str, float]:
-    """Events/s without sockets, one process: decode only; decode + ``EngineResidency.apply``;
-    ``KvEventConsumer.handle`` (sequence check, decode, apply, bookkeeping)."""
+    """Events/s without sockets, one process: ``decode_batch`` (what the bare subscriber decodes);
+    ``decode_for_residency`` (the consumer's decoder); that + ``EngineResidency.apply`` (by runs and
+    chains); that + ``apply_each`` (event by event, the reference); ``KvEventConsumer.handle``
+    (sequence check, decode, confirmation check, apply, bookkeeping)."""
     from cacheadmin.services.kv_events import KvEventConsumer, Stream
 
     payloads = work.payloads
-    started = time.perf_counter()
-    for p in payloads:
-        decode_batch(p)
-    decode_s = time.perf_counter() - started
-    ref = EngineResidency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
-    started = time.perf_counter()
-    for p in payloads:
-        ref.apply(decode_batch(p))
-    apply_s = time.perf_counter() - started
+    rates: dict[str, float] = {}
+
+    def timed(name: str, step: Callable[[bytes], Any]) -> None:
+        started = time.perf_counter()
+        for p in payloads:
+            step(p)
+        rates[name] = work.events / (time.perf_counter() - started)
+
+    timed("decode_events_per_s", decode_batch)
+    timed("decode_lite_events_per_s", decode_for_residency)
+    for name, method in (("decode_lite_apply_events_per_s", "apply"), ("decode_lite_apply_each_events_per_s", "apply_each")):
+        ref = EngineResidency(namespace_of_salt=world.namespace_of_salt.get, served=frozenset(world.salt_of))
+        apply = getattr(ref, method)
+        timed(name, lambda p, apply=apply: apply(decode_for_residency(p)))  # type: ignore[misc]
     consumer = KvEventConsumer()
     stream = Stream(
-        engine_id=0, engine_name="in-process", generation=0, endpoint="", bind=True, replay_endpoint="",
+        engine_id=0, engine_name="in-process", generation=0, endpoint="", replay_endpoint="",
         topic=TOPIC.encode(), residency=EngineResidency(namespace_of_salt=consumer.salts, served=frozenset(world.salt_of)),
     )  # fmt: skip
     topic = TOPIC.encode()
@@ -552,13 +579,9 @@ def in_process(work: Workload, world: World) -> dict[str, float]:
     started = time.perf_counter()
     for f in frames:
         consumer.handle(stream, f)
-    handle_s = time.perf_counter() - started
+    rates["handle_events_per_s"] = work.events / (time.perf_counter() - started)
     consumer.ctx.term()
-    return {
-        "decode_events_per_s": work.events / decode_s,
-        "decode_apply_events_per_s": work.events / apply_s,
-        "handle_events_per_s": work.events / handle_s,
-    }
+    return rates
 
 
 #: Functions whose cumulative time says where the consumer's time goes.
@@ -830,7 +853,7 @@ def setup_django(var_dir: Path) -> None:
     """Django on a scratch SQLite database in ``var_dir``, migrated."""
     os.environ.update({"DJANGO_SETTINGS_MODULE": "cacheadmin.settings", "VAR_DIR": str(var_dir)})
     # Nothing of the caller's deployment may leak in: the consumer writes checkpoints and alarms.
-    for name in ("DATABASE_URL", "CELERY_BROKER_URL", "KV_REDIS_URL"):
+    for name in ("DATABASE_URL", "CELERY_BROKER_URL", "KV_REDIS_URL", "GATEWAY_REDIS_URL", "GATEWAY_DIR"):
         os.environ.pop(name, None)
     import django
 
@@ -840,15 +863,28 @@ def setup_django(var_dir: Path) -> None:
     call_command("migrate", verbosity=0)
 
 
-def throughput(args: argparse.Namespace, world: World, var_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    """Part 1: bare and consumer runs over the same pre-encoded batches; the profile when asked."""
-    work = build_workload(list(world.salt_of.values()), events=args.events, capacity=args.capacity, clear_every=args.clear_every)
-    path = var_dir / "payloads.bin"
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """``(min, median, max)`` of ``values``."""
+    return min(values), statistics.median(values), max(values)
+
+
+def throughput_size(
+    args: argparse.Namespace, world: World, var_dir: Path, events: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Part 1 at one size: ``--rounds`` rounds of (bare, consumer) over the same pre-encoded batches,
+    each consumer run checked against the event-by-event reference; the profile when asked.
+
+    The ratio of a round is its consumer run against the bare run just before it (load that drifts
+    during the bench moves both); the goal holds when every round's ratio is at least :data:`GOAL`.
+    """
+    work = build_workload(list(world.salt_of.values()), events=events, capacity=args.capacity, clear_every=args.clear_every)
+    path = var_dir / f"payloads-{events}.bin"
     write_payloads(path, work.payloads)
-    log(
-        f"{work.events:,} events in {len(work.payloads):,} batches ({work.events / len(work.payloads):.1f}/batch, "
+    print(
+        f"\n== {work.events:,} events in {len(work.payloads):,} batches ({work.events / len(work.payloads):.1f}/batch, "
         f"{work.nbytes / 1e6:.1f} MB): {work.stored:,} BlockStored ({work.blocks_stored:,} blocks), "
-        f"{work.removed:,} BlockRemoved, {work.cleared} AllBlocksCleared"
+        f"{work.removed:,} BlockRemoved, {work.cleared} AllBlocksCleared",
+        flush=True,
     )
     ref = reference_residency(world, work.payloads)
     breakdown = in_process(work, world)
@@ -856,31 +892,41 @@ def throughput(args: argparse.Namespace, world: World, var_dir: Path, log: Calla
 
     runs: list[RunResult] = []
     checks: list[list[str]] = []
-    print(f"{'run':<5}{'method':<10}{'events':>11}{'batches':>9}{'seconds':>9}{'events/s':>12}{'pub send s':>12}{'lost':>6}")
+    header = (
+        ("round", 6, "<"),
+        ("method", 10, "<"),
+        ("events", 11, ">"),
+        ("batches", 9, ">"),
+        ("seconds", 9, ">"),
+        ("events/s", 12, ">"),
+    )
+    print("".join(f"{name:{align}{width}}" for name, width, align in header) + f"{'pub send s':>12}{'lost':>6}{'ratio':>8}")
     for r in range(args.rounds):
         for method in ("bare", "consumer"):
             if method == "bare":
-                res = run_bare(path, work)
+                res = run_bare(path, work, var_dir)
             else:
-                res, stream, engine = run_consumer(path, work, world, r)
+                res, stream, engine = run_consumer(path, work, world, next(_engines), var_dir)
                 checks.append(check_residency(work, ref, stream, engine))
             runs.append(res)
+            ratio_text = f"{res.rate / runs[-2].rate:>7.3f}x" if method == "consumer" else ""
             print(
-                f"{r + 1:<5}{res.method:<10}{res.events:>11,}{res.batches:>9,}{res.seconds:>9.3f}"
-                f"{res.rate:>12,.0f}{res.publisher_s:>12.3f}{res.lost_events:>6}",
+                f"{r + 1:<6}{res.method:<10}{res.events:>11,}{res.batches:>9,}{res.seconds:>9.3f}"
+                f"{res.rate:>12,.0f}{res.publisher_s:>12.3f}{res.lost_events:>6}{ratio_text}",
                 flush=True,
             )
-    bare = statistics.median(r.rate for r in runs if r.method == "bare")
-    cons = statistics.median(r.rate for r in runs if r.method == "consumer")
-    ratio = cons / bare
-    # Each consumer run against the bare run just before it: robust to load that drifts during the bench.
-    paired = statistics.median(c.rate / b.rate for b, c in zip(runs[::2], runs[1::2], strict=True))
+    bare = [r.rate for r in runs if r.method == "bare"]
+    cons = [r.rate for r in runs if r.method == "consumer"]
+    ratios = [c / b for b, c in zip(bare, cons, strict=True)]
     ok = all(not c for c in checks)
     lost = sum(r.lost_events for r in runs)
+    met = min(ratios) >= GOAL
     flush_s = [round(r.extra["final_flush_s"], 3) for r in runs if r.method == "consumer"]
-    print(f"median events/s: bare {bare:,.0f}, consumer {cons:,.0f}; ratio consumer/bare {ratio:.3f}x")
-    print(f"median of the per-round ratios (consumer run / the bare run before it): {paired:.3f}x")
-    print(f"goal: consumer >= {GOAL}x bare: {'PASS' if ratio >= GOAL else 'MISSED'}")
+    lo, mid, hi = spread(ratios)
+    cons_text, bare_text = (" / ".join(f"{v:,.0f}" for v in spread(rates)) for rates in (cons, bare))
+    print(f"events/s min/median/max: consumer {cons_text}; bare {bare_text}")
+    print(f"ratio consumer/bare per round, min/median/max: {lo:.3f}x / {mid:.3f}x / {hi:.3f}x")
+    print(f"goal: consumer >= {GOAL}x bare in every round at {work.events:,} events: {'met' if met else 'missed'}")
     print(f"final forced flush after the last batch (not in the rate): {flush_s} s")
     for i, problems in enumerate(checks, 1):
         print(f"residency check, consumer run {i}: " + ("OK" if not problems else "MISMATCH: " + "; ".join(problems)))
@@ -899,18 +945,17 @@ def throughput(args: argparse.Namespace, world: World, var_dir: Path, log: Calla
             }
             for r in runs
         ],
-        "bare_events_per_s": round(bare),
-        "consumer_events_per_s": round(cons),
-        "ratio": round(ratio, 3),
-        "ratio_paired_median": round(paired, 3),
-        "goal_pass": ratio >= GOAL,
+        "bare_events_per_s": [round(v) for v in spread(bare)],
+        "consumer_events_per_s": [round(v) for v in spread(cons)],
+        "ratio_min_median_max": [round(v, 3) for v in (lo, mid, hi)],
+        "goal_pass": met,
         "in_process": {k: round(v) for k, v in breakdown.items()},
         "residency_check": "OK" if ok else "MISMATCH",
         "lost_events": lost,
     }
     if args.profile:
         prof = cProfile.Profile()
-        res, _, _ = run_consumer(path, work, world, args.rounds, profile=prof)
+        res, _, _ = run_consumer(path, work, world, next(_engines), var_dir, profile=prof)
         report = profile_report(prof, res.seconds)
         print(f"profiled consumer run: {res.rate:,.0f} events/s under cProfile ({res.seconds:.2f} s)")
         print(f"{'function':<48}{'calls':>10}{'own s':>9}{'cum s':>9}")
@@ -918,7 +963,25 @@ def throughput(args: argparse.Namespace, world: World, var_dir: Path, log: Calla
             print(f"{name:<48}{row['calls']:>10,}{row['own_s']:>9.3f}{row['cumulative_s']:>9.3f}")
         print(report["top_by_own_time"])
         result["profile"] = {k: v for k, v in report.items() if k != "top_by_own_time"}
+    path.unlink()
     return result
+
+
+#: Engine rows of the consumer runs: each run has its own (its own checkpoint and topic).
+_engines = itertools.count()
+
+
+def throughput(args: argparse.Namespace, world: World, var_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """Part 1 at every size of ``--sizes``: per size its rounds, ratios and goal; overall, whether the
+    goal held at every size."""
+    sizes = {str(events): throughput_size(args, world, var_dir, events, log) for events in args.sizes}
+    return {
+        "sizes": sizes,
+        "goal": GOAL,
+        "goal_pass": all(r["goal_pass"] for r in sizes.values()),
+        "residency_check": "OK" if all(r["residency_check"] == "OK" for r in sizes.values()) else "MISMATCH",
+        "lost_events": sum(r["lost_events"] for r in sizes.values()),
+    }
 
 
 def print_lag(lag: dict[str, Any]) -> None:
@@ -945,11 +1008,18 @@ def print_lag(lag: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--events", type=int, default=1_000_000, help="events to publish per run (at least)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each method, alternating")
+    parser.add_argument(
+        "--sizes", type=cli.counts, default=[200_000, 1_000_000],
+        help="events to publish per run (at least), one workload per size, comma-separated (default 200000,1000000)",
+    )  # fmt: skip
+    parser.add_argument("--events", type=int, help="one size only (same as --sizes N)")
+    parser.add_argument("--quick", action="store_true", help="--sizes 200000 --rounds 3")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (bare, consumer) per size")
     parser.add_argument("--namespaces", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=16_384, help="resident blocks before evictions start")
-    parser.add_argument("--clear-every", type=int, default=25_000, help="an AllBlocksCleared every N batches (0: never)")
+    # 0 by default: the consumer acts on an AllBlocksCleared only once the engine's replay confirms it,
+    # and this publisher serves no replay (one would also answer the consumer's periodic catch-up).
+    parser.add_argument("--clear-every", type=int, default=0, help="an AllBlocksCleared every N batches (0: never)")
     parser.add_argument("--profile", action="store_true", help="one more consumer run under cProfile")
     parser.add_argument("--engine", action="store_true", help="also measure end-to-end lag with a real vLLM engine")
     parser.add_argument("--clients", type=int, default=8, help="--engine: concurrent chat clients")
@@ -964,8 +1034,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.publish:
         return publish(Path(args.publish), args.endpoint, args.topic)
-    if args.events < 1 or args.rounds < 1 or args.namespaces < 1:
-        parser.error("--events, --rounds and --namespaces must be at least 1")
+    if args.events is not None:
+        args.sizes = [args.events]
+    elif args.quick:
+        args.sizes = [200_000]
+    if min(args.sizes) < 1 or args.rounds < 1 or args.namespaces < 1:
+        parser.error("--sizes, --events, --rounds and --namespaces must be at least 1")
+    if not (math.isfinite(args.phase_s) and args.phase_s > 0) or args.clients < 1 or args.max_tokens < 1 or args.lag_rounds < 1:
+        parser.error("--phase-s must be a positive number of seconds, and --clients, --max-tokens and --lag-rounds at least 1")
 
     began = time.monotonic()
 

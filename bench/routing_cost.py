@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The project root goes ahead of bench/, so that ``import gateway`` finds the package.
 sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
 from gateway.prefix.index import BlockIndex, SqliteIndexStore, block_set  # noqa: E402
 from gateway.prefix.predict import Tokenizers, predict  # noqa: E402
 from gateway.prefix.router import PRECISE, PrefixRouter  # noqa: E402
@@ -248,18 +249,14 @@ def main() -> int:
     """Run the benchmark (see the module docstring); returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="timed requests per size and engine count (>= 100)")
-    parser.add_argument("--sizes", default="1000,100000", help="indexed blocks, comma separated")
-    parser.add_argument("--engines", default="2,8", help="engine counts (2-64), comma separated")
+    parser.add_argument("--sizes", type=cli.counts, default="1000,100000", help="indexed blocks, comma separated")
+    parser.add_argument("--engines", type=cli.counts, default="2,8", help="engine counts (2-64), comma separated")
     parser.add_argument("--seed", type=int, default=11, help="seed of the bodies and the index")
     parser.add_argument("--profile", action="store_true", help="cProfile the precise decisions at the largest size")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (checkpoint, index files)")
     args = parser.parse_args()
-    try:
-        sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
-        counts = sorted({int(s) for s in args.engines.split(",") if s.strip()})
-    except ValueError:
-        parser.error("--sizes and --engines are comma-separated integers")
-    if args.requests < 100 or not sizes or not counts or min(sizes) < 1 or not all(2 <= c <= 64 for c in counts):
+    sizes, engines = sorted(set(args.sizes)), sorted(set(args.engines))
+    if args.requests < 100 or min(sizes) < 1 or not all(2 <= c <= 64 for c in engines):
         parser.error("--requests >= 100, sizes >= 1, engine counts in 2..64")
     try:
         os.sched_setaffinity(0, {0})
@@ -269,7 +266,7 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="kvcp-bench-routing-"))
     try:
-        return run(args, sizes, counts, workdir)
+        return run(args, sizes, engines, workdir)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

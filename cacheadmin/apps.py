@@ -1,8 +1,22 @@
 """App configuration."""
 
+import sys
+from pathlib import Path
+
 from django.apps import AppConfig
 
 from cacheadmin.tracing import tracing_setup
+
+#: ``manage.py`` commands that run, enqueue and finish no job and write no routing row:
+#: their process skips registering the job runners, Celery tasks and routing signals
+#: (about 1 s of CPU on 2 cores, most of a one-shot ``manage.py fingerprint`` whose
+#: digest cache already holds the answer; bench/README.md, fingerprint.py).
+JOB_FREE_COMMANDS = frozenset({"fingerprint"})
+
+
+def job_free_process() -> bool:
+    """True in a ``manage.py`` process running one of :data:`JOB_FREE_COMMANDS`."""
+    return Path(sys.argv[0]).name == "manage.py" and len(sys.argv) > 1 and sys.argv[1] in JOB_FREE_COMMANDS
 
 
 class CacheAdminConfig(AppConfig):
@@ -17,6 +31,8 @@ class CacheAdminConfig(AppConfig):
 
         # Before any middleware loads: Django's and Celery's spans when OTEL_* variables ask (docs/tracing.md).
         tracing_setup()
+        if job_free_process():
+            return
 
         # Registers every job runner (and its Celery task) and the job_finished
         # receivers, in every process: web, worker, commands.

@@ -91,6 +91,13 @@ VARIABLES: dict[str, EnvVar] = {
         _S,
         "PostgreSQL: how long a statement may run (0: no limit); past it the request answers 503 `database_busy`",
     ),
+    "DATABASE_PREPARED_STATEMENTS": EnvVar(
+        _S,
+        "PostgreSQL: the namespace list's count and page run as prepared statements (not planned again on a "
+        "connection that ran them). It pays only where connections persist across requests (each request opens "
+        "its own here); leave it off behind a transaction-mode pooler without prepared-statement support "
+        "(PgBouncer before 1.21 or `max_prepared_statements = 0`)",
+    ),
     "CELERY_BROKER_URL": EnvVar(
         _S,
         "the Celery broker, e.g. `redis://127.0.0.1:6379/0`",
@@ -295,7 +302,11 @@ VARIABLES: dict[str, EnvVar] = {
         _G, "weight of an engine's requests in flight against its cached blocks in the precise choice"
     ),
     "GATEWAY_EPOCH_POLL_MS": EnvVar(_G, "how often (milliseconds) each gateway process reads the routing epoch"),
-    "GATEWAY_SNAPSHOT_MAX_AGE_S": EnvVar(_G, "seconds after which a routing snapshot is rebuilt, whatever the epoch says"),
+    "GATEWAY_SNAPSHOT_MAX_AGE_S": EnvVar(
+        _G,
+        "seconds between two resolutions of the engines' host names by each gateway process (the routing snapshot itself "
+        "changes only when the routing epoch moves)",
+    ),
     "GATEWAY_FLUSH_S": EnvVar(_G, "how often (seconds) a gateway process writes its figures and prefix heat"),
     "GATEWAY_HEADER_TIMEOUT_S": EnvVar(
         _G,

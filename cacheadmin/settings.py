@@ -126,6 +126,13 @@ _database_url = env_str("DATABASE_URL", "")
 DATABASES = {
     "default": database_from_url(_database_url) if _database_url else sqlite_database(VAR_DIR / "db.sqlite3"),
 }
+#: The namespace list's count and page run as PostgreSQL prepared statements
+#: (cacheadmin.api.pagination.prepared_statements). Off by default: a prepared
+#: statement lives on its connection, so it pays only with persistent connections
+#: (CONN_MAX_AGE is 0 here: one connection per request), and a transaction-mode
+#: pooler without prepared-statement support (PgBouncer before 1.21, or its
+#: max_prepared_statements 0) refuses statements prepared on another backend.
+DATABASE_PREPARED_STATEMENTS = env_bool("DATABASE_PREPARED_STATEMENTS", False)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 LANGUAGE_CODE = "en-us"
@@ -393,6 +400,9 @@ else:
     # A real worker on kombu's filesystem transport: one folder both ways.
     CELERY_BROKER_DIR.mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
+    # kombu's transport with its message and exchange files written whole before any reader
+    # can list them (a worker otherwise dies reading a file its producer is still writing).
+    CELERY_BROKER_TRANSPORT = "cacheadmin.broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_BROKER_DIR),
         "data_folder_out": str(CELERY_BROKER_DIR),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from cacheadmin.models import Engine
+from cacheadmin.models.gateway import routing_changes_recover
 from cacheadmin.services.accounting import AccountingScanRunner, accounting_scan_scheduled, engine_metrics_scrape
 from cacheadmin.services.comparison import ComparisonRunner
 from cacheadmin.services.engines import ENGINE_BOOT_TASK, ENGINE_RESTART_DUE_TASK, engine_boot
@@ -59,10 +60,12 @@ def eviction_sweep_task() -> None:
 @shared_task(name="cacheadmin.jobs_recover_lost")
 def jobs_recover_lost_task() -> None:
     """Scheduled: requeue or fail jobs whose worker is gone (on any host), then
-    move the releases whose prewarm or purge ended without its event reaching them."""
+    move the releases whose prewarm or purge ended without its event reaching them,
+    and count routing changes whose epoch move was lost after their commit."""
     jobs_recover_lost()
     releases_sync_pending()
     shadow_checks_recover()
+    routing_changes_recover()
 
 
 @shared_task(name=SHADOW_CHECK_TASK)

@@ -2,8 +2,9 @@
 plane's database behind a :class:`gateway.server.Gateway`.
 
 Two threads keep the database off the request path: one polls the routing
-epoch every ``GATEWAY_EPOCH_POLL_MS`` and swaps in a fresh snapshot when it
-moved (or when the snapshot is ``GATEWAY_SNAPSHOT_MAX_AGE_S`` old), one writes
+epoch every ``GATEWAY_EPOCH_POLL_MS`` and, when it moved, swaps in a snapshot
+with the entries that changed read again (the engines' addresses are resolved
+again every ``GATEWAY_SNAPSHOT_MAX_AGE_S``), one writes
 the recorded figures, prefix heat and shadow samples every ``GATEWAY_FLUSH_S``.
 A database outage leaves the last snapshot serving and keeps the figures for
 the next flush.
@@ -46,12 +47,34 @@ def in_thread(fn: Any) -> Any:
 
 
 class SnapshotHolder:
-    """The current snapshot and the thread that renews it."""
+    """The current snapshot and the thread that keeps it current.
 
-    def __init__(self, build: Any, epoch: Any, *, poll_s: float, max_age_s: float) -> None:
-        self._build, self._epoch, self.poll_s, self.max_age_s = build, epoch, poll_s, max_age_s
-        self.snapshot = in_thread(build)
-        self.built_at = time.monotonic()
+    The snapshot is built whole once, at start; after that only what a change named is read
+    again (``update``), and only when the epoch moved, so a process whose routing did not change
+    reads one row per poll. A full build happens again only when ``update`` cannot tell what
+    changed (returns None: an epoch whose changes were pruned, a change of everything).
+
+    Args:
+        build: everything read whole: parts with an ``epoch`` and a ``snapshot()``
+            (``cacheadmin.services.gateway.routing_snapshot_parts``).
+        update: parts → the parts brought to the current epoch (the same object when it did
+            not move), or None when only a full build can tell (``routing_snapshot_update``).
+        poll_s: seconds between two reads of the epoch.
+        recheck: parts → the parts with the engines' addresses resolved again (the same object
+            when none moved), run every ``recheck_s`` seconds: DNS answers change with no row
+            changing (``routing_addresses_recheck``); None: never.
+        recheck_s: seconds between two rechecks.
+    """
+
+    def __init__(self, build: Callable[[], Any], update: Callable[[Any], Any], *, poll_s: float,
+                 recheck: Callable[[Any], Any] | None = None, recheck_s: float = 10.0) -> None:  # fmt: skip
+        self._build, self._update, self._recheck = build, update, recheck
+        self.poll_s, self.recheck_s = poll_s, recheck_s
+        self.parts = in_thread(build)
+        self.snapshot = self.parts.snapshot()
+        self.rechecked_at = time.monotonic()
+        #: Full builds (the first included) and incremental updates this process made.
+        self.full_builds, self.updates = 1, 0
         self._stop = threading.Event()
         self._published()
 
@@ -64,14 +87,23 @@ class SnapshotHolder:
         return self.snapshot
 
     def refresh_if_moved(self) -> bool:
-        """Rebuild when the epoch moved or the snapshot is too old; True when rebuilt."""
-        moved = self._epoch() != self.snapshot.epoch
-        if moved or time.monotonic() - self.built_at > self.max_age_s:
-            self.snapshot = self._build()
-            self.built_at = time.monotonic()
-            self._published()
-            return True
-        return False
+        """Bring the snapshot to the current epoch (and recheck the engines' addresses when due);
+        True when a new snapshot was swapped in."""
+        parts = self._update(self.parts)
+        if parts is None:
+            parts = self._build()
+            self.full_builds += 1
+        elif parts is not self.parts:
+            self.updates += 1
+        if self._recheck is not None and time.monotonic() - self.rechecked_at > self.recheck_s:
+            self.rechecked_at = time.monotonic()
+            parts = self._recheck(parts)
+        if parts is self.parts:
+            return False
+        self.parts = parts
+        self.snapshot = parts.snapshot()
+        self._published()
+        return True
 
     def run(self) -> None:
         """Poll until stopped; errors (a database outage) keep the last snapshot."""
@@ -180,6 +212,15 @@ def _prefix_router(settings: Any) -> PrefixRouter:
     return PrefixRouter(index, load_weight=settings.GATEWAY_ROUTING_LOAD_WEIGHT)
 
 
+def _snapshot_holder(settings: Any) -> SnapshotHolder:
+    """This process's routing snapshot, built whole now and kept current from the routing epoch's changes."""
+    # The control plane's: after django.setup().
+    from cacheadmin.services.gateway import routing_addresses_recheck, routing_snapshot_parts, routing_snapshot_update
+
+    return SnapshotHolder(routing_snapshot_parts, routing_snapshot_update, poll_s=settings.GATEWAY_EPOCH_POLL_MS / 1000,
+                          recheck=routing_addresses_recheck, recheck_s=settings.GATEWAY_SNAPSHOT_MAX_AGE_S)  # fmt: skip
+
+
 def _index_gauges(snapshot: Callable[[], RoutingSnapshot], recorder: Recorder, index: BlockIndex) -> None:
     """The block index gauges of this process, per engine in service (by name; an engine gone leaves them)."""
     if recorder.metrics is None:
@@ -202,7 +243,7 @@ def create_app() -> Starlette:
     from django.conf import settings
     from django.db import close_old_connections
 
-    from cacheadmin.services.gateway import gateway_flush, routing_epoch, routing_snapshot_build
+    from cacheadmin.services.gateway import gateway_flush
     from cacheadmin.services.gateway_stores import response_store
     from cacheadmin.services.shadow import shadow_check_enqueue
 
@@ -211,8 +252,7 @@ def create_app() -> Starlette:
         header_timeout_s=settings.GATEWAY_HEADER_TIMEOUT_S, body_timeout_s=settings.GATEWAY_BODY_TIMEOUT_S,
         per_client=settings.GATEWAY_CONNECTIONS_PER_CLIENT,
     )  # fmt: skip
-    holder = SnapshotHolder(routing_snapshot_build, routing_epoch, poll_s=settings.GATEWAY_EPOCH_POLL_MS / 1000,
-                            max_age_s=settings.GATEWAY_SNAPSHOT_MAX_AGE_S)  # fmt: skip
+    holder = _snapshot_holder(settings)
     recorder = Recorder()
     flusher = Flusher(recorder, gateway_flush, shadow_check_enqueue, close_old_connections)
     semantic = _semantic_layer(settings.GATEWAY_SEMANTIC)

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse
 
 from gateway import tracing
 from gateway.answers import STREAMED, AnswerAssembler, record_of_answer
+from gateway.engine_pool import engine_transport
 from gateway.errors import GatewayError, engine_error
 from gateway.prefix.router import APPROXIMATE, Decision, PrefixRouter
 from gateway.protection import FillBreaker, Overloaded, upstream_timeout
@@ -101,10 +102,9 @@ class EngineProxy:
         self.recorder = recorder
         # The transport itself, not an httpx2.AsyncClient over it: an engine call needs no cookies,
         # redirects or auth flow, and the client's per-request work for them was a fifth of the
-        # gateway's own time on a non-streamed request (bench/gateway.py).
-        self.transport = transport or httpx2.AsyncHTTPTransport(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256)
-        )
+        # gateway's own time on a non-streamed request (bench/gateway.py). Its pool takes one idle
+        # connection per request instead of re-examining every one (gateway.engine_pool).
+        self.transport = transport or engine_transport()
         self.timeout_s = timeout_s
         self._timeout = httpx2.Timeout(timeout_s, connect=5.0).as_dict()
         self.breaker = FillBreaker(max_in_flight, breaker_failures, breaker_cooldown_s)

@@ -127,19 +127,28 @@ class SingleFlight(Generic[T]):
                 flight.task.cancel()
         return result, led
 
-    async def result_of(self, key: str, timeout_s: float) -> T | None:
+    async def result_of(self, key: str, timeout_s: float, *, passes: tuple[type[Exception], ...] = ()) -> T | None:
         """The result of the flight of ``key`` running now, without starting one.
 
+        Args:
+            passes: the fill's exceptions this onlooker is given too (an outcome meant for
+                everyone who waited on the flight); any other is its callers' alone.
+
         Returns:
-            Its result; None when no flight of ``key`` runs, when it raises, or
-            when it takes over ``timeout_s`` seconds (the caller then goes its
-            own way; the flight goes on).
+            Its result; None when no flight of ``key`` runs, when it raises an
+            exception not in ``passes``, or when it takes over ``timeout_s``
+            seconds (the caller then goes its own way; the flight goes on).
+
+        Raises:
+            Exception: the fill's exception, when it is one of ``passes``.
         """
         flight = self._flights.get(key)
         if flight is None:
             return None
         try:
             return await asyncio.wait_for(asyncio.shield(flight.task), timeout_s)
+        except passes:
+            raise
         except Exception:  # TimeoutError or the fill's own error: the latter is its callers', not this onlooker's
             return None
 
@@ -217,7 +226,7 @@ async def fill_once(
     4. else sleep ``poll_s`` and go to 1.
 
     ``read`` is how the value is looked for (steps 1 and 2; a blocking call, run in a worker
-    thread; it may raise :class:`StoreUnavailable`): by default ``store.get(prefix, key)``; a
+    thread; it may raise :class:`StoreUnavailable`): by default ``store.aget(prefix, key)``; a
     layer keeping its values elsewhere (the semantic layer) reads its own store and uses
     ``store`` for the lease only.
 
@@ -239,8 +248,9 @@ async def fill_once(
     When the store raises :class:`StoreUnavailable` (lease, read or
     release), the flight runs ``fill`` without the lease (outcome
     ``store_unavailable=True``); a release that fails leaves the lease to
-    expire. Store calls run in a worker thread (``asyncio.to_thread``): they
-    may block up to the store's timeouts.
+    expire. Store calls are the store's awaited methods (``aget``, ``alease``...: on the event
+    loop for Redis' asyncio client, in a worker thread for SQLite); each may wait up to the
+    store's timeouts.
 
     Returns:
         A :class:`FillResult`; callers that joined another caller's flight
@@ -256,7 +266,10 @@ async def fill_once(
     _positive(wait_timeout_s, "wait_timeout_s")
     _positive(poll_s, "poll_s")
     chosen = _PROCESS_FLIGHT if flight is None else flight
-    look: Callable[[], bytes | None] = partial(store.get, prefix, key) if read is None else read
+    # The store's own read is awaited (an asyncio client answers on the loop); a layer's ``read`` blocks: a worker thread.
+    look: Callable[[], Awaitable[bytes | None]] = (
+        partial(store.aget, prefix, key) if read is None else partial(asyncio.to_thread, read)
+    )
 
     async def across_processes() -> FillResult:
         loop = asyncio.get_running_loop()
@@ -265,9 +278,9 @@ async def fill_once(
             value: bytes | None = None
             # Only the store's own calls are guarded: a StoreUnavailable out of fill() is fill's, not a reason to fill twice.
             try:
-                taken = await asyncio.to_thread(store.lease, prefix, key, lease_ttl_s)
+                taken = await store.alease(prefix, key, lease_ttl_s)
                 if not taken:
-                    value = await asyncio.to_thread(look)
+                    value = await look()
             except StoreUnavailable as exc:
                 return await _fill_without_store(prefix, key, fill, exc)
             if taken:
@@ -289,13 +302,13 @@ async def _fill_without_store(prefix: str, key: str, fill: Callable[[], Awaitabl
 
 async def _lead(
     store: ResponseStore, prefix: str, key: str, fill: Callable[[], Awaitable[bytes]], lease_ttl_s: float,
-    look: Callable[[], bytes | None],
+    look: Callable[[], Awaitable[bytes | None]],
 ) -> FillResult:  # fmt: skip
     """Holding the lease: the value if another process stored it meanwhile, else ``fill()``
     with the lease renewed while it runs; the lease released after."""
     try:
         try:
-            value = await asyncio.to_thread(look)
+            value = await look()
         except StoreUnavailable as exc:
             return await _fill_without_store(prefix, key, fill, exc)
         if value is not None:
@@ -305,11 +318,12 @@ async def _lead(
             return FillResult(await fill(), "filled")
         finally:
             # Renewals and the release are each one atomic compare-by-token: a renewal still
-            # running in its thread after this cannot bring back a released lease.
+            # running after this (in a worker thread, for a store without an asyncio client)
+            # cannot bring back a released lease.
             renewing.cancel()
     finally:
         try:
-            await asyncio.to_thread(store.release_lease, prefix, key)
+            await store.arelease_lease(prefix, key)
         except StoreUnavailable as exc:
             log.warning("response store unavailable, lease of %s/%s left to expire: %s", prefix, key, exc)
 
@@ -323,7 +337,7 @@ async def _renew_lease(store: ResponseStore, prefix: str, key: str, ttl_s: float
     while True:
         await asyncio.sleep(ttl_s / 3)
         try:
-            held = await asyncio.to_thread(store.renew_lease, prefix, key, ttl_s)
+            held = await store.arenew_lease(prefix, key, ttl_s)
         except StoreUnavailable as exc:
             log.warning("response store unavailable, lease of %s/%s not renewed this time: %s", prefix, key, exc)
             continue

@@ -266,6 +266,8 @@ class Gateway:
             for hook in self.on_stop:
                 hook()
             await self.proxy.aclose()
+            if self.rt.response_store is not None:
+                await self.rt.response_store.aclose()  # its asyncio client's connections, opened on this loop
 
     # --- plumbing ---
 
@@ -349,13 +351,17 @@ class Gateway:
         return await self._serve(request, "completions")
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        too_large = GatewayError(413, f"request body over {MAX_BODY_BYTES} bytes", type_="invalid_request_error",
+                                 code="body_too_large")  # fmt: skip
+        declared = request.headers.get("content-length", "")
+        # Refused before a byte is read: waiting for a body declared over the cap only ends in the body timeout's 408.
+        if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
         raw = bytearray()
         async for chunk in request.stream():
             raw.extend(chunk)
             if len(raw) > MAX_BODY_BYTES:
-                raise GatewayError(
-                    413, f"request body over {MAX_BODY_BYTES} bytes", type_="invalid_request_error", code="body_too_large"
-                )
+                raise too_large
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:

@@ -6,6 +6,11 @@ changes, which catches rewrites in place (mtime, size), replacements by rename
 (inode), and in-place writes whose mtime was set back afterwards (ctime, which
 no user call can set). Stored in a stdlib SQLite file because inode and path are facts
 of one host: each host keeps its own cache.
+
+The same file also holds the identity's config, tokenizer and layout fields by a
+content key (:func:`inference.identity.metadata_key`: the bytes of the files they
+are computed from, the library versions and the platform), so a fingerprint that
+finds them needs no vLLM, transformers or torch import.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ CREATE TABLE IF NOT EXISTS file_tensors_v1 (
     path BLOB PRIMARY KEY,
     key TEXT NOT NULL,
     tensors TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS identity_fields_v1 (
+    key TEXT PRIMARY KEY,
+    fields TEXT NOT NULL
 );
 """
 
@@ -84,4 +93,18 @@ class FileDigestCache:
             conn.execute(
                 "INSERT OR REPLACE INTO file_tensors_v1(path, key, tensors) VALUES (?,?,?)",
                 (os.fsencode(path), self.stat_key(st), json.dumps(tensors, separators=(",", ":"))),
+            )
+
+    def get_fields(self, key: str) -> dict[str, Any] | None:
+        """The identity fields recorded under a content key
+        (:func:`inference.identity.metadata_key`), or None."""
+        row = self._conn().execute("SELECT fields FROM identity_fields_v1 WHERE key=?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def put_fields(self, key: str, fields: dict[str, Any]) -> None:
+        """Record identity fields (JSON-ready) under their content key."""
+        with self._conn() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO identity_fields_v1(key, fields) VALUES (?,?)",
+                (key, json.dumps(fields, separators=(",", ":"), allow_nan=False)),
             )

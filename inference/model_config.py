@@ -154,6 +154,8 @@ def quiet_engine_logs(fn: Any) -> Any:
 
 
 def _known_model_type(model_type: object) -> bool:
+    # Lazy: importing transformers costs seconds; only computing the config or tokenizer field needs it, never a
+    # fingerprint the digest cache answers (inference.identity.metadata_key).
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
@@ -191,6 +193,8 @@ def parse_config(config_dir: Path, raw: dict[str, Any], *, hf_overrides: dict[st
 @functools.lru_cache(maxsize=64)
 def _parse_config_cached(key: str, config_dir: Path, raw_json: str, overrides_json: str) -> Any:
     raw, hf_overrides = json.loads(raw_json), json.loads(overrides_json)
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     from vllm.transformers_utils.config import get_config, patch_rope_parameters
 
     if _known_model_type(raw.get("model_type")):
@@ -207,6 +211,8 @@ def _parse_config_cached(key: str, config_dir: Path, raw_json: str, overrides_js
         )
     # A model type only remote code defines: the base class holds every key as
     # written (no code runs here); the code files are digested on their own.
+    # Lazy: importing transformers costs seconds; only computing the config or tokenizer field needs it, never a
+    # fingerprint the digest cache answers (inference.identity.metadata_key).
     from transformers import PretrainedConfig
 
     def base() -> Any:
@@ -318,6 +324,8 @@ def _class_keys(cls: Any) -> frozenset[str] | None:
 def _derived_values(config: Any) -> dict[str, Any]:
     """The :data:`DERIVED_FIELDS` as vLLM computes them from the parsed ``config``
     (zero or unknown values left out)."""
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     import vllm.config  # noqa: F401 - the convertor module is imported through vllm.config first (import cycle)
     from vllm.transformers_utils.model_arch_config_convertor import (
         MODEL_ARCH_CONFIG_CONVERTORS,
@@ -435,6 +443,8 @@ def declared_dtype(config: Any) -> str | None:
 
 def iter_rope_parameters(config: Any) -> Iterator[dict[str, Any]]:
     """Each layer type's RoPE parameters (vLLM ``iter_rope_parameters``)."""
+    # Lazy: importing vLLM costs seconds (with torch and transformers); only computing the config or layout field
+    # needs it, never a fingerprint the digest cache answers (inference.identity.metadata_key).
     from vllm.transformers_utils.config import iter_rope_parameters as vllm_iter
 
     return vllm_iter(config)
@@ -495,6 +505,8 @@ def remote_code_files(root: Path, config_files: tuple[str, ...] = AUTO_MAP_FILES
         CheckpointError: required code that lives in another repository
             (``org/repo--module.Class``) or is not in the checkpoint.
     """
+    # Lazy: importing transformers costs seconds; only computing the config or tokenizer field needs it, never a
+    # fingerprint the digest cache answers (inference.identity.metadata_key).
     from transformers.dynamic_module_utils import get_relative_import_files
 
     modules: dict[str, Path] = {}

@@ -115,7 +115,7 @@ def test_salts_are_computed_in_one_place() -> None:
 #: package sits beside ``gateway.layers.response``: its stores at level 2, its layer at 4.
 GATEWAY_LEVELS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.request_fields", "gateway.sqlite_file", "gateway.templates", "gateway.layers",
-     "gateway.layers.base", "gateway.tracing"),
+     "gateway.layers.base", "gateway.tracing", "gateway.engine_pool"),
     ("gateway.param_specs", "gateway.pii"),
     ("gateway.canonical", "gateway.routing", "gateway.records", "gateway.metrics", "gateway.answers", "gateway.layers.response",
      "gateway.layers.semantic"),

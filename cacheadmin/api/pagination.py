@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from django.conf import settings
+from django.db import connections, router
+from django.db.models import QuerySet
 from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
@@ -75,3 +80,94 @@ class BoundedLimitOffsetPagination(LimitOffsetPagination):
                 "schema": {"type": "integer", "minimum": 0, "maximum": self.max_offset, "default": 0},
             },
         ]
+
+
+@contextmanager
+def prepared_statements(model: type) -> Iterator[None]:
+    """Within the block, PostgreSQL statements on ``model``'s database are
+    sent with server-side parameters as named prepared statements (psycopg's,
+    prepared at first sight, kept per connection, at most 100, least recently
+    used dropped): a statement the connection ran before is not planned again.
+
+    Why: planning a list page (six tables joined, a keys subquery) took
+    PostgreSQL 1.5-6 ms on this machine, several times the page's execution;
+    Django sends every statement as text with the values inlined (client-side
+    binding, no prepared statements, so that transaction-mode poolers work).
+    A no-op on other databases, with ``DATABASE_PREPARED_STATEMENTS`` off, or
+    where the connection already binds on the server (``server_side_binding``).
+    """
+    connection = connections[router.db_for_read(model)]
+    if (
+        connection.vendor != "postgresql"
+        or not settings.DATABASE_PREPARED_STATEMENTS
+        or connection.settings_dict["OPTIONS"].get("server_side_binding") is True
+    ):
+        yield
+        return
+    # psycopg 3 only (the project's driver); lazy: SQLite deployments lack it.
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    connection.ensure_connection()
+    raw = connection.connection
+    factory, threshold = raw.cursor_factory, raw.prepare_threshold
+    raw.cursor_factory, raw.prepare_threshold = ServerBindingCursor, 0
+    # A prepared statement leaves psycopg no text to read back: the query log
+    # (DEBUG, tests' captured queries) gets the statement with its values
+    # inlined, the text Django would have sent.
+    connection.ops.last_executed_query = _composed(connection)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        raw.cursor_factory, raw.prepare_threshold = factory, threshold
+        del connection.ops.last_executed_query
+
+
+def _composed(connection: Any) -> Any:
+    """``last_executed_query`` for a server-bound cursor: the statement as client-side binding sends it."""
+
+    def last_executed_query(cursor: Any, sql: str, params: Any) -> str | None:
+        return connection.ops.compose_sql(sql, params)
+
+    return last_executed_query
+
+
+class _KeysFirst:
+    """A queryset as :class:`KeysFirstPagination` hands it to DRF's paginator:
+    counted as it is; a slice of it is the rows of ``rows`` whose keys that
+    slice of ``queryset.values("pk")`` picks, in the same order (one query, the
+    keys a subquery)."""
+
+    def __init__(self, queryset: QuerySet, rows: QuerySet) -> None:
+        self.queryset = queryset
+        self.rows = rows
+
+    def count(self) -> int:
+        return self.queryset.count()
+
+    def __getitem__(self, page: slice) -> QuerySet:
+        rows = self.rows.filter(pk__in=self.queryset.values("pk")[page])
+        order = self.queryset.query.order_by
+        return rows.order_by(*order) if order else rows
+
+
+class KeysFirstPagination(BoundedLimitOffsetPagination):
+    """:class:`BoundedLimitOffsetPagination` that picks a page's primary keys
+    on the list's own table first (``ORDER BY … LIMIT … OFFSET …`` in a
+    subquery, with the list's filters and scoping, read off the index in the
+    list's order) and joins only those rows: the view's ``base_queryset()``
+    (its joins and columns, no filter: the keys are already the visible ones).
+
+    With the joins inside the ``LIMIT``/``OFFSET``, a page deep in a long list
+    joins every row it skips, so PostgreSQL sorts the whole joined table
+    instead (at 100,000 namespaces, ~0.6 s and a sort spilled to disk for any
+    page past the first few). Same rows, same order, same count query.
+    """
+
+    def paginate_queryset(self, queryset: Any, request: Request, view: Any = None) -> list[Any] | None:
+        if not isinstance(queryset, QuerySet):
+            return super().paginate_queryset(queryset, request, view)
+        rows = view.base_queryset() if hasattr(view, "base_queryset") else queryset
+        # The count and the page are the same few statements request after
+        # request (values bound as parameters, limit and offset inlined).
+        with prepared_statements(queryset.model):
+            return super().paginate_queryset(_KeysFirst(queryset, rows), request, view)

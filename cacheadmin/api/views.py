@@ -24,6 +24,7 @@ from cacheadmin.api.auth import NamespacePolicyPermission, request_tenant, share
 from cacheadmin.api.base import ScopedViewSetMixin, actor_of, every_row, no_body, validated
 from cacheadmin.api.filters import CacheNamespaceFilterSet, TierUsageFilterSet
 from cacheadmin.api.idempotency import IdempotentWritesMixin
+from cacheadmin.api.pagination import KeysFirstPagination
 from cacheadmin.api.payloads import IdentityDiffSerializer, OrphansReportSerializer
 from cacheadmin.api.schema import ControlPlaneSchemaMixin, error_response
 from cacheadmin.api.serializers.scope import owner_of_tenant
@@ -60,6 +61,7 @@ from cacheadmin.services.jobs import job_cancel
 from cacheadmin.services.namespaces import (
     RetentionPolicySpec,
     namespace_get_or_create,
+    namespace_ids_visible_to,
     namespace_policy_update,
     namespace_salt_read,
     namespaces_visible_to,
@@ -216,6 +218,8 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
 
     serializer_class = s.CacheNamespaceSerializer
     filterset_class = CacheNamespaceFilterSet
+    #: A page's keys off the ``namespace_newest`` index, then only its rows joined.
+    pagination_class = KeysFirstPagination
     #: The salt is served to routers only (see ScopePermission).
     action_scopes = {"cache_salt": ApiToken.Scope.OPERATE}
     ordering_fields = ("created_at",)
@@ -230,14 +234,19 @@ class CacheNamespaceViewSet(ScopedViewSetMixin, IdempotentWritesMixin, mixins.Cr
     )  # fmt: skip
 
     def base_queryset(self) -> models.QuerySet:
+        if self.action in ("prefix_heat", "cache_salt"):
+            # These read the namespace and its group alone (key, prefix, generation):
+            # not the version's manifest, the owner or the policy.
+            return CacheNamespace.objects.select_related("group").order_by("-created_at", "-id")
         queryset = CacheNamespace.objects.select_related("tenant", "group", "model_version", "retention_owner", "policy")
         if self.action in ("list", "retrieve"):
             queryset = queryset.only(*self.LIST_COLUMNS)
         return queryset.order_by("-created_at", "-id")
 
     def tenant_filter(self, tenant_id: int) -> Q:
-        """Its tenant's namespaces and its shared groups' (from the generation it joined on)."""
-        return namespaces_visible_to(tenant_id)
+        """Its tenant's namespaces and its shared groups' (from the generation it joined on),
+        by id: found through the indexes, not checked row by row (:func:`namespace_ids_visible_to`)."""
+        return Q(pk__in=namespace_ids_visible_to(tenant_id))
 
     @extend_schema(
         request=s.CacheNamespaceCreateSerializer,

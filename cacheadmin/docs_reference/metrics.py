@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import get_args
 
 from cacheadmin.docs_reference.markdown import GENERATED_NOTE, code, page, table
-from cacheadmin.metrics.catalogue import METRICS, MetricSpec, Source
+from cacheadmin.metrics.catalogue import METRICS, TOP_NAMESPACES, MetricSpec, Source
 
 #: Each source: its section title and where its families are exposed.
 SOURCES: dict[Source, tuple[str, str]] = {
@@ -14,7 +14,11 @@ SOURCES: dict[Source, tuple[str, str]] = {
         "Control plane, computed from the database",
         "The control plane's `/metrics` (bearer `METRICS_TOKEN`) and `manage.py metrics_serve` (no token; "
         "`METRICS_ADDR`). Computed from the database at each scrape; their counters count rows the control plane "
-        "keeps.",
+        "keeps. A namespace is named only where it has something to say: storage and last hits are summed per tier "
+        f"and given one by one for the {TOP_NAMESPACES} largest and the {TOP_NAMESPACES} longest without a hit, and "
+        "`kvcp_namespace_info` is "
+        "there for the namespaces other series name or the gateways saw in the last hour; "
+        "`/metrics?detail=namespaces` gives every namespace's (docs/deployment/monitoring.md).",
     ),
     "worker": (
         "Control plane processes (Celery and web workers)",

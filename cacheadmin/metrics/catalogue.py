@@ -53,6 +53,10 @@ class MetricSpec:
 
 
 NS = ("namespace",)
+#: Without ``?detail=namespaces``: the namespaces whose storage (the most bytes, all tiers
+#: together) and whose last-hit age (the oldest) the control plane gives one by one; the
+#: dashboard's top-N panels show 10 and 20 of them.
+TOP_NAMESPACES = 20
 
 METRICS: tuple[MetricSpec, ...] = (
     # --- control plane, from the database at scrape time -------------------
@@ -60,23 +64,46 @@ METRICS: tuple[MetricSpec, ...] = (
         "kvcp_namespace_info",
         "gauge",
         ("namespace", "boundary", "model_version", "residency", "serving", "tenant", "served_model", "page", "release_page"),
-        "1 per cache namespace; serving is true while routing sends traffic to its version; tenant, served_model "
-        "and model_version name it for people, page is its dashboard page's path, release_page the path of the "
-        "newest release that brought traffic to it (empty: none)",
+        "1 per cache namespace another series of the scrape names or the gateways saw in the last hour (every "
+        "namespace with ?detail=namespaces); serving is true while routing sends traffic to its version; tenant, "
+        "served_model and model_version name it for people, page is its dashboard page's path, release_page the "
+        "path of the newest release that brought traffic to it (empty: none)",
         "control",
     ),
     MetricSpec(
         "kvcp_tier_bytes",
         "gauge",
         ("namespace", "tier"),
-        "bytes a namespace holds in a tier (newest accounting sample)",
+        f"bytes a namespace holds in a tier (newest accounting sample); the {TOP_NAMESPACES} namespaces holding the "
+        "most (every namespace with ?detail=namespaces)",
         "control",
     ),
     MetricSpec(
         "kvcp_tier_entries",
         "gauge",
         ("namespace", "tier"),
-        "entries a namespace holds in a tier (newest accounting sample)",
+        "entries a namespace holds in a tier (newest accounting sample); the namespaces kvcp_tier_bytes gives",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_tier_total_bytes",
+        "gauge",
+        ("tier",),
+        "bytes every namespace together holds in a tier (newest accounting sample)",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_tier_total_entries",
+        "gauge",
+        ("tier",),
+        "entries every namespace together holds in a tier (newest accounting sample)",
+        "control",
+    ),
+    MetricSpec(
+        "kvcp_stale_bytes",
+        "gauge",
+        ("tier",),
+        "bytes of a tier held by namespaces whose version no longer serves",
         "control",
     ),
     MetricSpec(
@@ -87,7 +114,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "control",
     ),
     MetricSpec(
-        "kvcp_namespace_last_hit_age_seconds", "gauge", NS, "seconds since the namespace last served a cache hit", "control"
+        "kvcp_namespace_last_hit_age_seconds",
+        "gauge",
+        NS,
+        f"seconds since the namespace last served a cache hit; the {TOP_NAMESPACES} namespaces the longest without "
+        "one (every namespace with ?detail=namespaces)",
+        "control",
     ),
     MetricSpec("kvcp_evictions", "counter", ("namespace", "tier", "action"), "confirmed eviction actions", "control"),
     MetricSpec(

@@ -13,23 +13,38 @@ salt), ``engine`` the engine's name, ``model_version`` the version's label,
 ``group:<slug>`` (``#<generation>`` once superseded), ``tenant`` the tenant
 slug or ``group:<slug>``, ``page`` and ``release_page`` paths of dashboard
 pages (``cacheadmin.urls``), to be put after the dashboard's base URL.
+
+Which namespaces a scrape names (:class:`ControlPlaneCollector`): by default a
+namespace appears only where it has something to say, so that a scrape of
+10,000 namespaces stays small. Storage and the last hit are summed per tier
+(``kvcp_tier_total_bytes``, ``kvcp_tier_total_entries``, ``kvcp_stale_bytes``)
+and given per namespace for the :data:`TOP_NAMESPACES` largest and the
+:data:`TOP_NAMESPACES` longest without a hit (what the dashboard's top-N panels
+show); ``kvcp_namespace_info`` is there for every namespace another series of
+the scrape names (the alerts join it by ``namespace``) and every namespace with
+gateway traffic in the last :data:`GATEWAY_RECENT` (the gateway's own series
+name it). With ``detail`` (``GET /metrics?detail=namespaces``) every namespace's
+info, storage and last hit are there, as the REST API gives them.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import reduce
 from operator import or_
 from typing import Any
 
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Max, OuterRef, Q, Subquery, Sum
+from django.db import connection
+from django.db.models import Count, DurationField, ExpressionWrapper, F, OuterRef, Q, Subquery, Sum
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
-from cacheadmin.metrics.catalogue import BY_NAME
+from cacheadmin.metrics.catalogue import BY_NAME, TOP_NAMESPACES
 from cacheadmin.models import (
     AccountingScan,
     CacheNamespace,
@@ -70,8 +85,11 @@ FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 #: seconds, a prewarm or a comparison minutes, a registration of a large
 #: checkpoint up to hours.
 JOB_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
-#: Queries one collection runs (whatever the row counts); a test pins it.
-QUERIES = 19
+#: Queries one collection runs (whatever the row counts, with or without detail); a test pins it.
+QUERIES = 20
+#: Without detail: a namespace the gateways saw in this window keeps its info series, since
+#: the gateway's own series (and the alerts on them) name it.
+GATEWAY_RECENT = timedelta(hours=1)
 
 
 @dataclass
@@ -111,6 +129,16 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
+def _aware(value: datetime | str) -> datetime:
+    """A time read by a raw cursor: aware already (PostgreSQL), or SQLite's text of a UTC time."""
+    if isinstance(value, str):
+        parsed = parse_datetime(value)
+        if parsed is None:
+            raise ValueError(f"not a time: {value!r}")
+        value = parsed
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
 def _page_paths(url_name: str) -> Callable[[int], str]:
     """``pk → reverse(url_name, args=[pk])`` at one ``reverse`` for every row: a
     scrape builds one path per namespace and engine."""
@@ -122,6 +150,45 @@ def _page_paths(url_name: str) -> Callable[[int], str]:
 def _family(name: str) -> Family:
     spec = BY_NAME[name]
     return Family(name, spec.kind, spec.labels)
+
+
+def _escape(value: str) -> str:
+    """A label value as the text format quotes it (backslash, double quote and newline escaped)."""
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+def exposition_text(families: Iterable[Family]) -> str:
+    """``families`` in Prometheus' text exposition format 0.0.4
+    (https://prometheus.io/docs/instrumenting/exposition_formats/#text-based-format):
+    ``# HELP`` and ``# TYPE`` (a counter's under its ``_total`` name, as
+    prometheus-client writes them), then one line per sample; label values
+    escaped, numbers as :func:`_number` writes them (integers without a point).
+
+    Written line by line rather than through prometheus-client's metric
+    objects: at 10,000 namespaces those (a dict and a validation per sample)
+    took most of a detailed scrape's time.
+    """
+    out: list[str] = []
+    for fam in families:
+        spec = BY_NAME[fam.name]
+        head = f"{fam.name}_total" if fam.kind == "counter" else fam.name
+        # HELP text escapes backslashes and newlines (not quotes).
+        help_text = spec.help.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {head} {help_text}\n# TYPE {head} {fam.kind}\n")
+        opens = tuple(f'{label}="' for label in fam.labels)
+        bucket_opens = (*opens, 'le="')
+        for suffix, values, value in fam.samples:
+            name = head if fam.kind == "counter" else head + suffix
+            if values:
+                pairs = ",".join(
+                    [o + _escape(v) + '"' for o, v in zip(bucket_opens if suffix == "_bucket" else opens, values, strict=True)]
+                )
+                out.append(f"{name}{{{pairs}}} {_number(value)}\n")
+            else:
+                out.append(f"{name} {_number(value)}\n")
+    return "".join(out)
 
 
 def serving_namespace_pks() -> set[int]:
@@ -154,13 +221,23 @@ def serving_namespace_pks() -> set[int]:
 
 
 class ControlPlaneCollector:
-    """Every ``control`` family (see the module docstring), as a
-    prometheus-client collector (:meth:`collect`); :meth:`families` holds the
-    plain samples.
+    """Every ``control`` family (see the module docstring): :meth:`families`
+    holds the plain samples, :meth:`text` writes them in Prometheus' text
+    format, :meth:`collect` gives them as prometheus-client's metric objects.
+
+    Args:
+        detail: every namespace's info, storage and last hit (``?detail=namespaces``),
+            not only those with something to say.
+        named: namespace keys other series of the same scrape name (the worker
+            families'): their info series is kept.
 
     Raises:
         django.db.Error: the database cannot be read.
     """
+
+    def __init__(self, *, detail: bool = False, named: Iterable[str] = ()) -> None:
+        self.detail = detail
+        self.named = frozenset(named)
 
     def collect(self) -> Iterator[Any]:
         """prometheus-client's collector protocol: the families as its metric objects."""
@@ -175,16 +252,21 @@ class ControlPlaneCollector:
                 metric.add_sample(name, dict(zip(keys, values, strict=True)), value)
             yield metric
 
+    def text(self) -> str:
+        """The families in Prometheus' text format 0.0.4 (:func:`exposition_text`)."""
+        return exposition_text(self.families())
+
     def families(self) -> list[Family]:
         """The families, read now (:data:`QUERIES` queries)."""
-        return list(self._families())
+        families = list(self._families())
+        # The info family first, built last: it keeps the namespaces the others name.
+        return [families[-1], *families[:-1]]
 
     def _families(self) -> Iterator[Family]:
         now = timezone.now()
         serving = serving_namespace_pks()
         keys: dict[int, str] = {}
         stale: set[int] = set()
-        info = _family("kvcp_namespace_info")
         # In the same query: the newest release that brought traffic to the namespace, the page an
         # alert about it links to beside the namespace's own.
         newest_release = Release.objects.filter(to_namespace=OuterRef("pk")).order_by("-created_at", "-id").values("pk")[:1]
@@ -192,7 +274,7 @@ class ControlPlaneCollector:
             "pk", "namespace_key", "tenant__slug", "group__slug", "group_generation", "group__generation",
             "model_version__label", "model_version__served_name", "residency", "release_pk",
         )  # fmt: skip
-        namespace_page, release_page = _page_paths("namespace-detail"), _page_paths("release-detail")
+        described: list[tuple[int, str, str, str, str, bool, str, str, int | None]] = []
         for pk, key, tenant, group, generation, current_generation, label, served, residency, release_pk in rows:
             keys[pk] = key
             superseded = group is not None and generation != current_generation
@@ -203,64 +285,113 @@ class ControlPlaneCollector:
             is_serving = pk in serving and residency != Residency.DROPPED and not superseded
             if not is_serving:
                 stale.add(pk)
-            info.add(
-                [
-                    key, boundary, label, residency, "true" if is_serving else "false", tenant or f"group:{group}", served,
-                    namespace_page(pk),
-                    "" if release_pk is None else release_page(release_pk),
-                ],
-                1,
-            )  # fmt: skip
+            described.append((pk, key, boundary, label, residency, is_serving, tenant or f"group:{group}", served, release_pk))
+        recent = set(
+            GatewayStat.objects.filter(minute__gte=now - GATEWAY_RECENT)
+            .order_by()
+            .values_list("namespace_id", flat=True)
+            .distinct()
+        )
+        families = [
+            *self._tiers(keys, stale, now),
+            *self._evictions(),
+            *self._checks(),
+            *self._jobs(),
+            *self._engines(),
+            *self._gateway(keys),
+        ]
+        yield from families
+        # Every namespace another series names (the worker families' too) and every one the
+        # gateways saw lately: the alerts join their info by namespace.
+        named = set(self.named)
+        for fam in families:
+            if "namespace" in fam.labels:
+                at = fam.labels.index("namespace")
+                named.update(values[at] for _, values, _ in fam.samples)
+        info = _family("kvcp_namespace_info")
+        namespace_page, release_page = _page_paths("namespace-detail"), _page_paths("release-detail")
+        for pk, key, boundary, label, residency, is_serving, tenant, served, release_pk in described:
+            if self.detail or key in named or pk in recent:
+                info.add(
+                    [
+                        key, boundary, label, residency, "true" if is_serving else "false", tenant, served,
+                        namespace_page(pk), "" if release_pk is None else release_page(release_pk),
+                    ],
+                    1,
+                )  # fmt: skip
         yield info
-        yield from self._tiers(keys, stale, now)
-        yield from self._evictions()
-        yield from self._checks()
-        yield from self._jobs()
-        yield from self._engines()
-        yield from self._gateway(keys)
 
     # --- tiers, staleness, last hit ----------------------------------------
     def _tiers(self, keys: dict[int, str], stale: set[int], now: Any) -> Iterator[Family]:
         # The newest scan that sampled each tier: a scan that could not read a
         # tier (Redis down) leaves that tier's previous figures standing.
-        newest = [
-            Q(tier=tier, scan_id=Subquery(TierUsageSample.objects.filter(tier=tier).order_by("-scan_id").values("scan_id")[:1]))
-            for tier in Tier.values
-        ]
-        samples = TierUsageSample.objects.filter(reduce(or_, newest), namespace__isnull=False).values_list(
-            "namespace_id", "tier", "bytes", "entries", "last_access_at"
-        )
+        newest_scan = {
+            tier: TierUsageSample.objects.filter(tier=tier).order_by("-scan_id").values("scan_id")[:1] for tier in Tier.values
+        }
+        newest = reduce(or_, [Q(tier=tier, scan_id=Subquery(scan)) for tier, scan in newest_scan.items()])
+        current = TierUsageSample.objects.filter(newest, namespace__isnull=False)
+        totals: dict[str, list[int]] = {tier: [0, 0, 0] for tier in Tier.values}  # bytes, entries, stale bytes
+        per_namespace: dict[int, int] = {}
+        rows: list[tuple[int, str, int, int]] = []
+        for namespace_pk, tier, size, count in current.values_list("namespace_id", "tier", "bytes", "entries"):
+            if namespace_pk not in keys:
+                continue
+            rows.append((namespace_pk, tier, size, count))
+            total = totals[tier]
+            total[0] += size
+            total[1] += count
+            if namespace_pk in stale:
+                total[2] += size
+            per_namespace[namespace_pk] = per_namespace.get(namespace_pk, 0) + size
         tier_bytes = _family("kvcp_tier_bytes")
         entries = _family("kvcp_tier_entries")
-        totals: dict[str, list[int]] = {tier: [0, 0] for tier in Tier.values}
-        last_hit: dict[int, Any] = {}
-        for namespace_pk, tier, size, count, accessed in samples:
-            key = keys.get(namespace_pk)
-            if key is None:
-                continue
-            tier_bytes.add([key, tier], size)
-            entries.add([key, tier], count)
-            totals[tier][0] += size
-            if namespace_pk in stale:
-                totals[tier][1] += size
-            if accessed is not None and (namespace_pk not in last_hit or accessed > last_hit[namespace_pk]):
-                last_hit[namespace_pk] = accessed
+        # Without detail, the largest namespaces alone (the dashboard's top 10); ties by primary key.
+        shown = (
+            per_namespace
+            if self.detail
+            else set(heapq.nlargest(TOP_NAMESPACES, per_namespace, key=lambda pk: (per_namespace[pk], -pk)))
+        )
+        for namespace_pk, tier, size, count in rows:
+            if namespace_pk in shown:
+                key = keys[namespace_pk]
+                tier_bytes.add((key, tier), size)
+                entries.add((key, tier), count)
         yield tier_bytes
         yield entries
-        ratio = _family("kvcp_stale_bytes_ratio")
-        for tier, (total, stale_bytes) in totals.items():
-            ratio.add([tier], stale_bytes / total if total else 0.0)
-        yield ratio
-        # The gateways' last minute with a hit (any layer), beside the tiers' own last access.
-        hits = GatewayStat.objects.filter(hits__gt=0).values("namespace_id").annotate(minute=Max("minute"))
-        for row in hits.values_list("namespace_id", "minute"):
-            namespace_pk, minute = row
-            if namespace_pk not in last_hit or minute > last_hit[namespace_pk]:
-                last_hit[namespace_pk] = minute
+        total_bytes, total_entries = _family("kvcp_tier_total_bytes"), _family("kvcp_tier_total_entries")
+        stale_bytes, ratio = _family("kvcp_stale_bytes"), _family("kvcp_stale_bytes_ratio")
+        for tier, (size, count, stale_size) in totals.items():
+            total_bytes.add((tier,), size)
+            total_entries.add((tier,), count)
+            stale_bytes.add((tier,), stale_size)
+            ratio.add((tier,), stale_size / size if size else 0.0)
+        yield from (total_bytes, total_entries, stale_bytes, ratio)
+        # A namespace's last hit: the later of the tiers' last access and the gateways' last minute
+        # with a hit (any layer), one maximum over both in SQL, so that without detail only the
+        # oldest rows come back (the ORM cannot group a union; both halves are its own SQL).
+        accessed_sql, accessed_params = (
+            current.filter(last_access_at__isnull=False)
+            .order_by()
+            .values("namespace_id", "last_access_at")
+            .query.sql_with_params()
+        )
+        hits_sql, hits_params = (
+            GatewayStat.objects.filter(hits__gt=0).order_by().values("namespace_id", "minute").query.sql_with_params()
+        )
+        sql = (
+            f"SELECT u.ns, MAX(u.at) AS at FROM (SELECT t.namespace_id AS ns, t.last_access_at AS at FROM ({accessed_sql}) t"
+            f" UNION ALL SELECT g.namespace_id, g.minute FROM ({hits_sql}) g) u GROUP BY u.ns ORDER BY at, u.ns"
+        )
+        params: tuple[Any, ...] = (*accessed_params, *hits_params)
+        if not self.detail:
+            sql, params = f"{sql} LIMIT %s", (*params, TOP_NAMESPACES)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            last_hits = cursor.fetchall()
         age = _family("kvcp_namespace_last_hit_age_seconds")
-        for namespace_pk, when in last_hit.items():
+        for namespace_pk, when in last_hits:
             if namespace_pk in keys:
-                age.add([keys[namespace_pk]], max(0.0, (now - when).total_seconds()))
+                age.add((keys[namespace_pk],), max(0.0, (now - _aware(when)).total_seconds()))
         yield age
 
     # --- evictions ----------------------------------------------------------

@@ -1,8 +1,10 @@
 """What the control plane's ``/metrics`` serves, and who may read it.
 
 Prometheus' text format (0.0.4): the ``control`` families from the database
-(:class:`cacheadmin.metrics.collector.ControlPlaneCollector`) and the
-``worker`` families its processes wrote under ``METRICS_MULTIPROC_DIR``.
+(:class:`cacheadmin.metrics.collector.ControlPlaneCollector`, written line by
+line) and the ``worker`` families its processes wrote under
+``METRICS_MULTIPROC_DIR``. ``?detail=namespaces`` adds every namespace's info,
+storage and last hit to the namespaces with something to say.
 Readers present ``Authorization: Bearer <METRICS_TOKEN>`` (Prometheus'
 ``authorization.credentials_file``); ``manage.py metrics_token`` prints it.
 """
@@ -17,6 +19,27 @@ from typing import Any
 from cacheadmin.metrics.catalogue import METRICS
 from cacheadmin.metrics.collector import ControlPlaneCollector
 from cacheadmin.metrics.multiproc import multiproc_active, multiproc_reap
+
+#: The value of ``/metrics?detail=`` that gives every namespace's series.
+DETAIL_NAMESPACES = "namespaces"
+
+
+def detail_requested(values: list[str] | None) -> bool:
+    """Whether a scrape asked for every namespace's series: ``values`` are the query's ``detail``
+    values as given (None: no ``detail`` at all; blank values kept).
+
+    The web view and ``metrics_serve`` both decide by this, so they answer the same query alike.
+
+    Raises:
+        ValueError: anything but no ``detail`` or exactly one ``detail=namespaces`` (a blank value,
+            another value, or the parameter repeated, whatever the order).
+    """
+    if values is None:
+        return False
+    if values == [DETAIL_NAMESPACES]:
+        return True
+    raise ValueError(f"detail: the one value is {DETAIL_NAMESPACES}, given once")
+
 
 #: The worker families' names, as prometheus-client names counter families (without ``_total``).
 WORKER_FAMILIES = frozenset(m.name for m in METRICS if m.source == "worker")
@@ -52,13 +75,16 @@ def bearer_token_check(header: str, token: str) -> int | None:
     return None
 
 
-def control_plane_exposition(multiproc_dir: Path) -> bytes:
+def control_plane_exposition(multiproc_dir: Path, *, detail: bool = False) -> bytes:
     """The control plane's metrics in Prometheus' text format 0.0.4.
 
     Args:
         multiproc_dir: where the control plane's processes write the worker
             families (read when it exists; the live gauges of processes that
             died without saying so are removed first).
+        detail: every namespace's info, storage and last hit
+            (``?detail=namespaces``); without it, those of namespaces with
+            something to say (:class:`ControlPlaneCollector`).
 
     Raises:
         django.db.Error: the database cannot be read.
@@ -66,11 +92,26 @@ def control_plane_exposition(multiproc_dir: Path) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(ControlPlaneCollector())
+    worker: list[Any] = []
     if multiproc_dir.is_dir():
         multiproc_reap(multiproc_dir)
-        MultiProcessCollector(registry, path=str(multiproc_dir))
+        worker.extend(MultiProcessCollector(None, path=str(multiproc_dir)).collect())
     if not multiproc_active():
-        registry.register(InProcessWorkerCollector())
-    return generate_latest(registry)
+        worker.extend(InProcessWorkerCollector().collect())
+    # The namespaces the worker families name keep their info series (KvcpTierLoadFailures joins it).
+    named = {s.labels["namespace"] for family in worker for s in family.samples if s.labels.get("namespace")}
+    control = ControlPlaneCollector(detail=detail, named=named).text().encode()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(worker))
+    return control + generate_latest(registry)
+
+
+class _Families:
+    """Metric objects already collected, as a collector (the worker families, written by prometheus-client)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Any]:
+        """The families as given."""
+        return iter(self.families)

@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from cacheadmin.api.exceptions import envelope
-from cacheadmin.metrics.exposition import bearer_token_check, control_plane_exposition
+from cacheadmin.metrics.exposition import bearer_token_check, control_plane_exposition, detail_requested
 
 #: Prometheus' text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -58,6 +58,11 @@ def metrics(request: HttpRequest) -> HttpResponse:
     ``Allow: GET, HEAD``, whatever the token. 401 (``WWW-Authenticate:
     Bearer``) without a bearer token; 403 with a wrong one. Errors are in the
     API's error envelope, without a word of the token.
+
+    ``?detail=namespaces``: every namespace's info, storage and last hit, not
+    only those of namespaces with something to say (a larger, slower scrape:
+    for a one-off look, or a scrape job of its own at a long interval); another
+    value of ``detail`` is 400.
     """
     refused = bearer_token_check(request.headers.get("Authorization", ""), settings.METRICS_TOKEN)
     if refused == 401:
@@ -69,7 +74,11 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return response
     if refused == 403:
         return JsonResponse(envelope(403, "permission_denied", "wrong metrics token"), status=403)
-    body = control_plane_exposition(settings.METRICS_MULTIPROC_DIR)
+    try:
+        detail = detail_requested(request.GET.getlist("detail") if "detail" in request.GET else None)
+    except ValueError as exc:
+        return JsonResponse(envelope(400, "invalid", str(exc)), status=400)
+    body = control_plane_exposition(settings.METRICS_MULTIPROC_DIR, detail=detail)
     if request.method == "HEAD":
         # Not every WSGI server drops a HEAD response's body (wsgiref sends it): send none.
         response = HttpResponse(b"", content_type=CONTENT_TYPE)

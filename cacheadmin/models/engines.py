@@ -7,6 +7,16 @@ from django.db import models
 from cacheadmin.models.gateway import RoutingQuerySet
 
 
+def verification_as_of(status: str, verification: str) -> str:
+    """An engine's verification as it holds now: as recorded while the engine is starting or ready
+    (or never verified); for a failed, stopped or lost engine ``verification stale (was verified)``,
+    since a verification vouches for the process it checked, and that process is gone. The pages
+    and ``manage.py engine list`` both say this."""
+    if status in ("ready", "starting") or verification == "unverified":
+        return verification
+    return f"verification stale (was {verification})"
+
+
 class Engine(models.Model):
     """One vLLM server: which model version it computes with, which namespace
     its persistent tier belongs to, and where it runs.
@@ -159,6 +169,30 @@ class Engine(models.Model):
     def salt_blind_tier(self) -> bool:
         """True when this engine's persistent tier ignores cache_salt (one namespace only)."""
         return self.kv_connector in self.SALT_BLIND_CONNECTORS
+
+    @property
+    def verification_now(self) -> str:
+        """:func:`verification_as_of` this engine's status and recorded verification."""
+        return verification_as_of(self.status, self.verification)
+
+    def tier_absent_reason(self) -> str:
+        """Why this engine has no persistent tier (its page says it beside "engine memory only").
+
+        An engine started with the default tier ``disk`` gets one only when its model version's
+        layout names a KV connector (``engine_create``): a version registered without
+        ``--kv-connector`` serves from engine memory whatever the start asked for."""
+        if self.kv_connector:
+            return ""
+        if self.origin == self.Origin.ADOPTED:
+            return "this adopted engine has no KV connector (as declared and probed when it was adopted)"
+        if self.role == self.Role.REFERENCE or self.namespace_id is None:
+            return "a reference engine has no prefix caching and no tier"
+        if not self.model_version.kv_connector:
+            return (
+                f"model version {self.model_version.label}'s layout names no KV connector, so it has no disk tier "
+                "to start with (a version registered with --kv-connector ExampleConnector has one)"
+            )
+        return "it was started with tier none"
 
     #: Origins whose process this control plane starts, stops and restarts.
     MANAGED_ORIGINS = frozenset({Origin.LOCAL, Origin.RAY})

@@ -4,26 +4,123 @@ gateways record (per namespace and layer) and live shadow verification."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import IntegrityError, models, transaction
 from django.db.models import F
 
+#: What a routing change touched, as :class:`RoutingChange` rows name it: a tenant (its entry, keys and
+#: routes), a namespace (its entry), or a whole small section; ``all`` asks for a full rebuild.
+SECTIONS = ("tenant", "namespace", "engines", "layers", "not_paying", "templates", "all")
+#: Epochs of changes kept (the oldest are pruned every :data:`PRUNE_EVERY` epochs): a gateway further
+#: behind than this rebuilds its snapshot whole.
+CHANGES_KEPT, PRUNE_EVERY = 10_000, 100
+#: Rows a bulk update or delete names one by one; more, and the change is recorded as ``all``.
+BULK_NAMED = 100
 
-def _bump_routing_epoch() -> None:
-    if not RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1):
-        try:
-            with transaction.atomic():
-                RoutingEpoch.objects.create(pk=1, value=1)
-        except IntegrityError:  # created concurrently: count this change on it
-            RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1)
+#: Per routing model (``app_label.model_name``): the sections its rows touch, each with the field that
+#: names the entry (None: the whole section). A model not listed here touches everything (``all``).
+ROUTING_SCOPES: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "cacheadmin.tenant": (("tenant", "pk"),),
+    "cacheadmin.tenantgatewaypolicy": (("tenant", "tenant_id"),),
+    "cacheadmin.gatewaykey": (("tenant", "tenant_id"),),
+    "cacheadmin.release": (("tenant", "tenant_id"),),
+    # A namespace's own entry, and its tenant's routes (those served without a release point at it).
+    "cacheadmin.cachenamespace": (("tenant", "tenant_id"), ("namespace", "pk")),
+    "cacheadmin.retentionpolicy": (("namespace", "namespace_id"),),
+    "cacheadmin.namespacerouting": (("namespace", "namespace_id"),),
+    "cacheadmin.engine": (("engines", None),),
+    "cacheadmin.engine_attached_namespaces": (("engines", None),),
+    "cacheadmin.cachelayerswitch": (("layers", None),),
+    "cacheadmin.layernotpaying": (("not_paying", None),),
+    "cacheadmin.prompttemplate": (("templates", None),),
+}
+
+#: One change: (section, entry id or None for the whole section).
+Change = tuple[str, int | None]
 
 
-def routing_changed() -> None:
-    """Tell every gateway that routing may have changed: the epoch moves when
-    the current transaction commits (at once outside one), so a gateway never
-    rebuilds from a state that is rolled back."""
+def routing_scope(model: type[models.Model], rows: Iterable[Any] | None) -> list[Change]:
+    """The changes that writing ``rows`` of ``model`` makes (None: rows unknown, e.g. more than
+    :data:`BULK_NAMED` of them): each row's entry in each section :data:`ROUTING_SCOPES` gives the
+    model, ``("all", None)`` for a model it does not list. A row is an instance, or a mapping of the
+    scope's fields (as ``values()`` returns)."""
+    scopes = ROUTING_SCOPES.get(model._meta.label_lower)
+    if scopes is None:
+        return [("all", None)]
+    out: set[Change] = set()
+    for section, field in scopes:
+        if field is None:
+            out.add((section, None))
+        elif rows is None:
+            out.add(("all", None))  # entries not known: a full rebuild
+        else:
+            for row in rows:
+                ref = row.get(field) if isinstance(row, dict) else getattr(row, field)
+                if ref is None and field == "pk":
+                    out.add(("all", None))  # a row not saved yet (no id): nothing to name it by
+                elif ref is not None:
+                    out.add((section, int(ref)))
+    return sorted(out, key=lambda c: (c[0], -1 if c[1] is None else c[1])) or [("all", None)]
+
+
+def _record_pending(changes: Sequence[Change], model: str) -> None:
+    # In the writer's own transaction: committed with its data or not at all, so a change the epoch
+    # never counted (its process died after the commit, or the bump's connection failed) is still
+    # on record, unstamped, for the next bump or :func:`routing_changes_recover` to count.
+    RoutingChange.objects.bulk_create(
+        [RoutingChange(epoch=None, model=model[:64], section=section, ref=ref) for section, ref in changes]
+    )
+
+
+def _bump_routing_epoch() -> int | None:
+    """Move the epoch once over every committed change no epoch counted yet (stamping them with it).
+
+    One transaction: the epoch and what it changed are seen together or not at all; the epoch's row
+    lock orders concurrent bumps, so each epoch's rows are complete once it is visible.
+
+    Returns:
+        The new epoch, or None when nothing was pending (another bump counted these changes already:
+        the epoch does not move, so no gateway sees an epoch without rows).
+    """
+    with transaction.atomic():
+        if not RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1):
+            try:
+                with transaction.atomic():
+                    RoutingEpoch.objects.create(pk=1, value=1)
+            except IntegrityError:  # created concurrently: count this change on it
+                RoutingEpoch.objects.filter(pk=1).update(value=F("value") + 1)
+        epoch = RoutingEpoch.objects.filter(pk=1).values_list("value", flat=True).get()
+        if not RoutingChange.objects.filter(epoch__isnull=True).update(epoch=epoch):
+            transaction.set_rollback(True)
+            return None
+        if epoch % PRUNE_EVERY == 0:
+            RoutingChange.objects.filter(epoch__lte=epoch - CHANGES_KEPT).delete()
+    return epoch
+
+
+def routing_changes_recover() -> int | None:
+    """Count the committed routing changes whose epoch move was lost (their writer died between its
+    commit and the move, or the move's connection failed): one epoch for all of them.
+
+    Scheduled with the lost-job recovery (``jobs-recover-lost``); a bump by any later change counts them
+    too. Returns the epoch they got, or None when none were waiting.
+    """
+    return _bump_routing_epoch()
+
+
+def routing_changed(changes: Sequence[Change] = (), *, model: str = "") -> None:
+    """Tell every gateway that routing may have changed: the change is recorded in the current
+    transaction, and the epoch moves when it commits (at once outside one), so a gateway never
+    rebuilds from a state that is rolled back, and a move lost after the commit is recovered
+    (:func:`routing_changes_recover`).
+
+    Args:
+        changes: what changed (:func:`routing_scope`); none: everything (a full rebuild).
+        model: the model written (``app_label.model_name``), recorded for operators.
+    """
+    _record_pending(list(changes) or [("all", None)], model)
     transaction.on_commit(_bump_routing_epoch)
 
 
@@ -40,34 +137,53 @@ def routing_relevant(model: type[models.Model], fields: Iterable[str] | None) ->
     return not set(fields) <= ignored
 
 
+def _scope_fields(model: type[models.Model]) -> list[str]:
+    return sorted({field for _, field in ROUTING_SCOPES.get(model._meta.label_lower, ()) if field is not None})
+
+
 class RoutingQuerySet(models.QuerySet):
     """The queryset of every model a routing snapshot is built from: bulk
     updates and deletes (which send no save/delete signals) move the routing
-    epoch too, so no service can change routing without the gateways hearing."""
+    epoch too, so no service can change routing without the gateways hearing.
+    The rows they touch are read first (up to :data:`BULK_NAMED`), so the
+    gateways update those entries only."""
+
+    def _named(self) -> list[dict[str, Any]] | None:
+        fields = _scope_fields(self.model)
+        if not fields:
+            return []
+        rows = list(self.values(*fields)[: BULK_NAMED + 1])
+        return rows if len(rows) <= BULK_NAMED else None
+
+    def _changed(self, rows: Iterable[Any] | None) -> None:
+        routing_changed(routing_scope(self.model, rows), model=self.model._meta.label_lower)
 
     def update(self, **kwargs: Any) -> int:
+        relevant = routing_relevant(self.model, kwargs)
+        rows = self._named() if relevant else []
         changed = super().update(**kwargs)
-        if changed and routing_relevant(self.model, kwargs):
-            routing_changed()
+        if changed and relevant:
+            self._changed(rows)
         return changed
 
     def delete(self) -> tuple[int, dict[str, int]]:
+        rows = self._named()
         deleted = super().delete()
         if deleted[0]:
-            routing_changed()
+            self._changed(rows)
         return deleted
 
     def bulk_create(self, objs: Iterable[models.Model], *args: Any, **kwargs: Any) -> list[models.Model]:
         created = super().bulk_create(objs, *args, **kwargs)
         if created:
-            routing_changed()
+            self._changed(created if len(created) <= BULK_NAMED else None)
         return created
 
     def bulk_update(self, objs: Iterable[models.Model], fields: Iterable[str], *args: Any, **kwargs: Any) -> int:
-        fields = list(fields)
+        fields, objs = list(fields), list(objs)
         changed = super().bulk_update(objs, fields, *args, **kwargs)
         if changed and routing_relevant(self.model, fields):
-            routing_changed()
+            self._changed(objs if len(objs) <= BULK_NAMED else None)
         return changed
 
 
@@ -108,6 +224,23 @@ class RoutingEpoch(models.Model):
 
     def __str__(self) -> str:
         return f"routing epoch {self.value}"
+
+
+class RoutingChange(models.Model):
+    """What one routing epoch changed: written in the changing transaction and stamped by the epoch's move, one row per
+    entry (see :data:`SECTIONS`), so a gateway updates only those entries of its snapshot. Pruned to
+    the last :data:`CHANGES_KEPT` epochs; a gateway that finds an epoch it missed without rows rebuilds whole.
+    """
+
+    #: None from the writer's transaction until an epoch counts the change (its writer's bump, a later
+    #: bump, or :func:`routing_changes_recover`).
+    epoch = models.BigIntegerField(db_index=True, null=True, blank=True)
+    model = models.CharField(max_length=64, blank=True, default="")
+    section = models.CharField(max_length=16)
+    ref = models.BigIntegerField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"routing epoch {self.epoch}: {self.section} {self.ref if self.ref is not None else '(all)'}"
 
 
 class CacheLayer(models.TextChoices):

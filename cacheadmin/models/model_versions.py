@@ -70,6 +70,12 @@ class ModelVersion(NameKeysMixin, models.Model):
         each identity field's digest, ``identity`` and the ``inputs`` behind them."""
         return {f: getattr(self, f) for f in (*self.IDENTITY_FIELDS, "identity", "inputs")}
 
+    @property
+    def kv_connector(self) -> str:
+        """The KV connector the version's layout names (its engines' disk tier), or ``""`` for none."""
+        layout = self.inputs.get("layout") or {}
+        return str(layout.get("kv_connector") or "")
+
     def look_alike_message(self, field: str, other: models.Model) -> str:
         assert isinstance(other, ModelVersion)
         return f"looks like model version {other.label!r}"

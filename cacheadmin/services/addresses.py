@@ -49,13 +49,23 @@ def engine_api_key(engine: Engine) -> str | None:
     process (web, workers, gateways) computes it and a restart changes it.
     vLLM requires it on every route (:mod:`inference.engines.serve`), so no
     other local user can drive the engine."""
-    if engine.origin not in ("local", "ray"):
+    return engine_api_key_of(engine.pk, engine.origin, engine.generation)
+
+
+def engine_api_key_of(pk: int, origin: str, generation: int) -> str | None:
+    """:func:`engine_api_key` from the engine's id, ``origin`` and ``generation`` (plain values)."""
+    if origin not in ("local", "ray"):
         return None
-    message = f"engine-api-key:{engine.pk}:{engine.generation}".encode()
+    message = f"engine-api-key:{pk}:{generation}".encode()
     return hmac.new(settings.CACHE_SALT_SECRET.encode(), message, hashlib.sha256).hexdigest()
 
 
 def engine_headers(engine: Engine) -> dict[str, str]:
     """What every request to ``engine`` carries: its API key, when it has one."""
-    key = engine_api_key(engine)
+    return engine_headers_of(engine.pk, engine.origin, engine.generation)
+
+
+def engine_headers_of(pk: int, origin: str, generation: int) -> dict[str, str]:
+    """:func:`engine_headers` from the engine's id, ``origin`` and ``generation`` (plain values)."""
+    key = engine_api_key_of(pk, origin, generation)
     return {"Authorization": f"Bearer {key}"} if key else {}

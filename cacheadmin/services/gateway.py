@@ -3,30 +3,36 @@ snapshot gateways route from, cache layer switches and policies, routing
 holds, and the figures gateways flush.
 
 Gateways never query the database on a request's path: each process holds a
-:class:`gateway.routing.RoutingSnapshot` built by :func:`routing_snapshot_build`
-and rebuilds it when :func:`routing_epoch` moves. Every change that can alter a
-routing decision bumps the epoch when its transaction commits
-(:func:`routing_changed`): the models' save and delete signals cover the
-changes made through the ORM's instances, and the services that change rows
-with bulk updates call it themselves.
+:class:`gateway.routing.RoutingSnapshot` built whole at start
+(:func:`routing_snapshot_parts`) and, when :func:`routing_epoch` moves, updated
+from the entries the epoch's changes name (:func:`routing_snapshot_update`).
+Every change that can alter a routing decision bumps the epoch when its
+transaction commits and records what it changed (:func:`routing_changed`):
+the models' save and delete signals cover the changes made through the ORM's
+instances, their querysets' bulk writes name the rows they touch, and the
+services that change other rows call it themselves.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
 import secrets
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, ValidationError
-from django.db import IntegrityError, transaction
-from django.db.models import F, Sum
+from django.db import IntegrityError, connection, transaction
+from django.db.models import BooleanField, ExpressionWrapper, F, Model, Q, Sum
 from django.db.models.signals import m2m_changed, post_delete, post_save
 from django.utils import timezone
 
@@ -42,6 +48,7 @@ from cacheadmin.models import (
     Release,
     Residency,
     RetentionPolicy,
+    RoutingChange,
     RoutingEpoch,
     SharedGroup,
     SharedGroupMembership,
@@ -49,16 +56,16 @@ from cacheadmin.models import (
     TenantGatewayPolicy,
     Tier,
 )
-from cacheadmin.models.gateway import routing_changed, routing_relevant
+from cacheadmin.models.gateway import routing_changed, routing_relevant, routing_scope
 from cacheadmin.models.naming import validate_display_name
-from cacheadmin.services.addresses import engine_headers, engine_target
+from cacheadmin.services.addresses import engine_headers_of, engine_target
 from cacheadmin.services.audit import audit_record, reason_check
 from cacheadmin.services.heat import prefix_heat_record
 from cacheadmin.services.namespaces import namespace_salts
 from cacheadmin.services.prompt_templates import template_indexes, template_stats_flush
 from cacheadmin.services.quotas import QuotaExceeded, quota_check
 from cacheadmin.services.retirement import answer_retirements_rerun
-from cacheadmin.services.serving import serving_routes
+from cacheadmin.services.serving import serving_route_rows
 from cacheadmin.services.tiers import tiers_configured
 from gateway.layers import LAYERS as CACHE_LAYERS
 from gateway.layers.semantic.admission import DEFAULT_RULES, Rule, rules_from_config
@@ -103,7 +110,11 @@ class GatewayRefused(Refused):
 
 def routing_epoch() -> int:
     """The current routing epoch (0 before any change)."""
-    return RoutingEpoch.objects.filter(pk=1).values_list("value", flat=True).first() or 0
+    # Plain SQL: every gateway process reads this every poll, and the ORM's query building was most of its cost.
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT value FROM {RoutingEpoch._meta.db_table} WHERE id = 1")  # noqa: S608 - a model's own table name
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
 
 
 #: Models whose rows feed the snapshot: any saved or deleted instance moves the epoch.
@@ -124,9 +135,12 @@ _ROUTING_MODELS = (
 )
 
 
-def _on_routing_row(sender: type, update_fields: Iterable[str] | None = None, **_kwargs: object) -> None:
+def _on_routing_row(
+    sender: type[Model], instance: Model | None = None, update_fields: Iterable[str] | None = None, **_kwargs: object
+) -> None:
     if routing_relevant(sender, update_fields):
-        routing_changed()
+        # The instance names the entries (for the engines' attachments, the through model: the engines section).
+        routing_changed(routing_scope(sender, [instance] if instance is not None else None), model=sender._meta.label_lower)
 
 
 def routing_signals_connect() -> None:
@@ -371,41 +385,114 @@ def tenant_secret(tenant_key: str) -> bytes:
     ).digest()
 
 
-def _policy_target(row: TenantGatewayPolicy | None) -> TenantPolicy:
-    if row is None:
-        return TenantPolicy()
-    return TenantPolicy(
-        response_cache=row.response_cache, allow_seeded=row.allow_seeded, allow_sampling=row.allow_sampling,
-        admit_length=row.admit_length, semantic_cache=row.semantic_cache, semantic_threshold=row.semantic_threshold,
-        shadow_sample_rate=row.shadow_sample_rate, canary_shadow_sample_rate=row.canary_shadow_sample_rate,
-        personal_data=row.personal_data,
-    )  # fmt: skip
+#: :class:`TenantGatewayPolicy` fields a snapshot carries (:class:`gateway.routing.TenantPolicy`'s, in its order).
+_POLICY_READ = ("response_cache", "allow_seeded", "allow_sampling", "admit_length", "semantic_cache", "semantic_threshold",
+                "shadow_sample_rate", "canary_shadow_sample_rate", "personal_data")  # fmt: skip
+#: Sections of a snapshot an update touches whole (see :data:`cacheadmin.models.gateway.SECTIONS`).
+_WHOLE_SECTIONS = ("engines", "layers", "not_paying", "templates")
+#: Tenants plus namespaces one update re-reads at most; more, and the snapshot is built whole (one pass).
+MAX_INCREMENTAL_ENTRIES = 1000
+
+#: One engine address as resolved at a build: (pinned url, headers), or None when the policy refused it.
+Pinned = tuple[str, tuple[tuple[str, str], ...]] | None
+#: (tenant id, served name).
+Pair = tuple[int, str]
 
 
-def _operator_routes(released: set[tuple[int, str]]) -> dict[tuple[int, str], tuple[RouteTarget, ...]]:
-    """Pairs without a release, served as operators set them up: the tenant's
-    live namespace of an active version of that served name (the newest
-    version when several are active)."""
-    out: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}
-    namespaces = (
-        CacheNamespace.objects.filter(tenant__isnull=False, model_version__status=ModelVersion.Status.ACTIVE)
-        .exclude(residency=Residency.DROPPED)
-        .select_related("model_version")
-        .order_by("model_version_id", "id")
-    )
-    for ns in namespaces:
-        pair = (ns.tenant_id, ns.model_version.served_name)
-        if pair in released:
-            continue
-        out[pair] = (RouteTarget(ns.model_version_id, ns.model_version.label, 100, ns.pk, None),)
+@dataclass(frozen=True)
+class SnapshotParts:
+    """A routing snapshot's sections with what an incremental update needs besides them: which keys
+    and served names each tenant has, the engines per namespace before the identity filter, each
+    engine's identity and its resolved address. Never changed once built: an update makes new maps
+    for the sections it touches (a snapshot being read by a request is never changed under it).
+
+    Attributes:
+        epoch: the routing epoch the parts are up to date with.
+        keys_of: tenant id → hashes of its live keys.
+        names_of: tenant id → served names it has routes for.
+        engines_of: namespace pk → engines in service attached to it (engine-id order).
+        identity_of: engine id → its model version's identity.
+        addresses: engine id → its ``(base_url, pinned)`` as last resolved (every ready, verified engine).
+        The rest: as :class:`gateway.routing.RoutingSnapshot`'s.
+    """
+
+    epoch: int
+    tenants: dict[int, TenantTarget]
+    keys: dict[str, KeyTarget]
+    keys_of: dict[int, frozenset[str]]
+    routes: dict[Pair, tuple[RouteTarget, ...]]
+    names_of: dict[int, frozenset[str]]
+    namespaces: dict[int, NamespaceTarget]
+    engines_of: dict[int, tuple[EngineTarget, ...]]
+    identity_of: dict[int, str]
+    references: dict[int, tuple[EngineTarget, ...]]
+    addresses: dict[int, tuple[str, Pinned]]
+    layers: dict[str, bool]
+    templates: dict[int | None, Any]
+    not_paying: frozenset[tuple[int, str]]
+
+    def snapshot(self) -> RoutingSnapshot:
+        """The snapshot gateways route by (sharing these parts' maps: neither changes them)."""
+        return RoutingSnapshot(
+            epoch=self.epoch, keys=self.keys, tenants=self.tenants, routes=self.routes, namespaces=self.namespaces,
+            references=self.references, layers=self.layers, templates=self.templates, not_paying=self.not_paying,
+        )  # fmt: skip
+
+
+def _read_tenants(ids: Iterable[int] | None) -> dict[int, TenantTarget]:
+    # No ORDER BY (the model's is by slug): a map is made of them.
+    rows = (Tenant.objects.all() if ids is None else Tenant.objects.filter(pk__in=list(ids))).order_by()
+    out: dict[int, TenantTarget] = {}
+    for pk, slug, key, policy_pk, *policy in rows.values_list(
+        "pk", "slug", "key", "gateway_policy__pk", *(f"gateway_policy__{name}" for name in _POLICY_READ)
+    ):
+        out[pk] = TenantTarget(pk, slug, tenant_secret(key), TenantPolicy(*policy) if policy_pk is not None else TenantPolicy())
     return out
 
 
-def _hash_scheme(engine: Engine) -> tuple[int, str]:
+def _read_keys(tenant_ids: Iterable[int] | None) -> dict[str, KeyTarget]:
+    rows = GatewayKey.objects.filter(revoked_at__isnull=True)
+    if tenant_ids is not None:
+        rows = rows.filter(tenant_id__in=list(tenant_ids))
+    return {
+        hash_: KeyTarget(pk, tenant_id, name, rate, burst)
+        for hash_, pk, tenant_id, name, rate, burst in rows.order_by().values_list(
+            "key_hash", "pk", "tenant_id", "name", "rate_per_s", "burst"
+        )
+    }
+
+
+def _read_routes(tenant_ids: Iterable[int] | None) -> dict[Pair, tuple[RouteTarget, ...]]:
+    """The routes of ``tenant_ids`` (None: every tenant): their current releases', then the pairs
+    without a release served as operators set them up: the tenant's live namespace of an active
+    version of that served name (the newest version when several are active)."""
+    ids = None if tenant_ids is None else list(tenant_ids)
+    labels = dict(ModelVersion.objects.values_list("pk", "label"))
+    routes: dict[Pair, tuple[RouteTarget, ...]] = {}
+    for route in serving_route_rows(tenant_ids=ids):
+        pair = (route.tenant_id, route.served_name)
+        target = RouteTarget(route.model_version_id, labels.get(route.model_version_id, ""), route.percent, route.namespace_pk,
+                             route.release_id, canary=route.canary)  # fmt: skip
+        routes[pair] = (*routes.get(pair, ()), target)
+    released = set(routes)
+    namespaces = CacheNamespace.objects.filter(tenant__isnull=False, model_version__status=ModelVersion.Status.ACTIVE).exclude(
+        residency=Residency.DROPPED
+    )
+    if ids is not None:
+        namespaces = namespaces.filter(tenant_id__in=ids)
+    for pk, tenant_id, version_id, served_name, label in namespaces.order_by("model_version_id", "id").values_list(
+        "pk", "tenant_id", "model_version_id", "model_version__served_name", "model_version__label"
+    ):
+        if (tenant_id, served_name) not in released:
+            routes[(tenant_id, served_name)] = (RouteTarget(version_id, label, 100, pk, None),)
+    return routes
+
+
+def _hash_scheme(facts: Any) -> tuple[int, str]:
     """``(block_size, prefix_caching_hash_algo)`` of an engine as its verified ``/metrics`` showed them
-    (``cache_config_info``, :func:`inference.engines.verify.drift_baseline`), or ``(0, "")`` when unread:
-    precise routing then leaves the engine to affinity."""
-    cache = (engine.verified_facts or {}).get("cache_config") or {}
+    (``cache_config_info`` in its ``verified_facts``, :func:`inference.engines.verify.drift_baseline`), or
+    ``(0, "")`` when unread: precise routing then leaves the engine to affinity."""
+    cache = (facts or {}).get("cache_config") or {}
     block, algo = cache.get("block_size"), cache.get("prefix_caching_hash_algo")
     try:
         return int(block), str(algo or "")
@@ -413,98 +500,290 @@ def _hash_scheme(engine: Engine) -> tuple[int, str]:
         return 0, ""
 
 
-def routing_snapshot_build() -> RoutingSnapshot:
-    """Everything gateways route from, read in one pass (a handful of queries).
+def _pin(name: str, base_url: str, *, quiet: bool = False) -> Pinned:
+    """The engine's address checked and pinned (gateways contact no address the policy refuses), or None."""
+    try:
+        url, headers = engine_target("base_url", base_url)
+    except AddressRefused as exc:
+        if not quiet:
+            log.warning("engine %s is not routed: %s", name, exc.problem)
+        return None
+    return url, tuple(headers.items())
 
-    The epoch is read first: a change committed while the rest is read moves it
-    again, and the gateway rebuilds at its next poll.
-    """
-    epoch = routing_epoch()
-    tenants = {
-        t.pk: TenantTarget(t.pk, t.slug, tenant_secret(t.key), _policy_target(getattr(t, "gateway_policy", None)))
-        for t in Tenant.objects.select_related("gateway_policy")
-    }
-    keys = {
-        k.key_hash: KeyTarget(k.pk, k.tenant_id, k.name, k.rate_per_s, k.burst)
-        for k in GatewayKey.objects.filter(revoked_at__isnull=True)
-    }
+
+_Engines = tuple[
+    dict[int, tuple[EngineTarget, ...]], dict[int, str], dict[int, tuple[EngineTarget, ...]], dict[int, tuple[str, Pinned]]
+]
+
+
+def _read_engines(pinned: Mapping[int, tuple[str, Pinned]] | None = None) -> _Engines:
+    """The engines in service (ready and verified): per namespace (engine-id order), their
+    identities, the reference engines per version, and their resolved addresses. An address
+    already in ``pinned`` for the same ``base_url`` is not resolved again."""
+    rows = list(
+        Engine.objects.filter(status=Engine.Status.READY, verification=Engine.Verification.VERIFIED)
+        .order_by("id")
+        .values_list(
+            "pk", "name", "base_url", "model_version__served_name", "role", "model_version_id", "model_version__identity",
+            "origin", "generation", "namespace_id", "verified_facts",
+        )
+    )  # fmt: skip
+    attached: dict[int, list[int]] = {}
+    through = Engine.attached_namespaces.through
+    for engine_id, namespace_id in through.objects.filter(engine_id__in=[row[0] for row in rows]).values_list(
+        "engine_id", "cachenamespace_id"
+    ):
+        attached.setdefault(engine_id, []).append(namespace_id)
     engines_of: dict[int, list[EngineTarget]] = {}
     references: dict[int, list[EngineTarget]] = {}
-    live_engines = (
-        Engine.objects.filter(status=Engine.Status.READY, verification=Engine.Verification.VERIFIED)
-        .select_related("model_version")
-        .prefetch_related("attached_namespaces")
-        .order_by("id")
-    )
     identity_of: dict[int, str] = {}
-    for engine in live_engines:
-        try:
-            # The address is checked and pinned here: gateways contact no address the policy refuses.
-            url, headers = engine_target("base_url", engine.base_url)
-        except AddressRefused as exc:
-            log.warning("engine %s is not routed: %s", engine.name, exc.problem)
+    addresses: dict[int, tuple[str, Pinned]] = {}
+    for pk, name, base_url, served, role, version_id, identity, origin, generation, namespace_id, facts in rows:
+        held = (pinned or {}).get(pk)
+        address = held[1] if held is not None and held[0] == base_url else _pin(name, base_url)
+        addresses[pk] = (base_url, address)
+        if address is None:
             continue
-        identity_of[engine.pk] = engine.model_version.identity
+        url, headers = address
+        identity_of[pk] = identity
         target = EngineTarget(
-            engine.pk, engine.name, url, engine.model_version.served_name, engine.role == Engine.Role.REFERENCE,
-            engine.model_version_id, model_fingerprint(engine.model_version.identity),
-            tuple({**headers, **engine_headers(engine)}.items()), *_hash_scheme(engine),
+            pk, name, url, served, role == Engine.Role.REFERENCE, version_id, model_fingerprint(identity),
+            tuple({**dict(headers), **engine_headers_of(pk, origin, generation)}.items()), *_hash_scheme(facts),
         )  # fmt: skip
         if target.reference:
-            references.setdefault(engine.model_version_id, []).append(target)
+            references.setdefault(version_id, []).append(target)
             continue
-        for pk in {engine.namespace_id, *(ns.pk for ns in engine.attached_namespaces.all())} - {None}:
-            engines_of.setdefault(pk, []).append(target)
-    namespaces: dict[int, NamespaceTarget] = {}
-    rows = (
-        CacheNamespace.objects.exclude(residency=Residency.DROPPED)
-        .select_related("model_version", "policy", "group", "routing")
-        .order_by("id")
+        for ns in {namespace_id, *attached.get(pk, ())} - {None}:
+            engines_of.setdefault(ns, []).append(target)
+    return (
+        {ns: tuple(v) for ns, v in engines_of.items()},
+        identity_of,
+        {k: tuple(v) for k, v in references.items()},
+        addresses,
     )
-    salts = namespace_salts((ns.pk, ns.namespace_key) for ns in rows)
-    for ns in rows:
-        if ns.superseded:
+
+
+def _read_namespaces(
+    pks: Iterable[int] | None, engines_of: Mapping[int, tuple[EngineTarget, ...]], identity_of: Mapping[int, str]
+) -> dict[int, NamespaceTarget]:
+    """The namespaces ``pks`` (None: all) that route: not dropped, not superseded."""
+    rows = CacheNamespace.objects.exclude(residency=Residency.DROPPED)
+    if pks is not None:
+        rows = rows.filter(pk__in=list(pks))
+    held = ExpressionWrapper(Q(routing__suspended_at__isnull=False), output_field=BooleanField())
+    rows = rows.annotate(held=held).order_by()  # no ORDER BY: a map is made of them
+    fetched = list(
+        rows.values_list(
+            "pk", "namespace_key", "storage_prefix", "model_version_id", "model_version__label", "model_version__identity",
+            "model_version__path", "policy__max_age_since_last_hit_s", "policy__max_bytes", "held",
+            "routing__suspended_reason", "group_id", "group_generation", "group__generation",
+        )
+    )  # fmt: skip
+    salts = namespace_salts((row[0], row[1]) for row in fetched)
+    out: dict[int, NamespaceTarget] = {}
+    for (pk, key, prefix, version_id, label, identity, path, max_age, max_bytes, held, reason, group_id, generation,
+         group_generation) in fetched:  # fmt: skip
+        if group_id is not None and generation != group_generation:
             continue  # a member left its group since: its salt is not served again
-        policy = getattr(ns, "policy", None)
-        hold = getattr(ns, "routing", None)
-        namespaces[ns.pk] = NamespaceTarget(
-            pk=ns.pk,
-            namespace_key=ns.namespace_key,
-            storage_prefix=ns.storage_prefix,
-            cache_salt=salts[ns.pk],
-            version_id=ns.model_version_id,
-            version_label=ns.model_version.label,
+        out[pk] = NamespaceTarget(
+            pk=pk,
+            namespace_key=key,
+            storage_prefix=prefix,
+            cache_salt=salts[pk],
+            version_id=version_id,
+            version_label=label,
             # Only engines computing the namespace's state (their version's identity is
             # the namespace version's: the same version, or one a verified reuse shares
             # it with): one started there on another identity (an override, e.g. to show
             # the unsafe upgrade) computes another model state and never gets its traffic.
-            engines=tuple(e for e in engines_of.get(ns.pk, ()) if identity_of[e.id] == ns.model_version.identity),
-            ttl_s=float(policy.max_age_since_last_hit_s) if policy and policy.max_age_since_last_hit_s else None,
-            max_bytes=policy.max_bytes if policy else None,
-            suspended=(hold.suspended_reason or "suspended") if hold is not None and hold.suspended_at else None,
-            fingerprint=model_fingerprint(ns.model_version.identity),
-            tokenizer_path=ns.model_version.path,
+            engines=tuple(e for e in engines_of.get(pk, ()) if identity_of[e.id] == identity),
+            ttl_s=float(max_age) if max_age else None,
+            max_bytes=max_bytes,
+            suspended=(reason or "suspended") if held else None,
+            fingerprint=model_fingerprint(identity),
+            tokenizer_path=path,
         )
-    labels = dict(ModelVersion.objects.values_list("pk", "label"))
-    routes: dict[tuple[int, str], tuple[RouteTarget, ...]] = {}
-    for route in serving_routes():
-        pair = (route.tenant_id, route.served_name)
-        target = RouteTarget(route.model_version_id, labels.get(route.model_version_id, ""), route.percent, route.namespace_pk,
-                             route.release_id, canary=route.canary)  # fmt: skip
-        routes[pair] = (*routes.get(pair, ()), target)
-    routes.update(_operator_routes(set(routes)))
-    layers = {layer: state["enabled"] for layer, state in layer_states().items()}
-    return RoutingSnapshot(
+    return out
+
+
+def _read_layers() -> dict[str, bool]:
+    states = dict(CacheLayerSwitch.objects.values_list("layer", "enabled"))
+    return {layer: states.get(layer, True) for layer in SWITCHED_LAYERS}
+
+
+def _read_not_paying() -> frozenset[tuple[int, str]]:
+    return frozenset(LayerNotPaying.objects.filter(cleared_at__isnull=True).values_list("namespace_id", "layer"))
+
+
+def _index(entries: Iterable[tuple[int, str]]) -> dict[int, frozenset[str]]:
+    grouped: dict[int, set[str]] = {}
+    for owner, item in entries:
+        grouped.setdefault(owner, set()).add(item)
+    return {owner: frozenset(items) for owner, items in grouped.items()}
+
+
+def routing_snapshot_parts() -> SnapshotParts:
+    """Everything gateways route from, read whole in one pass (a handful of queries, plain rows).
+
+    The epoch is read first: a change committed while the rest is read moves it
+    again, and the gateway updates at its next poll.
+    """
+    # The cyclic collector paused while ~10 objects per tenant are made: none of them is garbage
+    # yet, and its full passes over a growing heap were a third of a build's time.
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return _parts()
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _parts() -> SnapshotParts:
+    epoch = routing_epoch()
+    keys = _read_keys(None)
+    routes = _read_routes(None)
+    engines_of, identity_of, references, addresses = _read_engines()
+    return SnapshotParts(
         epoch=epoch,
+        tenants=_read_tenants(None),
         keys=keys,
-        tenants=tenants,
+        keys_of=_index((k.tenant_id, h) for h, k in keys.items()),
         routes=routes,
-        namespaces=namespaces,
-        references={k: tuple(v) for k, v in references.items()},
-        layers=layers,
+        names_of=_index(routes),
+        namespaces=_read_namespaces(None, engines_of, identity_of),
+        engines_of=engines_of,
+        identity_of=identity_of,
+        references=references,
+        addresses=addresses,
+        layers=_read_layers(),
         templates=template_indexes(),
-        not_paying=frozenset(LayerNotPaying.objects.filter(cleared_at__isnull=True).values_list("namespace_id", "layer")),
+        not_paying=_read_not_paying(),
     )
+
+
+def routing_snapshot_build() -> RoutingSnapshot:
+    """Everything gateways route from, read whole (:func:`routing_snapshot_parts`)."""
+    return routing_snapshot_parts().snapshot()
+
+
+def routing_changes(since: int, until: int) -> tuple[set[int], set[int], set[str]] | None:
+    """What moved the epoch from ``since`` to ``until`` (:class:`RoutingChange` rows):
+    (tenant ids, namespace pks, whole sections), or None when a full build is needed: a change
+    of everything, an epoch without rows (pruned, or written before changes were recorded), or
+    more than :data:`MAX_INCREMENTAL_ENTRIES` entries."""
+    if until < since:
+        return None  # the epoch went back (a restored database): nothing said is comparable
+    tenants: set[int] = set()
+    namespaces: set[int] = set()
+    sections: set[str] = set()
+    epochs: set[int] = set()
+    for epoch, section, ref in RoutingChange.objects.filter(epoch__gt=since, epoch__lte=until).values_list(
+        "epoch", "section", "ref"
+    ):
+        epochs.add(epoch)
+        if section == "tenant" and ref is not None:
+            tenants.add(ref)
+        elif section == "namespace" and ref is not None:
+            namespaces.add(ref)
+        elif section in _WHOLE_SECTIONS:
+            sections.add(section)
+        else:
+            return None
+    if len(epochs) != until - since or len(tenants) + len(namespaces) > MAX_INCREMENTAL_ENTRIES:
+        return None
+    return tenants, namespaces, sections
+
+
+def routing_snapshot_apply(
+    parts: SnapshotParts, epoch: int, tenants: set[int], namespaces: set[int], sections: set[str],
+    engines: _Engines | None = None,
+) -> SnapshotParts:  # fmt: skip
+    """``parts`` brought to ``epoch`` by re-reading only what changed: each tenant of ``tenants``
+    (its entry, keys and routes), each namespace of ``namespaces``, and the ``sections`` whole
+    (``engines`` also re-reads the namespaces whose engines changed; ``engines`` given: those
+    engines, already read). ``parts`` is not changed."""
+    changes: dict[str, Any] = {"epoch": epoch}
+    namespaces, sections = set(namespaces), set(sections)
+    engines_of, identity_of = parts.engines_of, parts.identity_of
+    if engines is not None or "engines" in sections:
+        engines_of, identity_of, references, addresses = engines or _read_engines(parts.addresses)
+        namespaces |= {pk for pk in parts.engines_of.keys() | engines_of.keys() if parts.engines_of.get(pk) != engines_of.get(pk)}
+        changes.update(engines_of=engines_of, identity_of=identity_of, references=references, addresses=addresses)
+    if namespaces:
+        fresh_ns = _read_namespaces(namespaces, engines_of, identity_of)
+        ns_map = dict(parts.namespaces)
+        for pk in namespaces:
+            ns_map.pop(pk, None)
+        ns_map.update(fresh_ns)
+        changes["namespaces"] = ns_map
+    if tenants:
+        fresh_tenants = _read_tenants(tenants)
+        tenant_map = dict(parts.tenants)
+        for pk in tenants:
+            tenant_map.pop(pk, None)
+        tenant_map.update(fresh_tenants)
+        if not tenants <= fresh_tenants.keys():
+            sections.add("templates")  # a tenant deleted takes its templates along (they send no signal)
+        fresh_keys = _read_keys(tenants)
+        keys, keys_of = dict(parts.keys), dict(parts.keys_of)
+        for pk in tenants:
+            for hash_ in keys_of.pop(pk, ()):
+                if keys.get(hash_) is not None and keys[hash_].tenant_id == pk:
+                    keys.pop(hash_)
+        keys.update(fresh_keys)
+        keys_of.update(_index((k.tenant_id, h) for h, k in fresh_keys.items()))
+        fresh_routes = _read_routes(tenants)
+        routes, names_of = dict(parts.routes), dict(parts.names_of)
+        for pk in tenants:
+            for name in names_of.pop(pk, ()):
+                routes.pop((pk, name), None)
+        routes.update(fresh_routes)
+        names_of.update(_index(fresh_routes))
+        changes.update(tenants=tenant_map, keys=keys, keys_of=keys_of, routes=routes, names_of=names_of)
+    if "layers" in sections:
+        changes["layers"] = _read_layers()
+    if "not_paying" in sections:
+        changes["not_paying"] = _read_not_paying()
+    if "templates" in sections:
+        changes["templates"] = template_indexes()
+    return replace(parts, **changes)
+
+
+def routing_snapshot_update(parts: SnapshotParts) -> SnapshotParts | None:
+    """``parts`` brought to the current epoch: ``parts`` itself when the epoch did not move, the
+    entries that changed re-read when it did (:func:`routing_changes`), or None when only a full
+    build (:func:`routing_snapshot_parts`) can tell."""
+    epoch = routing_epoch()
+    if epoch == parts.epoch:
+        return parts
+    changed = routing_changes(parts.epoch, epoch)
+    if changed is None:
+        return None
+    return routing_snapshot_apply(parts, epoch, *changed)
+
+
+def _literal(url: str) -> bool:
+    """Whether ``url`` names its host by an IP address (no DNS answer can move it)."""
+    try:
+        ipaddress.ip_address(urlsplit(url).hostname or "")
+    except ValueError:
+        return False
+    return True
+
+
+def routing_addresses_recheck(parts: SnapshotParts) -> SnapshotParts:
+    """Resolve the engines' addresses again (a host's DNS records change without any row changing):
+    ``parts`` itself when each resolves as before, else ``parts`` with the engines section updated
+    (and the namespaces they serve). Reads no row unless an address changed."""
+    fresh = {
+        # An address given as an IP literal resolves to itself: nothing to ask again.
+        pk: (base_url, address if _literal(base_url) else _pin(f"#{pk}", base_url, quiet=True))
+        for pk, (base_url, address) in parts.addresses.items()
+    }
+    if fresh == parts.addresses:
+        return parts
+    return routing_snapshot_apply(parts, parts.epoch, set(), set(), set(), engines=_read_engines(fresh))
 
 
 # --- figures -----------------------------------------------------------------

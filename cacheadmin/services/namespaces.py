@@ -10,7 +10,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
 from cacheadmin.models import (
     CacheNamespace,
@@ -254,6 +254,32 @@ def namespaces_visible_to(tenant_id: int, path: str = "") -> Q:
         joined_generation__lte=OuterRef(f"{path}group_generation"),
     )
     return Q(**{f"{path}tenant_id": tenant_id}) | Q(Exists(member))
+
+
+def namespace_ids_visible_to(tenant_id: int) -> QuerySet:
+    """The ids of the namespaces :func:`namespaces_visible_to` lets a tenant see,
+    as a subquery: its own (``tenant_id``, an index lookup) and those of the
+    groups it is a member of (``group_id``, an index lookup) from the
+    generation it joined on. No two parts hold the same namespace (one has a
+    tenant, the other a group), hence ``UNION ALL``.
+
+    For the namespace list itself: ``pk__in`` this is answered from the
+    indexes on ``tenant_id`` and ``group_id``, where the ``OR EXISTS`` filter is
+    checked row by row over the whole table (PostgreSQL cannot combine an OR
+    with a correlated subquery into index scans), so a tenant's page cost grew
+    with every other tenant's namespaces.
+    """
+    own = CacheNamespace.objects.order_by().filter(tenant_id=tenant_id).values("pk")
+    # The groups' namespaces by group_id (an index lookup per group, in
+    # PostgreSQL and SQLite alike), then the generation each was joined on; a
+    # join through the group instead makes PostgreSQL guess a third of the
+    # table, and EXISTS alone makes SQLite test every row.
+    groups = SharedGroupMembership.objects.filter(tenant_id=tenant_id).values("group_id")
+    member = SharedGroupMembership.objects.filter(
+        tenant_id=tenant_id, group_id=OuterRef("group_id"), joined_generation__lte=OuterRef("group_generation")
+    )
+    shared = CacheNamespace.objects.order_by().filter(group_id__in=groups).filter(Exists(member)).values("pk")
+    return own.union(shared, all=True)
 
 
 class GroupError(Refused):

@@ -261,7 +261,7 @@ def prompt_template_create(*, name: str, tenant: Tenant | None, text: str, sampl
             audit_record(
                 actor=actor, action="prompt_template.create", obj=template, after={"name": name, "fixed_chars": len(fixed)}
             )
-            routing_changed()
+            routing_changed([("templates", None)], model="cacheadmin.prompttemplate")
     except IntegrityError:
         # Created by someone else since the check above: the constraints said no; say which.
         raise _clash(name=name, tenant=tenant, digest=digest, first_variable=variables[0]) or InvalidField(
@@ -275,7 +275,7 @@ def prompt_template_delete(*, template: PromptTemplate, actor: str) -> None:
     with transaction.atomic():
         audit_record(actor=actor, action="prompt_template.delete", obj=template, before={"name": template.name})
         template.delete()
-        routing_changed()
+        routing_changed([("templates", None)], model="cacheadmin.prompttemplate")
 
 
 # --- the gateways' side ------------------------------------------------------------

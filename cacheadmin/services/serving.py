@@ -56,7 +56,23 @@ class Route:
     canary: bool = False
 
 
-def release_routes(release: Release) -> list[Route]:
+@dataclass(frozen=True)
+class ReleaseRow:
+    """The fields of a :class:`Release` its routes come from, as plain values (read without
+    building model instances: the routing snapshot reads every release)."""
+
+    pk: int
+    tenant_id: int
+    served_name: str
+    status: str
+    traffic_percent: int
+    from_version_id: int | None
+    to_version_id: int
+    from_namespace_id: int | None
+    to_namespace_id: int | None
+
+
+def release_routes(release: Release | ReleaseRow) -> list[Route]:
     """The routes ``release`` gives when it is its pair's current release (old version first).
 
     Returns:
@@ -77,6 +93,18 @@ def release_routes(release: Release) -> list[Route]:
     return routes
 
 
+def _current(releases: Iterable[Release | ReleaseRow]) -> dict[tuple[int, str], Release | ReleaseRow]:
+    """Each pair's current release among ``releases`` (ascending ids): a later routed release replaces
+    an earlier one; an unrouted one only stands in while nothing of its pair was routed."""
+    current: dict[tuple[int, str], Release | ReleaseRow] = {}
+    for release in releases:
+        pair = (release.tenant_id, release.served_name)
+        held = current.get(pair)
+        if release.status in ROUTED or held is None or held.status not in ROUTED:
+            current[pair] = release
+    return current
+
+
 def current_releases(
     *, tenant_ids: Iterable[int] | None = None, served_names: Iterable[str] | None = None
 ) -> dict[tuple[int, str], Release]:
@@ -93,15 +121,20 @@ def current_releases(
         releases = releases.filter(tenant_id__in=list(tenant_ids))
     if served_names is not None:
         releases = releases.filter(served_name__in=list(served_names))
-    current: dict[tuple[int, str], Release] = {}
-    # Ascending ids: a later routed release replaces an earlier one; an unrouted
-    # one only stands in while nothing of its pair was routed.
-    for release in releases.order_by("id"):
-        pair = (release.tenant_id, release.served_name)
-        held = current.get(pair)
-        if release.status in ROUTED or held is None or held.status not in ROUTED:
-            current[pair] = release
-    return current
+    return _current(releases.order_by("id"))  # type: ignore[return-value]
+
+
+def serving_route_rows(*, tenant_ids: Iterable[int] | None = None) -> list[Route]:
+    """:func:`serving_routes` read as plain rows (:class:`ReleaseRow`, no model instances), for
+    the tenants ``tenant_ids`` (None: all): what the routing snapshot is built from."""
+    releases = Release.objects.all()
+    if tenant_ids is not None:
+        releases = releases.filter(tenant_id__in=list(tenant_ids))
+    rows = releases.order_by("id").values_list(
+        "pk", "tenant_id", "served_name", "status", "traffic_percent", "from_version_id", "to_version_id",
+        "from_namespace_id", "to_namespace_id",
+    )  # fmt: skip
+    return [route for release in _current(ReleaseRow(*row) for row in rows).values() for route in release_routes(release)]
 
 
 def serving_routes(*, tenant_ids: Iterable[int] | None = None, served_names: Iterable[str] | None = None) -> list[Route]:

@@ -13,6 +13,7 @@ from django.utils.html import conditional_escape, format_html
 from django.utils.safestring import SafeString
 
 from cacheadmin.models.api_tokens import session_allows
+from cacheadmin.models.engines import verification_as_of
 
 register = template.Library()
 
@@ -274,11 +275,7 @@ def verification_shown(engine: object) -> str:
     """An engine's verification as it holds now: as recorded while the engine is starting or
     ready; for a failed, stopped or lost engine, ``verification stale (was verified)`` (a
     verification belongs to the process it checked), or ``unverified``."""
-    status = str(getattr(engine, "status", ""))
-    verification = str(getattr(engine, "verification", ""))
-    if status in ("ready", "starting") or verification == "unverified":
-        return verification
-    return f"verification stale (was {verification})"
+    return verification_as_of(str(getattr(engine, "status", "")), str(getattr(engine, "verification", "")))
 
 
 @register.filter

@@ -198,14 +198,16 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         (
             Panel(
                 "Storage per tier",
-                "Bytes the selected namespaces hold in each tier (newest accounting sample).",
+                "Bytes every namespace together holds in each tier (newest accounting sample); the namespace filter "
+                "does not apply: the control plane sums them.",
                 "bytes",
-                (q(f"sum by (tier) (kvcp_tier_bytes{{{NS}}})", "{{tier}}"),),
+                (q("sum by (tier) (kvcp_tier_total_bytes)", "{{tier}}"),),
                 stacked=True,
             ),
             Panel(
                 "Largest namespaces",
-                "The ten namespaces holding the most bytes, all tiers together.",
+                "The ten namespaces holding the most bytes, all tiers together (the control plane gives the 20 "
+                "largest one by one).",
                 "bytes",
                 (q(f"topk(10, sum by (namespace) (kvcp_tier_bytes{{{NS}}}))", "{{namespace}}"),),
                 kind="bargauge",
@@ -242,7 +244,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Time since last hit",
-                "Seconds since each namespace last served a cache hit (oldest first).",
+                "Seconds since each namespace last served a cache hit (oldest first; the control plane gives the 20 "
+                "oldest one by one).",
                 "s",
                 (q(f"topk(20, kvcp_namespace_last_hit_age_seconds{{{NS}}})", "{{namespace}}"),),
                 kind="bargauge",
@@ -250,10 +253,19 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Tier entries",
-                "Entries the selected namespaces hold in each tier.",
+                "Entries every namespace together holds in each tier; the namespace filter does not apply.",
                 "short",
-                (q(f"sum by (tier) (kvcp_tier_entries{{{NS}}})", "{{tier}}"),),
+                (q("sum by (tier) (kvcp_tier_total_entries)", "{{tier}}"),),
                 stacked=True,
+            ),
+            Panel(
+                "Entries of the largest namespaces",
+                "Entries held by the ten namespaces with the most, all tiers together, among the 20 namespaces "
+                "holding the most bytes (the ones the control plane gives one by one).",
+                "short",
+                (q(f"topk(10, sum by (namespace) (kvcp_tier_entries{{{NS}}}))", "{{namespace}}"),),
+                kind="bargauge",
+                options={"displayMode": "gradient", "orientation": "horizontal"},
             ),
         ),
     ),

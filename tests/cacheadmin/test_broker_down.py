@@ -20,7 +20,8 @@ from inference.engines.launcher import free_port
 def broker_down(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Celery's broker moved to a Redis address where nothing listens (a Redis taken down);
     the real broker's connection pools are set aside untouched and put back afterwards."""
-    saved_conf = (app.conf.broker_url, app.conf.broker_write_url, app.conf.broker_transport_options)
+    conf = ("broker_url", "broker_write_url", "broker_transport", "broker_transport_options")
+    saved_conf = {name: app.conf[name] for name in conf}
     saved_pools = (app._pool, app.amqp._producer_pool)
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -28,14 +29,18 @@ def broker_down(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     # Celery reads CELERY_BROKER_URL from the environment before its configuration (the scale-out run sets it).
     monkeypatch.setenv("CELERY_BROKER_URL", url)
     monkeypatch.delenv("CELERY_BROKER_WRITE_URL", raising=False)
-    app.conf.broker_url, app.conf.broker_write_url, app.conf.broker_transport_options = url, None, {}
-    connection = app.connection_for_write()
-    assert (connection.transport_cls, connection.hostname, connection.port) == ("redis", "127.0.0.1", port)
-    yield url
-    if app._pool is not None:
-        app._pool.force_close_all()  # the unreachable broker's pool alone
-    app._pool, app.amqp._producer_pool = saved_pools
-    app.conf.broker_url, app.conf.broker_write_url, app.conf.broker_transport_options = saved_conf
+    # As a deployment with a Redis broker has it: no transport of the embedded default's.
+    app.conf.update(broker_url=url, broker_write_url=None, broker_transport=None, broker_transport_options={})
+    try:
+        connection = app.connection_for_write()
+        assert (connection.transport_cls, connection.hostname, connection.port) == ("redis", "127.0.0.1", port)
+        yield url
+    finally:
+        # Put back whatever happened: a test after this one publishes on the real broker.
+        if app._pool is not None:
+            app._pool.force_close_all()  # the unreachable broker's pool alone
+        app._pool, app.amqp._producer_pool = saved_pools
+        app.conf.update(saved_conf)
 
 
 @pytest.mark.django_db

@@ -79,6 +79,15 @@ def test_check_fails_naming_the_stale_pages_and_writes_nothing(pages: dict[str, 
     assert stale_pages(tmp_path, pages) == ["errors.md", "metrics.md"]
 
 
+def test_a_folder_the_pages_cannot_be_written_to_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    """--out under a file (no folder can be made there): exit 2 naming the folder and why, not a traceback."""
+    (tmp_path / "a-file").write_text("", encoding="utf-8")
+    with pytest.raises(CommandError) as failed:
+        call_command("docs_reference", "--out", str(tmp_path / "a-file" / "reference"))
+    assert failed.value.returncode == 2
+    assert str(failed.value) == f"--out {tmp_path}/a-file/reference: cannot write the pages there: Not a directory"
+
+
 # --- configuration.md -------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ changed; bad input: the page again with the error, 4xx, nothing changed)."""
 from __future__ import annotations
 
 from datetime import timedelta
+from io import StringIO
 from typing import Any
 
 import pytest
@@ -27,7 +28,10 @@ from cacheadmin.models import (
     ResidentSample,
 )
 from cacheadmin.services.heat import corpus_load
+from cacheadmin.services.model_versions import model_version_register
+from cacheadmin.services.namespaces import DEMO_POLICY, namespace_get_or_create
 from cacheadmin.views_engine import engine_hit_ratio_series
+from inference.identity import LayoutOptions
 
 pytestmark = pytest.mark.django_db
 
@@ -318,3 +322,66 @@ def test_job_forms_are_offered_only_where_the_job_can_run(
     refused = admin_client.post(f"/engines/{engine.pk}/prewarm/", {"namespace": fleet["ns"]["acme"].pk})
     assert refused.status_code == 409 and why in refused.content.decode()
     assert _engine_state() == before
+
+
+def test_the_start_form_and_the_engine_page_say_why_an_engine_has_no_disk_tier(
+    world: dict[str, Any], real_version: Any, demo_checkpoints: dict[str, Any], admin_client: Any, settings: Any
+) -> None:
+    """The form's default tier is ``disk``, which a version whose layout names no KV connector cannot
+    have: the form says so beside the version before the start, and the engine's page after it."""
+    settings.KVCP_HOST = "cp-1"
+    version, namespace = real_version
+    plain, _ = model_version_register(
+        path=demo_checkpoints["tiny-v1"], label="tiny-plain", served_name="tiny-plain",
+        layout=LayoutOptions(dtype="float32"), actor="alice",
+    )  # fmt: skip
+    plain_ns, _ = namespace_get_or_create(
+        model_version=plain, tenant=world["acme"], retention_owner=namespace.retention_owner, policy=DEMO_POLICY, actor="alice"
+    )  # fmt: skip
+    form = admin_client.get("/engines/start/").content.decode()
+    assert f'<option value="{plain.pk}">tiny-plain (registered; no disk tier: its layout names no KV connector)</option>' in form
+    assert f'<option value="{version.pk}">tiny-v1 (registered)</option>' in form
+
+    def start(model_version: int, ns: str, tier: str, name: str) -> Engine:
+        body = {"model_version": model_version, "namespace": ns, "host": "cp-1@local", "tier": tier, "name": name}
+        assert admin_client.post("/engines/start/", body).status_code == 302
+        return Engine.objects.get(name=name)
+
+    def tier_line(engine: Engine) -> str:
+        page = admin_client.get(f"/engines/{engine.pk}/").content.decode()
+        return page.split("<h2>Persistent tier</h2>")[1].split("<h2>")[0].strip()
+
+    disk = start(version.pk, str(namespace.pk), "disk", "with-disk")
+    assert disk.kv_connector == "ExampleConnector"
+    assert "None: engine memory only" not in tier_line(disk)
+    assert tier_line(start(plain.pk, str(plain_ns.pk), "disk", "no-connector")) == (
+        '<p id="engine-tier">None: engine memory only (model version tiny-plain&#x27;s layout names no KV connector, '
+        "so it has no disk tier to start with (a version registered with --kv-connector ExampleConnector has one)).</p>"
+    )
+    assert tier_line(start(version.pk, str(namespace.pk), "none", "chose-none")) == (
+        '<p id="engine-tier">None: engine memory only (it was started with tier none).</p>'
+    )
+    assert tier_line(start(version.pk, "reference", "disk", "ref-1")) == (
+        '<p id="engine-tier">None: engine memory only (a reference engine has no prefix caching and no tier).</p>'
+    )
+
+
+def test_engine_list_says_a_stopped_engines_verification_is_stale_as_its_page_does(
+    fleet: dict[str, Any], admin_client: Any
+) -> None:
+    stopped, ready = fleet["stopped"], fleet["engine"]
+    Engine.objects.filter(pk=stopped.pk).update(verification="verified")
+    Engine.objects.filter(pk=ready.pk).update(verification="verified", host="cp-1")
+    out = StringIO()
+    call_command("engine", "list", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == (
+        f"{ready.pk}  e-acme                           local    cp-1             serving   ready    verified    "
+        "v1                   memory"
+    )
+    assert lines[2] == (
+        f"{stopped.pk}  e-stopped                        local    -                serving   stopped  "
+        "verification stale (was verified) v1                   memory"
+    )
+    page = admin_client.get(f"/engines/{stopped.pk}/").content.decode()
+    assert '<strong class="warn">verification stale (was verified)</strong>' in page

@@ -66,7 +66,8 @@ def write_entry(root: Path, prefix: str, key: str, *, size: int, age_s: float) -
 
 @pytest.fixture
 def kv(settings, tmp_path: Path) -> Iterator[dict]:
-    """Tiers under a fresh directory and Redis db 14, cleaned of this test's keys afterwards."""
+    """Tiers under a fresh directory and Redis db 14 (the tests' own database), emptied first (the
+    scans count every prefix there, a killed run's too) and cleaned of this test's keys afterwards."""
     settings.KV_STORE_ROOT = tmp_path / "kv"
     settings.KV_COLD_ROOT = tmp_path / "cold"
     settings.KV_REDIS_URL = REDIS_URL
@@ -74,6 +75,8 @@ def kv(settings, tmp_path: Path) -> Iterator[dict]:
     settings.ORPHAN_GRACE_S = 3600
     settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
     tiers = tiers_configured()
+    with redis.Redis.from_url(REDIS_URL) as client:
+        client.flushdb()
     prefixes: list[str] = []
     yield {"tiers": tiers, "prefixes": prefixes, "root": tmp_path}
     for prefix in prefixes:

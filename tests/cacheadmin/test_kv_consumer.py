@@ -293,3 +293,31 @@ def test_what_was_published_before_the_subscription_is_caught_up_from_the_replay
     consumer.flush(force=True)
     assert "batches 3..4 missed" in EngineAlarm.objects.get(engine=engine, kind="kv_events_gap").detail
     consumer.ctx.destroy(linger=0)
+
+
+def test_live_copies_of_what_a_catch_up_replayed_are_skipped_and_a_restart_still_clears(world, engine_stream) -> None:
+    """A catch-up replays to the end of what the engine published, so batches still queued on the
+    live socket arrive once more afterwards: copies, not a publisher that started over."""
+    engine, publisher = engine_stream
+    salt = namespace_salt_read(world["ns"]["acme"], actor="test", purpose="consumer test")
+    consumer = KvEventConsumer()
+    consumer.refresh()
+    stream = consumer.streams[engine.pk]
+    acme = world["ns"]["acme"].pk
+    consumer.handle(stream, publisher.frames(stored([1], salt)))
+    queued = [publisher.frames(stored([2], salt, parent=1)), publisher.frames(stored([3], salt, parent=2))]
+    consumer.catch_up(stream)  # applies seq 1 and 2 from the replay
+    assert (stream.last_seq, stream.replayed) == (2, (1, 2))
+    for frames in queued:  # their live copies arrive after the replay
+        consumer.handle(stream, frames)
+    assert (stream.restarts_seen, stream.last_seq, stream.complete, stream.gaps) == (0, 2, True, 0)
+    assert stream.residency.totals() == {("GPU", acme): (3, 96)}
+    consumer.handle(stream, publisher.frames(stored([4], salt, parent=3)))
+    assert (stream.last_seq, stream.replayed, stream.live_seq) == (3, None, 3)
+    assert stream.residency.totals() == {("GPU", acme): (4, 128)}
+    # The engine process started over: live numbers repeat what was live before.
+    publisher.seq = 0
+    consumer.handle(stream, publisher.frames(stored([5], salt)))
+    assert (stream.restarts_seen, stream.last_seq) == (1, 0)
+    assert stream.residency.totals() == {("GPU", acme): (1, 32)}
+    consumer.ctx.destroy(linger=0)

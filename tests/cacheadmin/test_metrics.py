@@ -48,9 +48,9 @@ pytestmark = pytest.mark.django_db
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def scrape(client: Client | None = None, token: str | None = None) -> Samples:
-    """GET /metrics with the token; every sample by (name, labels)."""
-    response = (client or Client()).get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token or settings.METRICS_TOKEN}")
+def scrape(client: Client | None = None, token: str | None = None, path: str = "/metrics") -> Samples:
+    """GET ``path`` with the token; every sample by (name, labels)."""
+    response = (client or Client()).get(path, HTTP_AUTHORIZATION=f"Bearer {token or settings.METRICS_TOKEN}")
     assert response.status_code == 200, response.content[:500]
     assert response["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
     out: Samples = {}
@@ -163,6 +163,15 @@ def test_every_control_family_from_the_rows(rows: dict) -> None:
     assert value(s, "kvcp_tier_bytes", namespace=c, tier="disk") == 3000
     assert value(s, "kvcp_tier_bytes", namespace=c, tier="cold") == 500
     assert len(names(s, "kvcp_tier_bytes")) == 3  # the orphan is no namespace's
+    # Sums over every namespace (the orphan's 77 B are no namespace's).
+    assert value(s, "kvcp_tier_total_bytes", tier="disk") == 4000
+    assert value(s, "kvcp_tier_total_bytes", tier="cold") == 500
+    assert value(s, "kvcp_tier_total_bytes", tier="redis") == 0
+    assert value(s, "kvcp_tier_total_entries", tier="disk") == 15
+    assert value(s, "kvcp_tier_total_entries", tier="cold") == 1
+    assert value(s, "kvcp_stale_bytes", tier="disk") == 3000
+    assert value(s, "kvcp_stale_bytes", tier="cold") == 500
+    assert value(s, "kvcp_stale_bytes", tier="redis") == 0
     assert value(s, "kvcp_stale_bytes_ratio", tier="disk") == 0.75
     assert value(s, "kvcp_stale_bytes_ratio", tier="cold") == 1.0
     assert value(s, "kvcp_stale_bytes_ratio", tier="redis") == 0.0
@@ -268,15 +277,17 @@ def _namespaces(n: int) -> None:
 
 
 def test_a_fixed_number_of_queries_with_1_and_with_30_more_namespaces(rows: dict) -> None:
-    def count() -> int:
+    def count(detail: bool = False) -> int:
         with CaptureQueriesContext(connection) as ctx:
-            list(collector.ControlPlaneCollector().collect())
+            collector.ControlPlaneCollector(detail=detail).text()
         return len(ctx.captured_queries)
 
-    assert count() == collector.QUERIES
+    assert count() == count(detail=True) == collector.QUERIES
     _namespaces(30)
-    assert count() == collector.QUERIES
-    assert len(names(scrape(), "kvcp_namespace_info")) == 33
+    assert count() == count(detail=True) == collector.QUERIES
+    # The 30 new namespaces have nothing to say (their engines are named by engine): only the detail names them.
+    assert len(names(scrape(), "kvcp_namespace_info")) == 3
+    assert len(names(scrape(path="/metrics?detail=namespaces"), "kvcp_namespace_info")) == 33
 
 
 def test_the_token_is_required_and_never_shown(rows: dict) -> None:
@@ -350,8 +361,9 @@ def test_label_values_with_quotes_backslashes_and_newlines_survive_the_expositio
     CacheNamespace.objects.create(namespace_key="d" * 64, model_version=ModelVersion.objects.get(identity="3" * 64),
                                   tenant=rows["acme"].tenant, retention_owner=RetentionOwner.objects.first(),
                                   storage_prefix="ns-odd")  # fmt: skip
+    detail = scrape(path="/metrics?detail=namespaces")
     assert {'odd "v\\3"\nlabel'} == {
-        dict(labels)["model_version"] for name, labels in scrape() if name == "kvcp_namespace_info"
+        dict(labels)["model_version"] for name, labels in detail if name == "kvcp_namespace_info"
     } - {"v1", "v2"}
 
 
@@ -372,3 +384,127 @@ def test_task_signals_count_each_outcome_once(rows: dict) -> None:
         assert after[key] - before.get(key, 0) == count
     timed = ("kvcp_task_duration_seconds_count", frozenset({("task", "cacheadmin.test_task")}))
     assert after[timed] - before.get(timed, 0) == 4
+
+
+def _key(i: int) -> str:
+    return f"{i:02d}" * 32
+
+
+@pytest.fixture
+def fleet() -> list[CacheNamespace]:
+    """25 namespaces of one tenant each, served: namespace i holds (i + 1) x 100 B in
+    (i + 1) entries on disk, last accessed i + 1 hours ago. The gateways saw 0 ten
+    minutes ago without a hit, 1 two hours ago without a hit, and a hit in 24 half
+    an hour ago; a worker read 2's state from the cold tier."""
+    owner = RetentionOwner.objects.create(name="platform", email="p@example.com")
+    version = make_version("v1", "1" * 64)
+    version.status = "active"
+    version.save()
+    now = timezone.now()
+    scan = AccountingScan.objects.create(status="succeeded")
+    out = []
+    for i in range(25):
+        tenant = Tenant.objects.create(slug=f"t{i:02d}", name=f"T {i}")
+        ns = CacheNamespace.objects.create(namespace_key=_key(i), model_version=version, tenant=tenant,
+                                           retention_owner=owner, storage_prefix=f"ns-{i}")  # fmt: skip
+        TierUsageSample.objects.create(scan=scan, namespace=ns, storage_prefix=f"ns-{i}", tier="disk", bytes=(i + 1) * 100,
+                                       allocated_bytes=4096, entries=i + 1, sampled_at=now,
+                                       last_access_at=now - timedelta(hours=i + 1))  # fmt: skip
+        out.append(ns)
+    minute = now.replace(second=0, microsecond=0)
+    GatewayStat.objects.create(namespace=out[0], layer="prefix", minute=minute - timedelta(minutes=10), requests=5, misses=5)
+    GatewayStat.objects.create(namespace=out[1], layer="prefix", minute=minute - timedelta(hours=2), requests=5, misses=5)
+    GatewayStat.objects.create(namespace=out[24], layer="response", minute=minute - timedelta(minutes=30), requests=5, hits=1)
+    tier_load(namespace_key=_key(2), tier="cold", ok=True)
+    return out
+
+
+def _namespaces_of(samples: Samples, name: str) -> set[str]:
+    return {d["namespace"] for d in names(samples, name)}
+
+
+def test_without_detail_only_namespaces_with_something_to_say_have_series(fleet: list[CacheNamespace]) -> None:
+    s = scrape()
+    # Storage: the 20 largest (5..24) one by one, every namespace in the sums.
+    assert _namespaces_of(s, "kvcp_tier_bytes") == _namespaces_of(s, "kvcp_tier_entries") == {_key(i) for i in range(5, 25)}
+    assert value(s, "kvcp_tier_bytes", namespace=_key(24), tier="disk") == 2500
+    assert value(s, "kvcp_tier_entries", namespace=_key(5), tier="disk") == 6
+    assert value(s, "kvcp_tier_total_bytes", tier="disk") == sum((i + 1) * 100 for i in range(25)) == 32500
+    assert value(s, "kvcp_tier_total_entries", tier="disk") == 325
+    assert value(s, "kvcp_stale_bytes", tier="disk") == 0
+    # Last hit: the 20 oldest; 24's gateway hit half an hour ago makes it recent, so 4..23.
+    assert _namespaces_of(s, "kvcp_namespace_last_hit_age_seconds") == {_key(i) for i in range(4, 24)}
+    age = value(s, "kvcp_namespace_last_hit_age_seconds", namespace=_key(23))
+    assert 24 * 3600 <= age <= 24 * 3600 + 60
+    # Info: every namespace named above, 0 and 24 (gateway traffic this hour), 2 (named by the
+    # worker's tier reads); not 1 (traffic two hours ago) nor 3 (nothing at all).
+    info = _namespaces_of(s, "kvcp_namespace_info")
+    assert info == {_key(i) for i in (0, 2, *range(4, 25))}
+    assert {_key(1), _key(3)} & info == set()
+    assert ("kvcp_tier_loads_total", frozenset({("namespace", _key(2)), ("tier", "cold")})) in s
+
+
+def test_detail_gives_every_namespace(fleet: list[CacheNamespace]) -> None:
+    s = scrape(path="/metrics?detail=namespaces")
+    every = {_key(i) for i in range(25)}
+    assert _namespaces_of(s, "kvcp_tier_bytes") == _namespaces_of(s, "kvcp_tier_entries") == every
+    assert _namespaces_of(s, "kvcp_namespace_last_hit_age_seconds") == _namespaces_of(s, "kvcp_namespace_info") == every
+    assert value(s, "kvcp_tier_bytes", namespace=_key(0), tier="disk") == 100
+    age = value(s, "kvcp_namespace_last_hit_age_seconds", namespace=_key(24))
+    assert 30 * 60 <= age <= 32 * 60  # the gateway's hit, not the tier's access 25 hours ago
+    assert value(s, "kvcp_tier_total_bytes", tier="disk") == 32500
+    # The same sums and info labels as without detail, for the namespaces both name.
+    default = scrape()
+    shared = {k: v for k, v in default.items() if k[0] != "kvcp_namespace_last_hit_age_seconds"}
+    assert {k: s[k] for k in shared} == shared
+
+
+#: ``detail`` as queries give it, with the status both the web view and ``metrics_serve`` answer.
+DETAIL_QUERIES = [
+    ("detail=namespaces", 200), ("", 200), ("detail=all", 400), ("detail=", 400), ("detail", 400),
+    ("detail=NAMESPACES", 400), ("detail=namespaces&detail=all", 400), ("detail=all&detail=namespaces", 400),
+    ("detail=namespaces&detail=namespaces", 400),
+]  # fmt: skip
+
+
+def test_detail_takes_one_value(fleet: list[CacheNamespace]) -> None:
+    response = Client().get("/metrics?detail=all", HTTP_AUTHORIZATION=f"Bearer {settings.METRICS_TOKEN}")
+    assert response.status_code == 400
+    message = "detail: the one value is namespaces, given once"
+    assert response.json() == {"error": {"status": 400, "code": "invalid", "message": message}}
+    for query, status in DETAIL_QUERIES:
+        got = Client().get(f"/metrics?{query}", HTTP_AUTHORIZATION=f"Bearer {settings.METRICS_TOKEN}")
+        assert got.status_code == status, query
+    # The token comes first: without it the parameter is not looked at.
+    assert Client().get("/metrics?detail=all").status_code == 401
+
+
+def test_the_text_is_what_prometheus_client_reads_back() -> None:
+    """Every kind of sample the writer produces: labels escaped, a counter's
+    ``_total``, a histogram's ``le``, a family without labels or samples."""
+    evictions = collector.Family("kvcp_evictions", "counter", ("namespace", "tier", "action"))
+    evictions.add(['a\\b"c\nd', "disk", "delete_prefix"], 3)
+    durations = collector.Family("kvcp_job_duration_seconds", "histogram", ("kind",))
+    durations.add_histogram(["prewarm"], [(1.0, 0), (5.0, 2)], 3, 12.5)
+    ratio = collector.Family("kvcp_stale_bytes_ratio", "gauge", ("tier",))
+    ratio.add(["disk"], 0.75)
+    empty = collector.Family("kvcp_routing_suspended", "gauge", ("namespace",))
+    text = collector.exposition_text([evictions, durations, ratio, empty])
+    assert text.splitlines()[:3] == [
+        "# HELP kvcp_evictions_total confirmed eviction actions",
+        "# TYPE kvcp_evictions_total counter",
+        'kvcp_evictions_total{namespace="a\\\\b\\"c\\nd",tier="disk",action="delete_prefix"} 3',
+    ]
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [(s.name, s.labels, s.value) for s in families["kvcp_evictions"].samples] == [
+        ("kvcp_evictions_total", {"namespace": 'a\\b"c\nd', "tier": "disk", "action": "delete_prefix"}, 3.0)
+    ]
+    assert [(s.name, s.labels, s.value) for s in families["kvcp_job_duration_seconds"].samples] == [
+        ("kvcp_job_duration_seconds_bucket", {"kind": "prewarm", "le": "1.0"}, 0.0),
+        ("kvcp_job_duration_seconds_bucket", {"kind": "prewarm", "le": "5.0"}, 2.0),
+        ("kvcp_job_duration_seconds_bucket", {"kind": "prewarm", "le": "+Inf"}, 3.0),
+        ("kvcp_job_duration_seconds_count", {"kind": "prewarm"}, 3.0),
+        ("kvcp_job_duration_seconds_sum", {"kind": "prewarm"}, 12.5),
+    ]
+    assert [(s.labels, s.value) for s in families["kvcp_stale_bytes_ratio"].samples] == [({"tier": "disk"}, 0.75)]
+    assert (families["kvcp_routing_suspended"].type, families["kvcp_routing_suspended"].samples) == ("gauge", [])

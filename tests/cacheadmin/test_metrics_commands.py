@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cacheadmin.models import CacheNamespace, RetentionOwner, Tenant
 from inference.child_env import die_with_parent
 from tests.cacheadmin.conftest import make_version
+from tests.cacheadmin.test_metrics import DETAIL_QUERIES
 from tests.helpers import PROJECT, manage, subprocess_env, wait_for
 from tests.prometheus import free_port
 
@@ -51,7 +52,14 @@ def test_metrics_serve_answers_without_a_token_on_its_own_address() -> None:
             assert response.status_code == 200
             assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
             (info,) = [f for f in text_string_to_metric_families(response.text) if f.name == "kvcp_namespace_info"]
+            assert info.samples == []  # nothing else names the namespace
+            detail = client.get("/metrics?detail=namespaces")
+            (info,) = [f for f in text_string_to_metric_families(detail.text) if f.name == "kvcp_namespace_info"]
             assert [s.labels["namespace"] for s in info.samples] == ["a" * 64]
+            wrong = client.get("/metrics?detail=all")
+            assert (wrong.status_code, wrong.json()["error"]["code"]) == (400, "invalid")
+            # The same answers as the web view's /metrics to the same queries.
+            assert [(q, client.get(f"/metrics?{q}").status_code) for q, _ in DETAIL_QUERIES] == DETAIL_QUERIES
             assert client.get("/").status_code == 404
             assert client.post("/metrics").status_code == 405
         proc.send_signal(signal.SIGTERM)

@@ -221,7 +221,8 @@ def test_a_sigterm_while_a_worker_is_still_forking_stops_it_without_sigkill(tmp_
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
-        wait_for(forked.exists, timeout=60, what="gunicorn to fork its worker")
+        # The file appears before the forked worker has written its pid into it: wait for the pid.
+        wait_for(lambda: forked.exists() and forked.read_text().strip().isdigit(), timeout=60, what="gunicorn to fork its worker")
         worker = int(forked.read_text())
         proc.send_signal(signal.SIGTERM)
         # Well inside the graceful timeout: a lost signal would keep the worker

@@ -72,7 +72,7 @@ def test_identity_variables_and_datasource(dashboard: dict[str, Any]) -> None:
 
 def test_panel_ids_are_unique_and_the_grid_has_no_overlap(dashboard: dict[str, Any]) -> None:
     ids = [panel["id"] for panel in dashboard["panels"]]
-    assert len(ids) == len(set(ids)) == 54
+    assert len(ids) == len(set(ids)) == 55
     taken: set[tuple[int, int]] = set()
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
@@ -84,7 +84,7 @@ def test_panel_ids_are_unique_and_the_grid_has_no_overlap(dashboard: dict[str, A
 
 def test_every_panel_has_targets_with_a_datasource_and_a_unit(dashboard: dict[str, Any]) -> None:
     panels = _panels(dashboard)
-    assert len(panels) == 46
+    assert len(panels) == 47
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
         assert panel["targets"], panel["title"]
@@ -135,7 +135,7 @@ def test_every_query_is_valid_promql(dashboard: dict[str, Any], promtool: str, t
     done = run_promtool(promtool, "check", "rules", rule_file)
     assert done.returncode == 0, done.stdout
     assert f"SUCCESS: {len(queries)} rules found" in done.stdout
-    assert len(queries) == 53
+    assert len(queries) == 54
 
 
 def test_every_exported_family_is_shown_or_alerted_on(dashboard: dict[str, Any]) -> None:
@@ -156,7 +156,11 @@ def test_required_panels(dashboard: dict[str, Any]) -> None:
         "TTFT warm vs cold (p50, p95)": "kvcp_gateway_ttft_seconds_bucket",
         "Cost savings rate per layer": "kvcp_gateway_cached_prompt_tokens_total",
         "Benefit ratio": "kvcp:gateway_benefit_ratio:rate5m",
-        "Storage per tier": "kvcp_tier_bytes",
+        "Storage per tier": "kvcp_tier_total_bytes",
+        "Largest namespaces": "kvcp_tier_bytes",
+        "Tier entries": "kvcp_tier_total_entries",
+        "Entries of the largest namespaces": "kvcp_tier_entries",
+        "Time since last hit": "kvcp_namespace_last_hit_age_seconds",
         "Stale ratio per tier": "kvcp_stale_bytes_ratio",
         "Evictions per hour": "kvcp:evictions:increase1h",
         "Bytes freed per hour": "kvcp:eviction_freed_bytes:increase1h",

@@ -61,6 +61,7 @@ def semantic_setup(setup: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     store = deployment_semantic_store()
     store.delete_prefix("ns-acme")
     setup["runtime"].semantic = SemanticLayer(store, default_embedder())
+    setup["runtime"].semantic.load()  # as the gateway does at its start: no request waits for the model's load
     rebuild_layers(setup)
     setup["semantic_store"] = store
     return setup

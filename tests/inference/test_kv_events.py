@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import pytest
 
@@ -211,3 +213,16 @@ def test_all_blocks_cleared_empties_engine_memory_only() -> None:
     assert r.totals() == {("STORAGE", 2): (1, 32)}
     r.clear()  # a new engine process: nothing of the old one in any medium
     assert r.totals() == {} and r.cleared == 1
+
+
+def test_parents_that_loop_are_no_prefix_and_the_count_ends() -> None:
+    """No engine's hashes make a cycle, but a forged stream can name one: the count must end."""
+    r = residency()
+    r.apply(KVEventBatch(ts=0, events=[stored([10, 11], salt="salt-a"), stored([50], parent=52, salt="salt-a"),
+                                       stored([52], parent=51), stored([51], parent=50), stored([53], parent=51)]))  # fmt: skip
+    result: list[dict[int, list[dict[str, object]]]] = []
+    worker = threading.Thread(target=lambda: result.append(r.longest_prefixes()), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "longest_prefixes did not end on a cycle of parents"
+    assert result == [{1: [{"medium": "GPU", "blocks": 2, "tokens": 64}]}]

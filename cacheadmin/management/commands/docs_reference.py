@@ -46,7 +46,11 @@ class Command(ControlPlaneCommand):
                 raise self.failed(f"stale reference pages in {directory}: {', '.join(stale)}; run: {REGENERATE}", 1)
             self.stdout.write(f"{len(pages)} reference pages up to date in {directory}")
             return
-        written = write_pages(directory, pages)
+        try:
+            written = write_pages(directory, pages)
+        except OSError as exc:
+            # A folder that cannot be made or written (a missing parent, /proc, no permission): one line, nothing else.
+            raise self.bad_input(f"--out {directory}: cannot write the pages there: {exc.strerror or exc}") from exc
         self.stdout.write(
             f"wrote {len(written)} of {len(pages)} reference pages in {directory}: {', '.join(written) or 'none changed'}"
         )

