@@ -168,22 +168,28 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
         assert job.cached_tokens == sum(r.cached_tokens for r in results) > 0
     # v1's namespace was prewarmed with the diagnostic corpus: every prompt of the unsafe comparison came from
     # its persistent tier, whole blocks. (v2's was prewarmed from live heat, not from this corpus.)
-    assert all(r.cached_tokens == (r.prompt_tokens - 1) // 32 * 32 for r in unsafe.results.all())
-    assert all(r.deceptive and not r.tokens_equal for r in unsafe.results.all())
-    assert all(r.tokens_equal and r.max_logprob_delta <= r.tolerance and not r.deceptive for r in safe.results.all())
+    unsafe_rows = list(unsafe.results.values_list("prompt_tokens", "cached_tokens", "deceptive", "tokens_equal"))
+    assert all(cached == (prompt - 1) // 32 * 32 for prompt, cached, _, _ in unsafe_rows), unsafe_rows
+    assert all(deceptive and not equal for _, _, deceptive, equal in unsafe_rows), unsafe_rows
+    safe_rows = list(safe.results.values_list("tokens_equal", "max_logprob_delta", "tolerance", "deceptive"))
+    assert all(equal and delta <= tolerance and not deceptive for equal, delta, tolerance, deceptive in safe_rows), safe_rows
 
     engines = {e.name.rsplit("-", 1)[0] for e in Engine.objects.all()}
     assert engines == {"tiny-v1", "tiny-v1-reference", "tiny-v2-reference", "tiny-v2-unsafe", "tiny-v2"}
-    assert set(Engine.objects.values_list("status", flat=True)) == {Engine.Status.STOPPED}
+    states = [(e.name, e.status, e.error[:300]) for e in Engine.objects.all()]
+    assert {status for _, status, _ in states} == {Engine.Status.STOPPED}, states
     assert AuditEvent.objects.filter(action="engine.start", reason=UNSAFE_REASON).count() == 1
     assert AuditEvent.objects.filter(action="release.rollback", actor=tooling).count() == 1
     # Every engine was verified before use; the KV-event consumer watched the serving ones, and every
     # block they stored belonged to the namespace each served: no isolation alarm.
-    assert set(Engine.objects.values_list("verification", flat=True)) == {"verified"}
+    verification = list(Engine.objects.values_list("name", "verification"))
+    assert {v for _, v in verification} == {"verified"}, verification
     streams = KvEventStream.objects.select_related("engine")
     assert sorted(s.engine.name.rsplit("-", 1)[0] for s in streams) == ["tiny-v1", "tiny-v2", "tiny-v2-unsafe"]
-    assert all(s.events > 0 and s.gaps == 0 and s.complete for s in streams)
-    assert not EngineAlarm.objects.exists()
+    figures = [(s.engine.name, s.events, s.gaps, s.complete) for s in streams]
+    assert all(events > 0 and gaps == 0 and complete for _, events, gaps, complete in figures), figures
+    alarms = [(a.engine.name, a.kind, a.detail[:300], a.count) for a in EngineAlarm.objects.select_related("engine")]
+    assert alarms == [], alarms
 
     # The dashboard shows it all; the detail pages list every prompt's verdict and the release's timeline.
     client.force_login(django_user_model.objects.create_user("viewer", password="x"))
