@@ -439,11 +439,7 @@ class OnnxLoader:
             "probe_vectors": got.tolist(),
             "probe_min_cosine_to_torch": cosine,
         }
-        try:
-            _write_atomically(self.onnx_path, data)
-            _write_atomically(self.manifest_path, json.dumps(manifest).encode())  # last: the commit mark
-        except OSError as exc:
-            log.warning("embedder: ONNX export not stored in %s (%s); used in this process only", self.onnx_dir, exc)
+        self._store(self.onnx_path, self.manifest_path, data, manifest, what="ONNX export")
         self.exported = True
         self._float_bytes = data
         return model
@@ -482,13 +478,18 @@ class OnnxLoader:
             "probe_vectors": got.tolist(),
             "labelled_min_cosine_to_float": cosine,
         }
-        try:
-            _write_atomically(self.int8_path, data)
-            _write_atomically(self.int8_manifest_path, json.dumps(manifest).encode())  # last: the commit mark
-        except OSError as exc:
-            log.warning("embedder: int8 model not stored in %s (%s); used in this process only", self.onnx_dir, exc)
+        self._store(self.int8_path, self.int8_manifest_path, data, manifest, what="int8 model")
         self.quantized = True
         return model
+
+    def _store(self, path: Path, manifest_path: Path, data: bytes, manifest: dict[str, Any], *, what: str) -> None:
+        """Write a model file, then its manifest (last: the commit mark), each atomically; a folder
+        that cannot be written leaves the model to this process alone, with a warning naming ``what``."""
+        try:
+            _write_atomically(path, data)
+            _write_atomically(manifest_path, json.dumps(manifest).encode())
+        except OSError as exc:
+            log.warning("embedder: %s not stored in %s (%s); used in this process only", what, self.onnx_dir, exc)
 
     def _trace(self, torch: Any, transformer: Any) -> bytes:
         """The transformer (input ids, attention mask, token types → last hidden state) as ONNX bytes."""
