@@ -310,11 +310,17 @@ VARIABLES: dict[str, EnvVar] = {
     "GATEWAY_FLUSH_S": EnvVar(_G, "how often (seconds) a gateway process writes its figures and prefix heat"),
     "GATEWAY_HEADER_TIMEOUT_S": EnvVar(
         _G,
-        "seconds a request's headers may take from the connection's start (or the previous response's end); past it: "
-        "408 and the connection closes",
+        "seconds a request's headers may take from the connection's start (on a kept-alive connection, from the next "
+        "request's first byte); past it: 408 and the connection closes",
     ),
     "GATEWAY_BODY_TIMEOUT_S": EnvVar(
         _G, "seconds a request's body may take after its headers; past it: 408 and the connection closes"
+    ),
+    "GATEWAY_KEEPALIVE_S": EnvVar(
+        _G,
+        "seconds a connection may stay idle between requests before the gateway closes it; keep it above clients' own "
+        "idle times (httpx and OpenAI's SDK: 5 s) and a load balancer's idle timeout",
+        "75 (nginx's `keepalive_timeout`)",
     ),
     "GATEWAY_CONNECTIONS_PER_CLIENT": EnvVar(
         _G,

@@ -30,6 +30,7 @@ from cacheadmin.env import (
     private_dir,
     sqlite_database,
 )
+from inference.keepalive import SERVER_IDLE_S
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
@@ -317,10 +318,14 @@ GATEWAY_EPOCH_POLL_MS = env_int("GATEWAY_EPOCH_POLL_MS", 250, minimum=10)
 GATEWAY_SNAPSHOT_MAX_AGE_S = env_int("GATEWAY_SNAPSHOT_MAX_AGE_S", 10, minimum=1)
 #: How often (seconds) a gateway process writes its figures and prefix heat.
 GATEWAY_FLUSH_S = env_int("GATEWAY_FLUSH_S", 2, minimum=1)
-#: Read deadlines of a gateway request (seconds): its headers from the connection's start (or the previous
-#: response's end), its body from the headers. Past either: 408 and the connection closes (gateway.connections).
+#: Read deadlines of a gateway request (seconds): its headers from the connection's start (on a kept-alive
+#: connection, from the next request's first byte), its body from the headers. Past either: 408 and the
+#: connection closes (gateway.connections).
 GATEWAY_HEADER_TIMEOUT_S = env_int("GATEWAY_HEADER_TIMEOUT_S", 10, minimum=1)
 GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)
+#: Seconds a gateway connection may stay idle between requests before it is closed (uvicorn's
+#: timeout_keep_alive): far above clients' idle times, so none sends on a connection being closed (inference.keepalive).
+GATEWAY_KEEPALIVE_S = env_int("GATEWAY_KEEPALIVE_S", SERVER_IDLE_S, minimum=1)
 #: Open connections one client address may hold in one gateway process (0: no cap; behind a proxy, its address).
 GATEWAY_CONNECTIONS_PER_CLIENT = env_int("GATEWAY_CONNECTIONS_PER_CLIENT", 64, minimum=0)
 

@@ -6,8 +6,10 @@ being read: a client that sends its headers (or its body) a byte at a time
 holds its connection, and its slot, for as long as it likes (slowloris). Here:
 
 - **header deadline**: the request line and headers must arrive within
-  ``header_timeout_s`` of the connection opening (or of the previous response
-  ending, on a kept-alive connection);
+  ``header_timeout_s`` of the connection opening (on a kept-alive connection,
+  of the next request's first byte: the idle time between requests is
+  uvicorn's ``timeout_keep_alive``, ``GATEWAY_KEEPALIVE_S``, after which the
+  connection closes without an answer, as HTTP/1.1 allows);
 - **body deadline**: the whole body must arrive within ``body_timeout_s`` of
   the headers;
 - **per-client cap**: one client address holds at most ``per_client`` open
@@ -108,15 +110,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self._arm(limits.body_timeout_s, "body_timeout")
 
+    def data_received(self, data: bytes) -> None:
+        if self._deadline is None:
+            # The next request on a kept-alive connection (any byte: stray CRLFs before a request line too):
+            # its headers' deadline runs from its first byte. Not from the previous answer: an idle
+            # connection is uvicorn's keep-alive's to close, silently; a 408 there would answer a request
+            # the client may be sending at that moment.
+            self._arm(limits.header_timeout_s, "header_timeout")
+        super().data_received(data)
+
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._disarm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            # The next request on this kept-alive connection has its own header deadline.
-            self._arm(limits.header_timeout_s, "header_timeout")
 
     # -- deadlines --------------------------------------------------------------
     def _arm(self, seconds: float, reason: str) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 import httpcore2
 import httpx2
 
+from inference.keepalive import CLIENT_IDLE_S
+
 __all__ = ["EnginePool", "engine_transport"]
 
 
@@ -34,14 +36,16 @@ class EnginePool:
         ssl_context: for ``https`` engines (None: httpcore2's default context).
         max_idle: idle connections kept per origin; one given back beyond it is closed.
         keepalive_expiry: seconds an idle connection is kept; an older one is closed when next met.
-            Below uvicorn's (and so vLLM's) 5 s ``timeout_keep_alive``, so the gateway rarely
-            picks a connection the server is closing.
+            Well below uvicorn's (and so an adopted vLLM's) 5 s ``timeout_keep_alive``, so the
+            gateway does not pick a connection the server is closing (:mod:`inference.keepalive`).
 
     Raises (from :meth:`handle_async_request`): httpcore2's errors (``ConnectError``,
     ``ReadTimeout``...), which ``httpx2``'s transport maps to its own.
     """
 
-    def __init__(self, *, ssl_context: ssl.SSLContext | None = None, max_idle: int = 256, keepalive_expiry: float = 4.0) -> None:
+    def __init__(
+        self, *, ssl_context: ssl.SSLContext | None = None, max_idle: int = 256, keepalive_expiry: float = CLIENT_IDLE_S
+    ) -> None:
         self._ssl_context = ssl_context
         self._max_idle = max_idle
         self._keepalive_expiry = keepalive_expiry

@@ -76,6 +76,7 @@ from cacheadmin.services.prewarm import prewarm_job_create
 from cacheadmin.services.prompt_templates import prompt_template_create
 from cacheadmin.services.releases import release_rollback
 from inference.corpus import load_corpus
+from inference.keepalive import CLIENT_IDLE_S
 from inference.policies import load_policies
 
 ACTOR = "demo"
@@ -264,7 +265,7 @@ def _gateway_answers(gateway_url: str, key: str, served_name: str, *, timeout_s:
     """
     body = {"model": served_name, "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "temperature": 0}
     deadline, last = time.monotonic() + timeout_s, ""
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, limits=httpx.Limits(keepalive_expiry=CLIENT_IDLE_S)) as client:
         while time.monotonic() < deadline:
             try:
                 answer = client.post(f"{gateway_url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})

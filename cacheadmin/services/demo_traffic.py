@@ -37,6 +37,8 @@ from typing import Any
 
 import httpx
 
+from inference.keepalive import CLIENT_IDLE_S
+
 __all__ = [
     "CROSS_VERSION_EXAMPLES",
     "DEMO_TAIL_NUMBERS",
@@ -64,9 +66,6 @@ ROUTING_HEADER, PREDICTED_HEADER = "x-kvcp-routing", "x-kvcp-predicted-cached-to
 CROSS_VERSION_EXAMPLES = 20
 #: Key of an answer without a served-by or version header.
 UNKNOWN = "unknown"
-#: Seconds a client reuses an idle kept-alive connection: under uvicorn's ``timeout_keep_alive`` (5 s),
-#: since a request sent as the server closes its idle connection fails (httpx: RemoteProtocolError).
-KEEPALIVE_S = 4.0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -791,9 +790,11 @@ class TrafficRunner:
         self._futures: set[Future[None]] = set()
         # One keep-alive client per worker, made at start (a client's first use builds an SSL context: tens of ms
         # on a busy host, which would otherwise land in the first requests' latency). At most max_in_flight
-        # requests run at once, so a worker always finds one idle.
+        # requests run at once, so a worker always finds one idle. The most recently used first: its connection
+        # is the likeliest still open (taken in turn, each of 8 clients at 2 requests/s sat idle 4 s, just under
+        # its idle time, and a request on a connection the server was closing failed).
         self._clients: list[httpx.Client] = []
-        self._idle: queue.SimpleQueue[httpx.Client] = queue.SimpleQueue()
+        self._idle: queue.LifoQueue[httpx.Client] = queue.LifoQueue()
         self._overall: _Tally | None = None
         self._phases: dict[str, _Tally] = {}
         self._current: _Tally | None = None
@@ -818,7 +819,7 @@ class TrafficRunner:
             for _ in range(self.max_in_flight):
                 client = httpx.Client(
                     timeout=self.timeout_s, headers={"Authorization": f"Bearer {self.key}"},
-                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_S),
+                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=CLIENT_IDLE_S),
                 )  # fmt: skip
                 self._clients.append(client)
                 self._idle.put(client)
@@ -1020,12 +1021,15 @@ class TrafficRunner:
         first: float | None = None
         fingerprints: list[str | None] = []
         usage: Any = None
+        done = False
+        # Read to the body's end, past [DONE]: a body left unread closes its kept-alive connection.
         for line in response.iter_lines():
-            if not line.startswith("data:"):
+            if done or not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                break
+                done = True
+                continue
             try:
                 chunk = json.loads(data)
             except ValueError:

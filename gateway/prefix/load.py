@@ -20,6 +20,7 @@ from typing import Final
 import httpx2
 
 from gateway.routing import EngineTarget, RoutingSnapshot
+from inference.keepalive import CLIENT_IDLE_S
 
 log = logging.getLogger("gateway")
 
@@ -91,7 +92,8 @@ class EngineLoadPoller:
 
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set (a gateway process's thread)."""
-        with httpx2.Client() as client:
+        # Idle between readings: given up before an engine's server would close it (inference.keepalive).
+        with httpx2.Client(limits=httpx2.Limits(keepalive_expiry=CLIENT_IDLE_S)) as client:
             while not stop.is_set():
                 self.poll(client)
                 stop.wait(self.interval_s)

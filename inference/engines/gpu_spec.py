@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.engines.launcher import CPU_ATTENTION_BACKENDS
+from inference.keepalive import SERVER_IDLE_S, VLLM_KEEPALIVE_ENV
 from inference.layout import KV_CACHE_LAYOUTS, MODEL_IMPLS
 
 #: The ``connector`` choices, in the order an error message lists them.
@@ -383,6 +384,8 @@ def gpu_engine_spec(
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # Idle connections kept far longer than the gateway's clients keep theirs (inference.keepalive).
+        VLLM_KEEPALIVE_ENV: str(SERVER_IDLE_S),
         **layout_env,
     }
     files: dict[str, str] = {}

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from inference.child_env import ENGINE_ENV_NAMES, child_environment, die_with_parent
 from inference.engines.vllm_http import VllmHttpClient
 from inference.errors import EngineError
+from inference.keepalive import SERVER_IDLE_S, VLLM_KEEPALIVE_ENV
 from inference.layout import engine_version
 from inference.paths import has_mistral_tokenizer
 from inference.processes import process_started
@@ -245,6 +246,8 @@ class EngineSpec:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
+            # Idle connections kept far longer than the gateway's and jobs' clients keep theirs (inference.keepalive).
+            VLLM_KEEPALIVE_ENV: str(SERVER_IDLE_S),
             # The entry point (inference.engines.serve) is this project's.
             "PYTHONPATH": str(PROJECT_ROOT),
         }

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from inference.engines.vllm_http import error_status
 from inference.errors import EngineError
+from inference.keepalive import CLIENT_IDLE_S
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,9 @@ def observe(
     import httpx  # lazy: start-up cost of every CLI/worker process
 
     base = base_url.rstrip("/")
-    with httpx.Client(timeout=timeout_s, headers=headers or {}) as http:
+    # An idle connection is given up before the engine's server would close it (inference.keepalive).
+    limits = httpx.Limits(keepalive_expiry=CLIENT_IDLE_S)
+    with httpx.Client(timeout=timeout_s, headers=headers or {}, limits=limits) as http:
         listing = _json(http, f"{base}/v1/models")
         data = listing.get("data") if isinstance(listing, dict) else None
         if not is_vllm_model_list(listing):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from inference.errors import EngineError
+from inference.keepalive import CLIENT_IDLE_S
 
 log = logging.getLogger(__name__)
 #: An OpenAI/vLLM error ``type`` (``BadRequestError``, ``invalid_request_error``): the one part of an
@@ -124,7 +125,9 @@ class VllmHttpClient:
         self.model = model
         import httpx  # lazy: start-up cost of every CLI/worker process (see above)
 
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers or {})
+        # An idle connection is given up before an engine's server would close it (inference.keepalive).
+        limits = httpx.Limits(keepalive_expiry=CLIENT_IDLE_S)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers or {}, limits=limits)
 
     def close(self) -> None:
         """Release the connection pool."""

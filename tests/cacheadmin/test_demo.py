@@ -38,6 +38,12 @@ from inference.corpus import load_corpus
 from inference.engines.launcher import free_port
 from tests.helpers import manage, purge_broker, subprocess_env
 
+
+def _shown(value: object) -> str:
+    """A check's findings in full (pytest cuts a message that is not a string to 240 characters)."""
+    return json.dumps(value, default=str)
+
+
 pytestmark = [pytest.mark.vllm, pytest.mark.embedded_default, pytest.mark.django_db(transaction=True)]
 
 
@@ -111,7 +117,8 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     # reads count exactly what the generator saw (plus the one request that waited for routing).
     traffic = summary["traffic"]
     assert traffic["cross_version_answers"] == 0
-    assert traffic["requests"] == traffic["answered"] > 100, {k: traffic.get(k) for k in ("errors", "dropped", "phases")}
+    counts = {name: {k: p[k] for k in ("sent", "answered", "dropped", "errors")} for name, p in traffic["phases"].items()}
+    assert traffic["requests"] == traffic["answered"] > 100, _shown(counts)
     served = {
         layer: sum(p["served_by"].get(layer, 0) for p in traffic["phases"].values())
         for layer in ("response", "semantic", "engine")
@@ -121,11 +128,11 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     assert sum(s.hits for s in stats if s.layer == "semantic") == served["semantic"]
     assert sum(s.requests for s in stats if s.layer == "prefix") == served["engine"] + 1
     for ratio in ("response_cache_hit_ratio", "prefix_cached_token_ratio", "cost_savings_rate"):
-        assert 0 < traffic[ratio] < 1, (ratio, traffic)
+        assert 0 < traffic[ratio] < 1, _shown([ratio, traffic])
     assert traffic["prefix_cached_token_ratio"] > 0.5  # the long shared system prompts
     # The gateway chose engines by what they hold (precise routing), and says how often its prediction held.
     routing = traffic["routing"]
-    assert routing.get("precise", 0) > 0 and sum(routing.values()) == served["engine"], routing
+    assert routing.get("precise", 0) > 0 and sum(routing.values()) == served["engine"], _shown(routing)
     assert sum(traffic["predictions"].values()) == routing["precise"]
     assert traffic["prediction_accuracy"] == round(traffic["predictions"].get("exact", 0) / routing["precise"], 4)
     phases = traffic["phases"]
@@ -169,27 +176,28 @@ def test_demo_ships_v2_under_live_traffic_catches_the_unsafe_upgrade_and_rolls_b
     # v1's namespace was prewarmed with the diagnostic corpus: every prompt of the unsafe comparison came from
     # its persistent tier, whole blocks. (v2's was prewarmed from live heat, not from this corpus.)
     unsafe_rows = list(unsafe.results.values_list("prompt_tokens", "cached_tokens", "deceptive", "tokens_equal"))
-    assert all(cached == (prompt - 1) // 32 * 32 for prompt, cached, _, _ in unsafe_rows), unsafe_rows
-    assert all(deceptive and not equal for _, _, deceptive, equal in unsafe_rows), unsafe_rows
+    assert all(cached == (prompt - 1) // 32 * 32 for prompt, cached, _, _ in unsafe_rows), _shown(unsafe_rows)
+    assert all(deceptive and not equal for _, _, deceptive, equal in unsafe_rows), _shown(unsafe_rows)
     safe_rows = list(safe.results.values_list("tokens_equal", "max_logprob_delta", "tolerance", "deceptive"))
-    assert all(equal and delta <= tolerance and not deceptive for equal, delta, tolerance, deceptive in safe_rows), safe_rows
+    clean = [equal and delta <= tolerance and not deceptive for equal, delta, tolerance, deceptive in safe_rows]
+    assert all(clean), _shown(safe_rows)
 
     engines = {e.name.rsplit("-", 1)[0] for e in Engine.objects.all()}
     assert engines == {"tiny-v1", "tiny-v1-reference", "tiny-v2-reference", "tiny-v2-unsafe", "tiny-v2"}
     states = [(e.name, e.status, e.error[:300]) for e in Engine.objects.all()]
-    assert {status for _, status, _ in states} == {Engine.Status.STOPPED}, states
+    assert {status for _, status, _ in states} == {Engine.Status.STOPPED}, _shown(states)
     assert AuditEvent.objects.filter(action="engine.start", reason=UNSAFE_REASON).count() == 1
     assert AuditEvent.objects.filter(action="release.rollback", actor=tooling).count() == 1
     # Every engine was verified before use; the KV-event consumer watched the serving ones, and every
     # block they stored belonged to the namespace each served: no isolation alarm.
     verification = list(Engine.objects.values_list("name", "verification"))
-    assert {v for _, v in verification} == {"verified"}, verification
+    assert {v for _, v in verification} == {"verified"}, _shown(verification)
     streams = KvEventStream.objects.select_related("engine")
     assert sorted(s.engine.name.rsplit("-", 1)[0] for s in streams) == ["tiny-v1", "tiny-v2", "tiny-v2-unsafe"]
     figures = [(s.engine.name, s.events, s.gaps, s.complete) for s in streams]
-    assert all(events > 0 and gaps == 0 and complete for _, events, gaps, complete in figures), figures
+    assert all(events > 0 and gaps == 0 and complete for _, events, gaps, complete in figures), _shown(figures)
     alarms = [(a.engine.name, a.kind, a.detail[:300], a.count) for a in EngineAlarm.objects.select_related("engine")]
-    assert alarms == [], alarms
+    assert alarms == [], _shown(alarms)
 
     # The dashboard shows it all; the detail pages list every prompt's verdict and the release's timeline.
     client.force_login(django_user_model.objects.create_user("viewer", password="x"))

@@ -11,6 +11,7 @@ import httpx2
 import pytest
 
 from gateway.engine_pool import EnginePool, engine_transport
+from inference.keepalive import CLIENT_IDLE_S
 
 
 class Server:
@@ -130,6 +131,22 @@ def test_an_idle_connection_closed_by_the_server_meanwhile_is_passed_over() -> N
             # The server side of the idle connection goes away (as uvicorn's keep-alive timeout does).
             stream = stack[0]._connection._network_stream  # type: ignore[union-attr]  # noqa: SLF001
             stream.get_extra_info("socket").shutdown(2)  # both directions: the socket reads as closed
+            assert await post(client, server) == b"hello"
+            assert (server.accepted, pool_of(transport).idle_count()) == (2, 1)
+
+    run(main)
+
+
+def test_a_connection_idle_past_the_clients_idle_time_is_given_up_before_uvicorns_keep_alive_would() -> None:
+    # uvicorn (so an adopted vLLM) closes an idle connection at 5 s; a request sent on it as it closes fails.
+    assert CLIENT_IDLE_S <= 5 - 3
+
+    async def main() -> None:
+        transport = engine_transport()
+        async with Server() as server, httpx2.AsyncClient(transport=transport) as client:
+            assert [await post(client, server) for _ in range(2)] == [b"hello"] * 2
+            assert server.accepted == 1  # reused at once
+            await asyncio.sleep(CLIENT_IDLE_S + 0.3)
             assert await post(client, server) == b"hello"
             assert (server.accepted, pool_of(transport).idle_count()) == (2, 1)
 

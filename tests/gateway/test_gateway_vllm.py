@@ -7,6 +7,8 @@ written to the database."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from cacheadmin.services.shadow import shadow_check_run
 from gateway.answers import AnswerAssembler
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
+from inference.keepalive import SERVER_IDLE_S, VLLM_KEEPALIVE_ENV
 from tests.helpers import running_gateway, subprocess_env, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -158,6 +161,22 @@ def test_the_gateway_serves_salted_requests_caches_greedy_answers_and_records_fi
         # What was recorded instead says which way it went (a bypass of another kind, a figure not flushed).
         recorded = [(r.hits, r.misses, r.bypass) for r in response.all()]
         raise AssertionError(f"{exc}; the response layer recorded (hits, misses, bypasses): {recorded}") from None
+
+
+def test_an_engine_it_starts_keeps_an_idle_connection_past_uvicorns_default_keep_alive(engine: LocalEngine) -> None:
+    # uvicorn's default (5 s) would close it while the gateway's pool may still pick it (inference.keepalive).
+    assert engine.spec.environment()[VLLM_KEEPALIVE_ENV] == str(SERVER_IDLE_S) == "75"
+    host, port = engine.base_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: engine\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(65536)
+                assert chunk, f"the engine closed the connection after {pause} s idle"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 200 "), head
 
 
 def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: dict) -> None:

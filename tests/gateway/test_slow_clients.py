@@ -23,7 +23,7 @@ from tests.helpers import running_gateway, subprocess_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-HEADER_S, BODY_S, CAP = 1, 2, 5
+HEADER_S, BODY_S, CAP, KEEPALIVE_S = 1, 2, 5, 3
 #: How late past its deadline the server may close a slow connection (a loaded 2-core machine).
 MARGIN_S = 2.0
 METRICS_TOKEN = "s" * 40
@@ -36,7 +36,7 @@ def gateway(tmp_path: Path) -> Iterator[dict]:
     env = subprocess_env(
         GATEWAY_SEMANTIC="0", GATEWAY_DIR=str(tmp_path), GATEWAY_METRICS_DIR=str(tmp_path / "metrics"),
         METRICS_TOKEN=METRICS_TOKEN, GATEWAY_HEADER_TIMEOUT_S=str(HEADER_S), GATEWAY_BODY_TIMEOUT_S=str(BODY_S),
-        GATEWAY_CONNECTIONS_PER_CLIENT=str(CAP),
+        GATEWAY_CONNECTIONS_PER_CLIENT=str(CAP), GATEWAY_KEEPALIVE_S=str(KEEPALIVE_S),
     )  # fmt: skip
     with running_gateway(env, tmp_path / "gateway.log") as base:
         yield {"port": int(base.rsplit(":", 1)[1]), "key": key}
@@ -56,6 +56,18 @@ def _read_all(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
         if not chunk:
             return data, time.monotonic()
         data += chunk
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One whole answer on a kept-alive connection (its head and ``content-length`` bytes of body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def _status_and_error(raw: bytes) -> tuple[int, dict]:
@@ -136,15 +148,28 @@ def test_slow_headers_and_bodies_are_cut_at_their_deadlines_and_one_address_hold
         body_sock.send(b" ")
     _timed_out(body_sock, sent_headers, "body", BODY_S)
 
-    # A kept-alive connection: the first request is answered; the next one's headers have their own deadline.
+    # A kept-alive connection: the first request is answered; idle past the header deadline (the idle time is
+    # the keep-alive's), the next request is answered too; the one after has a header deadline from its first byte.
     kept = _connect(port, "127.0.0.4")
-    kept.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n")
     kept.settimeout(5)
-    first = kept.recv(65536)
-    assert first.startswith(b"HTTP/1.1 200 ")
-    answered = time.monotonic()
+    for pause in (0, HEADER_S + 1):
+        time.sleep(pause)
+        kept.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n")
+        answer = _answer(kept)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+    time.sleep(HEADER_S + 1)
+    began = time.monotonic()
     kept.sendall(b"GET /hea")
-    _timed_out(kept, answered, "headers", HEADER_S)
+    _timed_out(kept, began, "headers", HEADER_S)
+    # An idle kept-alive connection is closed at GATEWAY_KEEPALIVE_S, with nothing written and nothing counted.
+    idle = _connect(port, "127.0.0.5")
+    idle.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n")
+    idle.settimeout(5)
+    assert _answer(idle).startswith(b"HTTP/1.1 200 ")
+    answered = time.monotonic()
+    rest, closed = _read_all(idle, KEEPALIVE_S + MARGIN_S + 5)
+    assert (rest, KEEPALIVE_S - 0.1 <= closed - answered <= KEEPALIVE_S + MARGIN_S) == (b"", True), closed - answered
+    idle.close()
 
     # The address's connections were given back: it is served again.
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200

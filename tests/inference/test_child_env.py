@@ -40,7 +40,7 @@ def test_an_engine_started_by_a_web_worker_gets_none_of_its_environment(tmp_path
     }
     env = EngineSpec(**base, api_key="k-1").environment()
     own = {
-        "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
         "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_API_KEY": "k-1",
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "VLLM_WORKER_MULTIPROC_METHOD": "fork",
     }  # fmt: skip

@@ -93,7 +93,7 @@ EVENTS = {
     "replay_endpoint": f"ipc:///run/kvcp-kv-events/{NAMESPACE}.replay",
     "topic": NAMESPACE,
 }
-BASE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+BASE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
 
 
 def test_every_layout_field_becomes_a_flag() -> None:

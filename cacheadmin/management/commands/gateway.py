@@ -135,6 +135,7 @@ class Command(ControlPlaneCommand):
         # The guarded protocol: read deadlines and a per-address cap (gateway.connections), which uvicorn lacks.
         uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
                     access_log=False, timeout_graceful_shutdown=10, http=GuardedHttpToolsProtocol,
+                    timeout_keep_alive=settings.GATEWAY_KEEPALIVE_S,
                     timeout_worker_healthcheck=settings.GATEWAY_WORKER_HEALTHCHECK_S)  # fmt: skip
 
     def _tenant(self, opts: dict[str, Any]) -> Tenant:
