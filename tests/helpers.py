@@ -59,6 +59,24 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float, interval: float =
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def kept_alive_get(sock: socket.socket, path: str) -> bytes:
+    """Send ``GET path`` on ``sock``, an HTTP/1.1 connection kept alive, and read its whole answer: the head,
+    then ``content-length`` bytes of body. Raises AssertionError when the server closed the connection instead."""
+    sock.sendall(b"GET %s HTTP/1.1\r\nhost: localhost\r\n\r\n" % path.encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lengths = [line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    while len(body) < int(lengths[0] if lengths else 0):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-answer"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def worker_log(name: str) -> Path:
     """Where a test worker logs."""
     return settings.VAR_DIR / "logs" / f"{name}.log"

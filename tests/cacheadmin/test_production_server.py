@@ -28,7 +28,8 @@ from django.test import Client
 
 from cacheadmin.management.commands.demo import DashboardServer, ServerOptions
 from inference.child_env import die_with_parent
-from tests.helpers import PROJECT, subprocess_env, wait_for
+from inference.keepalive import SERVER_IDLE_S
+from tests.helpers import PROJECT, kept_alive_get, subprocess_env, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server's workers must see committed rows
 
@@ -147,6 +148,26 @@ def _workers_of(master: int, *, timeout_s: float = 30.0) -> list[int]:
         if len(workers) >= OPTIONS.workers or time.monotonic() > deadline:
             return workers
         time.sleep(0.1)
+
+
+def test_a_threaded_worker_keeps_an_idle_connection_past_gunicorns_default_keep_alive() -> None:
+    # gunicorn's default keep-alive (2 s) is under clients' idle times (httpx: 5 s): a request sent as it closes
+    # the connection gets no answer. The demo's server keeps idle connections 75 s (inference.keepalive).
+    threaded = DashboardServer(
+        f"127.0.0.1:{_free_port()}", log_path=settings.VAR_DIR / "logs" / "test-gunicorn-threads.log",
+        options=ServerOptions(workers=1, threads=2, timeout_s=30, graceful_timeout_s=10), env=subprocess_env(),
+    )  # fmt: skip
+    assert threaded.command[threaded.command.index("--keep-alive") + 1] == str(SERVER_IDLE_S) == "75"
+    threaded.start(collect_static=False)
+    try:
+        host, port = threaded.base_url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            for pause in (0.0, 3.5):
+                time.sleep(pause)
+                answer = kept_alive_get(sock, "/healthz")
+                assert answer.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close" not in answer.lower(), answer
+    finally:
+        threaded.stop()
 
 
 def test_server_stops_on_sigterm_within_seconds(server: DashboardServer) -> None:

@@ -33,7 +33,7 @@ from gateway.answers import AnswerAssembler
 from inference.engines.launcher import EngineSpec, LocalEngine, free_port
 from inference.identity import LayoutOptions
 from inference.keepalive import SERVER_IDLE_S, VLLM_KEEPALIVE_ENV
-from tests.helpers import running_gateway, subprocess_env, wait_for
+from tests.helpers import kept_alive_get, running_gateway, subprocess_env, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
@@ -170,13 +170,8 @@ def test_an_engine_it_starts_keeps_an_idle_connection_past_uvicorns_default_keep
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         for pause in (0.0, 6.0):
             time.sleep(pause)
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: engine\r\n\r\n")
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = sock.recv(65536)
-                assert chunk, f"the engine closed the connection after {pause} s idle"
-                head += chunk
-            assert head.startswith(b"HTTP/1.1 200 "), head
+            answer = kept_alive_get(sock, "/health")
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
 
 
 def test_a_client_that_goes_away_mid_stream_cancels_the_engine_request(served: dict) -> None:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cacheadmin.models import Tenant
 from cacheadmin.services.gateway import gateway_key_issue
-from tests.helpers import running_gateway, subprocess_env
+from tests.helpers import kept_alive_get, running_gateway, subprocess_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -56,18 +56,6 @@ def _read_all(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
         if not chunk:
             return data, time.monotonic()
         data += chunk
-
-
-def _answer(sock: socket.socket) -> bytes:
-    """One whole answer on a kept-alive connection (its head and ``content-length`` bytes of body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head + b"\r\n\r\n" + body
 
 
 def _status_and_error(raw: bytes) -> tuple[int, dict]:
@@ -154,8 +142,7 @@ def test_slow_headers_and_bodies_are_cut_at_their_deadlines_and_one_address_hold
     kept.settimeout(5)
     for pause in (0, HEADER_S + 1):
         time.sleep(pause)
-        kept.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n")
-        answer = _answer(kept)
+        answer = kept_alive_get(kept, "/health")
         assert answer.startswith(b"HTTP/1.1 200 "), answer
     time.sleep(HEADER_S + 1)
     began = time.monotonic()
@@ -163,9 +150,8 @@ def test_slow_headers_and_bodies_are_cut_at_their_deadlines_and_one_address_hold
     _timed_out(kept, began, "headers", HEADER_S)
     # An idle kept-alive connection is closed at GATEWAY_KEEPALIVE_S, with nothing written and nothing counted.
     idle = _connect(port, "127.0.0.5")
-    idle.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\n")
     idle.settimeout(5)
-    assert _answer(idle).startswith(b"HTTP/1.1 200 ")
+    assert kept_alive_get(idle, "/health").startswith(b"HTTP/1.1 200 ")
     answered = time.monotonic()
     rest, closed = _read_all(idle, KEEPALIVE_S + MARGIN_S + 5)
     assert (rest, KEEPALIVE_S - 0.1 <= closed - answered <= KEEPALIVE_S + MARGIN_S) == (b"", True), closed - answered

@@ -46,6 +46,7 @@ from cacheadmin.services.gateway import gateway_key_issue, gateway_key_revoke
 from cacheadmin.services.workers import GatewayProcess, KvEventsProcess, WorkerProcess
 from inference.child_env import die_with_parent
 from inference.errors import EXIT_CONFLICT, CheckpointError
+from inference.keepalive import SERVER_IDLE_S
 
 EXIT_CHECK_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -176,6 +177,10 @@ def gunicorn_command(bind: str, options: ServerOptions, *, access_log: bool = Fa
         "--threads", str(options.threads),
         "--timeout", str(options.timeout_s),
         "--graceful-timeout", str(options.graceful_timeout_s),
+        # Threaded workers keep idle connections open; gunicorn's default (2 s) is shorter than clients' own idle
+        # times (httpx: 5 s, browsers: minutes), which then send on a connection being closed (inference.keepalive).
+        # Sync workers close each connection after its answer.
+        "--keep-alive", str(SERVER_IDLE_S),
         # The app is imported once in the arbiter and the workers are forked
         # from it: measured here with 5 workers on 2 cores, the first answer
         # came after ~7 s instead of ~15 s, and each worker's own memory (PSS)
