@@ -37,8 +37,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from inference.engines.launcher import CPU_ATTENTION_BACKENDS
-from inference.keepalive import SERVER_IDLE_S, VLLM_KEEPALIVE_ENV
+from inference.engines.launcher import CPU_ATTENTION_BACKENDS, SERVER_ENV
 from inference.layout import KV_CACHE_LAYOUTS, MODEL_IMPLS
 
 #: The ``connector`` choices, in the order an error message lists them.
@@ -379,15 +378,7 @@ def gpu_engine_spec(
         "--kv-events-config",
         json.dumps(kv_events_config(kv_events_endpoint, kv_events_replay_endpoint, topic=storage_prefix)),
     ]
-    env = {
-        # POST /reset_prefix_cache exists only in dev mode (entrypoints/launchers/api_server/routers.py).
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        # Idle connections kept far longer than the gateway's clients keep theirs (inference.keepalive).
-        VLLM_KEEPALIVE_ENV: str(SERVER_IDLE_S),
-        **layout_env,
-    }
+    env = {**SERVER_ENV, **layout_env}
     files: dict[str, str] = {}
     if connector == "example":
         transfer = example_transfer_config(storage_path)

@@ -242,12 +242,8 @@ class EngineSpec:
         mix its series with other processes'), its database URL or its keys.
         """
         env = {
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
+            **SERVER_ENV,
             "HF_HUB_OFFLINE": "1",
-            # Idle connections kept far longer than the gateway's and jobs' clients keep theirs (inference.keepalive).
-            VLLM_KEEPALIVE_ENV: str(SERVER_IDLE_S),
             # The entry point (inference.engines.serve) is this project's.
             "PYTHONPATH": str(PROJECT_ROOT),
         }
@@ -268,6 +264,16 @@ class EngineSpec:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+#: What every vLLM server this project starts or specifies runs with (here, on Ray, or from
+#: ``engine spec``'s manifests), whatever else its backend adds.
+SERVER_ENV = {
+    # POST /reset_prefix_cache exists only in dev mode (entrypoints/launchers/api_server/routers.py).
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    # Idle connections kept far longer than the gateway's and jobs' clients keep theirs (inference.keepalive).
+    VLLM_KEEPALIVE_ENV: str(SERVER_IDLE_S),
+}
 #: The folder holding this project's packages (``inference/``): on an engine's ``PYTHONPATH``.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,9 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from inference.engines.vllm_http import error_status
+from inference.engines.vllm_http import engine_http, error_status
 from inference.errors import EngineError
-from inference.keepalive import CLIENT_IDLE_S
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +241,8 @@ def observe(
             vLLM's (the one source every check needs); its message never
             repeats what the server sent.
     """
-    import httpx  # lazy: start-up cost of every CLI/worker process
-
     base = base_url.rstrip("/")
-    # An idle connection is given up before the engine's server would close it (inference.keepalive).
-    limits = httpx.Limits(keepalive_expiry=CLIENT_IDLE_S)
-    with httpx.Client(timeout=timeout_s, headers=headers or {}, limits=limits) as http:
+    with engine_http(timeout_s=timeout_s, headers=headers) as http:
         listing = _json(http, f"{base}/v1/models")
         data = listing.get("data") if isinstance(listing, dict) else None
         if not is_vllm_model_list(listing):

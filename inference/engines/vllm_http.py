@@ -61,6 +61,17 @@ def error_status(response: httpx.Response, where: str) -> str:
 if TYPE_CHECKING:
     import httpx
 
+
+def engine_http(*, timeout_s: float, headers: dict[str, str] | None = None, base_url: str = "") -> httpx.Client:
+    """An ``httpx`` client of an engine's server: ``timeout_s`` per request, ``headers`` on every one,
+    and an idle connection given up after :data:`inference.keepalive.CLIENT_IDLE_S`, before an engine's
+    server (an adopted one: uvicorn's 5 s) would close it as a request is sent."""
+    import httpx  # lazy: start-up cost of every CLI/worker process (see above)
+
+    limits = httpx.Limits(keepalive_expiry=CLIENT_IDLE_S)
+    return httpx.Client(base_url=base_url, timeout=timeout_s, headers=headers or {}, limits=limits)
+
+
 #: The /metrics counters the control plane reads, by vLLM metric name.
 PREFIX_CACHE_METRICS = (
     "vllm:prefix_cache_queries",
@@ -123,11 +134,7 @@ class VllmHttpClient:
         """
         self.base_url = base_url.rstrip("/")
         self.model = model
-        import httpx  # lazy: start-up cost of every CLI/worker process (see above)
-
-        # An idle connection is given up before an engine's server would close it (inference.keepalive).
-        limits = httpx.Limits(keepalive_expiry=CLIENT_IDLE_S)
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers or {}, limits=limits)
+        self._http = engine_http(timeout_s=timeout_s, headers=headers, base_url=self.base_url)
 
     def close(self) -> None:
         """Release the connection pool."""
