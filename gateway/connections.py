@@ -11,7 +11,11 @@ holds its connection, and its slot, for as long as it likes (slowloris). Here:
   uvicorn's ``timeout_keep_alive``, ``GATEWAY_KEEPALIVE_S``, after which the
   connection closes without an answer, as HTTP/1.1 allows);
 - **body deadline**: the whole body must arrive within ``body_timeout_s`` of
-  the headers;
+  the headers (a request the app answered before its body ended is closed
+  then, with nothing more written);
+- neither runs while an earlier request's answer is under way (a client
+  waits for it, and uvicorn reads no pipelined request meanwhile): the next
+  request's deadline starts when that answer ends;
 - **per-client cap**: one client address holds at most ``per_client`` open
   connections in this process (0: no cap). Behind a proxy every connection has
   the proxy's address: raise the cap or set 0 there, and let the proxy limit.
@@ -79,7 +83,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._deadline_reason: str | None = None
         self._counted: str | None = None
+        #: What is being read: ``"headers"`` (from a request's first byte, or the connection's start),
+        #: ``"body"`` (from its headers' end), or None (nothing: idle, or every request read).
+        self._reading: str | None = None
+        #: Requests whose answer is not complete yet (each counted from its headers' end).
+        self._unanswered = 0
 
     # -- connection ------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -94,7 +104,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         open_by_client[host] += 1
         self._counted = host
-        self._arm(limits.header_timeout_s, "header_timeout")
+        self._reading = "headers"
+        self._rearm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -106,42 +117,72 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     # -- request phases ---------------------------------------------------------
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        self._arm(limits.body_timeout_s, "body_timeout")
-
     def data_received(self, data: bytes) -> None:
-        if self._deadline is None:
+        if self._reading is None and self._counted is not None:
             # The next request on a kept-alive connection (any byte: stray CRLFs before a request line too):
             # its headers' deadline runs from its first byte. Not from the previous answer: an idle
             # connection is uvicorn's keep-alive's to close, silently; a 408 there would answer a request
             # the client may be sending at that moment.
-            self._arm(limits.header_timeout_s, "header_timeout")
+            self._reading = "headers"
+            self._rearm()
         super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._reading is None:  # a pipelined request, begun in the bytes that ended the one before
+            self._reading = "headers"
+            self._rearm()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._unanswered += 1
+        self._reading = "body"
+        self._rearm()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._disarm()
+        self._reading = None
+        self._rearm()
+
+    def on_response_complete(self) -> None:
+        self._unanswered -= 1
+        super().on_response_complete()  # starts a pipelined request's answer, and resumes reading
+        if not self.transport.is_closing():
+            self._rearm()
 
     # -- deadlines --------------------------------------------------------------
-    def _arm(self, seconds: float, reason: str) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(seconds, self._expired, reason)
+    def _rearm(self) -> None:
+        """The deadline of what is being read, from when it began to count. None while nothing is read,
+        or while an earlier request's answer is under way: the client waits for it (and uvicorn stops
+        reading pipelined requests meanwhile), so the next request's clock starts when that answer ends."""
+        earlier = self._unanswered - (1 if self._reading == "body" else 0)
+        if self._reading is None or earlier > 0:
+            self._disarm()
+            return
+        reason = "header_timeout" if self._reading == "headers" else "body_timeout"
+        if self._deadline is None or self._deadline_reason != reason:
+            seconds = limits.header_timeout_s if reason == "header_timeout" else limits.body_timeout_s
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired, reason)
+            self._deadline_reason = reason
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+            self._deadline_reason = None
 
     def _expired(self, reason: str) -> None:
         self._deadline = None
+        self._deadline_reason = None
         if self.transport.is_closing():
             return
-        started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
         phase = "headers" if reason == "header_timeout" else "body"
         seconds = limits.header_timeout_s if reason == "header_timeout" else limits.body_timeout_s
-        # A response already under way (the app answered before the body ended) is cut, not answered twice.
-        answer = b"" if started else _answer(408, b"Request Timeout", f"request {phase} not received within {seconds:g} s",
+        # A body's request that the app already began to answer (it answered before the body ended) is
+        # closed, not answered twice. A header deadline runs only when no answer is under way.
+        answered = reason == "body_timeout" and self.cycle is not None and self.cycle.response_started
+        answer = b"" if answered else _answer(408, b"Request Timeout", f"request {phase} not received within {seconds:g} s",
                                                "request_timeout")  # fmt: skip
         self._refuse(reason, answer)
 

@@ -157,6 +157,34 @@ def test_slow_headers_and_bodies_are_cut_at_their_deadlines_and_one_address_hold
     assert (rest, KEEPALIVE_S - 0.1 <= closed - answered <= KEEPALIVE_S + MARGIN_S) == (b"", True), closed - answered
     idle.close()
 
+    # Pipelined: a request answered, and the next one's partial headers in the same packet get their deadline
+    # once that answer ended.
+    piped = _connect(port, "127.0.0.6")
+    piped.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\n\r\nGET /hea")
+    sent = time.monotonic()
+    raw, closed = _read_all(piped, HEADER_S + MARGIN_S + 5)
+    assert raw.startswith(b"HTTP/1.1 200 ") and raw.count(b"HTTP/1.1 408 ") == 1, raw
+    assert HEADER_S - 0.1 <= closed - sent <= HEADER_S + MARGIN_S, closed - sent
+    # An answer given before the body arrived (no key: 401) is the only answer: at the body deadline the
+    # connection closes with nothing more written.
+    early = _connect(port, "127.0.0.7")
+    early.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n{")  # fmt: skip
+    sent = time.monotonic()
+    raw, closed = _read_all(early, BODY_S + MARGIN_S + 5)
+    assert (raw.count(b"HTTP/1.1 "), raw.startswith(b"HTTP/1.1 401 ")) == (1, True), raw
+    assert BODY_S - 0.1 <= closed - sent <= BODY_S + MARGIN_S, closed - sent
+    early.close()
+    # WebSocket upgrade requests are plain HTTP here, and each gives its connection back: more of them than
+    # the cap, one after another, from one address, are all answered.
+    for _ in range(CAP + 3):
+        with _connect(port, "127.0.0.8") as upgrade:
+            upgrade.settimeout(5)
+            upgrade.sendall(b"GET /health HTTP/1.1\r\nhost: gw\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+                            b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")  # fmt: skip
+            assert upgrade.recv(65536).startswith(b"HTTP/1.1 200 ")
+        time.sleep(0.05)  # the server sees the close before the next connection
+
     # The address's connections were given back: it is served again.
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    assert _refused(port) == {"per_client_cap": 1.0, "header_timeout": float(CAP + 1), "body_timeout": 1.0}
+    assert _refused(port) == {"per_client_cap": 1.0, "header_timeout": float(CAP + 2), "body_timeout": 2.0}

@@ -136,6 +136,9 @@ class Command(ControlPlaneCommand):
         uvicorn.run("gateway.asgi:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
                     access_log=False, timeout_graceful_shutdown=10, http=GuardedHttpToolsProtocol,
                     timeout_keep_alive=settings.GATEWAY_KEEPALIVE_S,
+                    # No WebSockets: an upgraded connection leaves the guarded protocol, whose per-address count
+                    # then never went down (128 upgrade requests locked an address out). Upgrades are plain HTTP.
+                    ws="none",
                     timeout_worker_healthcheck=settings.GATEWAY_WORKER_HEALTHCHECK_S)  # fmt: skip
 
     def _tenant(self, opts: dict[str, Any]) -> Tenant:
